@@ -1,0 +1,22 @@
+"""fa3: FlashAttention-3-style attention and GEMM kernels for NVIDIA Hopper, in the CuTe DSL.
+
+    fa3.attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, kernel=None)
+    fa3.gemm(a, b, out=None, kernel=None)
+    fa3.available_kernels()
+"""
+
+import os as _os
+
+# In a source checkout the kernels live in the top-level kernels/ folder; installed, they are the
+# fa3.kernels package. Let the source tree resolve `fa3.kernels` to that folder too.
+_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if not _os.path.isdir(_os.path.join(_os.path.dirname(__file__), "kernels")) and _os.path.isfile(
+    _os.path.join(_root, "kernels", "__init__.py")
+):
+    __path__.append(_root)  # noqa: F821  (package __path__)
+
+from .interface import attention  # noqa: E402
+from .registry import available_kernels  # noqa: E402
+
+__version__ = "0.1.0"
+__all__ = ["attention", "available_kernels", "__version__"]

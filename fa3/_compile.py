@@ -1,0 +1,143 @@
+"""Compile once per static configuration; keep batch, seqlens and heads dynamic.
+
+Kernels are compiled against *fake* tensors whose batch, seqlen, heads and strides are symbolic
+(`cute.sym_int64`), with the TVM-FFI calling convention: the compiled object is then called with
+plain torch tensors, checks them in compiled code, and launches on torch's current stream. A new
+shape never recompiles; a new dtype, head dim, causal flag or rung does (it is in the key).
+
+Without a GPU (CI), compiles target sm_90a: CUTE_DSL_ARCH must be set before `import cutlass`,
+which is why nothing in fa3 imports cutlass at module import time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from . import registry
+
+TARGET_ARCH = "sm_90a"
+_LOCK = threading.Lock()
+_CACHE: dict[tuple, object] = {}
+
+
+def _import_cute():
+    if not torch.cuda.is_available():
+        # The DSL would silently pick sm_100a on a machine without a GPU.
+        os.environ.setdefault("CUTE_DSL_ARCH", TARGET_ARCH)
+    import cutlass
+    import cutlass.cute as cute
+
+    return cutlass, cute
+
+
+def dsl_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("nvidia-cutlass-dsl")
+    except Exception:  # source-tree DSL without metadata
+        import cutlass
+
+        return getattr(cutlass, "__version__", "unknown")
+
+
+def cute_dtype(torch_dtype):
+    cutlass, _ = _import_cute()
+    return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[torch_dtype]
+
+
+def _fake_tensor(cute, dtype, shape, strides, align=16):
+    return cute.runtime.make_fake_tensor(dtype, shape, stride=strides, assumed_align=align)
+
+
+def _attention_fake_args(spec, dtype, head_dim):
+    """Fake (q, k, v, o, lse[, scores]) in flash-attn's (batch, seqlen, heads, head_dim) layout."""
+    cutlass, cute = _import_cute()
+    dt = cute_dtype(dtype)
+    b, sq, sk, hq, hkv = (cute.sym_int64() for _ in range(5))
+
+    def strided(*shape):  # every stride but the last is dynamic and 16-byte aligned
+        return _fake_tensor(cute, dt, shape, (*(cute.sym_int64(divisibility=8) for _ in shape[:-1]), 1))
+
+    q, o = strided(b, sq, hq, head_dim), strided(b, sq, hq, head_dim)
+    k, v = strided(b, sk, hkv, head_dim), strided(b, sk, hkv, head_dim)
+    lse = _fake_tensor(cute, cutlass.Float32, (b, hq, sq), (cute.sym_int64(), cute.sym_int64(), 1), align=4)
+    args = [q, k, v, o, lse]
+    if spec.needs_scores_workspace:
+        args.append(_fake_tensor(cute, cutlass.Float32, (b, hq, sq, sk),
+                                 (cute.sym_int64(), cute.sym_int64(), cute.sym_int64(), 1), align=4))
+    return args + [cutlass.Float32(1.0)]
+
+
+def attention_key(spec, dtype, head_dim, causal) -> tuple:
+    cfg = spec.config_for(head_dim)
+    return (spec.name, str(dtype), head_dim, bool(causal), tuple(sorted(cfg.items())),
+            TARGET_ARCH, dsl_version())
+
+
+def _options(extra: str = "") -> str:
+    return f"--enable-tvm-ffi --gpu-arch {TARGET_ARCH} {extra}".strip()
+
+
+def _build_attention(spec, dtype, head_dim, causal, extra_options=""):
+    _, cute = _import_cute()
+    kernel = spec.load_class()(dtype=cute_dtype(dtype), head_dim=head_dim, causal=causal,
+                               **spec.config_for(head_dim))
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return cute.compile(kernel, *_attention_fake_args(spec, dtype, head_dim), stream,
+                        options=_options(extra_options))
+
+
+def get_attention(spec, dtype, head_dim, causal):
+    """The compiled kernel for this static configuration (compiled on first use)."""
+    key = attention_key(spec, dtype, head_dim, causal)
+    fn = _CACHE.get(key)
+    if fn is None:
+        with _LOCK:
+            fn = _CACHE.get(key)
+            if fn is None:
+                fn = _CACHE[key] = _build_attention(spec, dtype, head_dim, causal)
+    return fn
+
+
+@dataclass
+class CompileReport:
+    ptx: str
+    cubin: bytes
+    ptxas_log: str
+
+    @property
+    def registers(self) -> list[int]:
+        return [int(r) for r in re.findall(r"Used (\d+) registers", self.ptxas_log)]
+
+    @property
+    def spill_bytes(self) -> int:
+        return sum(int(a) + int(b) for a, b in
+                   re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", self.ptxas_log))
+
+    def summary(self) -> str:
+        lines = [l.split("info    :")[-1].strip() for l in self.ptxas_log.splitlines()
+                 if "registers" in l or "spill" in l]
+        return "\n".join(lines)
+
+
+def compile_report(spec, dtype=torch.bfloat16, **static) -> CompileReport:
+    """Compile for sm_90a (no GPU needed) and return the PTX, the cubin and ptxas' resource report.
+
+    `static` is what the family's builder takes (attention: head_dim, causal)."""
+    buf = io.StringIO()
+    with contextlib.redirect_stderr(buf), contextlib.redirect_stdout(buf):
+        fn = BUILDERS[spec.family](spec, dtype, **static,
+                                   extra_options="--keep-ptx --keep-cubin remarks{ptx}")
+    return CompileReport(ptx=fn.artifacts.PTX, cubin=fn.artifacts.CUBIN, ptxas_log=buf.getvalue())
+
+
+# family -> builder(spec, dtype, **static, extra_options) -> compiled function
+BUILDERS = {registry.ATTENTION: _build_attention}

@@ -1,0 +1,35 @@
+"""Float reference attention: the definition every kernel is checked against.
+
+Same conventions as fa3.attention: (batch, seqlen, heads, head_dim) layout, GQA by head groups,
+causal aligned to the bottom right, rows with no visible key give O = 0 and LSE = -inf.
+"""
+
+import math
+
+import torch
+
+
+def causal_mask(seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
+    """True where query i may see key j: j <= i + seqlen_k - seqlen_q (bottom-right aligned)."""
+    i = torch.arange(seqlen_q, device=device)[:, None]
+    j = torch.arange(seqlen_k, device=device)[None, :]
+    return j <= i + (seqlen_k - seqlen_q)
+
+
+def attention_reference(q, k, v, causal=False, softmax_scale=None, dtype=torch.float32):
+    """Returns (out, lse) computed in `dtype` (float32 or float64); out is cast back to q.dtype's
+    shape but kept in `dtype`. lse is (batch, heads_q, seqlen_q)."""
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    group = heads_q // heads_kv
+    qf = q.to(dtype).transpose(1, 2)  # b h s d
+    kf = k.to(dtype).transpose(1, 2).repeat_interleave(group, dim=1)
+    vf = v.to(dtype).transpose(1, 2).repeat_interleave(group, dim=1)
+    scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale
+    if causal:
+        scores = scores.masked_fill(~causal_mask(seqlen_q, seqlen_k, q.device), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    out = torch.matmul(probs, vf).transpose(1, 2)
+    return out, lse

@@ -1,0 +1,89 @@
+"""The ladder of kernels: one table, read by the API, the CLI, the tests, the benchmarks and the docs.
+
+Each row names a rung, the class that implements it, the static configuration it is compiled with
+(per head dim where the tiles must change to fit SMEM or registers), and the PTX instructions it
+promises to emit: the CPU tests compile every row for sm_90a and check those strings.
+
+Substages are parameters, not copies: `k3.1`/`k3.2`/`k3.3` are one class with `kv_stages` 1/2/5.
+Adding a rung is adding a row.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+
+ATTENTION = "attention"
+GEMM = "gemm"
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    name: str
+    family: str  # ATTENTION or GEMM
+    module: str  # relative to fa3.kernels
+    cls: str
+    summary: str
+    config: dict = field(default_factory=dict)
+    # head_dim -> overrides of `config` (tiles and stages that fit SMEM and registers)
+    per_head_dim: dict = field(default_factory=dict)
+    head_dims: tuple = (64, 128, 256)
+    ptx_promises: tuple = ()  # substrings the sm_90a PTX must contain
+    ptx_forbids: tuple = ()  # substrings it must not contain
+    # Higher is faster; `kernel=None` picks the fastest rung that supports the call.
+    speed_rank: int = 0
+    # Workspace for materialised scores (K1 only): the interface allocates it.
+    needs_scores_workspace: bool = False
+
+    def config_for(self, head_dim: int | None = None) -> dict:
+        cfg = dict(self.config)
+        if head_dim is not None:
+            cfg.update(self.per_head_dim.get(head_dim, {}))
+        return cfg
+
+    def load_class(self):
+        return getattr(importlib.import_module(f"fa3.kernels.{self.module}"), self.cls)
+
+
+_SCALAR_PTX = ("ld.global", "ex2.approx")
+
+KERNELS: dict[str, KernelSpec] = {
+    s.name: s
+    for s in [
+        KernelSpec(
+            "k1", ATTENTION, "k1", "NaiveAttention",
+            "naive: S = QK^T in global memory, row softmax, O = PV (FP32 CUDA cores)",
+            ptx_promises=("ld.global", "ex2.approx", "fma.rn.f32"),
+            ptx_forbids=("wgmma", "cp.async.bulk.tensor"),
+            speed_rank=1, needs_scores_workspace=True,
+        ),
+        KernelSpec(
+            "k2", ATTENTION, "k2", "FusedTiledAttention",
+            "fused FA2-style: Q tile in SMEM, K/V tiles through one SMEM buffer, online softmax",
+            config={"tile_m": 64, "tile_n": 64},
+            ptx_promises=_SCALAR_PTX + ("bar.sync", "shfl.sync.bfly"),
+            ptx_forbids=("wgmma", "cp.async.bulk.tensor"),
+            speed_rank=2,
+        ),
+    ]
+}
+
+
+def get(name: str) -> KernelSpec:
+    try:
+        return KERNELS[name]
+    except KeyError:
+        known = ", ".join(repr(n) for n in KERNELS)
+        raise ValueError(f"kernel={name!r} is not a known kernel; choose one of {known} "
+                         "(fa3.available_kernels() lists them)") from None
+
+
+def available_kernels(family: str | None = None) -> list[str]:
+    """Names of every rung, slowest first (`family`: "attention" or "gemm" to filter)."""
+    return [n for n, s in KERNELS.items() if family is None or s.family == family]
+
+
+def fastest(family: str, head_dim: int | None = None) -> KernelSpec:
+    candidates = [s for s in KERNELS.values()
+                  if s.family == family and (head_dim is None or head_dim in s.head_dims)]
+    return max(candidates, key=lambda s: s.speed_rank)

@@ -1,0 +1,1 @@
+"""Pieces every rung shares: one home per concept (softmax, masking, TMA, the pipeline ring, ...)."""

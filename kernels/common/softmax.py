@@ -1,0 +1,70 @@
+"""Online softmax in the exp2 domain (FlashAttention's running max and sum).
+
+Scores arrive unscaled; `scale_log2` = softmax_scale * log2(e) is folded into the exponent so that
+one FFMA + one ex2 gives each probability: p = exp2(s * scale_log2 - m * scale_log2). When a new
+tile raises the running max from m_old to m_new, the running sum and the output accumulator are
+rescaled by exp2((m_old - m_new) * scale_log2). A row whose every score is masked keeps m = -inf;
+its offset is taken as 0 so that no (-inf) - (-inf) = NaN appears, and it finalizes to O = 0,
+LSE = -inf.
+
+The scalar form here serves rungs whose scores live in plain per-thread arrays (K2, K3); the
+register-fragment form for WGMMA accumulators sits beside it.
+"""
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+
+LN2 = math.log(2.0)
+
+
+@cute.jit
+def max_offset(row_max: Float32, scale_log2: Float32) -> Float32:
+    """m * scale_log2, or 0 for a row that has seen no visible score yet (m = -inf)."""
+    offset = row_max * scale_log2
+    if row_max == -Float32.inf:
+        offset = Float32(0.0)
+    return offset
+
+
+@cute.jit
+def online_update(scores: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor,
+                  scale_log2: Float32, threads_per_row: cutlass.Constexpr) -> Float32:
+    """Turn one tile of a row's scores into probabilities, in place; return the rescale factor.
+
+    `scores`: this thread's share of the row (masked entries -inf). `row_max`/`row_sum`: 1-element
+    register tensors carried across tiles; the sum stays a per-thread partial until `finalize`.
+    The row is spread over `threads_per_row` adjacent lanes (a quad for 4), reduced by shuffles.
+    """
+    tile_max = scores[0]
+    for i in cutlass.range_constexpr(1, cute.size(scores)):
+        tile_max = cute.arch.fmax(tile_max, scores[i])
+    tile_max = cute.arch.warp_reduction_max(tile_max, threads_in_group=threads_per_row)
+    old_max = row_max[0]
+    new_max = cute.arch.fmax(old_max, tile_max)
+    offset = max_offset(new_max, scale_log2)
+    correction = cute.math.exp2(max_offset(old_max, scale_log2) - offset, fastmath=True)
+    if old_max == -Float32.inf:
+        correction = Float32(0.0)
+    tile_sum = Float32(0.0)
+    for i in cutlass.range_constexpr(cute.size(scores)):
+        scores[i] = cute.math.exp2(scores[i] * scale_log2 - offset, fastmath=True)
+        tile_sum += scores[i]
+    row_max[0] = new_max
+    row_sum[0] = row_sum[0] * correction + tile_sum
+    return correction
+
+
+@cute.jit
+def finalize(row_max: Float32, row_sum: Float32, scale_log2: Float32,
+             threads_per_row: cutlass.Constexpr):
+    """(1/l, lse) for a row: the output scale (0 for an empty row) and the natural-log LSE."""
+    total = cute.arch.warp_reduction_sum(row_sum, threads_in_group=threads_per_row)
+    inv_sum = Float32(0.0)
+    lse = -Float32.inf
+    if total > Float32(0.0):
+        inv_sum = Float32(1.0) / total
+        lse = (row_max * scale_log2 + cute.math.log2(total, fastmath=True)) * Float32(LN2)
+    return inv_sum, lse

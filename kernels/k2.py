@@ -1,0 +1,163 @@
+"""K2: one fused kernel, FlashAttention-2 style, scalar FP32 arithmetic.
+
+Algorithm (one CTA per (Q tile, head, batch)):
+    load the Q tile (tile_m x d) into SMEM once
+    for each K/V tile j (up to the causal diagonal):
+        load K_j into the shared K/V buffer;          S = Q K_j^T  (per thread, FP32 FMAs)
+        mask; online softmax (running max m, sum l; O *= exp2((m_old - m_new) * scale_log2))
+        P -> SMEM;  load V_j into the same buffer;    O += P V_j
+    O /= l; write O and LSE once.
+
+Threads: 4 per query row (256 for tile_m = 64), a "quad" as in the WGMMA accumulator of K4: each
+thread holds tile_n/4 scores and d/4 output columns, interleaved (column = lane + 4 * i), and row
+max/sum are reduced across the quad with two butterfly shuffles. SMEM rows are padded by one 4-byte
+word so that the 8 rows a warp reads at once fall in different banks.
+
+Constraints: head_dim 64/128/256; tile_m = 64 (4 threads a row); K and V share one buffer, so the
+kernel loads, computes, syncs and loads again: no overlap of memory and math (K3 adds it).
+The compute body (scores, softmax_step, accumulate_pv, epilogue) is reused unchanged by K3.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from .common import mask, softmax
+
+THREADS_PER_ROW = 4
+PAD = 2  # elements (one 4-byte word of 16-bit data) added to each SMEM row
+
+
+class FusedTiledAttention:
+    def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 64, tile_n: int = 64):
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.causal = causal
+        self.tile_m = tile_m
+        self.tile_n = tile_n
+        self.num_threads = tile_m * THREADS_PER_ROW
+
+    # ---------------------------------------------------------------- host side
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+                 mLSE: cute.Tensor, scale_log2: Float32, stream):
+        batch, seqlen_q, heads_q, _ = mQ.shape
+        tile_layout = lambda rows: cute.make_layout((rows, self.head_dim), stride=(self.head_dim + PAD, 1))
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(tile_layout(self.tile_m))], 128]
+            sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(tile_layout(self.tile_n))], 128]
+            sP: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * (self.tile_n + 1)], 128]
+
+        self.kernel(mQ, mK, mV, mO, mLSE, scale_log2, SharedStorage).launch(
+            grid=[cute.ceil_div(seqlen_q, self.tile_m), heads_q, batch],
+            block=[self.num_threads, 1, 1], stream=stream)
+
+    # ---------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+               mLSE: cute.Tensor, scale_log2: Float32, SharedStorage: cutlass.Constexpr):
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, head, batch = cute.arch.block_idx()
+        seqlen_q, heads_q = mQ.shape[1], mQ.shape[2]
+        seqlen_k, heads_kv = mK.shape[1], mK.shape[2]
+        head_kv = head // (heads_q // heads_kv)
+
+        storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+        padded = lambda rows, cols, pad: cute.make_layout((rows, cols), stride=(cols + pad, 1))
+        sQ = storage.sQ.get_tensor(padded(self.tile_m, self.head_dim, PAD))
+        sKV = storage.sKV.get_tensor(padded(self.tile_n, self.head_dim, PAD))
+        sP = storage.sP.get_tensor(padded(self.tile_m, self.tile_n, 1))
+
+        gQ = cute.local_tile(mQ[batch, None, head, None], (self.tile_m, self.head_dim), (m_block, 0))
+        gK = cute.local_tile(mK[batch, None, head_kv, None], (self.tile_n, self.head_dim), (None, 0))
+        gV = cute.local_tile(mV[batch, None, head_kv, None], (self.tile_n, self.head_dim), (None, 0))
+
+        row = tidx // THREADS_PER_ROW
+        lane = tidx % THREADS_PER_ROW
+        row_global = m_block * self.tile_m + row
+        self.load_tile(gQ, sQ, seqlen_q - m_block * self.tile_m, tidx)
+
+        acc_o = cute.make_rmem_tensor((self.head_dim // THREADS_PER_ROW,), Float32)
+        acc_o.fill(0.0)
+        row_max = cute.make_rmem_tensor((1,), Float32)
+        row_max.fill(-Float32.inf)
+        row_sum = cute.make_rmem_tensor((1,), Float32)
+        row_sum.fill(0.0)
+        limit = mask.col_limit(row_global, seqlen_q, seqlen_k, self.causal)
+
+        for n_block in cutlass.range(mask.n_block_max(m_block, self.tile_m, self.tile_n, seqlen_q,
+                                                      seqlen_k, self.causal)):
+            cute.arch.sync_threads()  # the previous tile's P V is done with sKV and sP
+            self.load_tile(gK[None, None, n_block], sKV, seqlen_k - n_block * self.tile_n, tidx)
+            cute.arch.sync_threads()
+            scores = self.scores(sQ, sKV, row, lane)
+            self.softmax_step(scores, row_max, row_sum, acc_o, limit - n_block * self.tile_n,
+                              lane, scale_log2)
+            self.store_p(scores, sP, row, lane)
+            cute.arch.sync_threads()  # every thread is done reading K
+            self.load_tile(gV[None, None, n_block], sKV, seqlen_k - n_block * self.tile_n, tidx)
+            cute.arch.sync_threads()
+            self.accumulate_pv(sP, sKV, acc_o, row, lane)
+
+        self.epilogue(acc_o, row_max, row_sum, mO, mLSE, batch, head, row_global, lane, scale_log2)
+
+    @cute.jit
+    def load_tile(self, gX: cute.Tensor, sX: cute.Tensor, valid_rows: Int32, tidx: Int32):
+        """Plain loads of a (rows, d) tile, coalesced along d; rows past the end read as zero."""
+        rows = cute.size(sX, mode=[0])
+        for it in cutlass.range_constexpr(rows * self.head_dim // self.num_threads):
+            idx = tidx + it * self.num_threads
+            r, c = idx // self.head_dim, idx % self.head_dim
+            val = self.dtype(0.0)
+            if r < valid_rows:
+                val = gX[r, c]
+            sX[r, c] = val
+
+    @cute.jit
+    def scores(self, sQ: cute.Tensor, sK: cute.Tensor, row: Int32, lane: Int32) -> cute.Tensor:
+        """This thread's tile_n/4 scores of its row: s[i] = Q[row, :] . K[lane + 4 i, :] (unscaled)."""
+        s = cute.make_rmem_tensor((self.tile_n // THREADS_PER_ROW,), Float32)
+        s.fill(0.0)
+        for d in cutlass.range(self.head_dim, unroll=4):
+            q = sQ[row, d].to(Float32)
+            for i in cutlass.range_constexpr(self.tile_n // THREADS_PER_ROW):
+                s[i] += q * sK[lane + THREADS_PER_ROW * i, d].to(Float32)
+        return s
+
+    @cute.jit
+    def softmax_step(self, s: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor,
+                     acc_o: cute.Tensor, visible_cols: Int32, lane: Int32, scale_log2: Float32):
+        """Mask columns >= visible_cols (tile-relative), update m and l, turn s into P, rescale O."""
+        for i in cutlass.range_constexpr(self.tile_n // THREADS_PER_ROW):
+            if lane + THREADS_PER_ROW * i >= visible_cols:
+                s[i] = -Float32.inf
+        correction = softmax.online_update(s, row_max, row_sum, scale_log2, THREADS_PER_ROW)
+        for i in cutlass.range_constexpr(cute.size(acc_o)):
+            acc_o[i] = acc_o[i] * correction
+
+    @cute.jit
+    def store_p(self, p: cute.Tensor, sP: cute.Tensor, row: Int32, lane: Int32):
+        for i in cutlass.range_constexpr(self.tile_n // THREADS_PER_ROW):
+            sP[row, lane + THREADS_PER_ROW * i] = p[i]
+
+    @cute.jit
+    def accumulate_pv(self, sP: cute.Tensor, sV: cute.Tensor, acc_o: cute.Tensor, row: Int32, lane: Int32):
+        """O[row, lane + 4 i] += sum_c P[row, c] V[c, lane + 4 i]."""
+        for c in cutlass.range(self.tile_n, unroll=4):
+            p = sP[row, c]
+            for i in cutlass.range_constexpr(cute.size(acc_o)):
+                acc_o[i] += p * sV[c, lane + THREADS_PER_ROW * i].to(Float32)
+
+    @cute.jit
+    def epilogue(self, acc_o: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor,
+                 mO: cute.Tensor, mLSE: cute.Tensor, batch: Int32, head: Int32, row_global: Int32,
+                 lane: Int32, scale_log2: Float32):
+        """O = acc / l and LSE, written once; rows past seqlen_q are dropped."""
+        inv_sum, lse = softmax.finalize(row_max[0], row_sum[0], scale_log2, THREADS_PER_ROW)
+        if row_global < mO.shape[1]:
+            for i in cutlass.range_constexpr(cute.size(acc_o)):
+                mO[batch, row_global, head, lane + THREADS_PER_ROW * i] = (acc_o[i] * inv_sum).to(self.dtype)
+            if lane == 0:
+                mLSE[batch, head, row_global] = lse
