@@ -65,6 +65,19 @@ KERNELS: dict[str, KernelSpec] = {
             ptx_forbids=("wgmma", "cp.async.bulk.tensor"),
             speed_rank=2,
         ),
+        *[
+            KernelSpec(
+                f"k3.{i}", ATTENTION, "k3", "TmaRingAttention",
+                f"K2's math fed by TMA through a {stages}-stage K/V ring (Q loaded once)",
+                config={"tile_m": 64, "tile_n": 64, "kv_stages": stages},
+                # five 64-row stages of K and V at d=256 exceed 227 KB: halve the K/V tile there
+                per_head_dim={256: {"tile_n": 32}} if stages == 5 else {},
+                ptx_promises=("cp.async.bulk.tensor", "mbarrier.try_wait", "ex2.approx"),
+                ptx_forbids=("wgmma",),
+                speed_rank=2 + i,
+            )
+            for i, stages in ((1, 1), (2, 2), (3, 5))
+        ],
     ]
 }
 

@@ -64,7 +64,7 @@ class FusedTiledAttention:
         seqlen_k, heads_kv = mK.shape[1], mK.shape[2]
         head_kv = head // (heads_q // heads_kv)
 
-        storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         padded = lambda rows, cols, pad: cute.make_layout((rows, cols), stride=(cols + pad, 1))
         sQ = storage.sQ.get_tensor(padded(self.tile_m, self.head_dim, PAD))
         sKV = storage.sKV.get_tensor(padded(self.tile_n, self.head_dim, PAD))
@@ -74,18 +74,9 @@ class FusedTiledAttention:
         gK = cute.local_tile(mK[batch, None, head_kv, None], (self.tile_n, self.head_dim), (None, 0))
         gV = cute.local_tile(mV[batch, None, head_kv, None], (self.tile_n, self.head_dim), (None, 0))
 
-        row = tidx // THREADS_PER_ROW
-        lane = tidx % THREADS_PER_ROW
-        row_global = m_block * self.tile_m + row
         self.load_tile(gQ, sQ, seqlen_q - m_block * self.tile_m, tidx)
-
-        acc_o = cute.make_rmem_tensor((self.head_dim // THREADS_PER_ROW,), Float32)
-        acc_o.fill(0.0)
-        row_max = cute.make_rmem_tensor((1,), Float32)
-        row_max.fill(-Float32.inf)
-        row_sum = cute.make_rmem_tensor((1,), Float32)
-        row_sum.fill(0.0)
-        limit = mask.col_limit(row_global, seqlen_q, seqlen_k, self.causal)
+        row, lane, row_global, limit = self.thread_row(tidx, m_block, seqlen_q, seqlen_k)
+        acc_o, row_max, row_sum = self.row_accumulators()
 
         for n_block in cutlass.range(mask.n_block_max(m_block, self.tile_m, self.tile_n, seqlen_q,
                                                       seqlen_k, self.causal)):
@@ -102,6 +93,23 @@ class FusedTiledAttention:
             self.accumulate_pv(sP, sKV, acc_o, row, lane)
 
         self.epilogue(acc_o, row_max, row_sum, mO, mLSE, batch, head, row_global, lane, scale_log2)
+
+    @cute.jit
+    def thread_row(self, tidx, m_block, seqlen_q, seqlen_k):
+        """(row in tile, lane in quad, global row, one past its last visible key column)."""
+        row = tidx // THREADS_PER_ROW
+        row_global = m_block * self.tile_m + row
+        return row, tidx % THREADS_PER_ROW, row_global, mask.col_limit(row_global, seqlen_q, seqlen_k, self.causal)
+
+    def row_accumulators(self):
+        """O accumulator (d/4 columns), running max and running (partial) sum of this thread's row."""
+        acc_o = cute.make_rmem_tensor((self.head_dim // THREADS_PER_ROW,), Float32)
+        acc_o.fill(0.0)
+        row_max = cute.make_rmem_tensor((1,), Float32)
+        row_max.fill(-Float32.inf)
+        row_sum = cute.make_rmem_tensor((1,), Float32)
+        row_sum.fill(0.0)
+        return acc_o, row_max, row_sum
 
     @cute.jit
     def load_tile(self, gX: cute.Tensor, sX: cute.Tensor, valid_rows: Int32, tidx: Int32):

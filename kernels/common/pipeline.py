@@ -1,0 +1,80 @@
+"""The staged SMEM ring between a TMA producer and its consumers (PipelineTmaAsync).
+
+Each stage has a *full* barrier (the producer arms it with the stage's byte count; TMA completes
+it as bytes land) and an *empty* barrier (each consumer warp arrives once it is done reading).
+
+    producer: acquire(state)    wait until the stage is empty, arm full with tx_count bytes
+              copy(s) into stage state.index from GMEM tile `tile`, all on that full barrier
+              advance()         next stage; the phase flips each time the ring wraps
+    consumer: wait(state)       until the stage's bytes have landed
+              ...read it...
+              release(state)    lane 0 of each warp arrives on the empty barrier
+              advance()
+    producer: tail(state)       before exit, wait for the consumers to free every stage
+
+Bytes, not arrivals, complete a full barrier: the issuing thread cannot know when the copy engine
+is done; it only announces how many bytes to expect. Producer states start at phase 1 so the
+first `stages` acquires pass at once; consumer states start at phase 0.
+Pitfall: the consumer count is in *warps* (one arrival per warp), never threads.
+Helpers that advance a state return it: rebind it in the loop (`state = produce(...)`) so the DSL
+carries the new count/phase across dynamic control flow.
+"""
+
+import cutlass.cute as cute
+from cutlass import pipeline
+from cutlass.pipeline import PipelineUserType, make_pipeline_state  # noqa: F401  (re-export)
+
+
+def create(barrier_ptr, stages: int, consumer_warps: int, tx_bytes: int):
+    """A TMA ring of `stages` whose full barriers expect `tx_bytes` per stage (defer_sync: call
+    `init_done()` once after creating every pipeline of the kernel)."""
+    return pipeline.PipelineTmaAsync.create(
+        barrier_storage=barrier_ptr,
+        num_stages=stages,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps),
+        tx_count=tx_bytes,
+        defer_sync=True,
+    )
+
+
+def init_done():
+    """Make barrier initialisation visible to the whole CTA before anyone uses a barrier."""
+    pipeline.pipeline_init_arrive(is_relaxed=True)
+    pipeline.pipeline_init_wait()
+
+
+def producer_state(stages: int):
+    return make_pipeline_state(PipelineUserType.Producer, stages)
+
+
+def consumer_state(stages: int):
+    return make_pipeline_state(PipelineUserType.Consumer, stages)
+
+
+def produce(pipe, state, tile, copies):
+    """Fill stage `state.index` with GMEM tile `tile` of every (atom, tXgX, tXsX) in `copies`, all
+    completing on the stage's one full barrier, then advance. Call from one whole warp: the copy
+    elects its own issuing lane (wrapping it in elect_one can deadlock). Returns the advanced state."""
+    pipe.producer_acquire(state)
+    for atom, tXgX, tXsX in copies:
+        cute.copy(atom, tXgX[(None, tile)], tXsX[(None, state.index)],
+                  tma_bar_ptr=pipe.producer_get_barrier(state))
+    pipe.producer_commit(state)  # a no-op for TMA: the bytes complete the barrier
+    state.advance()
+    return state
+
+
+def consume_wait(pipe, state):
+    pipe.consumer_wait(state, pipe.consumer_try_wait(state))
+
+
+def release(pipe, state):
+    pipe.consumer_release(state)
+    state.advance()
+    return state
+
+
+def tail(pipe, state):
+    """Producer epilogue: wait until consumers have released every stage before the CTA exits."""
+    pipe.producer_tail(state)

@@ -1,0 +1,34 @@
+"""TMA (the bulk tensor copy engine): atoms, partitions, descriptor prefetch.
+
+A TMA atom is built on the host from a global tensor and the SMEM layout of one stage; the kernel
+gets the atom plus a "TMA tensor" (coordinates, not pointers) to slice into tiles. One thread
+issues a copy of a whole tile; completion is counted in bytes on an mbarrier (see pipeline.py).
+Out-of-bounds parts of a box (ragged last tiles) are zero-filled and still counted.
+"""
+
+import cutlass.cute as cute
+from cutlass.cute.nvgpu import cpasync
+
+
+def seq_major(mX: cute.Tensor) -> cute.Tensor:
+    """(batch, seqlen, heads, d) -> a (seqlen, d, heads, batch) view of the same memory, so that a
+    (tile, d) box tiles the first two modes and heads/batch index the rest."""
+    return cute.make_tensor(mX.iterator, cute.select(mX.layout, mode=[1, 3, 2, 0]))
+
+
+def make_load(mX: cute.Tensor, staged_layout, tile_shape):
+    """(atom, tma_tensor) loading `tile_shape` boxes of mX into one stage of `staged_layout`."""
+    one_stage = cute.slice_(staged_layout, (None, None, 0))
+    return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mX, one_stage, tile_shape)
+
+
+def partition(atom, gX: cute.Tensor, sX: cute.Tensor):
+    """(tXsX, tXgX): SMEM indexed by stage, GMEM by tile, for a CTA that is its own cluster."""
+    return cpasync.tma_partition(atom, 0, cute.make_layout(1),
+                                 cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
+
+
+def prefetch(*atoms):
+    """Pull the descriptors into cache before the first copy (call from one warp)."""
+    for atom in atoms:
+        cpasync.prefetch_descriptor(atom)

@@ -1,0 +1,123 @@
+"""K3: K2's compute body fed by TMA through a `kv_stages`-deep producer/consumer ring.
+
+What changes against K2 (and nothing else does):
+  * Q is loaded once per CTA by one TMA copy into its own single-stage buffer.
+  * K and V get *separate* staged SMEM regions (both can be in flight at once, so they cannot share
+    bytes as in K2); the K and V copies of a stage complete on *one* full barrier whose tx_count is
+    sK_bytes + sV_bytes.
+  * Warp 0 prefetches min(kv_stages, n_tiles) stages, then refills the stage the CTA just released.
+    With kv_stages = 1 (K3.1) the refill waits for the release: no overlap. With 2 (K3.2) tile j+1
+    lands while tile j is computed. 5 (K3.3) rehearses the depth K4/K5 need once the math is fast.
+  * SMEM tiles use the swizzled layouts WGMMA will read in K4 (see common/smem.py).
+
+Ragged tiles: TMA zero-fills rows past seqlen; masking handles the scores; the barrier still counts
+the full box. Threads: 4 per query row as in K2 (256 for tile_m = 64); all 8 warps consume.
+
+SMEM (bf16, tile_m = tile_n = 64, d = 128): Q 16 KB + (K + V) 32 KB per stage + P 16.3 KB
+-> 64 / 96 / 192 KB for 1 / 2 / 5 stages. At d = 256 five 64-row stages would need 336 KB: K3.3 uses
+tile_n = 32 there (registry), 200 KB.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int64
+
+from .common import mask, pipeline, smem, tma
+from .k2 import FusedTiledAttention
+
+
+class TmaRingAttention(FusedTiledAttention):
+    def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 64, tile_n: int = 64,
+                 kv_stages: int = 2):
+        super().__init__(dtype, head_dim, causal, tile_m, tile_n)
+        self.kv_stages = kv_stages
+
+    # ---------------------------------------------------------------- host side
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+                 mLSE: cute.Tensor, scale_log2: Float32, stream):
+        batch, seqlen_q, heads_q, _ = mQ.shape
+        sQ_layout = smem.tile_layout(self.dtype, self.tile_m, self.head_dim)
+        sKV_layout = smem.tile_layout(self.dtype, self.tile_n, self.head_dim, self.kv_stages)
+        tma_q, tQ = tma.make_load(tma.seq_major(mQ), sQ_layout, (self.tile_m, self.head_dim))
+        tma_k, tK = tma.make_load(tma.seq_major(mK), sKV_layout, (self.tile_n, self.head_dim))
+        tma_v, tV = tma.make_load(tma.seq_major(mV), sKV_layout, (self.tile_n, self.head_dim))
+
+        @cute.struct
+        class SharedStorage:
+            q_full: cute.struct.MemRange[Int64, 2]
+            kv_barriers: cute.struct.MemRange[Int64, 2 * self.kv_stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * (self.tile_n + 1)], 128]
+
+        smem.check_budget(SharedStorage.size_in_bytes(),
+                          f"K3 with kv_stages={self.kv_stages}, tile_n={self.tile_n}, d={self.head_dim}")
+        self.kernel(tma_q, tQ, tma_k, tK, tma_v, tV, mO, mLSE, scale_log2, sQ_layout, sKV_layout,
+                    SharedStorage).launch(
+            grid=[cute.ceil_div(seqlen_q, self.tile_m), heads_q, batch],
+            block=[self.num_threads, 1, 1], stream=stream)
+
+    # ---------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
+               tma_v: cute.CopyAtom, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+               scale_log2: Float32, sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
+               SharedStorage: cutlass.Constexpr):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        m_block, head, batch = cute.arch.block_idx()
+        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]  # (seqlen, d, heads, batch) views
+        head_kv = head // (mQ.shape[2] // mK.shape[2])
+        if warp_idx == 0:
+            tma.prefetch(tma_q, tma_k, tma_v)
+
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        consumer_warps = self.num_threads // 32
+        q_pipe = pipeline.create(storage.q_full.data_ptr(), 1, consumer_warps,
+                                 smem.stage_bytes(self.dtype, sQ_layout))
+        kv_pipe = pipeline.create(storage.kv_barriers.data_ptr(), self.kv_stages, consumer_warps,
+                                  2 * smem.stage_bytes(self.dtype, sKV_layout))
+        pipeline.init_done()
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        sP = storage.sP.get_tensor(cute.make_layout((self.tile_m, self.tile_n), stride=(self.tile_n + 1, 1)))
+
+        tile_q, tile_kv = (self.tile_m, self.head_dim), (self.tile_n, self.head_dim)
+        tQsQ, tQgQ = tma.partition(tma_q, cute.local_tile(mQ[None, None, head, batch], tile_q, (None, 0)), sQ)
+        tKsK, tKgK = tma.partition(tma_k, cute.local_tile(mK[None, None, head_kv, batch], tile_kv, (None, 0)), sK)
+        tVsV, tVgV = tma.partition(tma_v, cute.local_tile(mV[None, None, head_kv, batch], tile_kv, (None, 0)), sV)
+        kv_copies = [(tma_k, tKgK, tKsK), (tma_v, tVgV, tVsV)]
+
+        n_blocks = mask.n_block_max(m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.causal)
+        kv_producer = pipeline.producer_state(self.kv_stages)
+        if warp_idx == 0:  # load: Q once, then fill the ring
+            pipeline.produce(q_pipe, pipeline.producer_state(1), m_block, [(tma_q, tQgQ, tQsQ)])
+            for _ in cutlass.range(cutlass.min(self.kv_stages, n_blocks), unroll=1):
+                kv_producer = pipeline.produce(kv_pipe, kv_producer, kv_producer.count, kv_copies)
+
+        row, lane, row_global, limit = self.thread_row(tidx, m_block, seqlen_q, seqlen_k)
+        acc_o, row_max, row_sum = self.row_accumulators()
+
+        pipeline.consume_wait(q_pipe, pipeline.consumer_state(1))
+        sQ2 = sQ[None, None, 0]
+        kv_consumer = pipeline.consumer_state(self.kv_stages)
+        for n_block in cutlass.range(n_blocks, unroll=1):
+            pipeline.consume_wait(kv_pipe, kv_consumer)
+            stage = kv_consumer.index
+            scores = self.scores(sQ2, sK[None, None, stage], row, lane)
+            self.softmax_step(scores, row_max, row_sum, acc_o, limit - n_block * self.tile_n,
+                              lane, scale_log2)
+            cute.arch.sync_threads()  # the previous tile's P V is done with sP
+            self.store_p(scores, sP, row, lane)
+            cute.arch.sync_threads()
+            self.accumulate_pv(sP, sV[None, None, stage], acc_o, row, lane)
+            kv_consumer = pipeline.release(kv_pipe, kv_consumer)
+            if warp_idx == 0 and kv_producer.count < n_blocks:  # refill the stage just freed
+                kv_producer = pipeline.produce(kv_pipe, kv_producer, kv_producer.count, kv_copies)
+        if warp_idx == 0:
+            pipeline.tail(kv_pipe, kv_producer)
+
+        self.epilogue(acc_o, row_max, row_sum, mO, mLSE, batch, head, row_global, lane, scale_log2)
