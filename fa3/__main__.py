@@ -90,7 +90,7 @@ class RungCompile:
         return "PTX promises FAILED: " + "; ".join(p for p in parts if p)
 
     def line(self) -> str:
-        return f"{self.label:<28} {self.resources():<30} {self.verdict()}"
+        return f"{self.label:<28} {self.resources():<32} {self.verdict()}"
 
 
 def compile_rung(spec, dtype, head_dim: int, causal: bool) -> RungCompile:
