@@ -1,0 +1,78 @@
+"""WGMMA (Hopper's warpgroup MMA): tiled MMAs, the issue protocol, accumulator views.
+
+A warpgroup (4 consecutive warps, 128 threads) issues `wgmma.mma_async` for a 64 x N x 16 tile;
+A comes from SMEM (a descriptor) or registers, B from SMEM, the FP32 accumulator lives in registers.
+Per 64-row atom a thread owns rows r and r + 8 of each 16-row slab and N/4 columns, a row spread
+over the 4 lanes of a quad. The issue protocol:
+
+    fence()                                   order earlier register writes before the MMA reads
+    for k: gemm(atom, acc, A[:, :, k], B[:, :, k])   ACCUMULATE off for the first k if zero_init
+    commit_group()                            close this batch of async MMAs
+    wait_group(n)                             until at most n batches are still in flight
+
+The accumulator must not be read (softmax) or written until a wait covers it, and an SMEM stage
+must not be released while an MMA that reads it is in flight.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+from cutlass.utils import hopper_helpers as sm90
+
+_MAJOR = {"K": OperandMajorMode.K, "MN": OperandMajorMode.MN}
+
+
+def tiled_mma(dtype, tile_m: int, tile_n: int, a_major="K", b_major="K", a_in_regs=False):
+    """MMA producing a (tile_m, tile_n) accumulator with tile_m/64 warpgroups stacked along M."""
+    return sm90.make_trivial_tiled_mma(
+        dtype, dtype, _MAJOR[a_major], _MAJOR[b_major], Float32,
+        atom_layout_mnk=(tile_m // 64, 1, 1), tiler_mn=(64, tile_n),
+        a_source=warpgroup.OperandSource.RMEM if a_in_regs else warpgroup.OperandSource.SMEM)
+
+
+@cute.jit
+def gemm(tiled: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
+         zero_init: cutlass.Constexpr[bool] = False, wait: cutlass.Constexpr[int] = 0):
+    """acc (+)= A B over every k block of the fragments; commit; wait until `wait` batches remain
+    in flight (-1: do not wait)."""
+    warpgroup.fence()
+    # A fresh atom per call: toggling ACCUMULATE on a shared one breaks SSA dominance under
+    # dynamic control flow.
+    atom = cute.make_mma_atom(tiled.op)
+    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for k in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
+        cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+    if cutlass.const_expr(wait >= 0):
+        warpgroup.wait_group(wait)
+
+
+def rows_cols(acc: cute.Tensor) -> cute.Tensor:
+    """View an accumulator ((2, 2, N/8), MMA_M, MMA_N) as (rows, cols) of this thread:
+    ((2, MMA_M), (2, N/8, MMA_N)): 2 rows per 64-row atom, N/4 columns each."""
+    shape, stride = acc.layout.shape, cute.make_layout(acc.layout.shape).stride
+    mn = cute.make_layout(
+        ((shape[0][1], shape[1]), (shape[0][0], shape[0][2], shape[2])),
+        stride=((stride[0][1], stride[1]), (stride[0][0], stride[0][2], stride[2])))
+    return cute.make_tensor(acc.iterator, cute.composition(acc.layout, mn))
+
+
+def as_a_operand(p: cute.Tensor) -> cute.Tensor:
+    """The same registers as an A operand of a following MMA (16-bit types): the m64nNk16
+    accumulator and the m64k16 A fragment coincide, only the grouping changes:
+    ((2, 2, N/8), MMA_M, MMA_N) -> ((2, 2, 2), MMA_M, (N/16, MMA_N))."""
+    layout = cute.logical_divide(p.layout, ((None, None, 2), None, None))
+    shape, stride = layout.shape, layout.stride
+    frg = cute.make_layout(
+        ((shape[0][0], shape[0][1], shape[0][2][0]), shape[1], (shape[0][2][1], shape[2])),
+        stride=((stride[0][0], stride[0][1], stride[0][2][0]), stride[1], (stride[0][2][1], stride[2])))
+    return cute.make_tensor(p.iterator, frg)
+
+
+def transpose_view(s: cute.Tensor) -> cute.Tensor:
+    """(rows, cols, ...) SMEM tensor seen as (cols, rows, ...): V (tile_n, d) as the MN-major
+    B operand (d, tile_n) of P V, with no data movement."""
+    shape = (s.shape[1], s.shape[0], *s.shape[2:])
+    return cute.composition(s, cute.make_ordered_layout(shape, order=(1, 0, *range(2, cute.rank(s)))))
