@@ -1,0 +1,243 @@
+"""Attention forward throughput of fa3's rungs and their peers, in the FlashAttention-3 paper's setting.
+
+16k tokens in all (batch = 16384 // seqlen), hidden size 2048 (heads = 2048 // head_dim), bf16,
+q, k, v from torch.randn, seqlen_q = seqlen_k. TFLOP/s = 4 * batch * heads * seqlen^2 * head_dim / t,
+halved for causal; t is the median of CUDA-event times after warm-up.
+
+Peers: torch SDPA forced to its flash backend (sdpa-flash) and to its cuDNN backend (sdpa-cudnn),
+and flash-attn 4's CuTe-DSL kernel (fa4: flash_attn.cute.flash_attn_func) when it is importable.
+
+    python benchmarks/bench_attention.py [--kernels all|k1,k2,...] [--head-dims 64,128,256]
+        [--seqlens 512,1024,...] [--causal both|true|false] [--peers sdpa-flash,sdpa-cudnn,fa4]
+        [--json FILE]
+
+Rungs that materialise scores (K1) skip sizes whose fp32 score workspace exceeds 8 GB, and any
+runner whose call would take more than --max-call-s (5 s) skips that size and the larger ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from dataclasses import dataclass, field
+from typing import Callable
+
+from timing import (MAX_CALL_S, SizeGuard, TooSlow, attention_flops, format_table, measure,
+                    progress, tflops, write_json)
+
+import torch
+import torch.nn.functional as F
+
+import fa3
+from fa3 import registry
+
+TOTAL_TOKENS = 16384
+HIDDEN = 2048
+SCORES_WORKSPACE_LIMIT = 8e9  # bytes
+PEERS = ("sdpa-flash", "sdpa-cudnn", "fa4")
+DEFAULT_HEAD_DIMS = (64, 128, 256)
+DEFAULT_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+
+
+def paper_shape(seqlen: int, head_dim: int) -> tuple[int, int]:
+    """(batch, heads) for 16k tokens and hidden size 2048."""
+    return max(1, TOTAL_TOKENS // seqlen), HIDDEN // head_dim
+
+
+def make_inputs(batch, seqlen, heads, head_dim, dtype=torch.bfloat16, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return tuple(torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=dtype, generator=gen)
+                 for _ in range(3))
+
+
+@dataclass
+class Runner:
+    """One column of the table: make(q, k, v, causal) returns the call to time, run inside context()."""
+    name: str
+    is_fa3: bool
+    make: Callable
+    context: Callable = contextlib.nullcontext
+    skip: Callable = field(default=lambda batch, seqlen, heads, head_dim: None)
+
+
+def rung_runner(name: str) -> Runner:
+    spec = registry.get(name)
+
+    def skip(batch, seqlen, heads, head_dim):
+        if head_dim not in spec.head_dims:
+            return f"head_dim {head_dim} not supported (supports {spec.head_dims})"
+        if spec.needs_scores_workspace:
+            workspace = batch * heads * seqlen * seqlen * 4
+            if workspace > SCORES_WORKSPACE_LIMIT:
+                return f"fp32 score workspace {workspace / 1e9:.1f} GB > {SCORES_WORKSPACE_LIMIT / 1e9:g} GB"
+        return None
+
+    def make(q, k, v, causal):
+        out = torch.empty_like(q)
+        return lambda: fa3.attention(q, k, v, causal=causal, kernel=name, out=out)
+
+    return Runner(name, True, make, skip=skip)
+
+
+def sdpa_runner(name: str, backend) -> Runner:
+    from torch.nn.attention import sdpa_kernel
+
+    def make(q, k, v, causal):
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # (b, h, s, d) views of the same memory
+        return lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+
+    return Runner(name, False, make, context=lambda: sdpa_kernel(backend))
+
+
+def fa4_runner() -> Runner:
+    from flash_attn.cute import flash_attn_func
+
+    def make(q, k, v, causal):
+        return lambda: flash_attn_func(q, k, v, causal=causal)
+
+    return Runner("fa4", False, make)
+
+
+def peer_runners(names) -> tuple[list[Runner], list[str]]:
+    """The requested peers that can run here, and a note for each that cannot."""
+    from torch.nn.attention import SDPBackend
+
+    runners, notes = [], []
+    for name in names:
+        if name == "sdpa-flash":
+            runners.append(sdpa_runner(name, SDPBackend.FLASH_ATTENTION))
+        elif name == "sdpa-cudnn":
+            runners.append(sdpa_runner(name, SDPBackend.CUDNN_ATTENTION))
+        elif name == "fa4":
+            try:
+                runners.append(fa4_runner())
+            except ImportError as exc:
+                notes.append(f"fa4 skipped: flash_attn.cute is not importable ({exc})")
+    return runners, notes
+
+
+def run_one(runner: Runner, q, k, v, causal, *, warmup, repeats, max_call_s) -> float:
+    with runner.context():
+        return measure(runner.make(q, k, v, causal), warmup=warmup, repeats=repeats,
+                       max_call_s=max_call_s)
+
+
+def _short(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:160] if lines else ''}"
+
+
+def sweep(runners, head_dims, causals, seqlens, *, warmup, repeats, max_call_s) -> list[dict]:
+    guard = SizeGuard(max_call_s)
+    rows = []
+    for head_dim in head_dims:
+        for causal in causals:
+            for seqlen in sorted(seqlens):
+                batch, heads = paper_shape(seqlen, head_dim)
+                flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, causal)
+                label = (f"d{head_dim} {'causal' if causal else 'full  '} s{seqlen:<5} "
+                         f"b{batch:<2} h{heads:<2}")
+                q, k, v = make_inputs(batch, seqlen, heads, head_dim)
+                results = {}
+                for r in runners:
+                    key = (r.name, head_dim, causal)
+                    reason = r.skip(batch, seqlen, heads, head_dim) or guard.skip_reason(key, flops)
+                    if reason is None:
+                        try:
+                            ms = run_one(r, q, k, v, causal, warmup=warmup, repeats=repeats,
+                                         max_call_s=max_call_s)
+                        except TooSlow as slow:
+                            guard.record(key, flops, slow.args[0])
+                            reason = f"one call took {slow.args[0] / 1e3:.1f} s > {max_call_s:g} s"
+                        except Exception as exc:  # a peer without a kernel for this shape, OOM, ...
+                            reason = _short(exc)
+                            torch.cuda.empty_cache()
+                        else:
+                            guard.record(key, flops, ms)
+                            results[r.name] = {"ms": ms, "tflops": tflops(flops, ms)}
+                            progress(f"{label}  {r.name:<10} {ms:10.3f} ms {tflops(flops, ms):7.1f} TFLOP/s")
+                            continue
+                    results[r.name] = {"skipped": reason}
+                    progress(f"{label}  {r.name:<10} skipped: {reason}")
+                rows.append(dict(head_dim=head_dim, causal=causal, seqlen=seqlen, batch=batch,
+                                 heads=heads, results=results))
+                del q, k, v
+    return rows
+
+
+def _ratio(a, b):
+    return f"{a / b:.2f}" if a and b else None
+
+
+def table(rows, runners) -> str:
+    names = [r.name for r in runners]
+    fa3_names = [r.name for r in runners if r.is_fa3]
+    headers = ["d", "causal", "seqlen", *names, "best fa3", "fa3/fa4", "fa3/cudnn"]
+    body = []
+    for row in rows:
+        rate = {n: row["results"].get(n, {}).get("tflops") for n in names}
+        best = max((n for n in fa3_names if rate[n]), key=lambda n: rate[n], default=None)
+        top = rate[best] if best else None
+        body.append([row["head_dim"], "yes" if row["causal"] else "no", row["seqlen"],
+                     *(rate[n] for n in names), best,
+                     _ratio(top, rate.get("fa4")), _ratio(top, rate.get("sdpa-cudnn"))])
+    return format_table(headers, body)
+
+
+def _csv(kind):
+    return lambda s: [kind(x) for x in s.split(",") if x]
+
+
+def parse_args(argv=None):
+    rungs = registry.available_kernels(registry.ATTENTION)
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--kernels", default="all", help=f"'all' or a comma list of {','.join(rungs)}")
+    p.add_argument("--head-dims", type=_csv(int), default=list(DEFAULT_HEAD_DIMS))
+    p.add_argument("--seqlens", type=_csv(int), default=list(DEFAULT_SEQLENS))
+    p.add_argument("--causal", choices=["both", "true", "false"], default="both")
+    p.add_argument("--peers", default=",".join(PEERS), help="comma list of " + ",".join(PEERS)
+                   + " ('none' for none)")
+    p.add_argument("--json", metavar="FILE", help="also write every measurement here")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--max-call-s", type=float, default=MAX_CALL_S,
+                   help="skip a size (and larger ones) when one call takes longer (default 5)")
+    args = p.parse_args(argv)
+    args.kernels = rungs if args.kernels == "all" else _csv(str)(args.kernels)
+    unknown = [n for n in args.kernels if n not in rungs]
+    if unknown:
+        p.error(f"--kernels: {', '.join(unknown)} not attention rungs; choose from {', '.join(rungs)}")
+    args.peers = [] if args.peers == "none" else _csv(str)(args.peers)
+    bad = [n for n in args.peers if n not in PEERS]
+    if bad:
+        p.error(f"--peers: unknown {', '.join(bad)}; choose from {', '.join(PEERS)}")
+    args.causals = {"both": [False, True], "true": [True], "false": [False]}[args.causal]
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_attention needs a CUDA GPU (a Hopper GPU for the fa3 rungs); none was found.")
+        return 2
+    progress(f"{torch.cuda.get_device_name()}; {TOTAL_TOKENS} tokens, hidden {HIDDEN}, bf16; "
+             "TFLOP/s (median of CUDA-event times)")
+    peers, notes = peer_runners(args.peers)
+    for note in notes:
+        progress(note)
+    runners = [rung_runner(n) for n in args.kernels] + peers
+    rows = sweep(runners, args.head_dims, args.causals, args.seqlens, warmup=args.warmup,
+                 repeats=args.repeats, max_call_s=args.max_call_s)
+    print()
+    print(table(rows, runners))
+    for note in notes:
+        print(note)
+    if args.json:
+        write_json(args.json, {"setting": {"total_tokens": TOTAL_TOKENS, "hidden": HIDDEN, "dtype": "bf16"},
+                               "notes": notes, "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
