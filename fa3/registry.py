@@ -78,6 +78,24 @@ KERNELS: dict[str, KernelSpec] = {
             )
             for i, stages in ((1, 1), (2, 2), (3, 5))
         ],
+        KernelSpec(
+            "k4.1", ATTENTION, "k4", "WgmmaAttention",
+            "K3 with S = QK^T on WGMMA from swizzled SMEM; softmax and PV still scalar",
+            config={"tile_m": 64, "tile_n": 64, "kv_stages": 2, "pv_on_wgmma": False},
+            ptx_promises=("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait"),
+            speed_rank=6,
+        ),
+        KernelSpec(
+            "k4.2", ATTENTION, "k4", "WgmmaAttention",
+            "both GEMMs on WGMMA, softmax on the accumulator in registers, P as register A operand",
+            config={"tile_m": 128, "tile_n": 128, "kv_stages": 2, "pv_on_wgmma": True},
+            # d=256: O alone takes 128 registers a thread; a 64-wide K/V tile keeps S small
+            per_head_dim={256: {"tile_n": 64}},
+            ptx_promises=("wgmma.mma_async", "cp.async.bulk.tensor", "shfl.sync.bfly", "ex2.approx"),
+            # no scalar GEMM left: nothing reads 16-bit operands from SMEM into FP32 registers
+            ptx_forbids=("cvt.f32.bf16", "ld.shared"),
+            speed_rank=7,
+        ),
     ]
 }
 

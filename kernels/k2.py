@@ -126,12 +126,12 @@ class FusedTiledAttention:
     @cute.jit
     def scores(self, sQ: cute.Tensor, sK: cute.Tensor, row: Int32, lane: Int32) -> cute.Tensor:
         """This thread's tile_n/4 scores of its row: s[i] = Q[row, :] . K[lane + 4 i, :] (unscaled)."""
-        s = cute.make_rmem_tensor((self.tile_n // THREADS_PER_ROW,), Float32)
+        s = cute.make_rmem_tensor((1, self.tile_n // THREADS_PER_ROW), Float32)  # (rows, cols)
         s.fill(0.0)
         for d in cutlass.range(self.head_dim, unroll=4):
             q = sQ[row, d].to(Float32)
             for i in cutlass.range_constexpr(self.tile_n // THREADS_PER_ROW):
-                s[i] += q * sK[lane + THREADS_PER_ROW * i, d].to(Float32)
+                s[0, i] += q * sK[lane + THREADS_PER_ROW * i, d].to(Float32)
         return s
 
     @cute.jit
@@ -140,15 +140,15 @@ class FusedTiledAttention:
         """Mask columns >= visible_cols (tile-relative), update m and l, turn s into P, rescale O."""
         for i in cutlass.range_constexpr(self.tile_n // THREADS_PER_ROW):
             if lane + THREADS_PER_ROW * i >= visible_cols:
-                s[i] = -Float32.inf
+                s[0, i] = -Float32.inf
         correction = softmax.online_update(s, row_max, row_sum, scale_log2, THREADS_PER_ROW)
         for i in cutlass.range_constexpr(cute.size(acc_o)):
-            acc_o[i] = acc_o[i] * correction
+            acc_o[i] = acc_o[i] * correction[0]
 
     @cute.jit
     def store_p(self, p: cute.Tensor, sP: cute.Tensor, row: Int32, lane: Int32):
         for i in cutlass.range_constexpr(self.tile_n // THREADS_PER_ROW):
-            sP[row, lane + THREADS_PER_ROW * i] = p[i]
+            sP[row, lane + THREADS_PER_ROW * i] = p[0, i]
 
     @cute.jit
     def accumulate_pv(self, sP: cute.Tensor, sV: cute.Tensor, acc_o: cute.Tensor, row: Int32, lane: Int32):

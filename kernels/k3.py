@@ -50,7 +50,7 @@ class TmaRingAttention(FusedTiledAttention):
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * (self.tile_n + 1)], 128]
+            sP: cute.struct.Align[cute.struct.MemRange[Float32, self.p_smem_elems()], 128]
 
         smem.check_budget(SharedStorage.size_in_bytes(),
                           f"K3 with kv_stages={self.kv_stages}, tile_n={self.tile_n}, d={self.head_dim}")
@@ -58,6 +58,10 @@ class TmaRingAttention(FusedTiledAttention):
                     SharedStorage).launch(
             grid=[cute.ceil_div(seqlen_q, self.tile_m), heads_q, batch],
             block=[self.num_threads, 1, 1], stream=stream)
+
+    def p_smem_elems(self) -> int:
+        """P goes through SMEM (fp32, rows padded by one word) for the scalar P V."""
+        return self.tile_m * (self.tile_n + 1)
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
@@ -98,26 +102,36 @@ class TmaRingAttention(FusedTiledAttention):
             for _ in cutlass.range(cutlass.min(self.kv_stages, n_blocks), unroll=1):
                 kv_producer = pipeline.produce(kv_pipe, kv_producer, kv_producer.count, kv_copies)
 
-        row, lane, row_global, limit = self.thread_row(tidx, m_block, seqlen_q, seqlen_k)
-        acc_o, row_max, row_sum = self.row_accumulators()
-
+        ctx = self.compute_setup(sQ[None, None, 0], sK, sV, sP, tidx, m_block, seqlen_q, seqlen_k)
         pipeline.consume_wait(q_pipe, pipeline.consumer_state(1))
-        sQ2 = sQ[None, None, 0]
         kv_consumer = pipeline.consumer_state(self.kv_stages)
         for n_block in cutlass.range(n_blocks, unroll=1):
             pipeline.consume_wait(kv_pipe, kv_consumer)
-            stage = kv_consumer.index
-            scores = self.scores(sQ2, sK[None, None, stage], row, lane)
-            self.softmax_step(scores, row_max, row_sum, acc_o, limit - n_block * self.tile_n,
-                              lane, scale_log2)
-            cute.arch.sync_threads()  # the previous tile's P V is done with sP
-            self.store_p(scores, sP, row, lane)
-            cute.arch.sync_threads()
-            self.accumulate_pv(sP, sV[None, None, stage], acc_o, row, lane)
+            self.compute_tile(ctx, kv_consumer.index, n_block, scale_log2)
             kv_consumer = pipeline.release(kv_pipe, kv_consumer)
             if warp_idx == 0 and kv_producer.count < n_blocks:  # refill the stage just freed
                 kv_producer = pipeline.produce(kv_pipe, kv_producer, kv_producer.count, kv_copies)
         if warp_idx == 0:
             pipeline.tail(kv_pipe, kv_producer)
+        self.compute_epilogue(ctx, mO, mLSE, batch, head, scale_log2)
 
+    # ---------------------------------------------------------------- compute: K2's body, per stage
+    # The three hooks a faster rung replaces (K4 swaps in WGMMA); the ring above stays as it is.
+    def compute_setup(self, sQ, sK, sV, sP, tidx, m_block, seqlen_q, seqlen_k):
+        row, lane, row_global, limit = self.thread_row(tidx, m_block, seqlen_q, seqlen_k)
+        return (sQ, sK, sV, sP, row, lane, row_global, limit, *self.row_accumulators())
+
+    @cute.jit
+    def compute_tile(self, ctx, stage, n_block, scale_log2: Float32):
+        sQ, sK, sV, sP, row, lane, _, limit, acc_o, row_max, row_sum = ctx
+        scores = self.scores(sQ, sK[None, None, stage], row, lane)
+        self.softmax_step(scores, row_max, row_sum, acc_o, limit - n_block * self.tile_n, lane, scale_log2)
+        cute.arch.sync_threads()  # the previous tile's P V is done with sP
+        self.store_p(scores, sP, row, lane)
+        cute.arch.sync_threads()
+        self.accumulate_pv(sP, sV[None, None, stage], acc_o, row, lane)
+
+    @cute.jit
+    def compute_epilogue(self, ctx, mO, mLSE, batch, head, scale_log2: Float32):
+        _, _, _, _, _, lane, row_global, _, acc_o, row_max, row_sum = ctx
         self.epilogue(acc_o, row_max, row_sum, mO, mLSE, batch, head, row_global, lane, scale_log2)

@@ -27,3 +27,23 @@ def n_block_max(m_block: Int32, tile_m: cutlass.Constexpr, tile_n: cutlass.Const
     if cutlass.const_expr(causal):
         n_end = cutlass.max(cutlass.min(seqlen_k, (m_block + 1) * tile_m + seqlen_k - seqlen_q), 0)
     return (n_end + tile_n - 1) // tile_n
+
+
+@cute.jit
+def apply(scores: cute.Tensor, coords: cute.Tensor, row0: Int32, col0: Int32, seqlen_q: Int32,
+          seqlen_k: Int32, causal: cutlass.Constexpr):
+    """Set invisible scores to -inf. `scores` and `coords` are matching (rows, cols) register views
+    (the accumulator and the identity tensor partitioned the same way); row0/col0 place the tile."""
+    for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
+        limit = col_limit(row0 + coords[r, 0][0], seqlen_q, seqlen_k, causal) - col0
+        for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
+            if coords[r, c][1] >= limit:
+                scores[r, c] = -cutlass.Float32.inf
+
+
+@cute.jit
+def tile_needs_mask(m_block: Int32, n_block: Int32, tile_m: cutlass.Constexpr, tile_n: cutlass.Constexpr,
+                    seqlen_q: Int32, seqlen_k: Int32, causal: cutlass.Constexpr) -> cutlass.Boolean:
+    """Whether any score of this tile is invisible: the ragged last tile, or one crossing the
+    causal diagonal. The tile's first row has the smallest column limit."""
+    return (n_block + 1) * tile_n > col_limit(m_block * tile_m, seqlen_q, seqlen_k, causal)

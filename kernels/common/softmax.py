@@ -31,29 +31,34 @@ def max_offset(row_max: Float32, scale_log2: Float32) -> Float32:
 
 @cute.jit
 def online_update(scores: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor,
-                  scale_log2: Float32, threads_per_row: cutlass.Constexpr) -> Float32:
-    """Turn one tile of a row's scores into probabilities, in place; return the rescale factor.
+                  scale_log2: Float32, threads_per_row: cutlass.Constexpr) -> cute.Tensor:
+    """Turn one tile of scores into probabilities, in place; return each row's rescale factor.
 
-    `scores`: this thread's share of the row (masked entries -inf). `row_max`/`row_sum`: 1-element
-    register tensors carried across tiles; the sum stays a per-thread partial until `finalize`.
-    The row is spread over `threads_per_row` adjacent lanes (a quad for 4), reduced by shuffles.
+    `scores`: (rows, cols) register view, this thread's share of `rows` rows (masked entries
+    -inf); each row is spread over `threads_per_row` adjacent lanes (a quad for 4) and reduced by
+    butterfly shuffles. `row_max`/`row_sum`: (rows,) register tensors carried across tiles; the
+    sum stays a per-thread partial until `finalize`.
     """
-    tile_max = scores[0]
-    for i in cutlass.range_constexpr(1, cute.size(scores)):
-        tile_max = cute.arch.fmax(tile_max, scores[i])
-    tile_max = cute.arch.warp_reduction_max(tile_max, threads_in_group=threads_per_row)
-    old_max = row_max[0]
-    new_max = cute.arch.fmax(old_max, tile_max)
-    offset = max_offset(new_max, scale_log2)
-    correction = cute.math.exp2(max_offset(old_max, scale_log2) - offset, fastmath=True)
-    if old_max == -Float32.inf:
-        correction = Float32(0.0)
-    tile_sum = Float32(0.0)
-    for i in cutlass.range_constexpr(cute.size(scores)):
-        scores[i] = cute.math.exp2(scores[i] * scale_log2 - offset, fastmath=True)
-        tile_sum += scores[i]
-    row_max[0] = new_max
-    row_sum[0] = row_sum[0] * correction + tile_sum
+    rows, cols = cute.size(scores, mode=[0]), cute.size(scores, mode=[1])
+    correction = cute.make_rmem_tensor((rows,), Float32)
+    for r in cutlass.range_constexpr(rows):
+        tile_max = scores[r, 0]
+        for c in cutlass.range_constexpr(1, cols):
+            tile_max = cute.arch.fmax(tile_max, scores[r, c])
+        tile_max = cute.arch.warp_reduction_max(tile_max, threads_in_group=threads_per_row)
+        old_max = row_max[r]
+        new_max = cute.arch.fmax(old_max, tile_max)
+        offset = max_offset(new_max, scale_log2)
+        factor = cute.math.exp2(max_offset(old_max, scale_log2) - offset, fastmath=True)
+        if old_max == -Float32.inf:
+            factor = Float32(0.0)
+        tile_sum = Float32(0.0)
+        for c in cutlass.range_constexpr(cols):
+            scores[r, c] = cute.math.exp2(scores[r, c] * scale_log2 - offset, fastmath=True)
+            tile_sum += scores[r, c]
+        row_max[r] = new_max
+        row_sum[r] = row_sum[r] * factor + tile_sum
+        correction[r] = factor
     return correction
 
 
