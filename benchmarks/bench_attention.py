@@ -112,7 +112,7 @@ def peer_runners(names) -> tuple[list[Runner], list[str]]:
         elif name == "fa4":
             try:
                 runners.append(fa4_runner())
-            except ImportError as exc:
+            except Exception as exc:  # not installed, or fails to import here
                 notes.append(f"fa4 skipped: flash_attn.cute is not importable ({exc})")
     return runners, notes
 

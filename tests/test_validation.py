@@ -20,7 +20,7 @@ UNSUPPORTED_HEAD_DIM = next(d for d in range(8, 1024, 8) if d not in ALL_HEAD_DI
 BF16 = torch.bfloat16
 
 
-def qkv(batch=2, seqlen_q=16, seqlen_k=24, heads_q=4, heads_kv=2, head_dim=64, dtype=BF16):
+def qkv(batch=2, seqlen_q=16, seqlen_k=24, heads_q=4, heads_kv=2, head_dim=ALL_HEAD_DIMS[0], dtype=BF16):
     q = torch.randn(batch, seqlen_q, heads_q, head_dim, dtype=dtype)
     k = torch.randn(batch, seqlen_k, heads_kv, head_dim, dtype=dtype)
     v = torch.randn(batch, seqlen_k, heads_kv, head_dim, dtype=dtype)
@@ -127,7 +127,7 @@ def test_gemm_rung_is_not_an_attention_kernel(kernel):
 
 @pytest.mark.parametrize("kernel", [None] + ATTENTION_RUNGS)
 def test_cpu_tensors(kernel):
-    q, k, v = qkv()
+    q, k, v = qkv(head_dim=registry.get(kernel).head_dims[0] if kernel else ALL_HEAD_DIMS[0])
     raises(ValueError, "q", "cpu", "q.cuda()", q=q, k=k, v=v, kernel=kernel)
 
 
