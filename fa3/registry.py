@@ -46,6 +46,8 @@ class KernelSpec:
 
 
 _SCALAR_PTX = ("ld.global", "ex2.approx")
+# a K tile's WGMMAs left running while the next is issued (the PTX spells it with a tab)
+_MMA_IN_FLIGHT = "wgmma.wait_group.sync.aligned \t1;"
 
 KERNELS: dict[str, KernelSpec] = {
     s.name: s
@@ -96,6 +98,48 @@ KERNELS: dict[str, KernelSpec] = {
             ptx_forbids=("cvt.f32.bf16", "ld.shared"),
             speed_rank=7,
         ),
+        *[
+            KernelSpec(
+                f"k5.{i}", ATTENTION, "k5", "WarpSpecializedAttention", summary,
+                config={"tile_m": 128, "tile_n": 128, "kv_stages": 2, **flags},
+                per_head_dim={256: {"tile_n": 64}},
+                ptx_promises=("wgmma.mma_async", "setmaxnreg", "cp.async.bulk.tensor", "bar.arrive"
+                              if flags["pingpong"] else "mbarrier.try_wait"),
+                ptx_forbids=("cvt.f32.bf16", "ld.shared"),
+                speed_rank=7 + i,
+            )
+            for i, summary, flags in (
+                (1, "warp specialization: TMA producer warp, two consumer warpgroups, setmaxnreg",
+                 {"pingpong": False, "intra_wg_overlap": False}),
+                (2, "+ ping-pong: the two consumer warpgroups take turns issuing GEMMs",
+                 {"pingpong": True, "intra_wg_overlap": False}),
+                (3, "+ intra-warpgroup overlap: softmax of S_j while P_{j-1} V_{j-1} runs",
+                 {"pingpong": True, "intra_wg_overlap": True}),
+            )
+        ],
+        *[
+            KernelSpec(
+                name, GEMM, "gemm", cls, summary, config=config, head_dims=(),
+                ptx_promises=("wgmma.mma_async", "cp.async.bulk.tensor", "stmatrix") + promises,
+                ptx_forbids=forbids, speed_rank=rank,
+            )
+            for name, cls, summary, config, promises, forbids, rank in (
+                ("g1", "StagedGemm",
+                 "TMA into one SMEM stage, one warpgroup, WGMMA from swizzled SMEM, wait every K tile",
+                 {"tile_m": 128, "tile_n": 128, "mma_warpgroups": 1, "stages": 1, "mmas_in_flight": 0},
+                 (), (_MMA_IN_FLIGHT, "setmaxnreg"), 1),
+                ("g2", "StagedGemm",
+                 "multi-stage TMA ring (depth from the SMEM budget), one K tile of WGMMA in flight",
+                 {"tile_m": 128, "tile_n": 256, "mma_warpgroups": 2, "stages": 0, "mmas_in_flight": 1},
+                 (_MMA_IN_FLIGHT,), ("setmaxnreg",), 2),
+                ("g3", "PersistentGemm",
+                 "warp-specialized (TMA producer warpgroup, 2 MMA warpgroups, setmaxnreg), persistent "
+                 "grouped-raster tiles, TMA-store epilogue",
+                 {"tile_m": 128, "tile_n": 256, "mma_warpgroups": 2, "stages": 0, "mmas_in_flight": 1,
+                  "group_m": 16},
+                 (_MMA_IN_FLIGHT, "setmaxnreg"), (), 3),
+            )
+        ],
     ]
 }
 

@@ -46,7 +46,7 @@ class TmaRingAttention(FusedTiledAttention):
         @cute.struct
         class SharedStorage:
             q_full: cute.struct.MemRange[Int64, 2]
-            kv_barriers: cute.struct.MemRange[Int64, 2 * self.kv_stages]
+            kv_barriers: cute.struct.MemRange[Int64, 2 * self.kv_stages * self.kv_pipelines]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
@@ -57,7 +57,9 @@ class TmaRingAttention(FusedTiledAttention):
         self.kernel(tma_q, tQ, tma_k, tK, tma_v, tV, mO, mLSE, scale_log2, sQ_layout, sKV_layout,
                     SharedStorage).launch(
             grid=[cute.ceil_div(seqlen_q, self.tile_m), heads_q, batch],
-            block=[self.num_threads, 1, 1], stream=stream)
+            block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    kv_pipelines = 1  # K and V share one full barrier per stage (K5 splits them)
 
     def p_smem_elems(self) -> int:
         """P goes through SMEM (fp32, rows padded by one word) for the scalar P V."""
