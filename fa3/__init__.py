@@ -15,8 +15,8 @@ if not _os.path.isdir(_os.path.join(_os.path.dirname(__file__), "kernels")) and 
 ):
     __path__.append(_root)  # noqa: F821  (package __path__)
 
-from .interface import attention  # noqa: E402
+from .interface import attention, gemm  # noqa: E402
 from .registry import available_kernels  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["attention", "available_kernels", "__version__"]
+__all__ = ["attention", "gemm", "available_kernels", "__version__"]

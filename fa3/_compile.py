@@ -86,25 +86,70 @@ def _options(extra: str = "") -> str:
     return f"--enable-tvm-ffi --gpu-arch {TARGET_ARCH} {extra}".strip()
 
 
-def _build_attention(spec, dtype, head_dim, causal, extra_options=""):
+def _compile_kernel(kernel, fake_args, extra_options):
+    """Compile for torch's current stream (TVM-FFI: called with plain torch tensors)."""
     _, cute = _import_cute()
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return cute.compile(kernel, *fake_args, stream, options=_options(extra_options))
+
+
+def _build_attention(spec, dtype, head_dim, causal, extra_options=""):
     kernel = spec.load_class()(dtype=cute_dtype(dtype), head_dim=head_dim, causal=causal,
                                **spec.config_for(head_dim))
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return cute.compile(kernel, *_attention_fake_args(spec, dtype, head_dim), stream,
-                        options=_options(extra_options))
+    return _compile_kernel(kernel, _attention_fake_args(spec, dtype, head_dim), extra_options)
 
 
-def get_attention(spec, dtype, head_dim, causal):
-    """The compiled kernel for this static configuration (compiled on first use)."""
-    key = attention_key(spec, dtype, head_dim, causal)
+def _cached(key, build):
+    """The compiled kernel for `key`, built (once, even across threads) on first use."""
     fn = _CACHE.get(key)
     if fn is None:
         with _LOCK:
             fn = _CACHE.get(key)
             if fn is None:
-                fn = _CACHE[key] = _build_attention(spec, dtype, head_dim, causal)
+                fn = _CACHE[key] = build()
     return fn
+
+
+def get_attention(spec, dtype, head_dim, causal):
+    """The compiled kernel for this static configuration (compiled on first use)."""
+    return _cached(attention_key(spec, dtype, head_dim, causal),
+                   lambda: _build_attention(spec, dtype, head_dim, causal))
+
+
+# GEMM operand layouts, as torch strides show them: "row" = unit stride along the last dimension
+# (a contiguous tensor), "col" = unit stride along the first (a .t() view). Static in the kernel.
+GEMM_LAYOUTS = ("row", "col")
+
+
+def _gemm_fake_args(dtype, a_layout, b_layout):
+    """Fake a (M, K), b (K, N), c (M, N) row-major, and the SM count. Shapes are dynamic and shared
+    (the call checks that a, b and c agree); the non-unit stride is dynamic and 16-byte aligned."""
+    cutlass, cute = _import_cute()
+    dt = cute_dtype(dtype)
+    m, n, k = (cute.sym_int64() for _ in range(3))
+
+    def matrix(rows, cols, layout):
+        lead = cute.sym_int64(divisibility=8)
+        return _fake_tensor(cute, dt, (rows, cols), (lead, 1) if layout == "row" else (1, lead))
+
+    return [matrix(m, k, a_layout), matrix(k, n, b_layout), matrix(m, n, "row"), cutlass.Int32(132)]
+
+
+def gemm_key(spec, dtype, a_layout, b_layout) -> tuple:
+    return (spec.name, str(dtype), a_layout, b_layout, tuple(sorted(spec.config.items())),
+            TARGET_ARCH, dsl_version())
+
+
+def _build_gemm(spec, dtype, a_layout="row", b_layout="row", extra_options=""):
+    kernel = spec.load_class()(dtype=cute_dtype(dtype), **spec.config)
+    return _compile_kernel(kernel, _gemm_fake_args(dtype, a_layout, b_layout), extra_options)
+
+
+def get_gemm(spec, dtype, a_layout, b_layout):
+    """The compiled GEMM for this rung, dtype and operand layouts (compiled on first use); call it
+    as fn(a, b, c, sm_count)."""
+    return _cached(gemm_key(spec, dtype, a_layout, b_layout),
+                   lambda: _build_gemm(spec, dtype, a_layout, b_layout))
 
 
 @dataclass
@@ -131,7 +176,8 @@ class CompileReport:
 def compile_report(spec, dtype=torch.bfloat16, **static) -> CompileReport:
     """Compile for sm_90a (no GPU needed) and return the PTX, the cubin and ptxas' resource report.
 
-    `static` is what the family's builder takes (attention: head_dim, causal)."""
+    `static` is what the family's builder takes (attention: head_dim, causal; GEMM: a_layout,
+    b_layout, "row" by default)."""
     buf = io.StringIO()
     with contextlib.redirect_stderr(buf), contextlib.redirect_stdout(buf):
         fn = BUILDERS[spec.family](spec, dtype, **static,
@@ -140,4 +186,4 @@ def compile_report(spec, dtype=torch.bfloat16, **static) -> CompileReport:
 
 
 # family -> builder(spec, dtype, **static, extra_options) -> compiled function
-BUILDERS = {registry.ATTENTION: _build_attention}
+BUILDERS = {registry.ATTENTION: _build_attention, registry.GEMM: _build_gemm}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -35,8 +36,9 @@ def check_hopper(device: torch.device, name: str) -> None:
             "scaled_dot_product_attention on other GPUs.")
 
 
-def check_tensor(t, name: str, ndim: int, dtype=None) -> None:
-    """Type, rank, dtype and a unit-stride last dimension: what every kernel argument needs."""
+def check_tensor(t, name: str, ndim: int, dtype=None, unit_stride_last: bool = True) -> None:
+    """Type, rank, dtype and (unless `unit_stride_last` is False: GEMM operands may be
+    transposed views) a unit-stride last dimension: what every kernel argument needs."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != ndim:
@@ -47,7 +49,7 @@ def check_tensor(t, name: str, ndim: int, dtype=None) -> None:
     if dtype is not None and t.dtype != dtype:
         raise TypeError(f"{name} has dtype {t.dtype} but the first argument is {dtype}; "
                         "all inputs must share one dtype")
-    if t.numel() and t.stride(-1) != 1:
+    if unit_stride_last and t.numel() and t.stride(-1) != 1:
         raise ValueError(f"{name} must be contiguous in its last dimension (stride {t.stride(-1)}); "
                          f"pass {name}.contiguous()")
 
@@ -139,3 +141,109 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
                                     dtype=torch.float32))
         fn(*args, scale * _LOG2E)
     return (out, lse) if return_lse else out
+
+
+# ----------------------------------------------------------------------------- GEMM
+_TMA_ELEMS = 8  # 16 bytes of a 16-bit type: TMA's alignment for row strides and base addresses
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+class _OutputSpec(NamedTuple):  # what check_output compares `out` against, without allocating
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+
+
+def _round_up(x: int, to: int = _TMA_ELEMS) -> int:
+    return -(-x // to) * to
+
+
+def _gemm_operand(t: torch.Tensor, name: str, dims: tuple[str, str]):
+    """(view, layout) of a 2-D GEMM operand whose dimensions are called `dims`: layout "row" if the
+    second dimension has unit stride (contiguous), "col" if the first does (a .t() view). The
+    unit-stride dimension's length and the other stride must be multiples of 8 (16 bytes: TMA).
+    A length-1 dimension's stride is meaningless, so it is set to an aligned value (a view)."""
+    rows, cols = t.shape
+    candidates = [layout for layout, unit, extent in (("row", t.stride(1), cols), ("col", t.stride(0), rows))
+                  if unit == 1 or extent == 1]
+    if not candidates:
+        raise ValueError(f"{name} has strides {t.stride()}: neither dimension is contiguous; pass "
+                         f"{name}.contiguous()")
+    problems = []
+    for layout in candidates:
+        unit_dim = 1 if layout == "row" else 0
+        extent, other = t.shape[unit_dim], t.shape[1 - unit_dim]
+        lead = t.stride(1 - unit_dim) if other > 1 else _round_up(extent)
+        if extent % _TMA_ELEMS:
+            problems.append(f"{name} is {'row' if layout == 'row' else 'column'}-major, so {dims[unit_dim]} = {extent} must be a multiple "
+                            f"of {_TMA_ELEMS} (TMA reads 16-byte aligned rows); pad {name} with zeros to "
+                            f"{dims[unit_dim]} = {_round_up(extent)}"
+                            + ("" if dims[unit_dim] == "K" else " and slice the result"))
+        elif lead % _TMA_ELEMS or lead < extent:  # misaligned, or overlapping (expanded) rows
+            problems.append(f"{name} has strides {t.stride()}: its {'row' if layout == 'row' else 'column'} "
+                            f"stride {lead} must be a multiple of {_TMA_ELEMS} elements (16 bytes, TMA) "
+                            f"and at least {extent}; pass {name}.contiguous()")
+        else:
+            strides = (lead, 1) if layout == "row" else (1, lead)
+            view = t if strides == t.stride() else t.as_strided(t.shape, strides)
+            if view.data_ptr() % 16:
+                raise ValueError(f"{name}.data_ptr() is not 16-byte aligned (a view at an odd offset); "
+                                 f"pass {name}.clone()")
+            return view, layout
+    raise ValueError(problems[0])
+
+
+def _check_gemm(a, b, out, kernel):
+    """Validate fa3.gemm's arguments; returns (spec, a, a_layout, b, b_layout) with operands as
+    TMA-ready views (no copies). Layout checks run only when a kernel will be launched."""
+    check_tensor(a, "a", 2, unit_stride_last=False)
+    check_tensor(b, "b", 2, a.dtype, unit_stride_last=False)
+    (m, k), n = a.shape, b.shape[1]
+    if b.shape[0] != k:
+        raise ValueError(f"a is {tuple(a.shape)} and b is {tuple(b.shape)}: a's columns (K = {k}) must "
+                         f"equal b's rows ({b.shape[0]}) for a @ b")
+    spec = registry.get(kernel) if kernel is not None else registry.fastest(registry.GEMM)
+    if spec.family != registry.GEMM:
+        raise ValueError(f"kernel={kernel!r} is an attention rung; GEMM rungs are "
+                         f"{registry.available_kernels(registry.GEMM)}")
+    if b.device != a.device:
+        raise ValueError(f"b is on {b.device} but a is on {a.device}; put them on one GPU")
+    if out is not None:
+        check_output(out, "out", _OutputSpec(torch.Size((m, n)), a.dtype, a.device))
+    a_layout = b_layout = "row"
+    if m and n and k:
+        a, a_layout = _gemm_operand(a, "a", ("M", "K"))
+        b, b_layout = _gemm_operand(b, "b", ("K", "N"))
+        if n % _TMA_ELEMS:
+            raise ValueError(f"N = {n} (b.shape[1]) must be a multiple of {_TMA_ELEMS}: the output's rows "
+                             f"are written by TMA, which needs 16-byte aligned rows; pad b with zero "
+                             f"columns to N = {_round_up(n)} and slice the result")
+    check_hopper(a.device, "a")
+    return spec, a, a_layout, b, b_layout
+
+
+def gemm(a, b, *, out=None, kernel: str | None = None):
+    """a @ b for 2-D bf16/fp16 tensors on a Hopper GPU: FP32 accumulation, output in the input dtype.
+
+    a: (M, K), b: (K, N), one dtype. Either may be row-major (contiguous) or column-major (a .t()
+    view): no copies are made. The contiguous dimension of each (K for a row-major a, N for a
+    row-major b, M for a column-major a, K for a column-major b), and N, must be multiples of 8.
+    kernel: a rung of fa3.available_kernels("gemm"); None picks the fastest.
+    out: optional preallocated (M, N) output, same dtype and device, contiguous.
+    Returns out. M or N = 0 gives an empty result; K = 0 gives zeros.
+    """
+    spec, a, a_layout, b, b_layout = _check_gemm(a, b, out, kernel)
+    m, k, n = a.shape[0], a.shape[1], b.shape[1]
+    if out is None:
+        out = torch.empty(m, n, device=a.device, dtype=a.dtype)
+    if out.numel() == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    fn = _compile.get_gemm(spec, a.dtype, a_layout, b_layout)
+    fn(a, b, out, _sm_count(a.device.index if a.device.index is not None else torch.cuda.current_device()))
+    return out

@@ -23,11 +23,13 @@ from cutlass.utils import hopper_helpers as sm90
 _MAJOR = {"K": OperandMajorMode.K, "MN": OperandMajorMode.MN}
 
 
-def tiled_mma(dtype, tile_m: int, tile_n: int, a_major="K", b_major="K", a_in_regs=False):
-    """MMA producing a (tile_m, tile_n) accumulator with tile_m/64 warpgroups stacked along M."""
+def tiled_mma(dtype, tile_m: int, tile_n: int, a_major="K", b_major="K", a_in_regs=False,
+              warpgroups: int | None = None):
+    """MMA producing a (tile_m, tile_n) accumulator with `warpgroups` (default tile_m/64) warpgroups
+    stacked along M; with fewer, each warpgroup repeats the 64-row atom (tile_m/64/warpgroups times)."""
     return sm90.make_trivial_tiled_mma(
         dtype, dtype, _MAJOR[a_major], _MAJOR[b_major], Float32,
-        atom_layout_mnk=(tile_m // 64, 1, 1), tiler_mn=(64, tile_n),
+        atom_layout_mnk=(warpgroups or tile_m // 64, 1, 1), tiler_mn=(64, tile_n),
         a_source=warpgroup.OperandSource.RMEM if a_in_regs else warpgroup.OperandSource.SMEM)
 
 

@@ -18,8 +18,24 @@ def seq_major(mX: cute.Tensor) -> cute.Tensor:
 
 def make_load(mX: cute.Tensor, staged_layout, tile_shape):
     """(atom, tma_tensor) loading `tile_shape` boxes of mX into one stage of `staged_layout`."""
+    return _tiled_atom(cpasync.CopyBulkTensorTileG2SOp(), mX, staged_layout, tile_shape)
+
+
+def make_store(mX: cute.Tensor, staged_layout, tile_shape):
+    """(atom, tma_tensor) storing one stage of `staged_layout` into `tile_shape` boxes of mX; the
+    parts of a box past mX's bounds are not written."""
+    return _tiled_atom(cpasync.CopyBulkTensorTileS2GOp(), mX, staged_layout, tile_shape)
+
+
+def _tiled_atom(op, mX, staged_layout, tile_shape):
     one_stage = cute.slice_(staged_layout, (None, None, 0))
-    return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mX, one_stage, tile_shape)
+    return cpasync.make_tiled_tma_atom(op, mX, one_stage, tile_shape)
+
+
+def transpose(mX: cute.Tensor) -> cute.Tensor:
+    """(rows, cols) -> a (cols, rows) view of the same memory (GEMM's B, (K, N) in torch, is
+    (N, K) to the MMA)."""
+    return cute.make_tensor(mX.iterator, cute.select(mX.layout, mode=[1, 0]))
 
 
 def partition(atom, gX: cute.Tensor, sX: cute.Tensor):

@@ -1,0 +1,272 @@
+"""GEMM on Hopper: C = A B with TMA loads, WGMMA from swizzled SMEM, FP32 accumulation, and a
+stmatrix + TMA-store epilogue. The ladder G1 -> G2 -> G3 changes how loads and MMAs overlap.
+
+Operands, as the interface passes them (torch shapes): A (M, K), B (K, N), C (M, N) row-major.
+A may be row- or column-major and B too (a.t(), b.t() views, no copies): the MMA sees B as
+(N, K), and whichever dimension has unit stride (static in the compiled kernel) picks the
+K-major or MN-major SMEM layout and WGMMA operand mode. M, N, K are dynamic; TMA zero-fills
+loads past the edges (so a ragged last K tile adds zeros) and clips stores.
+Constraints: 16-bit types; the non-unit stride of A and B, and N (C's row stride), multiples of
+8 elements (TMA's 16-byte rule); K > 0 (the interface handles K = 0 and empty outputs).
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, pipeline as dsl_pipeline
+from cutlass.cute.nvgpu import warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+from .common import epilogue, mma, pipeline, scheduler, smem, tma
+
+EPI_STAGES = 4  # SMEM buffers for the stored subtiles
+_BARRIER_BYTES = 1024  # pipeline barriers and alignment slack in the SMEM budget
+
+
+def _mn_major(t: cute.Tensor) -> bool:
+    """(rows, K) operand whose rows (M or N) are the unit-stride dimension."""
+    return LayoutEnum.from_tensor(t) == LayoutEnum.COL_MAJOR
+
+
+class GemmBase:
+    """What every rung shares: tiles, SMEM layouts, TMA atoms, the tiled MMA, the per-K-tile MMA
+    step and the epilogue. Subclasses supply the grid and the kernel body."""
+
+    producer_warpgroups = 0  # warpgroups that only load (G3)
+
+    def __init__(self, dtype, tile_m: int = 128, tile_n: int = 128, tile_k: int = 64,
+                 mma_warpgroups: int = 1, stages: int = 1, mmas_in_flight: int = 0):
+        self.dtype = dtype
+        self.tile_m, self.tile_n, self.tile_k = tile_m, tile_n, tile_k
+        self.mma_warpgroups = mma_warpgroups
+        self.mma_threads = 128 * mma_warpgroups
+        self.num_threads = 128 * (mma_warpgroups + self.producer_warpgroups)
+        self.mmas_in_flight = mmas_in_flight
+        self.epi_tile = epilogue.subtile(tile_m, mma_warpgroups)
+        subtiles = (tile_m // self.epi_tile[0]) * (tile_n // self.epi_tile[1])
+        # buffers restart at 0 on each tile (persistent kernels): whole rounds per tile
+        assert subtiles % EPI_STAGES == 0, f"{subtiles} epilogue subtiles per tile"
+        elem_bytes = dtype.width // 8
+        epi_bytes = self.epi_tile[0] * self.epi_tile[1] * EPI_STAGES * elem_bytes
+        stage_bytes = (tile_m + tile_n) * tile_k * elem_bytes
+        # stages=0: as many as fit beside the epilogue buffers
+        self.stages = stages or smem.stages_that_fit(stage_bytes, epi_bytes + _BARRIER_BYTES)
+
+    def grid(self, tiles_m, tiles_n, sm_count):
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- host side
+    @cute.jit
+    def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, sm_count: Int32, stream):
+        mB = tma.transpose(mB)  # (K, N) -> (N, K)
+        a_mn, b_mn = _mn_major(mA), _mn_major(mB)
+        tiled_mma = mma.tiled_mma(self.dtype, self.tile_m, self.tile_n, a_major="MN" if a_mn else "K",
+                                  b_major="MN" if b_mn else "K", warpgroups=self.mma_warpgroups)
+        sA_layout = smem.tile_layout(self.dtype, self.tile_m, self.tile_k, self.stages, rows_contiguous=a_mn)
+        sB_layout = smem.tile_layout(self.dtype, self.tile_n, self.tile_k, self.stages, rows_contiguous=b_mn)
+        sC_layout = epilogue.smem_layout(self.dtype, self.epi_tile, EPI_STAGES)
+        tma_a, tA = tma.make_load(mA, sA_layout, (self.tile_m, self.tile_k))
+        tma_b, tB = tma.make_load(mB, sB_layout, (self.tile_n, self.tile_k))
+        tma_c, tC = tma.make_store(mC, sC_layout, self.epi_tile)
+
+        @cute.struct
+        class SharedStorage:
+            ab_barriers: cute.struct.MemRange[Int64, 2 * self.stages]
+            sA: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sA_layout)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sB_layout)], 1024]
+            sC: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sC_layout)], 1024]
+
+        smem.check_budget(SharedStorage.size_in_bytes(),
+                          f"GEMM {self.tile_m}x{self.tile_n}x{self.tile_k} with {self.stages} stages")
+        tiles_m = Int32(cute.ceil_div(mC.shape[0], self.tile_m))
+        tiles_n = Int32(cute.ceil_div(mC.shape[1], self.tile_n))
+        self.kernel(tma_a, tA, tma_b, tB, tma_c, tC, tiled_mma, sA_layout, sB_layout, sC_layout,
+                    SharedStorage).launch(grid=self.grid(tiles_m, tiles_n, sm_count),
+                                          block=[self.num_threads, 1, 1], stream=stream,
+                                          min_blocks_per_mp=1)
+
+    # ---------------------------------------------------------------- device side, shared
+    @cute.jit
+    def prologue(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom,
+                 mB: cute.Tensor, tma_c: cute.CopyAtom, sA_layout: cute.ComposedLayout,
+                 sB_layout: cute.ComposedLayout, sC_layout: cute.ComposedLayout,
+                 SharedStorage: cutlass.Constexpr):
+        """Descriptor prefetch, SMEM, the A/B ring (every MMA warp releases) and the TMA
+        partitions of every (tile, K tile) of A and B: tXgX[(None, tile, k)], tXsX[(None, stage)].
+        Returns (tidx, warp_idx, ring, sA, sB, sC, tAsA, tAgA, tBsB, tBgB)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            tma.prefetch(tma_a, tma_b, tma_c)
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        ring = pipeline.create(storage.ab_barriers.data_ptr(), self.stages, self.mma_threads // 32,
+                               smem.stage_bytes(self.dtype, sA_layout) + smem.stage_bytes(self.dtype, sB_layout))
+        pipeline.init_done()
+        sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
+        sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
+        sC = storage.sC.get_tensor(sC_layout.outer, swizzle=sC_layout.inner)
+        tAsA, tAgA = tma.partition(tma_a, cute.local_tile(mA, (self.tile_m, self.tile_k), (None, None)), sA)
+        tBsB, tBgB = tma.partition(tma_b, cute.local_tile(mB, (self.tile_n, self.tile_k), (None, None)), sB)
+        return tidx, warp_idx, ring, sA, sB, sC, tAsA, tAgA, tBsB, tBgB
+
+    def mma_operands(self, tiled_mma, mma_tidx, sA, sB):
+        """(tCrA, tCrB, acc): SMEM descriptors indexed [.., k_block, stage] and the FP32 accumulator."""
+        thr = tiled_mma.get_slice(mma_tidx)
+        tCrA = thr.make_fragment_A(thr.partition_A(sA))
+        tCrB = thr.make_fragment_B(thr.partition_B(sB))
+        acc = cute.make_rmem_tensor(thr.partition_shape_C((self.tile_m, self.tile_n)), Float32)
+        return tCrA, tCrB, acc
+
+    @cute.jit
+    def mma_k_tile(self, ring, read, released, k: Int32, tiled_mma: cute.TiledMma, acc: cute.Tensor,
+                   tCrA: cute.Tensor, tCrB: cute.Tensor):
+        """Wait for K tile k's stage, issue its MMAs, keep `mmas_in_flight` batches in flight, and
+        release the stage whose MMAs have just retired (`mmas_in_flight` behind). Returns the
+        advanced (read, released) states."""
+        pipeline.consume_wait(ring, read)
+        stage = read.index
+        mma.gemm(tiled_mma, acc, tCrA[None, None, None, stage], tCrB[None, None, None, stage],
+                 wait=self.mmas_in_flight)
+        read.advance()
+        if k >= self.mmas_in_flight:
+            released = pipeline.release(ring, released)
+        return read, released
+
+    @cute.jit
+    def mma_drain(self, ring, released):
+        """After a tile's last K tile: retire every MMA and release the stages still held."""
+        warpgroup.wait_group(0)
+        for _ in cutlass.range_constexpr(self.mmas_in_flight):
+            released = pipeline.release(ring, released)
+        return released
+
+    def store_acc(self, acc, tiled_mma, mma_tidx, sC, tma_c, gC, is_store_warp, store_pipe):
+        barrier = dsl_pipeline.NamedBarrier(barrier_id=1, num_threads=self.mma_threads)
+        epilogue.store_tile(acc, tiled_mma, mma_tidx, sC, tma_c, gC, self.epi_tile, barrier,
+                            is_store_warp, store_pipe)
+
+
+class StagedGemm(GemmBase):
+    """G1 and G2: one CTA per output tile; every warp computes, warp 0 also issues the TMA loads.
+
+    Warp 0 prefetches min(stages, K tiles) stages of the A/B ring; each iteration waits for a
+    stage, issues its WGMMAs (tile_k / 16 per 64-row atom), and once they retire, releases the
+    stage so that warp 0 refills it with the K tile `stages` ahead.
+
+    G1 (stages=1, mmas_in_flight=0, one warpgroup, 128x128): load, wait, MMA, wait for the MMA,
+        release, load the next tile: TMA latency and MMA time add up, nothing overlaps.
+    G2 (stages from the SMEM budget, mmas_in_flight=1, two warpgroups, 128x256): the ring keeps
+        up to `stages` loads in flight, and wait_group(1) leaves one K tile's WGMMAs running while
+        the next is issued; a stage is released one K tile behind, when its MMAs have retired.
+    Both: the epilogue (common/epilogue.py) starts after the last MMA; warp 0's refills sit in the
+    MMA warps' instruction stream (its acquire waits for the slowest warp's release).
+    """
+
+    def grid(self, tiles_m, tiles_n, sm_count):
+        return [tiles_m, tiles_n, 1]
+
+    @cute.kernel
+    def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
+               tma_c: cute.CopyAtom, mC: cute.Tensor, tiled_mma: cute.TiledMma,
+               sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout,
+               sC_layout: cute.ComposedLayout, SharedStorage: cutlass.Constexpr):
+        m_tile, n_tile, _ = cute.arch.block_idx()
+        tidx, warp_idx, ring, sA, sB, sC, tAsA, tAgA, tBsB, tBgB = self.prologue(
+            tma_a, mA, tma_b, mB, tma_c, sA_layout, sB_layout, sC_layout, SharedStorage)
+        copies = [(tma_a, tAgA[None, m_tile, None], tAsA), (tma_b, tBgB[None, n_tile, None], tBsB)]
+        k_tiles = cute.size(tAgA, mode=[2])
+        tCrA, tCrB, acc = self.mma_operands(tiled_mma, tidx, sA, sB)
+
+        producer = pipeline.producer_state(self.stages)
+        if warp_idx == 0:
+            for _ in cutlass.range(cutlass.min(self.stages, k_tiles), unroll=1):
+                producer = pipeline.produce(ring, producer, producer.count, copies)
+        read = pipeline.consumer_state(self.stages)
+        released = pipeline.consumer_state(self.stages)
+        acc.fill(0.0)
+        for k in cutlass.range(k_tiles, unroll=1):
+            read, released = self.mma_k_tile(ring, read, released, k, tiled_mma, acc, tCrA, tCrB)
+            if warp_idx == 0 and producer.count < k_tiles:  # refill the stage just released
+                producer = pipeline.produce(ring, producer, producer.count, copies)
+        released = self.mma_drain(ring, released)
+        if warp_idx == 0:
+            pipeline.tail(ring, producer)
+
+        store_pipe = epilogue.store_pipeline(EPI_STAGES, self.mma_threads)
+        gC = cute.local_tile(mC, (self.tile_m, self.tile_n), (m_tile, n_tile))
+        self.store_acc(acc, tiled_mma, tidx, sC, tma_c, gC, warp_idx == 0, store_pipe)
+        if warp_idx == 0:
+            store_pipe.producer_tail()
+
+
+class PersistentGemm(GemmBase):
+    """G3: warp-specialized, persistent, L2-grouped GEMM (CUTLASS's "cooperative" schedule).
+
+    Warpgroup 0 is the producer: all four warps drop to `producer_regs` registers (setmaxnreg is
+    warpgroup-wide), and warp 0 alone streams A/B K tiles through the ring, tile after tile, never
+    waiting for an MMA except through the ring's empty barriers. Warpgroups 1..n consume: they
+    raise their registers to `mma_regs`, and together compute one (tile_m, tile_n) output tile
+    (64 rows each), with G2's in-flight MMA step, then store it through SMEM with TMA while the
+    producer already fills the ring with the next tile's K tiles.
+
+    One CTA per SM (grid = min(tiles, sm_count); the SM count is a runtime argument, so compiling
+    needs no GPU); CTA b takes tiles b, b + grid, ... in the grouped order of common/scheduler.py.
+    Register budget at 384 threads: 128 x producer_regs + 256 x mma_regs <= 65536.
+    """
+
+    producer_warpgroups = 1
+
+    def __init__(self, dtype, tile_m: int = 128, tile_n: int = 256, tile_k: int = 64,
+                 mma_warpgroups: int = 2, stages: int = 0, mmas_in_flight: int = 1,
+                 group_m: int = 16, producer_regs: int = 40, mma_regs: int = 232):
+        super().__init__(dtype, tile_m, tile_n, tile_k, mma_warpgroups, stages, mmas_in_flight)
+        self.group_m = group_m
+        self.producer_regs, self.mma_regs = producer_regs, mma_regs
+        assert 128 * producer_regs + self.mma_threads * mma_regs <= 65536, "register file overcommitted"
+
+    def grid(self, tiles_m, tiles_n, sm_count):
+        return [scheduler.persistent_grid(tiles_m * tiles_n, sm_count), 1, 1]
+
+    @cute.kernel
+    def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
+               tma_c: cute.CopyAtom, mC: cute.Tensor, tiled_mma: cute.TiledMma,
+               sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout,
+               sC_layout: cute.ComposedLayout, SharedStorage: cutlass.Constexpr):
+        first_tile, _, _ = cute.arch.block_idx()
+        tile_step, _, _ = cute.arch.grid_dim()
+        tidx, warp_idx, ring, sA, sB, sC, tAsA, tAgA, tBsB, tBgB = self.prologue(
+            tma_a, mA, tma_b, mB, tma_c, sA_layout, sB_layout, sC_layout, SharedStorage)
+        tiles_m = Int32(cute.size(tAgA, mode=[1]))
+        tiles_n = Int32(cute.size(tBgB, mode=[1]))
+        k_tiles = cute.size(tAgA, mode=[2])
+        num_tiles = tiles_m * tiles_n
+
+        if warp_idx < 4:  # the producer warpgroup
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                producer = pipeline.producer_state(self.stages)
+                for tile in cutlass.range(first_tile, num_tiles, tile_step, unroll=1):
+                    m_tile, n_tile = scheduler.grouped_tile(tile, tiles_m, tiles_n, self.group_m)
+                    copies = [(tma_a, tAgA[None, m_tile, None], tAsA), (tma_b, tBgB[None, n_tile, None], tBsB)]
+                    for k in cutlass.range(k_tiles, unroll=1):
+                        producer = pipeline.produce(ring, producer, k, copies)
+                pipeline.tail(ring, producer)
+        else:
+            cute.arch.setmaxregister_increase(self.mma_regs)
+            mma_tidx = tidx - 128
+            tCrA, tCrB, acc = self.mma_operands(tiled_mma, mma_tidx, sA, sB)
+            gC_tiles = cute.local_tile(mC, (self.tile_m, self.tile_n), (None, None))
+            store_pipe = epilogue.store_pipeline(EPI_STAGES, self.mma_threads)
+            is_store_warp = warp_idx == 4
+            # ring states carry over from tile to tile: the ring does not restart
+            read = pipeline.consumer_state(self.stages)
+            released = pipeline.consumer_state(self.stages)
+            for tile in cutlass.range(first_tile, num_tiles, tile_step, unroll=1):
+                m_tile, n_tile = scheduler.grouped_tile(tile, tiles_m, tiles_n, self.group_m)
+                acc.fill(0.0)
+                for k in cutlass.range(k_tiles, unroll=1):
+                    read, released = self.mma_k_tile(ring, read, released, k, tiled_mma, acc, tCrA, tCrB)
+                released = self.mma_drain(ring, released)
+                self.store_acc(acc, tiled_mma, mma_tidx, sC, tma_c, gC_tiles[None, None, m_tile, n_tile],
+                               is_store_warp, store_pipe)
+            if is_store_warp:
+                store_pipe.producer_tail()
