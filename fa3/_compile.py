@@ -12,6 +12,7 @@ which is why nothing in fa3 imports cutlass at module import time.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import os
 import re
@@ -37,6 +38,7 @@ def _import_cute():
     return cutlass, cute
 
 
+@functools.lru_cache(maxsize=None)
 def dsl_version() -> str:
     try:
         from importlib.metadata import version
@@ -73,7 +75,10 @@ def _attention_fake_args(spec, dtype, head_dim):
     if spec.needs_scores_workspace:
         args.append(_fake_tensor(cute, cutlass.Float32, (b, hq, sq, sk),
                                  (cute.sym_int64(), cute.sym_int64(), cute.sym_int64(), 1), align=4))
-    return args + [cutlass.Float32(1.0)]
+    args.append(cutlass.Float32(1.0))  # scale_log2
+    if spec.persistent:
+        args.append(cutlass.Int32(132))  # SM count, a runtime argument
+    return args
 
 
 def attention_key(spec, dtype, head_dim, causal) -> tuple:
@@ -110,10 +115,18 @@ def _cached(key, build):
     return fn
 
 
+_FAST: dict[tuple, object] = {}  # (rung, dtype, head_dim, causal) -> compiled: the per-call lookup
+
+
 def get_attention(spec, dtype, head_dim, causal):
-    """The compiled kernel for this static configuration (compiled on first use)."""
-    return _cached(attention_key(spec, dtype, head_dim, causal),
-                   lambda: _build_attention(spec, dtype, head_dim, causal))
+    """The compiled kernel for this static configuration (compiled on first use). The per-call
+    path is one dict lookup; the full key (config, arch, DSL version) is built only on a miss."""
+    fn = _FAST.get((spec.name, dtype, head_dim, causal))
+    if fn is None:
+        fn = _FAST[(spec.name, dtype, head_dim, causal)] = _cached(
+            attention_key(spec, dtype, head_dim, causal),
+            lambda: _build_attention(spec, dtype, head_dim, causal))
+    return fn
 
 
 # GEMM operand layouts, as torch strides show them: "row" = unit stride along the last dimension

@@ -139,7 +139,10 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
         if spec.needs_scores_workspace:
             args.append(torch.empty(batch, heads_q, seqlen_q, seqlen_k, device=q.device,
                                     dtype=torch.float32))
-        fn(*args, scale * _LOG2E)
+        args.append(scale * _LOG2E)
+        if spec.persistent:
+            args.append(_sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device()))
+        fn(*args)
     return (out, lse) if return_lse else out
 
 

@@ -34,6 +34,8 @@ class KernelSpec:
     speed_rank: int = 0
     # Workspace for materialised scores (K1 only): the interface allocates it.
     needs_scores_workspace: bool = False
+    # A persistent grid (one CTA per SM): the kernel takes the SM count as its last argument.
+    persistent: bool = False
 
     def config_for(self, head_dim: int | None = None) -> dict:
         cfg = dict(self.config)
@@ -101,12 +103,13 @@ KERNELS: dict[str, KernelSpec] = {
         *[
             KernelSpec(
                 f"k5.{i}", ATTENTION, "k5", "WarpSpecializedAttention", summary,
-                config={"tile_m": 128, "tile_n": 128, "kv_stages": 2, **flags},
-                per_head_dim={256: {"tile_n": 64}},
+                config={"tile_m": 128, "tile_n": 128, "kv_stages": 2, "q_stages": 2, **flags},
+                # d=256: a 64-wide K/V tile and a single Q buffer fit in 227 KB
+                per_head_dim={256: {"tile_n": 64, "q_stages": 1}},
                 ptx_promises=("wgmma.mma_async", "setmaxnreg", "cp.async.bulk.tensor", "bar.arrive"
                               if flags["pingpong"] else "mbarrier.try_wait"),
                 ptx_forbids=("cvt.f32.bf16", "ld.shared"),
-                speed_rank=7 + i,
+                speed_rank=7 + i, persistent=True,
             )
             for i, summary, flags in (
                 (1, "warp specialization: TMA producer warp, two consumer warpgroups, setmaxnreg",

@@ -149,8 +149,8 @@ class StagedGemm(GemmBase):
     """G1 and G2: one CTA per output tile; every warp computes, warp 0 also issues the TMA loads.
 
     Warp 0 prefetches min(stages, K tiles) stages of the A/B ring; each iteration waits for a
-    stage, issues its WGMMAs (tile_k / 16 per 64-row atom), and once they retire, releases the
-    stage so that warp 0 refills it with the K tile `stages` ahead.
+    stage, issues its WGMMAs (tile_k / 16 per 64-row atom), releases the stage whose WGMMAs have
+    retired, and warp 0 refills exactly that stage with the next K tile.
 
     G1 (stages=1, mmas_in_flight=0, one warpgroup, 128x128): load, wait, MMA, wait for the MMA,
         release, load the next tile: TMA latency and MMA time add up, nothing overlaps.
@@ -185,7 +185,9 @@ class StagedGemm(GemmBase):
         acc.fill(0.0)
         for k in cutlass.range(k_tiles, unroll=1):
             read, released = self.mma_k_tile(ring, read, released, k, tiled_mma, acc, tCrA, tCrB)
-            if warp_idx == 0 and producer.count < k_tiles:  # refill the stage just released
+            # refill only the stage this iteration released: waiting on one that a later iteration
+            # releases would stall warp 0, and with it the other warps (deadlock)
+            if warp_idx == 0 and k >= self.mmas_in_flight and producer.count < k_tiles:
                 producer = pipeline.produce(ring, producer, producer.count, copies)
         released = self.mma_drain(ring, released)
         if warp_idx == 0:

@@ -37,11 +37,7 @@ class TmaRingAttention(FusedTiledAttention):
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mLSE: cute.Tensor, scale_log2: Float32, stream):
         batch, seqlen_q, heads_q, _ = mQ.shape
-        sQ_layout = smem.tile_layout(self.dtype, self.tile_m, self.head_dim)
-        sKV_layout = smem.tile_layout(self.dtype, self.tile_n, self.head_dim, self.kv_stages)
-        tma_q, tQ = tma.make_load(tma.seq_major(mQ), sQ_layout, (self.tile_m, self.head_dim))
-        tma_k, tK = tma.make_load(tma.seq_major(mK), sKV_layout, (self.tile_n, self.head_dim))
-        tma_v, tV = tma.make_load(tma.seq_major(mV), sKV_layout, (self.tile_n, self.head_dim))
+        sQ_layout, sKV_layout, (tma_q, tQ, tma_k, tK, tma_v, tV) = self.make_loads(mQ, mK, mV)
 
         @cute.struct
         class SharedStorage:
@@ -57,9 +53,19 @@ class TmaRingAttention(FusedTiledAttention):
         self.kernel(tma_q, tQ, tma_k, tK, tma_v, tV, mO, mLSE, scale_log2, sQ_layout, sKV_layout,
                     SharedStorage).launch(
             grid=[cute.ceil_div(seqlen_q, self.tile_m), heads_q, batch],
-            block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+            block=[self.num_threads, 1, 1], stream=stream)
 
     kv_pipelines = 1  # K and V share one full barrier per stage (K5 splits them)
+    q_stages = 1  # one Q tile per CTA (K5's persistent CTAs may load the next while computing)
+
+    def make_loads(self, mQ, mK, mV):
+        """SMEM layouts of Q (one tile) and K/V (a ring of kv_stages), and their TMA atoms."""
+        sQ_layout = smem.tile_layout(self.dtype, self.tile_m, self.head_dim, self.q_stages)
+        sKV_layout = smem.tile_layout(self.dtype, self.tile_n, self.head_dim, self.kv_stages)
+        loads = (*tma.make_load(tma.seq_major(mQ), sQ_layout, (self.tile_m, self.head_dim)),
+                 *tma.make_load(tma.seq_major(mK), sKV_layout, (self.tile_n, self.head_dim)),
+                 *tma.make_load(tma.seq_major(mV), sKV_layout, (self.tile_n, self.head_dim)))
+        return sQ_layout, sKV_layout, loads
 
     def p_smem_elems(self) -> int:
         """P goes through SMEM (fp32, rows padded by one word) for the scalar P V."""

@@ -22,48 +22,76 @@ Constraints: head_dim 64/128/256 (tile_n per head dim in the registry); the regi
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, Int64
+from cutlass import pipeline as dsl_pipeline
 from cutlass.cute.nvgpu import warpgroup
 
-from .common import mask, mma, pipeline, smem, softmax, tma
+from .common import epilogue, mask, mma, pipeline, scheduler, smem, softmax, tma
 from .k4 import WgmmaAttention
 
 PRODUCER_REGS, CONSUMER_REGS = 24, 240
-SCHEDULER_BARRIER = 2  # named barriers 2 and 3: one per consumer warpgroup (0 is __syncthreads)
+EPILOGUE_BARRIER = 1  # named barrier among the consumer warpgroups (0 is __syncthreads)
+SCHEDULER_BARRIER = 2  # named barriers 2 and 3: one per consumer warpgroup
+EPI_STAGES = 2  # SMEM buffers the O store cycles through
 
 
 class WarpSpecializedAttention(WgmmaAttention):
     kv_pipelines = 2  # separate K and V barriers
 
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 128, tile_n: int = 128,
-                 kv_stages: int = 2, pingpong: bool = True, intra_wg_overlap: bool = True):
+                 kv_stages: int = 2, q_stages: int = 2, pingpong: bool = True,
+                 intra_wg_overlap: bool = True):
         super().__init__(dtype, head_dim, causal, tile_m, tile_n, kv_stages, pv_on_wgmma=True)
         self.consumer_wgs = tile_m // 64
         self.num_threads = 128 * (1 + self.consumer_wgs)
         self.pingpong = pingpong and self.consumer_wgs == 2
         self.intra_wg_overlap = intra_wg_overlap
+        self.q_stages = q_stages
+
+    # ---------------------------------------------------------------- host side
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+                 mLSE: cute.Tensor, scale_log2: Float32, sm_count: Int32, stream):
+        batch, seqlen_q, heads_q, _ = mQ.shape
+        sQ_layout, sKV_layout, loads = self.make_loads(mQ, mK, mV)
+        epi_tile = epilogue.subtile(self.tile_m, self.consumer_wgs)
+        sO_layout = epilogue.smem_layout(self.dtype, epi_tile, EPI_STAGES)
+        tma_o, tO = tma.make_store(tma.seq_major(mO), sO_layout, epi_tile)
+
+        @cute.struct
+        class SharedStorage:
+            q_barriers: cute.struct.MemRange[Int64, 2 * self.q_stages]
+            kv_barriers: cute.struct.MemRange[Int64, 4 * self.kv_stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sO_layout)], 1024]
+
+        smem.check_budget(SharedStorage.size_in_bytes(),
+                          f"K5 with kv_stages={self.kv_stages}, tile_n={self.tile_n}, d={self.head_dim}")
+        tiles = cute.ceil_div(seqlen_q, self.tile_m) * heads_q * batch
+        self.kernel(*loads, tma_o, tO, mLSE, scale_log2, sQ_layout, sKV_layout, sO_layout, epi_tile,
+                    SharedStorage).launch(
+            grid=[scheduler.persistent_grid(tiles, sm_count), 1, 1], block=[self.num_threads, 1, 1],
+            stream=stream, min_blocks_per_mp=1)
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
     def kernel(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
-               tma_v: cute.CopyAtom, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-               scale_log2: Float32, sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
-               SharedStorage: cutlass.Constexpr):
+               tma_v: cute.CopyAtom, mV: cute.Tensor, tma_o: cute.CopyAtom, mO: cute.Tensor,
+               mLSE: cute.Tensor, scale_log2: Float32, sQ_layout: cute.ComposedLayout,
+               sKV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
+               epi_tile: cutlass.Constexpr, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        m_blocks = cute.arch.grid_dim()[0]
-        m_block_rev, head, batch = cute.arch.block_idx()
-        m_block = m_blocks - 1 - m_block_rev  # longest (causal) tiles launch first
-        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
-        head_kv = head // (mQ.shape[2] // mK.shape[2])
         if warp_idx == 0:
-            tma.prefetch(tma_q, tma_k, tma_v)
+            tma.prefetch(tma_q, tma_k, tma_v, tma_o)
 
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         consumer_warps = 4 * self.consumer_wgs
         kv_bytes = smem.stage_bytes(self.dtype, sKV_layout)
         barriers = storage.kv_barriers.data_ptr()
-        q_pipe = pipeline.create(storage.q_full.data_ptr(), 1, consumer_warps,
+        q_pipe = pipeline.create(storage.q_barriers.data_ptr(), self.q_stages, consumer_warps,
                                  smem.stage_bytes(self.dtype, sQ_layout))
         k_pipe = pipeline.create(barriers, self.kv_stages, consumer_warps, kv_bytes)
         v_pipe = pipeline.create(barriers + 2 * self.kv_stages, self.kv_stages, consumer_warps, kv_bytes)
@@ -71,41 +99,104 @@ class WarpSpecializedAttention(WgmmaAttention):
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
         sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
-        n_blocks = mask.n_block_max(m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.causal)
+        sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp_idx == 0:
-                tile_q, tile_kv = (self.tile_m, self.head_dim), (self.tile_n, self.head_dim)
-                tQsQ, tQgQ = tma.partition(tma_q, cute.local_tile(mQ[None, None, head, batch], tile_q, (None, 0)), sQ)
-                tKsK, tKgK = tma.partition(tma_k, cute.local_tile(mK[None, None, head_kv, batch], tile_kv, (None, 0)), sK)
-                tVsV, tVgV = tma.partition(tma_v, cute.local_tile(mV[None, None, head_kv, batch], tile_kv, (None, 0)), sV)
-                self.load(q_pipe, k_pipe, v_pipe, m_block, n_blocks, (tma_q, tQgQ, tQsQ),
-                          (tma_k, tKgK, tKsK), (tma_v, tVgV, tVsV))
+                self.load(q_pipe, k_pipe, v_pipe, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            ctx = self.compute_setup(sQ[None, None, 0], sK, sV, None, tidx - 128, m_block, seqlen_q, seqlen_k)
-            self.mma_init(warp_idx // 4)
-            pipeline.consume_wait(q_pipe, pipeline.consumer_state(1))
-            if n_blocks > 0:
-                if cutlass.const_expr(self.intra_wg_overlap):
-                    self.mainloop_overlapped(ctx, k_pipe, v_pipe, n_blocks, warp_idx // 4, scale_log2)
-                else:
-                    self.mainloop(ctx, k_pipe, v_pipe, n_blocks, warp_idx // 4, scale_log2)
-            self.compute_epilogue(ctx, mO, mLSE, batch, head, scale_log2)
+            self.consume(q_pipe, k_pipe, v_pipe, sQ, sK, sV, sO, tma_o, mO, mLSE, mK.shape[0],
+                         scale_log2, tidx - 128, warp_idx // 4, epi_tile)
+
+    # ---------------------------------------------------------------- tile schedule
+    @cute.jit
+    def tile_coords(self, tile: Int32, seqlen_q: Int32, heads_q: Int32):
+        """Persistent CTA b takes tiles b, b + grid, ... A head's Q tiles are consecutive (they
+        share K/V in L2) and visited longest (causal) first."""
+        m_blocks = (seqlen_q + self.tile_m - 1) // self.tile_m
+        head_batch = tile // m_blocks
+        return m_blocks - 1 - tile % m_blocks, head_batch % heads_q, head_batch // heads_q
+
+    def tile_range(self, mQ):
+        seqlen_q, heads_q, batch = mQ.shape[0], mQ.shape[2], mQ.shape[3]
+        tiles = (seqlen_q + self.tile_m - 1) // self.tile_m * heads_q * batch
+        return cute.arch.block_idx()[0], tiles, cute.arch.grid_dim()[0]
 
     @cute.jit
-    def load(self, q_pipe, k_pipe, v_pipe, m_block: Int32, n_blocks: Int32, q_copy, k_copy, v_copy):
-        """Producer warp: Q once, then K_j and V_j from the last tile to the first."""
-        pipeline.produce(q_pipe, pipeline.producer_state(1), m_block, [q_copy])
+    def load(self, q_pipe, k_pipe, v_pipe, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV):
+        """Producer warp: per tile, Q once, then K_j and V_j from the last tile to the first. The
+        states run on across tiles, so the next tile's loads start as soon as stages free up."""
+        q_state = pipeline.producer_state(self.q_stages)
         k_state = pipeline.producer_state(self.kv_stages)
         v_state = pipeline.producer_state(self.kv_stages)
-        for j in cutlass.range(n_blocks, unroll=1):
-            n_block = n_blocks - 1 - j
-            k_state = pipeline.produce(k_pipe, k_state, n_block, [k_copy])
-            v_state = pipeline.produce(v_pipe, v_state, n_block, [v_copy])
+        seqlen_q, seqlen_k, heads_q = mQ.shape[0], mK.shape[0], mQ.shape[2]
+        first, tiles, step = self.tile_range(mQ)
+        tile_q, tile_kv = (self.tile_m, self.head_dim), (self.tile_n, self.head_dim)
+        for tile in cutlass.range(first, tiles, step, unroll=1):
+            m_block, head, batch = self.tile_coords(tile, seqlen_q, heads_q)
+            head_kv = head // (heads_q // mK.shape[2])
+            tQsQ, tQgQ = tma.partition(tma_q, cute.local_tile(mQ[None, None, head, batch], tile_q, (None, 0)), sQ)
+            tKsK, tKgK = tma.partition(tma_k, cute.local_tile(mK[None, None, head_kv, batch], tile_kv, (None, 0)), sK)
+            tVsV, tVgV = tma.partition(tma_v, cute.local_tile(mV[None, None, head_kv, batch], tile_kv, (None, 0)), sV)
+            q_state = pipeline.produce(q_pipe, q_state, m_block, [(tma_q, tQgQ, tQsQ)])
+            n_blocks = mask.n_block_max(m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.causal)
+            for j in cutlass.range(n_blocks, unroll=1):
+                k_state = pipeline.produce(k_pipe, k_state, n_blocks - 1 - j, [(tma_k, tKgK, tKsK)])
+                v_state = pipeline.produce(v_pipe, v_state, n_blocks - 1 - j, [(tma_v, tVgV, tVsV)])
+        pipeline.tail(q_pipe, q_state)
         pipeline.tail(k_pipe, k_state)
         pipeline.tail(v_pipe, v_state)
+
+    @cute.jit
+    def consume(self, q_pipe, k_pipe, v_pipe, sQ, sK, sV, sO, tma_o, mO, mLSE, seqlen_k: Int32,
+                scale_log2: Float32, ctidx: Int32, wg: Int32, epi_tile: cutlass.Constexpr):
+        """Consumer warpgroups: per tile, the mainloop, then O through SMEM and a TMA store."""
+        q_state = pipeline.consumer_state(self.q_stages)
+        k_state = pipeline.consumer_state(self.kv_stages)
+        v_state = pipeline.consumer_state(self.kv_stages)
+        store_pipe = epilogue.store_pipeline(EPI_STAGES, 128 * self.consumer_wgs)
+        seqlen_q, heads_q = mO.shape[0], mO.shape[2]
+        first, tiles, step = self.tile_range(mO)
+        self.mma_init(wg)
+        for tile in cutlass.range(first, tiles, step, unroll=1):
+            m_block, head, batch = self.tile_coords(tile, seqlen_q, heads_q)
+            n_blocks = mask.n_block_max(m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.causal)
+            ctx = self.compute_setup(sQ[None, None, q_state.index], sK, sV, None, ctidx, m_block,
+                                     seqlen_q, seqlen_k)
+            pipeline.consume_wait(q_pipe, q_state)
+            if n_blocks > 0:
+                if cutlass.const_expr(self.intra_wg_overlap):
+                    k_state, v_state = self.mainloop_overlapped(ctx, k_pipe, v_pipe, k_state, v_state,
+                                                                n_blocks, wg, scale_log2)
+                else:
+                    k_state, v_state = self.mainloop(ctx, k_pipe, v_pipe, k_state, v_state,
+                                                     n_blocks, wg, scale_log2)
+            q_state = pipeline.release(q_pipe, q_state)  # every Q K^T of this tile has retired
+            self.store_o(ctx, tma_o, mO, sO, mLSE, batch, head, scale_log2, store_pipe, ctidx, epi_tile)
+        if ctidx < 32:
+            store_pipe.producer_tail()
+
+    @cute.jit
+    def store_o(self, ctx, tma_o, mO, sO, mLSE, batch: Int32, head: Int32, scale_log2: Float32,
+                store_pipe, ctidx: Int32, epi_tile: cutlass.Constexpr):
+        """O / l through SMEM (stmatrix) and a TMA store that clips the ragged edge; LSE direct."""
+        m_block, seqlen_q = ctx[0][5], ctx[0][6]
+        pv, _, acc_o, o_coords, row_max, row_sum, _ = ctx[1]
+        o_mn = mma.rows_cols(acc_o)
+        for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
+            inv_sum, lse = softmax.finalize(row_max[r], row_sum[r], scale_log2, 4)
+            for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
+                o_mn[r, c] = o_mn[r, c] * inv_sum
+            row = m_block * self.tile_m + o_coords[r, 0][0]
+            if ctidx % 4 == 0 and row < seqlen_q:
+                mLSE[batch, head, row] = lse
+        gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
+        epilogue.store_tile(acc_o, pv, ctidx, sO, tma_o, gO, epi_tile,
+                            dsl_pipeline.NamedBarrier(barrier_id=EPILOGUE_BARRIER,
+                                                      num_threads=128 * self.consumer_wgs),
+                            ctidx < 32, store_pipe)
 
     # ---------------------------------------------------------------- ping-pong scheduling
     @cute.jit
@@ -143,15 +234,24 @@ class WarpSpecializedAttention(WgmmaAttention):
         mma.gemm(pv, acc_o, mma.as_a_operand(p), tOrVt[None, None, None, v_state.index], wait=-1)
 
     @cute.jit
-    def softmax_tile(self, ctx, acc_s, n_block: Int32, scale_log2: Float32):
-        """Mask (only where needed) and online softmax on S in registers; returns the O rescale."""
+    def softmax_tile(self, ctx, acc_s, n_block: Int32, scale_log2: Float32, masked: cutlass.Constexpr):
+        """Mask (`masked` tiles only) and online softmax on S in registers; returns the O rescale."""
         _, _, _, _, s_coords, m_block, seqlen_q, seqlen_k = ctx[0]
         row_max, row_sum = ctx[1][4], ctx[1][5]
         s_mn = mma.rows_cols(acc_s)
-        if mask.tile_needs_mask(m_block, n_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.causal):
+        if cutlass.const_expr(masked):
             mask.apply(s_mn, s_coords, m_block * self.tile_m, n_block * self.tile_n, seqlen_q,
                        seqlen_k, self.causal)
         return softmax.online_update(s_mn, row_max, row_sum, scale_log2, 4)
+
+    @cute.jit
+    def masked_tiles(self, ctx, n_blocks: Int32) -> Int32:
+        """How many of the first-visited (highest) tiles need a mask; the rest run a loop with no
+        mask code at all: a branch inside the steady-state loop lets ptxas hoist the wait for the
+        in-flight P V above the softmax, which undoes the overlap."""
+        _, _, _, _, _, m_block, seqlen_q, seqlen_k = ctx[0]
+        unmasked = cutlass.max(mask.col_limit(m_block * self.tile_m, seqlen_q, seqlen_k, self.causal), 0) // self.tile_n
+        return n_blocks - cutlass.min(n_blocks, unmasked)
 
     @cute.jit
     def rescale_o(self, ctx, correction: cute.Tensor):
@@ -161,54 +261,77 @@ class WarpSpecializedAttention(WgmmaAttention):
                 o_mn[r, c] = o_mn[r, c] * correction[r]
 
     @cute.jit
-    def mainloop(self, ctx, k_pipe, v_pipe, n_blocks: Int32, wg: Int32, scale_log2: Float32):
+    def mainloop(self, ctx, k_pipe, v_pipe, k_state, v_state, n_blocks: Int32, wg: Int32,
+                 scale_log2: Float32):
         """K5.1/K5.2: one tile at a time; with ping-pong the other warpgroup's GEMMs cover this
         warpgroup's softmax."""
-        k_state = pipeline.consumer_state(self.kv_stages)
-        v_state = pipeline.consumer_state(self.kv_stages)
+        n_masked = self.masked_tiles(ctx, n_blocks)
         # A turn runs from wait_turn to pass_turn and covers P_j V_j plus the next Q K^T; every
         # pass follows the same warpgroup's wait, so the two barriers strictly alternate.
         self.wait_turn(wg)
-        for j in cutlass.range(n_blocks, unroll=1):
-            acc_s = self.issue_qk(ctx, k_pipe, k_state)
-            self.pass_turn(wg)
-            warpgroup.wait_group(0)
-            k_state = pipeline.release(k_pipe, k_state)
-            correction = self.softmax_tile(ctx, acc_s, n_blocks - 1 - j, scale_log2)
-            self.rescale_o(ctx, correction)
-            p = cute.make_rmem_tensor_like(acc_s, self.dtype)
-            p.store(acc_s.load().to(self.dtype))
-            self.wait_turn(wg)
-            self.issue_pv(ctx, p, v_pipe, v_state)
-            warpgroup.wait_group(0)
-            v_state = pipeline.release(v_pipe, v_state)
+        for j in cutlass.range(n_masked, unroll=1):
+            k_state, v_state = self.step(ctx, k_pipe, v_pipe, k_state, v_state, n_blocks - 1 - j, wg, scale_log2, True)
+        for j in cutlass.range(n_masked, n_blocks, unroll=1):
+            k_state, v_state = self.step(ctx, k_pipe, v_pipe, k_state, v_state, n_blocks - 1 - j, wg, scale_log2, False)
         self.pass_turn(wg)
+        return k_state, v_state
 
     @cute.jit
-    def mainloop_overlapped(self, ctx, k_pipe, v_pipe, n_blocks: Int32, wg: Int32, scale_log2: Float32):
+    def step(self, ctx, k_pipe, v_pipe, k_state, v_state, n_block: Int32, wg: Int32,
+             scale_log2: Float32, masked: cutlass.Constexpr):
+        acc_s = self.issue_qk(ctx, k_pipe, k_state)
+        self.pass_turn(wg)
+        warpgroup.wait_group(0)
+        k_state = pipeline.release(k_pipe, k_state)
+        correction = self.softmax_tile(ctx, acc_s, n_block, scale_log2, masked)
+        self.rescale_o(ctx, correction)
+        p = cute.make_rmem_tensor_like(acc_s, self.dtype)
+        p.store(acc_s.load().to(self.dtype))
+        self.wait_turn(wg)
+        self.issue_pv(ctx, p, v_pipe, v_state)
+        warpgroup.wait_group(0)
+        v_state = pipeline.release(v_pipe, v_state)
+        return k_state, v_state
+
+    @cute.jit
+    def mainloop_overlapped(self, ctx, k_pipe, v_pipe, k_state, v_state, n_blocks: Int32, wg: Int32,
+                            scale_log2: Float32):
         """K5.3: S_j = Q K_j^T and O += P_{j-1} V_{j-1} in flight together; softmax(S_j) under P V."""
-        k_state = pipeline.consumer_state(self.kv_stages)
-        v_state = pipeline.consumer_state(self.kv_stages)
+        n_masked = self.masked_tiles(ctx, n_blocks)
         # prologue: the first (last-indexed) tile's S and P; O is still zero, nothing to rescale
         acc_s = self.issue_qk(ctx, k_pipe, k_state)
         warpgroup.wait_group(0)
         k_state = pipeline.release(k_pipe, k_state)
-        self.softmax_tile(ctx, acc_s, n_blocks - 1, scale_log2)
+        self.softmax_tile(ctx, acc_s, n_blocks - 1, scale_log2, True)
         p = cute.make_rmem_tensor_like(acc_s, self.dtype)
         p.store(acc_s.load().to(self.dtype))
-        for j in cutlass.range(1, n_blocks, unroll=1):
-            self.wait_turn(wg)
-            acc_s = self.issue_qk(ctx, k_pipe, k_state)
-            self.issue_pv(ctx, p, v_pipe, v_state)
-            self.pass_turn(wg)
-            warpgroup.wait_group(1)  # S_j has landed; P V may still run
-            k_state = pipeline.release(k_pipe, k_state)
-            correction = self.softmax_tile(ctx, acc_s, n_blocks - 1 - j, scale_log2)
-            warpgroup.wait_group(0)  # P_{j-1} V_{j-1} is done: P's registers and V's stage are free
-            v_state = pipeline.release(v_pipe, v_state)
-            p.store(acc_s.load().to(self.dtype))
-            self.rescale_o(ctx, correction)
+        for j in cutlass.range(1, cutlass.max(n_masked, 1), unroll=1):
+            k_state, v_state = self.overlapped_step(ctx, k_pipe, v_pipe, k_state, v_state, p,
+                                                    n_blocks - 1 - j, wg, scale_log2, True)
+        for j in cutlass.range(cutlass.max(n_masked, 1), n_blocks, unroll=1):
+            k_state, v_state = self.overlapped_step(ctx, k_pipe, v_pipe, k_state, v_state, p,
+                                                    n_blocks - 1 - j, wg, scale_log2, False)
         # epilogue: the last P V
         self.issue_pv(ctx, p, v_pipe, v_state)
         warpgroup.wait_group(0)
         v_state = pipeline.release(v_pipe, v_state)
+        return k_state, v_state
+
+    @cute.jit
+    def overlapped_step(self, ctx, k_pipe, v_pipe, k_state, v_state, p, n_block: Int32, wg: Int32,
+                        scale_log2: Float32, masked: cutlass.Constexpr):
+        self.wait_turn(wg)
+        acc_s = self.issue_qk(ctx, k_pipe, k_state)
+        self.issue_pv(ctx, p, v_pipe, v_state)
+        self.pass_turn(wg)
+        warpgroup.wait_group(1)  # S_j has landed; P V may still run
+        correction = self.softmax_tile(ctx, acc_s, n_block, scale_log2, masked)
+        # Releasing K only now puts a basic-block boundary (the release is predicated on one lane
+        # per warp) between the softmax and the wait below; in one block ptxas hoists the wait
+        # above part of the softmax, and the softmax no longer runs under the in-flight P V.
+        k_state = pipeline.release(k_pipe, k_state)
+        warpgroup.wait_group(0)  # P_{j-1} V_{j-1} is done: P's registers and V's stage are free
+        v_state = pipeline.release(v_pipe, v_state)
+        p.store(acc_s.load().to(self.dtype))
+        self.rescale_o(ctx, correction)
+        return k_state, v_state

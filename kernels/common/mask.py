@@ -37,8 +37,8 @@ def apply(scores: cute.Tensor, coords: cute.Tensor, row0: Int32, col0: Int32, se
     for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
         limit = col_limit(row0 + coords[r, 0][0], seqlen_q, seqlen_k, causal) - col0
         for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
-            if coords[r, c][1] >= limit:
-                scores[r, c] = -cutlass.Float32.inf
+            # a select, not a branch: a branch per element makes the DSL yield the whole tile
+            scores[r, c] = -cutlass.Float32.inf if coords[r, c][1] >= limit else scores[r, c]
 
 
 @cute.jit

@@ -29,6 +29,19 @@ def max_offset(row_max: Float32, scale_log2: Float32) -> Float32:
     return offset
 
 
+def _reduce(scores: cute.Tensor, r: int, op):
+    """op over row r with up to four independent chains: a single chain of dependent
+    instructions would serialise on their latency."""
+    cols = cute.size(scores, mode=[1])
+    chains = min(4, cols)
+    acc = [scores[r, c] for c in range(chains)]
+    for c in range(chains, cols):
+        acc[c % chains] = op(acc[c % chains], scores[r, c])
+    while len(acc) > 1:
+        acc = [op(acc[i], acc[i + 1]) if i + 1 < len(acc) else acc[i] for i in range(0, len(acc), 2)]
+    return acc[0]
+
+
 @cute.jit
 def online_update(scores: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor,
                   scale_log2: Float32, threads_per_row: cutlass.Constexpr) -> cute.Tensor:
@@ -42,9 +55,7 @@ def online_update(scores: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tenso
     rows, cols = cute.size(scores, mode=[0]), cute.size(scores, mode=[1])
     correction = cute.make_rmem_tensor((rows,), Float32)
     for r in cutlass.range_constexpr(rows):
-        tile_max = scores[r, 0]
-        for c in cutlass.range_constexpr(1, cols):
-            tile_max = cute.arch.fmax(tile_max, scores[r, c])
+        tile_max = _reduce(scores, r, cute.arch.fmax)
         tile_max = cute.arch.warp_reduction_max(tile_max, threads_in_group=threads_per_row)
         old_max = row_max[r]
         new_max = cute.arch.fmax(old_max, tile_max)
@@ -52,10 +63,9 @@ def online_update(scores: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tenso
         factor = cute.math.exp2(max_offset(old_max, scale_log2) - offset, fastmath=True)
         if old_max == -Float32.inf:
             factor = Float32(0.0)
-        tile_sum = Float32(0.0)
         for c in cutlass.range_constexpr(cols):
             scores[r, c] = cute.math.exp2(scores[r, c] * scale_log2 - offset, fastmath=True)
-            tile_sum += scores[r, c]
+        tile_sum = _reduce(scores, r, lambda a, b: a + b)
         row_max[r] = new_max
         row_sum[r] = row_sum[r] * factor + tile_sum
         correction[r] = factor
