@@ -140,11 +140,16 @@ class WarpSpecializedAttention(WgmmaAttention):
             tQsQ, tQgQ = tma.partition(tma_q, cute.local_tile(mQ[None, None, head, batch], tile_q, (None, 0)), sQ)
             tKsK, tKgK = tma.partition(tma_k, cute.local_tile(mK[None, None, head_kv, batch], tile_kv, (None, 0)), sK)
             tVsV, tVgV = tma.partition(tma_v, cute.local_tile(mV[None, None, head_kv, batch], tile_kv, (None, 0)), sV)
-            q_state = pipeline.produce(q_pipe, q_state, m_block, [(tma_q, tQgQ, tQsQ)])
             n_blocks = mask.n_block_max(m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.causal)
+            if n_blocks == 0:  # no key is visible: the consumers still take (and release) the Q tile
+                q_state = pipeline.produce(q_pipe, q_state, m_block, [(tma_q, tQgQ, tQsQ)])
             for j in cutlass.range(n_blocks, unroll=1):
                 k_state = pipeline.produce(k_pipe, k_state, n_blocks - 1 - j, [(tma_k, tKgK, tKsK)])
                 v_state = pipeline.produce(v_pipe, v_state, n_blocks - 1 - j, [(tma_v, tVgV, tVsV)])
+                if j == 0:
+                    # Q after the first K/V: with one Q buffer, waiting for the previous tile to
+                    # free it must not hold back the next tile's first K/V loads.
+                    q_state = pipeline.produce(q_pipe, q_state, m_block, [(tma_q, tQgQ, tQsQ)])
         pipeline.tail(q_pipe, q_state)
         pipeline.tail(k_pipe, k_state)
         pipeline.tail(v_pipe, v_state)
