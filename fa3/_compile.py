@@ -160,9 +160,13 @@ def _build_gemm(spec, dtype, a_layout="row", b_layout="row", extra_options=""):
 
 def get_gemm(spec, dtype, a_layout, b_layout):
     """The compiled GEMM for this rung, dtype and operand layouts (compiled on first use); call it
-    as fn(a, b, c, sm_count)."""
-    return _cached(gemm_key(spec, dtype, a_layout, b_layout),
-                   lambda: _build_gemm(spec, dtype, a_layout, b_layout))
+    as fn(a, b, c, sm_count). Like get_attention, a hit is one dict lookup."""
+    fast_key = ("gemm", spec.name, dtype, a_layout, b_layout)
+    fn = _FAST.get(fast_key)
+    if fn is None:
+        fn = _FAST[fast_key] = _cached(gemm_key(spec, dtype, a_layout, b_layout),
+                                       lambda: _build_gemm(spec, dtype, a_layout, b_layout))
+    return fn
 
 
 @dataclass

@@ -171,6 +171,10 @@ def _gemm_operand(t: torch.Tensor, name: str, dims: tuple[str, str]):
     unit-stride dimension's length and the other stride must be multiples of 8 (16 bytes: TMA).
     A length-1 dimension's stride is meaningless, so it is set to an aligned value (a view)."""
     rows, cols = t.shape
+    lead = t.stride(0)
+    if t.stride(1) == 1 and rows > 1 and cols % _TMA_ELEMS == 0 and lead % _TMA_ELEMS == 0 \
+            and lead >= cols and t.data_ptr() % 16 == 0:
+        return t, "row"  # the common case (a contiguous tensor), decided without the search below
     candidates = [layout for layout, unit, extent in (("row", t.stride(1), cols), ("col", t.stride(0), rows))
                   if unit == 1 or extent == 1]
     if not candidates:
