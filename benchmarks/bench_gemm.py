@@ -2,10 +2,12 @@
 
 C = A B with A (M, K), B (K, N) row-major from torch.randn, bf16 by default, FP32 accumulation.
 TFLOP/s = 2 M N K / t, t the median of CUDA-event times after warm-up; both sides write into a
-preallocated output. The table gives each rung's ratio to cuBLAS per shape.
+preallocated output. Every runner is timed --rounds times per shape in rotating order and its median
+round is reported (single rounds of an 8192^3 GEMM varied by up to 10% on one H100). The table
+gives each rung's ratio to cuBLAS per shape.
 
     python benchmarks/bench_gemm.py [--kernels all|g1,g2,g3] [--shapes 4096x4096x4096,...]
-        [--dtype bf16|fp16] [--json FILE]
+        [--dtype bf16|fp16] [--rounds 3] [--json FILE]
 
 Shapes are M x N x K.
 """
@@ -13,6 +15,7 @@ Shapes are M x N x K.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 
 from timing import MAX_CALL_S, TooSlow, format_table, measure, progress, tflops, write_json
@@ -43,28 +46,41 @@ def runners(kernels):
     return {**{name: rung_call(name) for name in kernels}, CUBLAS: cublas_call}
 
 
-def sweep(shapes, kernels, dtype, *, warmup, repeats, max_call_s) -> list[dict]:
+def sweep(shapes, kernels, dtype, *, rounds, warmup, repeats, max_call_s) -> list[dict]:
+    """Each shape is timed `rounds` times for every runner, the runners' order rotating from round
+    to round (so clock and thermal drift hit each alike); a runner's result is its median round."""
     rows = []
     for m, n, k in shapes:
         gen = torch.Generator(device="cuda").manual_seed(0)
         a = torch.randn(m, k, device="cuda", dtype=dtype, generator=gen)
         b = torch.randn(k, n, device="cuda", dtype=dtype, generator=gen)
         out = torch.empty(m, n, device="cuda", dtype=dtype)
-        flops = 2.0 * m * n * k
+        flops, label = 2.0 * m * n * k, f"{m}x{n}x{k}"
+        calls = runners(kernels)
+        times = {name: [] for name in calls}
+        skipped = {}
+        for r in range(rounds):
+            order = list(calls)[r % len(calls):] + list(calls)[:r % len(calls)]
+            for name in order:
+                if name in skipped:
+                    continue
+                try:
+                    ms = measure(calls[name](a, b, out), warmup=warmup, repeats=repeats,
+                                 max_call_s=max_call_s)
+                except TooSlow as slow:
+                    skipped[name] = f"one call took {slow.args[0] / 1e3:.1f} s"
+                except Exception as exc:  # report and carry on with the other runners
+                    skipped[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+                else:
+                    times[name].append(ms)
+                    progress(f"{label:<18} round {r + 1}  {name:<7} {ms:9.3f} ms {tflops(flops, ms):7.1f} TFLOP/s")
+                    continue
+                progress(f"{label:<18} {name:<7} skipped: {skipped[name]}")
         results = {}
-        for name, make in runners(kernels).items():
-            label = f"{m}x{n}x{k}"
-            try:
-                ms = measure(make(a, b, out), warmup=warmup, repeats=repeats, max_call_s=max_call_s)
-            except TooSlow as slow:
-                results[name] = {"skipped": f"one call took {slow.args[0] / 1e3:.1f} s"}
-            except Exception as exc:  # report and carry on with the other runners
-                results[name] = {"skipped": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
-            else:
-                results[name] = {"ms": ms, "tflops": tflops(flops, ms)}
-                progress(f"{label:<18} {name:<7} {ms:9.3f} ms {tflops(flops, ms):7.1f} TFLOP/s")
-                continue
-            progress(f"{label:<18} {name:<7} skipped: {results[name]['skipped']}")
+        for name, t in times.items():
+            ms = statistics.median(t) if t and name not in skipped else None
+            results[name] = ({"ms": ms, "tflops": tflops(flops, ms), "rounds_ms": t} if ms
+                             else {"skipped": skipped.get(name, "no timing")})
         rows.append({"m": m, "n": n, "k": k, "results": results})
         del a, b, out
     return rows
@@ -93,6 +109,7 @@ def parse_args(argv=None):
                    default=list(DEFAULT_SHAPES), help="comma list of MxNxK")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--json", metavar="FILE", help="also write every measurement here")
+    p.add_argument("--rounds", type=int, default=3, help="timings per runner and shape, order rotated")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--max-call-s", type=float, default=MAX_CALL_S)
@@ -110,7 +127,7 @@ def main(argv=None) -> int:
         print("bench_gemm needs a CUDA GPU (a Hopper GPU for the fa3 rungs); none was found.")
         return 2
     progress(f"{torch.cuda.get_device_name()}; {args.dtype}; TFLOP/s = 2MNK / median CUDA-event time")
-    rows = sweep(args.shapes, args.kernels, DTYPES[args.dtype], warmup=args.warmup,
+    rows = sweep(args.shapes, args.kernels, DTYPES[args.dtype], rounds=args.rounds, warmup=args.warmup,
                  repeats=args.repeats, max_call_s=args.max_call_s)
     print()
     print(table(rows, args.kernels))
