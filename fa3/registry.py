@@ -103,9 +103,11 @@ KERNELS: dict[str, KernelSpec] = {
         *[
             KernelSpec(
                 f"k5.{i}", ATTENTION, "k5", "WarpSpecializedAttention", summary,
-                config={"tile_m": 128, "tile_n": 128, "kv_stages": 2, "q_stages": 2, **flags},
-                # d=256: a 64-wide K/V tile and a single Q buffer fit in 227 KB
-                per_head_dim={256: {"tile_n": 64, "q_stages": 1}},
+                # one Q buffer: a second measured no faster (and 2.3x slower causal at s=2k)
+                config={"tile_m": 128, "tile_n": 128, "kv_stages": 2, "q_stages": 1, **flags},
+                # d=64: softmax-bound, a third K/V stage measured +2-7%; d=256: a 64-wide K/V
+                # tile fits in 227 KB and keeps S small beside the 128-register O accumulator
+                per_head_dim={64: {"kv_stages": 3}, 256: {"tile_n": 64}},
                 ptx_promises=("wgmma.mma_async", "setmaxnreg", "cp.async.bulk.tensor", "bar.arrive"
                               if flags["pingpong"] else "mbarrier.try_wait"),
                 ptx_forbids=("cvt.f32.bf16", "ld.shared"),

@@ -112,12 +112,17 @@ class WarpSpecializedAttention(WgmmaAttention):
 
     # ---------------------------------------------------------------- tile schedule
     @cute.jit
-    def tile_coords(self, tile: Int32, seqlen_q: Int32, heads_q: Int32):
-        """Persistent CTA b takes tiles b, b + grid, ... A head's Q tiles are consecutive (they
-        share K/V in L2) and visited longest (causal) first."""
+    def tile_coords(self, tile: Int32, seqlen_q: Int32, heads_q: Int32, batch: Int32):
+        """Persistent CTA b takes tiles b, b + grid, ... Non-causal: a head's Q tiles are
+        consecutive, so the CTAs running together share K/V in L2. Causal: tiles differ in length
+        (up to the diagonal), so all heads' longest tiles go first (longest-processing-time
+        order); the CTAs running together still cover only a few heads' K/V prefixes."""
         m_blocks = (seqlen_q + self.tile_m - 1) // self.tile_m
-        head_batch = tile // m_blocks
-        return m_blocks - 1 - tile % m_blocks, head_batch % heads_q, head_batch // heads_q
+        m_block, head_batch = m_blocks - 1 - tile % m_blocks, tile // m_blocks
+        if cutlass.const_expr(self.causal):
+            heads_batches = heads_q * batch
+            m_block, head_batch = m_blocks - 1 - tile // heads_batches, tile % heads_batches
+        return m_block, head_batch % heads_q, head_batch // heads_q
 
     def tile_range(self, mQ):
         seqlen_q, heads_q, batch = mQ.shape[0], mQ.shape[2], mQ.shape[3]
@@ -131,11 +136,11 @@ class WarpSpecializedAttention(WgmmaAttention):
         q_state = pipeline.producer_state(self.q_stages)
         k_state = pipeline.producer_state(self.kv_stages)
         v_state = pipeline.producer_state(self.kv_stages)
-        seqlen_q, seqlen_k, heads_q = mQ.shape[0], mK.shape[0], mQ.shape[2]
+        seqlen_q, seqlen_k, heads_q, batch_size = mQ.shape[0], mK.shape[0], mQ.shape[2], mQ.shape[3]
         first, tiles, step = self.tile_range(mQ)
         tile_q, tile_kv = (self.tile_m, self.head_dim), (self.tile_n, self.head_dim)
         for tile in cutlass.range(first, tiles, step, unroll=1):
-            m_block, head, batch = self.tile_coords(tile, seqlen_q, heads_q)
+            m_block, head, batch = self.tile_coords(tile, seqlen_q, heads_q, batch_size)
             head_kv = head // (heads_q // mK.shape[2])
             tQsQ, tQgQ = tma.partition(tma_q, cute.local_tile(mQ[None, None, head, batch], tile_q, (None, 0)), sQ)
             tKsK, tKgK = tma.partition(tma_k, cute.local_tile(mK[None, None, head_kv, batch], tile_kv, (None, 0)), sK)
@@ -162,11 +167,11 @@ class WarpSpecializedAttention(WgmmaAttention):
         k_state = pipeline.consumer_state(self.kv_stages)
         v_state = pipeline.consumer_state(self.kv_stages)
         store_pipe = epilogue.store_pipeline(EPI_STAGES, 128 * self.consumer_wgs)
-        seqlen_q, heads_q = mO.shape[0], mO.shape[2]
+        seqlen_q, heads_q, batch_size = mO.shape[0], mO.shape[2], mO.shape[3]
         first, tiles, step = self.tile_range(mO)
         self.mma_init(wg)
         for tile in cutlass.range(first, tiles, step, unroll=1):
-            m_block, head, batch = self.tile_coords(tile, seqlen_q, heads_q)
+            m_block, head, batch = self.tile_coords(tile, seqlen_q, heads_q, batch_size)
             n_blocks = mask.n_block_max(m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.causal)
             ctx = self.compute_setup(sQ[None, None, q_state.index], sK, sV, None, ctidx, m_block,
                                      seqlen_q, seqlen_k)
@@ -260,10 +265,16 @@ class WarpSpecializedAttention(WgmmaAttention):
 
     @cute.jit
     def rescale_o(self, ctx, correction: cute.Tensor):
+        """O *= the per-row correction, skipped (warp-uniformly) when no row of the warp raised
+        its running max, which is most tiles once a long row has seen its largest scores."""
         o_mn = mma.rows_cols(ctx[1][2])
-        for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
-            for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
-                o_mn[r, c] = o_mn[r, c] * correction[r]
+        moved = correction[0] != Float32(1.0)
+        for r in cutlass.range_constexpr(1, cute.size(correction)):
+            moved = moved | (correction[r] != Float32(1.0))
+        if cute.arch.vote_any_sync(moved):
+            for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
+                for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
+                    o_mn[r, c] = o_mn[r, c] * correction[r]
 
     @cute.jit
     def mainloop(self, ctx, k_pipe, v_pipe, k_state, v_state, n_blocks: Int32, wg: Int32,
