@@ -113,16 +113,22 @@ class WarpSpecializedAttention(WgmmaAttention):
     # ---------------------------------------------------------------- tile schedule
     @cute.jit
     def tile_coords(self, tile: Int32, seqlen_q: Int32, heads_q: Int32, batch: Int32):
-        """Persistent CTA b takes tiles b, b + grid, ... Non-causal: a head's Q tiles are
-        consecutive, so the CTAs running together share K/V in L2. Causal: tiles differ in length
-        (up to the diagonal), so all heads' longest tiles go first (longest-processing-time
-        order); the CTAs running together still cover only a few heads' K/V prefixes."""
+        """Persistent CTA b takes tiles b, b + grid, ... in this order: heads (and batches) in
+        groups; within a group, Q tiles from the last (longest under causal) to the first, the
+        group's heads interleaved. Non-causal groups are one head: the CTAs running together work
+        on one head and share its K/V in L2. Causal tiles differ in length, so a group holds enough
+        heads for two waves of CTAs to start on long tiles (longest-processing-time first), yet few
+        enough that their K/V still fits in L2 (all heads at once measured 21% slower at s = 2k)."""
         m_blocks = (seqlen_q + self.tile_m - 1) // self.tile_m
-        m_block, head_batch = m_blocks - 1 - tile % m_blocks, tile // m_blocks
+        heads_batches = heads_q * batch
+        group = 1
         if cutlass.const_expr(self.causal):
-            heads_batches = heads_q * batch
-            m_block, head_batch = m_blocks - 1 - tile // heads_batches, tile % heads_batches
-        return m_block, head_batch % heads_q, head_batch // heads_q
+            group = cutlass.min((2 * cute.arch.grid_dim()[0] + m_blocks - 1) // m_blocks, heads_batches)
+        first_hb = tile // (group * m_blocks) * group
+        in_group = cutlass.min(group, heads_batches - first_hb)
+        within = tile % (group * m_blocks)
+        head_batch = first_hb + within % in_group
+        return m_blocks - 1 - within // in_group, head_batch % heads_q, head_batch // heads_q
 
     def tile_range(self, mQ):
         seqlen_q, heads_q, batch = mQ.shape[0], mQ.shape[2], mQ.shape[3]
