@@ -3,6 +3,10 @@
     python -m fa3 compile --kernel NAME|all [--head-dim 128] [--causal] [--dtype bf16|fp16] --out DIR
         Compiles rungs for sm_90a (no GPU needed), writes NAME.ptx and NAME.cubin into DIR and
         prints ptxas' registers and spills and which of the rung's promised PTX instructions appear.
+    python -m fa3 compile --warm-cache --kernel NAME|all [--head-dim 128] [--causal] [--dtype bf16]
+        Compiles into the disk compile cache instead (FA3_CACHE_DIR, default ~/.cache/fa3; no GPU
+        needed), skipping what is there, so that a deployment's first calls load in milliseconds.
+        GEMM rungs are compiled for every operand layout.
     python -m fa3 demo
         On a Hopper GPU: fa3.attention (fastest rung) on batch 2, seqlen 4096, 16 heads, head_dim 128,
         bf16, causal and not; error against torch SDPA and TFLOP/s. Without one: compiles every
@@ -20,11 +24,12 @@ import re
 import shutil
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 
 import torch
 
-from . import _compile, registry
+from . import _compile, _disk_cache, registry
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DEMO_SHAPE = dict(batch=2, seqlen=4096, heads=16, head_dim=128)
@@ -102,20 +107,38 @@ def _kib(n: int) -> str:
     return f"{n / 1024:.0f} KiB"
 
 
-def cmd_compile(args) -> int:
+def selected_rungs(args) -> list[registry.KernelSpec] | None:
+    """The rungs --kernel names that support --head-dim (GEMM rungs always do). A single named
+    rung that does not is an error (None, after saying so); with 'all' it is skipped with a note."""
     names = registry.available_kernels() if args.kernel == "all" else [args.kernel]
-    os.makedirs(args.out, exist_ok=True)
-    dtype = DTYPES[args.dtype]
-    failures = 0
+    specs = []
     for name in names:
         spec = registry.get(name)
         if spec.family == registry.ATTENTION and args.head_dim not in spec.head_dims:
             msg = f"{name}: head_dim {args.head_dim} is not supported (supported: {spec.head_dims})"
             if args.kernel != "all":
                 print(msg, file=sys.stderr)
-                return 2
+                return None
             print(msg + ", skipped", flush=True)
             continue
+        specs.append(spec)
+    return specs
+
+
+def cmd_compile(args) -> int:
+    if args.warm_cache:
+        return cmd_warm_cache(args)
+    if args.out is None:
+        print("compile: --out DIR is required (or --warm-cache to fill the compile cache)", file=sys.stderr)
+        return 2
+    specs = selected_rungs(args)
+    if specs is None:
+        return 2
+    os.makedirs(args.out, exist_ok=True)
+    dtype = DTYPES[args.dtype]
+    failures = 0
+    for spec in specs:
+        name = spec.name
         try:
             result = compile_rung(spec, dtype, args.head_dim, args.causal)
         except Exception as exc:  # report and go on to the next rung
@@ -141,6 +164,48 @@ def cmd_compile(args) -> int:
             print(f"  forbids  {f_!r}: {'PRESENT' if f_ in result.report.ptx else 'absent'}")
         print(f"  {result.verdict()}", flush=True)
         failures += not result.ok
+    return 1 if failures else 0
+
+
+def cache_configs(spec: registry.KernelSpec, head_dim: int, causal: bool) -> list[dict]:
+    """The static configurations --warm-cache compiles for a rung: attention at --head-dim and
+    --causal; GEMM with every operand layout (row-major and transposed a and b)."""
+    if spec.family == registry.ATTENTION:
+        return [{"head_dim": head_dim, "causal": causal}]
+    return [{"a_layout": a, "b_layout": b} for a in _compile.GEMM_LAYOUTS for b in _compile.GEMM_LAYOUTS]
+
+
+def cmd_warm_cache(args) -> int:
+    """Compile the selected rungs into the disk compile cache (no GPU needed), skipping entries
+    that are already there, so that a deployment's first calls load instead of compiling."""
+    root = _disk_cache.directory()
+    if root is None:
+        print("compile --warm-cache: the disk cache is off (FA3_DISK_CACHE=0)", file=sys.stderr)
+        return 2
+    specs = selected_rungs(args)
+    if specs is None:
+        return 2
+    dtype = DTYPES[args.dtype]
+    print(f"compile cache: {root} ({_compile.TARGET_ARCH})", flush=True)
+    failures = 0
+    for spec in specs:
+        for static in cache_configs(spec, args.head_dim, args.causal):
+            label = describe(spec, dtype, args.head_dim, args.causal)
+            if spec.family == registry.GEMM:
+                label += f" a {static['a_layout']} b {static['b_layout']}"
+            start = time.perf_counter()
+            try:
+                path, compiled = _compile.fill_disk_cache(spec, dtype, **static)
+            except Exception as exc:  # report and go on
+                print(f"{label}: compile FAILED: {type(exc).__name__}: {exc}", flush=True)
+                failures += 1
+                continue
+            if path is None:
+                print(f"{label}: could not write the entry (see the warning above)", flush=True)
+                failures += 1
+            else:
+                what = f"compiled in {time.perf_counter() - start:.1f} s" if compiled else "already cached"
+                print(f"{label:<36} {what}: {path.name}", flush=True)
     return 1 if failures else 0
 
 
@@ -216,7 +281,10 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--head-dim", type=int, default=128, help="attention rungs (default 128)")
     comp.add_argument("--causal", action="store_true", help="attention rungs: causal mask")
     comp.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    comp.add_argument("--out", required=True, help="folder for NAME.ptx and NAME.cubin")
+    comp.add_argument("--out", help="folder for NAME.ptx and NAME.cubin")
+    comp.add_argument("--warm-cache", action="store_true",
+                      help="compile into the disk compile cache (FA3_CACHE_DIR, default ~/.cache/fa3) "
+                      "instead of writing PTX and cubin: later processes load these kernels")
     comp.set_defaults(func=cmd_compile)
     demo = sub.add_parser("demo", help="run (or, without a Hopper GPU, compile) the attention demo")
     demo.set_defaults(func=cmd_demo)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import registry
+from . import _disk_cache, registry
 
 TARGET_ARCH = "sm_90a"
 _LOCK = threading.Lock()
@@ -105,13 +105,24 @@ def _build_attention(spec, dtype, head_dim, causal, extra_options=""):
 
 
 def _cached(key, build):
-    """The compiled kernel for `key`, built (once, even across threads) on first use."""
+    """The kernel for `key` (a callable), loaded from the disk cache or built and stored there,
+    once even across threads, on first use."""
     fn = _CACHE.get(key)
     if fn is None:
         with _LOCK:
             fn = _CACHE.get(key)
             if fn is None:
-                fn = _CACHE[key] = build()
+                fn = _CACHE[key] = _load_or_build(key, build)
+    return fn
+
+
+def _load_or_build(key, build):
+    _, cute = _import_cute()
+    fn = _disk_cache.load(key, cute)
+    if fn is None:
+        compiled = build()
+        _disk_cache.save(key, compiled, cute)
+        fn = _disk_cache.fast_callable(compiled)
     return fn
 
 
@@ -204,3 +215,16 @@ def compile_report(spec, dtype=torch.bfloat16, **static) -> CompileReport:
 
 # family -> builder(spec, dtype, **static, extra_options) -> compiled function
 BUILDERS = {registry.ATTENTION: _build_attention, registry.GEMM: _build_gemm}
+# family -> key(spec, dtype, **static): the compile-cache key, with the builder's static arguments
+KEYS = {registry.ATTENTION: attention_key, registry.GEMM: gemm_key}
+
+
+def fill_disk_cache(spec, dtype=torch.bfloat16, **static):
+    """Compile into the disk cache unless a valid entry is there (no GPU needed: for deployments).
+    Returns (entry path or None if the cache is off or unwritable, whether it compiled)."""
+    _, cute = _import_cute()
+    key = KEYS[spec.family](spec, dtype, **static)
+    path = _disk_cache.has(key, cute)
+    if path is not None:
+        return path, False
+    return _disk_cache.save(key, BUILDERS[spec.family](spec, dtype, **static), cute), True

@@ -16,6 +16,9 @@ from . import _compile, registry
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 _LOG2E = math.log2(math.e)
+# True while torch.compile or torch.export traces the call: checks that need real data (pointers,
+# the GPU) are left to the registered op (fa3.ops), which runs them on real tensors.
+_tracing = torch.compiler.is_compiling
 
 
 @functools.lru_cache(maxsize=None)
@@ -23,10 +26,21 @@ def _device_capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+# Devices that passed check_hopper -> their SM count (what persistent kernels take): one dict
+# lookup per call answers both questions.
+_HOPPER_SMS: dict[torch.device, int] = {}
+
+
 def check_hopper(device: torch.device, name: str) -> None:
-    """`name` must live on an sm_90 GPU (H100/H200/H800): the kernels use Hopper-only instructions."""
+    """`name` must live on an sm_90 GPU (H100/H200/H800): the kernels use Hopper-only instructions.
+
+    While torch.compile or torch.export traces a call only the device type is checked: the
+    registered op checks the GPU itself when it runs."""
     if device.type != "cuda":
         raise ValueError(f"{name} is on {device}; fa3 runs on a CUDA GPU: move it with {name}.cuda()")
+    # _tracing() first: traced code must not read (and so guard on) the memo
+    if _tracing() or device in _HOPPER_SMS:
+        return
     index = device.index if device.index is not None else torch.cuda.current_device()
     cap = _device_capability(index)
     if cap != (9, 0):
@@ -34,6 +48,8 @@ def check_hopper(device: torch.device, name: str) -> None:
             f"{name} is on {torch.cuda.get_device_name(index)} (sm_{cap[0]}{cap[1]}); fa3's kernels "
             "need a Hopper GPU (sm_90: H100, H200, H800). Use torch.nn.functional."
             "scaled_dot_product_attention on other GPUs.")
+    if device.index is not None:  # tensors' devices always carry an index
+        _HOPPER_SMS[device] = _sm_count(index)
 
 
 def check_tensor(t, name: str, ndim: int, dtype=None, unit_stride_last: bool = True) -> None:
@@ -49,7 +65,7 @@ def check_tensor(t, name: str, ndim: int, dtype=None, unit_stride_last: bool = T
     if dtype is not None and t.dtype != dtype:
         raise TypeError(f"{name} has dtype {t.dtype} but the first argument is {dtype}; "
                         "all inputs must share one dtype")
-    if unit_stride_last and t.numel() and t.stride(-1) != 1:
+    if unit_stride_last and t.stride(-1) != 1 and t.numel():
         raise ValueError(f"{name} must be contiguous in its last dimension (stride {t.stride(-1)}); "
                          f"pass {name}.contiguous()")
 
@@ -58,8 +74,8 @@ def tma_ready(t: torch.Tensor) -> torch.Tensor:
     """Kernels assume 16-byte aligned base and strides (TMA's rule). Views that already satisfy it,
     such as q/k/v sliced from one packed qkv tensor, pass through without a copy; others are
     copied once into a fresh (aligned) contiguous tensor."""
-    elems = 16 // t.element_size()
-    if t.data_ptr() % 16 == 0 and all(s % elems == 0 for s in t.stride()[:-1]):
+    s0, s1, s2, _ = t.stride()  # (batch, seqlen, heads, head_dim); 16 bytes = 8 bf16/fp16 elements
+    if t.data_ptr() % 16 == 0 and s0 % 8 == 0 and s1 % 8 == 0 and s2 % 8 == 0:
         return t
     return t.clone(memory_format=torch.contiguous_format)
 
@@ -69,7 +85,8 @@ def check_output(out, name: str, like: torch.Tensor) -> None:
             or out.device != like.device:
         raise ValueError(f"{name} must be a tensor of shape {tuple(like.shape)}, dtype {like.dtype} "
                          f"on {like.device}; allocate it with torch.empty_like(...)")
-    if not out.is_contiguous() or out.data_ptr() % 16:
+    # traced calls (torch.compile) copy the op's result into `out`: its address does not matter
+    if not out.is_contiguous() or (not _tracing() and out.data_ptr() % 16):
         raise ValueError(f"{name} must be contiguous and 16-byte aligned; allocate it with "
                          "torch.empty_like(..., memory_format=torch.contiguous_format)")
 
@@ -79,18 +96,45 @@ def _check_attention(q, k, v, kernel):
     check_tensor(k, "k", 4, q.dtype)
     check_tensor(v, "v", 4, q.dtype)
     batch, seqlen_q, heads_q, head_dim = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape "
+    k_shape = k.shape  # (each .shape builds a new torch.Size: read it once)
+    if k_shape != v.shape:
+        raise ValueError(f"k {tuple(k_shape)} and v {tuple(v.shape)} must have the same shape "
                          "(batch, seqlen_k, heads_kv, head_dim)")
-    if k.shape[0] != batch:
-        raise ValueError(f"q has batch {batch} but k and v have batch {k.shape[0]}")
-    if k.shape[3] != head_dim:
-        raise ValueError(f"q has head_dim {head_dim} but k and v have head_dim {k.shape[3]}; "
+    if k_shape[0] != batch:
+        raise ValueError(f"q has batch {batch} but k and v have batch {k_shape[0]}")
+    if k_shape[3] != head_dim:
+        raise ValueError(f"q has head_dim {head_dim} but k and v have head_dim {k_shape[3]}; "
                          "fa3 needs the same head_dim for q, k and v")
-    heads_kv = k.shape[2]
+    heads_kv = k_shape[2]
     if heads_kv == 0 or heads_q % heads_kv != 0:
         raise ValueError(f"heads_q={heads_q} must be a multiple of heads_kv={heads_kv} "
                          "(GQA/MQA share each k/v head among heads_q // heads_kv query heads)")
+    spec = _memo_rung(_attention_rung, kernel, head_dim)
+    device = q.device
+    if k.device != device or v.device != device:
+        name, t = ("k", k) if k.device != device else ("v", v)
+        raise ValueError(f"{name} is on {t.device} but q is on {device}; put them on one GPU")
+    check_hopper(device, "q")
+    return spec
+
+
+# (resolver, arguments) -> rung, for arguments the resolver accepted: eager calls skip the registry
+# scan. Traced calls (torch.compile) bypass it, so compiled graphs never guard on its contents.
+_RUNGS: dict[tuple, registry.KernelSpec] = {}
+
+
+def _memo_rung(resolve, *args):
+    """resolve(*args), remembered for eager calls (it raises for bad arguments: never stored)."""
+    if _tracing():
+        return resolve(*args)
+    spec = _RUNGS.get((resolve, *args))
+    if spec is None:
+        spec = _RUNGS[(resolve, *args)] = resolve(*args)
+    return spec
+
+
+def _attention_rung(kernel, head_dim):
+    """The attention rung `kernel` (None: the fastest for head_dim), checked to support head_dim."""
     spec = registry.get(kernel) if kernel is not None else None
     if spec is not None and spec.family != registry.ATTENTION:
         raise ValueError(f"kernel={kernel!r} is a GEMM rung; attention rungs are "
@@ -100,11 +144,17 @@ def _check_attention(q, k, v, kernel):
     if head_dim not in supported:
         raise ValueError(f"head_dim={head_dim} is not supported{' by ' + kernel if kernel else ''}; "
                          f"supported head dims are {tuple(supported)}: pad q, k and v to the next one")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; put them on one GPU")
-    check_hopper(q.device, "q")
-    return spec or registry.fastest(registry.ATTENTION, head_dim)
+    if spec is not None:
+        return spec
+    # the supported value equal to head_dim: a plain int even where torch.compile made it symbolic
+    head_dim = next(d for d in supported if d == head_dim)
+    return registry.get(_fastest_rung(registry.ATTENTION, head_dim))
+
+
+@torch.compiler.assume_constant_result
+def _fastest_rung(family: str, head_dim: int | None = None) -> str:
+    """registry.fastest's name; torch.compile takes it as a constant (it cannot trace max(key=))."""
+    return registry.fastest(family, head_dim).name
 
 
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
@@ -120,30 +170,69 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     kernel: a rung of fa3.available_kernels("attention"); None picks the fastest.
     out: optional preallocated output, shaped like q, same dtype and device, contiguous.
     Returns out shaped like q (and lse).
+
+    This is the torch custom op `torch.ops.fa3.attention` (fa3.ops) behind a validating wrapper:
+    torch.compile(fullgraph=True) and torch.export trace it without graph breaks, and new batch
+    sizes or seqlens do not recompile. Kernels launch on torch's current CUDA stream without
+    synchronizing the host, so calls can be captured in CUDA graphs (after a first eager call).
     """
     spec = _check_attention(q, k, v, kernel)
-    batch, seqlen_q, heads_q, head_dim = q.shape
-    seqlen_k = k.shape[1]
-    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
-    if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    else:
+    scale = 1.0 / math.sqrt(q.shape[3]) if softmax_scale is None else float(softmax_scale)
+    causal = bool(causal)
+    if out is not None:
         check_output(out, "out", q)
-    lse = torch.empty(batch, heads_q, seqlen_q, device=q.device, dtype=torch.float32)
+    if direct_call_ok(q, k, v):
+        out, lse = launch_attention(spec, q, k, v, causal, scale, out)
+    else:
+        result, lse = torch.ops.fa3.attention(q, k, v, causal, scale, spec.name)
+        out = result if out is None else out.copy_(result)  # the op is functional
+    return (out, lse) if return_lse else out
+
+
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_function_modes = torch._C._is_torch_function_mode_enabled
+_functorch_transforms = torch._C._are_functorch_transforms_active
+_profiling = torch._C._autograd._profiler_enabled
+
+
+def direct_call_ok(*tensors) -> bool:
+    """Whether calling an op's implementation directly does exactly what dispatching through
+    torch.ops.fa3 would: not traced (torch.compile, torch.export), no dispatch or function modes
+    (FakeTensorMode, FlopCounterMode, ...), no functorch transforms, plain tensors that need no
+    autograd, and no profiler (which should see the op by name). The dispatcher costs ~10 us a
+    call; the eager wrappers skip it when this holds."""
+    if _tracing() or _dispatch_modes() or _function_modes() \
+            or _functorch_transforms() or _profiling():
+        return False
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if type(t) is not torch.Tensor or (grad and t.requires_grad):
+            return False
+    return True
+
+
+def launch_attention(spec, q, k, v, causal: bool, scale: float, out=None):
+    """Allocate the outputs (`out` unless given) and launch rung `spec` on torch's current stream;
+    returns (out, lse). The body of the fa3::attention op: arguments are validated already."""
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    device = q.device
+    if out is None:  # (torch.empty parses a shape tuple ~1.5 us slower than this or separate ints)
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty(batch, heads_q, seqlen_q, dtype=torch.float32, device=device)
+    seqlen_k = k.shape[1]
     if out.numel() == 0 or seqlen_k == 0:  # nothing to compute, or no keys: O = 0, LSE = -inf
         out.zero_()
         lse.fill_(float("-inf"))
-    else:
-        fn = _compile.get_attention(spec, q.dtype, head_dim, causal)
-        args = [tma_ready(q), tma_ready(k), tma_ready(v), out, lse]
-        if spec.needs_scores_workspace:
-            args.append(torch.empty(batch, heads_q, seqlen_q, seqlen_k, device=q.device,
-                                    dtype=torch.float32))
-        args.append(scale * _LOG2E)
-        if spec.persistent:
-            args.append(_sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device()))
-        fn(*args)
-    return (out, lse) if return_lse else out
+        return out, lse
+    fn = _compile.get_attention(spec, q.dtype, head_dim, causal)
+    args = [tma_ready(q), tma_ready(k), tma_ready(v), out, lse]
+    if spec.needs_scores_workspace:
+        args.append(torch.empty(batch, heads_q, seqlen_q, seqlen_k, dtype=torch.float32, device=device))
+    args.append(scale * _LOG2E)
+    if spec.persistent:
+        args.append(_HOPPER_SMS[device])
+    fn(*args)
+    return out, lse
 
 
 # ----------------------------------------------------------------------------- GEMM
@@ -173,7 +262,7 @@ def _gemm_operand(t: torch.Tensor, name: str, dims: tuple[str, str]):
     rows, cols = t.shape
     lead = t.stride(0)
     if t.stride(1) == 1 and rows > 1 and cols % _TMA_ELEMS == 0 and lead % _TMA_ELEMS == 0 \
-            and lead >= cols and t.data_ptr() % 16 == 0:
+            and lead >= cols and (_tracing() or t.data_ptr() % 16 == 0):
         return t, "row"  # the common case (a contiguous tensor), decided without the search below
     candidates = [layout for layout, unit, extent in (("row", t.stride(1), cols), ("col", t.stride(0), rows))
                   if unit == 1 or extent == 1]
@@ -197,11 +286,20 @@ def _gemm_operand(t: torch.Tensor, name: str, dims: tuple[str, str]):
         else:
             strides = (lead, 1) if layout == "row" else (1, lead)
             view = t if strides == t.stride() else t.as_strided(t.shape, strides)
-            if view.data_ptr() % 16:
+            if not _tracing() and view.data_ptr() % 16:  # traced: fa3::gemm checks when it runs
                 raise ValueError(f"{name}.data_ptr() is not 16-byte aligned (a view at an odd offset); "
                                  f"pass {name}.clone()")
             return view, layout
     raise ValueError(problems[0])
+
+
+def _gemm_rung(kernel):
+    """The GEMM rung `kernel` (None: the fastest)."""
+    spec = registry.get(kernel if kernel is not None else _fastest_rung(registry.GEMM))
+    if spec.family != registry.GEMM:
+        raise ValueError(f"kernel={kernel!r} is an attention rung; GEMM rungs are "
+                         f"{registry.available_kernels(registry.GEMM)}")
+    return spec
 
 
 def _check_gemm(a, b, out, kernel):
@@ -213,24 +311,29 @@ def _check_gemm(a, b, out, kernel):
     if b.shape[0] != k:
         raise ValueError(f"a is {tuple(a.shape)} and b is {tuple(b.shape)}: a's columns (K = {k}) must "
                          f"equal b's rows ({b.shape[0]}) for a @ b")
-    spec = registry.get(kernel) if kernel is not None else registry.fastest(registry.GEMM)
-    if spec.family != registry.GEMM:
-        raise ValueError(f"kernel={kernel!r} is an attention rung; GEMM rungs are "
-                         f"{registry.available_kernels(registry.GEMM)}")
+    spec = _memo_rung(_gemm_rung, kernel)
     if b.device != a.device:
         raise ValueError(f"b is on {b.device} but a is on {a.device}; put them on one GPU")
     if out is not None:
         check_output(out, "out", _OutputSpec(torch.Size((m, n)), a.dtype, a.device))
-    a_layout = b_layout = "row"
-    if m and n and k:
-        a, a_layout = _gemm_operand(a, "a", ("M", "K"))
-        b, b_layout = _gemm_operand(b, "b", ("K", "N"))
-        if n % _TMA_ELEMS:
-            raise ValueError(f"N = {n} (b.shape[1]) must be a multiple of {_TMA_ELEMS}: the output's rows "
-                             f"are written by TMA, which needs 16-byte aligned rows; pad b with zero "
-                             f"columns to N = {_round_up(n)} and slice the result")
+    a, a_layout, b, b_layout = gemm_operands(a, b)
     check_hopper(a.device, "a")
     return spec, a, a_layout, b, b_layout
+
+
+def gemm_operands(a, b):
+    """(a, a_layout, b, b_layout): both operands as TMA-ready views, checked. Layouts are checked
+    only when a kernel will be launched (M, N and K all nonzero); otherwise both are "row"."""
+    (m, k), n = a.shape, b.shape[1]
+    if not (m and n and k):
+        return a, "row", b, "row"
+    a, a_layout = _gemm_operand(a, "a", ("M", "K"))
+    b, b_layout = _gemm_operand(b, "b", ("K", "N"))
+    if n % _TMA_ELEMS:
+        raise ValueError(f"N = {n} (b.shape[1]) must be a multiple of {_TMA_ELEMS}: the output's rows "
+                         f"are written by TMA, which needs 16-byte aligned rows; pad b with zero "
+                         f"columns to N = {_round_up(n)} and slice the result")
+    return a, a_layout, b, b_layout
 
 
 def gemm(a, b, *, out=None, kernel: str | None = None):
@@ -242,15 +345,27 @@ def gemm(a, b, *, out=None, kernel: str | None = None):
     kernel: a rung of fa3.available_kernels("gemm"); None picks the fastest.
     out: optional preallocated (M, N) output, same dtype and device, contiguous.
     Returns out. M or N = 0 gives an empty result; K = 0 gives zeros.
+
+    Like fa3.attention, this is a torch custom op (`torch.ops.fa3.gemm`) behind a validating
+    wrapper: it traces under torch.compile and torch.export and can be captured in CUDA graphs.
     """
-    spec, a, a_layout, b, b_layout = _check_gemm(a, b, out, kernel)
+    spec, a_view, a_layout, b_view, b_layout = _check_gemm(a, b, out, kernel)
+    if direct_call_ok(a, b):
+        return launch_gemm(spec, a_view, a_layout, b_view, b_layout, out)
+    result = torch.ops.fa3.gemm(a, b, spec.name)
+    return result if out is None else out.copy_(result)  # the op is functional
+
+
+def launch_gemm(spec, a, a_layout, b, b_layout, out=None):
+    """Allocate `out` unless given and launch rung `spec` on torch's current stream; the body of
+    the fa3::gemm op. a and b are gemm_operands' views."""
     m, k, n = a.shape[0], a.shape[1], b.shape[1]
     if out is None:
-        out = torch.empty(m, n, device=a.device, dtype=a.dtype)
-    if out.numel() == 0:
+        out = torch.empty(m, n, dtype=a.dtype, device=a.device)
+    if m == 0 or n == 0:
         return out
     if k == 0:
         return out.zero_()
     fn = _compile.get_gemm(spec, a.dtype, a_layout, b_layout)
-    fn(a, b, out, _sm_count(a.device.index if a.device.index is not None else torch.cuda.current_device()))
+    fn(a, b, out, _HOPPER_SMS[a.device])
     return out

@@ -1,0 +1,240 @@
+"""The on-disk compile cache: a new process loads in milliseconds what took seconds to compile.
+
+Where: FA3_CACHE_DIR, else $XDG_CACHE_HOME/fa3, else ~/.cache/fa3. FA3_DISK_CACHE=0 turns it off.
+
+What: one file per compiled kernel, named by the SHA-256 of its key. The key is everything compiled
+in (the in-memory key of fa3._compile: rung, dtype, head_dim or layouts, causal, tile config,
+target arch, DSL version) plus what the stored object depends on: fa3's version and kernel
+sources, the DSL runtime build, the TVM-FFI version and the host CPU's instruction-set level (the
+DSL compiles host code for the CPU it runs on). The file holds a header (format, SHA-256 of the
+payload, the key) and the payload: the object file that the DSL's `export_to_c` writes for a
+TVM-FFI function, which `cute.runtime.load_module` links back in.
+
+Safety: entries are written to a temporary file in the same folder and moved into place with
+os.replace, so readers see a whole entry or none, and two processes filling the same entry at once
+both succeed. An entry that does not match its header (truncated, corrupt, another key) or does not
+load is logged, compiled afresh and overwritten. Failing to write only logs: the cache is an
+optimisation, never a reason for a call to fail.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import importlib.util
+import logging
+import os
+import platform
+import sys
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger("fa3")
+
+FORMAT = b"fa3-kernel-cache 1"
+SUFFIX = ".fa3k"
+
+
+def directory() -> Path | None:
+    """The cache folder (not created here), or None when FA3_DISK_CACHE=0."""
+    if os.environ.get("FA3_DISK_CACHE", "1").strip().lower() in ("0", "false", "off", "no"):
+        return None
+    if os.environ.get("FA3_CACHE_DIR"):
+        return Path(os.environ["FA3_CACHE_DIR"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "fa3"
+
+
+def digest(key: tuple) -> str:
+    """Hex SHA-256 of the key's repr: keys hold only str, int, bool and tuples, whose repr is stable."""
+    return hashlib.sha256(repr(key).encode()).hexdigest()
+
+
+class Store:
+    """Entries of bytes under a folder, one file per key; see the module docstring."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+
+    def path(self, key: tuple) -> Path:
+        return self.root / (digest(key) + SUFFIX)
+
+    def read(self, key: tuple) -> bytes | None:
+        """The payload stored for `key`; None if there is none or it is damaged (logged)."""
+        path = self.path(key)
+        try:
+            blob = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            log.warning("fa3: cannot read cache entry %s (%s); compiling instead", path, exc)
+            return None
+        parts = blob.split(b"\n", 3)
+        if len(parts) == 4 and parts[0] == FORMAT and parts[2] == repr(key).encode():
+            payload = parts[3]
+            if hashlib.sha256(payload).hexdigest().encode() == parts[1]:
+                return payload
+        log.warning("fa3: cache entry %s is damaged; compiling again and replacing it", path)
+        return None
+
+    def write(self, key: tuple, payload: bytes) -> Path | None:
+        """Store `payload` for `key` atomically; returns the entry's path, or None if it failed."""
+        path = self.path(key)
+        header = b"\n".join([FORMAT, hashlib.sha256(payload).hexdigest().encode(), repr(key).encode()])
+        tmp = None
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".tmp-", suffix=SUFFIX)
+            with os.fdopen(fd, "wb") as f:
+                f.write(header + b"\n" + payload)
+            os.chmod(tmp, 0o644)  # mkstemp makes it private; entries may be shared by a team
+            os.replace(tmp, path)
+            return path
+        except OSError as exc:
+            log.warning("fa3: cannot write cache entry %s (%s)", path, exc)
+            if tmp is not None and os.path.exists(tmp):
+                os.unlink(tmp)
+            return None
+
+
+def store() -> Store | None:
+    root = directory()
+    return None if root is None else Store(root)
+
+
+# ----------------------------------------------------------------------------- what a key adds
+def _host_isa() -> str:
+    """The machine and, on x86-64, its psABI level (v1..v4): the DSL emits host code for the CPU it
+    compiles on, so an entry may use instructions (AVX-512) another machine lacks."""
+    machine = platform.machine().lower()
+    if machine not in ("x86_64", "amd64"):
+        return machine
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((set(l.split(":", 1)[1].split()) for l in f if l.startswith("flags")), set())
+    except OSError:
+        return machine
+    levels = [("v2", {"cx16", "popcnt", "sse4_1", "sse4_2", "ssse3"}),
+              ("v3", {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "xsave"}),
+              ("v4", {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"})]
+    level = "v1"
+    for name, needs in levels:
+        if not needs <= flags:
+            break
+        level = name
+    return f"{machine}-{level}"
+
+
+def _source_digest() -> str:
+    """SHA-256 over the sources that decide what a kernel compiles to: the kernels package and the
+    compile module. A source edit invalidates entries even without a version bump."""
+    h = hashlib.sha256()
+    spec = importlib.util.find_spec("fa3.kernels")
+    roots = [Path(p) for p in (spec.submodule_search_locations or [])] if spec else []
+    files = [(root, p) for root in roots for p in sorted(root.rglob("*.py"))]
+    files.append((Path(__file__).parent, Path(__file__).parent / "_compile.py"))
+    for root, p in files:
+        h.update(p.relative_to(root).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=None)
+def _environment(runtime_libraries: tuple[str, ...]) -> tuple:
+    """(fa3 version, source digest, DSL runtime build, TVM-FFI version, host ISA): once a process."""
+    fa3 = sys.modules.get("fa3")
+    runtime = next((Path(p).parent.parent.name for p in runtime_libraries
+                    if "cute_dsl_runtime" in Path(p).name), "none")  # e.g. .../cu13/lib/libcute_dsl_runtime.so
+    try:
+        import tvm_ffi
+
+        tvm_ffi_version = tvm_ffi.__version__
+    except ImportError:
+        tvm_ffi_version = "none"
+    return (("fa3", getattr(fa3, "__version__", "unknown")), ("sources", _source_digest()),
+            ("dsl_runtime", runtime), ("tvm_ffi", tvm_ffi_version), ("host", _host_isa()))
+
+
+def entry_key(key: tuple, cute) -> tuple:
+    """The on-disk key of an in-memory compile key."""
+    return (*key, *_environment(tuple(cute.runtime.find_runtime_libraries(enable_tvm_ffi=False))))
+
+
+# ----------------------------------------------------------------------------- the DSL's side
+_KEEP: list = []  # compiled objects: what they own (JIT engine, CUDA libraries) lives as long as we do
+
+
+def fast_callable(compiled):
+    """The bare tvm_ffi.Function inside a compiled TVM-FFI kernel when there is one: calling it
+    skips the DSL's Python keyword-argument wrapper (a few us a call). fa3 always calls kernels
+    with positional arguments, which is what that wrapper would pass on."""
+    raw = getattr(compiled, "__tvm_ffi_object__", lambda: None)()
+    if raw is None or compiled.execution_args.has_pointer_address_arg_specs:
+        return compiled
+    _KEEP.append(compiled)
+    return raw
+
+
+def _symbol(ekey: tuple) -> str:
+    return "fa3_" + digest(ekey)[:24]  # a C identifier, unique per entry
+
+
+@functools.lru_cache(maxsize=None)
+def _preload_runtime(runtime_libraries: tuple[str, ...]) -> None:
+    """Load the DSL runtime with RTLD_GLOBAL once: objects linked in from disk resolve their
+    runtime symbols against it (load_module alone opens it RTLD_LOCAL)."""
+    for path in runtime_libraries:
+        if os.path.exists(path):
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+
+
+def load(key: tuple, cute):
+    """The kernel stored for in-memory key `key`, as a tvm_ffi.Function; None on a miss."""
+    cache = store()
+    if cache is None:
+        return None
+    ekey = entry_key(key, cute)
+    payload = cache.read(ekey)
+    if payload is None:
+        return None
+    libraries = tuple(cute.runtime.find_runtime_libraries(enable_tvm_ffi=False))
+    try:
+        _preload_runtime(libraries)
+        with tempfile.TemporaryDirectory(prefix="fa3-load-") as tmp:
+            obj = os.path.join(tmp, "kernel.o")
+            with open(obj, "wb") as f:
+                f.write(payload)
+            module = cute.runtime.load_module(obj, enable_tvm_ffi=True)
+            fn = getattr(module, _symbol(ekey))
+    except Exception as exc:  # an entry this runtime cannot load: compile and replace it
+        log.warning("fa3: cannot load cache entry %s (%s: %s); compiling again",
+                    cache.path(ekey), type(exc).__name__, exc)
+        return None
+    log.debug("fa3: loaded %s from %s", key[0], cache.path(ekey))
+    return fn
+
+
+def save(key: tuple, compiled, cute) -> Path | None:
+    """Export `compiled` (a TVM-FFI compile) and store it for `key`; the entry's path, or None."""
+    cache = store()
+    if cache is None:
+        return None
+    ekey = entry_key(key, cute)
+    try:
+        with tempfile.TemporaryDirectory(prefix="fa3-export-") as tmp:
+            obj = os.path.join(tmp, "kernel.o")
+            compiled.export_to_c(object_file_path=obj, function_name=_symbol(ekey))
+            payload = Path(obj).read_bytes()
+    except Exception as exc:
+        log.warning("fa3: cannot export %s for the disk cache (%s: %s)", key[0], type(exc).__name__, exc)
+        return None
+    return cache.write(ekey, payload)
+
+
+def has(key: tuple, cute) -> Path | None:
+    """The path of a valid entry for `key`, or None."""
+    cache = store()
+    if cache is None:
+        return None
+    ekey = entry_key(key, cute)
+    return cache.path(ekey) if cache.read(ekey) is not None else None

@@ -1,0 +1,281 @@
+"""CPU tests: the on-disk compile cache (fa3._disk_cache) and `python -m fa3 compile --warm-cache`.
+
+Keys change with everything compiled in; entries round-trip, are written atomically (concurrent
+writers and readers never see a partial entry), and a damaged or unloadable entry is compiled
+again and replaced. The flow through fa3._compile runs with stand-ins for the DSL's export and
+load; one test exports and loads a real kernel (loading works without a GPU, calling does not).
+"""
+
+import threading
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import fa3
+import fa3.__main__ as cli
+from fa3 import _compile, _disk_cache, registry
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    root = tmp_path / "cache"
+    monkeypatch.setenv("FA3_CACHE_DIR", str(root))
+    monkeypatch.delenv("FA3_DISK_CACHE", raising=False)
+    monkeypatch.setattr(_compile, "_CACHE", {})  # a fresh process, as far as the cache can tell
+    monkeypatch.setattr(_compile, "_FAST", {})
+    return root
+
+
+def entries(root: Path) -> list[Path]:
+    return sorted(root.glob("*" + _disk_cache.SUFFIX)) if root.exists() else []
+
+
+# ----------------------------------------------------------------------------- keys
+def test_cache_dir_from_the_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv("FA3_DISK_CACHE", raising=False)
+    monkeypatch.setenv("FA3_CACHE_DIR", str(tmp_path / "here"))
+    assert _disk_cache.directory() == tmp_path / "here"
+    monkeypatch.delenv("FA3_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert _disk_cache.directory() == tmp_path / "xdg" / "fa3"
+    monkeypatch.setenv("FA3_DISK_CACHE", "0")
+    assert _disk_cache.directory() is None and _disk_cache.store() is None
+
+
+def test_attention_key_changes_with_every_compiled_in_parameter(monkeypatch):
+    spec = registry.get(registry.fastest(registry.ATTENTION, 128).name)
+    key = lambda s=spec, dtype=BF16, head_dim=128, causal=False: _compile.attention_key(s, dtype, head_dim, causal)
+    base = key()
+    variants = [key(dtype=torch.float16), key(head_dim=64), key(causal=True),
+                key(s=registry.get(registry.available_kernels(registry.ATTENTION)[0])),
+                key(s=replace(spec, config={**spec.config, "tile_n": 64})),
+                key(s=replace(spec, per_head_dim={128: {"kv_stages": 7}}))]
+    monkeypatch.setattr(_compile, "TARGET_ARCH", "sm_90")
+    variants.append(key())
+    monkeypatch.undo()
+    monkeypatch.setattr(_compile, "dsl_version", lambda: "0.0.0")
+    variants.append(key())
+    assert len({base, *variants}) == len(variants) + 1
+
+
+def test_gemm_key_changes_with_every_compiled_in_parameter(monkeypatch):
+    spec = registry.get("g3")
+    key = lambda s=spec, dtype=BF16, a="row", b="row": _compile.gemm_key(s, dtype, a, b)
+    base = key()
+    variants = [key(dtype=torch.float16), key(a="col"), key(b="col"), key(s=registry.get("g1")),
+                key(s=replace(spec, config={**spec.config, "group_m": 8}))]
+    monkeypatch.setattr(_compile, "dsl_version", lambda: "0.0.0")
+    variants.append(key())
+    assert len({base, *variants}) == len(variants) + 1
+
+
+def fake_cute(runtime_dir="cu13", load_module=None):
+    """What fa3._disk_cache uses of cute: the runtime libraries' paths and load_module."""
+    libs = [f"/nonexistent/{runtime_dir}/lib/libcute_dsl_runtime.so"]
+    return SimpleNamespace(runtime=SimpleNamespace(
+        find_runtime_libraries=lambda enable_tvm_ffi=False: libs, load_module=load_module))
+
+
+def test_entry_key_adds_what_the_object_depends_on(monkeypatch):
+    key = ("k", "torch.bfloat16", 128)
+
+    def entry(**patch):
+        _disk_cache._environment.cache_clear()
+        with monkeypatch.context() as m:
+            for name, value in patch.items():
+                m.setattr(_disk_cache, name, lambda value=value: value)
+            return _disk_cache.entry_key(key, fake_cute())
+
+    base = entry()
+    assert base[:3] == key and base == entry()
+    variants = [entry(_source_digest="edited"), entry(_host_isa="x86_64-v2")]
+    with monkeypatch.context() as m:
+        m.setattr(fa3, "__version__", "9.9.9")
+        variants.append(entry())
+    _disk_cache._environment.cache_clear()
+    variants.append(_disk_cache.entry_key(key, fake_cute("cu12")))
+    _disk_cache._environment.cache_clear()
+    assert len({base, *variants}) == len(variants) + 1
+    assert _disk_cache._host_isa()  # e.g. x86_64-v4
+
+
+# ----------------------------------------------------------------------------- the store
+def test_store_round_trip(tmp_path):
+    store = _disk_cache.Store(tmp_path)
+    key, other = ("a", 1, True), ("a", 1, False)
+    assert store.read(key) is None
+    path = store.write(key, b"\x7fELF payload\nwith newlines\n")
+    assert path == store.path(key) != store.path(other) and path.parent == tmp_path
+    assert store.read(key) == b"\x7fELF payload\nwith newlines\n" and store.read(other) is None
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary files left
+
+
+@pytest.mark.parametrize("damage", ["flip a payload byte", "truncate", "empty", "another key", "old format"])
+def test_damaged_entry_is_a_miss_and_is_replaced(tmp_path, caplog, damage):
+    store = _disk_cache.Store(tmp_path)
+    key = ("rung", "torch.float16", 64)
+    path = store.write(key, bytes(range(256)) * 4)
+    blob = path.read_bytes()
+    path.write_bytes({
+        "flip a payload byte": blob[:-10] + bytes([blob[-10] ^ 1]) + blob[-9:],
+        "truncate": blob[: len(blob) // 2],
+        "empty": b"",
+        "another key": blob.replace(repr(key).encode(), repr(("rung", "torch.float16", 65)).encode()),
+        "old format": blob.replace(_disk_cache.FORMAT, b"fa3-kernel-cache 0"),
+    }[damage])
+    assert store.read(key) is None and "damaged" in caplog.text
+    store.write(key, b"fresh")
+    assert store.read(key) == b"fresh"
+
+
+def test_concurrent_writers_and_readers_see_whole_entries(tmp_path, caplog):
+    store = _disk_cache.Store(tmp_path)
+    key = ("shared",)
+    payloads = {bytes([i]) * (1000 + 997 * i) for i in range(6)}
+    seen, stop = [], threading.Event()
+
+    def writer(payload):
+        for _ in range(30):
+            assert store.write(key, payload) is not None
+
+    def reader():
+        while not stop.is_set():
+            seen.append(store.read(key))
+
+    readers = [threading.Thread(target=reader) for _ in range(2)]
+    writers = [threading.Thread(target=writer, args=(p,)) for p in payloads]
+    for t in readers + writers:
+        t.start()
+    for t in writers:
+        t.join()
+    stop.set()
+    for t in readers:
+        t.join()
+    assert store.read(key) in payloads
+    assert set(seen) <= payloads | {None} and "damaged" not in caplog.text
+    assert len(list(tmp_path.iterdir())) == 1
+
+
+# ----------------------------------------------------------------------------- through fa3._compile
+class StandInKernel:
+    """A 'compiled kernel' whose export writes its payload and whose call says where it came from."""
+
+    def __init__(self, payload: bytes):
+        self.payload = payload
+
+    def export_to_c(self, object_file_path, function_name):
+        Path(object_file_path).write_bytes(function_name.encode() + b"|" + self.payload)
+
+    def __call__(self):
+        return "built", self.payload
+
+
+def stand_in_load_module(path, enable_tvm_ffi=False):
+    """load_module's stand-in: the exported symbol, as a function that says it was loaded."""
+    symbol, _, payload = Path(path).read_bytes().partition(b"|")
+    if payload == b"unloadable":
+        raise RuntimeError("undefined symbol: _cudaLibraryLoadData")
+    return SimpleNamespace(**{symbol.decode(): lambda: ("loaded", payload)})
+
+
+@pytest.fixture
+def stand_in_dsl(monkeypatch, cache_dir):
+    monkeypatch.setattr(_compile, "_import_cute", lambda: (None, fake_cute(load_module=stand_in_load_module)))
+    built = []
+
+    def build(payload=None):
+        built.append(payload or b"kernel %d" % len(built))
+        return StandInKernel(built[-1])
+
+    return build, built
+
+
+KEY = ("k5.3", "torch.bfloat16", 128, False)
+
+
+def new_process(monkeypatch):
+    monkeypatch.setattr(_compile, "_CACHE", {})
+    monkeypatch.setattr(_compile, "_FAST", {})
+
+
+def test_compile_once_then_load(stand_in_dsl, cache_dir, monkeypatch):
+    build, built = stand_in_dsl
+    assert _compile._cached(KEY, build)() == ("built", b"kernel 0")
+    assert _compile._cached(KEY, build)() == ("built", b"kernel 0")  # in memory
+    assert len(entries(cache_dir)) == 1
+    new_process(monkeypatch)
+    assert _compile._cached(KEY, build)() == ("loaded", b"kernel 0")
+    assert built == [b"kernel 0"]
+    new_process(monkeypatch)
+    assert _compile._cached(KEY[:-1] + (True,), build)() == ("built", b"kernel 1")  # another key
+    assert len(entries(cache_dir)) == 2
+
+
+def test_damaged_entry_self_heals(stand_in_dsl, cache_dir, monkeypatch, caplog):
+    build, built = stand_in_dsl
+    _compile._cached(KEY, build)
+    (entry,) = entries(cache_dir)
+    entry.write_bytes(entry.read_bytes()[:-3])
+    new_process(monkeypatch)
+    assert _compile._cached(KEY, build)() == ("built", b"kernel 1") and "damaged" in caplog.text
+    new_process(monkeypatch)
+    assert _compile._cached(KEY, build)() == ("loaded", b"kernel 1")
+
+
+def test_unloadable_entry_self_heals(stand_in_dsl, cache_dir, monkeypatch, caplog):
+    build, built = stand_in_dsl
+    _compile._cached(KEY, lambda: build(b"unloadable"))
+    new_process(monkeypatch)
+    assert _compile._cached(KEY, build)() == ("built", b"kernel 1") and "cannot load" in caplog.text
+    new_process(monkeypatch)
+    assert _compile._cached(KEY, build)() == ("loaded", b"kernel 1")
+
+
+def test_cache_off_or_unwritable_still_compiles(stand_in_dsl, cache_dir, monkeypatch, caplog, tmp_path):
+    build, built = stand_in_dsl
+    monkeypatch.setenv("FA3_DISK_CACHE", "0")
+    assert _compile._cached(KEY, build)() == ("built", b"kernel 0") and not entries(cache_dir)
+    monkeypatch.delenv("FA3_DISK_CACHE")
+    (tmp_path / "a-file").write_text("not a folder")
+    monkeypatch.setenv("FA3_CACHE_DIR", str(tmp_path / "a-file"))
+    new_process(monkeypatch)
+    assert _compile._cached(KEY, build)() == ("built", b"kernel 1") and "cannot write" in caplog.text
+
+
+# ----------------------------------------------------------------------------- the real DSL
+def test_real_kernel_exports_and_loads(cache_dir, monkeypatch):
+    """A real compile goes to disk, and a new process gets it back as a TVM-FFI function with the
+    kernel's signature (it checks its arguments: CPU tensors are refused) without compiling."""
+    cli.prepare_dsl_env()
+    spec = registry.get("g1")
+    fn = _compile.get_gemm(spec, BF16, "row", "col")
+    (entry,) = entries(cache_dir)
+    new_process(monkeypatch)
+    monkeypatch.setattr(_compile, "_build_gemm", lambda *a, **k: pytest.fail("compiled instead of loading"))
+    loaded = _compile.get_gemm(spec, BF16, "row", "col")
+    assert loaded is not fn and type(loaded).__name__ == "Function"
+    a = torch.zeros(128, 64, dtype=BF16)
+    with pytest.raises(Exception, match="cuda"):
+        loaded(a, a.t(), torch.zeros(128, 128, dtype=BF16), 132)
+
+
+def test_cli_warm_cache(cache_dir, capsys):
+    args = ["compile", "--warm-cache", "--kernel", "k1", "--head-dim", "64"]
+    assert cli.main(args) == 0
+    assert "compiled in" in capsys.readouterr().out
+    (entry,) = entries(cache_dir)
+    assert cli.main(args) == 0
+    assert "already cached" in capsys.readouterr().out
+    # the entry is the one a call to fa3.attention(kernel="k1") with head_dim 64 looks for
+    key = _compile.attention_key(registry.get("k1"), BF16, 64, False)
+    assert _disk_cache.has(key, _compile._import_cute()[1]) == entry
+
+
+def test_cli_compile_needs_out_or_warm_cache(capsys):
+    assert cli.main(["compile", "--kernel", "k1"]) == 2
+    assert "--out" in capsys.readouterr().err

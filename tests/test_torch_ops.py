@@ -1,0 +1,142 @@
+"""CPU tests: fa3.attention and fa3.gemm as torch custom ops.
+
+The ops' fake implementations give the right shapes, dtypes and layouts (on meta tensors and
+under FakeTensorMode), and torch.compile(fullgraph=True) and torch.export trace a module calling
+both wrappers into one graph whose batch and seqlen stay symbolic: no graph break, no recompile.
+Tracing runs on meta tensors with the Hopper check lifted (nothing here needs a GPU); the
+`eager` backend runs the graph on the ops' meta kernels, so no kernel is compiled or launched.
+"""
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import fa3
+from fa3 import interface, registry
+
+BF16 = torch.bfloat16
+ATTENTION = registry.fastest(registry.ATTENTION, 128).name
+GEMM = registry.fastest(registry.GEMM).name
+
+
+@pytest.fixture
+def meta_ok(monkeypatch):
+    """Let meta tensors through the device check (they carry shapes and dtypes only)."""
+    monkeypatch.setattr(interface, "check_hopper", lambda device, name: None)
+
+
+def meta(*shape, dtype=BF16):
+    return torch.empty(*shape, device="meta", dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(2, 100, 8, 70, 2, 128), (1, 1, 4, 9, 4, 64), (3, 33, 6, 33, 1, 256)],
+                         ids=["gqa-sq<sk", "sq=1", "mqa"])
+def test_attention_fake_shapes(shape, dtype):
+    batch, seqlen_q, heads_q, seqlen_k, heads_kv, head_dim = shape
+    q = meta(batch, seqlen_q, heads_q, head_dim, dtype=dtype).transpose(1, 2).contiguous().transpose(1, 2)
+    k = meta(batch, seqlen_k, heads_kv, head_dim, dtype=dtype)
+    out, lse = torch.ops.fa3.attention(q, k, k, True, 0.1, ATTENTION)
+    assert out.shape == q.shape and out.dtype == dtype and out.is_contiguous()  # contiguous whatever q is
+    assert lse.shape == (batch, heads_q, seqlen_q) and lse.dtype == torch.float32 and lse.is_contiguous()
+
+
+def test_gemm_fake_shapes():
+    out = torch.ops.fa3.gemm(meta(37, 64, dtype=torch.float16), meta(128, 64, dtype=torch.float16).t(), GEMM)
+    assert out.shape == (37, 128) and out.dtype == torch.float16 and out.is_contiguous()
+
+
+def test_fake_tensor_mode_keeps_the_cuda_device():
+    """Under FakeTensorMode (what torch.compile and torch.export trace with) no GPU is touched."""
+    with FakeTensorMode():
+        q = torch.empty(2, 64, 4, 128, device="cuda", dtype=BF16)
+        out, lse = torch.ops.fa3.attention(q, q, q, False, 0.1, ATTENTION)
+        c = torch.ops.fa3.gemm(torch.empty(512, 64, device="cuda", dtype=BF16),
+                               torch.empty(64, 32, device="cuda", dtype=BF16), GEMM)
+    assert (out.device.type, lse.device.type, c.device.type) == ("cuda",) * 3
+    assert c.shape == (512, 32)
+
+
+class Block(torch.nn.Module):
+    """Projections through fa3.gemm around fa3.attention, as a GPT block would (no norms)."""
+
+    def __init__(self, heads=4, head_dim=64, device="meta"):
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        width = heads * head_dim
+        self.w_qkv = torch.nn.Parameter(torch.empty(width, 3 * width, device=device, dtype=BF16), requires_grad=False)
+        self.w_out = torch.nn.Parameter(torch.empty(width, width, device=device, dtype=BF16), requires_grad=False)
+
+    def forward(self, x):
+        batch, seqlen, width = x.shape
+        qkv = fa3.gemm(x.reshape(batch * seqlen, width), self.w_qkv)
+        q, k, v = qkv.view(batch, seqlen, 3, self.heads, self.head_dim).unbind(2)
+        o, lse = fa3.attention(q, k, v, causal=True, return_lse=True)
+        out = torch.empty_like(x)
+        fa3.gemm(o.reshape(batch * seqlen, width), self.w_out, out=out.view(batch * seqlen, width))
+        return out, lse
+
+
+def test_compile_fullgraph_dynamic_batch_and_seqlen(meta_ok):
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    block = Block()
+    compiled = torch.compile(block, fullgraph=True, backend=backend)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for batch, seqlen in [(2, 128), (2, 200), (3, 77)]:
+            x = meta(batch, seqlen, 256)
+            torch._dynamo.mark_dynamic(x, 0)
+            torch._dynamo.mark_dynamic(x, 1)
+            out, lse = compiled(x)
+            assert out.shape == x.shape and lse.shape == (batch, 4, seqlen)
+    assert len(graphs) == 1
+    targets = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.fa3.attention) == 1 and targets.count(torch.ops.fa3.gemm) == 2
+
+
+def test_export_keeps_shapes_symbolic(meta_ok):
+    batch, seqlen = torch.export.Dim("batch"), torch.export.Dim("seqlen", max=1 << 16)
+    program = torch.export.export(Block(), (meta(2, 128, 256),), dynamic_shapes=({0: batch, 1: seqlen},))
+    calls = [n for n in program.graph.nodes if n.op == "call_function"]
+    attention = next(n for n in calls if n.target is torch.ops.fa3.attention.default)
+    assert attention.args[3:] == (True, 0.125, ATTENTION)  # causal, 1/sqrt(64), the rung resolved
+    fake_out = attention.meta["val"][0]
+    assert all(isinstance(s, torch.SymInt) for s in fake_out.shape[:2])
+    assert sum(n.target is torch.ops.fa3.gemm.default for n in calls) == 2
+
+
+def test_validation_runs_when_traced(meta_ok):
+    """The wrapper's checks are traced too: a bad call fails to compile, naming the problem."""
+    compiled = torch.compile(lambda q: fa3.attention(q, q, q), fullgraph=True, backend="eager")
+    with pytest.raises(Exception, match="head_dim=100 is not supported"):
+        compiled(meta(1, 8, 2, 100))
+
+
+def test_direct_call_only_for_plain_eager_tensors():
+    """Eager calls skip the dispatcher only when it would add nothing (see direct_call_ok)."""
+    t = torch.empty(2, 2)
+    assert interface.direct_call_ok(t, t)
+    with torch.no_grad():
+        assert interface.direct_call_ok(t, t.requires_grad_())
+    assert not interface.direct_call_ok(t, t)  # requires grad: the op's autograd error must fire
+    t = torch.empty(2, 2)
+    with FakeTensorMode() as mode:
+        assert not interface.direct_call_ok(mode.from_tensor(t))
+        assert not interface.direct_call_ok(t)  # a dispatch mode is active
+    assert not interface.direct_call_ok(torch.nn.Parameter(t))  # a subclass
+    with torch.profiler.profile():  # the profiler should see fa3::attention by name
+        assert not interface.direct_call_ok(t)
+
+
+def test_op_rejects_autograd():
+    """Backward through fa3 is not implemented: say so instead of returning wrong gradients."""
+    assert torch.ops.fa3.attention.default._schema.returns[0].type.kind() == "TensorType"
+    with pytest.raises(Exception, match="autograd|derivative|backward"):
+        q = torch.empty(1, 8, 2, 64, device="meta", dtype=BF16, requires_grad=True)
+        out, _ = torch.ops.fa3.attention(q, q, q, False, 0.1, ATTENTION)
+        out.sum().backward()
