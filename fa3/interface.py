@@ -211,6 +211,12 @@ def direct_call_ok(*tensors) -> bool:
     return True
 
 
+def _detached(*tensors):
+    """Views that do not require grad (same memory): kernels take tensors through DLPack, which
+    refuses tensors that require grad (they reach a kernel under no_grad, or through the op)."""
+    return tuple(t.detach() if t.requires_grad else t for t in tensors)
+
+
 def launch_attention(spec, q, k, v, causal: bool, scale: float, out=None):
     """Allocate the outputs (`out` unless given) and launch rung `spec` on torch's current stream;
     returns (out, lse). The body of the fa3::attention op: arguments are validated already."""
@@ -225,6 +231,8 @@ def launch_attention(spec, q, k, v, causal: bool, scale: float, out=None):
         lse.fill_(float("-inf"))
         return out, lse
     fn = _compile.get_attention(spec, q.dtype, head_dim, causal)
+    if q.requires_grad or k.requires_grad or v.requires_grad:
+        q, k, v = _detached(q, k, v)
     args = [tma_ready(q), tma_ready(k), tma_ready(v), out, lse]
     if spec.needs_scores_workspace:
         args.append(torch.empty(batch, heads_q, seqlen_q, seqlen_k, dtype=torch.float32, device=device))
@@ -367,5 +375,7 @@ def launch_gemm(spec, a, a_layout, b, b_layout, out=None):
     if k == 0:
         return out.zero_()
     fn = _compile.get_gemm(spec, a.dtype, a_layout, b_layout)
+    if a.requires_grad or b.requires_grad:
+        a, b = _detached(a, b)
     fn(a, b, out, _HOPPER_SMS[a.device])
     return out

@@ -1,0 +1,151 @@
+"""Host cost of a call for small problems, fa3 beside its peers; and a fresh process's first call.
+
+    python benchmarks/bench_overhead.py [--calls 2000] [--no-first-call] [--json FILE]
+
+Per-call: wall microseconds per call of back-to-back calls (perf_counter around --calls calls, then
+one synchronize; best of three rounds), beside the GPU's own time per call (CUDA events). These
+problems take the GPU a few microseconds, so the wall time is what the host spends: validation,
+allocation and launch. Runners: fa3.attention (eager, the default rung), the same into a
+preallocated out=, torch.ops.fa3.attention (through the dispatcher, as compiled graphs call it),
+SDPA forced to flash and to cuDNN, flash-attn-4 (flash_attn.cute.flash_attn_func) when it imports;
+fa3.gemm beside torch.matmul.
+
+First call: benchmarks/first_call.py in a fresh process with an empty disk cache (it compiles),
+then again with the cache it filled (it loads), in a temporary FA3_CACHE_DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from bench_attention import peer_runners
+from timing import format_table, median_ms, progress, write_json
+
+import torch
+
+import fa3
+from fa3 import registry
+
+# (batch, seqlen, heads, head_dim, causal): the first is the shape the overhead issue measured
+ATTENTION_SHAPES = [(1, 128, 16, 128, False), (1, 128, 16, 128, True)]
+GEMM_SHAPES = [(128, 1024, 1024), (1024, 4096, 1024)]  # M, N, K
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def wall_us(fn, calls: int, rounds: int = 3) -> float:
+    """Best over `rounds` of the wall microseconds per call of `calls` back-to-back calls."""
+    fn()
+    for _ in range(min(100, calls // 10)):
+        fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - start) / calls * 1e6)
+    return best
+
+
+def attention_runners(q, k, v, causal):
+    """(name, context, call) for each runner of one attention problem."""
+    rung = registry.fastest(registry.ATTENTION, q.shape[3]).name
+    out = torch.empty_like(q)
+    scale = q.shape[3] ** -0.5
+    runners = [
+        ("fa3.attention", None, lambda: fa3.attention(q, k, v, causal=causal)),
+        ("fa3.attention out=", None, lambda: fa3.attention(q, k, v, causal=causal, out=out)),
+        ("torch.ops.fa3.attention", None, lambda: torch.ops.fa3.attention(q, k, v, causal, scale, rung)),
+    ]
+    peers, notes = peer_runners(("sdpa-flash", "sdpa-cudnn", "fa4"))
+    runners += [(p.name, p.context, p.make(q, k, v, causal)) for p in peers]
+    return runners, notes
+
+
+def measure_row(label: str, runners, calls: int) -> list[dict]:
+    rows = []
+    for name, context, call in runners:
+        try:
+            with context() if context else contextlib.nullcontext():
+                wall = wall_us(call, calls)
+                gpu = median_ms(call) * 1e3
+        except Exception as exc:  # a peer that does not support this problem
+            progress(f"  {label:<28} {name:<24} failed: {type(exc).__name__}: {str(exc)[:120]}")
+            continue
+        rows.append({"problem": label, "runner": name, "wall_us": wall, "gpu_us": gpu})
+        progress(f"  {label:<28} {name:<24} {wall:8.1f} us wall   {gpu:8.1f} us GPU")
+    return rows
+
+
+def per_call(calls: int) -> list[dict]:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for batch, seqlen, heads, head_dim, causal in ATTENTION_SHAPES:
+        q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16,
+                               generator=gen) for _ in range(3))
+        runners, notes = attention_runners(q, k, v, causal)
+        for note in notes:
+            progress(f"  {note}")
+        label = f"attn b{batch} s{seqlen} h{heads} d{head_dim}{' causal' if causal else ''}"
+        rows += measure_row(label, runners, calls)
+    for m, n, k in GEMM_SHAPES:
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+        b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16, generator=gen)
+        out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        runners = [("fa3.gemm", None, lambda: fa3.gemm(a, b)),
+                   ("fa3.gemm out=", None, lambda: fa3.gemm(a, b, out=out)),
+                   ("torch.matmul", None, lambda: torch.matmul(a, b))]
+        rows += measure_row(f"gemm {m}x{n}x{k}", runners, calls)
+    return rows
+
+
+def first_calls() -> list[dict]:
+    """first_call.py in fresh processes: an empty disk cache, then the one it filled."""
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="fa3-bench-cache-") as cache:
+        env = {**os.environ, "FA3_CACHE_DIR": cache}
+        env.pop("FA3_DISK_CACHE", None)
+        for label in ("empty disk cache", "warm disk cache"):
+            proc = subprocess.run([sys.executable, os.path.join(HERE, "first_call.py"), "--head-dim", "128"],
+                                  env=env, capture_output=True, text=True, timeout=600)
+            if proc.returncode != 0:
+                progress(f"  first call, {label}: FAILED\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+                break
+            report = json.loads(proc.stdout.strip().splitlines()[-1])
+            rows.append({"cache": label, **report})
+            progress(f"  first call, {label:<17} import {report['import_s']:.2f} s   attention "
+                     f"{report['attention_first_s']:.3f} s (then {report['attention_second_s'] * 1e3:.2f} ms)"
+                     f"   gemm {report['gemm_first_s']:.3f} s   compiled {report['compiled'] or 'nothing'}")
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--no-first-call", action="store_true", help="skip the fresh-process timings")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    progress(f"{torch.cuda.get_device_name()}: wall time per call of {args.calls} back-to-back calls")
+    rows = per_call(args.calls)
+    print(format_table(["problem", "runner", "wall us", "GPU us"],
+                       [[r["problem"], r["runner"], r["wall_us"], r["gpu_us"]] for r in rows]))
+    cold = [] if args.no_first_call else first_calls()
+    if cold:
+        print(format_table(["first call with", "import s", "attention s", "gemm s", "compiled"],
+                           [[r["cache"], r["import_s"], r["attention_first_s"], r["gemm_first_s"],
+                             ",".join(r["compiled"]) or "-"] for r in cold]))
+    if args.json:
+        write_json(args.json, {"per_call": rows, "first_call": cold})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
