@@ -18,6 +18,8 @@ SMEM (bf16, tile_m = tile_n = 64, d = 128): Q 16 KB + (K + V) 32 KB per stage + 
 tile_n = 32 there (registry), 200 KB.
 """
 
+from types import SimpleNamespace
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int64
@@ -126,20 +128,23 @@ class TmaRingAttention(FusedTiledAttention):
     # ---------------------------------------------------------------- compute: K2's body, per stage
     # The three hooks a faster rung replaces (K4 swaps in WGMMA); the ring above stays as it is.
     def compute_setup(self, sQ, sK, sV, sP, tidx, m_block, seqlen_q, seqlen_k):
+        """What the compute hooks share across tiles: SMEM views, this thread's row, accumulators."""
         row, lane, row_global, limit = self.thread_row(tidx, m_block, seqlen_q, seqlen_k)
-        return (sQ, sK, sV, sP, row, lane, row_global, limit, *self.row_accumulators())
+        acc_o, row_max, row_sum = self.row_accumulators()
+        return SimpleNamespace(sQ=sQ, sK=sK, sV=sV, sP=sP, row=row, lane=lane, row_global=row_global,
+                               limit=limit, acc_o=acc_o, row_max=row_max, row_sum=row_sum)
 
     @cute.jit
     def compute_tile(self, ctx, stage, n_block, scale_log2: Float32):
-        sQ, sK, sV, sP, row, lane, _, limit, acc_o, row_max, row_sum = ctx
-        scores = self.scores(sQ, sK[None, None, stage], row, lane)
-        self.softmax_step(scores, row_max, row_sum, acc_o, limit - n_block * self.tile_n, lane, scale_log2)
+        scores = self.scores(ctx.sQ, ctx.sK[None, None, stage], ctx.row, ctx.lane)
+        self.softmax_step(scores, ctx.row_max, ctx.row_sum, ctx.acc_o, ctx.limit - n_block * self.tile_n,
+                          ctx.lane, scale_log2)
         cute.arch.sync_threads()  # the previous tile's P V is done with sP
-        self.store_p(scores, sP, row, lane)
+        self.store_p(scores, ctx.sP, ctx.row, ctx.lane)
         cute.arch.sync_threads()
-        self.accumulate_pv(sP, sV[None, None, stage], acc_o, row, lane)
+        self.accumulate_pv(ctx.sP, ctx.sV[None, None, stage], ctx.acc_o, ctx.row, ctx.lane)
 
     @cute.jit
     def compute_epilogue(self, ctx, mO, mLSE, batch, head, scale_log2: Float32):
-        _, _, _, _, _, lane, row_global, _, acc_o, row_max, row_sum = ctx
-        self.epilogue(acc_o, row_max, row_sum, mO, mLSE, batch, head, row_global, lane, scale_log2)
+        self.epilogue(ctx.acc_o, ctx.row_max, ctx.row_sum, mO, mLSE, batch, head, ctx.row_global,
+                      ctx.lane, scale_log2)

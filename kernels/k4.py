@@ -20,6 +20,8 @@ Both wait for each WGMMA before using its result (wait_group(0)): GEMMs, softmax
 next stage still serialise within a CTA. K5 overlaps them.
 """
 
+from types import SimpleNamespace
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
@@ -43,96 +45,97 @@ class WgmmaAttention(TmaRingAttention):
 
     # ---------------------------------------------------------------- compute hooks
     def compute_setup(self, sQ, sK, sV, sP, tidx, m_block, seqlen_q, seqlen_k):
+        """Fragments and accumulators for the tile: the QK^T MMA (both substages), then either K3's
+        per-row state (K4.1, as `ctx.k3`) or the P V MMA and register softmax state (K4.2)."""
         qk = mma.tiled_mma(self.dtype, self.tile_m, self.tile_n)
         thr_qk = qk.get_slice(tidx % (128 * (self.tile_m // 64)))
-        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
-        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
-        s_coords = mma.rows_cols(thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
-        wgmma_ctx = (qk, thr_qk, tSrQ, tSrK, s_coords, m_block, seqlen_q, seqlen_k)
+        ctx = SimpleNamespace(
+            qk=qk, thr_qk=thr_qk,
+            tSrQ=thr_qk.make_fragment_A(thr_qk.partition_A(sQ)),
+            tSrK=thr_qk.make_fragment_B(thr_qk.partition_B(sK)),
+            s_coords=mma.rows_cols(thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))),
+            m_block=m_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k, tidx=tidx)
         if cutlass.const_expr(not self.pv_on_wgmma):
-            return (wgmma_ctx, super().compute_setup(sQ, sK, sV, sP, tidx, m_block, seqlen_q, seqlen_k))
-        pv = mma.tiled_mma(self.dtype, self.tile_m, self.head_dim, b_major="MN", a_in_regs=True)
-        thr_pv = pv.get_slice(tidx)
-        tOrVt = thr_pv.make_fragment_B(thr_pv.partition_B(mma.transpose_view(sV)))
-        acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((self.tile_m, self.head_dim)), Float32)
-        acc_o.fill(0.0)
-        o_coords = mma.rows_cols(thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim))))
-        rows = cute.size(s_coords, mode=[0])
-        row_max = cute.make_rmem_tensor((rows,), Float32)
-        row_max.fill(-Float32.inf)
-        row_sum = cute.make_rmem_tensor((rows,), Float32)
-        row_sum.fill(0.0)
-        return (wgmma_ctx, (pv, tOrVt, acc_o, o_coords, row_max, row_sum, tidx))
+            ctx.k3 = super().compute_setup(sQ, sK, sV, sP, tidx, m_block, seqlen_q, seqlen_k)
+            return ctx
+        ctx.pv = mma.tiled_mma(self.dtype, self.tile_m, self.head_dim, b_major="MN", a_in_regs=True)
+        thr_pv = ctx.pv.get_slice(tidx)
+        ctx.tOrVt = thr_pv.make_fragment_B(thr_pv.partition_B(mma.transpose_view(sV)))
+        ctx.acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((self.tile_m, self.head_dim)), Float32)
+        ctx.acc_o.fill(0.0)
+        ctx.o_coords = mma.rows_cols(thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim))))
+        rows = cute.size(ctx.s_coords, mode=[0])
+        ctx.row_max = cute.make_rmem_tensor((rows,), Float32)
+        ctx.row_max.fill(-Float32.inf)
+        ctx.row_sum = cute.make_rmem_tensor((rows,), Float32)
+        ctx.row_sum.fill(0.0)
+        return ctx
 
     @cute.jit
-    def scores_wgmma(self, wgmma_ctx, stage, n_block):
-        """S = Q K_stage^T on WGMMA; returns the FP32 accumulator and its (rows, cols) views."""
-        qk, thr_qk, tSrQ, tSrK, s_coords, _, _, _ = wgmma_ctx
+    def scores_wgmma(self, qk, thr_qk, tSrQ, tSrK, stage):
+        """S = Q K_stage^T on WGMMA; returns the FP32 accumulator and its (rows, cols) view."""
         acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
         mma.gemm(qk, acc_s, tSrQ, tSrK[None, None, None, stage], zero_init=True, wait=0)
         return acc_s, mma.rows_cols(acc_s)
 
     @cute.jit
     def compute_tile(self, ctx, stage, n_block, scale_log2: Float32):
-        wgmma_ctx, rest = ctx
         if cutlass.const_expr(not self.pv_on_wgmma):
-            self.compute_tile_smem_p(wgmma_ctx, rest, stage, n_block, scale_log2)
+            self.compute_tile_smem_p(ctx, stage, n_block, scale_log2)
         else:
-            self.compute_tile_regs(wgmma_ctx, rest, stage, n_block, scale_log2)
+            self.compute_tile_regs(ctx, stage, n_block, scale_log2)
 
     @cute.jit
-    def compute_tile_smem_p(self, wgmma_ctx, k3_ctx, stage, n_block, scale_log2: Float32):
+    def compute_tile_smem_p(self, ctx, stage, n_block, scale_log2: Float32):
         """K4.1: WGMMA S -> SMEM, then K3's scalar softmax and P V on the same buffer."""
-        s_coords = wgmma_ctx[4]
-        sP, row, lane, limit, acc_o, row_max, row_sum = (k3_ctx[3], k3_ctx[4], k3_ctx[5], k3_ctx[7],
-                                                          *k3_ctx[8:])
+        # Plain locals: values used inside the dynamic branch below must not come from the namespace
+        # (the DSL does not thread attribute reads through staged control flow).
+        k3, s_coords, sP = ctx.k3, ctx.s_coords, ctx.k3.sP
+        qk, thr_qk, tSrQ, tSrK = ctx.qk, ctx.thr_qk, ctx.tSrQ, ctx.tSrK
         cute.arch.sync_threads()  # the previous tile's P V is done with sP
         if cute.arch.make_warp_uniform(cute.arch.warp_idx()) < 4:  # warpgroup 0 owns the 64 rows
-            _, s_mn = self.scores_wgmma(wgmma_ctx, stage, n_block)
+            _, s_mn = self.scores_wgmma(qk, thr_qk, tSrQ, tSrK, stage)
             for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
                 for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
                     sP[s_coords[r, c][0], s_coords[r, c][1]] = s_mn[r, c]
         cute.arch.sync_threads()
         scores = cute.make_rmem_tensor((1, self.tile_n // 4), Float32)
         for i in cutlass.range_constexpr(self.tile_n // 4):
-            scores[0, i] = sP[row, lane + 4 * i]
-        self.softmax_step(scores, row_max, row_sum, acc_o, limit - n_block * self.tile_n, lane, scale_log2)
-        self.store_p(scores, sP, row, lane)  # each thread rewrites only the entries it read
+            scores[0, i] = k3.sP[k3.row, k3.lane + 4 * i]
+        self.softmax_step(scores, k3.row_max, k3.row_sum, k3.acc_o, k3.limit - n_block * self.tile_n,
+                          k3.lane, scale_log2)
+        self.store_p(scores, k3.sP, k3.row, k3.lane)  # each thread rewrites only the entries it read
         cute.arch.sync_threads()
-        self.accumulate_pv(sP, k3_ctx[2][None, None, stage], acc_o, row, lane)
+        self.accumulate_pv(k3.sP, k3.sV[None, None, stage], k3.acc_o, k3.row, k3.lane)
 
     @cute.jit
-    def compute_tile_regs(self, wgmma_ctx, pv_ctx, stage, n_block, scale_log2: Float32):
+    def compute_tile_regs(self, ctx, stage, n_block, scale_log2: Float32):
         """K4.2: S and O on WGMMA, softmax on the S accumulator, P in registers."""
-        _, _, _, _, s_coords, m_block, seqlen_q, seqlen_k = wgmma_ctx
-        pv, tOrVt, acc_o, _, row_max, row_sum, _ = pv_ctx
-        acc_s, s_mn = self.scores_wgmma(wgmma_ctx, stage, n_block)
-        if mask.tile_needs_mask(m_block, n_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.causal):
-            mask.apply(s_mn, s_coords, m_block * self.tile_m, n_block * self.tile_n, seqlen_q,
-                       seqlen_k, self.causal)
-        correction = softmax.online_update(s_mn, row_max, row_sum, scale_log2, 4)
-        o_mn = mma.rows_cols(acc_o)
+        acc_s, s_mn = self.scores_wgmma(ctx.qk, ctx.thr_qk, ctx.tSrQ, ctx.tSrK, stage)
+        if mask.tile_needs_mask(ctx.m_block, n_block, self.tile_m, self.tile_n, ctx.seqlen_q,
+                                ctx.seqlen_k, self.causal):
+            mask.apply(s_mn, ctx.s_coords, ctx.m_block * self.tile_m, n_block * self.tile_n,
+                       ctx.seqlen_q, ctx.seqlen_k, self.causal)
+        correction = softmax.online_update(s_mn, ctx.row_max, ctx.row_sum, scale_log2, 4)
+        o_mn = mma.rows_cols(ctx.acc_o)
         for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
             for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
                 o_mn[r, c] = o_mn[r, c] * correction[r]
         p = cute.make_rmem_tensor_like(acc_s, self.dtype)
         p.store(acc_s.load().to(self.dtype))
-        mma.gemm(pv, acc_o, mma.as_a_operand(p), tOrVt[None, None, None, stage], wait=0)
+        mma.gemm(ctx.pv, ctx.acc_o, mma.as_a_operand(p), ctx.tOrVt[None, None, None, stage], wait=0)
 
     @cute.jit
     def compute_epilogue(self, ctx, mO, mLSE, batch, head, scale_log2: Float32):
-        wgmma_ctx, rest = ctx
         if cutlass.const_expr(not self.pv_on_wgmma):
-            super().compute_epilogue(rest, mO, mLSE, batch, head, scale_log2)
+            super().compute_epilogue(ctx.k3, mO, mLSE, batch, head, scale_log2)
         else:
-            m_block, seqlen_q = wgmma_ctx[5], wgmma_ctx[6]
-            _, _, acc_o, o_coords, row_max, row_sum, tidx = rest
-            o_mn = mma.rows_cols(acc_o)
+            o_mn = mma.rows_cols(ctx.acc_o)
             for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
-                inv_sum, lse = softmax.finalize(row_max[r], row_sum[r], scale_log2, 4)
-                row = m_block * self.tile_m + o_coords[r, 0][0]
-                if row < seqlen_q:
+                inv_sum, lse = softmax.finalize(ctx.row_max[r], ctx.row_sum[r], scale_log2, 4)
+                row = ctx.m_block * self.tile_m + ctx.o_coords[r, 0][0]
+                if row < ctx.seqlen_q:
                     for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
-                        mO[batch, row, head, o_coords[r, c][1]] = (o_mn[r, c] * inv_sum).to(self.dtype)
-                    if tidx % 4 == 0:
+                        mO[batch, row, head, ctx.o_coords[r, c][1]] = (o_mn[r, c] * inv_sum).to(self.dtype)
+                    if ctx.tidx % 4 == 0:
                         mLSE[batch, head, row] = lse

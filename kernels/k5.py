@@ -198,18 +198,16 @@ class WarpSpecializedAttention(WgmmaAttention):
     def store_o(self, ctx, tma_o, mO, sO, mLSE, batch: Int32, head: Int32, scale_log2: Float32,
                 store_pipe, ctidx: Int32, epi_tile: cutlass.Constexpr):
         """O / l through SMEM (stmatrix) and a TMA store that clips the ragged edge; LSE direct."""
-        m_block, seqlen_q = ctx[0][5], ctx[0][6]
-        pv, _, acc_o, o_coords, row_max, row_sum, _ = ctx[1]
-        o_mn = mma.rows_cols(acc_o)
+        o_mn = mma.rows_cols(ctx.acc_o)
         for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
-            inv_sum, lse = softmax.finalize(row_max[r], row_sum[r], scale_log2, 4)
+            inv_sum, lse = softmax.finalize(ctx.row_max[r], ctx.row_sum[r], scale_log2, 4)
             for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
                 o_mn[r, c] = o_mn[r, c] * inv_sum
-            row = m_block * self.tile_m + o_coords[r, 0][0]
-            if ctidx % 4 == 0 and row < seqlen_q:
+            row = ctx.m_block * self.tile_m + ctx.o_coords[r, 0][0]
+            if ctidx % 4 == 0 and row < ctx.seqlen_q:
                 mLSE[batch, head, row] = lse
-        gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
-        epilogue.store_tile(acc_o, pv, ctidx, sO, tma_o, gO, epi_tile,
+        gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.head_dim), (ctx.m_block, 0))
+        epilogue.store_tile(ctx.acc_o, ctx.pv, ctidx, sO, tma_o, gO, epi_tile,
                             dsl_pipeline.NamedBarrier(barrier_id=EPILOGUE_BARRIER,
                                                       num_threads=128 * self.consumer_wgs),
                             ctidx < 32, store_pipe)
@@ -236,44 +234,40 @@ class WarpSpecializedAttention(WgmmaAttention):
     @cute.jit
     def issue_qk(self, ctx, k_pipe, k_state):
         """Wait for K_j and issue S = Q K_j^T without waiting for it."""
-        qk, thr_qk, tSrQ, tSrK, _, _, _, _ = ctx[0]
         pipeline.consume_wait(k_pipe, k_state)
-        acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
-        mma.gemm(qk, acc_s, tSrQ, tSrK[None, None, None, k_state.index], zero_init=True, wait=-1)
+        acc_s = cute.make_rmem_tensor(ctx.thr_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
+        mma.gemm(ctx.qk, acc_s, ctx.tSrQ, ctx.tSrK[None, None, None, k_state.index], zero_init=True, wait=-1)
         return acc_s
 
     @cute.jit
     def issue_pv(self, ctx, p, v_pipe, v_state):
         """Wait for V_j and issue O += P V_j without waiting for it."""
-        pv, tOrVt, acc_o = ctx[1][0], ctx[1][1], ctx[1][2]
         pipeline.consume_wait(v_pipe, v_state)
-        mma.gemm(pv, acc_o, mma.as_a_operand(p), tOrVt[None, None, None, v_state.index], wait=-1)
+        mma.gemm(ctx.pv, ctx.acc_o, mma.as_a_operand(p), ctx.tOrVt[None, None, None, v_state.index], wait=-1)
 
     @cute.jit
     def softmax_tile(self, ctx, acc_s, n_block: Int32, scale_log2: Float32, masked: cutlass.Constexpr):
         """Mask (`masked` tiles only) and online softmax on S in registers; returns the O rescale."""
-        _, _, _, _, s_coords, m_block, seqlen_q, seqlen_k = ctx[0]
-        row_max, row_sum = ctx[1][4], ctx[1][5]
         s_mn = mma.rows_cols(acc_s)
         if cutlass.const_expr(masked):
-            mask.apply(s_mn, s_coords, m_block * self.tile_m, n_block * self.tile_n, seqlen_q,
-                       seqlen_k, self.causal)
-        return softmax.online_update(s_mn, row_max, row_sum, scale_log2, 4)
+            mask.apply(s_mn, ctx.s_coords, ctx.m_block * self.tile_m, n_block * self.tile_n,
+                       ctx.seqlen_q, ctx.seqlen_k, self.causal)
+        return softmax.online_update(s_mn, ctx.row_max, ctx.row_sum, scale_log2, 4)
 
     @cute.jit
     def masked_tiles(self, ctx, n_blocks: Int32) -> Int32:
         """How many of the first-visited (highest) tiles need a mask; the rest run a loop with no
         mask code at all: a branch inside the steady-state loop lets ptxas hoist the wait for the
         in-flight P V above the softmax, which undoes the overlap."""
-        _, _, _, _, _, m_block, seqlen_q, seqlen_k = ctx[0]
-        unmasked = cutlass.max(mask.col_limit(m_block * self.tile_m, seqlen_q, seqlen_k, self.causal), 0) // self.tile_n
+        first_row_limit = mask.col_limit(ctx.m_block * self.tile_m, ctx.seqlen_q, ctx.seqlen_k, self.causal)
+        unmasked = cutlass.max(first_row_limit, 0) // self.tile_n
         return n_blocks - cutlass.min(n_blocks, unmasked)
 
     @cute.jit
     def rescale_o(self, ctx, correction: cute.Tensor):
         """O *= the per-row correction, skipped (warp-uniformly) when no row of the warp raised
         its running max, which is most tiles once a long row has seen its largest scores."""
-        o_mn = mma.rows_cols(ctx[1][2])
+        o_mn = mma.rows_cols(ctx.acc_o)
         moved = correction[0] != Float32(1.0)
         for r in cutlass.range_constexpr(1, cute.size(correction)):
             moved = moved | (correction[r] != Float32(1.0))
