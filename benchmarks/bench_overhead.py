@@ -3,9 +3,10 @@
     python benchmarks/bench_overhead.py [--calls 2000] [--no-first-call] [--json FILE]
 
 Per-call: wall microseconds per call of back-to-back calls (perf_counter around --calls calls, then
-one synchronize; best of three rounds), beside the GPU's own time per call (CUDA events). These
-problems take the GPU a few microseconds, so the wall time is what the host spends: validation,
-allocation and launch. Runners: fa3.attention (eager, the default rung), the same into a
+one synchronize; best of three rounds), beside the GPU's own time per call (20 calls captured in a
+CUDA graph and replayed: no host in the way). Where wall > GPU the host is the bottleneck, and the
+wall time is what it spends: validation, allocation and launch. A breakdown of fa3.attention's
+host path follows (validation, the direct-call check, allocation, the compiled kernel's own call). Runners: fa3.attention (eager, the default rung), the same into a
 preallocated out=, torch.ops.fa3.attention (through the dispatcher, as compiled graphs call it),
 SDPA forced to flash and to cuDNN, flash-attn-4 (flash_attn.cute.flash_attn_func) when it imports;
 fa3.gemm beside torch.matmul.
@@ -31,7 +32,7 @@ from timing import format_table, median_ms, progress, write_json
 import torch
 
 import fa3
-from fa3 import registry
+from fa3 import _compile, interface, registry
 
 # (batch, seqlen, heads, head_dim, causal): the first is the shape the overhead issue measured
 ATTENTION_SHAPES = [(1, 128, 16, 128, False), (1, 128, 16, 128, True)]
@@ -55,6 +56,22 @@ def wall_us(fn, calls: int, rounds: int = 3) -> float:
     return best
 
 
+def graph_us(fn, calls: int = 20) -> float | None:
+    """GPU microseconds per call: `calls` calls captured in one CUDA graph, replayed (None if the
+    runner cannot be captured)."""
+    try:
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        return median_ms(graph.replay) * 1e3 / calls
+    except Exception as exc:
+        progress(f"    (no CUDA graph: {type(exc).__name__}: {str(exc)[:100]})")
+        return None
+
+
 def attention_runners(q, k, v, causal):
     """(name, context, call) for each runner of one attention problem."""
     rung = registry.fastest(registry.ATTENTION, q.shape[3]).name
@@ -76,12 +93,12 @@ def measure_row(label: str, runners, calls: int) -> list[dict]:
         try:
             with context() if context else contextlib.nullcontext():
                 wall = wall_us(call, calls)
-                gpu = median_ms(call) * 1e3
+                gpu = graph_us(call)
         except Exception as exc:  # a peer that does not support this problem
             progress(f"  {label:<28} {name:<24} failed: {type(exc).__name__}: {str(exc)[:120]}")
             continue
         rows.append({"problem": label, "runner": name, "wall_us": wall, "gpu_us": gpu})
-        progress(f"  {label:<28} {name:<24} {wall:8.1f} us wall   {gpu:8.1f} us GPU")
+        progress(f"  {label:<28} {name:<24} {wall:8.1f} us wall   {gpu or float('nan'):8.1f} us GPU")
     return rows
 
 
@@ -107,6 +124,34 @@ def per_call(calls: int) -> list[dict]:
     return rows
 
 
+def breakdown(calls: int) -> list[dict]:
+    """Where fa3.attention's host time goes, for the first attention problem: each piece timed
+    alone, back to back (the kernel call with every argument prepared in advance)."""
+    batch, seqlen, heads, head_dim, causal = ATTENTION_SHAPES[0]
+    q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+               for _ in range(3))
+    spec = interface._check_attention(q, k, v, None)
+    out, lse = interface.launch_attention(spec, q, k, v, causal, head_dim ** -0.5)
+    fn = _compile.get_attention(spec, q.dtype, head_dim, causal)
+    args = [q, k, v, out, lse, head_dim ** -0.5 * interface._LOG2E]
+    if spec.persistent:
+        args.append(interface._HOPPER_SMS[q.device])
+    pieces = [
+        ("fa3.attention, all of it", lambda: fa3.attention(q, k, v, causal=causal)),
+        ("validation (_check_attention)", lambda: interface._check_attention(q, k, v, None)),
+        ("direct_call_ok", lambda: interface.direct_call_ok(q, k, v)),
+        ("allocate out and lse", lambda: (torch.empty_like(q), torch.empty(batch, heads, seqlen, device="cuda"))),
+        ("launch_attention (allocates lse)", lambda: interface.launch_attention(spec, q, k, v, causal, 0.1, out)),
+        ("compiled kernel call alone", lambda: fn(*args)),
+    ]
+    rows = []
+    for name, call in pieces:
+        us = wall_us(call, calls)
+        rows.append({"piece": name, "wall_us": us})
+        progress(f"  {name:<34} {us:8.2f} us")
+    return rows
+
+
 def first_calls() -> list[dict]:
     """first_call.py in fresh processes: an empty disk cache, then the one it filled."""
     rows = []
@@ -123,7 +168,8 @@ def first_calls() -> list[dict]:
             rows.append({"cache": label, **report})
             progress(f"  first call, {label:<17} import {report['import_s']:.2f} s   attention "
                      f"{report['attention_first_s']:.3f} s (then {report['attention_second_s'] * 1e3:.2f} ms)"
-                     f"   gemm {report['gemm_first_s']:.3f} s   compiled {report['compiled'] or 'nothing'}")
+                     f"   gemm {report['gemm_first_s']:.3f} s   compiled {report['compiled'] or 'nothing'}"
+                     f"   cutlass imported: {report['cutlass_imported']}")
     return rows
 
 
@@ -137,13 +183,15 @@ def main() -> int:
     rows = per_call(args.calls)
     print(format_table(["problem", "runner", "wall us", "GPU us"],
                        [[r["problem"], r["runner"], r["wall_us"], r["gpu_us"]] for r in rows]))
+    progress("fa3.attention's host path, piece by piece:")
+    pieces = breakdown(args.calls)
     cold = [] if args.no_first_call else first_calls()
     if cold:
         print(format_table(["first call with", "import s", "attention s", "gemm s", "compiled"],
                            [[r["cache"], r["import_s"], r["attention_first_s"], r["gemm_first_s"],
                              ",".join(r["compiled"]) or "-"] for r in cold]))
     if args.json:
-        write_json(args.json, {"per_call": rows, "first_call": cold})
+        write_json(args.json, {"per_call": rows, "breakdown": pieces, "first_call": cold})
     return 0
 
 

@@ -4,8 +4,8 @@
 
 Prints one JSON line: import_s (importing torch and fa3), attention_first_s / gemm_first_s (the
 first call of each, synchronized: compile or disk-cache load, plus the run), *_second_s (the same
-call again), compiled (the rungs this process compiled: empty when the disk cache had them all) and
-cache_dir. --save writes both outputs, to compare processes. The disk cache is wherever
+call again), compiled (the rungs this process compiled: empty when the disk cache had them all),
+cutlass_imported (loading from the cache does not need it) and cache_dir. --save writes both outputs, to compare processes. The disk cache is wherever
 FA3_CACHE_DIR says; bench_overhead.py runs this with an empty and then a warm one, and
 tests/test_torch_integration.py checks that a second process compiles nothing.
 """
@@ -68,6 +68,7 @@ def main() -> int:
         report[f"{name}_first_s"], outputs[name] = timed(call)
         report[f"{name}_second_s"], _ = timed(call)
     report["compiled"] = compiled
+    report["cutlass_imported"] = "cutlass" in sys.modules  # a disk-cache hit loads without it
     report["cache_dir"] = str(_disk_cache.directory())
     if args.save:
         torch.save({k: v.cpu() for k, v in outputs.items()}, args.save)

@@ -45,7 +45,7 @@ def dsl_version() -> str:
 
         return version("nvidia-cutlass-dsl")
     except Exception:  # source-tree DSL without metadata
-        import cutlass
+        cutlass, _ = _import_cute()
 
         return getattr(cutlass, "__version__", "unknown")
 
@@ -117,11 +117,10 @@ def _cached(key, build):
 
 
 def _load_or_build(key, build):
-    _, cute = _import_cute()
-    fn = _disk_cache.load(key, cute)
+    fn = _disk_cache.load(key)  # a hit does not import cutlass
     if fn is None:
         compiled = build()
-        _disk_cache.save(key, compiled, cute)
+        _disk_cache.save(key, compiled)
         fn = _disk_cache.fast_callable(compiled)
     return fn
 
@@ -222,9 +221,9 @@ KEYS = {registry.ATTENTION: attention_key, registry.GEMM: gemm_key}
 def fill_disk_cache(spec, dtype=torch.bfloat16, **static):
     """Compile into the disk cache unless a valid entry is there (no GPU needed: for deployments).
     Returns (entry path or None if the cache is off or unwritable, whether it compiled)."""
-    _, cute = _import_cute()
+    _import_cute()  # pins the target arch before anything imports cutlass
     key = KEYS[spec.family](spec, dtype, **static)
-    path = _disk_cache.has(key, cute)
+    path = _disk_cache.has(key)
     if path is not None:
         return path, False
-    return _disk_cache.save(key, BUILDERS[spec.family](spec, dtype, **static), cute), True
+    return _disk_cache.save(key, BUILDERS[spec.family](spec, dtype, **static)), True

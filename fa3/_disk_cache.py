@@ -8,7 +8,12 @@ target arch, DSL version) plus what the stored object depends on: fa3's version 
 sources, the DSL runtime build, the TVM-FFI version and the host CPU's instruction-set level (the
 DSL compiles host code for the CPU it runs on). The file holds a header (format, SHA-256 of the
 payload, the key) and the payload: the object file that the DSL's `export_to_c` writes for a
-TVM-FFI function, which `cute.runtime.load_module` links back in.
+TVM-FFI function.
+
+Loading: where a C compiler is found (to link, once), the object is linked into a shared library
+beside the entry (`<entry>-<payload hash>.so`) and loaded with TVM-FFI next to the DSL's runtime
+library: a hit then never imports cutlass, which costs from half a second to seconds. Otherwise
+`cute.runtime.load_module` links the object in memory (importing cutlass).
 
 Safety: entries are written to a temporary file in the same folder and moved into place with
 os.replace, so readers see a whole entry or none, and two processes filling the same entry at once
@@ -26,6 +31,8 @@ import importlib.util
 import logging
 import os
 import platform
+import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -34,6 +41,7 @@ log = logging.getLogger("fa3")
 
 FORMAT = b"fa3-kernel-cache 1"
 SUFFIX = ".fa3k"
+RUNTIME_LIBRARY = "libcute_dsl_runtime.so"
 
 
 def directory() -> Path | None:
@@ -139,12 +147,29 @@ def _source_digest() -> str:
     return h.hexdigest()
 
 
+def runtime_library() -> str | None:
+    """The DSL's runtime library (libcute_dsl_runtime.so), found without importing cutlass: the
+    DSL's CUTE_DSL_LIBS override, else the one runtime build installed beside the DSL package.
+    None when there is none or more than one (the DSL itself then decides)."""
+    override = [p for p in os.environ.get("CUTE_DSL_LIBS", "").split(os.pathsep)
+                if Path(p).name == RUNTIME_LIBRARY]
+    if override:
+        return override[0]
+    spec = importlib.util.find_spec("nvidia_cutlass_dsl")
+    roots = [Path(p) for p in (spec.submodule_search_locations or [])] if spec else []
+    found = {str(p) for root in roots for p in [*root.glob(f"cu*/lib/{RUNTIME_LIBRARY}"),
+                                                 *root.glob(f"lib/{RUNTIME_LIBRARY}")]}
+    return found.pop() if len(found) == 1 else None
+
+
+
 @functools.lru_cache(maxsize=None)
-def _environment(runtime_libraries: tuple[str, ...]) -> tuple:
-    """(fa3 version, source digest, DSL runtime build, TVM-FFI version, host ISA): once a process."""
+def _environment() -> tuple:
+    """(fa3 version, source digest, DSL runtime build, TVM-FFI version, host ISA): once a process,
+    and without importing cutlass, so that a cache hit never does."""
     fa3 = sys.modules.get("fa3")
-    runtime = next((Path(p).parent.parent.name for p in runtime_libraries
-                    if "cute_dsl_runtime" in Path(p).name), "none")  # e.g. .../cu13/lib/libcute_dsl_runtime.so
+    runtime = runtime_library()
+    build = Path(runtime).parent.parent.name if runtime else "unknown"  # .../cu13/lib/libcute_dsl_runtime.so
     try:
         import tvm_ffi
 
@@ -152,16 +177,16 @@ def _environment(runtime_libraries: tuple[str, ...]) -> tuple:
     except ImportError:
         tvm_ffi_version = "none"
     return (("fa3", getattr(fa3, "__version__", "unknown")), ("sources", _source_digest()),
-            ("dsl_runtime", runtime), ("tvm_ffi", tvm_ffi_version), ("host", _host_isa()))
+            ("dsl_runtime", build), ("tvm_ffi", tvm_ffi_version), ("host", _host_isa()))
 
 
-def entry_key(key: tuple, cute) -> tuple:
+def entry_key(key: tuple) -> tuple:
     """The on-disk key of an in-memory compile key."""
-    return (*key, *_environment(tuple(cute.runtime.find_runtime_libraries(enable_tvm_ffi=False))))
+    return (*key, *_environment())
 
 
-# ----------------------------------------------------------------------------- the DSL's side
-_KEEP: list = []  # compiled objects: what they own (JIT engine, CUDA libraries) lives as long as we do
+# ----------------------------------------------------------------------------- loading and storing
+_KEEP: list = []  # compiled objects and loaded modules: what they own lives as long as we do
 
 
 def fast_callable(compiled):
@@ -179,47 +204,108 @@ def _symbol(ekey: tuple) -> str:
     return "fa3_" + digest(ekey)[:24]  # a C identifier, unique per entry
 
 
+def _c_compiler() -> str | None:
+    """A C compiler driver to link objects into shared libraries ($CC, cc, gcc or clang)."""
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        path = name and shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def shared_library(cache: Store, ekey: tuple, payload: bytes) -> Path | None:
+    """The entry's object linked into a shared library beside it (linked now if it is not there;
+    named by the payload's hash, so it always matches the entry); None without a C compiler."""
+    path = cache.root / f"{digest(ekey)}-{hashlib.sha256(payload).hexdigest()[:16]}.so"
+    if path.exists():
+        return path
+    cc = _c_compiler()
+    if cc is None:
+        return None
+    with tempfile.TemporaryDirectory(prefix="fa3-link-") as tmp:
+        obj, lib = os.path.join(tmp, "kernel.o"), os.path.join(tmp, "kernel.so")
+        with open(obj, "wb") as f:
+            f.write(payload)
+        subprocess.run([cc, "-shared", "-o", lib, obj], check=True, capture_output=True, timeout=120)
+        fd, staged = tempfile.mkstemp(dir=cache.root, prefix=".tmp-", suffix=".so")
+        with os.fdopen(fd, "wb") as f:
+            f.write(Path(lib).read_bytes())
+    os.chmod(staged, 0o755)
+    os.replace(staged, path)
+    return path
+
+
 @functools.lru_cache(maxsize=None)
-def _preload_runtime(runtime_libraries: tuple[str, ...]) -> None:
-    """Load the DSL runtime with RTLD_GLOBAL once: objects linked in from disk resolve their
-    runtime symbols against it (load_module alone opens it RTLD_LOCAL)."""
-    for path in runtime_libraries:
+def _load_globally(*libraries: str) -> None:
+    """dlopen each library once with RTLD_GLOBAL: the symbols of kernels loaded later (the DSL
+    runtime's, TVM-FFI's) resolve against them."""
+    for path in libraries:
         if os.path.exists(path):
             ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
 
 
-def load(key: tuple, cute):
-    """The kernel stored for in-memory key `key`, as a tvm_ffi.Function; None on a miss."""
-    cache = store()
-    if cache is None:
+def _load_shared(cache: Store, ekey: tuple, payload: bytes):
+    """The kernel through a shared library and TVM-FFI alone: no cutlass import (which takes
+    seconds on some machines). None where this route is not available."""
+    runtime = runtime_library()
+    library = shared_library(cache, ekey, payload) if runtime else None
+    if library is None:
         return None
-    ekey = entry_key(key, cute)
-    payload = cache.read(ekey)
-    if payload is None:
-        return None
-    libraries = tuple(cute.runtime.find_runtime_libraries(enable_tvm_ffi=False))
-    try:
-        _preload_runtime(libraries)
-        with tempfile.TemporaryDirectory(prefix="fa3-load-") as tmp:
-            obj = os.path.join(tmp, "kernel.o")
-            with open(obj, "wb") as f:
-                f.write(payload)
-            module = cute.runtime.load_module(obj, enable_tvm_ffi=True)
-            fn = getattr(module, _symbol(ekey))
-    except Exception as exc:  # an entry this runtime cannot load: compile and replace it
-        log.warning("fa3: cannot load cache entry %s (%s: %s); compiling again",
-                    cache.path(ekey), type(exc).__name__, exc)
-        return None
-    log.debug("fa3: loaded %s from %s", key[0], cache.path(ekey))
+    import tvm_ffi
+
+    _load_globally(runtime, tvm_ffi.libinfo.find_libtvm_ffi())
+    ctypes.CDLL(str(library))  # ctypes binds every symbol now: a missing one raises here, not mid-call
+    module = tvm_ffi.load_module(str(library))
+    fn = module[_symbol(ekey)]
+    _KEEP.append(module)
     return fn
 
 
-def save(key: tuple, compiled, cute) -> Path | None:
-    """Export `compiled` (a TVM-FFI compile) and store it for `key`; the entry's path, or None."""
+def _load_with_dsl(cache: Store, ekey: tuple, payload: bytes):
+    """The kernel through the DSL's own loader (cute.runtime.load_module), which links the object
+    in memory: needs no C compiler, but imports cutlass."""
+    from ._compile import _import_cute
+
+    _, cute = _import_cute()
+    _load_globally(*cute.runtime.find_runtime_libraries(enable_tvm_ffi=False))  # load_module opens it RTLD_LOCAL
+    with tempfile.TemporaryDirectory(prefix="fa3-load-") as tmp:
+        obj = os.path.join(tmp, "kernel.o")
+        with open(obj, "wb") as f:
+            f.write(payload)
+        module = cute.runtime.load_module(obj, enable_tvm_ffi=True)
+        return getattr(module, _symbol(ekey))
+
+
+def load(key: tuple):
+    """The kernel stored for in-memory key `key`, as a tvm_ffi.Function; None on a miss (or if the
+    entry cannot be loaded: it is logged, and compiling again replaces it)."""
     cache = store()
     if cache is None:
         return None
-    ekey = entry_key(key, cute)
+    ekey = entry_key(key)
+    payload = cache.read(ekey)
+    if payload is None:
+        return None
+    for route, loader in (("as a shared library", _load_shared), ("with the DSL's loader", _load_with_dsl)):
+        try:
+            fn = loader(cache, ekey, payload)
+        except Exception as exc:
+            log.warning("fa3: cannot load cache entry %s %s (%s: %s)", cache.path(ekey), route,
+                        type(exc).__name__, exc)
+            continue
+        if fn is not None:
+            log.debug("fa3: loaded %s from %s %s", key[0], cache.path(ekey), route)
+            return fn
+    return None
+
+
+def save(key: tuple, compiled) -> Path | None:
+    """Export `compiled` (a TVM-FFI compile) and store it for `key`, with its shared library when
+    a C compiler is there; the entry's path, or None if it could not be written."""
+    cache = store()
+    if cache is None:
+        return None
+    ekey = entry_key(key)
     try:
         with tempfile.TemporaryDirectory(prefix="fa3-export-") as tmp:
             obj = os.path.join(tmp, "kernel.o")
@@ -228,13 +314,27 @@ def save(key: tuple, compiled, cute) -> Path | None:
     except Exception as exc:
         log.warning("fa3: cannot export %s for the disk cache (%s: %s)", key[0], type(exc).__name__, exc)
         return None
-    return cache.write(ekey, payload)
+    path = cache.write(ekey, payload)
+    if path is not None:
+        _link_quietly(cache, ekey, payload)
+    return path
 
 
-def has(key: tuple, cute) -> Path | None:
-    """The path of a valid entry for `key`, or None."""
+def _link_quietly(cache: Store, ekey: tuple, payload: bytes) -> None:
+    try:
+        shared_library(cache, ekey, payload)
+    except Exception as exc:  # loading falls back to the DSL's loader
+        log.debug("fa3: no shared library for %s (%s: %s)", cache.path(ekey), type(exc).__name__, exc)
+
+
+def has(key: tuple) -> Path | None:
+    """The path of a valid entry for `key` (its shared library linked if it can be), or None."""
     cache = store()
     if cache is None:
         return None
-    ekey = entry_key(key, cute)
-    return cache.path(ekey) if cache.read(ekey) is not None else None
+    ekey = entry_key(key)
+    payload = cache.read(ekey)
+    if payload is None:
+        return None
+    _link_quietly(cache, ekey, payload)
+    return cache.path(ekey)

@@ -3,9 +3,13 @@
 Keys change with everything compiled in; entries round-trip, are written atomically (concurrent
 writers and readers never see a partial entry), and a damaged or unloadable entry is compiled
 again and replaced. The flow through fa3._compile runs with stand-ins for the DSL's export and
-load; one test exports and loads a real kernel (loading works without a GPU, calling does not).
+load; real kernels are exported and loaded both ways (as a shared library through TVM-FFI, which
+does not import cutlass, and with the DSL's loader): loading works without a GPU, calling does not.
 """
 
+import os
+import subprocess
+import sys
 import threading
 from dataclasses import replace
 from pathlib import Path
@@ -19,6 +23,7 @@ import fa3.__main__ as cli
 from fa3 import _compile, _disk_cache, registry
 
 BF16 = torch.bfloat16
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture
@@ -74,34 +79,34 @@ def test_gemm_key_changes_with_every_compiled_in_parameter(monkeypatch):
     assert len({base, *variants}) == len(variants) + 1
 
 
-def fake_cute(runtime_dir="cu13", load_module=None):
-    """What fa3._disk_cache uses of cute: the runtime libraries' paths and load_module."""
-    libs = [f"/nonexistent/{runtime_dir}/lib/libcute_dsl_runtime.so"]
-    return SimpleNamespace(runtime=SimpleNamespace(
-        find_runtime_libraries=lambda enable_tvm_ffi=False: libs, load_module=load_module))
-
-
 def test_entry_key_adds_what_the_object_depends_on(monkeypatch):
     key = ("k", "torch.bfloat16", 128)
+    runtime = "/site/nvidia_cutlass_dsl/cu13/lib/libcute_dsl_runtime.so"
 
     def entry(**patch):
         _disk_cache._environment.cache_clear()
         with monkeypatch.context() as m:
-            for name, value in patch.items():
+            for name, value in {"runtime_library": runtime, **patch}.items():
                 m.setattr(_disk_cache, name, lambda value=value: value)
-            return _disk_cache.entry_key(key, fake_cute())
+            return _disk_cache.entry_key(key)
 
     base = entry()
     assert base[:3] == key and base == entry()
-    variants = [entry(_source_digest="edited"), entry(_host_isa="x86_64-v2")]
+    variants = [entry(_source_digest="edited"), entry(_host_isa="x86_64-v2"),
+                entry(runtime_library=runtime.replace("cu13", "cu12"))]
     with monkeypatch.context() as m:
         m.setattr(fa3, "__version__", "9.9.9")
         variants.append(entry())
     _disk_cache._environment.cache_clear()
-    variants.append(_disk_cache.entry_key(key, fake_cute("cu12")))
-    _disk_cache._environment.cache_clear()
     assert len({base, *variants}) == len(variants) + 1
     assert _disk_cache._host_isa()  # e.g. x86_64-v4
+
+
+def test_runtime_library_found_without_cutlass(monkeypatch):
+    found = _disk_cache.runtime_library()
+    assert found is None or os.path.isfile(found)
+    monkeypatch.setenv("CUTE_DSL_LIBS", os.pathsep.join(["/a/libother.so", "/b/cu13/lib/libcute_dsl_runtime.so"]))
+    assert _disk_cache.runtime_library() == "/b/cu13/lib/libcute_dsl_runtime.so"
 
 
 # ----------------------------------------------------------------------------- the store
@@ -185,7 +190,12 @@ def stand_in_load_module(path, enable_tvm_ffi=False):
 
 @pytest.fixture
 def stand_in_dsl(monkeypatch, cache_dir):
-    monkeypatch.setattr(_compile, "_import_cute", lambda: (None, fake_cute(load_module=stand_in_load_module)))
+    """The DSL's side replaced: export writes the payload, the DSL's loader reads it back, and no
+    shared library is linked (there is no C compiler)."""
+    cute = SimpleNamespace(runtime=SimpleNamespace(find_runtime_libraries=lambda enable_tvm_ffi=False: [],
+                                                   load_module=stand_in_load_module))
+    monkeypatch.setattr(_compile, "_import_cute", lambda: (None, cute))
+    monkeypatch.setattr(_disk_cache, "_c_compiler", lambda: None)
     built = []
 
     def build(payload=None):
@@ -248,13 +258,22 @@ def test_cache_off_or_unwritable_still_compiles(stand_in_dsl, cache_dir, monkeyp
 
 
 # ----------------------------------------------------------------------------- the real DSL
-def test_real_kernel_exports_and_loads(cache_dir, monkeypatch):
+HAS_CC = _disk_cache._c_compiler() is not None and _disk_cache.runtime_library() is not None
+
+
+@pytest.mark.parametrize("route", [
+    pytest.param("shared library", marks=pytest.mark.skipif(not HAS_CC, reason="no C compiler")),
+    "DSL loader"])
+def test_real_kernel_exports_and_loads(cache_dir, monkeypatch, route):
     """A real compile goes to disk, and a new process gets it back as a TVM-FFI function with the
     kernel's signature (it checks its arguments: CPU tensors are refused) without compiling."""
     cli.prepare_dsl_env()
+    if route == "DSL loader":
+        monkeypatch.setattr(_disk_cache, "_c_compiler", lambda: None)
     spec = registry.get("g1")
     fn = _compile.get_gemm(spec, BF16, "row", "col")
     (entry,) = entries(cache_dir)
+    assert len(list(cache_dir.glob(entry.stem + "-*.so"))) == (route == "shared library")
     new_process(monkeypatch)
     monkeypatch.setattr(_compile, "_build_gemm", lambda *a, **k: pytest.fail("compiled instead of loading"))
     loaded = _compile.get_gemm(spec, BF16, "row", "col")
@@ -262,6 +281,13 @@ def test_real_kernel_exports_and_loads(cache_dir, monkeypatch):
     a = torch.zeros(128, 64, dtype=BF16)
     with pytest.raises(Exception, match="cuda"):
         loaded(a, a.t(), torch.zeros(128, 128, dtype=BF16), 132)
+    if route == "shared library":  # and a fresh interpreter loads it without importing cutlass
+        code = ("import sys, torch; from fa3 import _compile, registry; "
+                "fn = _compile.get_gemm(registry.get('g1'), torch.bfloat16, 'row', 'col'); "
+                "print(type(fn).__name__, 'cutlass' in sys.modules)")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert proc.stdout.split() == ["Function", "False"], proc.stdout + proc.stderr
 
 
 def test_cli_warm_cache(cache_dir, capsys):
@@ -273,7 +299,7 @@ def test_cli_warm_cache(cache_dir, capsys):
     assert "already cached" in capsys.readouterr().out
     # the entry is the one a call to fa3.attention(kernel="k1") with head_dim 64 looks for
     key = _compile.attention_key(registry.get("k1"), BF16, 64, False)
-    assert _disk_cache.has(key, _compile._import_cute()[1]) == entry
+    assert _disk_cache.has(key) == entry
 
 
 def test_cli_compile_needs_out_or_warm_cache(capsys):
