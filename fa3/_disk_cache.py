@@ -248,7 +248,11 @@ def _load_shared(cache: Store, ekey: tuple, payload: bytes):
     """The kernel through a shared library and TVM-FFI alone: no cutlass import (which takes
     seconds on some machines). None where this route is not available."""
     runtime = runtime_library()
-    library = shared_library(cache, ekey, payload) if runtime else None
+    try:
+        library = shared_library(cache, ekey, payload) if runtime else None
+    except (OSError, subprocess.SubprocessError) as exc:  # cannot link here: the DSL's loader will do
+        log.debug("fa3: cannot link %s (%s: %s)", cache.path(ekey), type(exc).__name__, exc)
+        return None
     if library is None:
         return None
     import tvm_ffi
