@@ -283,13 +283,10 @@ def _load_with_dsl(cache: Store, ekey: tuple, payload: bytes):
 def load(key: tuple):
     """The kernel stored for in-memory key `key`, as a tvm_ffi.Function; None on a miss (or if the
     entry cannot be loaded: it is logged, and compiling again replaces it)."""
-    cache = store()
-    if cache is None:
+    entry = _read(key)
+    if entry is None:
         return None
-    ekey = entry_key(key)
-    payload = cache.read(ekey)
-    if payload is None:
-        return None
+    cache, ekey, payload = entry
     for route, loader in (("as a shared library", _load_shared), ("with the DSL's loader", _load_with_dsl)):
         try:
             fn = loader(cache, ekey, payload)
@@ -333,12 +330,19 @@ def _link_quietly(cache: Store, ekey: tuple, payload: bytes) -> None:
 
 def has(key: tuple) -> Path | None:
     """The path of a valid entry for `key` (its shared library linked if it can be), or None."""
+    entry = _read(key)
+    if entry is None:
+        return None
+    cache, ekey, payload = entry
+    _link_quietly(cache, ekey, payload)
+    return cache.path(ekey)
+
+
+def _read(key: tuple):
+    """(store, entry key, payload) of a valid entry for `key`, or None (no cache, or a miss)."""
     cache = store()
     if cache is None:
         return None
     ekey = entry_key(key)
     payload = cache.read(ekey)
-    if payload is None:
-        return None
-    _link_quietly(cache, ekey, payload)
-    return cache.path(ekey)
+    return None if payload is None else (cache, ekey, payload)
