@@ -39,7 +39,7 @@ class WarpSpecializedAttention(WgmmaAttention):
     kv_pipelines = 2  # separate K and V barriers
 
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 128, tile_n: int = 128,
-                 kv_stages: int = 2, q_stages: int = 2, pingpong: bool = True,
+                 kv_stages: int = 2, q_stages: int = 1, pingpong: bool = True,
                  intra_wg_overlap: bool = True):
         super().__init__(dtype, head_dim, causal, tile_m, tile_n, kv_stages, pv_on_wgmma=True)
         self.consumer_wgs = tile_m // 64

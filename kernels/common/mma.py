@@ -17,8 +17,6 @@ must not be released while an MMA that reads it is in flight.
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from cutlass.utils import hopper_helpers as sm90
 
@@ -81,19 +79,3 @@ def transpose_view(s: cute.Tensor) -> cute.Tensor:
     shape = (s.shape[1], s.shape[0], *s.shape[2:])
     return cute.composition(s, cute.make_ordered_layout(shape, order=(1, 0, *range(2, cute.rank(s)))))
 
-
-@dsl_user_op
-def _pin(x: Float32, *, loc=None, ip=None) -> Float32:
-    """An empty asm statement that reads and rewrites `x` (CUTLASS's fence_operand)."""
-    return Float32(llvm.inline_asm(T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], "", "=f,0",
-                                   has_side_effects=True, is_align_stack=False,
-                                   asm_dialect=llvm.AsmDialect.AD_ATT))
-
-
-@cute.jit
-def pin(t: cute.Tensor):
-    """Force every value of register tensor `t` to be computed *here*. The compiler otherwise sinks
-    pure arithmetic (the softmax) past a following wait_group to where it is consumed, and the
-    overlap of softmax with an in-flight WGMMA is lost."""
-    for i in cutlass.range_constexpr(cute.size(t)):
-        t[i] = _pin(t[i])
