@@ -26,3 +26,13 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     """||x - ref|| / ||ref||, computed in float64; NaN anywhere makes it NaN (and fails)."""
     x, ref = x.double(), ref.double()
     return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def raises_with(fn, exc, *words, **call):
+    """fn(**call) raises `exc` whose message contains every word of `words`; returns the message."""
+    with pytest.raises(exc) as info:
+        fn(**call)
+    msg = str(info.value)
+    for w in words:
+        assert w in msg, f"{w!r} not in the message: {msg}"
+    return msg

@@ -12,6 +12,7 @@ import torch
 import fa3
 from fa3 import interface, registry
 from fa3.reference import attention_reference, causal_mask
+from conftest import raises_with
 
 ATTENTION_RUNGS = registry.available_kernels(registry.ATTENTION)
 GEMM_RUNGS = registry.available_kernels(registry.GEMM)
@@ -29,12 +30,7 @@ def qkv(batch=2, seqlen_q=16, seqlen_k=24, heads_q=4, heads_kv=2, head_dim=ALL_H
 
 def raises(exc, *words, **call):
     """fa3.attention(**call) raises `exc` whose message contains every word of `words`."""
-    with pytest.raises(exc) as info:
-        fa3.attention(**call)
-    msg = str(info.value)
-    for w in words:
-        assert w in msg, f"{w!r} not in the message: {msg}"
-    return msg
+    return raises_with(fa3.attention, exc, *words, **call)
 
 
 # ----------------------------------------------------------------------------- argument checks
