@@ -51,16 +51,20 @@ def prepare_dsl_env() -> None:
         atexit.register(shutil.rmtree, scratch, ignore_errors=True)
 
 
+HEAD_DIM_FAMILIES = (registry.ATTENTION, registry.BACKWARD)
+
+
 def static_args(spec: registry.KernelSpec, head_dim: int, causal: bool) -> dict:
-    """What the rung's family compiles against: attention takes head_dim and causal, GEMM nothing."""
-    if spec.family == registry.ATTENTION:
+    """What the rung's family compiles against: attention and its backward take head_dim and
+    causal, GEMM nothing."""
+    if spec.family in HEAD_DIM_FAMILIES:
         return {"head_dim": head_dim, "causal": causal}
     return {}
 
 
 def describe(spec: registry.KernelSpec, dtype: torch.dtype, head_dim: int, causal: bool) -> str:
     dt = next(k for k, v in DTYPES.items() if v == dtype)
-    if spec.family == registry.ATTENTION:
+    if spec.family in HEAD_DIM_FAMILIES:
         return f"{spec.name} d{head_dim} {'causal' if causal else 'non-causal'} {dt}"
     return f"{spec.name} {spec.family} {dt}"
 
@@ -114,7 +118,7 @@ def selected_rungs(args) -> list[registry.KernelSpec] | None:
     specs = []
     for name in names:
         spec = registry.get(name)
-        if spec.family == registry.ATTENTION and args.head_dim not in spec.head_dims:
+        if spec.family in HEAD_DIM_FAMILIES and args.head_dim not in spec.head_dims:
             msg = f"{name}: head_dim {args.head_dim} is not supported (supported: {spec.head_dims})"
             if args.kernel != "all":
                 print(msg, file=sys.stderr)
@@ -169,9 +173,13 @@ def cmd_compile(args) -> int:
 
 def cache_configs(spec: registry.KernelSpec, head_dim: int, causal: bool) -> list[dict]:
     """The static configurations --warm-cache compiles for a rung: attention at --head-dim and
-    --causal; GEMM with every operand layout (row-major and transposed a and b)."""
+    --causal (the backward also in its deterministic and GQA variants); GEMM with every operand
+    layout (row-major and transposed a and b)."""
     if spec.family == registry.ATTENTION:
         return [{"head_dim": head_dim, "causal": causal}]
+    if spec.family == registry.BACKWARD:
+        return [{"head_dim": head_dim, "causal": causal, "deterministic": det, "gqa": gqa}
+                for det in (False, True) for gqa in (False, True)]
     return [{"a_layout": a, "b_layout": b} for a in _compile.GEMM_LAYOUTS for b in _compile.GEMM_LAYOUTS]
 
 

@@ -139,6 +139,79 @@ def get_attention(spec, dtype, head_dim, causal):
     return fn
 
 
+# ----------------------------------------------------------------------------- backward
+def _backward_fake_args(dtype, head_dim, gqa):
+    """Fake (q, k, v, dO, lse2, D, dQacc, dK, dV, lock, scale_log2, softmax_scale): see
+    kernels/bwd.py. `rows` is seqlen_q rounded up to the Q tile; dK/dV hold one slice per query
+    head, FP32 under GQA (summed over each group afterwards)."""
+    cutlass, cute = _import_cute()
+    dt = cute_dtype(dtype)
+    b, sq, sk, hq, hkv, rows, tiles = (cute.sym_int64() for _ in range(7))
+
+    def strided(elem, *shape):  # every stride but the last dynamic and 16-byte aligned
+        return _fake_tensor(cute, elem, shape, (*(cute.sym_int64(divisibility=8) for _ in shape[:-1]), 1))
+
+    def rowwise(elem, *shape, align=4):
+        return _fake_tensor(cute, elem, shape, (*(cute.sym_int64() for _ in shape[:-1]), 1), align=align)
+
+    dkv_dt = cutlass.Float32 if gqa else dt
+    return [strided(dt, b, sq, hq, head_dim), strided(dt, b, sk, hkv, head_dim),
+            strided(dt, b, sk, hkv, head_dim), strided(dt, b, sq, hq, head_dim),
+            rowwise(cutlass.Float32, b, hq, rows), rowwise(cutlass.Float32, b, hq, rows),
+            rowwise(cutlass.Float32, b, rows, hq, head_dim),
+            rowwise(dkv_dt, b, sk, hq, head_dim), rowwise(dkv_dt, b, sk, hq, head_dim),
+            rowwise(cutlass.Int32, b, hq, tiles), cutlass.Float32(1.0), cutlass.Float32(1.0)]
+
+
+def backward_key(spec, dtype, head_dim, causal, deterministic=False, gqa=False) -> tuple:
+    cfg = spec.config_for(head_dim)
+    return (spec.name, str(dtype), head_dim, bool(causal), bool(deterministic), bool(gqa),
+            tuple(sorted(cfg.items())), TARGET_ARCH, dsl_version())
+
+
+def _build_backward(spec, dtype, head_dim, causal, deterministic=False, gqa=False, extra_options=""):
+    kernel = spec.load_class()(dtype=cute_dtype(dtype), head_dim=head_dim, causal=causal,
+                               deterministic=deterministic, **spec.config_for(head_dim))
+    return _compile_kernel(kernel, _backward_fake_args(dtype, head_dim, gqa), extra_options)
+
+
+def get_backward(spec, dtype, head_dim, causal, deterministic, gqa):
+    """The compiled backward main kernel for this static configuration (compiled on first use)."""
+    fast_key = ("bwd", spec.name, dtype, head_dim, causal, deterministic, gqa)
+    fn = _FAST.get(fast_key)
+    if fn is None:
+        fn = _FAST[fast_key] = _cached(
+            backward_key(spec, dtype, head_dim, causal, deterministic, gqa),
+            lambda: _build_backward(spec, dtype, head_dim, causal, deterministic, gqa))
+    return fn
+
+
+def _build_preprocess(dtype, head_dim):
+    cutlass, cute = _import_cute()
+    from .kernels.bwd_pre import BackwardPreprocess
+
+    dt = cute_dtype(dtype)
+    b, sq, h, rows = (cute.sym_int64() for _ in range(4))
+
+    def tensor(elem, *shape):
+        return _fake_tensor(cute, elem, shape, (*(cute.sym_int64() for _ in shape[:-1]), 1), align=2)
+
+    args = [tensor(dt, b, sq, h, head_dim), tensor(dt, b, sq, h, head_dim),
+            tensor(cutlass.Float32, b, h, sq), tensor(cutlass.Float32, b, h, rows),
+            tensor(cutlass.Float32, b, h, rows)]
+    return _compile_kernel(BackwardPreprocess(dt, head_dim), args, "")
+
+
+def get_backward_preprocess(dtype, head_dim):
+    """D = rowsum(dO * O) and LSE * log2(e), padded (kernels/bwd_pre.py)."""
+    fast_key = ("bwd_pre", dtype, head_dim)
+    fn = _FAST.get(fast_key)
+    if fn is None:
+        key = ("bwd_pre", str(dtype), head_dim, TARGET_ARCH, dsl_version())
+        fn = _FAST[fast_key] = _cached(key, lambda: _build_preprocess(dtype, head_dim))
+    return fn
+
+
 # GEMM operand layouts, as torch strides show them: "row" = unit stride along the last dimension
 # (a contiguous tensor), "col" = unit stride along the first (a .t() view). Static in the kernel.
 GEMM_LAYOUTS = ("row", "col")
@@ -213,9 +286,10 @@ def compile_report(spec, dtype=torch.bfloat16, **static) -> CompileReport:
 
 
 # family -> builder(spec, dtype, **static, extra_options) -> compiled function
-BUILDERS = {registry.ATTENTION: _build_attention, registry.GEMM: _build_gemm}
+BUILDERS = {registry.ATTENTION: _build_attention, registry.GEMM: _build_gemm,
+            registry.BACKWARD: _build_backward}
 # family -> key(spec, dtype, **static): the compile-cache key, with the builder's static arguments
-KEYS = {registry.ATTENTION: attention_key, registry.GEMM: gemm_key}
+KEYS = {registry.ATTENTION: attention_key, registry.GEMM: gemm_key, registry.BACKWARD: backward_key}
 
 
 def fill_disk_cache(spec, dtype=torch.bfloat16, **static):

@@ -74,8 +74,10 @@ def tma_ready(t: torch.Tensor) -> torch.Tensor:
     """Kernels assume 16-byte aligned base and strides (TMA's rule). Views that already satisfy it,
     such as q/k/v sliced from one packed qkv tensor, pass through without a copy; others are
     copied once into a fresh (aligned) contiguous tensor."""
-    s0, s1, s2, _ = t.stride()  # (batch, seqlen, heads, head_dim); 16 bytes = 8 bf16/fp16 elements
-    if t.data_ptr() % 16 == 0 and s0 % 8 == 0 and s1 % 8 == 0 and s2 % 8 == 0:
+    s0, s1, s2, s3 = t.stride()  # (batch, seqlen, heads, head_dim); 16 bytes = 8 bf16/fp16 elements
+    # (stride 0: an expanded tensor, such as the gradient of a .sum(), is copied too)
+    if t.data_ptr() % 16 == 0 and s0 % 8 == 0 and s1 % 8 == 0 and s2 % 8 == 0 and s3 == 1 \
+            and s0 and s1 and s2:
         return t
     return t.clone(memory_format=torch.contiguous_format)
 
@@ -151,6 +153,22 @@ def _attention_rung(kernel, head_dim):
     return registry.get(_fastest_rung(registry.ATTENTION, head_dim))
 
 
+def _backward_rung(kernel, head_dim):
+    """The backward rung `kernel` (None: the fastest for head_dim), checked to support head_dim."""
+    if kernel is None:
+        # (a plain int even where torch.compile made head_dim symbolic; the forward checked it)
+        head_dim = next(d for d in (64, 128, 256) if d == head_dim)
+        return registry.get(_fastest_rung(registry.BACKWARD, head_dim))
+    spec = registry.get(kernel)
+    if spec.family != registry.BACKWARD:
+        raise ValueError(f"backward_kernel={kernel!r} is a {spec.family} rung; backward rungs are "
+                         f"{registry.available_kernels(registry.BACKWARD)}")
+    if head_dim not in spec.head_dims:
+        raise ValueError(f"head_dim={head_dim} is not supported by {kernel}; it supports "
+                         f"{spec.head_dims}")
+    return spec
+
+
 @torch.compiler.assume_constant_result
 def _fastest_rung(family: str, head_dim: int | None = None) -> str:
     """registry.fastest's name; torch.compile takes it as a constant (it cannot trace max(key=))."""
@@ -158,7 +176,8 @@ def _fastest_rung(family: str, head_dim: int | None = None) -> str:
 
 
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
-              return_lse: bool = False, kernel: str | None = None, out=None):
+              return_lse: bool = False, kernel: str | None = None, out=None,
+              deterministic: bool = False, backward_kernel: str | None = None):
     """Exact softmax attention, softmax(q k^T * softmax_scale) v, as flash-attn computes it.
 
     q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim); bf16 or
@@ -169,7 +188,14 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     return_lse: also return the fp32 log-sum-exp of each row, (batch, heads_q, seqlen_q).
     kernel: a rung of fa3.available_kernels("attention"); None picks the fastest.
     out: optional preallocated output, shaped like q, same dtype and device, contiguous.
+    deterministic: make the backward bitwise reproducible (dQ's FP32 partial sums are added in a
+        fixed order; measured cost in worklog/backward.md). The forward is deterministic anyway.
+    backward_kernel: a rung of fa3.available_kernels("backward"); None picks the fastest.
     Returns out shaped like q (and lse).
+
+    Differentiable in q, k and v (whichever require grad), through torch.autograd, torch.compile
+    and torch.utils.checkpoint; lse is returned as a non-differentiable output. GQA gradients of k
+    and v are summed over the query heads that share them.
 
     This is the torch custom op `torch.ops.fa3.attention` (fa3.ops) behind a validating wrapper:
     torch.compile(fullgraph=True) and torch.export trace it without graph breaks, and new batch
@@ -184,7 +210,8 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     if direct_call_ok(q, k, v):
         out, lse = launch_attention(spec, q, k, v, causal, scale, out)
     else:
-        result, lse = torch.ops.fa3.attention(q, k, v, causal, scale, spec.name)
+        bwd = _memo_rung(_backward_rung, backward_kernel, q.shape[3]).name
+        result, lse = torch.ops.fa3.attention(q, k, v, causal, scale, spec.name, bool(deterministic), bwd)
         out = result if out is None else out.copy_(result)  # the op is functional
     return (out, lse) if return_lse else out
 
@@ -241,6 +268,71 @@ def launch_attention(spec, q, k, v, causal: bool, scale: float, out=None):
         args.append(_HOPPER_SMS[device])
     fn(*args)
     return out, lse
+
+
+def _check_backward(dout, q, k, v, out, lse, kernel):
+    """The backward op's arguments: the forward's (checked again: the op can be called directly)
+    plus dout and out shaped like q and lse (batch, heads_q, seqlen_q) FP32."""
+    _check_attention(q, k, v, None)
+    spec = _memo_rung(_backward_rung, kernel, q.shape[3])
+    for name, t in (("dout", dout), ("out", out)):
+        check_tensor(t, name, 4, q.dtype)
+        if t.shape != q.shape or t.device != q.device:
+            raise ValueError(f"{name} must be shaped like q {tuple(q.shape)} on {q.device}, got "
+                             f"{tuple(t.shape)} on {t.device}")
+    batch, seqlen_q, heads_q, _ = q.shape
+    if not isinstance(lse, torch.Tensor) or lse.shape != (batch, heads_q, seqlen_q) \
+            or lse.dtype != torch.float32 or lse.device != q.device:
+        raise ValueError(f"lse must be the forward's (batch, heads_q, seqlen_q) = "
+                         f"{(batch, heads_q, seqlen_q)} float32 log-sum-exp on {q.device}")
+    return spec
+
+
+_NO_LOCK: dict[torch.device, torch.Tensor] = {}  # a stand-in for the counters when not deterministic
+
+
+def launch_attention_backward(spec, dout, q, k, v, out, lse, causal: bool, scale: float,
+                              deterministic: bool):
+    """(dq, dk, dv) for rung `spec`: preprocess (D, LSE * log2 e), the main kernel (dK, dV per
+    query head; dQ summed in FP32), postprocess (dQ * scale -> dtype; GQA sums over each group).
+    The body of the fa3::attention_backward op: arguments are validated already."""
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+    device, dtype = q.device, q.dtype
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    if dq.numel() == 0 or seqlen_k == 0:  # nothing to differentiate, or no key: all gradients 0
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    if q.requires_grad or k.requires_grad or v.requires_grad or out.requires_grad or dout.requires_grad:
+        q, k, v, out, dout = _detached(q, k, v, out, dout)
+    q, k, v, dout = tma_ready(q), tma_ready(k), tma_ready(v), tma_ready(dout)
+    tile_m = spec.config_for(head_dim)["tile_m"]
+    q_tiles = -(-seqlen_q // tile_m)
+    lse2 = torch.empty(batch, heads_q, q_tiles * tile_m, dtype=torch.float32, device=device)
+    dsum = torch.empty_like(lse2)
+    _compile.get_backward_preprocess(dtype, head_dim)(out, dout, lse, lse2, dsum)
+    dq_acc = torch.zeros(batch, q_tiles * tile_m, heads_q, head_dim, dtype=torch.float32, device=device)
+    gqa = heads_q != heads_kv
+    if gqa:  # one slice per query head in FP32, summed over each group below
+        dk_h = torch.empty(batch, seqlen_k, heads_q, head_dim, dtype=torch.float32, device=device)
+        dv_h = torch.empty_like(dk_h)
+    else:
+        dk_h, dv_h = dk, dv
+    if deterministic:
+        lock = torch.zeros(batch, heads_q, q_tiles, dtype=torch.int32, device=device)
+    else:
+        lock = _NO_LOCK.get(device)
+        if lock is None:
+            lock = _NO_LOCK[device] = torch.zeros(1, 1, 1, dtype=torch.int32, device=device)
+    fn = _compile.get_backward(spec, dtype, head_dim, bool(causal), bool(deterministic), gqa)
+    fn(q, k, v, dout, lse2, dsum, dq_acc, dk_h, dv_h, lock, scale * _LOG2E, scale)
+    torch.mul(dq_acc[:, :seqlen_q], scale, out=dq)
+    if gqa:
+        group = heads_q // heads_kv
+        torch.sum(dk_h.view(batch, seqlen_k, heads_kv, group, head_dim), dim=3, out=dk)
+        torch.sum(dv_h.view(batch, seqlen_k, heads_kv, group, head_dim), dim=3, out=dv)
+    return dq, dk, dv
 
 
 # ----------------------------------------------------------------------------- GEMM

@@ -1,6 +1,9 @@
 """fa3's kernels as torch custom ops: `torch.ops.fa3.attention` and `torch.ops.fa3.gemm`.
 
-    torch.ops.fa3.attention(q, k, v, causal, softmax_scale, kernel) -> (out, lse)
+    torch.ops.fa3.attention(q, k, v, causal, softmax_scale, kernel, deterministic=False,
+                            backward_kernel=None) -> (out, lse)        differentiable in q, k, v
+    torch.ops.fa3.attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, kernel,
+                                     deterministic) -> (dq, dk, dv)
     torch.ops.fa3.gemm(a, b, kernel) -> out
 
 Both are functional (they allocate their outputs; nothing is mutated), so torch.compile and
@@ -20,22 +23,58 @@ import torch
 
 from . import interface
 
-_ATTENTION_SCHEMA = ("(Tensor q, Tensor k, Tensor v, bool causal, float softmax_scale, str kernel)"
-                     " -> (Tensor, Tensor)")
+_ATTENTION_SCHEMA = ("(Tensor q, Tensor k, Tensor v, bool causal, float softmax_scale, str kernel, "
+                     "bool deterministic=False, str? backward_kernel=None) -> (Tensor, Tensor)")
+_BACKWARD_SCHEMA = ("(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, "
+                    "float softmax_scale, str kernel, bool deterministic) -> (Tensor, Tensor, Tensor)")
 
 
 @torch.library.custom_op("fa3::attention", mutates_args=(), schema=_ATTENTION_SCHEMA)
-def attention(q, k, v, causal, softmax_scale, kernel):
-    """(out, lse) of rung `kernel`: out shaped like q (contiguous), lse (batch, heads_q, seqlen_q) fp32."""
+def attention(q, k, v, causal, softmax_scale, kernel, deterministic=False, backward_kernel=None):
+    """(out, lse) of rung `kernel`: out shaped like q (contiguous), lse (batch, heads_q, seqlen_q) fp32.
+    `deterministic` and `backward_kernel` are for the backward (None: the fastest rung)."""
     spec = interface._check_attention(q, k, v, kernel)
     return interface.launch_attention(spec, q, k, v, causal, softmax_scale)
 
 
 @attention.register_fake
-def _attention_fake(q, k, v, causal, softmax_scale, kernel):
+def _attention_fake(q, k, v, causal, softmax_scale, kernel, deterministic=False, backward_kernel=None):
     batch, seqlen_q, heads_q, _ = q.shape
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32))
+
+
+@torch.library.custom_op("fa3::attention_backward", mutates_args=(), schema=_BACKWARD_SCHEMA)
+def attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, kernel, deterministic):
+    """(dq, dk, dv), each contiguous and shaped like its input, with backward rung `kernel`."""
+    spec = interface._check_backward(dout, q, k, v, out, lse, kernel)
+    return interface.launch_attention_backward(spec, dout, q, k, v, out, lse, causal, softmax_scale,
+                                               deterministic)
+
+
+@attention_backward.register_fake
+def _attention_backward_fake(dout, q, k, v, out, lse, causal, softmax_scale, kernel, deterministic):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
+def _save_for_backward(ctx, inputs, output):
+    q, k, v, causal, softmax_scale, _, deterministic, backward_kernel = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.causal, ctx.softmax_scale = causal, softmax_scale
+    ctx.deterministic, ctx.backward_kernel = deterministic, backward_kernel
+    ctx.mark_non_differentiable(lse)
+
+
+def _attention_grads(ctx, dout, _dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    kernel = ctx.backward_kernel or interface._backward_rung(None, q.shape[3]).name
+    dq, dk, dv = torch.ops.fa3.attention_backward(dout, q, k, v, out, lse, ctx.causal,
+                                                  ctx.softmax_scale, kernel, ctx.deterministic)
+    return dq, dk, dv, None, None, None, None, None
+
+
+attention.register_autograd(_attention_grads, setup_context=_save_for_backward)
 
 
 @torch.library.custom_op("fa3::gemm", mutates_args=(), schema="(Tensor a, Tensor b, str kernel) -> Tensor")

@@ -15,12 +15,13 @@ from dataclasses import dataclass, field
 
 ATTENTION = "attention"
 GEMM = "gemm"
+BACKWARD = "backward"  # attention's gradients
 
 
 @dataclass(frozen=True)
 class KernelSpec:
     name: str
-    family: str  # ATTENTION or GEMM
+    family: str  # ATTENTION, BACKWARD or GEMM
     module: str  # relative to fa3.kernels
     cls: str
     summary: str
@@ -122,6 +123,17 @@ KERNELS: dict[str, KernelSpec] = {
                  {"pingpong": True, "intra_wg_overlap": True}),
             )
         ],
+        KernelSpec(
+            "b1", BACKWARD, "bwd", "AttentionBackward",
+            "backward: five WGMMAs per Q tile against one K/V tile, P and dS through SMEM, "
+            "dQ by FP32 atomics, each GEMM waited for",
+            config={"tile_m": 64, "tile_n": 128, "q_stages": 2},
+            # d=256: dK and dV alone take 128 registers a thread; a 64-row K/V tile halves them
+            per_head_dim={256: {"tile_n": 64}},
+            ptx_promises=("wgmma.mma_async", "cp.async.bulk.tensor", "global.add.f32", "stmatrix"),
+            ptx_forbids=("setmaxnreg",),
+            speed_rank=1,
+        ),
         *[
             KernelSpec(
                 name, GEMM, "gemm", cls, summary, config=config, head_dims=(),
@@ -159,7 +171,7 @@ def get(name: str) -> KernelSpec:
 
 
 def available_kernels(family: str | None = None) -> list[str]:
-    """Names of every rung, slowest first (`family`: "attention" or "gemm" to filter)."""
+    """Names of every rung, slowest first (`family`: "attention", "backward" or "gemm" to filter)."""
     return [n for n, s in KERNELS.items() if family is None or s.family == family]
 
 

@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def compile_cases():
     for name, spec in registry.KERNELS.items():
-        if spec.family != registry.ATTENTION:
+        if spec.family not in cli.HEAD_DIM_FAMILIES:
             yield pytest.param(name, None, False, id=name)
             continue
         main = 128 if 128 in spec.head_dims else spec.head_dims[0]
@@ -46,6 +46,18 @@ def test_compiles_with_promised_ptx(name, head_dim, causal, capsys):
         assert promise in ptx, f"{name}: promised {promise!r} is not in the PTX"
     for forbidden in spec.ptx_forbids:
         assert forbidden not in ptx, f"{name}: forbidden {forbidden!r} is in the PTX"
+    if spec.family == registry.BACKWARD:  # five accumulators live at once: a spill is a regression
+        assert result.report.spill_bytes == 0, f"{name}: ptxas spills ({result.resources()})"
+
+
+@pytest.mark.parametrize("name", registry.available_kernels(registry.BACKWARD))
+def test_backward_deterministic_variant_compiles(name):
+    """deterministic=True adds the ordered dQ accumulation: an acquire spin and a release count."""
+    spec = registry.get(name)
+    report = _compile.compile_report(spec, torch.bfloat16, head_dim=64, causal=True,
+                                     deterministic=True, gqa=True)
+    assert "ld.acquire.gpu.global" in report.ptx and "atom.global.release" in report.ptx
+    assert report.spill_bytes == 0
 
 
 def test_attention_key_covers_static_configuration():

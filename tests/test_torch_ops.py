@@ -17,6 +17,7 @@ from fa3 import interface, registry
 BF16 = torch.bfloat16
 ATTENTION = registry.fastest(registry.ATTENTION, 128).name
 GEMM = registry.fastest(registry.GEMM).name
+BACKWARD_64 = registry.fastest(registry.BACKWARD, 64).name
 
 
 @pytest.fixture
@@ -104,7 +105,8 @@ def test_export_keeps_shapes_symbolic(meta_ok):
     program = torch.export.export(Block(), (meta(2, 128, 256),), dynamic_shapes=({0: batch, 1: seqlen},))
     calls = [n for n in program.graph.nodes if n.op == "call_function"]
     attention = next(n for n in calls if n.target is torch.ops.fa3.attention.default)
-    assert attention.args[3:] == (True, 0.125, ATTENTION)  # causal, 1/sqrt(64), the rung resolved
+    # causal, 1/sqrt(64), the rung resolved, deterministic backward off, the backward rung resolved
+    assert attention.args[3:] == (True, 0.125, ATTENTION, False, BACKWARD_64)
     fake_out = attention.meta["val"][0]
     assert all(isinstance(s, torch.SymInt) for s in fake_out.shape[:2])
     assert sum(n.target is torch.ops.fa3.gemm.default for n in calls) == 2
@@ -133,10 +135,49 @@ def test_direct_call_only_for_plain_eager_tensors():
         assert not interface.direct_call_ok(t)
 
 
-def test_op_rejects_autograd():
-    """Backward through fa3 is not implemented: say so instead of returning wrong gradients."""
-    assert torch.ops.fa3.attention.default._schema.returns[0].type.kind() == "TensorType"
-    with pytest.raises(Exception, match="autograd|derivative|backward"):
-        q = torch.empty(1, 8, 2, 64, device="meta", dtype=BF16, requires_grad=True)
-        out, _ = torch.ops.fa3.attention(q, q, q, False, 0.1, ATTENTION)
-        out.sum().backward()
+@pytest.mark.parametrize("heads_kv", [4, 1], ids=["mha", "mqa"])
+def test_backward_on_meta_tensors(meta_ok, heads_kv):
+    """fa3.attention(...).sum().backward() gives gradients of the inputs' shapes and dtypes (the
+    backward op's fake implementation), and lse does not require grad."""
+    q = meta(2, 64, 4, 128, dtype=torch.float16).requires_grad_()
+    k = meta(2, 70, heads_kv, 128, dtype=torch.float16).requires_grad_()
+    v = meta(2, 70, heads_kv, 128, dtype=torch.float16).requires_grad_()
+    out, lse = fa3.attention(q, k, v, causal=True, return_lse=True, deterministic=True)
+    assert out.requires_grad and not lse.requires_grad
+    out.sum().backward()
+    for t in (q, k, v):
+        assert t.grad.shape == t.shape and t.grad.dtype == torch.float16
+
+
+def test_backward_fake_shapes():
+    q = meta(3, 33, 8, 64)
+    k = meta(3, 17, 2, 64)
+    out, lse = meta(3, 33, 8, 64), meta(3, 8, 33, dtype=torch.float32)
+    dq, dk, dv = torch.ops.fa3.attention_backward(out, q, k, k, out, lse, False, 0.1, BACKWARD_64, False)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, k.shape)
+    assert dq.is_contiguous() and dk.dtype == BF16
+
+
+def test_compile_traces_the_backward(meta_ok):
+    """torch.compile(fullgraph=True) of a training step: forward and backward each hold one fa3 op."""
+    from torch._functorch.aot_autograd import aot_module_simplified  # noqa: F401  (aot_eager below)
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def loss_fn(q, k, v):
+        return fa3.attention(q, k, v, causal=True).float().square().sum()
+
+    q = meta(2, 64, 4, 64).requires_grad_()
+    k = meta(2, 64, 2, 64).requires_grad_()
+    from torch._dynamo.backends.common import aot_autograd
+
+    compiled = torch.compile(loss_fn, fullgraph=True, backend=aot_autograd(fw_compiler=backend, bw_compiler=backend))
+    compiled(q, k, k).backward()
+    assert len(graphs) == 2
+    targets = [n.target for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert torch.ops.fa3.attention.default in targets and torch.ops.fa3.attention_backward.default in targets
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape

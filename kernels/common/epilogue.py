@@ -15,9 +15,9 @@ the store is issued, once so no thread overwrites a buffer whose store is being 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, pipeline
-from cutlass.cute.nvgpu import cpasync, warp
+from cutlass.cute.nvgpu import cpasync
 
-from . import smem
+from . import mma, smem
 
 SUBTILE_COLS = 32  # 64-byte rows: small buffers, and stmatrix/TMA stay efficient
 
@@ -47,9 +47,7 @@ def store_tile(acc: cute.Tensor, tiled_mma: cute.TiledMma, thread_idx, sC: cute.
     thread_idx: index among the threads that hold `acc` (all meet on `barrier`);
     is_store_warp: true in exactly one warp, which issues the bulk stores."""
     dtype = sC.element_type
-    stmatrix = cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), dtype)  # row-major C
-    r2s = cute.make_tiled_copy_S(stmatrix, cute.make_tiled_copy_C_atom(stmatrix, tiled_mma))
-    thr_r2s = r2s.get_slice(thread_idx)
+    r2s, thr_r2s = mma.smem_writer(tiled_mma, dtype, thread_idx)
     tRS_sC = thr_r2s.partition_D(sC)
     tRS_acc = r2s.retile(acc)
     frag_shape = cute.shape(thr_r2s.partition_S(sC))[:3]

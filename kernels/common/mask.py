@@ -47,3 +47,15 @@ def tile_needs_mask(m_block: Int32, n_block: Int32, tile_m: cutlass.Constexpr, t
     """Whether any score of this tile is invisible: the ragged last tile, or one crossing the
     causal diagonal. The tile's first row has the smallest column limit."""
     return (n_block + 1) * tile_n > col_limit(m_block * tile_m, seqlen_q, seqlen_k, causal)
+
+
+@cute.jit
+def m_block_min(n_block: Int32, tile_m: cutlass.Constexpr, tile_n: cutlass.Constexpr,
+                seqlen_q: Int32, seqlen_k: Int32, causal: cutlass.Constexpr) -> Int32:
+    """First Q tile that sees any key of K/V tile `n_block` (the backward's loop start): 0, or under
+    causal the tile holding row n_block * tile_n + seqlen_q - seqlen_k. The Q tiles that see K/V
+    tile n are exactly those m with n < n_block_max(m): the same predicate, inverted."""
+    first = 0
+    if cutlass.const_expr(causal):
+        first = cutlass.max(n_block * tile_n + seqlen_q - seqlen_k, 0) // tile_m
+    return first

@@ -17,7 +17,7 @@ must not be released while an MMA that reads it is in flight.
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
-from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+from cutlass.cute.nvgpu import OperandMajorMode, warp, warpgroup
 from cutlass.utils import hopper_helpers as sm90
 
 _MAJOR = {"K": OperandMajorMode.K, "MN": OperandMajorMode.MN}
@@ -26,10 +26,13 @@ _MAJOR = {"K": OperandMajorMode.K, "MN": OperandMajorMode.MN}
 def tiled_mma(dtype, tile_m: int, tile_n: int, a_major="K", b_major="K", a_in_regs=False,
               warpgroups: int | None = None):
     """MMA producing a (tile_m, tile_n) accumulator with `warpgroups` (default tile_m/64) warpgroups
-    stacked along M; with fewer, each warpgroup repeats the 64-row atom (tile_m/64/warpgroups times)."""
+    stacked along M; with fewer, each warpgroup repeats the 64-row atom (tile_m/64/warpgroups times);
+    with more than tile_m/64, the rest split N (each warpgroup then owns tile_n/split columns)."""
+    wg_m = min(warpgroups or tile_m // 64, tile_m // 64)
+    wg_n = (warpgroups or wg_m) // wg_m
     return sm90.make_trivial_tiled_mma(
         dtype, dtype, _MAJOR[a_major], _MAJOR[b_major], Float32,
-        atom_layout_mnk=(warpgroups or tile_m // 64, 1, 1), tiler_mn=(64, tile_n),
+        atom_layout_mnk=(wg_m, wg_n, 1), tiler_mn=(64, tile_n // wg_n),
         a_source=warpgroup.OperandSource.RMEM if a_in_regs else warpgroup.OperandSource.SMEM)
 
 
@@ -79,3 +82,30 @@ def transpose_view(s: cute.Tensor) -> cute.Tensor:
     shape = (s.shape[1], s.shape[0], *s.shape[2:])
     return cute.composition(s, cute.make_ordered_layout(shape, order=(1, 0, *range(2, cute.rank(s)))))
 
+
+
+def smem_writer(tiled: cute.TiledMma, dtype, thread_idx, whole_tile: bool = False):
+    """(copy, thread slice) writing this thread's share of a `tiled` accumulator, converted to the
+    16-bit `dtype`, into a row-major swizzled SMEM tile with `stmatrix` (8x8 blocks per instruction
+    instead of scattered 2-byte stores): the whole (M, N) tile of the tiled MMA, or (default) one
+    atom-sized subtile at a time, as the epilogue stores it."""
+    stmatrix = cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), dtype)
+    if whole_tile:
+        r2s = cute.make_tiled_copy_C(stmatrix, tiled)
+    else:
+        r2s = cute.make_tiled_copy_S(stmatrix, cute.make_tiled_copy_C_atom(stmatrix, tiled))
+    return r2s, r2s.get_slice(thread_idx)
+
+
+@cute.jit
+def store_to_smem(frag: cute.Tensor, tiled: cute.TiledMma, thread_idx, sX: cute.Tensor):
+    """Write a 16-bit accumulator `frag` (already converted) into the (M, N) SMEM tile sX."""
+    r2s, thr = smem_writer(tiled, frag.element_type, thread_idx, whole_tile=True)
+    cute.copy(r2s, r2s.retile(frag), thr.partition_D(sX))
+
+
+def to_dtype(acc: cute.Tensor, dtype) -> cute.Tensor:
+    """A register copy of the FP32 accumulator rounded to `dtype` (same layout)."""
+    out = cute.make_rmem_tensor_like(acc, dtype)
+    out.store(acc.load().to(dtype))
+    return out

@@ -1,0 +1,294 @@
+"""B1: FlashAttention-3's backward, all five GEMMs on WGMMA. One CTA per (K/V tile, query head, batch).
+
+With P = softmax(Q K^T * scale) recomputed from the forward's LSE, and dO given:
+
+    S  = Q K^T                    (tile_m, tile_n)   A = Q  (K-major), B = K  (K-major)
+    dP = dO V^T                   (tile_m, tile_n)   A = dO (K-major), B = V  (K-major)
+    P  = exp2(S * scale_log2 - LSE * log2 e)         (the preprocess stores LSE * log2 e)
+    dS = P * (dP - D)             D = rowsum(dO * O), from the preprocess
+    dV += P^T dO                  (tile_n, d)        A = P^T  (MN-major, from SMEM), B = dO^T (MN-major)
+    dK += dS^T Q                  (tile_n, d)        A = dS^T (MN-major, from SMEM), B = Q^T  (MN-major)
+    dQ_i += dS K                  (tile_m, d)        A = dS   (K-major,  from SMEM), B = K^T  (MN-major)
+
+The CTA loads its K_j and V_j once (TMA), then walks the Q tiles that see them (all of them, or
+from the causal diagonal down) through a `q_stages`-deep ring that brings Q_i and dO_i on one
+barrier. dK and dV stay in registers for the whole walk and are written once, scaled by
+softmax_scale (the chain rule through S * scale). dQ_i gets a contribution from every K/V tile, so
+it is accumulated in FP32 global memory with atomic adds (common/accum.py; in a fixed order when
+`deterministic`); the postprocess scales and rounds it.
+
+Every transposed operand is a view of the same swizzled SMEM tile (no data moves): P and dS are
+written once, row-major (tile_m, tile_n), and read both as dS (K-major A of dQ) and as P^T, dS^T
+(MN-major A of dV, dK); Q, dO and K likewise serve as K-major A/B and as MN-major B.
+
+Two consumer warpgroups, no producer: warp 0 also issues the TMA copies (refilling the stage all
+warps just released), and every GEMM is waited for before its result is used. B2 specializes.
+Rows past seqlen_q have LSE = +inf in the preprocessed buffer (P = 0) and zero dO (dS = 0); scores
+past seqlen_k and above the causal diagonal are masked to -inf before the exponent. Rows with no
+visible key likewise get LSE = +inf: P = 0, dQ = 0, and they add nothing to dK and dV.
+
+Constraints: head_dim 64/128/256; tile_m = 64 (one 64-row atom, warpgroups split N), tile_n a
+multiple of 64 (P and dS rows fill a 128-byte swizzle atom).
+"""
+
+from types import SimpleNamespace
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+from cutlass.cute.nvgpu import warpgroup
+
+from .common import accum, mask, mma, pipeline, smem, tma
+
+
+class AttentionBackward:
+    mma_warpgroups = 2
+
+    def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 64, tile_n: int = 128,
+                 q_stages: int = 2, deterministic: bool = False):
+        assert tile_m == 64 and tile_n % 64 == 0, "B1 keeps one 64-row atom of Q and 64-wide P rows"
+        self.dtype, self.head_dim, self.causal = dtype, head_dim, causal
+        self.tile_m, self.tile_n, self.q_stages = tile_m, tile_n, q_stages
+        self.deterministic = deterministic
+        self.num_threads = 128 * self.mma_warpgroups
+
+    # ---------------------------------------------------------------- host side
+    def smem_layouts(self):
+        """Q and dO share one staged layout; K and V one stage each; P and dS one tile each."""
+        return (smem.tile_layout(self.dtype, self.tile_m, self.head_dim, self.q_stages),
+                smem.tile_layout(self.dtype, self.tile_n, self.head_dim, 1),
+                smem.tile_layout(self.dtype, self.tile_m, self.tile_n, 1))
+
+    def shared_storage(self, sQ_layout, sKV_layout, sPdS_layout):
+        @cute.struct
+        class SharedStorage:
+            q_barriers: cute.struct.MemRange[Int64, 2 * self.q_stages]
+            kv_barriers: cute.struct.MemRange[Int64, 2]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPdS_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPdS_layout)], 1024]
+
+        smem.check_budget(SharedStorage.size_in_bytes(),
+                          f"the backward with q_stages={self.q_stages}, tile_n={self.tile_n}, d={self.head_dim}")
+        return SharedStorage
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+                 mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor,
+                 mdV: cute.Tensor, mLock: cute.Tensor, scale_log2: Float32, softmax_scale: Float32,
+                 stream):
+        """mLSE2, mD: (batch, heads_q, seqlen_q rounded up to tile_m) FP32 from the preprocess;
+        mdQacc: (batch, same rows, heads_q, d) FP32, zeroed; mdK, mdV: (batch, seqlen_k, heads_q,
+        d), one slice per query head (FP32 when GQA sums them afterwards); mLock: (batch, heads_q,
+        Q tiles) int32 zeros, read only when deterministic."""
+        batch, seqlen_k, heads_q = mQ.shape[0], mK.shape[1], mQ.shape[2]
+        sQ_layout, sKV_layout, sPdS_layout = self.smem_layouts()
+        tile_q, tile_kv = (self.tile_m, self.head_dim), (self.tile_n, self.head_dim)
+        loads = (*tma.make_load(tma.seq_major(mQ), sQ_layout, tile_q),
+                 *tma.make_load(tma.seq_major(mdO), sQ_layout, tile_q),
+                 *tma.make_load(tma.seq_major(mK), sKV_layout, tile_kv),
+                 *tma.make_load(tma.seq_major(mV), sKV_layout, tile_kv))
+        storage_cls = self.shared_storage(sQ_layout, sKV_layout, sPdS_layout)
+        self.kernel(*loads, mLSE2, mD, mdQacc, mdK, mdV, mLock, scale_log2, softmax_scale,
+                    sQ_layout, sKV_layout, sPdS_layout, storage_cls).launch(
+            grid=[cute.ceil_div(seqlen_k, self.tile_n), heads_q, batch],
+            block=[self.num_threads, 1, 1], stream=stream)
+
+    # ---------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_do: cute.CopyAtom, mdO: cute.Tensor,
+               tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom, mV: cute.Tensor,
+               mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor,
+               mdV: cute.Tensor, mLock: cute.Tensor, scale_log2: Float32, softmax_scale: Float32,
+               sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
+               sPdS_layout: cute.ComposedLayout, SharedStorage: cutlass.Constexpr):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        n_block, head, batch = cute.arch.block_idx()
+        if warp_idx == 0:
+            tma.prefetch(tma_q, tma_do, tma_k, tma_v)
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        consumer_warps = self.num_threads // 32
+        q_pipe, kv_pipe = self.make_pipelines(storage, sQ_layout, sKV_layout, consumer_warps)
+        pipeline.init_done()
+        s = self.smem_tensors(storage, sQ_layout, sKV_layout, sPdS_layout)
+        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]  # (seqlen, d, heads, batch) views
+        q_copies, kv_copies = self.tma_copies(tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, s, head, batch)
+        m_first = mask.m_block_min(n_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.causal)
+        m_end = (seqlen_q + self.tile_m - 1) // self.tile_m
+
+        q_producer = pipeline.producer_state(self.q_stages)
+        if warp_idx == 0:  # K_j, V_j once; then fill the Q/dO ring
+            pipeline.produce(kv_pipe, pipeline.producer_state(1), n_block, kv_copies)
+            for _ in cutlass.range(cutlass.min(self.q_stages, m_end - m_first), unroll=1):
+                q_producer = pipeline.produce(q_pipe, q_producer, m_first + q_producer.count, q_copies)
+
+        ctx = self.mma_setup(s, tidx)
+        pipeline.consume_wait(kv_pipe, pipeline.consumer_state(1))
+        q_consumer = pipeline.consumer_state(self.q_stages)
+        for m_block in cutlass.range(m_first, m_end, unroll=1):
+            pipeline.consume_wait(q_pipe, q_consumer)
+            self.compute_step(ctx, s, q_consumer.index, m_block, n_block, head, batch, seqlen_q,
+                              seqlen_k, mLSE2, mD, mdQacc, mLock, scale_log2)
+            q_consumer = pipeline.release(q_pipe, q_consumer)
+            if warp_idx == 0 and m_first + q_producer.count < m_end:  # refill the stage just freed
+                q_producer = pipeline.produce(q_pipe, q_producer, m_first + q_producer.count, q_copies)
+        if warp_idx == 0:
+            pipeline.tail(q_pipe, q_producer)
+        self.store_dkv(ctx, mdK, mdV, n_block, head, batch, seqlen_k, softmax_scale)
+
+    # ---------------------------------------------------------------- setup pieces
+    def make_pipelines(self, storage, sQ_layout, sKV_layout, consumer_warps):
+        """(Q/dO ring, K/V single stage): each stage's Q and dO (K and V) land on one barrier."""
+        q_pipe = pipeline.create(storage.q_barriers.data_ptr(), self.q_stages, consumer_warps,
+                                 2 * smem.stage_bytes(self.dtype, sQ_layout))
+        kv_pipe = pipeline.create(storage.kv_barriers.data_ptr(), 1, consumer_warps,
+                                  2 * smem.stage_bytes(self.dtype, sKV_layout))
+        return q_pipe, kv_pipe
+
+    def smem_tensors(self, storage, sQ_layout, sKV_layout, sPdS_layout):
+        def get(field, layout):
+            return field.get_tensor(layout.outer, swizzle=layout.inner)
+
+        return SimpleNamespace(sQ=get(storage.sQ, sQ_layout), sdO=get(storage.sdO, sQ_layout),
+                               sK=get(storage.sK, sKV_layout), sV=get(storage.sV, sKV_layout),
+                               sP=get(storage.sP, sPdS_layout), sdS=get(storage.sdS, sPdS_layout))
+
+    def tma_copies(self, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, s, head, batch):
+        """([(atom, gmem tiles, smem stages)] for Q and dO, the same for K and V)."""
+        head_kv = head // (mQ.shape[2] // mK.shape[2])
+        tile_q, tile_kv = (self.tile_m, self.head_dim), (self.tile_n, self.head_dim)
+
+        def copy(atom, mX, h, tile, sX):
+            tXsX, tXgX = tma.partition(atom, cute.local_tile(mX[None, None, h, batch], tile, (None, 0)), sX)
+            return atom, tXgX, tXsX
+
+        return ([copy(tma_q, mQ, head, tile_q, s.sQ), copy(tma_do, mdO, head, tile_q, s.sdO)],
+                [copy(tma_k, mK, head_kv, tile_kv, s.sK), copy(tma_v, mV, head_kv, tile_kv, s.sV)])
+
+    def mma_setup(self, s, tidx):
+        """The three tiled MMAs, every operand fragment (SMEM descriptors, transposed views where
+        the GEMM reads a tile the other way round) and the dK/dV accumulators."""
+        wgs = self.mma_warpgroups
+        sdp = mma.tiled_mma(self.dtype, self.tile_m, self.tile_n, warpgroups=wgs)  # S and dP
+        dkv = mma.tiled_mma(self.dtype, self.tile_n, self.head_dim, a_major="MN", b_major="MN",
+                            warpgroups=wgs)  # dV and dK
+        dq = mma.tiled_mma(self.dtype, self.tile_m, self.head_dim, b_major="MN", warpgroups=wgs)
+        thr_sdp, thr_dkv, thr_dq = sdp.get_slice(tidx), dkv.get_slice(tidx), dq.get_slice(tidx)
+        t = mma.transpose_view
+        ctx = SimpleNamespace(
+            sdp=sdp, dkv=dkv, dq=dq, thr_sdp=thr_sdp, thr_dkv=thr_dkv, thr_dq=thr_dq, tidx=tidx,
+            tSrQ=thr_sdp.make_fragment_A(thr_sdp.partition_A(s.sQ)),
+            tSrK=thr_sdp.make_fragment_B(thr_sdp.partition_B(s.sK)),
+            tdPrdO=thr_sdp.make_fragment_A(thr_sdp.partition_A(s.sdO)),
+            tdPrV=thr_sdp.make_fragment_B(thr_sdp.partition_B(s.sV)),
+            tdVrPt=thr_dkv.make_fragment_A(thr_dkv.partition_A(t(s.sP))),
+            tdVrdOt=thr_dkv.make_fragment_B(thr_dkv.partition_B(t(s.sdO))),
+            tdKrdSt=thr_dkv.make_fragment_A(thr_dkv.partition_A(t(s.sdS))),
+            tdKrQt=thr_dkv.make_fragment_B(thr_dkv.partition_B(t(s.sQ))),
+            tdQrdS=thr_dq.make_fragment_A(thr_dq.partition_A(s.sdS)),
+            tdQrKt=thr_dq.make_fragment_B(thr_dq.partition_B(t(s.sK))),
+            s_coords=mma.rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))),
+        )
+        ctx.acc_dv = cute.make_rmem_tensor(thr_dkv.partition_shape_C((self.tile_n, self.head_dim)), Float32)
+        ctx.acc_dk = cute.make_rmem_tensor(thr_dkv.partition_shape_C((self.tile_n, self.head_dim)), Float32)
+        ctx.acc_dv.fill(0.0)
+        ctx.acc_dk.fill(0.0)
+        return ctx
+
+    # ---------------------------------------------------------------- compute pieces
+    @cute.jit
+    def scores_and_dp(self, ctx, stage, wait_s: cutlass.Constexpr):
+        """Issue S = Q K^T and dP = dO V^T back to back; wait until `wait_s` groups remain (1: S
+        has landed, dP may still run; 0: both)."""
+        acc_s = cute.make_rmem_tensor(ctx.thr_sdp.partition_shape_C((self.tile_m, self.tile_n)), Float32)
+        acc_dp = cute.make_rmem_tensor(ctx.thr_sdp.partition_shape_C((self.tile_m, self.tile_n)), Float32)
+        mma.gemm(ctx.sdp, acc_s, ctx.tSrQ[None, None, None, stage], ctx.tSrK[None, None, None, 0],
+                 zero_init=True, wait=-1)
+        mma.gemm(ctx.sdp, acc_dp, ctx.tdPrdO[None, None, None, stage], ctx.tdPrV[None, None, None, 0],
+                 zero_init=True, wait=wait_s)
+        return acc_s, acc_dp
+
+    @cute.jit
+    def probabilities(self, ctx, acc_s, m_block: Int32, n_block: Int32, head: Int32, batch: Int32,
+                      seqlen_q: Int32, seqlen_k: Int32, mLSE2: cute.Tensor, scale_log2: Float32):
+        """S -> P in place: mask (tiles that need it), then exp2(S * scale_log2 - LSE * log2 e)."""
+        s_mn = mma.rows_cols(acc_s)
+        if mask.tile_needs_mask(m_block, n_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.causal):
+            mask.apply(s_mn, ctx.s_coords, m_block * self.tile_m, n_block * self.tile_n, seqlen_q,
+                       seqlen_k, self.causal)
+        for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+            lse2 = mLSE2[batch, head, m_block * self.tile_m + ctx.s_coords[r, 0][0]]
+            for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                s_mn[r, c] = cute.math.exp2(s_mn[r, c] * scale_log2 - lse2, fastmath=True)
+
+    @cute.jit
+    def score_grads(self, ctx, acc_p, acc_dp, m_block: Int32, head: Int32, batch: Int32,
+                    mD: cute.Tensor):
+        """dP -> dS = P * (dP - D) in place."""
+        p_mn, dp_mn = mma.rows_cols(acc_p), mma.rows_cols(acc_dp)
+        for r in cutlass.range_constexpr(cute.size(dp_mn, mode=[0])):
+            d = mD[batch, head, m_block * self.tile_m + ctx.s_coords[r, 0][0]]
+            for c in cutlass.range_constexpr(cute.size(dp_mn, mode=[1])):
+                dp_mn[r, c] = p_mn[r, c] * (dp_mn[r, c] - d)
+
+    @cute.jit
+    def issue_dkv(self, ctx, s, stage):
+        """dV += P^T dO and dK += dS^T Q, from the SMEM copies of P and dS (no wait)."""
+        mma.gemm(ctx.dkv, ctx.acc_dv, ctx.tdVrPt[None, None, None, 0], ctx.tdVrdOt[None, None, None, stage], wait=-1)
+        mma.gemm(ctx.dkv, ctx.acc_dk, ctx.tdKrdSt[None, None, None, 0], ctx.tdKrQt[None, None, None, stage], wait=-1)
+
+    @cute.jit
+    def issue_dq(self, ctx, wait: cutlass.Constexpr):
+        """dQ_i = dS K (this K/V tile's share), fresh accumulator."""
+        acc_dq = cute.make_rmem_tensor(ctx.thr_dq.partition_shape_C((self.tile_m, self.head_dim)), Float32)
+        mma.gemm(ctx.dq, acc_dq, ctx.tdQrdS[None, None, None, 0], ctx.tdQrKt[None, None, None, 0],
+                 zero_init=True, wait=wait)
+        return acc_dq
+
+    @cute.jit
+    def add_dq(self, ctx, acc_dq, mdQacc: cute.Tensor, mLock: cute.Tensor, m_block: Int32,
+               n_block: Int32, head: Int32, batch: Int32, barrier_fn):
+        """dQacc[m_block] += acc_dq (FP32 atomics). Deterministic: K/V tiles add in the order of
+        n_block; the Q tiles a K/V tile n sees are those with n < n_block_max(m), so tile m's
+        contributors are n = 0, 1, ... and the counter for tile m reads n when n's turn comes."""
+        gdQ = cute.local_tile(mdQacc[batch, None, head, None], (self.tile_m, self.head_dim), (m_block, 0))
+        if cutlass.const_expr(self.deterministic):
+            accum.ordered_begin(accum.elem_ptr(mLock, (batch, head, m_block)), n_block, ctx.tidx, barrier_fn)
+        accum.add_fragment(acc_dq, ctx.thr_dq.partition_C(gdQ))
+        if cutlass.const_expr(self.deterministic):
+            accum.ordered_end(accum.elem_ptr(mLock, (batch, head, m_block)), ctx.tidx, barrier_fn)
+
+    @cute.jit
+    def compute_step(self, ctx, s, stage, m_block: Int32, n_block: Int32, head: Int32, batch: Int32,
+                     seqlen_q: Int32, seqlen_k: Int32, mLSE2: cute.Tensor, mD: cute.Tensor,
+                     mdQacc: cute.Tensor, mLock: cute.Tensor, scale_log2: Float32):
+        """One Q tile against this CTA's K/V tile: the five GEMMs, each waited for."""
+        acc_s, acc_dp = self.scores_and_dp(ctx, stage, 0)
+        self.probabilities(ctx, acc_s, m_block, n_block, head, batch, seqlen_q, seqlen_k, mLSE2, scale_log2)
+        self.score_grads(ctx, acc_s, acc_dp, m_block, head, batch, mD)
+        p, ds = mma.to_dtype(acc_s, self.dtype), mma.to_dtype(acc_dp, self.dtype)
+        cute.arch.sync_threads()  # every GEMM of the previous tile is done reading sP and sdS
+        mma.store_to_smem(p, ctx.sdp, ctx.tidx, s.sP[None, None, 0])
+        mma.store_to_smem(ds, ctx.sdp, ctx.tidx, s.sdS[None, None, 0])
+        cute.arch.fence_view_async_shared()  # generic-proxy writes, read by WGMMA (async proxy)
+        cute.arch.sync_threads()
+        self.issue_dkv(ctx, s, stage)
+        acc_dq = self.issue_dq(ctx, 0)
+        self.add_dq(ctx, acc_dq, mdQacc, mLock, m_block, n_block, head, batch, cute.arch.sync_threads)
+
+    @cute.jit
+    def store_dkv(self, ctx, mdK: cute.Tensor, mdV: cute.Tensor, n_block: Int32, head: Int32,
+                  batch: Int32, seqlen_k: Int32, softmax_scale: Float32):
+        """dK * softmax_scale and dV, rounded to the output's dtype, rows past seqlen_k skipped."""
+        coords = ctx.thr_dkv.partition_C(cute.make_identity_tensor((self.tile_n, self.head_dim)))
+        gdK = ctx.thr_dkv.partition_C(cute.local_tile(mdK[batch, None, head, None], (self.tile_n, self.head_dim), (n_block, 0)))
+        gdV = ctx.thr_dkv.partition_C(cute.local_tile(mdV[batch, None, head, None], (self.tile_n, self.head_dim), (n_block, 0)))
+        rows_left = seqlen_k - n_block * self.tile_n
+        for i in cutlass.range_constexpr(cute.size(ctx.acc_dk)):
+            if coords[i][0] < rows_left:
+                gdK[i] = (ctx.acc_dk[i] * softmax_scale).to(mdK.element_type)
+                gdV[i] = ctx.acc_dv[i].to(mdV.element_type)

@@ -1,0 +1,199 @@
+"""GPU tests of the backward: gradients of fa3.attention against a float64 reference.
+
+FlashAttention's rule: fa3's error against float64 may be at most ~2x the error of the same math
+run in the input dtype by PyTorch (the reference in bf16/fp16), plus a small floor for cases where
+that error is tiny. Inputs and dO are fresh random tensors; the memory the gradients land in is
+filled with NaN beforehand, so a gradient element the kernels forget to write fails the test.
+"""
+
+import math
+
+import pytest
+import torch
+
+import fa3
+from fa3 import registry
+from fa3.reference import attention_reference
+
+from conftest import rel_err
+
+pytestmark = pytest.mark.gpu
+BWD_RUNGS = registry.available_kernels(registry.BACKWARD)
+
+# (batch, seqlen_q, seqlen_k, heads_q, heads_kv): ragged, GQA/MQA, seqlen_q != seqlen_k both ways
+SHAPES = [
+    (2, 128, 128, 4, 4),
+    (1, 1, 1, 2, 2),
+    (2, 257, 131, 4, 2),
+    (1, 100, 333, 6, 1),
+    (2, 333, 100, 2, 2),
+    (1, 64, 700, 2, 2),
+]
+
+
+def _poison_allocator(nbytes=1 << 28):
+    """Fill a large block of the caching allocator's memory with NaN and free it: the gradients
+    and scratch buffers allocated next reuse it, so anything left unwritten reads as NaN."""
+    torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").fill_(float("nan"))
+
+
+def _inputs(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", dtype=dtype, generator=g)
+
+    q = randn(batch, seqlen_q, heads_q, head_dim)
+    k = randn(batch, seqlen_k, heads_kv, head_dim)
+    v = randn(batch, seqlen_k, heads_kv, head_dim)
+    dout = randn(batch, seqlen_q, heads_q, head_dim)
+    return q, k, v, dout
+
+
+def _grads(fn, q, k, v, dout):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v)
+    _poison_allocator()
+    out.backward(dout)
+    return out, q.grad, k.grad, v.grad
+
+
+def _reference_grads(q, k, v, dout, causal, scale, dtype):
+    def fn(q, k, v):
+        return attention_reference(q, k, v, causal=causal, softmax_scale=scale, dtype=dtype)[0]
+
+    q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v)
+    out.backward(dout.to(dtype))
+    return out, q.grad, k.grad, v.grad
+
+
+def check_grads(q, k, v, dout, causal, scale=None, kernel=None, deterministic=False, floor=1e-3):
+    got = _grads(lambda q, k, v: fa3.attention(q, k, v, causal=causal, softmax_scale=scale,
+                                               backward_kernel=kernel, deterministic=deterministic),
+                 q, k, v, dout)
+    exact = _reference_grads(q, k, v, dout, causal, scale, torch.float64)
+    low = _reference_grads(q, k, v, dout, causal, scale, q.dtype)
+    for name, g, ref, base in zip(("out", "dq", "dk", "dv"), got, exact, low):
+        assert g.shape == ref.shape and g.dtype == q.dtype
+        assert torch.isfinite(g).all(), f"{name} has NaN/inf"
+        err, base_err = rel_err(g, ref), rel_err(base.to(ref.dtype), ref)
+        assert err <= 2 * base_err + floor, f"{name}: rel err {err:.2e} vs PyTorch {q.dtype} {base_err:.2e}"
+    return got
+
+
+@pytest.mark.parametrize("kernel", BWD_RUNGS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_gradients(shape, head_dim, causal, kernel):
+    q, k, v, dout = _inputs(*shape, head_dim, seed=hash((shape, head_dim, causal)) % 1000)
+    check_grads(q, k, v, dout, causal, kernel=kernel)
+
+
+@pytest.mark.parametrize("kernel", BWD_RUNGS)
+def test_fp16_softmax_scale_and_packed_qkv(kernel):
+    batch, seqlen, heads, head_dim = 2, 200, 4, 128
+    qkv = torch.randn(batch, seqlen, 3, heads, head_dim, device="cuda", dtype=torch.float16)
+    q, k, v = qkv.unbind(2)  # strided views of one tensor, no copies
+    dout = torch.randn_like(q)
+    check_grads(q, k, v, dout, True, scale=0.3, kernel=kernel)
+    # and through autograd into the packed tensor itself
+    qkv.requires_grad_()
+    out = fa3.attention(*qkv.unbind(2), causal=True, backward_kernel=kernel)
+    (out * dout).sum().backward()
+    assert qkv.grad.shape == qkv.shape and torch.isfinite(qkv.grad).all()
+
+
+@pytest.mark.parametrize("kernel", BWD_RUNGS)
+def test_rows_without_keys_get_zero_gradient(kernel):
+    """Causal with seqlen_q > seqlen_k: the first rows see no key. Their dq is exactly 0."""
+    q, k, v, dout = _inputs(1, 300, 50, 2, 2, 64)
+    _, dq, dk, dv = check_grads(q, k, v, dout, True, kernel=kernel)
+    assert (dq[:, :250] == 0).all()
+
+
+@pytest.mark.parametrize("kernel", BWD_RUNGS)
+def test_many_heads_small_seqlen(kernel):
+    q, k, v, dout = _inputs(4, 33, 33, 64, 16, 64)
+    check_grads(q, k, v, dout, False, kernel=kernel)
+
+
+@pytest.mark.parametrize("kernel", BWD_RUNGS)
+def test_deterministic_is_bitwise_repeatable(kernel):
+    q, k, v, dout = _inputs(2, 1000, 1000, 4, 2, 128)
+    first = check_grads(q, k, v, dout, True, kernel=kernel, deterministic=True)
+    for _ in range(3):
+        again = _grads(lambda q, k, v: fa3.attention(q, k, v, causal=True, backward_kernel=kernel,
+                                                     deterministic=True), q, k, v, dout)
+        for a, b in zip(first, again):
+            assert torch.equal(a, b)
+
+
+def test_long_sequence_against_sdpa():
+    """32k keys: too large for a float64 reference; compare with SDPA's flash backward instead."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v, dout = _inputs(1, 32768, 32768, 2, 2, 128)
+    got = _grads(lambda q, k, v: fa3.attention(q, k, v, causal=True), q, k, v, dout)
+
+    def sdpa(q, k, v):
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True).transpose(1, 2)
+
+    ref = _grads(sdpa, q, k, v, dout)
+    for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref):
+        assert rel_err(g, r) < 2e-2, f"{name}: {rel_err(g, r):.2e} against SDPA"
+
+
+def test_lse_output_stays_differentiable_in_out():
+    q, k, v, dout = _inputs(1, 64, 64, 2, 2, 64)
+    q.requires_grad_()
+    out, lse = fa3.attention(q, k, v, return_lse=True)
+    assert not lse.requires_grad
+    (out * dout).sum().backward()
+    assert torch.isfinite(q.grad).all() and q.grad.abs().sum() > 0
+
+
+def test_checkpoint_and_compile_match_eager():
+    from torch.utils.checkpoint import checkpoint
+
+    q, k, v, dout = _inputs(2, 300, 300, 4, 2, 64)
+
+    def f(q, k, v):
+        return fa3.attention(q, k, v, causal=True)
+
+    eager = _grads(f, q, k, v, dout)
+    ckpt = _grads(lambda q, k, v: checkpoint(f, q, k, v, use_reentrant=False), q, k, v, dout)
+    compiled = _grads(torch.compile(f, fullgraph=True), q, k, v, dout)
+    for a, b, c in zip(eager, ckpt, compiled):
+        assert rel_err(b, a) < 1e-6 and rel_err(c, a) < 1e-6
+
+
+def test_cuda_graph_of_a_training_step():
+    q, k, v, dout = _inputs(2, 256, 256, 4, 4, 128)
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+
+    def step():
+        for t in (q, k, v):
+            t.grad = None
+        fa3.attention(q, k, v, causal=True).backward(dout)
+        return q.grad, k.grad, v.grad
+
+    expected = [g.clone() for g in step()]  # compiles
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    for t in (q, k, v):
+        t.grad = None
+    with torch.cuda.graph(graph):
+        grads = fa3.attention(q, k, v, causal=True)
+        torch.autograd.backward(grads, dout)
+    graph.replay()
+    torch.cuda.synchronize()
+    for g, e in zip((q.grad, k.grad, v.grad), expected):
+        assert rel_err(g, e) < 1e-2
