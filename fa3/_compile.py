@@ -146,7 +146,7 @@ def _backward_fake_args(dtype, head_dim, gqa):
     head, FP32 under GQA (summed over each group afterwards)."""
     cutlass, cute = _import_cute()
     dt = cute_dtype(dtype)
-    b, sq, sk, hq, hkv, rows, tiles = (cute.sym_int64() for _ in range(7))
+    b, sq, sk, hq, hkv, rows = (cute.sym_int64() for _ in range(6))
 
     def strided(elem, *shape):  # every stride but the last dynamic and 16-byte aligned
         return _fake_tensor(cute, elem, shape, (*(cute.sym_int64(divisibility=8) for _ in shape[:-1]), 1))
@@ -160,7 +160,9 @@ def _backward_fake_args(dtype, head_dim, gqa):
             rowwise(cutlass.Float32, b, hq, rows), rowwise(cutlass.Float32, b, hq, rows),
             rowwise(cutlass.Float32, b, rows, hq, head_dim),
             rowwise(dkv_dt, b, sk, hq, head_dim), rowwise(dkv_dt, b, sk, hq, head_dim),
-            rowwise(cutlass.Int32, b, hq, tiles), cutlass.Float32(1.0), cutlass.Float32(1.0)]
+            # the counters have shapes of their own: a 1-element stand-in when not deterministic
+            rowwise(cutlass.Int32, *(cute.sym_int64() for _ in range(3))),
+            cutlass.Float32(1.0), cutlass.Float32(1.0)]
 
 
 def backward_key(spec, dtype, head_dim, causal, deterministic=False, gqa=False) -> tuple:
