@@ -9,7 +9,12 @@ and flash-attn 4's CuTe-DSL kernel (fa4: flash_attn.cute.flash_attn_func) when i
 
     python benchmarks/bench_attention.py [--kernels all|k1,k2,...] [--head-dims 64,128,256]
         [--seqlens 512,1024,...] [--causal both|true|false] [--peers sdpa-flash,sdpa-cudnn,fa4]
-        [--json FILE]
+        [--json FILE] [--backward [--deterministic]]
+
+--backward times the backward instead (torch.autograd.grad of q, k, v from a forward run once,
+for every runner alike): TFLOP/s = 2.5 x the forward's FLOPs / t (five GEMMs against the forward's
+two), --kernels then names backward rungs (b1, ...), and --deterministic adds each rung with
+deterministic=True as a column of its own ("b1+det").
 
 Rungs that materialise scores (K1) skip sizes whose fp32 score workspace exceeds 8 GB, and any
 runner whose call would take more than --max-call-s (5 s) skips that size and the larger ones.
@@ -80,6 +85,34 @@ def rung_runner(name: str) -> Runner:
     return Runner(name, True, make, skip=skip)
 
 
+def backward_rung_runner(name: str, deterministic: bool = False) -> Runner:
+    spec = registry.get(name)
+
+    def skip(batch, seqlen, heads, head_dim):
+        if head_dim not in spec.head_dims:
+            return f"head_dim {head_dim} not supported (supports {spec.head_dims})"
+        return None
+
+    def make(q, k, v, causal):
+        return lambda: fa3.attention(q, k, v, causal=causal, backward_kernel=name,
+                                     deterministic=deterministic)
+
+    return Runner(name + ("+det" if deterministic else ""), True, make, skip=skip)
+
+
+def as_backward(runner: Runner) -> Runner:
+    """The same runner timing its backward: the forward runs once with q, k, v requiring grad,
+    then each timed call is torch.autograd.grad of all three for a fixed random dO."""
+
+    def make(q, k, v, causal):
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        out = runner.make(q, k, v, causal)()
+        dout = torch.randn_like(out)
+        return lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+
+    return Runner(runner.name, runner.is_fa3, make, runner.context, runner.skip)
+
+
 def sdpa_runner(name: str, backend) -> Runner:
     from torch.nn.attention import sdpa_kernel
 
@@ -128,14 +161,15 @@ def _short(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0][:160] if lines else ''}"
 
 
-def sweep(runners, head_dims, causals, seqlens, *, warmup, repeats, max_call_s) -> list[dict]:
+def sweep(runners, head_dims, causals, seqlens, *, warmup, repeats, max_call_s,
+          flops_factor: float = 1.0) -> list[dict]:
     guard = SizeGuard(max_call_s)
     rows = []
     for head_dim in head_dims:
         for causal in causals:
             for seqlen in sorted(seqlens):
                 batch, heads = paper_shape(seqlen, head_dim)
-                flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, causal)
+                flops = flops_factor * attention_flops(batch, heads, seqlen, seqlen, head_dim, causal)
                 label = (f"d{head_dim} {'causal' if causal else 'full  '} s{seqlen:<5} "
                          f"b{batch:<2} h{heads:<2}")
                 q, k, v = make_inputs(batch, seqlen, heads, head_dim)
@@ -190,7 +224,8 @@ def _csv(kind):
 
 
 def parse_args(argv=None):
-    rungs = registry.available_kernels(registry.ATTENTION)
+    backward = "--backward" in (sys.argv[1:] if argv is None else argv)
+    rungs = registry.available_kernels(registry.BACKWARD if backward else registry.ATTENTION)
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--kernels", default="all", help=f"'all' or a comma list of {','.join(rungs)}")
     p.add_argument("--head-dims", type=_csv(int), default=list(DEFAULT_HEAD_DIMS))
@@ -199,6 +234,9 @@ def parse_args(argv=None):
     p.add_argument("--peers", default=",".join(PEERS), help="comma list of " + ",".join(PEERS)
                    + " ('none' for none)")
     p.add_argument("--json", metavar="FILE", help="also write every measurement here")
+    p.add_argument("--backward", action="store_true", help="time the backward (2.5x the FLOPs)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="with --backward: also each rung with deterministic=True")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--max-call-s", type=float, default=MAX_CALL_S,
@@ -207,7 +245,8 @@ def parse_args(argv=None):
     args.kernels = rungs if args.kernels == "all" else _csv(str)(args.kernels)
     unknown = [n for n in args.kernels if n not in rungs]
     if unknown:
-        p.error(f"--kernels: {', '.join(unknown)} not attention rungs; choose from {', '.join(rungs)}")
+        p.error(f"--kernels: {', '.join(unknown)} not {'backward' if backward else 'attention'} "
+                f"rungs; choose from {', '.join(rungs)}")
     args.peers = [] if args.peers == "none" else _csv(str)(args.peers)
     bad = [n for n in args.peers if n not in PEERS]
     if bad:
@@ -222,19 +261,27 @@ def main(argv=None) -> int:
         print("bench_attention needs a CUDA GPU (a Hopper GPU for the fa3 rungs); none was found.")
         return 2
     progress(f"{torch.cuda.get_device_name()}; {TOTAL_TOKENS} tokens, hidden {HIDDEN}, bf16; "
-             "TFLOP/s (median of CUDA-event times)")
+             f"{'backward ' if args.backward else ''}TFLOP/s (median of CUDA-event times)")
     peers, notes = peer_runners(args.peers)
     for note in notes:
         progress(note)
-    runners = [rung_runner(n) for n in args.kernels] + peers
+    if args.backward:
+        rungs = [backward_rung_runner(n) for n in args.kernels]
+        if args.deterministic:
+            rungs += [backward_rung_runner(n, deterministic=True) for n in args.kernels]
+        runners = [as_backward(r) for r in rungs + peers]
+    else:
+        runners = [rung_runner(n) for n in args.kernels] + peers
     rows = sweep(runners, args.head_dims, args.causals, args.seqlens, warmup=args.warmup,
-                 repeats=args.repeats, max_call_s=args.max_call_s)
+                 repeats=args.repeats, max_call_s=args.max_call_s,
+                 flops_factor=2.5 if args.backward else 1.0)
     print()
     print(table(rows, runners))
     for note in notes:
         print(note)
     if args.json:
-        write_json(args.json, {"setting": {"total_tokens": TOTAL_TOKENS, "hidden": HIDDEN, "dtype": "bf16"},
+        write_json(args.json, {"setting": {"total_tokens": TOTAL_TOKENS, "hidden": HIDDEN, "dtype": "bf16",
+                                           "direction": "backward" if args.backward else "forward"},
                                "notes": notes, "rows": rows})
     return 0
 

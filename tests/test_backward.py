@@ -23,7 +23,7 @@ BWD_RUNGS = registry.available_kernels(registry.BACKWARD)
 # (batch, seqlen_q, seqlen_k, heads_q, heads_kv): ragged, GQA/MQA, seqlen_q != seqlen_k both ways
 SHAPES = [
     (2, 128, 128, 4, 4),
-    (1, 1, 1, 2, 2),
+    (1, 1, 3, 2, 2),
     (2, 257, 131, 4, 2),
     (1, 100, 333, 6, 1),
     (2, 333, 100, 2, 2),
