@@ -107,6 +107,8 @@ def as_backward(runner: Runner) -> Runner:
     def make(q, k, v, causal):
         q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
         out = runner.make(q, k, v, causal)()
+        if isinstance(out, tuple):  # (out, lse), as flash-attn returns
+            out = out[0]
         dout = torch.randn_like(out)
         return lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
 
