@@ -27,6 +27,12 @@ def make_store(mX: cute.Tensor, staged_layout, tile_shape):
     return _tiled_atom(cpasync.CopyBulkTensorTileS2GOp(), mX, staged_layout, tile_shape)
 
 
+def make_reduce_add(mX: cute.Tensor, staged_layout, tile_shape):
+    """(atom, tma_tensor) adding one stage of `staged_layout` into `tile_shape` boxes of mX
+    (cp.reduce.async.bulk.tensor .add: the copy engine performs the read-modify-write in L2)."""
+    return _tiled_atom(cpasync.CopyReduceBulkTensorTileS2GOp(), mX, staged_layout, tile_shape)
+
+
 def _tiled_atom(op, mX, staged_layout, tile_shape):
     one_stage = cute.slice_(staged_layout, (None, None, 0))
     return cpasync.make_tiled_tma_atom(op, mX, one_stage, tile_shape)

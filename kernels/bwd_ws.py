@@ -1,0 +1,192 @@
+"""B2: B1's math, warp-specialized, with FlashAttention-3's overlaps and a dQ writer warp.
+
+Roles (block = 384 threads):
+    warpgroup 0 gives its registers away (setmaxnreg.dec to 24 in all four warps):
+        warp 0, the loader: K_j and V_j once, then Q_i and dO_i into the ring, one stage ahead of
+            the consumers and never waiting on them except for a free stage;
+        warp 1, the dQ writer: per Q tile, waits until the consumers have put this K/V tile's dQ_i
+            share (FP32) in SMEM, adds it to global memory with one TMA reduce-add
+            (cp.reduce.async.bulk.tensor), and hands the buffer back once the bulk copy has read it.
+    warpgroups 1 and 2, the consumers (setmaxnreg.inc to 240): the five GEMMs, as in B1, but
+        S and dP are issued together and P = exp2(...) runs while dP is in flight; dQ, dV and dK
+        are issued together and dQ is handed to the writer while dV and dK run. The thousands of
+        scalar FP32 atomics of B1 per Q tile become one bulk reduction the consumers do not wait for.
+Named barriers (consumer threads + the writer warp): DQ_EMPTY (the writer gives the SMEM buffer
+back; it starts with one credit) and DQ_FULL (the consumers filled it). Deterministic: the writer
+waits for this Q tile's counter to reach n_block before its reduce-add, waits for the reduction to
+complete, then bumps the counter (common/accum.py).
+
+Constraints: as B1. SMEM (bf16): d=128: Q/dO 2 x 32 KB, K/V 64 KB, P/dS 32 KB, dQ 32 KB = 192 KB;
+d=256 takes one Q/dO stage (64 KB), K/V 64 KB, P/dS 16 KB, dQ 64 KB = 208 KB.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from .bwd import AttentionBackward
+from .common import accum, mask, mma, pipeline, smem, tma
+
+PRODUCER_REGS, CONSUMER_REGS = 24, 240
+CONSUMER_BARRIER = 1  # the consumer warpgroups among themselves (0 is __syncthreads)
+DQ_EMPTY, DQ_FULL = 2, 3  # consumers + the dQ writer warp
+
+
+class WarpSpecializedBackward(AttentionBackward):
+    def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 64, tile_n: int = 128,
+                 q_stages: int = 2, deterministic: bool = False):
+        super().__init__(dtype, head_dim, causal, tile_m, tile_n, q_stages, deterministic)
+        self.consumer_threads = 128 * self.mma_warpgroups
+        self.num_threads = 128 + self.consumer_threads
+
+    # ---------------------------------------------------------------- host side
+    def shared_storage(self, sQ_layout, sKV_layout, sPdS_layout):
+        sdQ_layout = self.sdq_layout()
+
+        @cute.struct
+        class SharedStorage:
+            q_barriers: cute.struct.MemRange[Int64, 2 * self.q_stages]
+            kv_barriers: cute.struct.MemRange[Int64, 2]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPdS_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPdS_layout)], 1024]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
+
+        smem.check_budget(SharedStorage.size_in_bytes(),
+                          f"B2 with q_stages={self.q_stages}, tile_n={self.tile_n}, d={self.head_dim}")
+        return SharedStorage
+
+    def sdq_layout(self):
+        """The FP32 dQ_i share: a swizzled (tile_m, d) tile, the box of the TMA reduce-add."""
+        return smem.tile_layout(Float32, self.tile_m, self.head_dim, 1)
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+                 mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor,
+                 mdV: cute.Tensor, mLock: cute.Tensor, scale_log2: Float32, softmax_scale: Float32,
+                 stream):
+        """Arguments as B1's."""
+        batch, seqlen_k, heads_q = mQ.shape[0], mK.shape[1], mQ.shape[2]
+        sQ_layout, sKV_layout, sPdS_layout = self.smem_layouts()
+        tile_q, tile_kv = (self.tile_m, self.head_dim), (self.tile_n, self.head_dim)
+        loads = (*tma.make_load(tma.seq_major(mQ), sQ_layout, tile_q),
+                 *tma.make_load(tma.seq_major(mdO), sQ_layout, tile_q),
+                 *tma.make_load(tma.seq_major(mK), sKV_layout, tile_kv),
+                 *tma.make_load(tma.seq_major(mV), sKV_layout, tile_kv))
+        tma_dq, tdQ = tma.make_reduce_add(tma.seq_major(mdQacc), self.sdq_layout(), tile_q)
+        storage_cls = self.shared_storage(sQ_layout, sKV_layout, sPdS_layout)
+        self.kernel(*loads, tma_dq, tdQ, mLSE2, mD, mdK, mdV, mLock, scale_log2, softmax_scale,
+                    sQ_layout, sKV_layout, sPdS_layout, self.sdq_layout(), storage_cls).launch(
+            grid=[cute.ceil_div(seqlen_k, self.tile_n), heads_q, batch],
+            block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    # ---------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_do: cute.CopyAtom, mdO: cute.Tensor,
+               tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom, mV: cute.Tensor,
+               tma_dq: cute.CopyAtom, mdQacc: cute.Tensor, mLSE2: cute.Tensor, mD: cute.Tensor,
+               mdK: cute.Tensor, mdV: cute.Tensor, mLock: cute.Tensor, scale_log2: Float32,
+               softmax_scale: Float32, sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
+               sPdS_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout,
+               SharedStorage: cutlass.Constexpr):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        n_block, head, batch = cute.arch.block_idx()
+        if warp_idx == 0:
+            tma.prefetch(tma_q, tma_do, tma_k, tma_v, tma_dq)
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        q_pipe, kv_pipe = self.make_pipelines(storage, sQ_layout, sKV_layout, self.consumer_threads // 32)
+        pipeline.init_done()
+        s = self.smem_tensors(storage, sQ_layout, sKV_layout, sPdS_layout)
+        s.sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
+        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+        m_first = mask.m_block_min(n_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.causal)
+        m_end = (seqlen_q + self.tile_m - 1) // self.tile_m
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            if warp_idx == 0:
+                q_copies, kv_copies = self.tma_copies(tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV,
+                                                      s, head, batch)
+                self.load(q_pipe, kv_pipe, q_copies, kv_copies, n_block, m_first, m_end)
+            if warp_idx == 1:
+                self.write_dq(tma_dq, mdQacc, s.sdQ, mLock, n_block, head, batch, m_first, m_end,
+                              tidx % 32)
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            ctidx = tidx - 128
+            ctx = self.mma_setup(s, ctidx)
+            pipeline.consume_wait(kv_pipe, pipeline.consumer_state(1))
+            q_consumer = pipeline.consumer_state(self.q_stages)
+            for m_block in cutlass.range(m_first, m_end, unroll=1):
+                q_consumer = self.consume_step(ctx, s, q_pipe, q_consumer, m_block, n_block, head,
+                                               batch, seqlen_q, seqlen_k, mLSE2, mD, scale_log2)
+            self.store_dkv(ctx, mdK, mdV, n_block, head, batch, seqlen_k, softmax_scale)
+
+    @cute.jit
+    def load(self, q_pipe, kv_pipe, q_copies, kv_copies, n_block: Int32, m_first: Int32, m_end: Int32):
+        """Loader warp: K/V once, then Q_i and dO_i for every Q tile, as stages free up."""
+        pipeline.produce(kv_pipe, pipeline.producer_state(1), n_block, kv_copies)
+        q_state = pipeline.producer_state(self.q_stages)
+        for m_block in cutlass.range(m_first, m_end, unroll=1):
+            q_state = pipeline.produce(q_pipe, q_state, m_block, q_copies)
+        pipeline.tail(q_pipe, q_state)
+
+    @cute.jit
+    def write_dq(self, tma_dq, mdQacc, sdQ, mLock, n_block: Int32, head: Int32, batch: Int32,
+                 m_first: Int32, m_end: Int32, lane: Int32):
+        """dQ writer warp: per Q tile, one TMA reduce-add of the consumers' FP32 share."""
+        gdQ = cute.local_tile(mdQacc[None, None, head, batch], (self.tile_m, self.head_dim), (None, 0))
+        tdQsdQ, tdQgdQ = tma.partition(tma_dq, gdQ, sdQ)
+        handoff = self.consumer_threads + 32
+        cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=handoff)  # the first credit
+        for m_block in cutlass.range(m_first, m_end, unroll=1):
+            cute.arch.barrier(barrier_id=DQ_FULL, number_of_threads=handoff)
+            if cutlass.const_expr(self.deterministic):
+                accum.ordered_begin(accum.elem_ptr(mLock, (batch, head, m_block)), n_block, lane,
+                                    cute.arch.sync_warp)
+            cute.copy(tma_dq, tdQsdQ[None, 0], tdQgdQ[None, m_block])
+            cute.arch.cp_async_bulk_commit_group()
+            if cutlass.const_expr(self.deterministic):
+                cute.arch.cp_async_bulk_wait_group(0, read=False)  # the sums have landed
+                accum.ordered_end(accum.elem_ptr(mLock, (batch, head, m_block)), lane, cute.arch.sync_warp)
+            else:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)  # the buffer has been read
+            cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=handoff)
+        cute.arch.cp_async_bulk_wait_group(0, read=False)
+
+    @cute.jit
+    def consume_step(self, ctx, s, q_pipe, q_state, m_block: Int32, n_block: Int32, head: Int32,
+                     batch: Int32, seqlen_q: Int32, seqlen_k: Int32, mLSE2: cute.Tensor,
+                     mD: cute.Tensor, scale_log2: Float32):
+        """One Q tile: S and dP in flight together, P under dP; dQ handed off under dV and dK."""
+        consumers = self.consumer_threads
+        pipeline.consume_wait(q_pipe, q_state)
+        stage = q_state.index
+        acc_s, acc_dp = self.scores_and_dp(ctx, stage, 1)  # S has landed, dP may still run
+        self.probabilities(ctx, acc_s, m_block, n_block, head, batch, seqlen_q, seqlen_k, mLSE2, scale_log2)
+        p = mma.to_dtype(acc_s, self.dtype)
+        warpgroup.wait_group(0)
+        self.score_grads(ctx, acc_s, acc_dp, m_block, head, batch, mD)
+        ds = mma.to_dtype(acc_dp, self.dtype)
+        # every GEMM of the previous Q tile (both warpgroups) is done with sP and sdS
+        cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=consumers)
+        mma.store_to_smem(p, ctx.sdp, ctx.tidx, s.sP[None, None, 0])
+        mma.store_to_smem(ds, ctx.sdp, ctx.tidx, s.sdS[None, None, 0])
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=consumers)
+        acc_dq = self.issue_dq(ctx, -1)
+        self.issue_dkv(ctx, s, stage)
+        warpgroup.wait_group(2)  # dQ is done; dV and dK still run
+        cute.arch.barrier(barrier_id=DQ_EMPTY, number_of_threads=consumers + 32)
+        tdQsdQ = ctx.thr_dq.partition_C(s.sdQ[None, None, 0])
+        for i in cutlass.range_constexpr(cute.size(acc_dq)):
+            tdQsdQ[i] = acc_dq[i]
+        cute.arch.fence_view_async_shared()  # generic-proxy writes, read by the bulk copy
+        cute.arch.barrier_arrive(barrier_id=DQ_FULL, number_of_threads=consumers + 32)
+        warpgroup.wait_group(0)
+        return pipeline.release(q_pipe, q_state)
