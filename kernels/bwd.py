@@ -213,27 +213,34 @@ class AttentionBackward:
         return acc_s, acc_dp
 
     @cute.jit
-    def probabilities(self, ctx, acc_s, m_block: Int32, n_block: Int32, head: Int32, batch: Int32,
-                      seqlen_q: Int32, seqlen_k: Int32, mLSE2: cute.Tensor, scale_log2: Float32):
+    def row_stats(self, ctx, mX: cute.Tensor, m_block: Int32, head: Int32, batch: Int32):
+        """This thread's rows of a per-row statistic (LSE * log2 e or D) of Q tile m_block, into
+        registers: loaded before the GEMMs are issued, the loads' latency hides under them."""
+        rows = cute.size(ctx.s_coords, mode=[0])
+        vals = cute.make_rmem_tensor((rows,), Float32)
+        for r in cutlass.range_constexpr(rows):
+            vals[r] = mX[batch, head, m_block * self.tile_m + ctx.s_coords[r, 0][0]]
+        return vals
+
+    @cute.jit
+    def probabilities(self, ctx, acc_s, lse2: cute.Tensor, m_block: Int32, n_block: Int32,
+                      seqlen_q: Int32, seqlen_k: Int32, scale_log2: Float32):
         """S -> P in place: mask (tiles that need it), then exp2(S * scale_log2 - LSE * log2 e)."""
         s_mn = mma.rows_cols(acc_s)
         if mask.tile_needs_mask(m_block, n_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.causal):
             mask.apply(s_mn, ctx.s_coords, m_block * self.tile_m, n_block * self.tile_n, seqlen_q,
                        seqlen_k, self.causal)
         for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-            lse2 = mLSE2[batch, head, m_block * self.tile_m + ctx.s_coords[r, 0][0]]
             for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-                s_mn[r, c] = cute.math.exp2(s_mn[r, c] * scale_log2 - lse2, fastmath=True)
+                s_mn[r, c] = cute.math.exp2(s_mn[r, c] * scale_log2 - lse2[r], fastmath=True)
 
     @cute.jit
-    def score_grads(self, ctx, acc_p, acc_dp, m_block: Int32, head: Int32, batch: Int32,
-                    mD: cute.Tensor):
+    def score_grads(self, acc_p, acc_dp, dsum: cute.Tensor):
         """dP -> dS = P * (dP - D) in place."""
         p_mn, dp_mn = mma.rows_cols(acc_p), mma.rows_cols(acc_dp)
         for r in cutlass.range_constexpr(cute.size(dp_mn, mode=[0])):
-            d = mD[batch, head, m_block * self.tile_m + ctx.s_coords[r, 0][0]]
             for c in cutlass.range_constexpr(cute.size(dp_mn, mode=[1])):
-                dp_mn[r, c] = p_mn[r, c] * (dp_mn[r, c] - d)
+                dp_mn[r, c] = p_mn[r, c] * (dp_mn[r, c] - dsum[r])
 
     @cute.jit
     def issue_dkv(self, ctx, s, stage):
@@ -267,9 +274,10 @@ class AttentionBackward:
                      seqlen_q: Int32, seqlen_k: Int32, mLSE2: cute.Tensor, mD: cute.Tensor,
                      mdQacc: cute.Tensor, mLock: cute.Tensor, scale_log2: Float32):
         """One Q tile against this CTA's K/V tile: the five GEMMs, each waited for."""
+        lse2, dsum = self.row_stats(ctx, mLSE2, m_block, head, batch), self.row_stats(ctx, mD, m_block, head, batch)
         acc_s, acc_dp = self.scores_and_dp(ctx, stage, 0)
-        self.probabilities(ctx, acc_s, m_block, n_block, head, batch, seqlen_q, seqlen_k, mLSE2, scale_log2)
-        self.score_grads(ctx, acc_s, acc_dp, m_block, head, batch, mD)
+        self.probabilities(ctx, acc_s, lse2, m_block, n_block, seqlen_q, seqlen_k, scale_log2)
+        self.score_grads(acc_s, acc_dp, dsum)
         p, ds = mma.to_dtype(acc_s, self.dtype), mma.to_dtype(acc_dp, self.dtype)
         cute.arch.sync_threads()  # every GEMM of the previous tile is done reading sP and sdS
         mma.store_to_smem(p, ctx.sdp, ctx.tidx, s.sP[None, None, 0])

@@ -16,6 +16,8 @@ back; it starts with one credit) and DQ_FULL (the consumers filled it). Determin
 waits for this Q tile's counter to reach n_block before its reduce-add, waits for the reduction to
 complete, then bumps the counter (common/accum.py).
 
+Not deterministic, each CTA starts its walk over the Q tiles at a different tile (`m_block_at`).
+
 Constraints: as B1. SMEM (bf16): d=128: Q/dO 2 x 32 KB, K/V 64 KB, P/dS 32 KB, dQ 32 KB = 192 KB;
 d=256 takes one Q/dO stage (64 KB), K/V 64 KB, P/dS 16 KB, dQ 64 KB = 208 KB.
 """
@@ -122,18 +124,30 @@ class WarpSpecializedBackward(AttentionBackward):
             ctx = self.mma_setup(s, ctidx)
             pipeline.consume_wait(kv_pipe, pipeline.consumer_state(1))
             q_consumer = pipeline.consumer_state(self.q_stages)
-            for m_block in cutlass.range(m_first, m_end, unroll=1):
-                q_consumer = self.consume_step(ctx, s, q_pipe, q_consumer, m_block, n_block, head,
-                                               batch, seqlen_q, seqlen_k, mLSE2, mD, scale_log2)
+            for i in cutlass.range(m_end - m_first, unroll=1):
+                q_consumer = self.consume_step(ctx, s, q_pipe, q_consumer,
+                                               self.m_block_at(i, n_block, m_first, m_end), n_block,
+                                               head, batch, seqlen_q, seqlen_k, mLSE2, mD, scale_log2)
             self.store_dkv(ctx, mdK, mdV, n_block, head, batch, seqlen_k, softmax_scale)
+
+    @cute.jit
+    def m_block_at(self, i: Int32, n_block: Int32, m_first: Int32, m_end: Int32) -> Int32:
+        """The i-th Q tile this CTA visits. Not deterministic: each K/V tile starts its walk at a
+        different Q tile (rotated by n_block), so the CTAs of one head do not all reduce into the
+        same dQ tile at once. Deterministic: in order (the counters hand each tile from n to n+1)."""
+        m_block = m_first + i
+        if cutlass.const_expr(not self.deterministic):
+            count = m_end - m_first
+            m_block = m_first + (i + n_block) % count
+        return m_block
 
     @cute.jit
     def load(self, q_pipe, kv_pipe, q_copies, kv_copies, n_block: Int32, m_first: Int32, m_end: Int32):
         """Loader warp: K/V once, then Q_i and dO_i for every Q tile, as stages free up."""
         pipeline.produce(kv_pipe, pipeline.producer_state(1), n_block, kv_copies)
         q_state = pipeline.producer_state(self.q_stages)
-        for m_block in cutlass.range(m_first, m_end, unroll=1):
-            q_state = pipeline.produce(q_pipe, q_state, m_block, q_copies)
+        for i in cutlass.range(m_end - m_first, unroll=1):
+            q_state = pipeline.produce(q_pipe, q_state, self.m_block_at(i, n_block, m_first, m_end), q_copies)
         pipeline.tail(q_pipe, q_state)
 
     @cute.jit
@@ -144,7 +158,8 @@ class WarpSpecializedBackward(AttentionBackward):
         tdQsdQ, tdQgdQ = tma.partition(tma_dq, gdQ, sdQ)
         handoff = self.consumer_threads + 32
         cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=handoff)  # the first credit
-        for m_block in cutlass.range(m_first, m_end, unroll=1):
+        for i in cutlass.range(m_end - m_first, unroll=1):
+            m_block = self.m_block_at(i, n_block, m_first, m_end)
             cute.arch.barrier(barrier_id=DQ_FULL, number_of_threads=handoff)
             if cutlass.const_expr(self.deterministic):
                 accum.ordered_begin(accum.elem_ptr(mLock, (batch, head, m_block)), n_block, lane,
@@ -165,13 +180,14 @@ class WarpSpecializedBackward(AttentionBackward):
                      mD: cute.Tensor, scale_log2: Float32):
         """One Q tile: S and dP in flight together, P under dP; dQ handed off under dV and dK."""
         consumers = self.consumer_threads
+        lse2, dsum = self.row_stats(ctx, mLSE2, m_block, head, batch), self.row_stats(ctx, mD, m_block, head, batch)
         pipeline.consume_wait(q_pipe, q_state)
         stage = q_state.index
         acc_s, acc_dp = self.scores_and_dp(ctx, stage, 1)  # S has landed, dP may still run
-        self.probabilities(ctx, acc_s, m_block, n_block, head, batch, seqlen_q, seqlen_k, mLSE2, scale_log2)
+        self.probabilities(ctx, acc_s, lse2, m_block, n_block, seqlen_q, seqlen_k, scale_log2)
         p = mma.to_dtype(acc_s, self.dtype)
         warpgroup.wait_group(0)
-        self.score_grads(ctx, acc_s, acc_dp, m_block, head, batch, mD)
+        self.score_grads(acc_s, acc_dp, dsum)
         ds = mma.to_dtype(acc_dp, self.dtype)
         # every GEMM of the previous Q tile (both warpgroups) is done with sP and sdS
         cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=consumers)
