@@ -161,7 +161,7 @@ def _backward_rung(kernel, head_dim):
         return registry.get(_fastest_rung(registry.BACKWARD, head_dim))
     spec = registry.get(kernel)
     if spec.family != registry.BACKWARD:
-        raise ValueError(f"backward_kernel={kernel!r} is a {spec.family} rung; backward rungs are "
+        raise ValueError(f"backward_kernel={kernel!r} is not a backward rung ({spec.family}); backward rungs are "
                          f"{registry.available_kernels(registry.BACKWARD)}")
     if head_dim not in spec.head_dims:
         raise ValueError(f"head_dim={head_dim} is not supported by {kernel}; it supports "
@@ -276,7 +276,7 @@ def _check_backward(dout, q, k, v, out, lse, kernel):
     _check_attention(q, k, v, None)
     spec = _memo_rung(_backward_rung, kernel, q.shape[3])
     for name, t in (("dout", dout), ("out", out)):
-        check_tensor(t, name, 4, q.dtype)
+        check_tensor(t, name, 4, q.dtype, unit_stride_last=False)  # any strides: copied if needed
         if t.shape != q.shape or t.device != q.device:
             raise ValueError(f"{name} must be shaped like q {tuple(q.shape)} on {q.device}, got "
                              f"{tuple(t.shape)} on {t.device}")
@@ -307,6 +307,8 @@ def launch_attention_backward(spec, dout, q, k, v, out, lse, causal: bool, scale
     if q.requires_grad or k.requires_grad or v.requires_grad or out.requires_grad or dout.requires_grad:
         q, k, v, out, dout = _detached(q, k, v, out, dout)
     q, k, v, dout = tma_ready(q), tma_ready(k), tma_ready(v), tma_ready(dout)
+    if out.stride(-1) != 1:
+        out = out.contiguous()
     tile_m = spec.config_for(head_dim)["tile_m"]
     q_tiles = -(-seqlen_q // tile_m)
     lse2 = torch.empty(batch, heads_q, q_tiles * tile_m, dtype=torch.float32, device=device)

@@ -296,7 +296,7 @@ class AttentionBackward:
         gdK = ctx.thr_dkv.partition_C(cute.local_tile(mdK[batch, None, head, None], (self.tile_n, self.head_dim), (n_block, 0)))
         gdV = ctx.thr_dkv.partition_C(cute.local_tile(mdV[batch, None, head, None], (self.tile_n, self.head_dim), (n_block, 0)))
         rows_left = seqlen_k - n_block * self.tile_n
-        for i in cutlass.range_constexpr(cute.size(ctx.acc_dk)):
+        for i in cutlass.range(cute.size(ctx.acc_dk), unroll_full=True):
             if coords[i][0] < rows_left:
                 gdK[i] = (ctx.acc_dk[i] * softmax_scale).to(mdK.element_type)
                 gdV[i] = ctx.acc_dv[i].to(mdV.element_type)

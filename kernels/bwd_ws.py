@@ -200,7 +200,7 @@ class WarpSpecializedBackward(AttentionBackward):
         warpgroup.wait_group(2)  # dQ is done; dV and dK still run
         cute.arch.barrier(barrier_id=DQ_EMPTY, number_of_threads=consumers + 32)
         tdQsdQ = ctx.thr_dq.partition_C(s.sdQ[None, None, 0])
-        for i in cutlass.range_constexpr(cute.size(acc_dq)):
+        for i in cutlass.range(cute.size(acc_dq), unroll_full=True):
             tdQsdQ[i] = acc_dq[i]
         cute.arch.fence_view_async_shared()  # generic-proxy writes, read by the bulk copy
         cute.arch.barrier_arrive(barrier_id=DQ_FULL, number_of_threads=consumers + 32)

@@ -237,3 +237,28 @@ def test_reference_gqa(heads_q, heads_kv, causal):
 def test_reference_softmax_scale():
     torch.manual_seed(2)
     check_reference(rand(1, 4, 2, 8), rand(1, 6, 2, 8), rand(1, 6, 2, 8), causal=True, scale=0.3)
+
+
+# ----------------------------------------------------------------------------- the backward
+def _meta_qkv(requires_grad=True, **kw):
+    return tuple(t.to("meta").requires_grad_(requires_grad) for t in qkv(**kw))
+
+
+@pytest.mark.parametrize("bad, words", [("k5.3", ("not a backward rung", "backward rungs")),
+                                        ("no-such-rung", ("no-such-rung", "available_kernels"))])
+def test_bad_backward_kernel(no_device_check, bad, words):
+    q, k, v = _meta_qkv()
+    raises(ValueError, *words, q=q, k=k, v=v, backward_kernel=bad)
+
+
+def test_backward_op_checks_its_arguments(no_device_check):
+    q, k, v = qkv(heads_kv=4)  # CPU tensors run the op's real body (meta ones its fake)
+    out, lse = torch.empty_like(q), torch.empty(2, 4, 16)
+    name = registry.available_kernels(registry.BACKWARD)[-1]
+    op = torch.ops.fa3.attention_backward
+    raises_with(op, ValueError, "dout", "shaped like q", dout=out[:, :3], q=q, k=k, v=v, out=out,
+                lse=lse, causal=False, softmax_scale=0.1, kernel=name, deterministic=False)
+    raises_with(op, ValueError, "lse", "float32", dout=out, q=q, k=k, v=v, out=out,
+                lse=lse.to(BF16), causal=False, softmax_scale=0.1, kernel=name, deterministic=False)
+    raises_with(op, ValueError, "backward rungs", dout=out, q=q, k=k, v=v, out=out, lse=lse,
+                causal=False, softmax_scale=0.1, kernel="g3", deterministic=False)

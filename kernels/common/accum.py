@@ -25,7 +25,7 @@ def elem_ptr(t: cute.Tensor, i):
 def add_fragment(acc: cute.Tensor, gX: cute.Tensor):
     """gX[i] += acc[i] for every element of this thread's fragment; gX is the global tile
     partitioned the same way as acc (tiled_mma thread slice .partition_C)."""
-    for i in cutlass.range_constexpr(cute.size(acc)):
+    for i in cutlass.range(cute.size(acc), unroll_full=True):
         cute.arch.red(elem_ptr(gX, i), acc[i], op="add", dtype=Float32, sem="relaxed", scope="gpu")
 
 
