@@ -19,6 +19,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import fa3
+from conftest import rel_err
 from fa3 import registry
 from test_torch_ops import Block
 
@@ -113,11 +114,14 @@ def test_direct_calls_match_the_ops():
     assert torch.equal(out, op_out) and torch.equal(lse, op_lse)
     a, b = q.view(-1, 256), torch.randn(256, 64, device="cuda", dtype=BF16, generator=gen).t().contiguous().t()
     assert torch.equal(fa3.gemm(a, b), torch.ops.fa3.gemm(a, b, registry.fastest(registry.GEMM).name))
-    # inputs that need gradients go through the op, whose backward says it is not implemented
+    # inputs that need gradients go through the op, and its registered backward
     out = fa3.attention(q.requires_grad_(), k, v, causal=True)
     assert torch.equal(out.detach(), op_out)
-    with pytest.raises(RuntimeError, match="autograd"):
-        out.sum().backward()
+    out.sum().backward()
+    dq, _, _ = torch.ops.fa3.attention_backward(torch.ones_like(out), q.detach(), k, v, op_out, op_lse,
+                                                True, 64 ** -0.5, registry.fastest(registry.BACKWARD, 64).name,
+                                                True)
+    assert torch.isfinite(q.grad).all() and rel_err(q.grad, dq) < 1e-5
 
 
 def test_opcheck():
@@ -126,6 +130,10 @@ def test_opcheck():
     kv = torch.randn(2, 70, 2, 64, device="cuda", dtype=BF16, generator=gen)
     torch.library.opcheck(torch.ops.fa3.attention.default,
                           (q, kv, kv, True, 0.125, registry.fastest(registry.ATTENTION, 64).name))
+    out, lse = torch.ops.fa3.attention(q, kv, kv, True, 0.125, registry.fastest(registry.ATTENTION, 64).name)
+    torch.library.opcheck(torch.ops.fa3.attention_backward.default,
+                          (torch.randn_like(out), q, kv, kv, out, lse, True, 0.125,
+                           registry.fastest(registry.BACKWARD, 64).name, True))
     a = torch.randn(100, 256, device="cuda", dtype=BF16, generator=gen)
     torch.library.opcheck(torch.ops.fa3.gemm.default, (a, a.t()[:, :64].contiguous(), registry.fastest(registry.GEMM).name))
 
