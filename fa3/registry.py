@@ -140,7 +140,7 @@ KERNELS: dict[str, KernelSpec] = {
             "setmaxnreg), S/dP and dQ/dV/dK in flight together, dQ by one TMA reduce-add per tile",
             config={"tile_m": 64, "tile_n": 128, "q_stages": 2},
             # d=256: the FP32 dQ buffer (64 KB) leaves room for one Q/dO stage
-            per_head_dim={256: {"tile_n": 64, "q_stages": 1}},
+            per_head_dim={64: {"tile_m": 128}, 256: {"tile_n": 64, "q_stages": 1}},
             ptx_promises=("wgmma.mma_async", "setmaxnreg", "cp.reduce.async.bulk.tensor", "stmatrix"),
             ptx_forbids=("red.global", "red.relaxed"),
             speed_rank=2,

@@ -27,8 +27,8 @@ Rows past seqlen_q have LSE = +inf in the preprocessed buffer (P = 0) and zero d
 past seqlen_k and above the causal diagonal are masked to -inf before the exponent. Rows with no
 visible key likewise get LSE = +inf: P = 0, dQ = 0, and they add nothing to dK and dV.
 
-Constraints: head_dim 64/128/256; tile_m = 64 (one 64-row atom, warpgroups split N), tile_n a
-multiple of 64 (P and dS rows fill a 128-byte swizzle atom).
+Constraints: head_dim 64/128/256; tile_m and tile_n multiples of 64 (WGMMA's 64-row atom; P and dS
+rows fill a 128-byte swizzle atom). Where a GEMM's M is 64 the two warpgroups split its N.
 """
 
 from types import SimpleNamespace
@@ -46,7 +46,7 @@ class AttentionBackward:
 
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 64, tile_n: int = 128,
                  q_stages: int = 2, deterministic: bool = False):
-        assert tile_m == 64 and tile_n % 64 == 0, "B1 keeps one 64-row atom of Q and 64-wide P rows"
+        assert tile_m % 64 == 0 and tile_n % 64 == 0, "64-row WGMMA atoms; P and dS rows fill a 128-byte swizzle atom"
         self.dtype, self.head_dim, self.causal = dtype, head_dim, causal
         self.tile_m, self.tile_n, self.q_stages = tile_m, tile_n, q_stages
         self.deterministic = deterministic
