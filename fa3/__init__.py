@@ -1,8 +1,9 @@
 """fa3: FlashAttention-3-style attention and GEMM kernels for NVIDIA Hopper, in the CuTe DSL.
 
-    fa3.attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, kernel=None)
+    fa3.attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, kernel=None,
+                  out=None, deterministic=False, backward_kernel=None)     differentiable in q, k, v
     fa3.gemm(a, b, out=None, kernel=None)
-    fa3.available_kernels()
+    fa3.available_kernels(family=None)      "attention", "backward" or "gemm"
 """
 
 import os as _os
