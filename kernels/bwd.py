@@ -36,7 +36,6 @@ from types import SimpleNamespace
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
-from cutlass.cute.nvgpu import warpgroup
 
 from .common import accum, mask, mma, pipeline, smem, tma
 
@@ -70,10 +69,16 @@ class AttentionBackward:
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPdS_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPdS_layout)], 1024]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, self.dq_smem_elems()], 1024]
 
         smem.check_budget(SharedStorage.size_in_bytes(),
-                          f"the backward with q_stages={self.q_stages}, tile_n={self.tile_n}, d={self.head_dim}")
+                          f"{type(self).__name__} with q_stages={self.q_stages}, tile_m={self.tile_m}, "
+                          f"tile_n={self.tile_n}, d={self.head_dim}")
         return SharedStorage
+
+    def dq_smem_elems(self) -> int:
+        """FP32 elements of an SMEM dQ tile: B1 adds dQ from registers (8 keeps the field valid)."""
+        return 8
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,

@@ -24,8 +24,8 @@ d=256 takes one Q/dO stage (64 KB), K/V 64 KB, P/dS 16 KB, dQ 64 KB = 208 KB.
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import warpgroup
 
 from .bwd import AttentionBackward
 from .common import accum, mask, mma, pipeline, smem, tma
@@ -43,24 +43,8 @@ class WarpSpecializedBackward(AttentionBackward):
         self.num_threads = 128 + self.consumer_threads
 
     # ---------------------------------------------------------------- host side
-    def shared_storage(self, sQ_layout, sKV_layout, sPdS_layout):
-        sdQ_layout = self.sdq_layout()
-
-        @cute.struct
-        class SharedStorage:
-            q_barriers: cute.struct.MemRange[Int64, 2 * self.q_stages]
-            kv_barriers: cute.struct.MemRange[Int64, 2]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPdS_layout)], 1024]
-            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPdS_layout)], 1024]
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
-
-        smem.check_budget(SharedStorage.size_in_bytes(),
-                          f"B2 with q_stages={self.q_stages}, tile_n={self.tile_n}, d={self.head_dim}")
-        return SharedStorage
+    def dq_smem_elems(self) -> int:
+        return cute.cosize(self.sdq_layout())
 
     def sdq_layout(self):
         """The FP32 dQ_i share: a swizzled (tile_m, d) tile, the box of the TMA reduce-add."""

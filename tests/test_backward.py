@@ -6,7 +6,6 @@ that error is tiny. Inputs and dO are fresh random tensors; the memory the gradi
 filled with NaN beforehand, so a gradient element the kernels forget to write fails the test.
 """
 
-import math
 
 import pytest
 import torch
