@@ -16,7 +16,8 @@ if not _os.path.isdir(_os.path.join(_os.path.dirname(__file__), "kernels")) and 
 ):
     __path__.append(_root)  # noqa: F821  (package __path__)
 
-from .interface import attention, gemm  # noqa: E402
+from .interface import attention  # noqa: E402
+from .matmul import gemm  # noqa: E402
 from . import ops  # noqa: E402,F401  (registers torch.ops.fa3.attention and torch.ops.fa3.gemm)
 from .registry import available_kernels  # noqa: E402
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from . import interface
+from . import backward, interface, matmul
 
 _ATTENTION_SCHEMA = ("(Tensor q, Tensor k, Tensor v, bool causal, float softmax_scale, str kernel, "
                      "bool deterministic=False, str? backward_kernel=None) -> (Tensor, Tensor)")
@@ -47,8 +47,8 @@ def _attention_fake(q, k, v, causal, softmax_scale, kernel, deterministic=False,
 @torch.library.custom_op("fa3::attention_backward", mutates_args=(), schema=_BACKWARD_SCHEMA)
 def attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, kernel, deterministic):
     """(dq, dk, dv), each contiguous and shaped like its input, with backward rung `kernel`."""
-    spec = interface._check_backward(dout, q, k, v, out, lse, kernel)
-    return interface.launch_attention_backward(spec, dout, q, k, v, out, lse, causal, softmax_scale,
+    spec = backward._check_backward(dout, q, k, v, out, lse, kernel)
+    return backward.launch_attention_backward(spec, dout, q, k, v, out, lse, causal, softmax_scale,
                                                deterministic)
 
 
@@ -80,8 +80,8 @@ attention.register_autograd(_attention_grads, setup_context=_save_for_backward)
 @torch.library.custom_op("fa3::gemm", mutates_args=(), schema="(Tensor a, Tensor b, str kernel) -> Tensor")
 def gemm(a, b, kernel):
     """a @ b with rung `kernel`: a new contiguous (M, N) tensor in a's dtype."""
-    spec, a, a_layout, b, b_layout = interface._check_gemm(a, b, None, kernel)
-    return interface.launch_gemm(spec, a, a_layout, b, b_layout)
+    spec, a, a_layout, b, b_layout = matmul._check_gemm(a, b, None, kernel)
+    return matmul.launch_gemm(spec, a, a_layout, b, b_layout)
 
 
 @gemm.register_fake

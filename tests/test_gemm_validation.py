@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fa3
-from fa3 import _compile, interface, registry
+from fa3 import _compile, matmul, registry
 from conftest import raises_with
 
 BF16 = torch.bfloat16
@@ -26,7 +26,7 @@ def raises(exc, *words, **call):
 
 
 def test_gemm_is_exported():
-    assert fa3.gemm is interface.gemm and "gemm" in fa3.__all__
+    assert fa3.gemm is matmul.gemm and "gemm" in fa3.__all__
     assert GEMM_RUNGS == ["g1", "g2", "g3"]
 
 
@@ -127,7 +127,7 @@ def test_unknown_kernel():
 ])
 def test_row_major_operands_are_views(shape, layout, strides):
     t = torch.randn(*shape, dtype=BF16)
-    view, got = interface._gemm_operand(t, "a", ("M", "K"))
+    view, got = matmul._gemm_operand(t, "a", ("M", "K"))
     assert (got, view.stride()) == (layout, strides) and view.data_ptr() == t.data_ptr()
 
 
@@ -138,7 +138,7 @@ def test_row_major_operands_are_views(shape, layout, strides):
 ])
 def test_transposed_operands_are_views(stored, layout, strides):
     t = torch.randn(*stored, dtype=BF16).t()
-    view, got = interface._gemm_operand(t, "a", ("M", "K"))
+    view, got = matmul._gemm_operand(t, "a", ("M", "K"))
     assert (got, view.stride()) == (layout, strides) and view.data_ptr() == t.data_ptr()
 
 
