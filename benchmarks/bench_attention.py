@@ -66,12 +66,19 @@ class Runner:
     skip: Callable = field(default=lambda batch, seqlen, heads, head_dim: None)
 
 
+def unsupported_head_dim(spec, head_dim):
+    """Why rung `spec` skips head_dim, or None."""
+    if head_dim not in spec.head_dims:
+        return f"head_dim {head_dim} not supported (supports {spec.head_dims})"
+    return None
+
+
 def rung_runner(name: str) -> Runner:
     spec = registry.get(name)
 
     def skip(batch, seqlen, heads, head_dim):
         if head_dim not in spec.head_dims:
-            return f"head_dim {head_dim} not supported (supports {spec.head_dims})"
+            return unsupported_head_dim(spec, head_dim)
         if spec.needs_scores_workspace:
             workspace = batch * heads * seqlen * seqlen * 4
             if workspace > SCORES_WORKSPACE_LIMIT:
@@ -89,9 +96,7 @@ def backward_rung_runner(name: str, deterministic: bool = False) -> Runner:
     spec = registry.get(name)
 
     def skip(batch, seqlen, heads, head_dim):
-        if head_dim not in spec.head_dims:
-            return f"head_dim {head_dim} not supported (supports {spec.head_dims})"
-        return None
+        return unsupported_head_dim(spec, head_dim)
 
     def make(q, k, v, causal):
         return lambda: fa3.attention(q, k, v, causal=causal, backward_kernel=name,

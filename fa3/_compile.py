@@ -59,22 +59,26 @@ def _fake_tensor(cute, dtype, shape, strides, align=16):
     return cute.runtime.make_fake_tensor(dtype, shape, stride=strides, assumed_align=align)
 
 
+def _unit_last(cute, dtype, *shape, tma=False, align=4):
+    """A fake tensor whose last stride is 1 and other strides dynamic; `tma`: base and strides
+    16-byte aligned (what TMA needs), else the base aligned to `align` bytes."""
+    if tma:
+        return _fake_tensor(cute, dtype, shape, (*(cute.sym_int64(divisibility=8) for _ in shape[:-1]), 1))
+    return _fake_tensor(cute, dtype, shape, (*(cute.sym_int64() for _ in shape[:-1]), 1), align=align)
+
+
 def _attention_fake_args(spec, dtype, head_dim):
     """Fake (q, k, v, o, lse[, scores]) in flash-attn's (batch, seqlen, heads, head_dim) layout."""
     cutlass, cute = _import_cute()
     dt = cute_dtype(dtype)
     b, sq, sk, hq, hkv = (cute.sym_int64() for _ in range(5))
 
-    def strided(*shape):  # every stride but the last is dynamic and 16-byte aligned
-        return _fake_tensor(cute, dt, shape, (*(cute.sym_int64(divisibility=8) for _ in shape[:-1]), 1))
-
-    q, o = strided(b, sq, hq, head_dim), strided(b, sq, hq, head_dim)
-    k, v = strided(b, sk, hkv, head_dim), strided(b, sk, hkv, head_dim)
-    lse = _fake_tensor(cute, cutlass.Float32, (b, hq, sq), (cute.sym_int64(), cute.sym_int64(), 1), align=4)
+    q, o = _unit_last(cute, dt, b, sq, hq, head_dim, tma=True), _unit_last(cute, dt, b, sq, hq, head_dim, tma=True)
+    k, v = _unit_last(cute, dt, b, sk, hkv, head_dim, tma=True), _unit_last(cute, dt, b, sk, hkv, head_dim, tma=True)
+    lse = _unit_last(cute, cutlass.Float32, b, hq, sq)
     args = [q, k, v, o, lse]
     if spec.needs_scores_workspace:
-        args.append(_fake_tensor(cute, cutlass.Float32, (b, hq, sq, sk),
-                                 (cute.sym_int64(), cute.sym_int64(), cute.sym_int64(), 1), align=4))
+        args.append(_unit_last(cute, cutlass.Float32, b, hq, sq, sk))
     args.append(cutlass.Float32(1.0))  # scale_log2
     if spec.persistent:
         args.append(cutlass.Int32(132))  # SM count, a runtime argument
@@ -148,20 +152,18 @@ def _backward_fake_args(dtype, head_dim, gqa):
     dt = cute_dtype(dtype)
     b, sq, sk, hq, hkv, rows = (cute.sym_int64() for _ in range(6))
 
-    def strided(elem, *shape):  # every stride but the last dynamic and 16-byte aligned
-        return _fake_tensor(cute, elem, shape, (*(cute.sym_int64(divisibility=8) for _ in shape[:-1]), 1))
+    f32, dkv_dt = cutlass.Float32, (cutlass.Float32 if gqa else dt)
 
-    def rowwise(elem, *shape, align=4):
-        return _fake_tensor(cute, elem, shape, (*(cute.sym_int64() for _ in shape[:-1]), 1), align=align)
+    def tma_operand(*shape):
+        return _unit_last(cute, dt, *shape, tma=True)
 
-    dkv_dt = cutlass.Float32 if gqa else dt
-    return [strided(dt, b, sq, hq, head_dim), strided(dt, b, sk, hkv, head_dim),
-            strided(dt, b, sk, hkv, head_dim), strided(dt, b, sq, hq, head_dim),
-            rowwise(cutlass.Float32, b, hq, rows), rowwise(cutlass.Float32, b, hq, rows),
-            rowwise(cutlass.Float32, b, rows, hq, head_dim),
-            rowwise(dkv_dt, b, sk, hq, head_dim), rowwise(dkv_dt, b, sk, hq, head_dim),
+    return [tma_operand(b, sq, hq, head_dim), tma_operand(b, sk, hkv, head_dim),
+            tma_operand(b, sk, hkv, head_dim), tma_operand(b, sq, hq, head_dim),
+            _unit_last(cute, f32, b, hq, rows), _unit_last(cute, f32, b, hq, rows),
+            _unit_last(cute, f32, b, rows, hq, head_dim),
+            _unit_last(cute, dkv_dt, b, sk, hq, head_dim), _unit_last(cute, dkv_dt, b, sk, hq, head_dim),
             # the counters have shapes of their own: a 1-element stand-in when not deterministic
-            rowwise(cutlass.Int32, *(cute.sym_int64() for _ in range(3))),
+            _unit_last(cute, cutlass.Int32, *(cute.sym_int64() for _ in range(3))),
             cutlass.Float32(1.0), cutlass.Float32(1.0)]
 
 
@@ -196,7 +198,7 @@ def _build_preprocess(dtype, head_dim):
     b, sq, h, rows = (cute.sym_int64() for _ in range(4))
 
     def tensor(elem, *shape):
-        return _fake_tensor(cute, elem, shape, (*(cute.sym_int64() for _ in shape[:-1]), 1), align=2)
+        return _unit_last(cute, elem, *shape, align=2)
 
     args = [tensor(dt, b, sq, h, head_dim), tensor(dt, b, sq, h, head_dim),
             tensor(cutlass.Float32, b, h, sq), tensor(cutlass.Float32, b, h, rows),

@@ -12,6 +12,7 @@ import torch
 
 from . import _compile, interface
 
+
 def _check_backward(dout, q, k, v, out, lse, kernel):
     """The backward op's arguments: the forward's (checked again: the op can be called directly)
     plus dout and out shaped like q and lse (batch, heads_q, seqlen_q) FP32."""

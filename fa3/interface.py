@@ -2,13 +2,15 @@
 
 The argument checks every entry point shares and fa3.attention live here; fa3.gemm in fa3.matmul,
 the backward's body in fa3.backward. Kernels never re-validate; every message names the argument
-and the fix. Batch, seqlens and heads are dynamic in the compiled kernels, so new shapes never recompile.
+and the fix. Batch, seqlens and heads are dynamic in the compiled kernels, so new shapes never
+recompile.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+
 import torch
 
 from . import _compile, registry

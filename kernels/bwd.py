@@ -58,6 +58,14 @@ class AttentionBackward:
                 smem.tile_layout(self.dtype, self.tile_n, self.head_dim, 1),
                 smem.tile_layout(self.dtype, self.tile_m, self.tile_n, 1))
 
+    def make_loads(self, mQ, mdO, mK, mV, sQ_layout, sKV_layout):
+        """(atom, TMA tensor) for Q, dO (Q tiles) and K, V (K/V tiles), flattened."""
+        tile_q, tile_kv = (self.tile_m, self.head_dim), (self.tile_n, self.head_dim)
+        return (*tma.make_load(tma.seq_major(mQ), sQ_layout, tile_q),
+                *tma.make_load(tma.seq_major(mdO), sQ_layout, tile_q),
+                *tma.make_load(tma.seq_major(mK), sKV_layout, tile_kv),
+                *tma.make_load(tma.seq_major(mV), sKV_layout, tile_kv))
+
     def shared_storage(self, sQ_layout, sKV_layout, sPdS_layout):
         @cute.struct
         class SharedStorage:
@@ -91,11 +99,7 @@ class AttentionBackward:
         Q tiles) int32 zeros, read only when deterministic."""
         batch, seqlen_k, heads_q = mQ.shape[0], mK.shape[1], mQ.shape[2]
         sQ_layout, sKV_layout, sPdS_layout = self.smem_layouts()
-        tile_q, tile_kv = (self.tile_m, self.head_dim), (self.tile_n, self.head_dim)
-        loads = (*tma.make_load(tma.seq_major(mQ), sQ_layout, tile_q),
-                 *tma.make_load(tma.seq_major(mdO), sQ_layout, tile_q),
-                 *tma.make_load(tma.seq_major(mK), sKV_layout, tile_kv),
-                 *tma.make_load(tma.seq_major(mV), sKV_layout, tile_kv))
+        loads = self.make_loads(mQ, mdO, mK, mV, sQ_layout, sKV_layout)
         storage_cls = self.shared_storage(sQ_layout, sKV_layout, sPdS_layout)
         self.kernel(*loads, mLSE2, mD, mdQacc, mdK, mdV, mLock, scale_log2, softmax_scale,
                     sQ_layout, sKV_layout, sPdS_layout, storage_cls).launch(
@@ -269,10 +273,11 @@ class AttentionBackward:
         contributors are n = 0, 1, ... and the counter for tile m reads n when n's turn comes."""
         gdQ = cute.local_tile(mdQacc[batch, None, head, None], (self.tile_m, self.head_dim), (m_block, 0))
         if cutlass.const_expr(self.deterministic):
-            accum.ordered_begin(accum.elem_ptr(mLock, (batch, head, m_block)), n_block, ctx.tidx, barrier_fn)
+            counter = accum.elem_ptr(mLock, (batch, head, m_block))
+            accum.ordered_begin(counter, n_block, ctx.tidx, barrier_fn)
         accum.add_fragment(acc_dq, ctx.thr_dq.partition_C(gdQ))
         if cutlass.const_expr(self.deterministic):
-            accum.ordered_end(accum.elem_ptr(mLock, (batch, head, m_block)), ctx.tidx, barrier_fn)
+            accum.ordered_end(counter, ctx.tidx, barrier_fn)
 
     @cute.jit
     def compute_step(self, ctx, s, stage, m_block: Int32, n_block: Int32, head: Int32, batch: Int32,

@@ -11,13 +11,12 @@ One warp per row at a time: lane l reads elements l, l + 32, ... (each load inst
 contiguous bytes of the row), then a butterfly sum. Memory-bound; it reads dO and O once.
 """
 
-import math
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
-LOG2E = math.log2(math.e)
+from .common.softmax import LOG2E
+
 ROWS_PER_CTA = 32
 WARPS = 4
 

@@ -58,12 +58,9 @@ class WarpSpecializedBackward(AttentionBackward):
         """Arguments as B1's."""
         batch, seqlen_k, heads_q = mQ.shape[0], mK.shape[1], mQ.shape[2]
         sQ_layout, sKV_layout, sPdS_layout = self.smem_layouts()
-        tile_q, tile_kv = (self.tile_m, self.head_dim), (self.tile_n, self.head_dim)
-        loads = (*tma.make_load(tma.seq_major(mQ), sQ_layout, tile_q),
-                 *tma.make_load(tma.seq_major(mdO), sQ_layout, tile_q),
-                 *tma.make_load(tma.seq_major(mK), sKV_layout, tile_kv),
-                 *tma.make_load(tma.seq_major(mV), sKV_layout, tile_kv))
-        tma_dq, tdQ = tma.make_reduce_add(tma.seq_major(mdQacc), self.sdq_layout(), tile_q)
+        loads = self.make_loads(mQ, mdO, mK, mV, sQ_layout, sKV_layout)
+        tma_dq, tdQ = tma.make_reduce_add(tma.seq_major(mdQacc), self.sdq_layout(),
+                                          (self.tile_m, self.head_dim))
         storage_cls = self.shared_storage(sQ_layout, sKV_layout, sPdS_layout)
         self.kernel(*loads, tma_dq, tdQ, mLSE2, mD, mdK, mdV, mLock, scale_log2, softmax_scale,
                     sQ_layout, sKV_layout, sPdS_layout, self.sdq_layout(), storage_cls).launch(
@@ -146,13 +143,13 @@ class WarpSpecializedBackward(AttentionBackward):
             m_block = self.m_block_at(i, n_block, m_first, m_end)
             cute.arch.barrier(barrier_id=DQ_FULL, number_of_threads=handoff)
             if cutlass.const_expr(self.deterministic):
-                accum.ordered_begin(accum.elem_ptr(mLock, (batch, head, m_block)), n_block, lane,
-                                    cute.arch.sync_warp)
+                counter = accum.elem_ptr(mLock, (batch, head, m_block))
+                accum.ordered_begin(counter, n_block, lane, cute.arch.sync_warp)
             cute.copy(tma_dq, tdQsdQ[None, 0], tdQgdQ[None, m_block])
             cute.arch.cp_async_bulk_commit_group()
             if cutlass.const_expr(self.deterministic):
                 cute.arch.cp_async_bulk_wait_group(0, read=False)  # the sums have landed
-                accum.ordered_end(accum.elem_ptr(mLock, (batch, head, m_block)), lane, cute.arch.sync_warp)
+                accum.ordered_end(counter, lane, cute.arch.sync_warp)
             else:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)  # the buffer has been read
             cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=handoff)

@@ -83,7 +83,6 @@ def transpose_view(s: cute.Tensor) -> cute.Tensor:
     return cute.composition(s, cute.make_ordered_layout(shape, order=(1, 0, *range(2, cute.rank(s)))))
 
 
-
 def smem_writer(tiled: cute.TiledMma, dtype, thread_idx, whole_tile: bool = False):
     """(copy, thread slice) writing this thread's share of a `tiled` accumulator, converted to the
     16-bit `dtype`, into a row-major swizzled SMEM tile with `stmatrix` (8x8 blocks per instruction

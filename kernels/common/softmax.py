@@ -18,6 +18,7 @@ import cutlass.cute as cute
 from cutlass import Float32
 
 LN2 = math.log(2.0)
+LOG2E = math.log2(math.e)  # natural-log values (LSE) to the exp2 domain
 
 
 @cute.jit
