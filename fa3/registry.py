@@ -124,6 +124,18 @@ KERNELS: dict[str, KernelSpec] = {
             )
         ],
         KernelSpec(
+            "k5.4", ATTENTION, "k5", "WarpSpecializedAttention",
+            "+ three consumer warpgroups taking turns on 192-row Q tiles where registers allow (d64)",
+            config={"tile_m": 128, "tile_n": 128, "kv_stages": 2, "q_stages": 1, "pingpong": True,
+                    "intra_wg_overlap": True},
+            # d64 is exp2-bound: a third warpgroup (160 registers each) keeps more softmax in flight
+            # and reads each K/V tile for 192 rows; d128/d256 need the 240-register budget of two
+            per_head_dim={64: {"tile_m": 192, "kv_stages": 3}, 256: {"tile_n": 64}},
+            ptx_promises=("wgmma.mma_async", "setmaxnreg", "cp.async.bulk.tensor", "bar.arrive"),
+            ptx_forbids=("cvt.f32.bf16", "ld.shared"),
+            speed_rank=11, persistent=True,
+        ),
+        KernelSpec(
             "b1", BACKWARD, "bwd", "AttentionBackward",
             "backward: five WGMMAs per Q tile against one K/V tile, P and dS through SMEM, "
             "dQ by FP32 atomics, each GEMM waited for",

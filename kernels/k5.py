@@ -4,8 +4,8 @@ Roles (block = 128 * (1 + consumer warpgroups) threads):
     warpgroup 0, the producer: gives registers away (setmaxnreg.dec in all four warps); its warp 0
         issues every TMA copy: Q once, then K_j and V_j on *separate* pipelines, so that a K stage
         can be released as soon as S = Q K^T has read it, before P V has read V.
-    warpgroups 1..n, the consumers: take the registers (setmaxnreg.inc), each owns 64 rows of the
-        Q tile, runs both GEMMs and the softmax. K/V tiles are visited from the last to the first,
+    warpgroups 1..n, the consumers (two, or three on 192-row tiles): take the registers
+        (setmaxnreg.inc), each owns 64 rows of the Q tile, runs both GEMMs and the softmax. K/V tiles are visited from the last to the first,
         so the only tiles that need a mask (the causal diagonal, the ragged end) come first.
 Substages (flags; all three are one class):
     K5.1  warp specialization only. Per tile: S = QK^T, wait, softmax, O += PV, wait.
@@ -16,8 +16,10 @@ Substages (flags; all three are one class):
           epilogue. P_{j-1} lives in its own registers while S_j is computed.
 Epilogue: O (scaled by 1/l) and LSE are written once from registers.
 
-Constraints: head_dim 64/128/256 (tile_n per head dim in the registry); the register split is
-24 (producer) / 240 (two consumer warpgroups), sum <= 64K registers per SM.
+    K5.4  (tiles, not code) three consumer warpgroups on 192-row Q tiles at d64, the turn passing
+          1 -> 2 -> 3 -> 1.
+Constraints: head_dim 64/128/256 (tiles per head dim in the registry); the register split is
+24 / 240 (producer / two consumer warpgroups) or 32 / 160 (three), sum <= 64K registers per SM.
 """
 
 import cutlass
@@ -29,9 +31,10 @@ from cutlass.cute.nvgpu import warpgroup
 from .common import epilogue, mask, mma, pipeline, scheduler, smem, softmax, tma
 from .k4 import WgmmaAttention
 
-PRODUCER_REGS, CONSUMER_REGS = 24, 240
+# consumer warpgroups -> (producer, consumer) registers per thread: 128 * (p + n * c) <= 64K
+REGISTER_SPLIT = {2: (24, 240), 3: (32, 160)}
 EPILOGUE_BARRIER = 1  # named barrier among the consumer warpgroups (0 is __syncthreads)
-SCHEDULER_BARRIER = 2  # named barriers 2 and 3: one per consumer warpgroup
+SCHEDULER_BARRIER = 2  # named barriers 2, 3 (, 4): one per consumer warpgroup
 EPI_STAGES = 2  # SMEM buffers the O store cycles through
 
 
@@ -44,7 +47,8 @@ class WarpSpecializedAttention(WgmmaAttention):
         super().__init__(dtype, head_dim, causal, tile_m, tile_n, kv_stages, pv_on_wgmma=True)
         self.consumer_wgs = tile_m // 64
         self.num_threads = 128 * (1 + self.consumer_wgs)
-        self.pingpong = pingpong and self.consumer_wgs == 2
+        self.producer_regs, self.consumer_regs = REGISTER_SPLIT[self.consumer_wgs]
+        self.pingpong = pingpong and self.consumer_wgs >= 2
         self.intra_wg_overlap = intra_wg_overlap
         self.q_stages = q_stages
 
@@ -102,11 +106,11 @@ class WarpSpecializedAttention(WgmmaAttention):
         sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
 
         if warp_idx < 4:
-            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self.load(q_pipe, k_pipe, v_pipe, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV)
         else:
-            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(q_pipe, k_pipe, v_pipe, sQ, sK, sV, sO, tma_o, mO, mLSE, mK.shape[0],
                          scale_log2, tidx - 128, warp_idx // 4, epi_tile)
 
@@ -213,6 +217,8 @@ class WarpSpecializedAttention(WgmmaAttention):
                             ctidx < 32, store_pipe)
 
     # ---------------------------------------------------------------- ping-pong scheduling
+    # The turn goes round the consumer warpgroups 1 -> 2 (-> 3) -> 1: warpgroup w waits on barrier
+    # SCHEDULER_BARRIER - 1 + w, which its predecessor arrives on (128 waiting + 128 arriving).
     @cute.jit
     def mma_init(self, wg: Int32):
         """Warpgroup 1 starts with the turn: a credit on its own barrier."""
@@ -228,7 +234,8 @@ class WarpSpecializedAttention(WgmmaAttention):
     @cute.jit
     def pass_turn(self, wg: Int32):
         if cutlass.const_expr(self.pingpong):
-            cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER + 2 - wg, number_of_threads=256)
+            cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER + wg % self.consumer_wgs,
+                                     number_of_threads=256)
 
     # ---------------------------------------------------------------- consumer pieces
     @cute.jit
@@ -343,8 +350,8 @@ class WarpSpecializedAttention(WgmmaAttention):
         warpgroup.wait_group(1)  # S_j has landed; P V may still run
         correction = self.softmax_tile(ctx, acc_s, n_block, scale_log2, masked)
         # Releasing K only now puts a basic-block boundary (the release is predicated on one lane
-        # per warp) between the softmax and the wait below; in one block ptxas hoists the wait
-        # above part of the softmax, and the softmax no longer runs under the in-flight P V.
+        # per warp) between the softmax and the wait below. ptxas still sinks most of the exp2
+        # below the wait; forcing them above it measured 0-8% slower (worklog/k5.md, "pinned softmax").
         k_state = pipeline.release(k_pipe, k_state)
         warpgroup.wait_group(0)  # P_{j-1} V_{j-1} is done: P's registers and V's stage are free
         v_state = pipeline.release(v_pipe, v_state)

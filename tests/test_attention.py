@@ -60,14 +60,35 @@ def test_matches_reference(kernel, head_dim, causal, shape):
     _check(kernel, shape, head_dim, causal, seed=hash((kernel, head_dim, causal, shape)) % 1000)
 
 
+def _head_dim(kernel, preferred=128):
+    """`preferred` where the rung supports it, else its first head dim (k5.5 is d64 only)."""
+    dims = registry.get(kernel).head_dims
+    return preferred if preferred in dims else dims[0]
+
+
 @pytest.mark.parametrize("kernel", RUNGS)
 def test_fp16(kernel):
-    _check(kernel, (2, 150, 150, 4, 2), 128, True, dtype=torch.float16, seed=7)
+    _check(kernel, (2, 150, 150, 4, 2), _head_dim(kernel), True, dtype=torch.float16, seed=7)
+
+
+@pytest.mark.parametrize("kernel", RUNGS)
+def test_nan_scores_terminate(kernel):
+    """A NaN in Q poisons its rows, never the others, and never stalls the pipeline (K5.4 makes K's
+    release depend on the row sums: the test that NaN cannot block it)."""
+    q, k, v = _inputs((1, 300, 300, 2, 2), _head_dim(kernel), torch.bfloat16, seed=5)
+    q[0, 7, 1, 0] = float("nan")
+    out = fa3.attention(q, k, v, kernel=kernel)
+    torch.cuda.synchronize()
+    assert out[0, 7, 1].isnan().all()
+    clean = torch.ones_like(out, dtype=torch.bool)
+    clean[0, 7, 1] = False
+    ref, _ = attention_reference(q.nan_to_num(), k, v)
+    assert rel_err(out[clean], ref[clean]) < 1.5e-2
 
 
 @pytest.mark.parametrize("kernel", RUNGS)
 def test_matches_sdpa(kernel):
-    q, k, v = _inputs((2, 300, 300, 8, 8), 128, torch.bfloat16, seed=3)
+    q, k, v = _inputs((2, 300, 300, 8, 8), _head_dim(kernel), torch.bfloat16, seed=3)
     for causal in (False, True):  # seqlen_q == seqlen_k: SDPA's top-left causal is the same mask
         ref = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=causal)
         assert rel_err(fa3.attention(q, k, v, causal=causal, kernel=kernel), ref.transpose(1, 2)) < 1.5e-2
