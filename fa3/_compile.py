@@ -82,6 +82,7 @@ def _attention_fake_args(spec, dtype, head_dim):
     args.append(cutlass.Float32(1.0))  # scale_log2
     if spec.persistent:
         args.append(cutlass.Int32(132))  # SM count, a runtime argument
+        args.append(_fake_tensor(cute, cutlass.Int32, (1,), (1,), align=4))  # the tile counter
     return args
 
 

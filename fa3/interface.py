@@ -267,8 +267,23 @@ def launch_attention(spec, q, k, v, causal: bool, scale: float, out=None):
     args.append(scale * _LOG2E)
     if spec.persistent:
         args.append(_HOPPER_SMS[device])
+        args.append(_tile_counter(spec, causal, device))
     fn(*args)
     return out, lse
+
+
+def _tile_counter(spec, causal: bool, device) -> torch.Tensor:
+    """The GMEM counter a dynamically scheduled rung hands tiles out from: zeroed per call (on the
+    call's stream, so graphs capture it). Static schedules never touch it: one shared stand-in."""
+    if causal and spec.config.get("dynamic_schedule"):
+        return torch.zeros(1, dtype=torch.int32, device=device)
+    counter = _UNUSED_COUNTER.get(device)
+    if counter is None:
+        counter = _UNUSED_COUNTER[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return counter
+
+
+_UNUSED_COUNTER: dict = {}
 
 
 @functools.lru_cache(maxsize=None)

@@ -136,6 +136,16 @@ KERNELS: dict[str, KernelSpec] = {
             speed_rank=11, persistent=True,
         ),
         KernelSpec(
+            "k5.5", ATTENTION, "k5", "WarpSpecializedAttention",
+            "+ causal tiles handed out longest-first from a GMEM counter (dynamic persistent schedule)",
+            config={"tile_m": 128, "tile_n": 128, "kv_stages": 2, "q_stages": 1, "pingpong": True,
+                    "intra_wg_overlap": True, "dynamic_schedule": True},
+            per_head_dim={64: {"tile_m": 192, "kv_stages": 3}, 256: {"tile_n": 64}},
+            ptx_promises=("wgmma.mma_async", "setmaxnreg", "cp.async.bulk.tensor", "bar.arrive"),
+            ptx_forbids=("cvt.f32.bf16", "ld.shared"),
+            speed_rank=12, persistent=True,
+        ),
+        KernelSpec(
             "b1", BACKWARD, "bwd", "AttentionBackward",
             "backward: five WGMMAs per Q tile against one K/V tile, P and dS through SMEM, "
             "dQ by FP32 atomics, each GEMM waited for",

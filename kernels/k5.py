@@ -35,6 +35,7 @@ from .k4 import WgmmaAttention
 REGISTER_SPLIT = {2: (24, 240), 3: (32, 160)}
 EPILOGUE_BARRIER = 1  # named barrier among the consumer warpgroups (0 is __syncthreads)
 SCHEDULER_BARRIER = 2  # named barriers 2, 3 (, 4): one per consumer warpgroup
+TILE_FULL_BARRIER, TILE_EMPTY_BARRIER = 5, 6  # K5.5: the next-tile slot (producer -> consumers)
 EPI_STAGES = 2  # SMEM buffers the O store cycles through
 
 
@@ -43,7 +44,7 @@ class WarpSpecializedAttention(WgmmaAttention):
 
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 128, tile_n: int = 128,
                  kv_stages: int = 2, q_stages: int = 1, pingpong: bool = True,
-                 intra_wg_overlap: bool = True):
+                 intra_wg_overlap: bool = True, dynamic_schedule: bool = False):
         super().__init__(dtype, head_dim, causal, tile_m, tile_n, kv_stages, pv_on_wgmma=True)
         self.consumer_wgs = tile_m // 64
         self.num_threads = 128 * (1 + self.consumer_wgs)
@@ -51,11 +52,14 @@ class WarpSpecializedAttention(WgmmaAttention):
         self.pingpong = pingpong and self.consumer_wgs >= 2
         self.intra_wg_overlap = intra_wg_overlap
         self.q_stages = q_stages
+        # causal tiles differ in length: hand them out from a GMEM counter (non-causal: static)
+        self.dynamic = dynamic_schedule and causal
 
     # ---------------------------------------------------------------- host side
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-                 mLSE: cute.Tensor, scale_log2: Float32, sm_count: Int32, stream):
+                 mLSE: cute.Tensor, scale_log2: Float32, sm_count: Int32, mTileCounter: cute.Tensor,
+                 stream):
         batch, seqlen_q, heads_q, _ = mQ.shape
         sQ_layout, sKV_layout, loads = self.make_loads(mQ, mK, mV)
         epi_tile = epilogue.subtile(self.tile_m, self.consumer_wgs)
@@ -70,12 +74,13 @@ class WarpSpecializedAttention(WgmmaAttention):
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
             sO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sO_layout)], 1024]
+            next_tile: cute.struct.MemRange[Int32, 1]
 
         smem.check_budget(SharedStorage.size_in_bytes(),
                           f"K5 with kv_stages={self.kv_stages}, tile_n={self.tile_n}, d={self.head_dim}")
         tiles = cute.ceil_div(seqlen_q, self.tile_m) * heads_q * batch
-        self.kernel(*loads, tma_o, tO, mLSE, scale_log2, sQ_layout, sKV_layout, sO_layout, epi_tile,
-                    SharedStorage).launch(
+        self.kernel(*loads, tma_o, tO, mLSE, scale_log2, mTileCounter, sQ_layout, sKV_layout, sO_layout,
+                    epi_tile, SharedStorage).launch(
             grid=[scheduler.persistent_grid(tiles, sm_count), 1, 1], block=[self.num_threads, 1, 1],
             stream=stream, min_blocks_per_mp=1)
 
@@ -83,7 +88,8 @@ class WarpSpecializedAttention(WgmmaAttention):
     @cute.kernel
     def kernel(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
                tma_v: cute.CopyAtom, mV: cute.Tensor, tma_o: cute.CopyAtom, mO: cute.Tensor,
-               mLSE: cute.Tensor, scale_log2: Float32, sQ_layout: cute.ComposedLayout,
+               mLSE: cute.Tensor, scale_log2: Float32, mTileCounter: cute.Tensor,
+               sQ_layout: cute.ComposedLayout,
                sKV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
                epi_tile: cutlass.Constexpr, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
@@ -104,15 +110,17 @@ class WarpSpecializedAttention(WgmmaAttention):
         sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
         sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
         sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        next_tile = storage.next_tile.get_tensor(cute.make_layout(1))
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                self.load(q_pipe, k_pipe, v_pipe, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV)
+                self.load(q_pipe, k_pipe, v_pipe, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV,
+                          mTileCounter, next_tile)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(q_pipe, k_pipe, v_pipe, sQ, sK, sV, sO, tma_o, mO, mLSE, mK.shape[0],
-                         scale_log2, tidx - 128, warp_idx // 4, epi_tile)
+                         scale_log2, tidx - 128, warp_idx // 4, epi_tile, next_tile)
 
     # ---------------------------------------------------------------- tile schedule
     @cute.jit
@@ -140,63 +148,95 @@ class WarpSpecializedAttention(WgmmaAttention):
         return cute.arch.block_idx()[0], tiles, cute.arch.grid_dim()[0]
 
     @cute.jit
-    def load(self, q_pipe, k_pipe, v_pipe, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV):
+    def load(self, q_pipe, k_pipe, v_pipe, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV,
+             mTileCounter, next_tile):
         """Producer warp: per tile, Q once, then K_j and V_j from the last tile to the first. The
         states run on across tiles, so the next tile's loads start as soon as stages free up."""
-        q_state = pipeline.producer_state(self.q_stages)
-        k_state = pipeline.producer_state(self.kv_stages)
-        v_state = pipeline.producer_state(self.kv_stages)
-        seqlen_q, seqlen_k, heads_q, batch_size = mQ.shape[0], mK.shape[0], mQ.shape[2], mQ.shape[3]
+        states = (pipeline.producer_state(self.q_stages), pipeline.producer_state(self.kv_stages),
+                  pipeline.producer_state(self.kv_stages))
         first, tiles, step = self.tile_range(mQ)
+        loads = (q_pipe, k_pipe, v_pipe, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV)
+        if cutlass.const_expr(self.dynamic):
+            tile = first
+            while tile < tiles:
+                states = self.load_tile(tile, states, *loads)
+                tile = scheduler.publish_next_tile(mTileCounter, next_tile, step, TILE_FULL_BARRIER,
+                                                   TILE_EMPTY_BARRIER, 32 + 128 * self.consumer_wgs)
+        else:
+            for tile in cutlass.range(first, tiles, step, unroll=1):
+                states = self.load_tile(tile, states, *loads)
+        for pipe, state in zip((q_pipe, k_pipe, v_pipe), states):
+            pipeline.tail(pipe, state)
+
+    @cute.jit
+    def load_tile(self, tile: Int32, states, q_pipe, k_pipe, v_pipe, tma_q, mQ, tma_k, mK, tma_v, mV,
+                  sQ, sK, sV):
+        q_state, k_state, v_state = states
+        seqlen_q, seqlen_k, heads_q, batch_size = mQ.shape[0], mK.shape[0], mQ.shape[2], mQ.shape[3]
         tile_q, tile_kv = (self.tile_m, self.head_dim), (self.tile_n, self.head_dim)
-        for tile in cutlass.range(first, tiles, step, unroll=1):
-            m_block, head, batch = self.tile_coords(tile, seqlen_q, heads_q, batch_size)
-            head_kv = head // (heads_q // mK.shape[2])
-            tQsQ, tQgQ = tma.partition(tma_q, cute.local_tile(mQ[None, None, head, batch], tile_q, (None, 0)), sQ)
-            tKsK, tKgK = tma.partition(tma_k, cute.local_tile(mK[None, None, head_kv, batch], tile_kv, (None, 0)), sK)
-            tVsV, tVgV = tma.partition(tma_v, cute.local_tile(mV[None, None, head_kv, batch], tile_kv, (None, 0)), sV)
-            n_blocks = mask.n_block_max(m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.causal)
-            if n_blocks == 0:  # no key is visible: the consumers still take (and release) the Q tile
+        m_block, head, batch = self.tile_coords(tile, seqlen_q, heads_q, batch_size)
+        head_kv = head // (heads_q // mK.shape[2])
+        tQsQ, tQgQ = tma.partition(tma_q, cute.local_tile(mQ[None, None, head, batch], tile_q, (None, 0)), sQ)
+        tKsK, tKgK = tma.partition(tma_k, cute.local_tile(mK[None, None, head_kv, batch], tile_kv, (None, 0)), sK)
+        tVsV, tVgV = tma.partition(tma_v, cute.local_tile(mV[None, None, head_kv, batch], tile_kv, (None, 0)), sV)
+        n_blocks = mask.n_block_max(m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.causal)
+        if n_blocks == 0:  # no key is visible: the consumers still take (and release) the Q tile
+            q_state = pipeline.produce(q_pipe, q_state, m_block, [(tma_q, tQgQ, tQsQ)])
+        for j in cutlass.range(n_blocks, unroll=1):
+            k_state = pipeline.produce(k_pipe, k_state, n_blocks - 1 - j, [(tma_k, tKgK, tKsK)])
+            v_state = pipeline.produce(v_pipe, v_state, n_blocks - 1 - j, [(tma_v, tVgV, tVsV)])
+            if j == 0:
+                # Q after the first K/V: with one Q buffer, waiting for the previous tile to
+                # free it must not hold back the next tile's first K/V loads.
                 q_state = pipeline.produce(q_pipe, q_state, m_block, [(tma_q, tQgQ, tQsQ)])
-            for j in cutlass.range(n_blocks, unroll=1):
-                k_state = pipeline.produce(k_pipe, k_state, n_blocks - 1 - j, [(tma_k, tKgK, tKsK)])
-                v_state = pipeline.produce(v_pipe, v_state, n_blocks - 1 - j, [(tma_v, tVgV, tVsV)])
-                if j == 0:
-                    # Q after the first K/V: with one Q buffer, waiting for the previous tile to
-                    # free it must not hold back the next tile's first K/V loads.
-                    q_state = pipeline.produce(q_pipe, q_state, m_block, [(tma_q, tQgQ, tQsQ)])
-        pipeline.tail(q_pipe, q_state)
-        pipeline.tail(k_pipe, k_state)
-        pipeline.tail(v_pipe, v_state)
+        return q_state, k_state, v_state
 
     @cute.jit
     def consume(self, q_pipe, k_pipe, v_pipe, sQ, sK, sV, sO, tma_o, mO, mLSE, seqlen_k: Int32,
-                scale_log2: Float32, ctidx: Int32, wg: Int32, epi_tile: cutlass.Constexpr):
+                scale_log2: Float32, ctidx: Int32, wg: Int32, epi_tile: cutlass.Constexpr, next_tile):
         """Consumer warpgroups: per tile, the mainloop, then O through SMEM and a TMA store."""
-        q_state = pipeline.consumer_state(self.q_stages)
-        k_state = pipeline.consumer_state(self.kv_stages)
-        v_state = pipeline.consumer_state(self.kv_stages)
+        states = (pipeline.consumer_state(self.q_stages), pipeline.consumer_state(self.kv_stages),
+                  pipeline.consumer_state(self.kv_stages))
         store_pipe = epilogue.store_pipeline(EPI_STAGES, 128 * self.consumer_wgs)
-        seqlen_q, heads_q, batch_size = mO.shape[0], mO.shape[2], mO.shape[3]
         first, tiles, step = self.tile_range(mO)
+        args = (q_pipe, k_pipe, v_pipe, sQ, sK, sV, sO, tma_o, mO, mLSE, seqlen_k, scale_log2, ctidx,
+                wg, store_pipe, epi_tile)
         self.mma_init(wg)
-        for tile in cutlass.range(first, tiles, step, unroll=1):
-            m_block, head, batch = self.tile_coords(tile, seqlen_q, heads_q, batch_size)
-            n_blocks = mask.n_block_max(m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.causal)
-            ctx = self.compute_setup(sQ[None, None, q_state.index], sK, sV, None, ctidx, m_block,
-                                     seqlen_q, seqlen_k)
-            pipeline.consume_wait(q_pipe, q_state)
-            if n_blocks > 0:
-                if cutlass.const_expr(self.intra_wg_overlap):
-                    k_state, v_state = self.mainloop_overlapped(ctx, k_pipe, v_pipe, k_state, v_state,
-                                                                n_blocks, wg, scale_log2)
-                else:
-                    k_state, v_state = self.mainloop(ctx, k_pipe, v_pipe, k_state, v_state,
-                                                     n_blocks, wg, scale_log2)
-            q_state = pipeline.release(q_pipe, q_state)  # every Q K^T of this tile has retired
-            self.store_o(ctx, tma_o, mO, sO, mLSE, batch, head, scale_log2, store_pipe, ctidx, epi_tile)
+        if cutlass.const_expr(self.dynamic):
+            threads = 32 + 128 * self.consumer_wgs
+            scheduler.give_first_credit(TILE_EMPTY_BARRIER, threads)
+            tile = first
+            while tile < tiles:
+                states = self.consume_tile(tile, states, *args)
+                tile = scheduler.take_next_tile(next_tile, tiles, TILE_FULL_BARRIER, TILE_EMPTY_BARRIER,
+                                                threads)
+        else:
+            for tile in cutlass.range(first, tiles, step, unroll=1):
+                states = self.consume_tile(tile, states, *args)
         if ctidx < 32:
             store_pipe.producer_tail()
+
+    @cute.jit
+    def consume_tile(self, tile: Int32, states, q_pipe, k_pipe, v_pipe, sQ, sK, sV, sO, tma_o, mO, mLSE,
+                     seqlen_k: Int32, scale_log2: Float32, ctidx: Int32, wg: Int32, store_pipe,
+                     epi_tile: cutlass.Constexpr):
+        q_state, k_state, v_state = states
+        seqlen_q, heads_q, batch_size = mO.shape[0], mO.shape[2], mO.shape[3]
+        m_block, head, batch = self.tile_coords(tile, seqlen_q, heads_q, batch_size)
+        n_blocks = mask.n_block_max(m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.causal)
+        ctx = self.compute_setup(sQ[None, None, q_state.index], sK, sV, None, ctidx, m_block,
+                                 seqlen_q, seqlen_k)
+        pipeline.consume_wait(q_pipe, q_state)
+        if n_blocks > 0:
+            if cutlass.const_expr(self.intra_wg_overlap):
+                k_state, v_state = self.mainloop_overlapped(ctx, k_pipe, v_pipe, k_state, v_state,
+                                                            n_blocks, wg, scale_log2)
+            else:
+                k_state, v_state = self.mainloop(ctx, k_pipe, v_pipe, k_state, v_state,
+                                                 n_blocks, wg, scale_log2)
+        q_state = pipeline.release(q_pipe, q_state)  # every Q K^T of this tile has retired
+        self.store_o(ctx, tma_o, mO, sO, mLSE, batch, head, scale_log2, store_pipe, ctidx, epi_tile)
+        return q_state, k_state, v_state
 
     @cute.jit
     def store_o(self, ctx, tma_o, mO, sO, mLSE, batch: Int32, head: Int32, scale_log2: Float32,

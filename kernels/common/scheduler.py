@@ -32,3 +32,46 @@ def grouped_tile(tile_id: Int32, tiles_m: Int32, tiles_n: Int32, group_m: cutlas
     band_rows = cutlass.min(tiles_m - first_m, group_m)  # the last band may be shorter
     within = tile_id - band * band_tiles
     return first_m + within % band_rows, within // band_rows
+
+
+# ---------------------------------------------------------------- dynamic (work-stealing) tiles
+# A persistent CTA takes tile blockIdx first, then whatever the GMEM counter hands out next
+# (grid + atomicAdd(counter, 1)): a CTA that finished short tiles takes more of them, which a static
+# b, b + grid, ... assignment cannot do when tiles differ in length (causal attention). Within a
+# CTA, the producer warp fetches the next tile and hands it to the consumers through one SMEM slot,
+# guarded by two named barriers (full: the slot holds the next tile; empty: the consumers read it).
+# The counter must read 0 at launch (the caller zeroes it).
+
+
+@cute.jit
+def publish_next_tile(counter: cute.Tensor, slot: cute.Tensor, grid: Int32, full_barrier: int,
+                      empty_barrier: int, threads: int) -> Int32:
+    """Producer warp: fetch the next tile and publish it to the consumers; returns it.
+    `threads`: the producer warp plus every consumer thread."""
+    lane = cute.arch.lane_idx()
+    next_tile = Int32(0)
+    if lane == 0:
+        next_tile = grid + cute.arch.atomic_add(counter.iterator, Int32(1), sem="relaxed", scope="gpu")
+    next_tile = cute.arch.shuffle_sync(next_tile, 0)
+    cute.arch.barrier(barrier_id=empty_barrier, number_of_threads=threads)  # the last one was read
+    if lane == 0:
+        slot[0] = next_tile
+    cute.arch.barrier_arrive(barrier_id=full_barrier, number_of_threads=threads)
+    return next_tile
+
+
+@cute.jit
+def take_next_tile(slot: cute.Tensor, tiles: Int32, full_barrier: int, empty_barrier: int,
+                   threads: int) -> Int32:
+    """Consumers: the tile the producer published. They free the slot only while tiles remain:
+    past the last one the producer publishes no more (every arrive pairs with one wait)."""
+    cute.arch.barrier(barrier_id=full_barrier, number_of_threads=threads)
+    next_tile = slot[0]
+    if next_tile < tiles:
+        cute.arch.barrier_arrive(barrier_id=empty_barrier, number_of_threads=threads)
+    return next_tile
+
+
+def give_first_credit(empty_barrier: int, threads: int):
+    """Consumers, once before their first tile: the slot starts empty."""
+    cute.arch.barrier_arrive(barrier_id=empty_barrier, number_of_threads=threads)
