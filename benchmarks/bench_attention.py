@@ -9,7 +9,10 @@ and flash-attn 4's CuTe-DSL kernel (fa4: flash_attn.cute.flash_attn_func) when i
 
     python benchmarks/bench_attention.py [--kernels all|k1,k2,...] [--head-dims 64,128,256]
         [--seqlens 512,1024,...] [--causal both|true|false] [--peers sdpa-flash,sdpa-cudnn,fa4]
-        [--json FILE] [--backward [--deterministic]]
+        [--json FILE] [--plot FILE.png] [--backward [--deterministic]]
+    python benchmarks/bench_attention.py --plot-from FILE.json --plot FILE.png   (no GPU needed)
+
+--plot draws TFLOP/s against seqlen, one panel per (head dim, causal) (matplotlib, optional).
 
 --backward times the backward instead (torch.autograd.grad of q, k, v from a forward run once,
 for every runner alike): TFLOP/s = 2.5 x the forward's FLOPs / t (five GEMMs against the forward's
@@ -241,6 +244,8 @@ def parse_args(argv=None):
     p.add_argument("--peers", default=",".join(PEERS), help="comma list of " + ",".join(PEERS)
                    + " ('none' for none)")
     p.add_argument("--json", metavar="FILE", help="also write every measurement here")
+    p.add_argument("--plot", metavar="FILE.png", help="also plot TFLOP/s against seqlen (matplotlib)")
+    p.add_argument("--plot-from", metavar="FILE.json", help="only redraw --plot from a --json file")
     p.add_argument("--backward", action="store_true", help="time the backward (2.5x the FLOPs)")
     p.add_argument("--deterministic", action="store_true",
                    help="with --backward: also each rung with deterministic=True")
@@ -264,6 +269,15 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.plot_from:
+        if not args.plot:
+            print("--plot-from needs --plot FILE.png")
+            return 2
+        import json
+        from plot import plot_rows
+        data = json.load(open(args.plot_from))
+        plot_rows(data["rows"], args.plot, _plot_title(data["setting"]))
+        return 0
     if not torch.cuda.is_available():
         print("bench_attention needs a CUDA GPU (a Hopper GPU for the fa3 rungs); none was found.")
         return 2
@@ -286,11 +300,19 @@ def main(argv=None) -> int:
     print(table(rows, runners))
     for note in notes:
         print(note)
+    setting = {"total_tokens": TOTAL_TOKENS, "hidden": HIDDEN, "dtype": "bf16",
+               "direction": "backward" if args.backward else "forward"}
     if args.json:
-        write_json(args.json, {"setting": {"total_tokens": TOTAL_TOKENS, "hidden": HIDDEN, "dtype": "bf16",
-                                           "direction": "backward" if args.backward else "forward"},
-                               "notes": notes, "rows": rows})
+        write_json(args.json, {"setting": setting, "notes": notes, "rows": rows})
+    if args.plot:
+        from plot import plot_rows
+        plot_rows(rows, args.plot, f"{torch.cuda.get_device_name()}: " + _plot_title(setting))
     return 0
+
+
+def _plot_title(setting) -> str:
+    return (f"attention {setting['direction']}, {setting['dtype']}, {setting['total_tokens']} tokens, "
+            f"hidden {setting['hidden']}")
 
 
 if __name__ == "__main__":
