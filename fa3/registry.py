@@ -142,7 +142,8 @@ KERNELS: dict[str, KernelSpec] = {
                     "intra_wg_overlap": True, "dynamic_schedule": True},
             per_head_dim={64: {"tile_m": 192, "kv_stages": 3}, 256: {"tile_n": 64}},
             ptx_promises=("wgmma.mma_async", "setmaxnreg", "cp.async.bulk.tensor", "bar.arrive"),
-            ptx_forbids=("cvt.f32.bf16", "ld.shared"),
+            # the consumers read the next tile from SMEM (ld.shared.u32); no 16-bit operand is
+            ptx_forbids=("cvt.f32.bf16", "ld.shared.u16", "ld.shared.b16", "ld.shared.v2.u16"),
             speed_rank=12, persistent=True,
         ),
         KernelSpec(
