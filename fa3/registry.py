@@ -106,12 +106,18 @@ KERNELS: dict[str, KernelSpec] = {
                 f"k5.{i}", ATTENTION, "k5", "WarpSpecializedAttention", summary,
                 # one Q buffer: a second measured no faster (and 2.3x slower causal at s=2k)
                 config={"tile_m": 128, "tile_n": 128, "kv_stages": 2, "q_stages": 1, **flags},
-                # d=64: softmax-bound, a third K/V stage measured +2-7%; d=256: a 64-wide K/V
-                # tile fits in 227 KB and keeps S small beside the 128-register O accumulator
-                per_head_dim={64: {"kv_stages": 3}, 256: {"tile_n": 64}},
+                # d=64: softmax-bound, a third K/V stage measured +2-7% (and from k5.4 a third
+                # consumer warpgroup on 192-row tiles, 160 registers each; d128/d256 need the
+                # 240-register budget of two); d=256: a 64-wide K/V tile fits in 227 KB and keeps
+                # S small beside the 128-register O accumulator
+                per_head_dim={64: {"kv_stages": 3, **({"tile_m": 192} if i >= 4 else {})},
+                              256: {"tile_n": 64}},
                 ptx_promises=("wgmma.mma_async", "setmaxnreg", "cp.async.bulk.tensor", "bar.arrive"
                               if flags["pingpong"] else "mbarrier.try_wait"),
-                ptx_forbids=("cvt.f32.bf16", "ld.shared"),
+                # no 16-bit operand is read from SMEM into registers; k5.5's consumers read the
+                # next tile's index from SMEM (ld.shared.b32), so only 16-bit loads are forbidden there
+                ptx_forbids=("cvt.f32.bf16", "ld.shared.u16", "ld.shared.b16", "ld.shared.v2.u16")
+                if flags.get("dynamic_schedule") else ("cvt.f32.bf16", "ld.shared"),
                 speed_rank=7 + i, persistent=True,
             )
             for i, summary, flags in (
@@ -121,31 +127,14 @@ KERNELS: dict[str, KernelSpec] = {
                  {"pingpong": True, "intra_wg_overlap": False}),
                 (3, "+ intra-warpgroup overlap: softmax of S_j while P_{j-1} V_{j-1} runs",
                  {"pingpong": True, "intra_wg_overlap": True}),
+                (4, "+ three consumer warpgroups taking turns on 192-row Q tiles where registers "
+                    "allow (d64)",
+                 {"pingpong": True, "intra_wg_overlap": True}),
+                (5, "+ causal tiles handed out longest-first from a GMEM counter (dynamic persistent "
+                    "schedule)",
+                 {"pingpong": True, "intra_wg_overlap": True, "dynamic_schedule": True}),
             )
         ],
-        KernelSpec(
-            "k5.4", ATTENTION, "k5", "WarpSpecializedAttention",
-            "+ three consumer warpgroups taking turns on 192-row Q tiles where registers allow (d64)",
-            config={"tile_m": 128, "tile_n": 128, "kv_stages": 2, "q_stages": 1, "pingpong": True,
-                    "intra_wg_overlap": True},
-            # d64 is exp2-bound: a third warpgroup (160 registers each) keeps more softmax in flight
-            # and reads each K/V tile for 192 rows; d128/d256 need the 240-register budget of two
-            per_head_dim={64: {"tile_m": 192, "kv_stages": 3}, 256: {"tile_n": 64}},
-            ptx_promises=("wgmma.mma_async", "setmaxnreg", "cp.async.bulk.tensor", "bar.arrive"),
-            ptx_forbids=("cvt.f32.bf16", "ld.shared"),
-            speed_rank=11, persistent=True,
-        ),
-        KernelSpec(
-            "k5.5", ATTENTION, "k5", "WarpSpecializedAttention",
-            "+ causal tiles handed out longest-first from a GMEM counter (dynamic persistent schedule)",
-            config={"tile_m": 128, "tile_n": 128, "kv_stages": 2, "q_stages": 1, "pingpong": True,
-                    "intra_wg_overlap": True, "dynamic_schedule": True},
-            per_head_dim={64: {"tile_m": 192, "kv_stages": 3}, 256: {"tile_n": 64}},
-            ptx_promises=("wgmma.mma_async", "setmaxnreg", "cp.async.bulk.tensor", "bar.arrive"),
-            # the consumers read the next tile from SMEM (ld.shared.u32); no 16-bit operand is
-            ptx_forbids=("cvt.f32.bf16", "ld.shared.u16", "ld.shared.b16", "ld.shared.v2.u16"),
-            speed_rank=12, persistent=True,
-        ),
         KernelSpec(
             "b1", BACKWARD, "bwd", "AttentionBackward",
             "backward: five WGMMAs per Q tile against one K/V tile, P and dS through SMEM, "

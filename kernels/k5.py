@@ -5,19 +5,22 @@ Roles (block = 128 * (1 + consumer warpgroups) threads):
         issues every TMA copy: Q once, then K_j and V_j on *separate* pipelines, so that a K stage
         can be released as soon as S = Q K^T has read it, before P V has read V.
     warpgroups 1..n, the consumers (two, or three on 192-row tiles): take the registers
-        (setmaxnreg.inc), each owns 64 rows of the Q tile, runs both GEMMs and the softmax. K/V tiles are visited from the last to the first,
-        so the only tiles that need a mask (the causal diagonal, the ragged end) come first.
-Substages (flags; all three are one class):
+        (setmaxnreg.inc), each owns 64 rows of the Q tile, runs both GEMMs and the softmax. K/V
+        tiles are visited from the last to the first, so the only tiles that need a mask (the
+        causal diagonal, the ragged end) come first.
+Substages (flags and tiles; all five are one class):
     K5.1  warp specialization only. Per tile: S = QK^T, wait, softmax, O += PV, wait.
-    K5.2  + ping-pong: two named barriers make the consumer warpgroups take turns issuing GEMMs, so
-          one warpgroup's softmax runs under the other's GEMMs (warpgroup 1 starts with a credit).
+    K5.2  + ping-pong: named barriers make the consumer warpgroups take turns issuing GEMMs, so
+          one warpgroup's softmax runs under another's GEMMs (warpgroup 1 starts with a credit).
     K5.3  + intra-warpgroup overlap: issue S_j = Q K_j^T, then O += P_{j-1} V_{j-1}; softmax S_j
           while P V is in flight; the first tile's S and the last tile's P V form the prologue and
           epilogue. P_{j-1} lives in its own registers while S_j is computed.
-Epilogue: O (scaled by 1/l) and LSE are written once from registers.
-
     K5.4  (tiles, not code) three consumer warpgroups on 192-row Q tiles at d64, the turn passing
           1 -> 2 -> 3 -> 1.
+    K5.5  + dynamic schedule (causal): after tile blockIdx, a CTA takes whichever tile a GMEM
+          counter hands out next, so CTAs that drew short tiles take more (common/scheduler.py).
+Epilogue: O (scaled by 1/l) and LSE are written once from registers.
+
 Constraints: head_dim 64/128/256 (tiles per head dim in the registry); the register split is
 24 / 240 (producer / two consumer warpgroups) or 32 / 160 (three), sum <= 64K registers per SM.
 """
@@ -125,9 +128,9 @@ class WarpSpecializedAttention(WgmmaAttention):
     # ---------------------------------------------------------------- tile schedule
     @cute.jit
     def tile_coords(self, tile: Int32, seqlen_q: Int32, heads_q: Int32, batch: Int32):
-        """Persistent CTA b takes tiles b, b + grid, ... in this order: heads (and batches) in
-        groups; within a group, Q tiles from the last (longest under causal) to the first, the
-        group's heads interleaved. Non-causal groups are one head: the CTAs running together work
+        """The linear tile order (a static CTA b takes tiles b, b + grid, ...; K5.5 hands them out
+        in this order from a counter): heads (and batches) in groups; within a group, Q tiles from
+        the last (longest under causal) to the first, the group's heads interleaved. Non-causal groups are one head: the CTAs running together work
         on one head and share its K/V in L2. Causal tiles differ in length, so a group holds enough
         heads for two waves of CTAs to start on long tiles (longest-processing-time first), yet few
         enough that their K/V still fits in L2 (all heads at once measured 21% slower at s = 2k)."""
