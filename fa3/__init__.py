@@ -2,8 +2,11 @@
 
     fa3.attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, kernel=None,
                   out=None, deterministic=False, backward_kernel=None)     differentiable in q, k, v
+    fa3.attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=..,
+                               block_table=None, causal=False, softmax_scale=None, num_splits=0,
+                               return_lse=False)                   decode against a (paged) KV cache
     fa3.gemm(a, b, out=None, kernel=None)
-    fa3.available_kernels(family=None)      "attention", "backward" or "gemm"
+    fa3.available_kernels(family=None)      "attention", "backward", "kvcache" or "gemm"
 """
 
 import os as _os
@@ -17,9 +20,10 @@ if not _os.path.isdir(_os.path.join(_os.path.dirname(__file__), "kernels")) and 
     __path__.append(_root)  # noqa: F821  (package __path__)
 
 from .interface import attention  # noqa: E402
+from .kvcache import attention_with_kvcache  # noqa: E402
 from .matmul import gemm  # noqa: E402
 from . import ops  # noqa: E402,F401  (registers torch.ops.fa3.attention and torch.ops.fa3.gemm)
 from .registry import available_kernels  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["attention", "gemm", "available_kernels", "__version__"]
+__all__ = ["attention", "attention_with_kvcache", "gemm", "available_kernels", "__version__"]

@@ -51,7 +51,7 @@ def prepare_dsl_env() -> None:
         atexit.register(shutil.rmtree, scratch, ignore_errors=True)
 
 
-HEAD_DIM_FAMILIES = (registry.ATTENTION, registry.BACKWARD)
+HEAD_DIM_FAMILIES = (registry.ATTENTION, registry.BACKWARD, registry.KVCACHE)
 
 
 def static_args(spec: registry.KernelSpec, head_dim: int, causal: bool) -> dict:

@@ -257,6 +257,65 @@ def get_gemm(spec, dtype, a_layout, b_layout):
     return fn
 
 
+# ----------------------------------------------------------------------------- KV cache (S1)
+def _kvcache_fake_args(dtype, head_dim):
+    """Fake (q, k_cache, v_cache, cache_seqlens, block_table, out, lse, out_partial, lse_partial,
+    scale_log2, appended): see kernels/decode.py. The cache is (planes, rows, heads_kv, d), planes
+    being batch entries (dense) or pages (paged); every extent is dynamic."""
+    cutlass, cute = _import_cute()
+    dt, f32, i32 = cute_dtype(dtype), cutlass.Float32, cutlass.Int32
+    b, sq, hq, hkv, rows, planes, pages, splits = (cute.sym_int64() for _ in range(8))
+    # the block table and the partials have extents of their own: 1-element stand-ins when unused
+    b_table, b_part, sq_part, hq_part = (cute.sym_int64() for _ in range(4))
+    cache = lambda: _unit_last(cute, dt, planes, rows, hkv, head_dim, tma=True)
+    return [_unit_last(cute, dt, b, sq, hq, head_dim, align=2), cache(), cache(),
+            _fake_tensor(cute, i32, (b,), (1,), align=4), _unit_last(cute, i32, b_table, pages),
+            _unit_last(cute, dt, b, sq, hq, head_dim, align=2), _unit_last(cute, f32, b, hq, sq),
+            _unit_last(cute, f32, splits, b_part, sq_part, hq_part, head_dim),
+            _unit_last(cute, f32, splits, b_part, hq_part, sq_part), f32(1.0), i32(0)]
+
+
+def kvcache_key(spec, dtype, head_dim, causal, paged=False) -> tuple:
+    return (spec.name, str(dtype), head_dim, bool(causal), bool(paged),
+            tuple(sorted(spec.config_for(head_dim).items())), TARGET_ARCH, dsl_version())
+
+
+def _build_kvcache(spec, dtype, head_dim, causal, paged=False, extra_options=""):
+    kernel = spec.load_class()(dtype=cute_dtype(dtype), head_dim=head_dim, causal=causal, paged=paged,
+                               **spec.config_for(head_dim))
+    return _compile_kernel(kernel, _kvcache_fake_args(dtype, head_dim), extra_options)
+
+
+def get_kvcache(spec, dtype, head_dim, causal, paged):
+    fast_key = ("kvcache", spec.name, dtype, head_dim, causal, paged)
+    fn = _FAST.get(fast_key)
+    if fn is None:
+        fn = _FAST[fast_key] = _cached(kvcache_key(spec, dtype, head_dim, causal, paged),
+                                       lambda: _build_kvcache(spec, dtype, head_dim, causal, paged))
+    return fn
+
+
+def _build_combine(dtype, head_dim, extra_options=""):
+    cutlass, cute = _import_cute()
+    from .kernels.decode import SplitKVCombine
+
+    dt, f32 = cute_dtype(dtype), cutlass.Float32
+    b, sq, hq, splits = (cute.sym_int64() for _ in range(4))
+    args = [_unit_last(cute, f32, splits, b, sq, hq, head_dim), _unit_last(cute, f32, splits, b, hq, sq),
+            _unit_last(cute, dt, b, sq, hq, head_dim, align=2), _unit_last(cute, f32, b, hq, sq)]
+    return _compile_kernel(SplitKVCombine(dt, head_dim), args, extra_options)
+
+
+def get_combine(dtype, head_dim):
+    """The split-KV combine kernel: FP32 partial O and LSE -> O, LSE."""
+    fast_key = ("combine", dtype, head_dim)
+    fn = _FAST.get(fast_key)
+    if fn is None:
+        key = ("combine", str(dtype), head_dim, TARGET_ARCH, dsl_version())
+        fn = _FAST[fast_key] = _cached(key, lambda: _build_combine(dtype, head_dim))
+    return fn
+
+
 @dataclass
 class CompileReport:
     ptx: str
@@ -292,9 +351,10 @@ def compile_report(spec, dtype=torch.bfloat16, **static) -> CompileReport:
 
 # family -> builder(spec, dtype, **static, extra_options) -> compiled function
 BUILDERS = {registry.ATTENTION: _build_attention, registry.GEMM: _build_gemm,
-            registry.BACKWARD: _build_backward}
+            registry.BACKWARD: _build_backward, registry.KVCACHE: _build_kvcache}
 # family -> key(spec, dtype, **static): the compile-cache key, with the builder's static arguments
-KEYS = {registry.ATTENTION: attention_key, registry.GEMM: gemm_key, registry.BACKWARD: backward_key}
+KEYS = {registry.ATTENTION: attention_key, registry.GEMM: gemm_key, registry.BACKWARD: backward_key,
+        registry.KVCACHE: kvcache_key}
 
 
 def fill_disk_cache(spec, dtype=torch.bfloat16, **static):

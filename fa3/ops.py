@@ -4,6 +4,8 @@
                             backward_kernel=None) -> (out, lse)        differentiable in q, k, v
     torch.ops.fa3.attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, kernel,
                                      deterministic) -> (dq, dk, dv)
+    torch.ops.fa3.attention_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, appended,
+                                    causal, softmax_scale, num_splits, kernel) -> (out, lse)
     torch.ops.fa3.gemm(a, b, kernel) -> out
 
 Both are functional (they allocate their outputs; nothing is mutated), so torch.compile and
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from . import backward, interface, matmul
+from . import backward, interface, kvcache, matmul
 
 _ATTENTION_SCHEMA = ("(Tensor q, Tensor k, Tensor v, bool causal, float softmax_scale, str kernel, "
                      "bool deterministic=False, str? backward_kernel=None) -> (Tensor, Tensor)")
@@ -87,3 +89,27 @@ def gemm(a, b, kernel):
 @gemm.register_fake
 def _gemm_fake(a, b, kernel):
     return a.new_empty((a.shape[0], b.shape[1]))
+
+
+_KVCACHE_SCHEMA = ("(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor? block_table, "
+                   "int appended, bool causal, float softmax_scale, int num_splits, str kernel) "
+                   "-> (Tensor, Tensor)")
+
+
+@torch.library.custom_op("fa3::attention_kvcache", mutates_args=(), schema=_KVCACHE_SCHEMA)
+def attention_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, appended, causal, softmax_scale,
+                      num_splits, kernel):
+    """(out, lse) against the cache, whose last `appended` tokens per sequence are already written
+    (fa3.attention_with_kvcache appends them before calling)."""
+    spec, seqlens, _, _ = kvcache._check(q, k_cache, v_cache, None, None, cache_seqlens, block_table,
+                                         kernel, (-1, -1), 0.0)
+    return kvcache.launch_kvcache(spec, q, k_cache, v_cache, seqlens, block_table, appended, causal,
+                                  softmax_scale, num_splits)
+
+
+@attention_kvcache.register_fake
+def _attention_kvcache_fake(q, k_cache, v_cache, cache_seqlens, block_table, appended, causal,
+                            softmax_scale, num_splits, kernel):
+    batch, seqlen_q, heads_q, _ = q.shape
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32))

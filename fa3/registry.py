@@ -16,12 +16,13 @@ from dataclasses import dataclass, field
 ATTENTION = "attention"
 GEMM = "gemm"
 BACKWARD = "backward"  # attention's gradients
+KVCACHE = "kvcache"  # attention against a (paged) KV cache: decode
 
 
 @dataclass(frozen=True)
 class KernelSpec:
     name: str
-    family: str  # ATTENTION, BACKWARD or GEMM
+    family: str  # ATTENTION, BACKWARD, KVCACHE or GEMM
     module: str  # relative to fa3.kernels
     cls: str
     summary: str
@@ -157,6 +158,16 @@ KERNELS: dict[str, KernelSpec] = {
             ptx_forbids=("red.global", "red.relaxed"),
             speed_rank=2,
         ),
+        KernelSpec(
+            "s1", KVCACHE, "decode", "SplitKVAttention",
+            "KV-cache attention (dense or paged): query heads of a KV head packed into one 64-row "
+            "tile, the key range split across CTAs, FP32 partials merged by a combine kernel",
+            # 64-key blocks: any page size that is a multiple of 64 holds whole blocks; the TMA ring
+            # is as deep as SMEM allows (memory-bound: bytes in flight are what matter)
+            config={"tile_m": 64, "tile_n": 64, "max_kv_stages": 8},
+            ptx_promises=("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait", "ex2.approx"),
+            speed_rank=1,
+        ),
         *[
             KernelSpec(
                 name, GEMM, "gemm", cls, summary, config=config, head_dims=(),
@@ -194,7 +205,8 @@ def get(name: str) -> KernelSpec:
 
 
 def available_kernels(family: str | None = None) -> list[str]:
-    """Names of every rung, slowest first (`family`: "attention", "backward" or "gemm" to filter)."""
+    """Names of every rung, slowest first (`family`: "attention", "backward", "kvcache" or "gemm"
+    to filter)."""
     return [n for n, s in KERNELS.items() if family is None or s.family == family]
 
 

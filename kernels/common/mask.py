@@ -31,11 +31,15 @@ def n_block_max(m_block: Int32, tile_m: cutlass.Constexpr, tile_n: cutlass.Const
 
 @cute.jit
 def apply(scores: cute.Tensor, coords: cute.Tensor, row0: Int32, col0: Int32, seqlen_q: Int32,
-          seqlen_k: Int32, causal: cutlass.Constexpr):
+          seqlen_k: Int32, causal: cutlass.Constexpr, rows_per_query=None):
     """Set invisible scores to -inf. `scores` and `coords` are matching (rows, cols) register views
-    (the accumulator and the identity tensor partitioned the same way); row0/col0 place the tile."""
+    (the accumulator and the identity tensor partitioned the same way); row0/col0 place the tile.
+    `rows_per_query`: packed GQA tiles hold that many rows (query heads) per query position."""
     for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
-        limit = col_limit(row0 + coords[r, 0][0], seqlen_q, seqlen_k, causal) - col0
+        row = row0 + coords[r, 0][0]
+        if cutlass.const_expr(rows_per_query is not None):
+            row = row // rows_per_query
+        limit = col_limit(row, seqlen_q, seqlen_k, causal) - col0
         for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
             # a select, not a branch: a branch per element makes the DSL yield the whole tile
             scores[r, c] = -cutlass.Float32.inf if coords[r, c][1] >= limit else scores[r, c]

@@ -1,0 +1,119 @@
+"""Decode against a KV cache: fa3.attention_with_kvcache beside cuDNN, SDPA flash and flash-attn-4.
+
+    python benchmarks/bench_decode.py [--json FILE] [--graphs]
+
+Cases (bf16, d128, GQA 32 query / 8 KV heads, one new query per sequence): batch 16 x 8k keys,
+batch 1 x 32k, batch 64 x 4k, each dense and paged (pages of 64 and 256, permuted). Every
+sequence holds the full number of keys. Each row prints the GPU time per call (CUDA events,
+median), the K/V bytes read per microsecond, and that rate's share of the device-to-device
+copy bandwidth measured in the same run (bytes read + written per second by a large copy).
+SDPA peers see the cache as dense (batch, heads, keys, d) tensors with enable_gqa; flash-attn-4
+runs its varlen entry with seqused_k (and page_table for the paged rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+
+from timing import format_table, measure
+
+import fa3
+
+HEADS_Q, HEADS_KV, D = 32, 8, 128
+CASES = [(16, 8192), (1, 32768), (64, 4096)]  # (batch, keys)
+
+
+def copy_bandwidth_gbs() -> float:
+    """Bytes read + written per second by a 1 GiB device-to-device copy (GB/s)."""
+    src = torch.randn(256 * 1024 * 1024, device="cuda")
+    dst = torch.empty_like(src)
+    ms = measure(lambda: dst.copy_(src))
+    return 2 * src.numel() * 4 / (ms * 1e-3) / 1e9
+
+
+def make_case(batch, keys, page_size, gen):
+    q = torch.randn(batch, 1, HEADS_Q, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(batch, keys, HEADS_KV, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v = torch.randn_like(k)
+    seqlens = torch.full((batch,), keys, dtype=torch.int32, device="cuda")
+    if page_size is None:
+        return q, k, v, seqlens, None
+    per_seq = keys // page_size
+    perm = torch.randperm(batch * per_seq, device="cuda", generator=gen)
+    pages_k = torch.empty(batch * per_seq, page_size, HEADS_KV, D, device="cuda", dtype=k.dtype)
+    pages_v = torch.empty_like(pages_k)
+    pages_k[perm] = k.view(-1, page_size, HEADS_KV, D)
+    pages_v[perm] = v.view(-1, page_size, HEADS_KV, D)
+    return q, pages_k, pages_v, seqlens, perm.view(batch, per_seq).to(torch.int32)
+
+
+def runners(q, k, v, seqlens, table, peers):
+    out = {"fa3": lambda: fa3.attention_with_kvcache(q, k, v, cache_seqlens=seqlens, block_table=table)}
+    if table is None:
+        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        for name, backend in (("sdpa-cudnn", "CUDNN_ATTENTION"), ("sdpa-flash", "FLASH_ATTENTION")):
+            if name in peers:
+                b = getattr(torch.nn.attention.SDPBackend, backend)
+
+                def call(b=b):
+                    with torch.nn.attention.sdpa_kernel([b]):
+                        return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+                out[name] = call
+    if "fa4" in peers:
+        try:
+            from flash_attn.cute import flash_attn_varlen_func
+
+            out["fa4"] = lambda: flash_attn_varlen_func(q, k, v, seqused_k=seqlens, page_table=table,
+                                                        num_splits=0)
+        except Exception as exc:  # not installed here
+            print(f"fa4 skipped: {exc}")
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--peers", default="sdpa-cudnn,sdpa-flash,fa4")
+    ap.add_argument("--json", help="write the rows here")
+    args = ap.parse_args(argv)
+    peers = args.peers.split(",")
+    copy_gbs = copy_bandwidth_gbs()
+    print(f"device-to-device copy: {copy_gbs:.0f} GB/s (read + write)", flush=True)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows, records = [], []
+    for batch, keys in CASES:
+        for page_size in (None, 64, 256):
+            q, k, v, seqlens, table = make_case(batch, keys, page_size, gen)
+            kv_bytes = 2 * batch * keys * HEADS_KV * D * 2
+            ref = fa3.attention_with_kvcache(q, k, v, cache_seqlens=seqlens, block_table=table)
+            for name, fn in runners(q, k, v, seqlens, table, peers).items():
+                try:
+                    got = fn()
+                    got = got[0] if isinstance(got, tuple) else got
+                    if name.startswith("sdpa"):
+                        got = got.transpose(1, 2)
+                    err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+                    us = measure(fn) * 1e3
+                except Exception as exc:  # a peer that cannot run this case
+                    print(f"  {name} failed: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+                    continue
+                gbs = kv_bytes / (us * 1e-6) / 1e9
+                case = f"b{batch} x {keys // 1024}k " + ("dense" if page_size is None else f"page {page_size}")
+                row = [case, name, f"{us:.1f}", f"{gbs:.0f}", f"{gbs / copy_gbs:.0%}", f"{err:.1e}"]
+                print("  ".join(row), flush=True)
+                rows.append(row)
+                records.append(dict(batch=batch, keys=keys, page_size=page_size, runner=name, us=us,
+                                    gbs=gbs, copy_gbs=copy_gbs, rel_err_vs_fa3=err))
+            del q, k, v
+    print(format_table(["case", "runner", "us", "GB/s", "of copy", "rel err vs fa3"], rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,219 @@
+"""fa3.attention_with_kvcache: decode (and short appends) against a dense or paged KV cache.
+
+flash-attn's `flash_attn_with_kvcache` conventions: q (batch, seqlen_q, heads_q, d); a dense cache
+(batch, capacity, heads_kv, d) or a paged one (num_pages, page_size, heads_kv, d) with
+`block_table` (batch, max_pages) int32; new k/v are written into the cache at `cache_seqlens`
+(in place) before attending. The kernel (kernels/decode.py) packs the query heads of each KV head
+into one tile and splits the key range across CTAs; `num_splits=0` picks the split count from
+shapes alone (no host sync: CUDA graphs capture the call).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import _compile, interface, registry
+
+PAGE_MULTIPLE = 64  # the kernel's key block: a page holds whole blocks
+MAX_SPLITS = 64
+MIN_BLOCKS_PER_SPLIT = 4  # below this a split's fixed costs outweigh the keys it reads
+
+
+def _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kernel, window_size, softcap):
+    interface.check_tensor(q, "q", 4)
+    interface.check_tensor(k_cache, "k_cache", 4, q.dtype)
+    interface.check_tensor(v_cache, "v_cache", 4, q.dtype)
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    if tuple(window_size) != (-1, -1) or softcap != 0.0:
+        raise NotImplementedError("window_size and softcap are not supported by "
+                                  "fa3.attention_with_kvcache yet; pass window_size=(-1, -1), softcap=0.0")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must have "
+                         "the same shape")
+    planes, rows, heads_kv, cache_dim = k_cache.shape
+    if cache_dim != head_dim:
+        raise ValueError(f"q has head_dim {head_dim} but the cache has {cache_dim}")
+    if heads_kv == 0 or heads_q % heads_kv:
+        raise ValueError(f"heads_q={heads_q} must be a multiple of the cache's heads_kv={heads_kv}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        s = t.stride()
+        if t.data_ptr() % 16 or any(x % 8 for x in s[:3]) or t.device != q.device:
+            raise ValueError(f"{name} must be on {q.device} with a 16-byte aligned base and strides "
+                             "(the kernel reads it with TMA and the cache is updated in place, so fa3 "
+                             f"cannot copy it): allocate it with torch.empty(...) contiguous")
+    if block_table is None:
+        if planes != batch:
+            raise ValueError(f"a dense k_cache must have batch {batch} (q's) in dimension 0, got "
+                             f"{planes}; for a paged cache pass block_table")
+        capacity = rows
+    else:
+        if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 \
+                or block_table.dim() != 2 or block_table.shape[0] != batch:
+            raise ValueError(f"block_table must be an int32 tensor of shape (batch={batch}, max_pages), "
+                             f"got {getattr(block_table, 'dtype', type(block_table))} "
+                             f"{tuple(getattr(block_table, 'shape', ()))}: use .to(torch.int32)")
+        if block_table.device != q.device or block_table.stride(-1) != 1:
+            raise ValueError(f"block_table must be on {q.device} and contiguous in its last dimension")
+        if rows % PAGE_MULTIPLE:
+            raise ValueError(f"page_size={rows} (k_cache.shape[1]) is not supported: fa3 needs pages of "
+                             f"a multiple of {PAGE_MULTIPLE} tokens")
+        capacity = block_table.shape[1] * rows
+    appended = 0
+    if (k is None) != (v is None):
+        raise ValueError("pass both k and v (the new tokens to append), or neither")
+    if k is not None:
+        interface.check_tensor(k, "k", 4, q.dtype)
+        interface.check_tensor(v, "v", 4, q.dtype)
+        if k.shape != v.shape or k.shape[0] != batch or k.shape[2:] != (heads_kv, head_dim):
+            raise ValueError(f"k and v must both be (batch={batch}, new_tokens, heads_kv={heads_kv}, "
+                             f"head_dim={head_dim}), got {tuple(k.shape)} and {tuple(v.shape)}")
+        appended = k.shape[1]
+        if appended > capacity:
+            raise ValueError(f"{appended} new tokens do not fit a cache of {capacity} per sequence")
+    cache_seqlens = _seqlens_tensor(cache_seqlens, batch, q.device)
+    spec = interface._memo_rung(_kvcache_rung, kernel, head_dim)
+    interface.check_hopper(q.device, "q")
+    return spec, cache_seqlens, capacity, appended
+
+
+def _seqlens_tensor(cache_seqlens, batch, device):
+    if isinstance(cache_seqlens, int):
+        if cache_seqlens < 0:
+            raise ValueError(f"cache_seqlens={cache_seqlens} must be >= 0")
+        return torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
+    if not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.dtype != torch.int32 \
+            or cache_seqlens.shape != (batch,):
+        raise ValueError(f"cache_seqlens must be an int or an int32 tensor of shape (batch={batch},), "
+                         f"got {getattr(cache_seqlens, 'dtype', type(cache_seqlens).__name__)} "
+                         f"{tuple(getattr(cache_seqlens, 'shape', ()))}: use .to(torch.int32)")
+    if cache_seqlens.device != device:
+        raise ValueError(f"cache_seqlens is on {cache_seqlens.device} but q is on {device}")
+    return cache_seqlens.contiguous()
+
+
+def _kvcache_rung(kernel, head_dim):
+    supported = sorted({d for n in registry.available_kernels(registry.KVCACHE)
+                        for d in registry.get(n).head_dims})
+    if kernel is None and head_dim not in supported:
+        raise ValueError(f"head_dim={head_dim} is not supported; supported head dims are "
+                         f"{tuple(supported)}: pad q and the cache to the next one")
+    spec = registry.get(kernel) if kernel is not None else registry.fastest(registry.KVCACHE, head_dim)
+    if spec.family != registry.KVCACHE:
+        raise ValueError(f"kernel={kernel!r} is not a KV-cache rung; those are "
+                         f"{registry.available_kernels(registry.KVCACHE)}")
+    if head_dim not in spec.head_dims:
+        raise ValueError(f"head_dim={head_dim} is not supported; supported head dims are "
+                         f"{spec.head_dims}: pad q and the cache to the next one")
+    return spec
+
+
+def num_splits_for(batch, heads_kv, q_tiles, capacity, sm_count, tile_n=64) -> int:
+    """Splits of the key range so that batch x heads_kv x q_tiles x splits CTAs fill the SMs (one
+    CTA per SM: the TMA ring takes most of the SMEM), each split keeping at least
+    MIN_BLOCKS_PER_SPLIT key blocks of the cache's capacity. From shapes only: no host sync."""
+    ctas = batch * heads_kv * q_tiles
+    if ctas >= 0.8 * sm_count:
+        return 1
+    blocks = -(-capacity // tile_n)
+    return max(1, min(MAX_SPLITS, -(-sm_count // ctas), blocks // MIN_BLOCKS_PER_SPLIT))
+
+
+def append_to_cache(k_cache, v_cache, k, v, cache_seqlens, block_table):
+    """Write the new tokens at positions cache_seqlens[b] + i (device-side indices: no sync)."""
+    batch, new = k.shape[:2]
+    positions = cache_seqlens.long()[:, None] + torch.arange(new, device=k.device)
+    if block_table is None:
+        rows = torch.arange(batch, device=k.device)[:, None].expand(batch, new)
+        k_cache[rows, positions] = k
+        v_cache[rows, positions] = v
+    else:
+        page_size = k_cache.shape[1]
+        pages = torch.gather(block_table, 1, positions // page_size).long()
+        k_cache[pages, positions % page_size] = k
+        v_cache[pages, positions % page_size] = v
+
+
+_DUMMIES: dict = {}
+
+
+def _dummy(kind, device, head_dim=None):
+    """Stand-ins for arguments a static configuration never reads (one per device)."""
+    key = (kind, device, head_dim)
+    t = _DUMMIES.get(key)
+    if t is None:
+        t = _DUMMIES[key] = {
+            "table": lambda: torch.zeros(1, 1, dtype=torch.int32, device=device),
+            "o_partial": lambda: torch.empty(1, 1, 1, 1, head_dim, dtype=torch.float32, device=device),
+            "lse_partial": lambda: torch.empty(1, 1, 1, 1, dtype=torch.float32, device=device),
+        }[kind]()
+    return t
+
+
+def launch_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, appended: int, causal: bool,
+                   scale: float, num_splits: int):
+    """(out, lse) of rung `spec`; arguments are validated and the new tokens already appended."""
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    device = q.device
+    out = torch.empty(batch, seqlen_q, heads_q, head_dim, dtype=q.dtype, device=device)
+    lse = torch.empty(batch, heads_q, seqlen_q, dtype=torch.float32, device=device)
+    if out.numel() == 0:
+        return out, lse
+    heads_kv = k_cache.shape[2]
+    paged = block_table is not None
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    if num_splits <= 0:
+        q_tiles = -(-seqlen_q * (heads_q // heads_kv) // spec.config["tile_m"])
+        num_splits = num_splits_for(batch, heads_kv, q_tiles, capacity,
+                                    interface._sm_count(device.index), spec.config["tile_n"])
+    if num_splits > 1:
+        o_partial = torch.empty(num_splits, batch, seqlen_q, heads_q, head_dim, dtype=torch.float32,
+                                device=device)
+        lse_partial = torch.empty(num_splits, batch, heads_q, seqlen_q, dtype=torch.float32, device=device)
+    else:
+        o_partial, lse_partial = _dummy("o_partial", device, head_dim), _dummy("lse_partial", device)
+    fn = _compile.get_kvcache(spec, q.dtype, head_dim, causal, paged)
+    table = block_table if paged else _dummy("table", device)
+    fn(q, k_cache, v_cache, cache_seqlens, table, out, lse, o_partial, lse_partial,
+       scale * interface._LOG2E, appended)
+    if num_splits > 1:
+        _compile.get_combine(q.dtype, head_dim)(o_partial, lse_partial, out, lse)
+    return out, lse
+
+
+def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_table=None,
+                           causal: bool = False, softmax_scale: float | None = None,
+                           window_size=(-1, -1), softcap: float = 0.0, num_splits: int = 0,
+                           return_lse: bool = False, kernel: str | None = None):
+    """softmax(q K^T * softmax_scale) V over each sequence's cached keys, as flash-attn's
+    flash_attn_with_kvcache.
+
+    q: (batch, seqlen_q, heads_q, d), bf16/fp16, d in 64/128/256, heads_q a multiple of heads_kv.
+    k_cache, v_cache: dense (batch, capacity, heads_kv, d), or paged (num_pages, page_size,
+        heads_kv, d) with page_size a multiple of 64 and `block_table` (batch, max_pages) int32
+        naming each sequence's pages in order.
+    k, v: optional new tokens (batch, new_tokens, heads_kv, d), written into the cache at positions
+        cache_seqlens[b] .. cache_seqlens[b] + new_tokens - 1 (in place) before attending.
+    cache_seqlens: int or int32 (batch,) tensor: valid tokens per sequence before the append. Values
+        are not read on the host (that would synchronize); the kernel clamps the key count to the
+        cache's capacity, and the caller keeps cache_seqlens + new_tokens within it.
+    causal: query i of seqlen_q sees keys up to cache_seqlens + new_tokens - seqlen_q + i (bottom
+        right aligned, as flash-attn).
+    num_splits: how many CTAs share each sequence's keys; 0 picks from the shapes and SM count.
+    Returns out (batch, seqlen_q, heads_q, d) (and the fp32 lse (batch, heads_q, seqlen_q)).
+    Not differentiable (inference). Runs on torch's current stream without host syncs, so a decode
+    step can be captured in a CUDA graph.
+    """
+    spec, seqlens, _, appended = _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kernel,
+                                        window_size, softcap)
+    scale = 1.0 / math.sqrt(q.shape[3]) if softmax_scale is None else float(softmax_scale)
+    if k is not None:
+        append_to_cache(k_cache, v_cache, k, v, seqlens, block_table)
+    if interface.direct_call_ok(q, k_cache, v_cache):
+        out, lse = launch_kvcache(spec, q, k_cache, v_cache, seqlens, block_table, appended, bool(causal),
+                                  scale, int(num_splits))
+    else:
+        out, lse = torch.ops.fa3.attention_kvcache(q, k_cache, v_cache, seqlens, block_table, appended,
+                                                   bool(causal), scale, int(num_splits), spec.name)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,189 @@
+"""fa3.attention_with_kvcache: GPU correctness against the float reference, and CPU validation.
+
+The cache rows past each sequence's length are poisoned (K with NaN, V with NaN) so that a kernel
+reading or weighting them fails; cache_seqlens are ragged (0 and 1 included); pages are permuted.
+"""
+
+import pytest
+import torch
+
+import fa3
+from fa3 import kvcache
+from fa3.reference import attention_reference
+
+from conftest import HAS_HOPPER, raises_with, rel_err
+
+TOL = 1.5e-2
+gpu = pytest.mark.gpu
+
+
+def _make_cache(batch, capacity, heads_kv, d, lens, page_size, gen, device="cuda"):
+    """Dense (batch, capacity, ...) K/V with NaN past each length, and the same as permuted pages
+    with a block table when page_size is given. Returns (k_dense, v_dense, k_cache, v_cache, table)."""
+    shape = (batch, capacity, heads_kv, d)
+    k = torch.randn(shape, device=device, dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(shape, device=device, dtype=torch.bfloat16, generator=gen)
+    for b, n in enumerate(lens):
+        k[b, n:] = float("nan")
+        v[b, n:] = float("nan")
+    if page_size is None:
+        return k, v, k, v, None
+    per_seq = capacity // page_size
+    perm = torch.randperm(batch * per_seq, device=device, generator=gen)
+    table = perm.view(batch, per_seq).to(torch.int32)
+    pages_k = torch.empty(batch * per_seq, page_size, heads_kv, d, device=device, dtype=k.dtype)
+    pages_v = torch.empty_like(pages_k)
+    pages_k[perm] = k.view(batch * per_seq, page_size, heads_kv, d)
+    pages_v[perm] = v.view(batch * per_seq, page_size, heads_kv, d)
+    return k, v, pages_k, pages_v, table
+
+
+def _reference(q, k_dense, v_dense, lens, causal):
+    outs, lses = [], []
+    for b, n in enumerate(lens):
+        o, lse = attention_reference(q[b:b + 1], k_dense[b:b + 1, :n], v_dense[b:b + 1, :n], causal)
+        outs.append(o)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
+
+
+CASES = [  # (batch, seqlen_q, heads_q, heads_kv, capacity, lens, new_tokens)
+    (4, 1, 8, 2, 512, [0, 1, 200, 511], 0),
+    (3, 1, 6, 1, 1024, [1000, 64, 129], 1),
+    (2, 4, 4, 4, 256, [3, 250], 2),
+    (2, 7, 8, 2, 768, [700, 7], 0),
+]
+
+
+@gpu
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("page_size", [None, 64, 256])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_kvcache_matches_reference(head_dim, causal, page_size, case):
+    batch, sq, hq, hkv, capacity, lens, new = CASES[case]
+    if page_size is not None and capacity % page_size:
+        capacity += page_size - capacity % page_size
+    gen = torch.Generator(device="cuda").manual_seed(case * 7 + head_dim)
+    final = [n + new for n in lens]
+    k_dense, v_dense, k_cache, v_cache, table = _make_cache(batch, capacity, hkv, head_dim,
+                                                           [n for n in lens], page_size, gen)
+    q = torch.randn(batch, sq, hq, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k_new = v_new = None
+    if new:
+        k_new = torch.randn(batch, new, hkv, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+        v_new = torch.randn_like(k_new)
+        for b, n in enumerate(lens):  # what the cache must hold after the append
+            k_dense[b, n:n + new] = k_new[b]
+            v_dense[b, n:n + new] = v_new[b]
+    seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    ref_o, ref_lse = _reference(q.float(), k_dense.float(), v_dense.float(), final, causal)
+    for splits in (1, 3, 0):
+        kc, vc = k_cache.clone(), v_cache.clone()
+        out, lse = fa3.attention_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=seqlens,
+                                              block_table=table, causal=causal, num_splits=splits,
+                                              return_lse=True)
+        assert out.shape == q.shape and not out.isnan().any(), f"NaN with num_splits={splits}"
+        assert rel_err(out, ref_o) < TOL, f"num_splits={splits}: {rel_err(out, ref_o)}"
+        finite = torch.isfinite(ref_lse)
+        assert torch.equal(torch.isfinite(lse), finite), f"num_splits={splits}: empty rows differ"
+        assert torch.allclose(lse[finite], ref_lse[finite], atol=1e-2, rtol=1e-3)
+        if new:  # appended in place
+            got_k = kc if table is None else kc[table.long()].flatten(1, 2)
+            for b, n in enumerate(lens):
+                assert torch.equal(got_k[b, n:n + new], k_new[b])
+
+
+@gpu
+def test_kvcache_splits_agree_and_rows_with_no_key_are_zero():
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(2, 1, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(2, 4096, 2, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v = torch.randn_like(k)
+    seqlens = torch.tensor([0, 4000], dtype=torch.int32, device="cuda")
+    outs = [fa3.attention_with_kvcache(q, k, v, cache_seqlens=seqlens, num_splits=s) for s in (1, 2, 7, 64)]
+    assert torch.equal(outs[0][0], torch.zeros_like(outs[0][0]))
+    for o in outs[1:]:
+        assert rel_err(o, outs[0]) < 5e-3
+
+
+@gpu
+def test_kvcache_decode_step_in_cuda_graph():
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    q = torch.randn(4, 1, 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(4, 2048, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v = torch.randn_like(k)
+    k_new, v_new = (torch.randn(4, 1, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+                    for _ in range(2))
+    seqlens = torch.tensor([5, 100, 1000, 2000], dtype=torch.int32, device="cuda")
+    step = lambda: fa3.attention_with_kvcache(q, k, v, k_new, v_new, cache_seqlens=seqlens)
+    expected = step()  # compiles; appends at seqlens
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    seqlens += 1  # the next step: a new length, read on the device by the replay
+    k_new.normal_(generator=gen)
+    v_new.normal_(generator=gen)
+    graph.replay()
+    ref = fa3.attention_with_kvcache(q, k, v, cache_seqlens=seqlens + 1)
+    assert rel_err(out, ref) < 1e-6 and rel_err(out, expected) > 1e-4
+
+
+# ----------------------------------------------------------------------------- CPU: validation
+def _cpu_args(**over):
+    args = dict(q=torch.randn(2, 1, 8, 128, dtype=torch.bfloat16),
+                k_cache=torch.randn(2, 256, 2, 128, dtype=torch.bfloat16),
+                v_cache=torch.randn(2, 256, 2, 128, dtype=torch.bfloat16),
+                cache_seqlens=torch.tensor([3, 4], dtype=torch.int32))
+    args.update(over)
+    return args
+
+
+def raises(exc, *words, **over):
+    return raises_with(fa3.attention_with_kvcache, exc, *words, **_cpu_args(**over))
+
+
+def test_kvcache_validation_messages():
+    raises(ValueError, "cache_seqlens", "int32", cache_seqlens=torch.tensor([3, 4]))
+    raises(ValueError, "cache_seqlens", "(batch=2,)", cache_seqlens=torch.tensor([3], dtype=torch.int32))
+    raises(ValueError, ">= 0", cache_seqlens=-1)
+    raises(ValueError, "k_cache", "v_cache", v_cache=torch.randn(2, 128, 2, 128, dtype=torch.bfloat16))
+    raises(ValueError, "heads_q=8", "heads_kv=3", k_cache=torch.randn(2, 256, 3, 128, dtype=torch.bfloat16),
+           v_cache=torch.randn(2, 256, 3, 128, dtype=torch.bfloat16))
+    raises(ValueError, "dense k_cache", "block_table", k_cache=torch.randn(3, 256, 2, 128, dtype=torch.bfloat16),
+           v_cache=torch.randn(3, 256, 2, 128, dtype=torch.bfloat16))
+    raises(ValueError, "block_table", "int32", block_table=torch.zeros(2, 4, dtype=torch.int64))
+    raises(ValueError, "page_size=48", "multiple of 64", block_table=torch.zeros(2, 4, dtype=torch.int32),
+           k_cache=torch.randn(8, 48, 2, 128, dtype=torch.bfloat16),
+           v_cache=torch.randn(8, 48, 2, 128, dtype=torch.bfloat16))
+    raises(ValueError, "both k and v", k=torch.randn(2, 1, 2, 128, dtype=torch.bfloat16))
+    raises(ValueError, "new_tokens", k=torch.randn(2, 1, 4, 128, dtype=torch.bfloat16),
+           v=torch.randn(2, 1, 4, 128, dtype=torch.bfloat16))
+    raises(ValueError, "do not fit", k=torch.randn(2, 300, 2, 128, dtype=torch.bfloat16),
+           v=torch.randn(2, 300, 2, 128, dtype=torch.bfloat16))
+    raises(ValueError, "head_dim=96", q=torch.randn(2, 1, 8, 96, dtype=torch.bfloat16),
+           k_cache=torch.randn(2, 256, 2, 96, dtype=torch.bfloat16),
+           v_cache=torch.randn(2, 256, 2, 96, dtype=torch.bfloat16))
+    raises(NotImplementedError, "window_size", window_size=(16, 0))
+    raises(TypeError, "k_cache", "dtype", k_cache=torch.randn(2, 256, 2, 128))
+    if not HAS_HOPPER:
+        raises((ValueError, RuntimeError), "GPU")
+
+
+def test_num_splits_heuristic():
+    assert kvcache.num_splits_for(batch=64, heads_kv=8, q_tiles=1, capacity=4096, sm_count=132) == 1
+    assert kvcache.num_splits_for(batch=1, heads_kv=8, q_tiles=1, capacity=32768, sm_count=132) == 17
+    # a short cache keeps >= 4 key blocks per split
+    assert kvcache.num_splits_for(batch=1, heads_kv=8, q_tiles=1, capacity=512, sm_count=132) == 2
+    assert kvcache.num_splits_for(batch=1, heads_kv=1, q_tiles=1, capacity=64, sm_count=132) == 1
+
+
+def test_kvcache_fake_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(3, 2, 8, 128, dtype=torch.bfloat16, device="cuda")
+        kc = torch.empty(3, 256, 2, 128, dtype=torch.bfloat16, device="cuda")
+        seqlens = torch.empty(3, dtype=torch.int32, device="cuda")
+        out, lse = torch.ops.fa3.attention_kvcache(q, kc, kc, seqlens, None, 0, True, 0.1, 0, "s1")
+    assert out.shape == q.shape and lse.shape == (3, 8, 2) and lse.dtype == torch.float32
