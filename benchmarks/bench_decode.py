@@ -2,7 +2,8 @@
 
     python benchmarks/bench_decode.py [--json FILE] [--graphs]
 
-Cases (bf16, d128, GQA 32 query / 8 KV heads, one new query per sequence): batch 16 x 8k keys,
+fa3 is timed both eager and replayed from a CUDA graph (what engines do; the difference is host
+overhead). Cases (bf16, d128, GQA 32 query / 8 KV heads, one new query per sequence): batch 16 x 8k keys,
 batch 1 x 32k, batch 64 x 4k, each dense and paged (pages of 64 and 256, permuted). Every
 sequence holds the full number of keys. Each row prints the GPU time per call (CUDA events,
 median), the K/V bytes read per microsecond, and that rate's share of the device-to-device
@@ -51,8 +52,22 @@ def make_case(batch, keys, page_size, gen):
     return q, pages_k, pages_v, seqlens, perm.view(batch, per_seq).to(torch.int32)
 
 
+def graphed(fn):
+    """fn captured in a CUDA graph (as serving engines run decode): replays cost no host work."""
+    fn()  # compile and warm up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = fn()
+
+    def replay():
+        graph.replay()
+        return result
+    return replay
+
+
 def runners(q, k, v, seqlens, table, peers):
-    out = {"fa3": lambda: fa3.attention_with_kvcache(q, k, v, cache_seqlens=seqlens, block_table=table)}
+    call = lambda: fa3.attention_with_kvcache(q, k, v, cache_seqlens=seqlens, block_table=table)
+    out = {"fa3": call, "fa3 (graph)": graphed(call)}
     if table is None:
         qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         for name, backend in (("sdpa-cudnn", "CUDNN_ATTENTION"), ("sdpa-flash", "FLASH_ATTENTION")):

@@ -117,7 +117,8 @@ def num_splits_for(batch, heads_kv, q_tiles, capacity, sm_count, tile_n=64) -> i
     if ctas >= 0.8 * sm_count:
         return 1
     blocks = -(-capacity // tile_n)
-    return max(1, min(MAX_SPLITS, -(-sm_count // ctas), blocks // MIN_BLOCKS_PER_SPLIT))
+    # round down: one CTA past the SM count would run alone in a second wave
+    return max(1, min(MAX_SPLITS, sm_count // ctas, blocks // MIN_BLOCKS_PER_SPLIT))
 
 
 def append_to_cache(k_cache, v_cache, k, v, cache_seqlens, block_table):

@@ -105,11 +105,7 @@ class FusedTiledAttention:
         """O accumulator (d/4 columns), running max and running (partial) sum of this thread's row."""
         acc_o = cute.make_rmem_tensor((self.head_dim // THREADS_PER_ROW,), Float32)
         acc_o.fill(0.0)
-        row_max = cute.make_rmem_tensor((1,), Float32)
-        row_max.fill(-Float32.inf)
-        row_sum = cute.make_rmem_tensor((1,), Float32)
-        row_sum.fill(0.0)
-        return acc_o, row_max, row_sum
+        return (acc_o, *softmax.row_state(1))
 
     @cute.jit
     def load_tile(self, gX: cute.Tensor, sX: cute.Tensor, valid_rows: Int32, tidx: Int32):

@@ -64,11 +64,7 @@ class WgmmaAttention(TmaRingAttention):
         ctx.acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((self.tile_m, self.head_dim)), Float32)
         ctx.acc_o.fill(0.0)
         ctx.o_coords = mma.rows_cols(thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim))))
-        rows = cute.size(ctx.s_coords, mode=[0])
-        ctx.row_max = cute.make_rmem_tensor((rows,), Float32)
-        ctx.row_max.fill(-Float32.inf)
-        ctx.row_sum = cute.make_rmem_tensor((rows,), Float32)
-        ctx.row_sum.fill(0.0)
+        ctx.row_max, ctx.row_sum = softmax.row_state(cute.size(ctx.s_coords, mode=[0]))
         return ctx
 
     @cute.jit

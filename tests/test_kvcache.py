@@ -172,7 +172,7 @@ def test_kvcache_validation_messages():
 
 def test_num_splits_heuristic():
     assert kvcache.num_splits_for(batch=64, heads_kv=8, q_tiles=1, capacity=4096, sm_count=132) == 1
-    assert kvcache.num_splits_for(batch=1, heads_kv=8, q_tiles=1, capacity=32768, sm_count=132) == 17
+    assert kvcache.num_splits_for(batch=1, heads_kv=8, q_tiles=1, capacity=32768, sm_count=132) == 16
     # a short cache keeps >= 4 key blocks per split
     assert kvcache.num_splits_for(batch=1, heads_kv=8, q_tiles=1, capacity=512, sm_count=132) == 2
     assert kvcache.num_splits_for(batch=1, heads_kv=1, q_tiles=1, capacity=64, sm_count=132) == 1

@@ -73,6 +73,15 @@ def online_update(scores: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tenso
     return correction
 
 
+def row_state(rows: int):
+    """The running (max, sum) of `rows` rows before any tile: (-inf, 0)."""
+    row_max = cute.make_rmem_tensor((rows,), Float32)
+    row_max.fill(-Float32.inf)
+    row_sum = cute.make_rmem_tensor((rows,), Float32)
+    row_sum.fill(0.0)
+    return row_max, row_sum
+
+
 @cute.jit
 def finalize(row_max: Float32, row_sum: Float32, scale_log2: Float32,
              threads_per_row: cutlass.Constexpr):
