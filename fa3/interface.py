@@ -138,20 +138,26 @@ def _memo_rung(resolve, *args):
 
 def _attention_rung(kernel, head_dim):
     """The attention rung `kernel` (None: the fastest for head_dim), checked to support head_dim."""
+    return family_rung(registry.ATTENTION, kernel, head_dim, "q, k and v")
+
+
+def family_rung(family, kernel, head_dim, operands):
+    """The `family` rung `kernel` (None: the fastest for head_dim), checked to support head_dim;
+    `operands` names what to pad in the message for an unsupported head_dim."""
     spec = registry.get(kernel) if kernel is not None else None
-    if spec is not None and spec.family != registry.ATTENTION:
-        raise ValueError(f"kernel={kernel!r} is a GEMM rung; attention rungs are "
-                         f"{registry.available_kernels(registry.ATTENTION)}")
+    if spec is not None and spec.family != family:
+        raise ValueError(f"kernel={kernel!r} is a {spec.family} rung; {family} rungs are "
+                         f"{registry.available_kernels(family)}")
     supported = spec.head_dims if spec is not None else sorted(
-        {d for n in registry.available_kernels(registry.ATTENTION) for d in registry.get(n).head_dims})
+        {d for n in registry.available_kernels(family) for d in registry.get(n).head_dims})
     if head_dim not in supported:
         raise ValueError(f"head_dim={head_dim} is not supported{' by ' + kernel if kernel else ''}; "
-                         f"supported head dims are {tuple(supported)}: pad q, k and v to the next one")
+                         f"supported head dims are {tuple(supported)}: pad {operands} to the next one")
     if spec is not None:
         return spec
     # the supported value equal to head_dim: a plain int even where torch.compile made it symbolic
     head_dim = next(d for d in supported if d == head_dim)
-    return registry.get(_fastest_rung(registry.ATTENTION, head_dim))
+    return registry.get(_fastest_rung(family, head_dim))
 
 
 def _backward_rung(kernel, head_dim):

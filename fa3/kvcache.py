@@ -73,7 +73,8 @@ def _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kernel, window
         if appended > capacity:
             raise ValueError(f"{appended} new tokens do not fit a cache of {capacity} per sequence")
     cache_seqlens = _seqlens_tensor(cache_seqlens, batch, q.device)
-    spec = interface._memo_rung(_kvcache_rung, kernel, head_dim)
+    spec = interface._memo_rung(interface.family_rung, registry.KVCACHE, kernel, head_dim,
+                                "q and the cache")
     interface.check_hopper(q.device, "q")
     return spec, cache_seqlens, capacity, appended
 
@@ -91,22 +92,6 @@ def _seqlens_tensor(cache_seqlens, batch, device):
     if cache_seqlens.device != device:
         raise ValueError(f"cache_seqlens is on {cache_seqlens.device} but q is on {device}")
     return cache_seqlens.contiguous()
-
-
-def _kvcache_rung(kernel, head_dim):
-    supported = sorted({d for n in registry.available_kernels(registry.KVCACHE)
-                        for d in registry.get(n).head_dims})
-    if kernel is None and head_dim not in supported:
-        raise ValueError(f"head_dim={head_dim} is not supported; supported head dims are "
-                         f"{tuple(supported)}: pad q and the cache to the next one")
-    spec = registry.get(kernel) if kernel is not None else registry.fastest(registry.KVCACHE, head_dim)
-    if spec.family != registry.KVCACHE:
-        raise ValueError(f"kernel={kernel!r} is not a KV-cache rung; those are "
-                         f"{registry.available_kernels(registry.KVCACHE)}")
-    if head_dim not in spec.head_dims:
-        raise ValueError(f"head_dim={head_dim} is not supported; supported head dims are "
-                         f"{spec.head_dims}: pad q and the cache to the next one")
-    return spec
 
 
 def num_splits_for(batch, heads_kv, q_tiles, capacity, sm_count, tile_n=64) -> int:
@@ -152,9 +137,10 @@ def _dummy(kind, device, head_dim=None):
     return t
 
 
-def launch_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, appended: int, causal: bool,
-                   scale: float, num_splits: int):
-    """(out, lse) of rung `spec`; arguments are validated and the new tokens already appended."""
+def launch_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, capacity: int, appended: int,
+                   causal: bool, scale: float, num_splits: int):
+    """(out, lse) of rung `spec`; arguments are validated (`capacity`: keys a sequence can hold, from
+    `_check`) and the new tokens already appended."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     device = q.device
     out = torch.empty(batch, seqlen_q, heads_q, head_dim, dtype=q.dtype, device=device)
@@ -163,7 +149,6 @@ def launch_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, append
         return out, lse
     heads_kv = k_cache.shape[2]
     paged = block_table is not None
-    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
     if num_splits <= 0:
         q_tiles = -(-seqlen_q * (heads_q // heads_kv) // spec.config["tile_m"])
         num_splits = num_splits_for(batch, heads_kv, q_tiles, capacity,
@@ -206,14 +191,14 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     Not differentiable (inference). Runs on torch's current stream without host syncs, so a decode
     step can be captured in a CUDA graph.
     """
-    spec, seqlens, _, appended = _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kernel,
-                                        window_size, softcap)
+    spec, seqlens, capacity, appended = _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
+                                               kernel, window_size, softcap)
     scale = 1.0 / math.sqrt(q.shape[3]) if softmax_scale is None else float(softmax_scale)
     if k is not None:
         append_to_cache(k_cache, v_cache, k, v, seqlens, block_table)
     if interface.direct_call_ok(q, k_cache, v_cache):
-        out, lse = launch_kvcache(spec, q, k_cache, v_cache, seqlens, block_table, appended, bool(causal),
-                                  scale, int(num_splits))
+        out, lse = launch_kvcache(spec, q, k_cache, v_cache, seqlens, block_table, capacity, appended,
+                                  bool(causal), scale, int(num_splits))
     else:
         out, lse = torch.ops.fa3.attention_kvcache(q, k_cache, v_cache, seqlens, block_table, appended,
                                                    bool(causal), scale, int(num_splits), spec.name)

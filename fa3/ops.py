@@ -101,10 +101,10 @@ def attention_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, appended,
                       num_splits, kernel):
     """(out, lse) against the cache, whose last `appended` tokens per sequence are already written
     (fa3.attention_with_kvcache appends them before calling)."""
-    spec, seqlens, _, _ = kvcache._check(q, k_cache, v_cache, None, None, cache_seqlens, block_table,
-                                         kernel, (-1, -1), 0.0)
-    return kvcache.launch_kvcache(spec, q, k_cache, v_cache, seqlens, block_table, appended, causal,
-                                  softmax_scale, num_splits)
+    spec, seqlens, capacity, _ = kvcache._check(q, k_cache, v_cache, None, None, cache_seqlens,
+                                                block_table, kernel, (-1, -1), 0.0)
+    return kvcache.launch_kvcache(spec, q, k_cache, v_cache, seqlens, block_table, capacity, appended,
+                                  causal, softmax_scale, num_splits)
 
 
 @attention_kvcache.register_fake

@@ -108,7 +108,8 @@ class SplitKVAttention:
         sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
 
         # this split's share of the key blocks the tile sees
-        blocks = self.key_blocks(m_block, group, seq)
+        blocks = mask.n_block_max(m_block, self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k,
+                                  self.causal, rows_per_query=group)
         per_split = (blocks + num_splits - 1) // num_splits
         first = split * per_split
         n_blocks = cutlass.max(cutlass.min(blocks, first + per_split) - first, 0)
@@ -128,7 +129,7 @@ class SplitKVAttention:
             n_block = last - j
             pipeline.consume_wait(kv_pipe, kv_consumer)
             self.zero_rows_past_end(sV[None, None, kv_consumer.index], seq.seqlen_k - n_block * self.tile_n, tidx)
-            self.compute_tile(ctx, kv_consumer.index, n_block, row0, group, seq, scale_log2)
+            self.compute_tile(ctx, kv_consumer.index, m_block, n_block, group, seq, scale_log2)
             kv_consumer = pipeline.release(kv_pipe, kv_consumer)
             if warp_idx == 0 and kv_producer.count < n_blocks:  # refill the stage just freed
                 kv_producer = self.load_kv(kv_pipe, kv_producer, last - kv_producer.count, tma_k, mK,
@@ -137,15 +138,6 @@ class SplitKVAttention:
             pipeline.tail(kv_pipe, kv_producer)
         self.store(ctx, mO, mLSE, mOacc, mLSEacc, split, num_splits, row0, head_kv, group, batch,
                    seqlen_q, scale_log2)
-
-    @cute.jit
-    def key_blocks(self, m_block: Int32, group: Int32, seq) -> Int32:
-        """Key blocks the Q tile sees: every one, or under causal up to its last query's diagonal."""
-        n_end = seq.seqlen_k
-        if cutlass.const_expr(self.causal):
-            last_query = cutlass.min(seq.seqlen_q - 1, ((m_block + 1) * self.tile_m - 1) // group)
-            n_end = cutlass.max(mask.col_limit(last_query, seq.seqlen_q, seq.seqlen_k, True), 0)
-        return (n_end + self.tile_n - 1) // self.tile_n
 
     # ---------------------------------------------------------------- loads
     @cute.jit
@@ -215,20 +207,17 @@ class SplitKVAttention:
         return ctx
 
     @cute.jit
-    def compute_tile(self, ctx, stage, n_block: Int32, row0: Int32, group: Int32, seq,
+    def compute_tile(self, ctx, stage, m_block: Int32, n_block: Int32, group: Int32, seq,
                      scale_log2: Float32):
         acc_s = cute.make_rmem_tensor(ctx.thr_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
         mma.gemm(ctx.qk, acc_s, ctx.tSrQ, ctx.tSrK[None, None, None, stage], zero_init=True, wait=0)
         s_mn = mma.rows_cols(acc_s)
-        # the tile's first query has the smallest column limit
-        if (n_block + 1) * self.tile_n > mask.col_limit(row0 // group, seq.seqlen_q, seq.seqlen_k, self.causal):
-            mask.apply(s_mn, ctx.s_coords, row0, n_block * self.tile_n, seq.seqlen_q, seq.seqlen_k,
-                       self.causal, rows_per_query=group)
-        correction = softmax.online_update(s_mn, ctx.row_max, ctx.row_sum, scale_log2, 4)
-        o_mn = mma.rows_cols(ctx.acc_o)
-        for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
-            for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
-                o_mn[r, c] = o_mn[r, c] * correction[r]
+        if mask.tile_needs_mask(m_block, n_block, self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k,
+                                self.causal, rows_per_query=group):
+            mask.apply(s_mn, ctx.s_coords, m_block * self.tile_m, n_block * self.tile_n, seq.seqlen_q,
+                       seq.seqlen_k, self.causal, rows_per_query=group)
+        softmax.rescale(mma.rows_cols(ctx.acc_o),
+                        softmax.online_update(s_mn, ctx.row_max, ctx.row_sum, scale_log2, 4))
         p = mma.to_dtype(acc_s, self.dtype)
         mma.gemm(ctx.pv, ctx.acc_o, mma.as_a_operand(p), ctx.tOrVt[None, None, None, stage], wait=0)
 

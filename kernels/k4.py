@@ -112,11 +112,8 @@ class WgmmaAttention(TmaRingAttention):
                                 ctx.seqlen_k, self.causal):
             mask.apply(s_mn, ctx.s_coords, ctx.m_block * self.tile_m, n_block * self.tile_n,
                        ctx.seqlen_q, ctx.seqlen_k, self.causal)
-        correction = softmax.online_update(s_mn, ctx.row_max, ctx.row_sum, scale_log2, 4)
-        o_mn = mma.rows_cols(ctx.acc_o)
-        for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
-            for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
-                o_mn[r, c] = o_mn[r, c] * correction[r]
+        softmax.rescale(mma.rows_cols(ctx.acc_o),
+                        softmax.online_update(s_mn, ctx.row_max, ctx.row_sum, scale_log2, 4))
         p = cute.make_rmem_tensor_like(acc_s, self.dtype)
         p.store(acc_s.load().to(self.dtype))
         mma.gemm(ctx.pv, ctx.acc_o, mma.as_a_operand(p), ctx.tOrVt[None, None, None, stage], wait=0)

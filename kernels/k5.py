@@ -317,14 +317,11 @@ class WarpSpecializedAttention(WgmmaAttention):
     def rescale_o(self, ctx, correction: cute.Tensor):
         """O *= the per-row correction, skipped (warp-uniformly) when no row of the warp raised
         its running max, which is most tiles once a long row has seen its largest scores."""
-        o_mn = mma.rows_cols(ctx.acc_o)
         moved = correction[0] != Float32(1.0)
         for r in cutlass.range_constexpr(1, cute.size(correction)):
             moved = moved | (correction[r] != Float32(1.0))
         if cute.arch.vote_any_sync(moved):
-            for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
-                for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
-                    o_mn[r, c] = o_mn[r, c] * correction[r]
+            softmax.rescale(mma.rows_cols(ctx.acc_o), correction)
 
     @cute.jit
     def mainloop(self, ctx, k_pipe, v_pipe, k_state, v_state, n_blocks: Int32, wg: Int32,

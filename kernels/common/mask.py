@@ -21,11 +21,17 @@ def col_limit(row: Int32, seqlen_q: Int32, seqlen_k: Int32, causal: cutlass.Cons
 
 @cute.jit
 def n_block_max(m_block: Int32, tile_m: cutlass.Constexpr, tile_n: cutlass.Constexpr,
-                seqlen_q: Int32, seqlen_k: Int32, causal: cutlass.Constexpr) -> Int32:
-    """Number of K/V tiles a Q tile must visit: all of them, or up to the causal diagonal."""
+                seqlen_q: Int32, seqlen_k: Int32, causal: cutlass.Constexpr,
+                rows_per_query=None) -> Int32:
+    """Number of K/V tiles a Q tile must visit: all of them, or up to the causal diagonal of its
+    last query (`rows_per_query`: a packed GQA tile, as in `apply`)."""
     n_end = seqlen_k
     if cutlass.const_expr(causal):
-        n_end = cutlass.max(cutlass.min(seqlen_k, (m_block + 1) * tile_m + seqlen_k - seqlen_q), 0)
+        if cutlass.const_expr(rows_per_query is None):
+            n_end = cutlass.max(cutlass.min(seqlen_k, (m_block + 1) * tile_m + seqlen_k - seqlen_q), 0)
+        else:
+            last_query = cutlass.min(seqlen_q - 1, ((m_block + 1) * tile_m - 1) // rows_per_query)
+            n_end = cutlass.max(col_limit(last_query, seqlen_q, seqlen_k, causal), 0)
     return (n_end + tile_n - 1) // tile_n
 
 
@@ -47,10 +53,14 @@ def apply(scores: cute.Tensor, coords: cute.Tensor, row0: Int32, col0: Int32, se
 
 @cute.jit
 def tile_needs_mask(m_block: Int32, n_block: Int32, tile_m: cutlass.Constexpr, tile_n: cutlass.Constexpr,
-                    seqlen_q: Int32, seqlen_k: Int32, causal: cutlass.Constexpr) -> cutlass.Boolean:
+                    seqlen_q: Int32, seqlen_k: Int32, causal: cutlass.Constexpr,
+                    rows_per_query=None) -> cutlass.Boolean:
     """Whether any score of this tile is invisible: the ragged last tile, or one crossing the
     causal diagonal. The tile's first row has the smallest column limit."""
-    return (n_block + 1) * tile_n > col_limit(m_block * tile_m, seqlen_q, seqlen_k, causal)
+    first_row = m_block * tile_m
+    if cutlass.const_expr(rows_per_query is not None):
+        first_row = first_row // rows_per_query
+    return (n_block + 1) * tile_n > col_limit(first_row, seqlen_q, seqlen_k, causal)
 
 
 @cute.jit

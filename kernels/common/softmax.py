@@ -73,6 +73,15 @@ def online_update(scores: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tenso
     return correction
 
 
+@cute.jit
+def rescale(acc_mn: cute.Tensor, factors: cute.Tensor):
+    """acc *= factor of its row: the output accumulator (a (rows, cols) view) follows the running
+    max (`online_update`'s correction) or is normalised (1/l)."""
+    for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+        for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+            acc_mn[r, c] = acc_mn[r, c] * factors[r]
+
+
 def row_state(rows: int):
     """The running (max, sum) of `rows` rows before any tile: (-inf, 0)."""
     row_max = cute.make_rmem_tensor((rows,), Float32)
