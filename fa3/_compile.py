@@ -83,13 +83,18 @@ def _attention_fake_args(spec, dtype, head_dim):
     if spec.persistent:
         args.append(cutlass.Int32(132))  # SM count, a runtime argument
         args.append(_fake_tensor(cute, cutlass.Int32, (1,), (1,), align=4))  # the tile counter
+    if spec.variants:  # cu_seqlens_q/k (own extents: 1-element stand-ins when not varlen), window
+        # edges, softcap scale
+        args += [_fake_tensor(cute, cutlass.Int32, (cute.sym_int64(),), (1,), align=4) for _ in range(2)]
+        args += [cutlass.Int32(0), cutlass.Int32(0), cutlass.Float32(1.0)]
     return args
 
 
-def attention_key(spec, dtype, head_dim, causal) -> tuple:
+def attention_key(spec, dtype, head_dim, causal, varlen=False, local=False, softcap=False) -> tuple:
     cfg = spec.config_for(head_dim)
-    return (spec.name, str(dtype), head_dim, bool(causal), tuple(sorted(cfg.items())),
-            TARGET_ARCH, dsl_version())
+    variant = (bool(varlen), bool(local), bool(softcap))
+    return (spec.name, str(dtype), head_dim, bool(causal), *((variant,) if any(variant) else ()),
+            tuple(sorted(cfg.items())), TARGET_ARCH, dsl_version())
 
 
 def _options(extra: str = "") -> str:
@@ -103,9 +108,11 @@ def _compile_kernel(kernel, fake_args, extra_options):
     return cute.compile(kernel, *fake_args, stream, options=_options(extra_options))
 
 
-def _build_attention(spec, dtype, head_dim, causal, extra_options=""):
+def _build_attention(spec, dtype, head_dim, causal, varlen=False, local=False, softcap=False,
+                     extra_options=""):
+    variant = dict(varlen=varlen, local=local, softcap=softcap) if spec.variants else {}
     kernel = spec.load_class()(dtype=cute_dtype(dtype), head_dim=head_dim, causal=causal,
-                               **spec.config_for(head_dim))
+                               **variant, **spec.config_for(head_dim))
     return _compile_kernel(kernel, _attention_fake_args(spec, dtype, head_dim), extra_options)
 
 
@@ -133,14 +140,16 @@ def _load_or_build(key, build):
 _FAST: dict[tuple, object] = {}  # (rung, dtype, head_dim, causal) -> compiled: the per-call lookup
 
 
-def get_attention(spec, dtype, head_dim, causal):
+def get_attention(spec, dtype, head_dim, causal, varlen=False, local=False, softcap=False):
     """The compiled kernel for this static configuration (compiled on first use). The per-call
-    path is one dict lookup; the full key (config, arch, DSL version) is built only on a miss."""
-    fn = _FAST.get((spec.name, dtype, head_dim, causal))
+    path is one dict lookup; the full key (config, arch, DSL version) is built only on a miss.
+    varlen/local/softcap: the variants of rungs that list them (registry `variants`)."""
+    fast_key = (spec.name, dtype, head_dim, causal, varlen, local, softcap)
+    fn = _FAST.get(fast_key)
     if fn is None:
-        fn = _FAST[(spec.name, dtype, head_dim, causal)] = _cached(
-            attention_key(spec, dtype, head_dim, causal),
-            lambda: _build_attention(spec, dtype, head_dim, causal))
+        fn = _FAST[fast_key] = _cached(
+            attention_key(spec, dtype, head_dim, causal, varlen, local, softcap),
+            lambda: _build_attention(spec, dtype, head_dim, causal, varlen, local, softcap))
     return fn
 
 
@@ -272,26 +281,30 @@ def _kvcache_fake_args(dtype, head_dim):
             _fake_tensor(cute, i32, (b,), (1,), align=4), _unit_last(cute, i32, b_table, pages),
             _unit_last(cute, dt, b, sq, hq, head_dim, align=2), _unit_last(cute, f32, b, hq, sq),
             _unit_last(cute, f32, splits, b_part, sq_part, hq_part, head_dim),
-            _unit_last(cute, f32, splits, b_part, hq_part, sq_part), f32(1.0), i32(0)]
+            _unit_last(cute, f32, splits, b_part, hq_part, sq_part), f32(1.0), i32(0),
+            i32(0), i32(0), f32(1.0)]  # (appended,) window edges, softcap scale
 
 
-def kvcache_key(spec, dtype, head_dim, causal, paged=False) -> tuple:
-    return (spec.name, str(dtype), head_dim, bool(causal), bool(paged),
+def kvcache_key(spec, dtype, head_dim, causal, paged=False, local=False, softcap=False) -> tuple:
+    variant = (bool(local), bool(softcap))
+    return (spec.name, str(dtype), head_dim, bool(causal), bool(paged), *((variant,) if any(variant) else ()),
             tuple(sorted(spec.config_for(head_dim).items())), TARGET_ARCH, dsl_version())
 
 
-def _build_kvcache(spec, dtype, head_dim, causal, paged=False, extra_options=""):
+def _build_kvcache(spec, dtype, head_dim, causal, paged=False, local=False, softcap=False,
+                   extra_options=""):
     kernel = spec.load_class()(dtype=cute_dtype(dtype), head_dim=head_dim, causal=causal, paged=paged,
-                               **spec.config_for(head_dim))
+                               local=local, softcap=softcap, **spec.config_for(head_dim))
     return _compile_kernel(kernel, _kvcache_fake_args(dtype, head_dim), extra_options)
 
 
-def get_kvcache(spec, dtype, head_dim, causal, paged):
-    fast_key = ("kvcache", spec.name, dtype, head_dim, causal, paged)
+def get_kvcache(spec, dtype, head_dim, causal, paged, local=False, softcap=False):
+    fast_key = ("kvcache", spec.name, dtype, head_dim, causal, paged, local, softcap)
     fn = _FAST.get(fast_key)
     if fn is None:
-        fn = _FAST[fast_key] = _cached(kvcache_key(spec, dtype, head_dim, causal, paged),
-                                       lambda: _build_kvcache(spec, dtype, head_dim, causal, paged))
+        fn = _FAST[fast_key] = _cached(kvcache_key(spec, dtype, head_dim, causal, paged, local, softcap),
+                                       lambda: _build_kvcache(spec, dtype, head_dim, causal, paged, local,
+                                                              softcap))
     return fn
 
 

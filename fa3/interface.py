@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from . import _compile, registry
+from . import _compile, masking, registry
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 _LOG2E = math.log2(math.e)
@@ -183,6 +183,7 @@ def _fastest_rung(family: str, head_dim: int | None = None) -> str:
 
 
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
+              window_size=(-1, -1), softcap: float = 0.0,
               return_lse: bool = False, kernel: str | None = None, out=None,
               deterministic: bool = False, backward_kernel: str | None = None):
     """Exact softmax attention, softmax(q k^T * softmax_scale) v, as flash-attn computes it.
@@ -192,6 +193,10 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     causal: mask aligned to the bottom right when seqlen_q != seqlen_k (query i sees keys
     j <= i + seqlen_k - seqlen_q), as in flash-attn >= 2.1; rows that see no key give 0.
     softmax_scale: defaults to 1/sqrt(head_dim).
+    window_size: (left, right) sliding-window (local) attention as flash-attn: query i sees keys
+        j in [i + shift - left, i + shift + right], shift = seqlen_k - seqlen_q; -1 = unbounded.
+    softcap: > 0 caps the scores as Gemma 2: s -> softcap * tanh(s / softcap) (s scaled first).
+        window_size and softcap are forward-only for now (inputs that require grad are refused).
     return_lse: also return the fp32 log-sum-exp of each row, (batch, heads_q, seqlen_q).
     kernel: a rung of fa3.available_kernels("attention"); None picks the fastest.
     out: optional preallocated output, shaped like q, same dtype and device, contiguous.
@@ -214,11 +219,18 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     causal = bool(causal)
     if out is not None:
         check_output(out, "out", q)
+    window = tuple(window_size)
+    if window != (-1, -1) or softcap:
+        check_variants(spec, masking.masking(causal, window, softcap, scale), "kernel")
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            raise NotImplementedError("window_size and softcap have no backward yet: call under "
+                                      "torch.no_grad(), or leave them at (-1, -1) and 0.0 to train")
     if direct_call_ok(q, k, v):
-        out, lse = launch_attention(spec, q, k, v, causal, scale, out)
+        out, lse = launch_attention(spec, q, k, v, causal, scale, out, window, softcap)
     else:
         bwd = _memo_rung(_backward_rung, backward_kernel, q.shape[3]).name
-        result, lse = torch.ops.fa3.attention(q, k, v, causal, scale, spec.name, bool(deterministic), bwd)
+        result, lse = torch.ops.fa3.attention(q, k, v, causal, scale, spec.name, bool(deterministic), bwd,
+                                              window[0], window[1], float(softcap))
         out = result if out is None else out.copy_(result)  # the op is functional
     return (out, lse) if return_lse else out
 
@@ -251,7 +263,16 @@ def _detached(*tensors):
     return tuple(t.detach() if t.requires_grad else t for t in tensors)
 
 
-def launch_attention(spec, q, k, v, causal: bool, scale: float, out=None):
+def check_variants(spec, mask: masking.Masking, argument: str) -> None:
+    """A window or softcap needs a rung that compiles them (registry `variants`)."""
+    if not mask.plain and not spec.variants:
+        raise ValueError(f"{argument}={spec.name!r} supports neither window_size nor softcap; "
+                         f"rungs that do: {[n for n in registry.available_kernels(spec.family) if registry.get(n).variants]}"
+                         f" (or {argument}=None)")
+
+
+def launch_attention(spec, q, k, v, causal: bool, scale: float, out=None, window=(-1, -1),
+                     softcap: float = 0.0):
     """Allocate the outputs (`out` unless given) and launch rung `spec` on torch's current stream;
     returns (out, lse). The body of the fa3::attention op: arguments are validated already."""
     batch, seqlen_q, heads_q, head_dim = q.shape
@@ -264,18 +285,35 @@ def launch_attention(spec, q, k, v, causal: bool, scale: float, out=None):
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
-    fn = _compile.get_attention(spec, q.dtype, head_dim, causal)
     if q.requires_grad or k.requires_grad or v.requires_grad:
         q, k, v = _detached(q, k, v)
+    mask = _PLAIN_MASKING[causal] if window == (-1, -1) and not softcap else \
+        masking.masking(causal, window, softcap, scale)
     args = [tma_ready(q), tma_ready(k), tma_ready(v), out, lse]
     if spec.needs_scores_workspace:
         args.append(torch.empty(batch, heads_q, seqlen_q, seqlen_k, dtype=torch.float32, device=device))
-    args.append(scale * _LOG2E)
+    run_attention(spec, q.dtype, head_dim, mask, args, scale, device)
+    return out, lse
+
+
+# causal -> the Masking of a call with neither window nor softcap (scales filled in per call)
+_PLAIN_MASKING = {c: masking.Masking(c, False, 0, 0, False, 0.0, 1.0) for c in (False, True)}
+
+
+def run_attention(spec, dtype, head_dim: int, mask: masking.Masking, args: list, scale: float,
+                  device, cu_seqlens=None):
+    """Append the runtime arguments after (q, k, v, o, lse[, scores]) and launch: the scale, the
+    persistent ones, and the variants' (cu_seqlens_q/k when varlen, window edges, softcap scale)."""
+    fn = _compile.get_attention(spec, dtype, head_dim, mask.causal, cu_seqlens is not None,
+                                mask.local, mask.softcap)
+    args.append(mask.scale_log2 if mask.softcap else scale * _LOG2E)
     if spec.persistent:
         args.append(_HOPPER_SMS[device])
-        args.append(_tile_counter(spec, causal, device))
+        args.append(_tile_counter(spec, mask.causal, device))
+    if spec.variants:
+        cu_q, cu_k = cu_seqlens if cu_seqlens is not None else (_stand_in(device),) * 2
+        args += [cu_q, cu_k, mask.left, mask.right, mask.softcap_scale]
     fn(*args)
-    return out, lse
 
 
 def _tile_counter(spec, causal: bool, device) -> torch.Tensor:
@@ -283,13 +321,18 @@ def _tile_counter(spec, causal: bool, device) -> torch.Tensor:
     call's stream, so graphs capture it). Static schedules never touch it: one shared stand-in."""
     if causal and spec.config.get("dynamic_schedule"):
         return torch.zeros(1, dtype=torch.int32, device=device)
-    counter = _UNUSED_COUNTER.get(device)
-    if counter is None:
-        counter = _UNUSED_COUNTER[device] = torch.zeros(1, dtype=torch.int32, device=device)
-    return counter
+    return _stand_in(device)
 
 
-_UNUSED_COUNTER: dict = {}
+def _stand_in(device) -> torch.Tensor:
+    """One int32 zero per device: what a kernel gets for a tensor argument it does not read."""
+    t = _STAND_IN.get(device)
+    if t is None:
+        t = _STAND_IN[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return t
+
+
+_STAND_IN: dict = {}
 
 
 @functools.lru_cache(maxsize=None)

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from . import _compile, interface, registry
+from . import _compile, interface, masking, registry
 
 PAGE_MULTIPLE = 64  # the kernel's key block: a page holds whole blocks
 MAX_SPLITS = 64
@@ -26,9 +26,7 @@ def _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kernel, window
     interface.check_tensor(k_cache, "k_cache", 4, q.dtype)
     interface.check_tensor(v_cache, "v_cache", 4, q.dtype)
     batch, seqlen_q, heads_q, head_dim = q.shape
-    if tuple(window_size) != (-1, -1) or softcap != 0.0:
-        raise NotImplementedError("window_size and softcap are not supported by "
-                                  "fa3.attention_with_kvcache yet; pass window_size=(-1, -1), softcap=0.0")
+    masking.check_window(window_size, softcap)
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must have "
                          "the same shape")
@@ -138,7 +136,7 @@ def _dummy(kind, device, head_dim=None):
 
 
 def launch_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, capacity: int, appended: int,
-                   causal: bool, scale: float, num_splits: int):
+                   causal: bool, scale: float, num_splits: int, window=(-1, -1), softcap: float = 0.0):
     """(out, lse) of rung `spec`; arguments are validated (`capacity`: keys a sequence can hold, from
     `_check`) and the new tokens already appended."""
     batch, seqlen_q, heads_q, head_dim = q.shape
@@ -149,9 +147,13 @@ def launch_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, capaci
         return out, lse
     heads_kv = k_cache.shape[2]
     paged = block_table is not None
+    mask = masking.masking(causal, window, softcap, scale)
     if num_splits <= 0:
         q_tiles = -(-seqlen_q * (heads_q // heads_kv) // spec.config["tile_m"])
-        num_splits = num_splits_for(batch, heads_kv, q_tiles, capacity,
+        keys = capacity
+        if mask.local:  # a window bounds the keys a query sees, whatever the cache holds
+            keys = min(capacity, mask.left + mask.right + seqlen_q)
+        num_splits = num_splits_for(batch, heads_kv, q_tiles, keys,
                                     interface._sm_count(device.index), spec.config["tile_n"])
     if num_splits > 1:
         o_partial = torch.empty(num_splits, batch, seqlen_q, heads_q, head_dim, dtype=torch.float32,
@@ -159,10 +161,10 @@ def launch_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, capaci
         lse_partial = torch.empty(num_splits, batch, heads_q, seqlen_q, dtype=torch.float32, device=device)
     else:
         o_partial, lse_partial = _dummy("o_partial", device, head_dim), _dummy("lse_partial", device)
-    fn = _compile.get_kvcache(spec, q.dtype, head_dim, causal, paged)
+    fn = _compile.get_kvcache(spec, q.dtype, head_dim, mask.causal, paged, mask.local, mask.softcap)
     table = block_table if paged else _dummy("table", device)
-    fn(q, k_cache, v_cache, cache_seqlens, table, out, lse, o_partial, lse_partial,
-       scale * interface._LOG2E, appended)
+    fn(q, k_cache, v_cache, cache_seqlens, table, out, lse, o_partial, lse_partial, mask.scale_log2,
+       appended, mask.left, mask.right, mask.softcap_scale)
     if num_splits > 1:
         _compile.get_combine(q.dtype, head_dim)(o_partial, lse_partial, out, lse)
     return out, lse
@@ -186,6 +188,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         cache's capacity, and the caller keeps cache_seqlens + new_tokens within it.
     causal: query i of seqlen_q sees keys up to cache_seqlens + new_tokens - seqlen_q + i (bottom
         right aligned, as flash-attn).
+    window_size, softcap: sliding window and capped scores, as fa3.attention (the window is
+        aligned the same way, to each sequence's own length).
     num_splits: how many CTAs share each sequence's keys; 0 picks from the shapes and SM count.
     Returns out (batch, seqlen_q, heads_q, d) (and the fp32 lse (batch, heads_q, seqlen_q)).
     Not differentiable (inference). Runs on torch's current stream without host syncs, so a decode
@@ -193,13 +197,15 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     """
     spec, seqlens, capacity, appended = _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                                                kernel, window_size, softcap)
+    window = tuple(window_size)
     scale = 1.0 / math.sqrt(q.shape[3]) if softmax_scale is None else float(softmax_scale)
     if k is not None:
         append_to_cache(k_cache, v_cache, k, v, seqlens, block_table)
     if interface.direct_call_ok(q, k_cache, v_cache):
         out, lse = launch_kvcache(spec, q, k_cache, v_cache, seqlens, block_table, capacity, appended,
-                                  bool(causal), scale, int(num_splits))
+                                  bool(causal), scale, int(num_splits), window, softcap)
     else:
         out, lse = torch.ops.fa3.attention_kvcache(q, k_cache, v_cache, seqlens, block_table, appended,
-                                                   bool(causal), scale, int(num_splits), spec.name)
+                                                   bool(causal), scale, int(num_splits), spec.name,
+                                                   window[0], window[1], float(softcap))
     return (out, lse) if return_lse else out

@@ -1,14 +1,18 @@
-"""fa3's kernels as torch custom ops: `torch.ops.fa3.attention` and `torch.ops.fa3.gemm`.
+"""fa3's kernels as torch custom ops (`torch.ops.fa3.*`).
 
     torch.ops.fa3.attention(q, k, v, causal, softmax_scale, kernel, deterministic=False,
-                            backward_kernel=None) -> (out, lse)        differentiable in q, k, v
+                            backward_kernel=None, window_left=-1, window_right=-1, softcap=0.0)
+                            -> (out, lse)               differentiable in q, k, v (no window/softcap)
     torch.ops.fa3.attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, kernel,
                                      deterministic) -> (dq, dk, dv)
+    torch.ops.fa3.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale,
+                                   window_left, window_right, softcap, kernel) -> (out, lse)
     torch.ops.fa3.attention_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, appended,
-                                    causal, softmax_scale, num_splits, kernel) -> (out, lse)
+                                    causal, softmax_scale, num_splits, kernel, window_left=-1,
+                                    window_right=-1, softcap=0.0) -> (out, lse)
     torch.ops.fa3.gemm(a, b, kernel) -> out
 
-Both are functional (they allocate their outputs; nothing is mutated), so torch.compile and
+All are functional (they allocate their outputs; nothing is mutated), so torch.compile and
 torch.export trace them as single graph nodes, and their fake implementations give output shapes
 from symbolic input shapes without touching a GPU or compiling a kernel. `kernel` is a rung name
 (fa3.available_kernels()); fa3.attention and fa3.gemm resolve their `kernel=None` before calling.
@@ -23,24 +27,29 @@ from __future__ import annotations
 
 import torch
 
-from . import backward, interface, kvcache, matmul
+from . import backward, interface, kvcache, masking, matmul, varlen
 
 _ATTENTION_SCHEMA = ("(Tensor q, Tensor k, Tensor v, bool causal, float softmax_scale, str kernel, "
-                     "bool deterministic=False, str? backward_kernel=None) -> (Tensor, Tensor)")
+                     "bool deterministic=False, str? backward_kernel=None, int window_left=-1, "
+                     "int window_right=-1, float softcap=0.0) -> (Tensor, Tensor)")
 _BACKWARD_SCHEMA = ("(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, "
                     "float softmax_scale, str kernel, bool deterministic) -> (Tensor, Tensor, Tensor)")
 
 
 @torch.library.custom_op("fa3::attention", mutates_args=(), schema=_ATTENTION_SCHEMA)
-def attention(q, k, v, causal, softmax_scale, kernel, deterministic=False, backward_kernel=None):
+def attention(q, k, v, causal, softmax_scale, kernel, deterministic=False, backward_kernel=None,
+              window_left=-1, window_right=-1, softcap=0.0):
     """(out, lse) of rung `kernel`: out shaped like q (contiguous), lse (batch, heads_q, seqlen_q) fp32.
     `deterministic` and `backward_kernel` are for the backward (None: the fastest rung)."""
     spec = interface._check_attention(q, k, v, kernel)
-    return interface.launch_attention(spec, q, k, v, causal, softmax_scale)
+    window = (window_left, window_right)
+    interface.check_variants(spec, masking.masking(causal, window, softcap, softmax_scale), "kernel")
+    return interface.launch_attention(spec, q, k, v, causal, softmax_scale, None, window, softcap)
 
 
 @attention.register_fake
-def _attention_fake(q, k, v, causal, softmax_scale, kernel, deterministic=False, backward_kernel=None):
+def _attention_fake(q, k, v, causal, softmax_scale, kernel, deterministic=False, backward_kernel=None,
+                    window_left=-1, window_right=-1, softcap=0.0):
     batch, seqlen_q, heads_q, _ = q.shape
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32))
@@ -60,8 +69,9 @@ def _attention_backward_fake(dout, q, k, v, out, lse, causal, softmax_scale, ker
 
 
 def _save_for_backward(ctx, inputs, output):
-    q, k, v, causal, softmax_scale, _, deterministic, backward_kernel = inputs
+    q, k, v, causal, softmax_scale, _, deterministic, backward_kernel, left, right, softcap = inputs
     out, lse = output
+    ctx.plain = (left, right) == (-1, -1) and not softcap
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.causal, ctx.softmax_scale = causal, softmax_scale
     ctx.deterministic, ctx.backward_kernel = deterministic, backward_kernel
@@ -69,11 +79,13 @@ def _save_for_backward(ctx, inputs, output):
 
 
 def _attention_grads(ctx, dout, _dlse):
+    if not ctx.plain:
+        raise NotImplementedError("fa3.attention with window_size or softcap has no backward yet")
     q, k, v, out, lse = ctx.saved_tensors
     kernel = ctx.backward_kernel or interface._backward_rung(None, q.shape[3]).name
     dq, dk, dv = torch.ops.fa3.attention_backward(dout, q, k, v, out, lse, ctx.causal,
                                                   ctx.softmax_scale, kernel, ctx.deterministic)
-    return dq, dk, dv, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 attention.register_autograd(_attention_grads, setup_context=_save_for_backward)
@@ -91,25 +103,49 @@ def _gemm_fake(a, b, kernel):
     return a.new_empty((a.shape[0], b.shape[1]))
 
 
+_VARLEN_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, bool causal, "
+                  "float softmax_scale, int window_left, int window_right, float softcap, str kernel) "
+                  "-> (Tensor, Tensor)")
+
+
+@torch.library.custom_op("fa3::attention_varlen", mutates_args=(), schema=_VARLEN_SCHEMA)
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, window_left,
+                     window_right, softcap, kernel):
+    """(out (total_q, heads_q, d), lse (heads_q, total_q)) of a packed variable-length batch."""
+    spec = varlen._check(q, k, v, cu_seqlens_q, cu_seqlens_k, None, None, kernel)
+    return varlen.launch_varlen(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale,
+                                (window_left, window_right), softcap)
+
+
+@attention_varlen.register_fake
+def _attention_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, window_left,
+                           window_right, softcap, kernel):
+    total_q, heads_q, _ = q.shape
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            q.new_empty((heads_q, total_q), dtype=torch.float32))
+
+
 _KVCACHE_SCHEMA = ("(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor? block_table, "
-                   "int appended, bool causal, float softmax_scale, int num_splits, str kernel) "
-                   "-> (Tensor, Tensor)")
+                   "int appended, bool causal, float softmax_scale, int num_splits, str kernel, "
+                   "int window_left=-1, int window_right=-1, float softcap=0.0) -> (Tensor, Tensor)")
 
 
 @torch.library.custom_op("fa3::attention_kvcache", mutates_args=(), schema=_KVCACHE_SCHEMA)
 def attention_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, appended, causal, softmax_scale,
-                      num_splits, kernel):
+                      num_splits, kernel, window_left=-1, window_right=-1, softcap=0.0):
     """(out, lse) against the cache, whose last `appended` tokens per sequence are already written
     (fa3.attention_with_kvcache appends them before calling)."""
+    window = (window_left, window_right)
     spec, seqlens, capacity, _ = kvcache._check(q, k_cache, v_cache, None, None, cache_seqlens,
-                                                block_table, kernel, (-1, -1), 0.0)
+                                                block_table, kernel, window, softcap)
     return kvcache.launch_kvcache(spec, q, k_cache, v_cache, seqlens, block_table, capacity, appended,
-                                  causal, softmax_scale, num_splits)
+                                  causal, softmax_scale, num_splits, window, softcap)
 
 
 @attention_kvcache.register_fake
 def _attention_kvcache_fake(q, k_cache, v_cache, cache_seqlens, block_table, appended, causal,
-                            softmax_scale, num_splits, kernel):
+                            softmax_scale, num_splits, kernel, window_left=-1, window_right=-1,
+                            softcap=0.0):
     batch, seqlen_q, heads_q, _ = q.shape
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32))

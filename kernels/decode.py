@@ -38,8 +38,9 @@ from .common import mask, mma, pipeline, seqlen, smem, softmax, tma
 
 class SplitKVAttention:
     def __init__(self, dtype, head_dim: int, causal: bool, paged: bool = False, tile_m: int = 64,
-                 tile_n: int = 64, max_kv_stages: int = 8):
+                 tile_n: int = 64, max_kv_stages: int = 8, local: bool = False, softcap: bool = False):
         self.dtype, self.head_dim, self.causal, self.paged = dtype, head_dim, causal, paged
+        self.local, self.softcap = local, softcap  # a sliding window (mask.py), capped scores
         self.tile_m, self.tile_n = tile_m, tile_n
         self.num_threads = 128  # one warpgroup: tile_m = 64 rows
         q_bytes = tile_m * head_dim * 2
@@ -50,10 +51,12 @@ class SplitKVAttention:
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mCacheSeqlens: cute.Tensor,
                  mBlockTable: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mOacc: cute.Tensor,
-                 mLSEacc: cute.Tensor, scale_log2: Float32, appended: Int32, stream):
+                 mLSEacc: cute.Tensor, scale_log2: Float32, appended: Int32, window_left: Int32,
+                 window_right: Int32, softcap_scale: Float32, stream):
         """mQ (batch, seqlen_q, heads_q, d); mK/mV the cache; mO/mLSE the result when there is one
         split, else mOacc (splits, batch, seqlen_q, heads_q, d) and mLSEacc (splits, batch,
-        heads_q, seqlen_q) in FP32: the number of splits is mOacc.shape[0]."""
+        heads_q, seqlen_q) in FP32: the number of splits is mOacc.shape[0]. The window edges and
+        softcap_scale are read only by the variants that use them."""
         batch, seqlen_q, heads_q, _ = mQ.shape
         heads_kv = mK.shape[2]
         sQ_layout = smem.tile_layout(self.dtype, self.tile_m, self.head_dim)
@@ -73,7 +76,8 @@ class SplitKVAttention:
                           f"S1 with kv_stages={self.kv_stages}, tile_n={self.tile_n}, d={self.head_dim}")
         q_tiles = cute.ceil_div(seqlen_q * (heads_q // heads_kv), self.tile_m)
         self.kernel(mQ, tma_k, tK, tma_v, tV, mCacheSeqlens, mBlockTable, mO, mLSE, mOacc, mLSEacc,
-                    scale_log2, appended, sQ_layout, sKV_layout, SharedStorage).launch(
+                    scale_log2, appended, window_left, window_right, softcap_scale, sQ_layout,
+                    sKV_layout, SharedStorage).launch(
             grid=[mOacc.shape[0], heads_kv * q_tiles, batch], block=[self.num_threads, 1, 1],
             stream=stream)
 
@@ -82,7 +86,8 @@ class SplitKVAttention:
     def kernel(self, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom,
                mV: cute.Tensor, mCacheSeqlens: cute.Tensor, mBlockTable: cute.Tensor, mO: cute.Tensor,
                mLSE: cute.Tensor, mOacc: cute.Tensor, mLSEacc: cute.Tensor, scale_log2: Float32,
-               appended: Int32, sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
+               appended: Int32, window_left: Int32, window_right: Int32, softcap_scale: Float32,
+               sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
                SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -107,12 +112,16 @@ class SplitKVAttention:
         sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
         sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
 
+        window = (window_left, window_right) if cutlass.const_expr(self.local) else None
         # this split's share of the key blocks the tile sees
-        blocks = mask.n_block_max(m_block, self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k,
-                                  self.causal, rows_per_query=group)
+        blocks_end = mask.n_block_max(m_block, self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k,
+                                      self.causal, rows_per_query=group, window=window)
+        blocks_start = mask.n_block_min(m_block, self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k,
+                                        rows_per_query=group, window=window)
+        blocks = cutlass.max(blocks_end - blocks_start, 0)
         per_split = (blocks + num_splits - 1) // num_splits
-        first = split * per_split
-        n_blocks = cutlass.max(cutlass.min(blocks, first + per_split) - first, 0)
+        first = blocks_start + split * per_split
+        n_blocks = cutlass.max(cutlass.min(blocks_end, first + per_split) - first, 0)
         last = first + n_blocks - 1  # visited first
 
         kv_producer = pipeline.producer_state(self.kv_stages)
@@ -129,7 +138,8 @@ class SplitKVAttention:
             n_block = last - j
             pipeline.consume_wait(kv_pipe, kv_consumer)
             self.zero_rows_past_end(sV[None, None, kv_consumer.index], seq.seqlen_k - n_block * self.tile_n, tidx)
-            self.compute_tile(ctx, kv_consumer.index, m_block, n_block, group, seq, scale_log2)
+            self.compute_tile(ctx, kv_consumer.index, m_block, n_block, group, seq, scale_log2, window,
+                              softcap_scale)
             kv_consumer = pipeline.release(kv_pipe, kv_consumer)
             if warp_idx == 0 and kv_producer.count < n_blocks:  # refill the stage just freed
                 kv_producer = self.load_kv(kv_pipe, kv_producer, last - kv_producer.count, tma_k, mK,
@@ -208,14 +218,16 @@ class SplitKVAttention:
 
     @cute.jit
     def compute_tile(self, ctx, stage, m_block: Int32, n_block: Int32, group: Int32, seq,
-                     scale_log2: Float32):
+                     scale_log2: Float32, window, softcap_scale: Float32):
         acc_s = cute.make_rmem_tensor(ctx.thr_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
         mma.gemm(ctx.qk, acc_s, ctx.tSrQ, ctx.tSrK[None, None, None, stage], zero_init=True, wait=0)
         s_mn = mma.rows_cols(acc_s)
+        if cutlass.const_expr(self.softcap):
+            softmax.softcap(s_mn, softcap_scale)
         if mask.tile_needs_mask(m_block, n_block, self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k,
-                                self.causal, rows_per_query=group):
+                                self.causal, rows_per_query=group, window=window):
             mask.apply(s_mn, ctx.s_coords, m_block * self.tile_m, n_block * self.tile_n, seq.seqlen_q,
-                       seq.seqlen_k, self.causal, rows_per_query=group)
+                       seq.seqlen_k, self.causal, rows_per_query=group, window=window)
         softmax.rescale(mma.rows_cols(ctx.acc_o),
                         softmax.online_update(s_mn, ctx.row_max, ctx.row_sum, scale_log2, 4))
         p = mma.to_dtype(acc_s, self.dtype)

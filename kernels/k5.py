@@ -25,13 +25,15 @@ Constraints: head_dim 64/128/256 (tiles per head dim in the registry); the regis
 24 / 240 (producer / two consumer warpgroups) or 32 / 160 (three), sum <= 64K registers per SM.
 """
 
+from types import SimpleNamespace
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass import pipeline as dsl_pipeline
 from cutlass.cute.nvgpu import warpgroup
 
-from .common import epilogue, mask, mma, pipeline, scheduler, smem, softmax, tma
+from .common import epilogue, mask, mma, pipeline, scheduler, seqlen, smem, softmax, tma
 from .k4 import WgmmaAttention
 
 # consumer warpgroups -> (producer, consumer) registers per thread: 128 * (p + n * c) <= 64K
@@ -47,8 +49,12 @@ class WarpSpecializedAttention(WgmmaAttention):
 
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 128, tile_n: int = 128,
                  kv_stages: int = 2, q_stages: int = 1, pingpong: bool = True,
-                 intra_wg_overlap: bool = True, dynamic_schedule: bool = False):
+                 intra_wg_overlap: bool = True, dynamic_schedule: bool = False,
+                 varlen: bool = False, local: bool = False, softcap: bool = False):
         super().__init__(dtype, head_dim, causal, tile_m, tile_n, kv_stages, pv_on_wgmma=True)
+        # variants (static, each compiled on demand): packed variable-length batches, a sliding
+        # window (mask.py), tanh-capped scores (softmax.py)
+        self.varlen, self.local, self.softcap = varlen, local, softcap
         self.consumer_wgs = tile_m // 64
         self.num_threads = 128 * (1 + self.consumer_wgs)
         self.producer_regs, self.consumer_regs = REGISTER_SPLIT[self.consumer_wgs]
@@ -62,7 +68,12 @@ class WarpSpecializedAttention(WgmmaAttention):
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mLSE: cute.Tensor, scale_log2: Float32, sm_count: Int32, mTileCounter: cute.Tensor,
-                 stream):
+                 mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, window_left: Int32,
+                 window_right: Int32, softcap_scale: Float32, stream):
+        """mQ/mK/mV/mO (batch, seqlen, heads, d), mLSE (batch, heads_q, seqlen_q). Varlen: batch 1,
+        the sequences packed along seqlen at the int32 offsets mCuSeqlensQ/K (batch + 1,); otherwise
+        those are unread stand-ins, as are the window edges (mask.py) and softcap_scale
+        (softmax.softcap) when their variant is off."""
         batch, seqlen_q, heads_q, _ = mQ.shape
         sQ_layout, sKV_layout, loads = self.make_loads(mQ, mK, mV)
         epi_tile = epilogue.subtile(self.tile_m, self.consumer_wgs)
@@ -82,7 +93,8 @@ class WarpSpecializedAttention(WgmmaAttention):
         smem.check_budget(SharedStorage.size_in_bytes(),
                           f"K5 with kv_stages={self.kv_stages}, tile_n={self.tile_n}, d={self.head_dim}")
         tiles = cute.ceil_div(seqlen_q, self.tile_m) * heads_q * batch
-        self.kernel(*loads, tma_o, tO, mLSE, scale_log2, mTileCounter, sQ_layout, sKV_layout, sO_layout,
+        self.kernel(*loads, tma_o, tO, mO, mLSE, scale_log2, mTileCounter, mCuSeqlensQ, mCuSeqlensK,
+                    window_left, window_right, softcap_scale, sQ_layout, sKV_layout, sO_layout,
                     epi_tile, SharedStorage).launch(
             grid=[scheduler.persistent_grid(tiles, sm_count), 1, 1], block=[self.num_threads, 1, 1],
             stream=stream, min_blocks_per_mp=1)
@@ -91,8 +103,9 @@ class WarpSpecializedAttention(WgmmaAttention):
     @cute.kernel
     def kernel(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
                tma_v: cute.CopyAtom, mV: cute.Tensor, tma_o: cute.CopyAtom, mO: cute.Tensor,
-               mLSE: cute.Tensor, scale_log2: Float32, mTileCounter: cute.Tensor,
-               sQ_layout: cute.ComposedLayout,
+               mO_rows: cute.Tensor, mLSE: cute.Tensor, scale_log2: Float32, mTileCounter: cute.Tensor,
+               mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, window_left: Int32,
+               window_right: Int32, softcap_scale: Float32, sQ_layout: cute.ComposedLayout,
                sKV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
                epi_tile: cutlass.Constexpr, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
@@ -114,16 +127,21 @@ class WarpSpecializedAttention(WgmmaAttention):
         sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
         sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         next_tile = storage.next_tile.get_tensor(cute.make_layout(1))
+        # what varies per call beyond the tensors: sequence offsets, window edges, the softcap
+        params = SimpleNamespace(
+            cu_q=mCuSeqlensQ, cu_k=mCuSeqlensK, o_rows=mO_rows, softcap_scale=softcap_scale,
+            window=(window_left, window_right) if cutlass.const_expr(self.local) else None,
+            q_blocks=scheduler.varlen_blocks(mCuSeqlensQ, self.tile_m) if cutlass.const_expr(self.varlen) else None)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self.load(q_pipe, k_pipe, v_pipe, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV,
-                          mTileCounter, next_tile)
+                          mTileCounter, next_tile, params)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(q_pipe, k_pipe, v_pipe, sQ, sK, sV, sO, tma_o, mO, mLSE, mK.shape[0],
-                         scale_log2, tidx - 128, warp_idx // 4, epi_tile, next_tile)
+                         scale_log2, tidx - 128, warp_idx // 4, epi_tile, next_tile, params)
 
     # ---------------------------------------------------------------- tile schedule
     @cute.jit
@@ -145,20 +163,50 @@ class WarpSpecializedAttention(WgmmaAttention):
         head_batch = first_hb + within % in_group
         return m_blocks - 1 - within // in_group, head_batch % heads_q, head_batch // heads_q
 
-    def tile_range(self, mQ):
+    def tile_range(self, mQ, params):
         seqlen_q, heads_q, batch = mQ.shape[0], mQ.shape[2], mQ.shape[3]
-        tiles = (seqlen_q + self.tile_m - 1) // self.tile_m * heads_q * batch
+        if cutlass.const_expr(self.varlen):
+            tiles = params.q_blocks * heads_q
+        else:
+            tiles = (seqlen_q + self.tile_m - 1) // self.tile_m * heads_q * batch
         return cute.arch.block_idx()[0], tiles, cute.arch.grid_dim()[0]
 
     @cute.jit
+    def tile_work(self, tile: Int32, mQ: cute.Tensor, seqlen_k: Int32, params):
+        """(m_block, head, batch, seq) of linear tile `tile`: `seq` (common/seqlen.py) holds the
+        entry's lengths and, varlen, its row offsets; mQ is (seqlen_q, d, heads, batch)."""
+        if cutlass.const_expr(self.varlen):
+            # one head's Q tiles of every sequence in a row (they share nothing, but the CTAs
+            # running together then share each sequence's K/V in L2), longest first if causal
+            head, block = tile // params.q_blocks, tile % params.q_blocks
+            batch, m_block, blocks = scheduler.varlen_tile(block, params.cu_q, self.tile_m)
+            if cutlass.const_expr(self.causal):
+                m_block = blocks - 1 - m_block
+            return m_block, head, batch, seqlen.from_cu_seqlens(params.cu_q, params.cu_k, batch)
+        m_block, head, batch = self.tile_coords(tile, mQ.shape[0], mQ.shape[2], mQ.shape[3])
+        return m_block, head, batch, seqlen.fixed(mQ.shape[0], seqlen_k)
+
+    @cute.jit
+    def kv_range(self, m_block: Int32, seq, params):
+        """(n_block_max, n_blocks): the K/V tiles visited, n_block_max - 1 down to n_block_max -
+        n_blocks."""
+        n_max = mask.n_block_max(m_block, self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k,
+                                 self.causal, window=params.window)
+        if cutlass.const_expr(params.window is None):
+            return n_max, n_max
+        n_min = mask.n_block_min(m_block, self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k,
+                                 window=params.window)
+        return n_max, cutlass.max(n_max - n_min, 0)
+
+    @cute.jit
     def load(self, q_pipe, k_pipe, v_pipe, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV,
-             mTileCounter, next_tile):
+             mTileCounter, next_tile, params):
         """Producer warp: per tile, Q once, then K_j and V_j from the last tile to the first. The
         states run on across tiles, so the next tile's loads start as soon as stages free up."""
         states = (pipeline.producer_state(self.q_stages), pipeline.producer_state(self.kv_stages),
                   pipeline.producer_state(self.kv_stages))
-        first, tiles, step = self.tile_range(mQ)
-        loads = (q_pipe, k_pipe, v_pipe, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV)
+        first, tiles, step = self.tile_range(mQ, params)
+        loads = (q_pipe, k_pipe, v_pipe, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, params)
         if cutlass.const_expr(self.dynamic):
             tile = first
             while tile < tiles:
@@ -173,21 +221,23 @@ class WarpSpecializedAttention(WgmmaAttention):
 
     @cute.jit
     def load_tile(self, tile: Int32, states, q_pipe, k_pipe, v_pipe, tma_q, mQ, tma_k, mK, tma_v, mV,
-                  sQ, sK, sV):
+                  sQ, sK, sV, params):
         q_state, k_state, v_state = states
-        seqlen_q, seqlen_k, heads_q, batch_size = mQ.shape[0], mK.shape[0], mQ.shape[2], mQ.shape[3]
         tile_q, tile_kv = (self.tile_m, self.head_dim), (self.tile_n, self.head_dim)
-        m_block, head, batch = self.tile_coords(tile, seqlen_q, heads_q, batch_size)
-        head_kv = head // (heads_q // mK.shape[2])
-        tQsQ, tQgQ = tma.partition(tma_q, cute.local_tile(mQ[None, None, head, batch], tile_q, (None, 0)), sQ)
-        tKsK, tKgK = tma.partition(tma_k, cute.local_tile(mK[None, None, head_kv, batch], tile_kv, (None, 0)), sK)
-        tVsV, tVgV = tma.partition(tma_v, cute.local_tile(mV[None, None, head_kv, batch], tile_kv, (None, 0)), sV)
-        n_blocks = mask.n_block_max(m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.causal)
+        m_block, head, batch, seq = self.tile_work(tile, mQ, mK.shape[0], params)
+        head_kv = head // (mQ.shape[2] // mK.shape[2])
+        gQ = seqlen.rows(mQ, head, batch, seq.offset_q, self.varlen)
+        gK = seqlen.rows(mK, head_kv, batch, seq.offset_k, self.varlen)
+        gV = seqlen.rows(mV, head_kv, batch, seq.offset_k, self.varlen)
+        tQsQ, tQgQ = tma.partition(tma_q, cute.local_tile(gQ, tile_q, (None, 0)), sQ)
+        tKsK, tKgK = tma.partition(tma_k, cute.local_tile(gK, tile_kv, (None, 0)), sK)
+        tVsV, tVgV = tma.partition(tma_v, cute.local_tile(gV, tile_kv, (None, 0)), sV)
+        n_max, n_blocks = self.kv_range(m_block, seq, params)
         if n_blocks == 0:  # no key is visible: the consumers still take (and release) the Q tile
             q_state = pipeline.produce(q_pipe, q_state, m_block, [(tma_q, tQgQ, tQsQ)])
         for j in cutlass.range(n_blocks, unroll=1):
-            k_state = pipeline.produce(k_pipe, k_state, n_blocks - 1 - j, [(tma_k, tKgK, tKsK)])
-            v_state = pipeline.produce(v_pipe, v_state, n_blocks - 1 - j, [(tma_v, tVgV, tVsV)])
+            k_state = pipeline.produce(k_pipe, k_state, n_max - 1 - j, [(tma_k, tKgK, tKsK)])
+            v_state = pipeline.produce(v_pipe, v_state, n_max - 1 - j, [(tma_v, tVgV, tVsV)])
             if j == 0:
                 # Q after the first K/V: with one Q buffer, waiting for the previous tile to
                 # free it must not hold back the next tile's first K/V loads.
@@ -196,14 +246,15 @@ class WarpSpecializedAttention(WgmmaAttention):
 
     @cute.jit
     def consume(self, q_pipe, k_pipe, v_pipe, sQ, sK, sV, sO, tma_o, mO, mLSE, seqlen_k: Int32,
-                scale_log2: Float32, ctidx: Int32, wg: Int32, epi_tile: cutlass.Constexpr, next_tile):
+                scale_log2: Float32, ctidx: Int32, wg: Int32, epi_tile: cutlass.Constexpr, next_tile,
+                params):
         """Consumer warpgroups: per tile, the mainloop, then O through SMEM and a TMA store."""
         states = (pipeline.consumer_state(self.q_stages), pipeline.consumer_state(self.kv_stages),
                   pipeline.consumer_state(self.kv_stages))
         store_pipe = epilogue.store_pipeline(EPI_STAGES, 128 * self.consumer_wgs)
-        first, tiles, step = self.tile_range(mO)
+        first, tiles, step = self.tile_range(mO, params)
         args = (q_pipe, k_pipe, v_pipe, sQ, sK, sV, sO, tma_o, mO, mLSE, seqlen_k, scale_log2, ctidx,
-                wg, store_pipe, epi_tile)
+                wg, store_pipe, epi_tile, params)
         self.mma_init(wg)
         if cutlass.const_expr(self.dynamic):
             threads = 32 + 128 * self.consumer_wgs
@@ -222,13 +273,13 @@ class WarpSpecializedAttention(WgmmaAttention):
     @cute.jit
     def consume_tile(self, tile: Int32, states, q_pipe, k_pipe, v_pipe, sQ, sK, sV, sO, tma_o, mO, mLSE,
                      seqlen_k: Int32, scale_log2: Float32, ctidx: Int32, wg: Int32, store_pipe,
-                     epi_tile: cutlass.Constexpr):
+                     epi_tile: cutlass.Constexpr, params):
         q_state, k_state, v_state = states
-        seqlen_q, heads_q, batch_size = mO.shape[0], mO.shape[2], mO.shape[3]
-        m_block, head, batch = self.tile_coords(tile, seqlen_q, heads_q, batch_size)
-        n_blocks = mask.n_block_max(m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.causal)
+        m_block, head, batch, seq = self.tile_work(tile, mO, seqlen_k, params)
+        n_max, n_blocks = self.kv_range(m_block, seq, params)
         ctx = self.compute_setup(sQ[None, None, q_state.index], sK, sV, None, ctidx, m_block,
-                                 seqlen_q, seqlen_k)
+                                 seq.seqlen_q, seq.seqlen_k)
+        ctx.window, ctx.softcap_scale, ctx.n_max = params.window, params.softcap_scale, n_max
         pipeline.consume_wait(q_pipe, q_state)
         if n_blocks > 0:
             if cutlass.const_expr(self.intra_wg_overlap):
@@ -238,7 +289,10 @@ class WarpSpecializedAttention(WgmmaAttention):
                 k_state, v_state = self.mainloop(ctx, k_pipe, v_pipe, k_state, v_state,
                                                  n_blocks, wg, scale_log2)
         q_state = pipeline.release(q_pipe, q_state)  # every Q K^T of this tile has retired
-        self.store_o(ctx, tma_o, mO, sO, mLSE, batch, head, scale_log2, store_pipe, ctidx, epi_tile)
+        if cutlass.const_expr(self.varlen):
+            self.store_o_rows(ctx, params.o_rows, mLSE, seq, head, scale_log2)
+        else:
+            self.store_o(ctx, tma_o, mO, sO, mLSE, batch, head, scale_log2, store_pipe, ctidx, epi_tile)
         return q_state, k_state, v_state
 
     @cute.jit
@@ -258,6 +312,21 @@ class WarpSpecializedAttention(WgmmaAttention):
                             dsl_pipeline.NamedBarrier(barrier_id=EPILOGUE_BARRIER,
                                                       num_threads=128 * self.consumer_wgs),
                             ctidx < 32, store_pipe)
+
+    @cute.jit
+    def store_o_rows(self, ctx, mO: cute.Tensor, mLSE: cute.Tensor, seq, head: Int32,
+                     scale_log2: Float32):
+        """Varlen: O / l and LSE straight from registers, only the rows of this sequence. A TMA
+        store clips at the tensor's edge, not the sequence's: it would overwrite the next one."""
+        o_mn = mma.rows_cols(ctx.acc_o)
+        for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
+            inv_sum, lse = softmax.finalize(ctx.row_max[r], ctx.row_sum[r], scale_log2, 4)
+            row = ctx.m_block * self.tile_m + ctx.o_coords[r, 0][0]
+            if row < seq.seqlen_q:
+                for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
+                    mO[0, seq.offset_q + row, head, ctx.o_coords[r, c][1]] = (o_mn[r, c] * inv_sum).to(self.dtype)
+                if ctx.tidx % 4 == 0:
+                    mLSE[0, head, seq.offset_q + row] = lse
 
     # ---------------------------------------------------------------- ping-pong scheduling
     # The turn goes round the consumer warpgroups 1 -> 2 (-> 3) -> 1: warpgroup w waits on barrier
@@ -299,19 +368,30 @@ class WarpSpecializedAttention(WgmmaAttention):
     def softmax_tile(self, ctx, acc_s, n_block: Int32, scale_log2: Float32, masked: cutlass.Constexpr):
         """Mask (`masked` tiles only) and online softmax on S in registers; returns the O rescale."""
         s_mn = mma.rows_cols(acc_s)
+        if cutlass.const_expr(self.softcap):
+            softmax.softcap(s_mn, ctx.softcap_scale)
         if cutlass.const_expr(masked):
             mask.apply(s_mn, ctx.s_coords, ctx.m_block * self.tile_m, n_block * self.tile_n,
-                       ctx.seqlen_q, ctx.seqlen_k, self.causal)
+                       ctx.seqlen_q, ctx.seqlen_k, self.causal, window=ctx.window)
         return softmax.online_update(s_mn, ctx.row_max, ctx.row_sum, scale_log2, 4)
 
     @cute.jit
-    def masked_tiles(self, ctx, n_blocks: Int32) -> Int32:
-        """How many of the first-visited (highest) tiles need a mask; the rest run a loop with no
+    def masked_tiles(self, ctx, n_blocks: Int32):
+        """(high, low): visits j < high (the highest tiles: ragged end, diagonal, window's right
+        edge) and j >= low (a window's left edge) need a mask; those between run a loop with no
         mask code at all: a branch inside the steady-state loop lets ptxas hoist the wait for the
         in-flight P V above the softmax, which undoes the overlap."""
-        first_row_limit = mask.col_limit(ctx.m_block * self.tile_m, ctx.seqlen_q, ctx.seqlen_k, self.causal)
+        first_row_limit = mask.col_limit(ctx.m_block * self.tile_m, ctx.seqlen_q, ctx.seqlen_k,
+                                         self.causal, ctx.window)
         unmasked = cutlass.max(first_row_limit, 0) // self.tile_n
-        return n_blocks - cutlass.min(n_blocks, unmasked)
+        high = n_blocks - cutlass.min(n_blocks, unmasked)
+        low = n_blocks
+        if cutlass.const_expr(ctx.window is not None):
+            high = cutlass.min(n_blocks, ctx.n_max - cutlass.min(ctx.n_max, unmasked))
+            left = mask.n_block_unmasked_min(ctx.m_block, self.tile_m, self.tile_n, ctx.seqlen_q,
+                                             ctx.seqlen_k, window=ctx.window)
+            low = cutlass.min(n_blocks, cutlass.max(high, ctx.n_max - left))
+        return high, low
 
     @cute.jit
     def rescale_o(self, ctx, correction: cute.Tensor):
@@ -328,14 +408,18 @@ class WarpSpecializedAttention(WgmmaAttention):
                  scale_log2: Float32):
         """K5.1/K5.2: one tile at a time; with ping-pong the other warpgroup's GEMMs cover this
         warpgroup's softmax."""
-        n_masked = self.masked_tiles(ctx, n_blocks)
+        n_masked, low = self.masked_tiles(ctx, n_blocks)
+        n_max = ctx.n_max
         # A turn runs from wait_turn to pass_turn and covers P_j V_j plus the next Q K^T; every
         # pass follows the same warpgroup's wait, so the two barriers strictly alternate.
         self.wait_turn(wg)
         for j in cutlass.range(n_masked, unroll=1):
-            k_state, v_state = self.step(ctx, k_pipe, v_pipe, k_state, v_state, n_blocks - 1 - j, wg, scale_log2, True)
-        for j in cutlass.range(n_masked, n_blocks, unroll=1):
-            k_state, v_state = self.step(ctx, k_pipe, v_pipe, k_state, v_state, n_blocks - 1 - j, wg, scale_log2, False)
+            k_state, v_state = self.step(ctx, k_pipe, v_pipe, k_state, v_state, n_max - 1 - j, wg, scale_log2, True)
+        for j in cutlass.range(n_masked, low, unroll=1):
+            k_state, v_state = self.step(ctx, k_pipe, v_pipe, k_state, v_state, n_max - 1 - j, wg, scale_log2, False)
+        if cutlass.const_expr(ctx.window is not None):
+            for j in cutlass.range(low, n_blocks, unroll=1):
+                k_state, v_state = self.step(ctx, k_pipe, v_pipe, k_state, v_state, n_max - 1 - j, wg, scale_log2, True)
         self.pass_turn(wg)
         return k_state, v_state
 
@@ -360,20 +444,28 @@ class WarpSpecializedAttention(WgmmaAttention):
     def mainloop_overlapped(self, ctx, k_pipe, v_pipe, k_state, v_state, n_blocks: Int32, wg: Int32,
                             scale_log2: Float32):
         """K5.3: S_j = Q K_j^T and O += P_{j-1} V_{j-1} in flight together; softmax(S_j) under P V."""
-        n_masked = self.masked_tiles(ctx, n_blocks)
+        n_masked, low = self.masked_tiles(ctx, n_blocks)
+        n_max = ctx.n_max
         # prologue: the first (last-indexed) tile's S and P; O is still zero, nothing to rescale
         acc_s = self.issue_qk(ctx, k_pipe, k_state)
         warpgroup.wait_group(0)
         k_state = pipeline.release(k_pipe, k_state)
-        self.softmax_tile(ctx, acc_s, n_blocks - 1, scale_log2, True)
+        self.softmax_tile(ctx, acc_s, n_max - 1, scale_log2, True)
         p = cute.make_rmem_tensor_like(acc_s, self.dtype)
         p.store(acc_s.load().to(self.dtype))
-        for j in cutlass.range(1, cutlass.max(n_masked, 1), unroll=1):
+        unmasked_from = cutlass.max(n_masked, 1)
+        for j in cutlass.range(1, unmasked_from, unroll=1):
             k_state, v_state = self.overlapped_step(ctx, k_pipe, v_pipe, k_state, v_state, p,
-                                                    n_blocks - 1 - j, wg, scale_log2, True)
-        for j in cutlass.range(cutlass.max(n_masked, 1), n_blocks, unroll=1):
+                                                    n_max - 1 - j, wg, scale_log2, True)
+        if cutlass.const_expr(ctx.window is not None):
+            low = cutlass.max(low, unmasked_from)
+        for j in cutlass.range(unmasked_from, low, unroll=1):
             k_state, v_state = self.overlapped_step(ctx, k_pipe, v_pipe, k_state, v_state, p,
-                                                    n_blocks - 1 - j, wg, scale_log2, False)
+                                                    n_max - 1 - j, wg, scale_log2, False)
+        if cutlass.const_expr(ctx.window is not None):  # the window's left edge
+            for j in cutlass.range(low, n_blocks, unroll=1):
+                k_state, v_state = self.overlapped_step(ctx, k_pipe, v_pipe, k_state, v_state, p,
+                                                        n_max - 1 - j, wg, scale_log2, True)
         # epilogue: the last P V
         self.issue_pv(ctx, p, v_pipe, v_state)
         warpgroup.wait_group(0)

@@ -3,64 +3,129 @@
 Causal attention is aligned to the bottom right, as in flash-attn: with seqlen_q != seqlen_k, query
 row i sees keys j <= i + (seqlen_k - seqlen_q). Rows with no visible key (i < seqlen_q - seqlen_k)
 produce O = 0 and LSE = -inf.
+
+Sliding-window (local) attention, flash-attn's `window_size=(left, right)`, is the same diagonal
+with two offsets: row i sees keys j in [i + shift - left, i + shift + right], shift = seqlen_k -
+seqlen_q. `window` is None (no window: the predicates compile to the plain or causal ones) or a
+(left, right) pair of runtime Int32, an unbounded side passed as UNBOUNDED; the host folds
+`causal` into right = min(right, 0) and compiles local kernels with causal=False.
+
+`rows_per_query`: a packed GQA tile (decode) holds that many rows (query heads) per query position;
+the predicates then take the query position, row // rows_per_query.
 """
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
+UNBOUNDED = 1 << 30  # a window side of -1: far past any sequence, and row + shift + it fits Int32
+
 
 @cute.jit
-def col_limit(row: Int32, seqlen_q: Int32, seqlen_k: Int32, causal: cutlass.Constexpr) -> Int32:
+def col_limit(row: Int32, seqlen_q: Int32, seqlen_k: Int32, causal: cutlass.Constexpr,
+              window=None) -> Int32:
     """One past the last visible column of `row` (global coordinates)."""
     limit = seqlen_k
-    if cutlass.const_expr(causal):
+    if cutlass.const_expr(window is not None):
+        limit = cutlass.min(seqlen_k, row + 1 + seqlen_k - seqlen_q + window[1])
+    elif cutlass.const_expr(causal):
         limit = cutlass.min(seqlen_k, row + 1 + seqlen_k - seqlen_q)
     return limit
 
 
 @cute.jit
+def col_start(row: Int32, seqlen_q: Int32, seqlen_k: Int32, window=None) -> Int32:
+    """The first visible column of `row`: 0, or the left edge of its window."""
+    start = Int32(0)
+    if cutlass.const_expr(window is not None):
+        start = cutlass.max(row + seqlen_k - seqlen_q - window[0], 0)
+    return start
+
+
+@cute.jit
+def _query(packed_row: Int32, seqlen_q: Int32, rows_per_query):
+    """The query position of a tile row (clamped to the last query: rows past it see what it sees)."""
+    row = packed_row
+    if cutlass.const_expr(rows_per_query is not None):
+        row = cutlass.min(seqlen_q - 1, packed_row // rows_per_query)
+    return row
+
+
+@cute.jit
 def n_block_max(m_block: Int32, tile_m: cutlass.Constexpr, tile_n: cutlass.Constexpr,
                 seqlen_q: Int32, seqlen_k: Int32, causal: cutlass.Constexpr,
-                rows_per_query=None) -> Int32:
-    """Number of K/V tiles a Q tile must visit: all of them, or up to the causal diagonal of its
-    last query (`rows_per_query`: a packed GQA tile, as in `apply`)."""
+                rows_per_query=None, window=None) -> Int32:
+    """One past the last K/V tile a Q tile must visit: all of them, or up to the causal diagonal
+    (or window edge) of its last query (`rows_per_query`: a packed GQA tile, as in `apply`)."""
     n_end = seqlen_k
-    if cutlass.const_expr(causal):
-        if cutlass.const_expr(rows_per_query is None):
+    if cutlass.const_expr(causal or window is not None):
+        if cutlass.const_expr(rows_per_query is None and window is None):
             n_end = cutlass.max(cutlass.min(seqlen_k, (m_block + 1) * tile_m + seqlen_k - seqlen_q), 0)
         else:
-            last_query = cutlass.min(seqlen_q - 1, ((m_block + 1) * tile_m - 1) // rows_per_query)
-            n_end = cutlass.max(col_limit(last_query, seqlen_q, seqlen_k, causal), 0)
+            last_query = _query((m_block + 1) * tile_m - 1, seqlen_q, rows_per_query)
+            n_end = cutlass.max(col_limit(last_query, seqlen_q, seqlen_k, causal, window), 0)
     return (n_end + tile_n - 1) // tile_n
 
 
 @cute.jit
+def n_block_min(m_block: Int32, tile_m: cutlass.Constexpr, tile_n: cutlass.Constexpr,
+                seqlen_q: Int32, seqlen_k: Int32, rows_per_query=None, window=None) -> Int32:
+    """The first K/V tile a Q tile must visit: 0, or the one holding its first row's window start."""
+    first = Int32(0)
+    if cutlass.const_expr(window is not None):
+        first_query = _query(m_block * tile_m, seqlen_q, rows_per_query)
+        first = cutlass.min(col_start(first_query, seqlen_q, seqlen_k, window), seqlen_k) // tile_n
+    return first
+
+
+@cute.jit
+def n_block_unmasked_min(m_block: Int32, tile_m: cutlass.Constexpr, tile_n: cutlass.Constexpr,
+                         seqlen_q: Int32, seqlen_k: Int32, rows_per_query=None, window=None) -> Int32:
+    """The first K/V tile that no row's window start cuts: tiles below it (down to n_block_min)
+    need the mask again. Without a window, 0."""
+    first = Int32(0)
+    if cutlass.const_expr(window is not None):
+        last_query = _query((m_block + 1) * tile_m - 1, seqlen_q, rows_per_query)
+        first = (col_start(last_query, seqlen_q, seqlen_k, window) + tile_n - 1) // tile_n
+    return first
+
+
+@cute.jit
 def apply(scores: cute.Tensor, coords: cute.Tensor, row0: Int32, col0: Int32, seqlen_q: Int32,
-          seqlen_k: Int32, causal: cutlass.Constexpr, rows_per_query=None):
+          seqlen_k: Int32, causal: cutlass.Constexpr, rows_per_query=None, window=None):
     """Set invisible scores to -inf. `scores` and `coords` are matching (rows, cols) register views
-    (the accumulator and the identity tensor partitioned the same way); row0/col0 place the tile.
-    `rows_per_query`: packed GQA tiles hold that many rows (query heads) per query position."""
+    (the accumulator and the identity tensor partitioned the same way); row0/col0 place the tile."""
     for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
         row = row0 + coords[r, 0][0]
         if cutlass.const_expr(rows_per_query is not None):
             row = row // rows_per_query
-        limit = col_limit(row, seqlen_q, seqlen_k, causal) - col0
-        for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
-            # a select, not a branch: a branch per element makes the DSL yield the whole tile
-            scores[r, c] = -cutlass.Float32.inf if coords[r, c][1] >= limit else scores[r, c]
+        limit = col_limit(row, seqlen_q, seqlen_k, causal, window) - col0
+        if cutlass.const_expr(window is None):
+            for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
+                # a select, not a branch: a branch per element makes the DSL yield the whole tile
+                scores[r, c] = -cutlass.Float32.inf if coords[r, c][1] >= limit else scores[r, c]
+        else:
+            start = col_start(row, seqlen_q, seqlen_k, window) - col0
+            for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
+                col = coords[r, c][1]
+                scores[r, c] = -cutlass.Float32.inf if (col >= limit) | (col < start) else scores[r, c]
 
 
 @cute.jit
 def tile_needs_mask(m_block: Int32, n_block: Int32, tile_m: cutlass.Constexpr, tile_n: cutlass.Constexpr,
                     seqlen_q: Int32, seqlen_k: Int32, causal: cutlass.Constexpr,
-                    rows_per_query=None) -> cutlass.Boolean:
-    """Whether any score of this tile is invisible: the ragged last tile, or one crossing the
-    causal diagonal. The tile's first row has the smallest column limit."""
+                    rows_per_query=None, window=None) -> cutlass.Boolean:
+    """Whether any score of this tile is invisible: the ragged last tile, one crossing the causal
+    diagonal or the window's right edge (the tile's first row has the smallest column limit), or
+    one below its last row's window start."""
     first_row = m_block * tile_m
     if cutlass.const_expr(rows_per_query is not None):
         first_row = first_row // rows_per_query
-    return (n_block + 1) * tile_n > col_limit(first_row, seqlen_q, seqlen_k, causal)
+    needs = (n_block + 1) * tile_n > col_limit(first_row, seqlen_q, seqlen_k, causal, window)
+    if cutlass.const_expr(window is not None):
+        needs = needs | (n_block < n_block_unmasked_min(m_block, tile_m, tile_n, seqlen_q, seqlen_k,
+                                                        rows_per_query, window))
+    return needs
 
 
 @cute.jit

@@ -75,3 +75,59 @@ def take_next_tile(slot: cute.Tensor, tiles: Int32, full_barrier: int, empty_bar
 def give_first_credit(empty_barrier: int, threads: int):
     """Consumers, once before their first tile: the slot starts empty."""
     cute.arch.barrier_arrive(barrier_id=empty_barrier, number_of_threads=threads)
+
+
+# ---------------------------------------------------------------- variable-length batches
+# A packed batch's Q tiles are numbered entry by entry (entry b owns ceil(seqlen_q[b] / tile_m) of
+# them), so no tile is empty. A warp finds a tile's entry from flash-attn's cu_seqlens alone: each
+# lane takes one entry of a chunk of 32, a shuffle scan gives the chunk's running tile counts and a
+# ballot names the lane whose range holds the tile (one step per 32 entries; no host pass).
+
+
+@cute.jit
+def _entry_blocks(mCuSeqlens: cute.Tensor, entry: Int32, tile_m: cutlass.Constexpr) -> Int32:
+    blocks = Int32(0)
+    if entry < mCuSeqlens.shape[0] - 1:
+        blocks = (mCuSeqlens[entry + 1] - mCuSeqlens[entry] + tile_m - 1) // tile_m
+    return blocks
+
+
+@cute.jit
+def varlen_blocks(mCuSeqlens: cute.Tensor, tile_m: cutlass.Constexpr) -> Int32:
+    """Q tiles of the whole packed batch (every lane of the calling warp gets the total)."""
+    lane = cute.arch.lane_idx()
+    total = Int32(0)
+    for chunk in cutlass.range(0, mCuSeqlens.shape[0] - 1, 32, unroll=1):
+        total += cute.arch.warp_reduction_sum(_entry_blocks(mCuSeqlens, chunk + lane, tile_m))
+    return total
+
+
+@cute.jit
+def varlen_tile(block: Int32, mCuSeqlens: cute.Tensor, tile_m: cutlass.Constexpr):
+    """(entry, its Q tile index, its Q tile count) of packed Q tile `block` < varlen_blocks; a
+    whole warp calls it."""
+    lane = cute.arch.lane_idx()
+    entries = mCuSeqlens.shape[0] - 1
+    before = Int32(0)  # tiles of the entries before this chunk
+    chunk = Int32(0)
+    entry, m_block, blocks = Int32(0), Int32(0), Int32(0)
+    searching = chunk < entries
+    while searching:
+        count = _entry_blocks(mCuSeqlens, chunk + lane, tile_m)
+        running = count  # inclusive scan over the lanes
+        for i in cutlass.range_constexpr(5):
+            below = cute.arch.shuffle_sync_up(running, 1 << i)
+            if lane >= (1 << i):
+                running += below
+        holds = cute.arch.vote_ballot_sync(before + running > block)
+        if holds != 0:
+            first = cute.arch.popc((holds & -holds) - 1)  # the lowest lane whose range holds it
+            entry = chunk + first
+            blocks = cute.arch.shuffle_sync(count, first)
+            m_block = block - before - cute.arch.shuffle_sync(running, first) + blocks
+            searching = False
+        else:
+            before += cute.arch.shuffle_sync(running, 31)
+            chunk += 32
+            searching = chunk < entries
+    return entry, m_block, blocks

@@ -19,3 +19,27 @@ def from_cache(mCacheSeqlens: cute.Tensor, batch: Int32, seqlen_q: Int32, append
     `appended` rows written this call, clamped to [0, capacity] so that no load leaves the cache."""
     seqlen_k = cutlass.max(cutlass.min(mCacheSeqlens[batch] + appended, capacity), 0)
     return SimpleNamespace(seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+
+
+def fixed(seqlen_q: Int32, seqlen_k: Int32):
+    """A fixed-shape batch: every entry has the tensors' lengths, at row 0 of its own plane."""
+    return SimpleNamespace(seqlen_q=seqlen_q, seqlen_k=seqlen_k, offset_q=Int32(0), offset_k=Int32(0))
+
+
+@cute.jit
+def from_cu_seqlens(mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, batch: Int32):
+    """Entry `batch` of a packed variable-length batch: its rows are [cu[batch], cu[batch + 1]) of
+    the one (total, heads, d) tensor (flash-attn's cu_seqlens, int32, batch + 1 offsets)."""
+    offset_q, offset_k = mCuSeqlensQ[batch], mCuSeqlensK[batch]
+    return SimpleNamespace(seqlen_q=mCuSeqlensQ[batch + 1] - offset_q, seqlen_k=mCuSeqlensK[batch + 1] - offset_k,
+                           offset_q=offset_q, offset_k=offset_k)
+
+
+def rows(mX: cute.Tensor, head: Int32, batch: Int32, offset: Int32, varlen: bool) -> cute.Tensor:
+    """The (seqlen, d) rows of one head of one entry, in an (seqlen, d, heads, batch) tensor (a TMA
+    tensor included): the entry's own plane, or (varlen) the packed plane from the entry's offset.
+    Tiles read past a packed sequence's end reach the next one's rows: loads mask them, stores
+    must not write them."""
+    if varlen:
+        return cute.domain_offset((offset, 0), mX[None, None, head, 0])
+    return mX[None, None, head, batch]

@@ -74,6 +74,16 @@ def online_update(scores: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tenso
 
 
 @cute.jit
+def softcap(scores: cute.Tensor, scale: Float32):
+    """Gemma-2's capped scores, s -> tanh(s * softmax_scale / softcap), in place: the host passes
+    scale = softmax_scale / softcap and folds the cap into scale_log2 = softcap * log2(e), so that
+    the softmax and the LSE see softcap * tanh(s * softmax_scale / softcap) unscaled."""
+    for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
+        for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
+            scores[r, c] = cute.math.tanh(scores[r, c] * scale, fastmath=True)
+
+
+@cute.jit
 def rescale(acc_mn: cute.Tensor, factors: cute.Tensor):
     """acc *= factor of its row: the output accumulator (a (rows, cols) view) follows the running
     max (`online_update`'s correction) or is normalised (1/l)."""

@@ -1,0 +1,65 @@
+"""Host side of masking and score modifiers: what `causal`, `window_size` and `softcap` mean to
+the kernels, decided once for every attention entry point (fa3.attention, attention_varlen,
+attention_with_kvcache).
+
+flash-attn's conventions: window_size=(left, right) lets query i see keys j with
+i + shift - left <= j <= i + shift + right (shift = seqlen_k - seqlen_q, bottom-right aligned), -1
+meaning unbounded; causal=True with a window keeps the left edge and sets right = 0. softcap > 0
+replaces each score s (already times softmax_scale) by softcap * tanh(s / softcap).
+
+The kernels get static flags (causal; local = a window edge is bounded; softcap on or off: each
+compiles once) and runtime values (the window edges, the scales): new window sizes or caps never
+recompile.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+LOG2E = math.log2(math.e)
+UNBOUNDED = 1 << 30  # a window side of -1, as the kernels take it (kernels/common/mask.py)
+
+
+class Masking(NamedTuple):
+    causal: bool  # compiled in: the plain causal mask (a window with left unbounded, right 0)
+    local: bool  # compiled in: the window predicates, with the edges below
+    left: int
+    right: int
+    softcap: bool  # compiled in
+    scale_log2: float  # exp2-domain scale of the (capped) scores
+    softcap_scale: float  # softmax_scale / softcap (1.0 when unused)
+
+    @property
+    def plain(self) -> bool:
+        """Neither a window nor a softcap: what every rung supports."""
+        return not (self.local or self.softcap)
+
+
+def check_window(window_size, softcap) -> tuple[int, int]:
+    """Validated (left, right) and softcap, with messages that name the argument."""
+    try:
+        left, right = (int(x) for x in window_size)
+    except (TypeError, ValueError):
+        raise ValueError(f"window_size must be a pair of ints (left, right), -1 for unbounded; got "
+                         f"{window_size!r}") from None
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size={tuple(window_size)}: each side must be >= 0, or -1 for unbounded")
+    if not isinstance(softcap, (int, float)) or not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap={softcap!r} must be a finite float >= 0 (0 disables it)")
+    return left, right
+
+
+def masking(causal: bool, window_size, softcap: float, scale: float) -> Masking:
+    """The kernels' view of (causal, window_size, softcap, softmax_scale); arguments checked."""
+    left, right = check_window(window_size, softcap)
+    if causal:
+        right = 0
+    causal = right == 0 and left == -1  # a window that is the causal mask compiles as one
+    local = not causal and (left, right) != (-1, -1)
+    capped = softcap > 0
+    return Masking(
+        causal=causal, local=local,
+        left=UNBOUNDED if left < 0 else left, right=UNBOUNDED if right < 0 else right,
+        softcap=capped, scale_log2=(softcap if capped else scale) * LOG2E,
+        softcap_scale=scale / softcap if capped else 1.0)

@@ -1,0 +1,146 @@
+"""fa3.attention_varlen: a packed batch of sequences of different lengths, as flash-attn's
+flash_attn_varlen_func.
+
+q (total_q, heads_q, d) and k, v (total_k, heads_kv, d) hold every sequence back to back; int32
+cu_seqlens_q/k (batch + 1,) give where each starts (sequence b is rows [cu[b], cu[b + 1])). No
+padding is computed: the kernel (k5 compiled with varlen=True) numbers the Q tiles sequence by
+sequence from the offsets on the GPU and stores O only inside each sequence.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import interface, masking, registry
+
+
+def _check_offsets(cu, name: str, device, batch=None):
+    if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1:
+        raise ValueError(f"{name} must be a 1-D int32 tensor of batch + 1 offsets, got "
+                         f"{getattr(cu, 'dtype', type(cu).__name__)} {tuple(getattr(cu, 'shape', ()))}: "
+                         "use .to(torch.int32)")
+    if cu.device != device:
+        raise ValueError(f"{name} is on {cu.device} but q is on {device}; move it with .to(q.device)")
+    if cu.shape[0] < 1 or (batch is not None and cu.shape[0] != batch + 1):
+        raise ValueError(f"{name} has {cu.shape[0]} entries; it needs batch + 1"
+                         f"{f' = {batch + 1} (as cu_seqlens_q)' if batch is not None else ''}")
+    if cu.stride(0) != 1:
+        raise ValueError(f"{name} must be contiguous: pass {name}.contiguous()")
+
+
+def _check_offset_values(cu_q, cu_k, total_q, total_k, max_seqlen_q, max_seqlen_k):
+    """Offsets start at 0, never decrease and end at the packed length; one small copy to the
+    host (skipped while a CUDA graph captures or torch.compile traces: nothing may sync there)."""
+    values = torch.cat([cu_q, cu_k]).tolist()
+    n = cu_q.shape[0]
+    for name, cu, total, total_name, max_len, max_name in (
+            ("cu_seqlens_q", values[:n], total_q, "q.shape[0]", max_seqlen_q, "max_seqlen_q"),
+            ("cu_seqlens_k", values[n:], total_k, "k.shape[0]", max_seqlen_k, "max_seqlen_k")):
+        if cu[0] != 0:
+            raise ValueError(f"{name}[0] = {cu[0]}; offsets start at 0")
+        lengths = [b - a for a, b in zip(cu, cu[1:])]
+        bad = next((i for i, length in enumerate(lengths) if length < 0), None)
+        if bad is not None:
+            raise ValueError(f"{name} decreases at entry {bad + 1} ({cu[bad]} -> {cu[bad + 1]}); "
+                             "offsets must be non-decreasing (a cumulative sum of lengths)")
+        if cu[-1] != total:
+            raise ValueError(f"{name}[-1] = {cu[-1]} but {total_name} = {total}; the last offset is "
+                             "the packed length")
+        if lengths and max_len is not None and max(lengths) > max_len:
+            raise ValueError(f"{max_name}={max_len} but a sequence has {max(lengths)} tokens")
+
+
+def _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kernel):
+    interface.check_tensor(q, "q", 3)
+    interface.check_tensor(k, "k", 3, q.dtype)
+    interface.check_tensor(v, "v", 3, q.dtype)
+    total_q, heads_q, head_dim = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape "
+                         "(total_k, heads_kv, head_dim)")
+    total_k, heads_kv, k_dim = k.shape
+    if k_dim != head_dim:
+        raise ValueError(f"q has head_dim {head_dim} but k and v have head_dim {k_dim}")
+    if heads_kv == 0 or heads_q % heads_kv:
+        raise ValueError(f"heads_q={heads_q} must be a multiple of heads_kv={heads_kv}")
+    device = q.device
+    for name, t in (("k", k), ("v", v)):
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device} but q is on {device}; put them on one GPU")
+    _check_offsets(cu_seqlens_q, "cu_seqlens_q", device)
+    _check_offsets(cu_seqlens_k, "cu_seqlens_k", device, batch=cu_seqlens_q.shape[0] - 1)
+    spec = interface._memo_rung(_varlen_rung, kernel, head_dim)
+    interface.check_hopper(device, "q")
+    if not (interface._tracing() or torch.cuda.is_current_stream_capturing()):
+        _check_offset_values(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k)
+    return spec
+
+
+def _varlen_rung(kernel, head_dim):
+    """An attention rung that compiles the varlen variant (None: the fastest such rung)."""
+    if kernel is not None:
+        spec = interface.family_rung(registry.ATTENTION, kernel, head_dim, "q, k and v")
+        if "varlen" not in spec.variants:
+            raise ValueError(f"kernel={kernel!r} cannot take packed batches; rungs that can: "
+                             f"{_varlen_rungs()} (or kernel=None)")
+        return spec
+    interface.family_rung(registry.ATTENTION, None, head_dim, "q, k and v")  # head_dim's message
+    return max((registry.get(n) for n in _varlen_rungs()), key=lambda s: s.speed_rank)
+
+
+def _varlen_rungs():
+    return [n for n in registry.available_kernels(registry.ATTENTION) if "varlen" in registry.get(n).variants]
+
+
+def launch_varlen(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale: float,
+                  window=(-1, -1), softcap: float = 0.0):
+    """(out (total_q, heads_q, d), lse (heads_q, total_q) fp32); arguments validated."""
+    total_q, heads_q, head_dim = q.shape
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty(heads_q, total_q, dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse
+    if k.shape[0] == 0:  # no keys anywhere: O = 0, LSE = -inf
+        return out.zero_(), lse.fill_(float("-inf"))
+    if q.requires_grad or k.requires_grad or v.requires_grad:
+        q, k, v = interface._detached(q, k, v)
+    # the kernel takes flash-attn's 4-D layout with one batch entry holding every sequence
+    q4, k4, v4 = (interface.tma_ready(t.unsqueeze(0)) for t in (q, k, v))
+    args = [q4, k4, v4, out.unsqueeze(0), lse.unsqueeze(0)]
+    interface.run_attention(spec, q.dtype, head_dim, masking.masking(causal, window, softcap, scale),
+                            args, scale, q.device, cu_seqlens=(cu_seqlens_q, cu_seqlens_k))
+    return out, lse
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *,
+                     causal: bool = False, softmax_scale: float | None = None, window_size=(-1, -1),
+                     softcap: float = 0.0, return_lse: bool = False, kernel: str | None = None):
+    """Attention over a packed batch of variable-length sequences, as flash_attn_varlen_func.
+
+    q: (total_q, heads_q, d); k, v: (total_k, heads_kv, d); bf16/fp16 on a Hopper GPU, d in
+    64/128/256, heads_q a multiple of heads_kv. cu_seqlens_q/k: int32 (batch + 1,) offsets,
+    starting at 0, non-decreasing, ending at total_q/total_k; sequences may be empty.
+    max_seqlen_q/k: accepted for flash-attn's signature and checked; the kernel does not need them.
+    causal, window_size, softcap, softmax_scale: as fa3.attention, per sequence (bottom-right
+    aligned to each sequence's own lengths).
+    Returns out (total_q, heads_q, d) (and lse (heads_q, total_q) fp32, flash-attn's varlen layout).
+
+    The offsets are checked on the host (one small copy) except while a CUDA graph is captured or
+    torch.compile traces; the kernel itself needs no host sync. Not differentiable yet.
+    """
+    spec = _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kernel)
+    scale = 1.0 / math.sqrt(q.shape[2]) if softmax_scale is None else float(softmax_scale)
+    window = tuple(window_size)
+    masking.check_window(window, softcap)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        raise NotImplementedError("fa3.attention_varlen has no backward yet: call it under "
+                                  "torch.no_grad(), or use fa3.attention on padded batches to train")
+    if interface.direct_call_ok(q, k, v):
+        out, lse = launch_varlen(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, bool(causal), scale,
+                                 window, softcap)
+    else:
+        out, lse = torch.ops.fa3.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, bool(causal), scale,
+                                                  window[0], window[1], float(softcap), spec.name)
+    return (out, lse) if return_lse else out
