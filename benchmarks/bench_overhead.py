@@ -135,7 +135,9 @@ def breakdown(calls: int) -> list[dict]:
     fn = _compile.get_attention(spec, q.dtype, head_dim, causal)
     args = [q, k, v, out, lse, head_dim ** -0.5 * interface._LOG2E]
     if spec.persistent:
-        args.append(interface._HOPPER_SMS[q.device])
+        args += [interface._HOPPER_SMS[q.device], interface._tile_counter(spec, causal, q.device)]
+    if spec.variants:  # (interface.run_attention's order) cu_seqlens stand-ins, window, softcap
+        args += [interface._stand_in(q.device)] * 2 + [0, 0, 1.0]
     pieces = [
         ("fa3.attention, all of it", lambda: fa3.attention(q, k, v, causal=causal)),
         ("validation (_check_attention)", lambda: interface._check_attention(q, k, v, None)),

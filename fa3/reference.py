@@ -1,7 +1,8 @@
 """Float reference attention: the definition every kernel is checked against.
 
 Same conventions as fa3.attention: (batch, seqlen, heads, head_dim) layout, GQA by head groups,
-causal aligned to the bottom right, rows with no visible key give O = 0 and LSE = -inf.
+causal and sliding windows aligned to the bottom right, softcap as Gemma 2, rows with no visible
+key give O = 0 and LSE = -inf.
 """
 
 import math
@@ -16,7 +17,21 @@ def causal_mask(seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
     return j <= i + (seqlen_k - seqlen_q)
 
 
-def attention_reference(q, k, v, causal=False, softmax_scale=None, dtype=torch.float32):
+def window_mask(seqlen_q: int, seqlen_k: int, left: int, right: int, device=None) -> torch.Tensor:
+    """True where query i may see key j: i + shift - left <= j <= i + shift + right, shift =
+    seqlen_k - seqlen_q; -1 leaves that side unbounded (flash-attn's window_size)."""
+    i = torch.arange(seqlen_q, device=device)[:, None] + (seqlen_k - seqlen_q)
+    j = torch.arange(seqlen_k, device=device)[None, :]
+    visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if left >= 0:
+        visible &= j >= i - left
+    if right >= 0:
+        visible &= j <= i + right
+    return visible
+
+
+def attention_reference(q, k, v, causal=False, softmax_scale=None, dtype=torch.float32,
+                        window_size=(-1, -1), softcap=0.0):
     """Returns (out, lse) computed in `dtype` (float32 or float64); out is cast back to q.dtype's
     shape but kept in `dtype`. lse is (batch, heads_q, seqlen_q)."""
     batch, seqlen_q, heads_q, head_dim = q.shape
@@ -27,8 +42,13 @@ def attention_reference(q, k, v, causal=False, softmax_scale=None, dtype=torch.f
     kf = k.to(dtype).transpose(1, 2).repeat_interleave(group, dim=1)
     vf = v.to(dtype).transpose(1, 2).repeat_interleave(group, dim=1)
     scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    left, right = window_size
     if causal:
-        scores = scores.masked_fill(~causal_mask(seqlen_q, seqlen_k, q.device), float("-inf"))
+        right = 0
+    if (left, right) != (-1, -1):
+        scores = scores.masked_fill(~window_mask(seqlen_q, seqlen_k, left, right, q.device), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
     out = torch.matmul(probs, vf).transpose(1, 2)

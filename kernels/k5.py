@@ -51,6 +51,10 @@ class WarpSpecializedAttention(WgmmaAttention):
                  kv_stages: int = 2, q_stages: int = 1, pingpong: bool = True,
                  intra_wg_overlap: bool = True, dynamic_schedule: bool = False,
                  varlen: bool = False, local: bool = False, softcap: bool = False):
+        if local and tile_m == 192:
+            # three 160-register warpgroups have no room for the window's state (680 bytes of
+            # spills at d64): a windowed kernel takes two warpgroups on 128-row tiles
+            tile_m = 128
         super().__init__(dtype, head_dim, causal, tile_m, tile_n, kv_stages, pv_on_wgmma=True)
         # variants (static, each compiled on demand): packed variable-length batches, a sliding
         # window (mask.py), tanh-capped scores (softmax.py)

@@ -60,6 +60,20 @@ def test_backward_deterministic_variant_compiles(name):
     assert report.spill_bytes == 0
 
 
+@pytest.mark.parametrize("name, static, promises", [
+    ("k5.5", dict(head_dim=128, causal=True, varlen=True), ("vote.sync.ballot",)),  # tile search
+    ("k5.5", dict(head_dim=128, causal=False, softcap=True), ("tanh.approx.f32",)),
+    ("k5.5", dict(head_dim=64, causal=False, local=True), ("wgmma.mma_async",)),
+    ("s1", dict(head_dim=128, causal=True, paged=True, local=True, softcap=True), ("tanh.approx.f32",)),
+])
+def test_variants_compile(name, static, promises):
+    """The variants (varlen, sliding window, softcap) compile for sm_90a without spilling."""
+    report = _compile.compile_report(registry.get(name), torch.bfloat16, **static)
+    for promise in promises:
+        assert promise in report.ptx, f"{name} {static}: {promise!r} missing"
+    assert report.spill_bytes == 0, f"{name} {static} spills"
+
+
 def test_attention_key_covers_static_configuration():
     rungs = [registry.get(n) for n in registry.available_kernels(registry.ATTENTION)]
     spec = rungs[0]

@@ -38,10 +38,11 @@ def _make_cache(batch, capacity, heads_kv, d, lens, page_size, gen, device="cuda
     return k, v, pages_k, pages_v, table
 
 
-def _reference(q, k_dense, v_dense, lens, causal):
+def _reference(q, k_dense, v_dense, lens, causal, window_size=(-1, -1), softcap=0.0):
     outs, lses = [], []
     for b, n in enumerate(lens):
-        o, lse = attention_reference(q[b:b + 1], k_dense[b:b + 1, :n], v_dense[b:b + 1, :n], causal)
+        o, lse = attention_reference(q[b:b + 1], k_dense[b:b + 1, :n], v_dense[b:b + 1, :n], causal,
+                                     window_size=window_size, softcap=softcap)
         outs.append(o)
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses)
@@ -92,6 +93,26 @@ def test_kvcache_matches_reference(head_dim, causal, page_size, case):
             got_k = kc if table is None else kc[table.long()].flatten(1, 2)
             for b, n in enumerate(lens):
                 assert torch.equal(got_k[b, n:n + new], k_new[b])
+
+
+@gpu
+@pytest.mark.parametrize("window_size, softcap", [((100, 0), 0.0), ((-1, -1), 20.0), ((300, 0), 5.0)])
+@pytest.mark.parametrize("page_size", [None, 64])
+def test_kvcache_window_and_softcap(window_size, softcap, page_size):
+    """Sliding window (causal, so right = 0 as flash-attn) and softcap, ragged lengths, 1 to n
+    splits: the window moves the first visited key block, so splits start past block 0."""
+    batch, sq, hq, hkv, capacity, lens = 3, 2, 8, 2, 1024, [1000, 37, 513]
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    k_dense, v_dense, k_cache, v_cache, table = _make_cache(batch, capacity, hkv, 128, lens, page_size, gen)
+    q = torch.randn(batch, sq, hq, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    ref_o, ref_lse = _reference(q.float(), k_dense.float(), v_dense.float(), lens, True, window_size, softcap)
+    for splits in (1, 4, 0):
+        out, lse = fa3.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table,
+                                              causal=True, window_size=window_size, softcap=softcap,
+                                              num_splits=splits, return_lse=True)
+        assert rel_err(out, ref_o) < TOL, f"num_splits={splits}: {rel_err(out, ref_o)}"
+        assert torch.allclose(lse, ref_lse, atol=1e-2, rtol=1e-3), f"num_splits={splits}"
 
 
 @gpu
@@ -164,7 +185,8 @@ def test_kvcache_validation_messages():
     raises(ValueError, "head_dim=96", q=torch.randn(2, 1, 8, 96, dtype=torch.bfloat16),
            k_cache=torch.randn(2, 256, 2, 96, dtype=torch.bfloat16),
            v_cache=torch.randn(2, 256, 2, 96, dtype=torch.bfloat16))
-    raises(NotImplementedError, "window_size", window_size=(16, 0))
+    raises(ValueError, "window_size", ">= 0", window_size=(-2, 0))
+    raises(ValueError, "softcap", softcap=-1.0)
     raises(TypeError, "k_cache", "dtype", k_cache=torch.randn(2, 256, 2, 128))
     if not HAS_HOPPER:
         raises((ValueError, RuntimeError), "GPU")
