@@ -1,6 +1,7 @@
-"""Decode against a KV cache: fa3.attention_with_kvcache beside cuDNN, SDPA flash and flash-attn-4.
+"""Serving: decode against a KV cache (fa3.attention_with_kvcache) and packed variable-length
+prefill (fa3.attention_varlen), beside cuDNN, SDPA flash and flash-attn-4.
 
-    python benchmarks/bench_decode.py [--json FILE] [--graphs]
+    python benchmarks/bench_decode.py [--json FILE] [--only decode|varlen] [--peers ...]
 
 fa3 is timed both eager and replayed from a CUDA graph (what engines do; the difference is host
 overhead). Cases (bf16, d128, GQA 32 query / 8 KV heads, one new query per sequence): batch 16 x 8k keys,
@@ -10,6 +11,12 @@ median), the K/V bytes read per microsecond, and that rate's share of the device
 copy bandwidth measured in the same run (bytes read + written per second by a large copy).
 SDPA peers see the cache as dense (batch, heads, keys, d) tensors with enable_gqa; flash-attn-4
 runs its varlen entry with seqused_k (and page_table for the paged rows).
+
+Varlen prefill (causal, same heads): 32 prompts of 100-4000 tokens (seeded), packed, against the
+same prompts padded to the longest (fa3.attention and cuDNN on the padded batch: what a user without
+varlen runs), flash-attn-4's varlen, and fa3.attention on a fixed-length batch with the same total
+tokens ("dense, equal tokens"). Each row gives TFLOP/s of the real (unpadded) causal work, except
+the equal-tokens row, which counts its own.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from timing import format_table, measure
+from timing import attention_flops, format_table, measure, tflops
 
 import fa3
 
@@ -89,15 +96,98 @@ def runners(q, k, v, seqlens, table, peers):
     return out
 
 
+VARLEN_PROMPTS, VARLEN_MIN, VARLEN_MAX = 32, 100, 4000
+
+
+def causal_flops(lengths) -> float:
+    return sum(attention_flops(1, HEADS_Q, n, n, D, True) for n in lengths)
+
+
+def varlen_rows(peers, gen):
+    """(rows, records) of the varlen prefill table."""
+    lengths = torch.randint(VARLEN_MIN, VARLEN_MAX + 1, (VARLEN_PROMPTS,), generator=torch.Generator().manual_seed(0)).tolist()
+    total, longest = sum(lengths), max(lengths)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    mk = lambda n, h: torch.randn(n, h, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    q, k, v = mk(total, HEADS_Q), mk(total, HEADS_KV), mk(total, HEADS_KV)
+
+    def padded(x):
+        out = x.new_zeros(VARLEN_PROMPTS, longest, x.shape[1], D)
+        for b, (start, n) in enumerate(zip(cu.tolist(), lengths)):
+            out[b, :n] = x[start:start + n]
+        return out
+    qp, kp, vp = padded(q), padded(k), padded(v)
+    mean = total // VARLEN_PROMPTS
+    qe, ke, ve = (mk(total - total % VARLEN_PROMPTS, h).view(VARLEN_PROMPTS, mean, h, D)
+                  for h in (HEADS_Q, HEADS_KV, HEADS_KV))
+    work = causal_flops(lengths)
+    runs = {
+        "fa3 varlen": (lambda: fa3.attention_varlen(q, k, v, cu, cu, longest, longest, causal=True), work),
+        "fa3 padded": (lambda: fa3.attention(qp, kp, vp, causal=True), work),
+        f"fa3 dense, equal tokens ({VARLEN_PROMPTS} x {mean})":
+            (lambda: fa3.attention(qe, ke, ve, causal=True), causal_flops([mean] * VARLEN_PROMPTS)),
+    }
+    if "sdpa-cudnn" in peers:
+        qt, kt, vt = qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2)
+
+        def cudnn():
+            with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.CUDNN_ATTENTION]):
+                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
+        runs["sdpa-cudnn padded"] = (cudnn, work)
+    if "fa4" in peers:
+        try:
+            from flash_attn.cute import flash_attn_varlen_func
+
+            runs["fa4 varlen"] = (lambda: flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                                                 max_seqlen_q=longest, max_seqlen_k=longest,
+                                                                 causal=True), work)
+        except Exception as exc:
+            print(f"fa4 skipped: {exc}")
+    ref = runs["fa3 varlen"][0]()
+    rows, records = [], []
+    for name, (fn, flops) in runs.items():
+        try:
+            got = fn()
+            got = got[0] if isinstance(got, tuple) else got
+            err = float("nan")
+            if "varlen" in name:
+                err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+            ms = measure(fn)
+        except Exception as exc:
+            print(f"  {name} failed: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+            continue
+        row = [name, f"{ms * 1e3:.0f}", f"{tflops(flops, ms):.0f}", f"{err:.1e}"]
+        print("  ".join(row), flush=True)
+        rows.append(row)
+        records.append(dict(case="varlen prefill", runner=name, us=ms * 1e3, tflops=tflops(flops, ms),
+                            prompts=VARLEN_PROMPTS, total_tokens=total, longest=longest, rel_err_vs_fa3=err))
+    return rows, records
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--peers", default="sdpa-cudnn,sdpa-flash,fa4")
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--only", choices=("decode", "varlen"), help="one of the two tables")
     args = ap.parse_args(argv)
     peers = args.peers.split(",")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    records = []
+    if args.only != "decode":
+        print(f"varlen prefill: {VARLEN_PROMPTS} prompts of {VARLEN_MIN}-{VARLEN_MAX} tokens, causal", flush=True)
+        vrows, records = varlen_rows(peers, gen)
+        print(format_table(["varlen prefill", "us", "TFLOP/s", "rel err vs fa3"], vrows))
+    if args.only != "varlen":
+        records += decode_rows(peers, gen)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+    return 0
+
+
+def decode_rows(peers, gen):
     copy_gbs = copy_bandwidth_gbs()
     print(f"device-to-device copy: {copy_gbs:.0f} GB/s (read + write)", flush=True)
-    gen = torch.Generator(device="cuda").manual_seed(0)
     rows, records = [], []
     for batch, keys in CASES:
         for page_size in (None, 64, 256):
@@ -124,10 +214,7 @@ def main(argv=None) -> int:
                                     gbs=gbs, copy_gbs=copy_gbs, rel_err_vs_fa3=err))
             del q, k, v
     print(format_table(["case", "runner", "us", "GB/s", "of copy", "rel err vs fa3"], rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(records, f, indent=1)
-    return 0
+    return records
 
 
 if __name__ == "__main__":

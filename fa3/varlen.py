@@ -87,7 +87,13 @@ def _varlen_rung(kernel, head_dim):
                              f"{_varlen_rungs()} (or kernel=None)")
         return spec
     interface.family_rung(registry.ATTENTION, None, head_dim, "q, k and v")  # head_dim's message
-    return max((registry.get(n) for n in _varlen_rungs()), key=lambda s: s.speed_rank)
+    return registry.get(_fastest_varlen_rung())
+
+
+@torch.compiler.assume_constant_result
+def _fastest_varlen_rung() -> str:
+    """(torch.compile takes it as a constant: it cannot trace max(key=))"""
+    return max((registry.get(n) for n in _varlen_rungs()), key=lambda s: s.speed_rank).name
 
 
 def _varlen_rungs():
