@@ -123,12 +123,19 @@ class WgmmaAttention(TmaRingAttention):
         if cutlass.const_expr(not self.pv_on_wgmma):
             super().compute_epilogue(ctx.k3, mO, mLSE, batch, head, scale_log2)
         else:
-            o_mn = mma.rows_cols(ctx.acc_o)
-            for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
-                inv_sum, lse = softmax.finalize(ctx.row_max[r], ctx.row_sum[r], scale_log2, 4)
-                row = ctx.m_block * self.tile_m + ctx.o_coords[r, 0][0]
-                if row < ctx.seqlen_q:
-                    for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
-                        mO[batch, row, head, ctx.o_coords[r, c][1]] = (o_mn[r, c] * inv_sum).to(self.dtype)
-                    if ctx.tidx % 4 == 0:
-                        mLSE[batch, head, row] = lse
+            self.store_o_registers(ctx, mO, mLSE, batch, head, scale_log2, 0)
+
+    @cute.jit
+    def store_o_registers(self, ctx, mO, mLSE, batch, head, scale_log2: Float32, row_offset):
+        """O / l and LSE straight from the accumulator, rows past seqlen_q dropped; rows sit at
+        row_offset + row of (batch, rows, heads, d) mO and (batch, heads, rows) mLSE (a packed
+        varlen sequence's offset, else 0)."""
+        o_mn = mma.rows_cols(ctx.acc_o)
+        for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
+            inv_sum, lse = softmax.finalize(ctx.row_max[r], ctx.row_sum[r], scale_log2, 4)
+            row = ctx.m_block * self.tile_m + ctx.o_coords[r, 0][0]
+            if row < ctx.seqlen_q:
+                for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
+                    mO[batch, row_offset + row, head, ctx.o_coords[r, c][1]] = (o_mn[r, c] * inv_sum).to(self.dtype)
+                if ctx.tidx % 4 == 0:
+                    mLSE[batch, head, row_offset + row] = lse

@@ -294,7 +294,9 @@ class WarpSpecializedAttention(WgmmaAttention):
                                                  n_blocks, wg, scale_log2)
         q_state = pipeline.release(q_pipe, q_state)  # every Q K^T of this tile has retired
         if cutlass.const_expr(self.varlen):
-            self.store_o_rows(ctx, params.o_rows, mLSE, seq, head, scale_log2)
+            # not TMA: its store clips at the tensor's edge, not the sequence's, and would
+            # overwrite the next sequence's rows
+            self.store_o_registers(ctx, params.o_rows, mLSE, 0, head, scale_log2, seq.offset_q)
         else:
             self.store_o(ctx, tma_o, mO, sO, mLSE, batch, head, scale_log2, store_pipe, ctidx, epi_tile)
         return q_state, k_state, v_state
@@ -316,21 +318,6 @@ class WarpSpecializedAttention(WgmmaAttention):
                             dsl_pipeline.NamedBarrier(barrier_id=EPILOGUE_BARRIER,
                                                       num_threads=128 * self.consumer_wgs),
                             ctidx < 32, store_pipe)
-
-    @cute.jit
-    def store_o_rows(self, ctx, mO: cute.Tensor, mLSE: cute.Tensor, seq, head: Int32,
-                     scale_log2: Float32):
-        """Varlen: O / l and LSE straight from registers, only the rows of this sequence. A TMA
-        store clips at the tensor's edge, not the sequence's: it would overwrite the next one."""
-        o_mn = mma.rows_cols(ctx.acc_o)
-        for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
-            inv_sum, lse = softmax.finalize(ctx.row_max[r], ctx.row_sum[r], scale_log2, 4)
-            row = ctx.m_block * self.tile_m + ctx.o_coords[r, 0][0]
-            if row < seq.seqlen_q:
-                for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
-                    mO[0, seq.offset_q + row, head, ctx.o_coords[r, c][1]] = (o_mn[r, c] * inv_sum).to(self.dtype)
-                if ctx.tidx % 4 == 0:
-                    mLSE[0, head, seq.offset_q + row] = lse
 
     # ---------------------------------------------------------------- ping-pong scheduling
     # The turn goes round the consumer warpgroups 1 -> 2 (-> 3) -> 1: warpgroup w waits on barrier
