@@ -32,7 +32,7 @@ from timing import format_table, median_ms, progress, write_json
 import torch
 
 import fa3
-from fa3 import _compile, interface, registry
+from fa3 import _compile, interface, masking, registry
 
 # (batch, seqlen, heads, head_dim, causal): the first is the shape the overhead issue measured
 ATTENTION_SHAPES = [(1, 128, 16, 128, False), (1, 128, 16, 128, True)]
@@ -133,7 +133,7 @@ def breakdown(calls: int) -> list[dict]:
     spec = interface._check_attention(q, k, v, None)
     out, lse = interface.launch_attention(spec, q, k, v, causal, head_dim ** -0.5)
     fn = _compile.get_attention(spec, q.dtype, head_dim, causal)
-    args = [q, k, v, out, lse, head_dim ** -0.5 * interface._LOG2E]
+    args = [q, k, v, out, lse, head_dim ** -0.5 * masking.LOG2E]
     if spec.persistent:
         args += [interface._HOPPER_SMS[q.device], interface._tile_counter(spec, causal, q.device)]
     if spec.variants:  # (interface.run_attention's order) cu_seqlens stand-ins, window, softcap

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _compile, interface
+from . import _compile, interface, masking
 
 
 def _check_backward(dout, q, k, v, out, lse, kernel):
@@ -71,7 +71,7 @@ def launch_attention_backward(spec, dout, q, k, v, out, lse, causal: bool, scale
         if lock is None:
             lock = _NO_LOCK[device] = torch.zeros(1, 1, 1, dtype=torch.int32, device=device)
     fn = _compile.get_backward(spec, dtype, head_dim, bool(causal), bool(deterministic), gqa)
-    fn(q, k, v, dout, lse2, dsum, dq_acc, dk_h, dv_h, lock, scale * interface._LOG2E, scale)
+    fn(q, k, v, dout, lse2, dsum, dq_acc, dk_h, dv_h, lock, scale * masking.LOG2E, scale)
     torch.mul(dq_acc[:, :seqlen_q], scale, out=dq)
     if gqa:
         group = heads_q // heads_kv

@@ -16,7 +16,6 @@ import torch
 from . import _compile, masking, registry
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
-_LOG2E = math.log2(math.e)
 # True while torch.compile or torch.export traces the call: checks that need real data (pointers,
 # the GPU) are left to the registered op (fa3.ops), which runs them on real tensors.
 _tracing = torch.compiler.is_compiling
@@ -94,30 +93,37 @@ def check_output(out, name: str, like: torch.Tensor) -> None:
                          "torch.empty_like(..., memory_format=torch.contiguous_format)")
 
 
-def _check_attention(q, k, v, kernel):
-    check_tensor(q, "q", 4)
-    check_tensor(k, "k", 4, q.dtype)
-    check_tensor(v, "v", 4, q.dtype)
-    batch, seqlen_q, heads_q, head_dim = q.shape
-    k_shape = k.shape  # (each .shape builds a new torch.Size: read it once)
+def check_qkv(q, k, v, kv_layout: str):
+    """What every q, k, v entry point needs, for any leading dimensions: types, ranks, dtypes,
+    k and v alike (`kv_layout` names their dimensions), one head_dim, heads_q a multiple of
+    heads_kv, one device. Returns (q.shape, k.shape)."""
+    ndim = kv_layout.count(",") + 1
+    check_tensor(q, "q", ndim)
+    check_tensor(k, "k", ndim, q.dtype)
+    check_tensor(v, "v", ndim, q.dtype)
+    q_shape, k_shape = q.shape, k.shape  # (each .shape builds a new torch.Size: read it once)
     if k_shape != v.shape:
-        raise ValueError(f"k {tuple(k_shape)} and v {tuple(v.shape)} must have the same shape "
-                         "(batch, seqlen_k, heads_kv, head_dim)")
-    if k_shape[0] != batch:
-        raise ValueError(f"q has batch {batch} but k and v have batch {k_shape[0]}")
-    if k_shape[3] != head_dim:
-        raise ValueError(f"q has head_dim {head_dim} but k and v have head_dim {k_shape[3]}; "
+        raise ValueError(f"k {tuple(k_shape)} and v {tuple(v.shape)} must have the same shape {kv_layout}")
+    head_dim, heads_q, heads_kv = q_shape[-1], q_shape[-2], k_shape[-2]
+    if k_shape[-1] != head_dim:
+        raise ValueError(f"q has head_dim {head_dim} but k and v have head_dim {k_shape[-1]}; "
                          "fa3 needs the same head_dim for q, k and v")
-    heads_kv = k_shape[2]
     if heads_kv == 0 or heads_q % heads_kv != 0:
         raise ValueError(f"heads_q={heads_q} must be a multiple of heads_kv={heads_kv} "
                          "(GQA/MQA share each k/v head among heads_q // heads_kv query heads)")
-    spec = _memo_rung(_attention_rung, kernel, head_dim)
     device = q.device
     if k.device != device or v.device != device:
         name, t = ("k", k) if k.device != device else ("v", v)
         raise ValueError(f"{name} is on {t.device} but q is on {device}; put them on one GPU")
-    check_hopper(device, "q")
+    return q_shape, k_shape
+
+
+def _check_attention(q, k, v, kernel):
+    q_shape, k_shape = check_qkv(q, k, v, "(batch, seqlen_k, heads_kv, head_dim)")
+    if k_shape[0] != q_shape[0]:
+        raise ValueError(f"q has batch {q_shape[0]} but k and v have batch {k_shape[0]}")
+    spec = _memo_rung(_attention_rung, kernel, q_shape[3])
+    check_hopper(q.device, "q")
     return spec
 
 
@@ -287,26 +293,21 @@ def launch_attention(spec, q, k, v, causal: bool, scale: float, out=None, window
         return out, lse
     if q.requires_grad or k.requires_grad or v.requires_grad:
         q, k, v = _detached(q, k, v)
-    mask = _PLAIN_MASKING[causal] if window == (-1, -1) and not softcap else \
-        masking.masking(causal, window, softcap, scale)
+    mask = masking.masking(causal, window, softcap, scale)
     args = [tma_ready(q), tma_ready(k), tma_ready(v), out, lse]
     if spec.needs_scores_workspace:
         args.append(torch.empty(batch, heads_q, seqlen_q, seqlen_k, dtype=torch.float32, device=device))
-    run_attention(spec, q.dtype, head_dim, mask, args, scale, device)
+    run_attention(spec, q.dtype, head_dim, mask, args, device)
     return out, lse
 
 
-# causal -> the Masking of a call with neither window nor softcap (scales filled in per call)
-_PLAIN_MASKING = {c: masking.Masking(c, False, 0, 0, False, 0.0, 1.0) for c in (False, True)}
-
-
-def run_attention(spec, dtype, head_dim: int, mask: masking.Masking, args: list, scale: float,
-                  device, cu_seqlens=None):
+def run_attention(spec, dtype, head_dim: int, mask: masking.Masking, args: list, device,
+                  cu_seqlens=None):
     """Append the runtime arguments after (q, k, v, o, lse[, scores]) and launch: the scale, the
     persistent ones, and the variants' (cu_seqlens_q/k when varlen, window edges, softcap scale)."""
     fn = _compile.get_attention(spec, dtype, head_dim, mask.causal, cu_seqlens is not None,
                                 mask.local, mask.softcap)
-    args.append(mask.scale_log2 if mask.softcap else scale * _LOG2E)
+    args.append(mask.scale_log2)
     if spec.persistent:
         args.append(_HOPPER_SMS[device])
         args.append(_tile_counter(spec, mask.causal, device))

@@ -36,6 +36,9 @@ class Masking(NamedTuple):
         return not (self.local or self.softcap)
 
 
+_PLAIN: dict = {}  # (causal, softmax_scale) -> the Masking of a call with neither window nor softcap
+
+
 def check_window(window_size, softcap) -> tuple[int, int]:
     """Validated (left, right) and softcap, with messages that name the argument."""
     try:
@@ -52,6 +55,15 @@ def check_window(window_size, softcap) -> tuple[int, int]:
 
 def masking(causal: bool, window_size, softcap: float, scale: float) -> Masking:
     """The kernels' view of (causal, window_size, softcap, softmax_scale); arguments checked."""
+    if window_size == (-1, -1) and not softcap:  # most calls: no checks, one dict lookup
+        mask = _PLAIN.get((causal, scale))
+        if mask is None:
+            if len(_PLAIN) > 64:  # scales that change every call must not grow it without bound
+                _PLAIN.clear()
+            mask = _PLAIN[(causal, scale)] = Masking(
+                causal=bool(causal), local=False, left=UNBOUNDED, right=UNBOUNDED, softcap=False,
+                scale_log2=scale * LOG2E, softcap_scale=1.0)
+        return mask
     left, right = check_window(window_size, softcap)
     if causal:
         right = 0

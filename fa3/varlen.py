@@ -53,22 +53,8 @@ def _check_offset_values(cu_q, cu_k, total_q, total_k, max_seqlen_q, max_seqlen_
 
 
 def _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kernel):
-    interface.check_tensor(q, "q", 3)
-    interface.check_tensor(k, "k", 3, q.dtype)
-    interface.check_tensor(v, "v", 3, q.dtype)
-    total_q, heads_q, head_dim = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape "
-                         "(total_k, heads_kv, head_dim)")
-    total_k, heads_kv, k_dim = k.shape
-    if k_dim != head_dim:
-        raise ValueError(f"q has head_dim {head_dim} but k and v have head_dim {k_dim}")
-    if heads_kv == 0 or heads_q % heads_kv:
-        raise ValueError(f"heads_q={heads_q} must be a multiple of heads_kv={heads_kv}")
+    (total_q, _, head_dim), (total_k, _, _) = interface.check_qkv(q, k, v, "(total_k, heads_kv, head_dim)")
     device = q.device
-    for name, t in (("k", k), ("v", v)):
-        if t.device != device:
-            raise ValueError(f"{name} is on {t.device} but q is on {device}; put them on one GPU")
     _check_offsets(cu_seqlens_q, "cu_seqlens_q", device)
     _check_offsets(cu_seqlens_k, "cu_seqlens_k", device, batch=cu_seqlens_q.shape[0] - 1)
     spec = interface._memo_rung(_varlen_rung, kernel, head_dim)
@@ -116,7 +102,7 @@ def launch_varlen(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale
     q4, k4, v4 = (interface.tma_ready(t.unsqueeze(0)) for t in (q, k, v))
     args = [q4, k4, v4, out.unsqueeze(0), lse.unsqueeze(0)]
     interface.run_attention(spec, q.dtype, head_dim, masking.masking(causal, window, softcap, scale),
-                            args, scale, q.device, cu_seqlens=(cu_seqlens_q, cu_seqlens_k))
+                            args, q.device, cu_seqlens=(cu_seqlens_q, cu_seqlens_k))
     return out, lse
 
 

@@ -59,11 +59,8 @@ def n_block_max(m_block: Int32, tile_m: cutlass.Constexpr, tile_n: cutlass.Const
     (or window edge) of its last query (`rows_per_query`: a packed GQA tile, as in `apply`)."""
     n_end = seqlen_k
     if cutlass.const_expr(causal or window is not None):
-        if cutlass.const_expr(rows_per_query is None and window is None):
-            n_end = cutlass.max(cutlass.min(seqlen_k, (m_block + 1) * tile_m + seqlen_k - seqlen_q), 0)
-        else:
-            last_query = _query((m_block + 1) * tile_m - 1, seqlen_q, rows_per_query)
-            n_end = cutlass.max(col_limit(last_query, seqlen_q, seqlen_k, causal, window), 0)
+        last_query = _query((m_block + 1) * tile_m - 1, seqlen_q, rows_per_query)
+        n_end = cutlass.max(col_limit(last_query, seqlen_q, seqlen_k, causal, window), 0)
     return (n_end + tile_n - 1) // tile_n
 
 
