@@ -8,13 +8,17 @@ gives each rung's ratio to cuBLAS per shape.
 
     python benchmarks/bench_gemm.py [--kernels all|g1,g2,g3] [--shapes 4096x4096x4096,...]
         [--dtype bf16|fp16] [--rounds 3] [--json FILE]
+    python benchmarks/bench_gemm.py --sweep [--shapes ...]
 
-Shapes are M x N x K.
+Shapes are M x N x K. --sweep times g3's kernel at every tile M x N x K-depth x stages of SWEEP
+(stages 0: as many as fit) on each shape and prints one table: the SMEM each takes, µs per call,
+and cuBLAS's time over it in the same run; it is the evidence behind the tile heuristic in fa3.matmul.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 
@@ -27,6 +31,10 @@ from fa3 import registry
 
 DEFAULT_SHAPES = ((4096, 4096, 4096), (8192, 8192, 8192), (8192, 8192, 1024), (16384, 2048, 8192),
                   (1000, 3000, 520))
+# --shapes models: the projections of Llama-3-8B/70B-shaped models (N, K) at decode to prefill M
+MODEL_SHAPES = tuple((m, n, k) for m in (1, 16, 64, 128, 512, 2048, 8192, 16384)
+                     for n, k in ((4096, 4096), (14336, 4096), (4096, 14336), (128256, 4096),
+                                  (28672, 8192), (8192, 28672))) + ((4096, 4096, 4096), (8192, 8192, 8192))
 CUBLAS = "cublas"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -86,6 +94,53 @@ def sweep(shapes, kernels, dtype, *, rounds, warmup, repeats, max_call_s) -> lis
     return rows
 
 
+# (tile_m, tile_n, tile_k, stages): 64-row tiles run on one MMA warpgroup, 128-row on two
+SWEEP = tuple((tm, tn, tk, st) for tm, tn in ((64, 32), (64, 64), (64, 128), (64, 256), (128, 64), (128, 128), (128, 256))
+              for tk, st in ((64, 0), (128, 0)) if not (tm == 128 and tn == 256 and tk == 128)) \
+    + ((128, 256, 64, 2), (128, 256, 64, 3))
+SWEEP_SHAPES = tuple((m, n, k) for m in (1, 64, 128, 512, 2048) for n, k in ((4096, 4096), (4096, 14336))) \
+    + ((1, 14336, 4096), (16, 128256, 4096), (8192, 8192, 8192))
+
+
+def tile_config(tile_m, tile_n, tile_k, stages) -> tuple:
+    """g3 config overrides for one sweep point (fa3._compile.get_gemm's `tiles`)."""
+    return (("tile_m", tile_m), ("tile_n", tile_n), ("tile_k", tile_k), ("stages", stages),
+            ("mma_warpgroups", tile_m // 64))
+
+
+def sweep_tiles(shapes, dtype, *, warmup, repeats, max_call_s) -> tuple[list, list]:
+    """(headers, rows): one row per sweep point, TFLOP/s per shape, then the cuBLAS row."""
+    from fa3 import _compile
+    from fa3.kernels.gemm import PersistentGemm
+
+    spec = registry.get("g3")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    operands = []
+    for m, n, k in shapes:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        operands.append((torch.randn(m, k, device="cuda", dtype=dtype, generator=gen),
+                         torch.randn(k, n, device="cuda", dtype=dtype, generator=gen),
+                         torch.empty(m, n, device="cuda", dtype=dtype)))
+    cublas = [measure(cublas_call(a, b, c), warmup=warmup, repeats=repeats, max_call_s=max_call_s)
+              for a, b, c in operands]
+    rows = []
+    for point in SWEEP:
+        tiles = tile_config(*point)
+        config = {**spec.config, **dict(tiles)}
+        model = PersistentGemm(_compile.cute_dtype(dtype), **config)
+        smem_kb = model.stages * (point[0] + point[1]) * point[2] * 2 / 1024
+        fn = _compile.get_gemm(spec, dtype, "row", "row", tiles)
+        rates = []
+        for (m, n, k), (a, b, c), base in zip(shapes, operands, cublas):
+            ms = measure(lambda: fn(a, b, c, sms), warmup=warmup, repeats=repeats, max_call_s=max_call_s)
+            rates.append(f"{ms * 1e3:.1f} ({base / ms:.2f})")
+        progress(f"{point}: {model.stages} stages, {smem_kb:.0f} KB ring: {'  '.join(rates)}")
+        rows.append([f"{point[0]}x{point[1]}x{point[2]}", model.stages, f"{smem_kb:.0f}", *rates])
+    rows.append(["cuBLAS", "-", "-", *(f"{ms * 1e3:.1f}" for ms in cublas)])
+    headers = ["tile MxNxK", "stages", "ring KB", *(f"{m}x{n}x{k}" for m, n, k in shapes)]
+    return headers, rows
+
+
 def table(rows, kernels) -> str:
     headers = ["M x N x K", *kernels, CUBLAS, *(f"{k}/cuBLAS" for k in kernels)]
     body = []
@@ -94,6 +149,21 @@ def table(rows, kernels) -> str:
         ratios = [f"{rate[k] / rate[CUBLAS]:.2f}" if rate[k] and rate[CUBLAS] else None for k in kernels]
         body.append([f"{row['m']}x{row['n']}x{row['k']}", *(rate[k] for k in kernels), rate[CUBLAS], *ratios])
     return format_table(headers, body)
+
+
+def summary(rows, kernels) -> str:
+    """Each rung's geometric mean and minimum ratio to cuBLAS over the shapes both ran."""
+    lines = []
+    for name in kernels:
+        ratios = {f"{row['m']}x{row['n']}x{row['k']}": row["results"][name]["tflops"] / row["results"][CUBLAS]["tflops"]
+                  for row in rows if "tflops" in row["results"].get(name, {})
+                  and "tflops" in row["results"].get(CUBLAS, {})}
+        if ratios:
+            geomean = math.exp(sum(math.log(r) for r in ratios.values()) / len(ratios))
+            worst = min(ratios, key=ratios.get)
+            lines.append(f"{name}/cuBLAS over {len(ratios)} shapes: geometric mean {geomean:.3f}, minimum "
+                         f"{ratios[worst]:.2f} ({worst}), {sum(r < 0.9 for r in ratios.values())} below 0.9")
+    return "\n".join(lines)
 
 
 def _shape(s: str) -> tuple[int, int, int]:
@@ -105,14 +175,17 @@ def parse_args(argv=None):
     rungs = registry.available_kernels(registry.GEMM)
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--kernels", default="all", help=f"'all' or a comma list of {','.join(rungs)}")
-    p.add_argument("--shapes", type=lambda s: [_shape(x) for x in s.split(",") if x],
-                   default=list(DEFAULT_SHAPES), help="comma list of MxNxK")
+    p.add_argument("--shapes", type=lambda s: list(MODEL_SHAPES) if s == "models" else
+                   [_shape(x) for x in s.split(",") if x],
+                   default=list(DEFAULT_SHAPES), help="comma list of MxNxK, or 'models' (MODEL_SHAPES)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--json", metavar="FILE", help="also write every measurement here")
     p.add_argument("--rounds", type=int, default=3, help="timings per runner and shape, order rotated")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--max-call-s", type=float, default=MAX_CALL_S)
+    p.add_argument("--sweep", action="store_true",
+                   help="time g3 at every tile shape x K depth x stages of SWEEP (default shapes: SWEEP_SHAPES)")
     args = p.parse_args(argv)
     args.kernels = rungs if args.kernels == "all" else [x for x in args.kernels.split(",") if x]
     unknown = [n for n in args.kernels if n not in rungs]
@@ -127,10 +200,22 @@ def main(argv=None) -> int:
         print("bench_gemm needs a CUDA GPU (a Hopper GPU for the fa3 rungs); none was found.")
         return 2
     progress(f"{torch.cuda.get_device_name()}; {args.dtype}; TFLOP/s = 2MNK / median CUDA-event time")
+    if args.sweep:
+        shapes = args.shapes if args.shapes != list(DEFAULT_SHAPES) else list(SWEEP_SHAPES)
+        progress("cells: µs per call (cuBLAS's time / this one, same run)")
+        headers, rows = sweep_tiles(shapes, DTYPES[args.dtype], warmup=args.warmup, repeats=args.repeats,
+                                    max_call_s=args.max_call_s)
+        print()
+        print(format_table(headers, rows))
+        if args.json:
+            write_json(args.json, {"setting": {"dtype": args.dtype, "sweep": True}, "headers": headers,
+                                   "rows": rows})
+        return 0
     rows = sweep(args.shapes, args.kernels, DTYPES[args.dtype], rounds=args.rounds, warmup=args.warmup,
                  repeats=args.repeats, max_call_s=args.max_call_s)
     print()
     print(table(rows, args.kernels))
+    print(summary(rows, args.kernels))
     if args.json:
         write_json(args.json, {"setting": {"dtype": args.dtype, "layout": "row-major A and B"},
                                "rows": rows})

@@ -12,6 +12,7 @@ which is why nothing in fa3 imports cutlass at module import time.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import io
 import os
@@ -255,12 +256,15 @@ def _build_gemm(spec, dtype, a_layout="row", b_layout="row", extra_options=""):
     return _compile_kernel(kernel, _gemm_fake_args(dtype, a_layout, b_layout), extra_options)
 
 
-def get_gemm(spec, dtype, a_layout, b_layout):
+def get_gemm(spec, dtype, a_layout, b_layout, tiles: tuple = ()):
     """The compiled GEMM for this rung, dtype and operand layouts (compiled on first use); call it
-    as fn(a, b, c, sm_count). Like get_attention, a hit is one dict lookup."""
-    fast_key = ("gemm", spec.name, dtype, a_layout, b_layout)
+    as fn(a, b, c, sm_count). `tiles`: ((key, value), ...) overrides of the rung's config (the
+    tile shape the GEMM heuristic picks per problem). Like get_attention, a hit is one dict lookup."""
+    fast_key = ("gemm", spec.name, dtype, a_layout, b_layout, tiles)
     fn = _FAST.get(fast_key)
     if fn is None:
+        if tiles:
+            spec = dataclasses.replace(spec, config={**spec.config, **dict(tiles)})
         fn = _FAST[fast_key] = _cached(gemm_key(spec, dtype, a_layout, b_layout),
                                        lambda: _build_gemm(spec, dtype, a_layout, b_layout))
     return fn

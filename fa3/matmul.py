@@ -14,6 +14,14 @@ from . import _compile, interface, registry
 
 _TMA_ELEMS = 8  # 16 bytes of a 16-bit type: TMA's alignment for row strides and base addresses
 
+# Output tiles (tile_m, tile_n) of the persistent rung, largest first: a problem takes the first
+# whose tile count fills ~90% of the SMs (fewer tiles leave SMs idle, which costs more than smaller
+# tiles do), 128-row tiles only for M > 64 (a 64-row tile on one MMA warpgroup wastes no rows).
+# From `bench_gemm.py --sweep` (worklog/gemm.md): e.g. 128x4096x4096 took 17 us with 64x64 tiles
+# and 43 us with 128x256; 512x4096x4096 26 us with 64x256 and 44 us with 128x256.
+PERSISTENT_TILES = ((128, 256), (64, 256), (64, 128), (64, 64))
+_FILL = 0.9
+
 
 class _OutputSpec(NamedTuple):  # what interface.check_output compares `out` against, without allocating
     shape: torch.Size
@@ -25,43 +33,59 @@ def _round_up(x: int, to: int = _TMA_ELEMS) -> int:
     return -(-x // to) * to
 
 
-def _gemm_operand(t: torch.Tensor, name: str, dims: tuple[str, str]):
-    """(view, layout) of a 2-D GEMM operand whose dimensions are called `dims`: layout "row" if the
-    second dimension has unit stride (contiguous), "col" if the first does (a .t() view). The
-    unit-stride dimension's length and the other stride must be multiples of 8 (16 bytes: TMA).
-    A length-1 dimension's stride is meaningless, so it is set to an aligned value (a view)."""
+def _aligned_view(t: torch.Tensor):
+    """(view, layout) of a 2-D operand that TMA can read as it is (no copy), else None: layout "row"
+    if the second dimension has unit stride, "col" if the first does (a .t() view), and the other
+    stride a multiple of 8 elements (16 bytes) and at least the unit-stride extent (no overlapping
+    rows). A length-1 dimension's stride is meaningless, so it is set to an aligned value (a view)."""
     rows, cols = t.shape
-    lead = t.stride(0)
-    if t.stride(1) == 1 and rows > 1 and cols % _TMA_ELEMS == 0 and lead % _TMA_ELEMS == 0 \
-            and lead >= cols and (interface._tracing() or t.data_ptr() % 16 == 0):
-        return t, "row"  # the common case (a contiguous tensor), decided without the search below
-    candidates = [layout for layout, unit, extent in (("row", t.stride(1), cols), ("col", t.stride(0), rows))
-                  if unit == 1 or extent == 1]
-    if not candidates:
-        raise ValueError(f"{name} has strides {t.stride()}: neither dimension is contiguous; pass "
-                         f"{name}.contiguous()")
-    problems = []
-    for layout in candidates:
-        unit_dim = 1 if layout == "row" else 0
-        extent, other = t.shape[unit_dim], t.shape[1 - unit_dim]
-        lead = t.stride(1 - unit_dim) if other > 1 else _round_up(extent)
-        if extent % _TMA_ELEMS:
-            problems.append(f"{name} is {'row' if layout == 'row' else 'column'}-major, so {dims[unit_dim]} = {extent} must be a multiple "
-                            f"of {_TMA_ELEMS} (TMA reads 16-byte aligned rows); pad {name} with zeros to "
-                            f"{dims[unit_dim]} = {_round_up(extent)}"
-                            + ("" if dims[unit_dim] == "K" else " and slice the result"))
-        elif lead % _TMA_ELEMS or lead < extent:  # misaligned, or overlapping (expanded) rows
-            problems.append(f"{name} has strides {t.stride()}: its {'row' if layout == 'row' else 'column'} "
-                            f"stride {lead} must be a multiple of {_TMA_ELEMS} elements (16 bytes, TMA) "
-                            f"and at least {extent}; pass {name}.contiguous()")
-        else:
+    if not interface._tracing() and t.data_ptr() % 16:
+        return None
+    for layout, unit, extent, other, lead in (("row", t.stride(1), cols, rows, t.stride(0)),
+                                               ("col", t.stride(0), rows, cols, t.stride(1))):
+        if unit != 1 and extent != 1:
+            continue
+        if other == 1:
+            lead = _round_up(extent)
+        if lead % _TMA_ELEMS == 0 and lead >= extent:
             strides = (lead, 1) if layout == "row" else (1, lead)
-            view = t if strides == t.stride() else t.as_strided(t.shape, strides)
-            if not interface._tracing() and view.data_ptr() % 16:  # traced: fa3::gemm checks when it runs
-                raise ValueError(f"{name}.data_ptr() is not 16-byte aligned (a view at an odd offset); "
-                                 f"pass {name}.clone()")
-            return view, layout
-    raise ValueError(problems[0])
+            return (t if strides == t.stride() else t.as_strided(t.shape, strides)), layout
+    return None
+
+
+def _padded(rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
+    """A (rows, cols) view of a fresh (rows, cols rounded up to 8) buffer: rows 16-byte aligned."""
+    return torch.empty(rows, _round_up(cols), dtype=like.dtype, device=like.device)[:, :cols]
+
+
+def tma_operand(t: torch.Tensor):
+    """(view, layout): `t` itself if TMA can read it, else a row-major copy with 16-byte aligned
+    rows (ragged or misaligned strides, odd offsets, expanded or strided views: what `a @ b` takes
+    and TMA cannot). The copy costs one pass over the operand, far less than the GEMM."""
+    ready = _aligned_view(t)
+    if ready is not None:
+        return ready
+    copy = _padded(*t.shape, t)
+    copy.copy_(t)
+    return copy, "row"
+
+
+def persistent_tiles(m: int, n: int, sm_count: int) -> tuple:
+    """Config overrides of the persistent rung for an (m, n) output: () keeps its 128x256 tiles."""
+    for tile_m, tile_n in PERSISTENT_TILES:
+        if tile_m > 64 and m <= 64:
+            continue
+        if -(-m // tile_m) * -(-n // tile_n) >= _FILL * sm_count:
+            break
+    return tile_overrides(tile_m, tile_n)
+
+
+def tile_overrides(tile_m: int, tile_n: int) -> tuple:
+    """The persistent rung's config overrides for (tile_m, tile_n): one MMA warpgroup per 64 rows;
+    () for its registry tiles (one compile, one cache entry)."""
+    if (tile_m, tile_n) == PERSISTENT_TILES[0]:
+        return ()
+    return (("mma_warpgroups", tile_m // 64), ("tile_m", tile_m), ("tile_n", tile_n))
 
 
 def _gemm_rung(kernel):
@@ -74,8 +98,7 @@ def _gemm_rung(kernel):
 
 
 def _check_gemm(a, b, out, kernel):
-    """Validate fa3.gemm's arguments; returns (spec, a, a_layout, b, b_layout) with operands as
-    TMA-ready views (no copies). Layout checks run only when a kernel will be launched."""
+    """Validate fa3.gemm's arguments (any 2-D pair that a @ b takes); returns the rung's spec."""
     interface.check_tensor(a, "a", 2, unit_stride_last=False)
     interface.check_tensor(b, "b", 2, a.dtype, unit_stride_last=False)
     (m, k), n = a.shape, b.shape[1]
@@ -87,49 +110,37 @@ def _check_gemm(a, b, out, kernel):
         raise ValueError(f"b is on {b.device} but a is on {a.device}; put them on one GPU")
     if out is not None:
         interface.check_output(out, "out", _OutputSpec(torch.Size((m, n)), a.dtype, a.device))
-    a, a_layout, b, b_layout = gemm_operands(a, b)
     interface.check_hopper(a.device, "a")
-    return spec, a, a_layout, b, b_layout
-
-
-def gemm_operands(a, b):
-    """(a, a_layout, b, b_layout): both operands as TMA-ready views, checked. Layouts are checked
-    only when a kernel will be launched (M, N and K all nonzero); otherwise both are "row"."""
-    (m, k), n = a.shape, b.shape[1]
-    if not (m and n and k):
-        return a, "row", b, "row"
-    a, a_layout = _gemm_operand(a, "a", ("M", "K"))
-    b, b_layout = _gemm_operand(b, "b", ("K", "N"))
-    if n % _TMA_ELEMS:
-        raise ValueError(f"N = {n} (b.shape[1]) must be a multiple of {_TMA_ELEMS}: the output's rows "
-                         f"are written by TMA, which needs 16-byte aligned rows; pad b with zero "
-                         f"columns to N = {_round_up(n)} and slice the result")
-    return a, a_layout, b, b_layout
+    return spec
 
 
 def gemm(a, b, *, out=None, kernel: str | None = None):
     """a @ b for 2-D bf16/fp16 tensors on a Hopper GPU: FP32 accumulation, output in the input dtype.
 
-    a: (M, K), b: (K, N), one dtype. Either may be row-major (contiguous) or column-major (a .t()
-    view): no copies are made. The contiguous dimension of each (K for a row-major a, N for a
-    row-major b, M for a column-major a, K for a column-major b), and N, must be multiples of 8.
-    kernel: a rung of fa3.available_kernels("gemm"); None picks the fastest.
+    a: (M, K), b: (K, N), one dtype, any strides. Row-major (contiguous) and column-major (.t()
+    views) operands with 16-byte aligned rows are read in place; anything else TMA cannot read
+    (a dimension not a multiple of 8 in a contiguous tensor, strided or expanded views, odd
+    offsets) is first copied into an aligned buffer, and so is the output when N is not a multiple
+    of 8 (then copied into the result).
+    kernel: a rung of fa3.available_kernels("gemm"); None picks the fastest, whose tile shape is
+    chosen per problem (PERSISTENT_TILES).
     out: optional preallocated (M, N) output, same dtype and device, contiguous.
     Returns out. M or N = 0 gives an empty result; K = 0 gives zeros.
 
     Like fa3.attention, this is a torch custom op (`torch.ops.fa3.gemm`) behind a validating
-    wrapper: it traces under torch.compile and torch.export and can be captured in CUDA graphs.
+    wrapper: it traces under torch.compile and torch.export, can be captured in CUDA graphs, and
+    is differentiable (dA = dC B^T and dB = A^T dC on the same kernels, through transposed views).
     """
-    spec, a_view, a_layout, b_view, b_layout = _check_gemm(a, b, out, kernel)
+    spec = _check_gemm(a, b, out, kernel)
     if interface.direct_call_ok(a, b):
-        return launch_gemm(spec, a_view, a_layout, b_view, b_layout, out)
+        return launch_gemm(spec, a, b, out)
     result = torch.ops.fa3.gemm(a, b, spec.name)
     return result if out is None else out.copy_(result)  # the op is functional
 
 
-def launch_gemm(spec, a, a_layout, b, b_layout, out=None):
+def launch_gemm(spec, a, b, out=None):
     """Allocate `out` unless given and launch rung `spec` on torch's current stream; the body of
-    the fa3::gemm op. a and b are gemm_operands' views."""
+    the fa3::gemm op. a and b are checked operands, in any layout."""
     m, k, n = a.shape[0], a.shape[1], b.shape[1]
     if out is None:
         out = torch.empty(m, n, dtype=a.dtype, device=a.device)
@@ -137,8 +148,14 @@ def launch_gemm(spec, a, a_layout, b, b_layout, out=None):
         return out
     if k == 0:
         return out.zero_()
-    fn = _compile.get_gemm(spec, a.dtype, a_layout, b_layout)
     if a.requires_grad or b.requires_grad:
         a, b = interface._detached(a, b)
-    fn(a, b, out, interface._HOPPER_SMS[a.device])
-    return out
+    a, a_layout = tma_operand(a)
+    b, b_layout = tma_operand(b)
+    sm_count = interface._HOPPER_SMS[a.device]
+    tiles = persistent_tiles(m, n, sm_count) if spec.cls == "PersistentGemm" else ()
+    fn = _compile.get_gemm(spec, a.dtype, a_layout, b_layout, tiles)
+    # TMA stores 16-byte aligned rows: a ragged N goes through a padded buffer
+    c = out if n % _TMA_ELEMS == 0 and out.data_ptr() % 16 == 0 else _padded(m, n, out)
+    fn(a, b, c, sm_count)
+    return out if c is out else out.copy_(c)

@@ -94,13 +94,28 @@ attention.register_autograd(_attention_grads, setup_context=_save_for_backward)
 @torch.library.custom_op("fa3::gemm", mutates_args=(), schema="(Tensor a, Tensor b, str kernel) -> Tensor")
 def gemm(a, b, kernel):
     """a @ b with rung `kernel`: a new contiguous (M, N) tensor in a's dtype."""
-    spec, a, a_layout, b, b_layout = matmul._check_gemm(a, b, None, kernel)
-    return matmul.launch_gemm(spec, a, a_layout, b, b_layout)
+    return matmul.launch_gemm(matmul._check_gemm(a, b, None, kernel), a, b)
 
 
 @gemm.register_fake
 def _gemm_fake(a, b, kernel):
     return a.new_empty((a.shape[0], b.shape[1]))
+
+
+def _gemm_save(ctx, inputs, output):
+    a, b, ctx.kernel = inputs
+    ctx.save_for_backward(a, b)
+
+
+def _gemm_grads(ctx, dc):
+    """dA = dC B^T and dB = A^T dC: the same op on transposed views (no copies)."""
+    a, b = ctx.saved_tensors
+    da = torch.ops.fa3.gemm(dc, b.t(), ctx.kernel) if ctx.needs_input_grad[0] else None
+    db = torch.ops.fa3.gemm(a.t(), dc, ctx.kernel) if ctx.needs_input_grad[1] else None
+    return da, db, None
+
+
+gemm.register_autograd(_gemm_grads, setup_context=_gemm_save)
 
 
 _VARLEN_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, bool causal, "

@@ -18,7 +18,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from .common import epilogue, mma, pipeline, scheduler, smem, tma
 
-EPI_STAGES = 4  # SMEM buffers for the stored subtiles
+EPI_STAGES = 4  # SMEM buffers for the stored subtiles (fewer if a tile has fewer subtiles)
 _BARRIER_BYTES = 1024  # pipeline barriers and alignment slack in the SMEM budget
 
 
@@ -44,9 +44,10 @@ class GemmBase:
         self.epi_tile = epilogue.subtile(tile_m, mma_warpgroups)
         subtiles = (tile_m // self.epi_tile[0]) * (tile_n // self.epi_tile[1])
         # buffers restart at 0 on each tile (persistent kernels): whole rounds per tile
-        assert subtiles % EPI_STAGES == 0, f"{subtiles} epilogue subtiles per tile"
+        self.epi_stages = min(EPI_STAGES, subtiles)
+        assert subtiles % self.epi_stages == 0, f"{subtiles} epilogue subtiles per tile"
         elem_bytes = dtype.width // 8
-        epi_bytes = self.epi_tile[0] * self.epi_tile[1] * EPI_STAGES * elem_bytes
+        epi_bytes = self.epi_tile[0] * self.epi_tile[1] * self.epi_stages * elem_bytes
         stage_bytes = (tile_m + tile_n) * tile_k * elem_bytes
         # stages=0: as many as fit beside the epilogue buffers
         self.stages = stages or smem.stages_that_fit(stage_bytes, epi_bytes + _BARRIER_BYTES)
@@ -63,7 +64,7 @@ class GemmBase:
                                   b_major="MN" if b_mn else "K", warpgroups=self.mma_warpgroups)
         sA_layout = smem.tile_layout(self.dtype, self.tile_m, self.tile_k, self.stages, rows_contiguous=a_mn)
         sB_layout = smem.tile_layout(self.dtype, self.tile_n, self.tile_k, self.stages, rows_contiguous=b_mn)
-        sC_layout = epilogue.smem_layout(self.dtype, self.epi_tile, EPI_STAGES)
+        sC_layout = epilogue.smem_layout(self.dtype, self.epi_tile, self.epi_stages)
         tma_a, tA = tma.make_load(mA, sA_layout, (self.tile_m, self.tile_k))
         tma_b, tB = tma.make_load(mB, sB_layout, (self.tile_n, self.tile_k))
         tma_c, tC = tma.make_store(mC, sC_layout, self.epi_tile)
@@ -193,7 +194,7 @@ class StagedGemm(GemmBase):
         if warp_idx == 0:
             pipeline.tail(ring, producer)
 
-        store_pipe = epilogue.store_pipeline(EPI_STAGES, self.mma_threads)
+        store_pipe = epilogue.store_pipeline(self.epi_stages, self.mma_threads)
         gC = cute.local_tile(mC, (self.tile_m, self.tile_n), (m_tile, n_tile))
         self.store_acc(acc, tiled_mma, tidx, sC, tma_c, gC, warp_idx == 0, store_pipe)
         if warp_idx == 0:
@@ -257,7 +258,7 @@ class PersistentGemm(GemmBase):
             mma_tidx = tidx - 128
             tCrA, tCrB, acc = self.mma_operands(tiled_mma, mma_tidx, sA, sB)
             gC_tiles = cute.local_tile(mC, (self.tile_m, self.tile_n), (None, None))
-            store_pipe = epilogue.store_pipeline(EPI_STAGES, self.mma_threads)
+            store_pipe = epilogue.store_pipeline(self.epi_stages, self.mma_threads)
             is_store_warp = warp_idx == 4
             # ring states carry over from tile to tile: the ring does not restart
             read = pipeline.consumer_state(self.stages)

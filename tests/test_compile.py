@@ -5,6 +5,7 @@ compiled at head_dim 128 causal, and at 64 and 256 non-causal where the rung sup
 rungs with their family's defaults. ptxas' registers and spills are printed for each.
 """
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 import fa3.__main__ as cli
-from fa3 import _compile, registry
+from fa3 import _compile, matmul, registry
 
 cli.prepare_dsl_env()  # before the first compile imports cutlass: sm_90a, no PTX files in the cwd
 
@@ -72,6 +73,17 @@ def test_variants_compile(name, static, promises):
     for promise in promises:
         assert promise in report.ptx, f"{name} {static}: {promise!r} missing"
     assert report.spill_bytes == 0, f"{name} {static} spills"
+
+
+@pytest.mark.parametrize("tile_m, tile_n", matmul.PERSISTENT_TILES[1:])
+def test_persistent_gemm_tile_shapes_compile(tile_m, tile_n):
+    """The tile shapes fa3.gemm picks per problem compile for sm_90a with the rung's PTX, no spills."""
+    spec = registry.get("g3")
+    spec = dataclasses.replace(spec, config={**spec.config, **dict(matmul.tile_overrides(tile_m, tile_n))})
+    report = _compile.compile_report(spec, torch.bfloat16)
+    for promise in spec.ptx_promises:
+        assert promise in report.ptx, f"{tile_m}x{tile_n}: {promise!r} missing"
+    assert report.spill_bytes == 0, f"{tile_m}x{tile_n} spills"
 
 
 def test_attention_key_covers_static_configuration():

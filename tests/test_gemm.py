@@ -2,8 +2,10 @@
 
 Inputs are fresh torch.randn; outputs are preallocated and poisoned with NaN so that any element a
 kernel fails to write fails the test. Shapes cover ragged M/N/K tiles (1000x3000x520, 129x136x72,
-1x8x8), more tiles than SMs (the persistent rung loops), and every row/column-major combination
-of a and b (transposed views, no copies). Sizes are written M x N x K.
+1x8x8), more tiles than SMs (the persistent rung loops), every row/column-major combination
+of a and b (transposed views, no copies), the layouts TMA cannot read in place (copied inside:
+N, K or M not multiples of 8, strided, expanded and misaligned views), each tile shape the
+persistent rung picks, and gradients against a float64 reference. Sizes are written M x N x K.
 """
 
 import pytest
@@ -79,3 +81,83 @@ def test_empty_and_zero_k():
     a, b = operands(16, 64, 0, torch.bfloat16)
     out = torch.full((16, 64), float("nan"), device="cuda", dtype=torch.bfloat16)
     assert torch.equal(fa3.gemm(a, b, out=out), torch.zeros_like(out))
+
+
+def odd(t: torch.Tensor, how: str) -> torch.Tensor:
+    """The same values as t in a layout TMA cannot read in place."""
+    rows, cols = t.shape
+    if how == "strided":  # every other column of a wider tensor
+        wide = torch.empty(rows, 2 * cols, device=t.device, dtype=t.dtype)
+        wide[:, ::2] = t
+        return wide[:, ::2]
+    if how == "offset":  # 2 bytes past a 16-byte boundary
+        flat = torch.empty(rows * cols + 1, device=t.device, dtype=t.dtype)
+        view = flat[1:].view(rows, cols)
+        view.copy_(t)
+        return view
+    if how == "col":
+        return t.t().contiguous().t()
+    return t
+
+
+@pytest.mark.parametrize("m, n, k", [(1, 100, 30), (257, 100, 72), (33, 7, 13), (130, 1, 264), (5, 24, 1)],
+                         ids=lambda x: str(x))
+@pytest.mark.parametrize("kernel", RUNGS)
+def test_ragged_shapes(kernel, m, n, k):
+    """N, K, M not multiples of 8 (copied into aligned buffers inside), row- and column-major."""
+    a, b = operands(m, n, k, torch.bfloat16, seed=2)
+    check(kernel, a, b)
+    check(kernel, odd(a, "col"), odd(b, "col"))
+    assert fa3.gemm(a, b, kernel=kernel).is_contiguous()
+
+
+@pytest.mark.parametrize("a_how, b_how", [("strided", "row"), ("row", "offset"), ("offset", "strided"),
+                                          ("col", "strided")])
+def test_views_tma_cannot_read(a_how, b_how):
+    a, b = operands(96, 136, 80, torch.bfloat16, seed=3)
+    check(None, odd(a, a_how), odd(b, b_how))
+    expanded = a[:1].expand(96, 80)
+    check(None, expanded, b)
+
+
+@pytest.mark.parametrize("m, n, k", [(2048, 4096, 264), (512, 4096, 200), (256, 3840, 136), (128, 4096, 72),
+                                     (16, 128256 // 8, 64)], ids=lambda x: str(x))
+def test_each_persistent_tile_shape(m, n, k):
+    a, b = operands(m, n, k, torch.bfloat16, seed=4)
+    check("g3", a, b)
+
+
+def test_tile_shapes_covered():
+    """The shapes above reach every tile shape of PERSISTENT_TILES on this GPU."""
+    from fa3 import matmul
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    shapes = [(2048, 4096), (512, 4096), (256, 3840), (128, 4096)]
+    got = {matmul.persistent_tiles(m, n, sms) for m, n in shapes}
+    assert len(got) == len(matmul.PERSISTENT_TILES), got
+
+
+@pytest.mark.parametrize("a_layout, b_layout", [("row", "row"), ("col", "row"), ("row", "col")])
+@pytest.mark.parametrize("m, n, k", [(200, 136, 264), (1, 100, 30)], ids=lambda x: str(x))
+def test_gradients(m, n, k, a_layout, b_layout):
+    a, b = operands(m, n, k, torch.bfloat16, a_layout, b_layout, seed=5)
+    a.requires_grad_(True)
+    b.requires_grad_(True)
+    dc = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    (fa3.gemm(a, b) * dc).sum().backward()
+    a64, b64 = a.detach().double().requires_grad_(True), b.detach().double().requires_grad_(True)
+    ((a64 @ b64) * dc.double()).sum().backward()
+    for name, got, want in (("a", a.grad, a64.grad), ("b", b.grad, b64.grad)):
+        assert got is not None and got.dtype == torch.bfloat16 and torch.isfinite(got).all(), name
+        err = rel_err(got, want)
+        assert err < TOLERANCE[torch.bfloat16], f"d{name}: relative error {err:.2e}"
+
+
+def test_gradients_under_compile():
+    a, b = operands(128, 256, 64, torch.bfloat16, seed=6)
+    a.requires_grad_(True)
+    b.requires_grad_(True)
+    fn = torch.compile(lambda x, y: (fa3.gemm(x, y).float() ** 2).sum(), fullgraph=True)
+    fn(a, b).backward()
+    ref_a, ref_b = a.detach().float().requires_grad_(True), b.detach().float().requires_grad_(True)
+    ((ref_a @ ref_b) ** 2).sum().backward()
+    assert rel_err(a.grad, ref_a.grad) < 2e-2 and rel_err(b.grad, ref_b.grad) < 2e-2

@@ -1,8 +1,9 @@
-"""CPU tests: every bad argument to fa3.gemm fails with a message that names it and the fix, and
-good layouts (row/column-major, length-1 dimensions) are accepted as views without copies.
+"""CPU tests: every bad argument to fa3.gemm fails with a message that names it and the fix; TMA-ready
+layouts (row/column-major with aligned rows, length-1 dimensions) are used as views without copies,
+and every other layout that a @ b takes is copied into an aligned buffer, never refused.
 
-Shape, dtype and layout checks run before the device check, so CPU tensors reach all of them; a
-valid call on CPU tensors ends at "move it with a.cuda()".
+Shape and dtype checks run before the device check, so CPU tensors reach all of them; a valid call
+on CPU tensors ends at "move it with a.cuda()".
 """
 
 import pytest
@@ -62,38 +63,45 @@ def test_inner_dims_mismatch():
     raises(ValueError, "K = 32", "40", "a @ b", a=a, b=b)
 
 
-@pytest.mark.parametrize("m, k, n, name, dim", [
-    (16, 30, 24, "a", "K = 30"),   # row-major a: K is its contiguous dimension
-    (16, 32, 20, "b", "N = 20"),   # row-major b: N is
+# what a @ b takes and TMA cannot read in place: each is copied into a row-major buffer with
+# 16-byte aligned rows (a @ b's values unchanged), never refused
+ODD_OPERANDS = {
+    "ragged K, row-major": lambda: torch.randn(16, 30, dtype=BF16),
+    "ragged M, column-major": lambda: torch.randn(30, 12, dtype=BF16).t(),
+    "misaligned row stride": lambda: torch.randn(16, 36, dtype=BF16)[:, :32],
+    "no unit stride": lambda: torch.randn(16, 64, dtype=BF16)[:, ::2],
+    "expanded rows": lambda: torch.randn(1, 32, dtype=BF16).expand(16, 32),
+    "odd offset": lambda: torch.randn(16 * 33, dtype=BF16)[1:].view(-1)[: 16 * 32].view(16, 32),
+}
+
+
+@pytest.mark.parametrize("case", ODD_OPERANDS)
+def test_odd_operands_are_copied_aligned(case):
+    t = ODD_OPERANDS[case]()
+    assert matmul._aligned_view(t) is None
+    view, layout = matmul.tma_operand(t)
+    assert layout == "row" and torch.equal(view, t) and view.data_ptr() != t.data_ptr()
+    assert view.stride(1) == 1 and view.stride(0) % 8 == 0 and view.data_ptr() % 16 == 0
+
+
+@pytest.mark.parametrize("m, k, n", [(16, 30, 24), (16, 32, 20), (12, 32, 100), (1, 7, 1)])
+def test_ragged_shapes_pass_validation(m, k, n):
+    a, b = mats(m, k, n)  # the layout no longer matters for validation: only the device does
+    raises(ValueError, "a", "cpu", "a.cuda()", a=a, b=b)
+
+
+@pytest.mark.parametrize("m, n, tiles", [
+    (8192, 8192, ()),                       # plenty of 128x256 tiles: the default
+    (2048, 4096, ()),                       # 256 tiles of 128x256
+    (512, 4096, (64, 256)),                 # 64 tiles of 128x256 would idle half the SMs
+    (128, 4096, (64, 64)),
+    (1, 4096, (64, 64)),                    # never enough: the smallest
+    (16, 128256, (64, 256)),                # small M: 64-row tiles, wide enough
 ])
-def test_misaligned_contiguous_dim(m, k, n, name, dim):
-    a, b = mats(m, k, n)
-    raises(ValueError, name, dim, "multiple of 8", "pad", a=a, b=b)
-
-
-def test_misaligned_column_major_a_names_m():
-    a = torch.randn(32, 12, dtype=BF16).t()  # (12, 32), M contiguous
-    raises(ValueError, "a", "column-major", "M = 12", "multiple of 8", a=a, b=torch.randn(32, 24, dtype=BF16))
-
-
-def test_misaligned_n_with_column_major_b():
-    b = torch.randn(20, 32, dtype=BF16).t()  # (32, 20), K contiguous: b is fine, C's rows are not
-    raises(ValueError, "N = 20", "multiple of 8", "output", a=torch.randn(16, 32, dtype=BF16), b=b)
-
-
-def test_misaligned_row_stride():
-    a = torch.randn(16, 36, dtype=BF16)[:, :32]  # K = 32 is fine, the row stride 36 is not
-    raises(ValueError, "a", "stride", "36", "a.contiguous()", a=a, b=torch.randn(32, 24, dtype=BF16))
-
-
-def test_no_unit_stride_dimension():
-    a = torch.randn(16, 64, dtype=BF16)[:, ::2]
-    raises(ValueError, "a", "contiguous", "a.contiguous()", a=a, b=torch.randn(32, 24, dtype=BF16))
-
-
-def test_expanded_rows_rejected():
-    a = torch.randn(1, 32, dtype=BF16).expand(16, 32)
-    raises(ValueError, "a", "stride", "a.contiguous()", a=a, b=torch.randn(32, 24, dtype=BF16))
+def test_persistent_tiles(m, n, tiles):
+    got = matmul.persistent_tiles(m, n, 132)
+    want = () if not tiles else (("mma_warpgroups", 1), ("tile_m", tiles[0]), ("tile_n", tiles[1]))
+    assert got == want
 
 
 def test_cpu_tensors():
@@ -127,7 +135,7 @@ def test_unknown_kernel():
 ])
 def test_row_major_operands_are_views(shape, layout, strides):
     t = torch.randn(*shape, dtype=BF16)
-    view, got = matmul._gemm_operand(t, "a", ("M", "K"))
+    view, got = matmul._aligned_view(t)
     assert (got, view.stride()) == (layout, strides) and view.data_ptr() == t.data_ptr()
 
 
@@ -138,7 +146,7 @@ def test_row_major_operands_are_views(shape, layout, strides):
 ])
 def test_transposed_operands_are_views(stored, layout, strides):
     t = torch.randn(*stored, dtype=BF16).t()
-    view, got = matmul._gemm_operand(t, "a", ("M", "K"))
+    view, got = matmul._aligned_view(t)
     assert (got, view.stride()) == (layout, strides) and view.data_ptr() == t.data_ptr()
 
 
