@@ -1,13 +1,16 @@
 """GEMM throughput of fa3's rungs beside torch.matmul (cuBLAS), measured in the same run.
 
 C = A B with A (M, K), B (K, N) row-major from torch.randn, bf16 by default, FP32 accumulation.
-TFLOP/s = 2 M N K / t, t the median of CUDA-event times after warm-up; both sides write into a
-preallocated output. Every runner is timed --rounds times per shape in rotating order and its median
-round is reported (single rounds of an 8192^3 GEMM varied by up to 10% on one H100). The table
-gives each rung's ratio to cuBLAS per shape.
+TFLOP/s = 2 M N K / t, t the median of CUDA-event times after warm-up of calls replayed from a CUDA
+graph (the GPU's time: a small GEMM takes less than its host overhead, which eager timing would
+measure instead; --eager times eager calls); both sides write into a preallocated output. Every
+runner is timed --rounds times per shape in rotating order and its median round is reported
+(single rounds of an 8192^3 GEMM varied by up to 10% on one H100). The table gives each rung's
+ratio to cuBLAS per shape.
 
     python benchmarks/bench_gemm.py [--kernels all|g1,g2,g3] [--shapes 4096x4096x4096,...]
-        [--dtype bf16|fp16] [--rounds 3] [--json FILE]
+        [--dtype bf16|fp16] [--rounds 3] [--eager] [--json FILE]
+    python benchmarks/bench_gemm.py --shapes models     the model shape set (MODEL_SHAPES)
     python benchmarks/bench_gemm.py --sweep [--shapes ...]
 
 Shapes are M x N x K. --sweep times g3's kernel at every tile M x N x K-depth x stages of SWEEP
@@ -22,7 +25,7 @@ import math
 import statistics
 import sys
 
-from timing import MAX_CALL_S, TooSlow, format_table, measure, progress, tflops, write_json
+from timing import MAX_CALL_S, TooSlow, format_table, measure, measure_gpu, progress, tflops, write_json
 
 import torch
 
@@ -54,7 +57,7 @@ def runners(kernels):
     return {**{name: rung_call(name) for name in kernels}, CUBLAS: cublas_call}
 
 
-def sweep(shapes, kernels, dtype, *, rounds, warmup, repeats, max_call_s) -> list[dict]:
+def sweep(shapes, kernels, dtype, *, rounds, warmup, repeats, max_call_s, timer=measure_gpu) -> list[dict]:
     """Each shape is timed `rounds` times for every runner, the runners' order rotating from round
     to round (so clock and thermal drift hit each alike); a runner's result is its median round."""
     rows = []
@@ -73,7 +76,7 @@ def sweep(shapes, kernels, dtype, *, rounds, warmup, repeats, max_call_s) -> lis
                 if name in skipped:
                     continue
                 try:
-                    ms = measure(calls[name](a, b, out), warmup=warmup, repeats=repeats,
+                    ms = timer(calls[name](a, b, out), warmup=warmup, repeats=repeats,
                                  max_call_s=max_call_s)
                 except TooSlow as slow:
                     skipped[name] = f"one call took {slow.args[0] / 1e3:.1f} s"
@@ -110,18 +113,19 @@ def tile_config(tile_m, tile_n, tile_k, stages) -> tuple:
 
 def sweep_tiles(shapes, dtype, *, warmup, repeats, max_call_s) -> tuple[list, list]:
     """(headers, rows): one row per sweep point, TFLOP/s per shape, then the cuBLAS row."""
-    from fa3 import _compile
+    from fa3 import _compile, matmul
     from fa3.kernels.gemm import PersistentGemm
 
     spec = registry.get("g3")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    counters, no_workspace = matmul._SPLIT_BUFFERS.get(torch.device("cuda", 0), sms)  # no split-K here
     operands = []
     for m, n, k in shapes:
         gen = torch.Generator(device="cuda").manual_seed(0)
         operands.append((torch.randn(m, k, device="cuda", dtype=dtype, generator=gen),
                          torch.randn(k, n, device="cuda", dtype=dtype, generator=gen),
                          torch.empty(m, n, device="cuda", dtype=dtype)))
-    cublas = [measure(cublas_call(a, b, c), warmup=warmup, repeats=repeats, max_call_s=max_call_s)
+    cublas = [measure_gpu(cublas_call(a, b, c), warmup=warmup, repeats=repeats, max_call_s=max_call_s)
               for a, b, c in operands]
     rows = []
     for point in SWEEP:
@@ -132,7 +136,7 @@ def sweep_tiles(shapes, dtype, *, warmup, repeats, max_call_s) -> tuple[list, li
         fn = _compile.get_gemm(spec, dtype, "row", "row", tiles)
         rates = []
         for (m, n, k), (a, b, c), base in zip(shapes, operands, cublas):
-            ms = measure(lambda: fn(a, b, c, sms), warmup=warmup, repeats=repeats, max_call_s=max_call_s)
+            ms = measure_gpu(lambda: fn(a, b, c, sms, no_workspace, counters, 1), warmup=warmup, repeats=repeats, max_call_s=max_call_s)
             rates.append(f"{ms * 1e3:.1f} ({base / ms:.2f})")
         progress(f"{point}: {model.stages} stages, {smem_kb:.0f} KB ring: {'  '.join(rates)}")
         rows.append([f"{point[0]}x{point[1]}x{point[2]}", model.stages, f"{smem_kb:.0f}", *rates])
@@ -184,6 +188,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--max-call-s", type=float, default=MAX_CALL_S)
+    p.add_argument("--eager", action="store_true",
+                   help="time eager calls (host overhead included where it exceeds the GPU time)")
     p.add_argument("--sweep", action="store_true",
                    help="time g3 at every tile shape x K depth x stages of SWEEP (default shapes: SWEEP_SHAPES)")
     args = p.parse_args(argv)
@@ -199,7 +205,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_gemm needs a CUDA GPU (a Hopper GPU for the fa3 rungs); none was found.")
         return 2
-    progress(f"{torch.cuda.get_device_name()}; {args.dtype}; TFLOP/s = 2MNK / median CUDA-event time")
+    timing = "eager calls" if args.eager else "calls replayed from a CUDA graph (no host overhead)"
+    progress(f"{torch.cuda.get_device_name()}; {args.dtype}; TFLOP/s = 2MNK / median CUDA-event time of {timing}")
     if args.sweep:
         shapes = args.shapes if args.shapes != list(DEFAULT_SHAPES) else list(SWEEP_SHAPES)
         progress("cells: µs per call (cuBLAS's time / this one, same run)")
@@ -212,7 +219,7 @@ def main(argv=None) -> int:
                                    "rows": rows})
         return 0
     rows = sweep(args.shapes, args.kernels, DTYPES[args.dtype], rounds=args.rounds, warmup=args.warmup,
-                 repeats=args.repeats, max_call_s=args.max_call_s)
+                 repeats=args.repeats, max_call_s=args.max_call_s, timer=measure if args.eager else measure_gpu)
     print()
     print(table(rows, args.kernels))
     print(summary(rows, args.kernels))

@@ -11,6 +11,7 @@ Run from the project root without installing fa3: the project root is put on sys
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -27,25 +28,60 @@ from fa3.timing import attention_flops, event_times_ms, median_ms, tflops  # noq
 MAX_CALL_S = 5.0
 # Cap on the time spent timing one (runner, size): slow runners get fewer repeats.
 MEASURE_BUDGET_S = 10.0
+# Synchronized calls before timing, long enough for the GPU to reach its boost clock again.
+WARM_S = 0.2
 
 
 class TooSlow(Exception):
     pass
 
 
-def measure(fn, *, warmup: int = 5, repeats: int = 20, max_call_s: float = MAX_CALL_S) -> float:
+def measure(fn, *, warmup: int = 5, repeats: int = 20, max_call_s: float = MAX_CALL_S,
+            warm_s: float = WARM_S) -> float:
     """Median milliseconds of fn() (CUDA events) after warm-up.
 
     The first call is untimed (it compiles and allocates); the second is timed alone as an
-    estimate: above `max_call_s` this raises TooSlow(estimate_ms) instead of measuring. Runners
-    slower than MEASURE_BUDGET_S / repeats get fewer warm-up calls and repeats (at least 3)."""
+    estimate: above `max_call_s` this raises TooSlow(estimate_ms) instead of measuring. Then fn
+    runs (synchronized) for at least `warm_s` seconds: the GPU's clock drops within a moment of
+    idling (a compile, a host-side setup), and a few microsecond-long calls do not raise it again,
+    so without this the first shapes after a pause time slow. Runners slower than
+    MEASURE_BUDGET_S / repeats get fewer warm-up calls and repeats (at least 3)."""
     fn()
     torch.cuda.synchronize()
     estimate_ms = event_times_ms(fn, 1)[0]
     if estimate_ms > max_call_s * 1e3:
         raise TooSlow(estimate_ms)
+    start = time.perf_counter()
+    while time.perf_counter() - start < warm_s:
+        fn()
+        torch.cuda.synchronize()
     fit = max(3, int(MEASURE_BUDGET_S * 1e3 / max(estimate_ms, 1e-3)))
     return median_ms(fn, warmup=min(warmup, fit), repeats=min(repeats, fit))
+
+
+def graphed(fn, calls: int):
+    """A callable that replays `calls` back-to-back fn() calls captured in one CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # allocate and compile outside the capture
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return graph.replay
+
+
+def measure_gpu(fn, *, replay_ms: float = 0.5, **kwargs) -> float:
+    """Median GPU milliseconds per fn() call, the host's overhead excluded: enough calls to fill
+    about `replay_ms` are captured in one CUDA graph, and the graph's replay is measured. For calls
+    shorter than their host overhead (small GEMMs, decode), measure() times the host instead."""
+    fn()
+    torch.cuda.synchronize()
+    estimate_ms = event_times_ms(fn, 1)[0]  # host-bound calls overestimate: fewer calls, still fine
+    calls = max(1, min(64, math.ceil(replay_ms / max(estimate_ms, 1e-3))))
+    return measure(graphed(fn, calls), **kwargs) / calls
 
 
 class SizeGuard:

@@ -233,8 +233,9 @@ GEMM_LAYOUTS = ("row", "col")
 
 
 def _gemm_fake_args(dtype, a_layout, b_layout):
-    """Fake a (M, K), b (K, N), c (M, N) row-major, and the SM count. Shapes are dynamic and shared
-    (the call checks that a, b and c agree); the non-unit stride is dynamic and 16-byte aligned."""
+    """Fake a (M, K), b (K, N), c (M, N) row-major, the SM count, and split-K's FP32 workspace,
+    int32 counters and split count. Shapes are dynamic and shared (the call checks that a, b and c
+    agree); the non-unit stride is dynamic and 16-byte aligned."""
     cutlass, cute = _import_cute()
     dt = cute_dtype(dtype)
     m, n, k = (cute.sym_int64() for _ in range(3))
@@ -243,7 +244,10 @@ def _gemm_fake_args(dtype, a_layout, b_layout):
         lead = cute.sym_int64(divisibility=8)
         return _fake_tensor(cute, dt, (rows, cols), (lead, 1) if layout == "row" else (1, lead))
 
-    return [matrix(m, k, a_layout), matrix(k, n, b_layout), matrix(m, n, "row"), cutlass.Int32(132)]
+    workspace = _fake_tensor(cute, cutlass.Float32, (cute.sym_int64(),), (1,))
+    counters = _fake_tensor(cute, cutlass.Int32, (cute.sym_int64(),), (1,))
+    return [matrix(m, k, a_layout), matrix(k, n, b_layout), matrix(m, n, "row"), cutlass.Int32(132),
+            workspace, counters, cutlass.Int32(1)]
 
 
 def gemm_key(spec, dtype, a_layout, b_layout) -> tuple:
@@ -258,8 +262,8 @@ def _build_gemm(spec, dtype, a_layout="row", b_layout="row", extra_options=""):
 
 def get_gemm(spec, dtype, a_layout, b_layout, tiles: tuple = ()):
     """The compiled GEMM for this rung, dtype and operand layouts (compiled on first use); call it
-    as fn(a, b, c, sm_count). `tiles`: ((key, value), ...) overrides of the rung's config (the
-    tile shape the GEMM heuristic picks per problem). Like get_attention, a hit is one dict lookup."""
+    as fn(a, b, c, sm_count, workspace, counters, splits). `tiles`: ((key, value), ...) overrides
+    of the rung's config (the tile shape the GEMM heuristic picks per problem). Like get_attention, a hit is one dict lookup."""
     fast_key = ("gemm", spec.name, dtype, a_layout, b_layout, tiles)
     fn = _FAST.get(fast_key)
     if fn is None:

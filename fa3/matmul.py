@@ -21,6 +21,8 @@ _TMA_ELEMS = 8  # 16 bytes of a 16-bit type: TMA's alignment for row strides and
 # and 43 us with 128x256; 512x4096x4096 26 us with 64x256 and 44 us with 128x256.
 PERSISTENT_TILES = ((128, 256), (64, 256), (64, 128), (64, 64))
 _FILL = 0.9
+MAX_SPLITS = 8
+MIN_SPLIT_K_TILES = 4
 
 
 class _OutputSpec(NamedTuple):  # what interface.check_output compares `out` against, without allocating
@@ -72,12 +74,20 @@ def tma_operand(t: torch.Tensor):
 
 def persistent_tiles(m: int, n: int, sm_count: int) -> tuple:
     """Config overrides of the persistent rung for an (m, n) output: () keeps its 128x256 tiles."""
+    return tile_overrides(*_tile_shape(m, n, sm_count))
+
+
+def _tile_shape(m: int, n: int, sm_count: int) -> tuple[int, int]:
     for tile_m, tile_n in PERSISTENT_TILES:
         if tile_m > 64 and m <= 64:
             continue
-        if -(-m // tile_m) * -(-n // tile_n) >= _FILL * sm_count:
+        if _tiles(m, n, tile_m, tile_n) >= _FILL * sm_count:
             break
-    return tile_overrides(tile_m, tile_n)
+    return tile_m, tile_n
+
+
+def _tiles(m, n, tile_m, tile_n) -> int:
+    return -(-m // tile_m) * -(-n // tile_n)
 
 
 def tile_overrides(tile_m: int, tile_n: int) -> tuple:
@@ -86,6 +96,41 @@ def tile_overrides(tile_m: int, tile_n: int) -> tuple:
     if (tile_m, tile_n) == PERSISTENT_TILES[0]:
         return ()
     return (("mma_warpgroups", tile_m // 64), ("tile_m", tile_m), ("tile_n", tile_n))
+
+
+def k_splits(m: int, n: int, k: int, sm_count: int, tile_k: int = 64) -> int:
+    """Split-K count of the persistent rung: when even its smallest tiles leave SMs idle (a short
+    wide output: decode-time projections, M = 1..64 against N = 4096), the K range is split so that
+    tiles x splits fills them, each split keeping >= MIN_SPLIT_K_TILES K tiles (the partials'
+    round trip through L2 must stay small beside the split's loads). No split is empty."""
+    tiles = _tiles(m, n, *_tile_shape(m, n, sm_count))
+    k_tiles = -(-k // tile_k)
+    if tiles >= _FILL * sm_count:
+        return 1
+    splits = max(1, min(sm_count // tiles, k_tiles // MIN_SPLIT_K_TILES, MAX_SPLITS))
+    per_split = -(-k_tiles // splits)
+    return -(-k_tiles // per_split)
+
+
+class _SplitBuffers:
+    """Per device: split-K's tile counters (int32, zero between launches: the last split of a tile
+    resets its counter) and a one-element stand-in workspace for launches without splits. Kernels
+    on one stream run in order, so one set of counters serves them all; launches that may overlap
+    (several streams) and split must not share a device."""
+
+    def __init__(self):
+        self._by_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, device: torch.device, tiles: int):
+        buffers = self._by_device.get(device)
+        if buffers is None or buffers[0].numel() < tiles:
+            size = max(1024, tiles)
+            buffers = self._by_device[device] = (torch.zeros(size, dtype=torch.int32, device=device),
+                                                 torch.empty(1, dtype=torch.float32, device=device))
+        return buffers
+
+
+_SPLIT_BUFFERS = _SplitBuffers()
 
 
 def _gemm_rung(kernel):
@@ -153,9 +198,17 @@ def launch_gemm(spec, a, b, out=None):
     a, a_layout = tma_operand(a)
     b, b_layout = tma_operand(b)
     sm_count = interface._HOPPER_SMS[a.device]
-    tiles = persistent_tiles(m, n, sm_count) if spec.cls == "PersistentGemm" else ()
+    tiles, splits = (), 1
+    if spec.cls == "PersistentGemm":  # the ladder rungs g1/g2 keep their tiles
+        tiles = persistent_tiles(m, n, sm_count)
+        splits = k_splits(m, n, k, sm_count, spec.config.get("tile_k", 64))
+    counters, workspace = _SPLIT_BUFFERS.get(a.device, sm_count)
+    if splits > 1:
+        tile_m, tile_n = _tile_shape(m, n, sm_count)
+        workspace = torch.empty(_tiles(m, n, tile_m, tile_n) * splits * tile_m * tile_n,
+                                dtype=torch.float32, device=a.device)
     fn = _compile.get_gemm(spec, a.dtype, a_layout, b_layout, tiles)
     # TMA stores 16-byte aligned rows: a ragged N goes through a padded buffer
     c = out if n % _TMA_ELEMS == 0 and out.data_ptr() % 16 == 0 else _padded(m, n, out)
-    fn(a, b, c, sm_count)
+    fn(a, b, c, sm_count, workspace, counters, splits)
     return out if c is out else out.copy_(c)

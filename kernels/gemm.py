@@ -16,7 +16,7 @@ from cutlass import Float32, Int32, Int64, pipeline as dsl_pipeline
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from .common import epilogue, mma, pipeline, scheduler, smem, tma
+from .common import accum, epilogue, mma, pipeline, scheduler, smem, tma
 
 EPI_STAGES = 4  # SMEM buffers for the stored subtiles (fewer if a tile has fewer subtiles)
 _BARRIER_BYTES = 1024  # pipeline barriers and alignment slack in the SMEM budget
@@ -52,12 +52,15 @@ class GemmBase:
         # stages=0: as many as fit beside the epilogue buffers
         self.stages = stages or smem.stages_that_fit(stage_bytes, epi_bytes + _BARRIER_BYTES)
 
-    def grid(self, tiles_m, tiles_n, sm_count):
+    def grid(self, tiles_m, tiles_n, sm_count, splits):
         raise NotImplementedError
 
     # ---------------------------------------------------------------- host side
     @cute.jit
-    def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, sm_count: Int32, stream):
+    def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, sm_count: Int32,
+                 mWorkspace: cute.Tensor, mCounters: cute.Tensor, splits: Int32, stream):
+        """mWorkspace (FP32), mCounters (int32, zero) and splits: split-K (PersistentGemm; the
+        staged rungs take splits = 1 and ignore the buffers)."""
         mB = tma.transpose(mB)  # (K, N) -> (N, K)
         a_mn, b_mn = _mn_major(mA), _mn_major(mB)
         tiled_mma = mma.tiled_mma(self.dtype, self.tile_m, self.tile_n, a_major="MN" if a_mn else "K",
@@ -72,6 +75,7 @@ class GemmBase:
         @cute.struct
         class SharedStorage:
             ab_barriers: cute.struct.MemRange[Int64, 2 * self.stages]
+            last_split: cute.struct.MemRange[Int32, 1]  # split-K: whether this CTA sums the tile
             sA: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sA_layout)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sB_layout)], 1024]
             sC: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sC_layout)], 1024]
@@ -80,8 +84,9 @@ class GemmBase:
                           f"GEMM {self.tile_m}x{self.tile_n}x{self.tile_k} with {self.stages} stages")
         tiles_m = Int32(cute.ceil_div(mC.shape[0], self.tile_m))
         tiles_n = Int32(cute.ceil_div(mC.shape[1], self.tile_n))
-        self.kernel(tma_a, tA, tma_b, tB, tma_c, tC, tiled_mma, sA_layout, sB_layout, sC_layout,
-                    SharedStorage).launch(grid=self.grid(tiles_m, tiles_n, sm_count),
+        self.kernel(tma_a, tA, tma_b, tB, tma_c, tC, mWorkspace, mCounters, splits, tiled_mma,
+                    sA_layout, sB_layout, sC_layout,
+                    SharedStorage).launch(grid=self.grid(tiles_m, tiles_n, sm_count, splits),
                                           block=[self.num_threads, 1, 1], stream=stream,
                                           min_blocks_per_mp=1)
 
@@ -93,7 +98,7 @@ class GemmBase:
                  SharedStorage: cutlass.Constexpr):
         """Descriptor prefetch, SMEM, the A/B ring (every MMA warp releases) and the TMA
         partitions of every (tile, K tile) of A and B: tXgX[(None, tile, k)], tXsX[(None, stage)].
-        Returns (tidx, warp_idx, ring, sA, sB, sC, tAsA, tAgA, tBsB, tBgB)."""
+        Returns (tidx, warp_idx, ring, storage, sA, sB, sC, tAsA, tAgA, tBsB, tBgB)."""
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -107,7 +112,7 @@ class GemmBase:
         sC = storage.sC.get_tensor(sC_layout.outer, swizzle=sC_layout.inner)
         tAsA, tAgA = tma.partition(tma_a, cute.local_tile(mA, (self.tile_m, self.tile_k), (None, None)), sA)
         tBsB, tBgB = tma.partition(tma_b, cute.local_tile(mB, (self.tile_n, self.tile_k), (None, None)), sB)
-        return tidx, warp_idx, ring, sA, sB, sC, tAsA, tAgA, tBsB, tBgB
+        return tidx, warp_idx, ring, storage, sA, sB, sC, tAsA, tAgA, tBsB, tBgB
 
     def mma_operands(self, tiled_mma, mma_tidx, sA, sB):
         """(tCrA, tCrB, acc): SMEM descriptors indexed [.., k_block, stage] and the FP32 accumulator."""
@@ -162,16 +167,17 @@ class StagedGemm(GemmBase):
     MMA warps' instruction stream (its acquire waits for the slowest warp's release).
     """
 
-    def grid(self, tiles_m, tiles_n, sm_count):
+    def grid(self, tiles_m, tiles_n, sm_count, splits):
         return [tiles_m, tiles_n, 1]
 
     @cute.kernel
     def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
-               tma_c: cute.CopyAtom, mC: cute.Tensor, tiled_mma: cute.TiledMma,
+               tma_c: cute.CopyAtom, mC: cute.Tensor, mWorkspace: cute.Tensor, mCounters: cute.Tensor,
+               splits: Int32, tiled_mma: cute.TiledMma,
                sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout,
                sC_layout: cute.ComposedLayout, SharedStorage: cutlass.Constexpr):
         m_tile, n_tile, _ = cute.arch.block_idx()
-        tidx, warp_idx, ring, sA, sB, sC, tAsA, tAgA, tBsB, tBgB = self.prologue(
+        tidx, warp_idx, ring, storage, sA, sB, sC, tAsA, tAgA, tBsB, tBgB = self.prologue(
             tma_a, mA, tma_b, mB, tma_c, sA_layout, sB_layout, sC_layout, SharedStorage)
         copies = [(tma_a, tAgA[None, m_tile, None], tAsA), (tma_b, tBgB[None, n_tile, None], tBsB)]
         k_tiles = cute.size(tAgA, mode=[2])
@@ -202,7 +208,8 @@ class StagedGemm(GemmBase):
 
 
 class PersistentGemm(GemmBase):
-    """G3: warp-specialized, persistent, L2-grouped GEMM (CUTLASS's "cooperative" schedule).
+    """G3: warp-specialized, persistent, L2-grouped GEMM (CUTLASS's "cooperative" schedule), with
+    split-K for problems whose output tiles cannot fill the SMs.
 
     Warpgroup 0 is the producer: all four warps drop to `producer_regs` registers (setmaxnreg is
     warpgroup-wide), and warp 0 alone streams A/B K tiles through the ring, tile after tile, never
@@ -211,8 +218,13 @@ class PersistentGemm(GemmBase):
     (64 rows each), with G2's in-flight MMA step, then store it through SMEM with TMA while the
     producer already fills the ring with the next tile's K tiles.
 
-    One CTA per SM (grid = min(tiles, sm_count); the SM count is a runtime argument, so compiling
-    needs no GPU); CTA b takes tiles b, b + grid, ... in the grouped order of common/scheduler.py.
+    One CTA per SM (grid = min(work units, sm_count); the SM count is a runtime argument, so
+    compiling needs no GPU); CTA b takes work units b, b + grid, ... A work unit is one split of
+    one output tile (tiles in the grouped order of common/scheduler.py, a tile's splits adjacent
+    so that they run at once): split s covers K tiles [s * per_split, (s + 1) * per_split), the
+    host picks `splits` so that none is empty. With splits > 1 every split writes its FP32
+    partial to the workspace and the last to arrive sums them in order and stores the tile
+    (common/accum.sum_partials): deterministic, and no CTA waits for another.
     Register budget at 384 threads: 128 x producer_regs + 256 x mma_regs <= 65536.
     """
 
@@ -226,31 +238,42 @@ class PersistentGemm(GemmBase):
         self.producer_regs, self.mma_regs = producer_regs, mma_regs
         assert 128 * producer_regs + self.mma_threads * mma_regs <= 65536, "register file overcommitted"
 
-    def grid(self, tiles_m, tiles_n, sm_count):
-        return [scheduler.persistent_grid(tiles_m * tiles_n, sm_count), 1, 1]
+    def grid(self, tiles_m, tiles_n, sm_count, splits):
+        return [scheduler.persistent_grid(tiles_m * tiles_n * splits, sm_count), 1, 1]
+
+    @cute.jit
+    def work_unit(self, unit: Int32, splits: Int32, tiles_m: Int32, tiles_n: Int32, k_tiles: Int32):
+        """(tile, m_tile, n_tile, split, first K tile, K tiles) of work unit `unit`."""
+        tile = unit // splits
+        split = unit - tile * splits
+        m_tile, n_tile = scheduler.grouped_tile(tile, tiles_m, tiles_n, self.group_m)
+        per_split = (k_tiles + splits - 1) // splits
+        k_first = split * per_split
+        return tile, m_tile, n_tile, split, k_first, cutlass.min(per_split, k_tiles - k_first)
 
     @cute.kernel
     def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
-               tma_c: cute.CopyAtom, mC: cute.Tensor, tiled_mma: cute.TiledMma,
+               tma_c: cute.CopyAtom, mC: cute.Tensor, mWorkspace: cute.Tensor, mCounters: cute.Tensor,
+               splits: Int32, tiled_mma: cute.TiledMma,
                sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout,
                sC_layout: cute.ComposedLayout, SharedStorage: cutlass.Constexpr):
-        first_tile, _, _ = cute.arch.block_idx()
-        tile_step, _, _ = cute.arch.grid_dim()
-        tidx, warp_idx, ring, sA, sB, sC, tAsA, tAgA, tBsB, tBgB = self.prologue(
+        first_unit, _, _ = cute.arch.block_idx()
+        unit_step, _, _ = cute.arch.grid_dim()
+        tidx, warp_idx, ring, storage, sA, sB, sC, tAsA, tAgA, tBsB, tBgB = self.prologue(
             tma_a, mA, tma_b, mB, tma_c, sA_layout, sB_layout, sC_layout, SharedStorage)
         tiles_m = Int32(cute.size(tAgA, mode=[1]))
         tiles_n = Int32(cute.size(tBgB, mode=[1]))
-        k_tiles = cute.size(tAgA, mode=[2])
-        num_tiles = tiles_m * tiles_n
+        k_tiles = Int32(cute.size(tAgA, mode=[2]))
+        num_units = tiles_m * tiles_n * splits
 
         if warp_idx < 4:  # the producer warpgroup
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 producer = pipeline.producer_state(self.stages)
-                for tile in cutlass.range(first_tile, num_tiles, tile_step, unroll=1):
-                    m_tile, n_tile = scheduler.grouped_tile(tile, tiles_m, tiles_n, self.group_m)
+                for unit in cutlass.range(first_unit, num_units, unit_step, unroll=1):
+                    _, m_tile, n_tile, _, k_first, k_count = self.work_unit(unit, splits, tiles_m, tiles_n, k_tiles)
                     copies = [(tma_a, tAgA[None, m_tile, None], tAsA), (tma_b, tBgB[None, n_tile, None], tBsB)]
-                    for k in cutlass.range(k_tiles, unroll=1):
+                    for k in cutlass.range(k_first, k_first + k_count, unroll=1):
                         producer = pipeline.produce(ring, producer, k, copies)
                 pipeline.tail(ring, producer)
         else:
@@ -260,16 +283,24 @@ class PersistentGemm(GemmBase):
             gC_tiles = cute.local_tile(mC, (self.tile_m, self.tile_n), (None, None))
             store_pipe = epilogue.store_pipeline(self.epi_stages, self.mma_threads)
             is_store_warp = warp_idx == 4
+            consumers = dsl_pipeline.NamedBarrier(barrier_id=2, num_threads=self.mma_threads)
             # ring states carry over from tile to tile: the ring does not restart
             read = pipeline.consumer_state(self.stages)
             released = pipeline.consumer_state(self.stages)
-            for tile in cutlass.range(first_tile, num_tiles, tile_step, unroll=1):
-                m_tile, n_tile = scheduler.grouped_tile(tile, tiles_m, tiles_n, self.group_m)
+            for unit in cutlass.range(first_unit, num_units, unit_step, unroll=1):
+                tile, m_tile, n_tile, split, _, k_count = self.work_unit(unit, splits, tiles_m, tiles_n, k_tiles)
                 acc.fill(0.0)
-                for k in cutlass.range(k_tiles, unroll=1):
+                for k in cutlass.range(k_count, unroll=1):
                     read, released = self.mma_k_tile(ring, read, released, k, tiled_mma, acc, tCrA, tCrB)
                 released = self.mma_drain(ring, released)
-                self.store_acc(acc, tiled_mma, mma_tidx, sC, tma_c, gC_tiles[None, None, m_tile, n_tile],
-                               is_store_warp, store_pipe)
+                store = cutlass.Boolean(True)
+                if splits > 1:
+                    store = accum.sum_partials(acc, mWorkspace, accum.elem_ptr(mCounters, tile), tile, split,
+                                               splits, mma_tidx, self.mma_threads,
+                                               storage.last_split.get_tensor(cute.make_layout(1)),
+                                               consumers.arrive_and_wait)
+                if store:
+                    self.store_acc(acc, tiled_mma, mma_tidx, sC, tma_c, gC_tiles[None, None, m_tile, n_tile],
+                                   is_store_warp, store_pipe)
             if is_store_warp:
                 store_pipe.producer_tail()

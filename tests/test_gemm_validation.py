@@ -90,6 +90,27 @@ def test_ragged_shapes_pass_validation(m, k, n):
     raises(ValueError, "a", "cpu", "a.cuda()", a=a, b=b)
 
 
+@pytest.mark.parametrize("m, n, k, splits", [
+    (8192, 8192, 8192, 1),      # tiles fill the SMs: no split
+    (1, 4096, 4096, 2),         # 64 tiles of 64x64: two splits fill 128 SMs
+    (3, 1024, 4096, 8),         # 16 tiles: capped at MAX_SPLITS
+    (1, 4096, 64, 1),           # one K tile: nothing to split
+    (1, 4096, 448, 1),          # 7 K tiles: splits would hold < MIN_SPLIT_K_TILES
+    (16, 1024, 640, 2),         # 10 K tiles, 16 tiles: 2 splits of 5 (4 K tiles at least)
+    (1, 4096, 4096 + 64, 2),    # 65 K tiles: splits of 33 and 32, none empty
+])
+def test_k_splits(m, n, k, splits):
+    assert matmul.k_splits(m, n, k, 132) == splits
+
+
+def test_k_splits_never_empty():
+    for k_tiles in range(1, 200):
+        for m, n in ((1, 512), (1, 4096), (64, 2048)):
+            splits = matmul.k_splits(m, n, 64 * k_tiles, 132)
+            per_split = -(-k_tiles // splits)
+            assert (splits - 1) * per_split < k_tiles, (m, n, k_tiles, splits)
+
+
 @pytest.mark.parametrize("m, n, tiles", [
     (8192, 8192, ()),                       # plenty of 128x256 tiles: the default
     (2048, 4096, ()),                       # 256 tiles of 128x256
