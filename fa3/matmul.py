@@ -98,6 +98,15 @@ def tile_overrides(tile_m: int, tile_n: int) -> tuple:
     return (("mma_warpgroups", tile_m // 64), ("tile_m", tile_m), ("tile_n", tile_n))
 
 
+def a_box_rows(m: int, a_layout: str) -> tuple:
+    """Config override for M <= 32 (64-row tiles then): TMA loads only the top 8, 16 or 32 rows of
+    each A tile (out-of-bounds box rows are slow: 1x4096x4096 took 17.4 us with a 64-row box,
+    64x4096x4096 10.8). Row-major A only; () otherwise."""
+    if m > 32 or a_layout != "row":
+        return ()
+    return (("a_rows", 8 if m <= 8 else 16 if m <= 16 else 32),)
+
+
 def k_splits(m: int, n: int, k: int, sm_count: int, tile_k: int = 64) -> int:
     """Split-K count of the persistent rung: when even its smallest tiles leave SMs idle (a short
     wide output: decode-time projections, M = 1..64 against N = 4096), the K range is split so that
@@ -200,7 +209,7 @@ def launch_gemm(spec, a, b, out=None):
     sm_count = interface._HOPPER_SMS[a.device]
     tiles, splits = (), 1
     if spec.cls == "PersistentGemm":  # the ladder rungs g1/g2 keep their tiles
-        tiles = persistent_tiles(m, n, sm_count)
+        tiles = persistent_tiles(m, n, sm_count) + a_box_rows(m, a_layout)
         splits = k_splits(m, n, k, sm_count, spec.config.get("tile_k", 64))
     counters, workspace = _SPLIT_BUFFERS.get(a.device, sm_count)
     if splits > 1:

@@ -34,9 +34,15 @@ class GemmBase:
     producer_warpgroups = 0  # warpgroups that only load (G3)
 
     def __init__(self, dtype, tile_m: int = 128, tile_n: int = 128, tile_k: int = 64,
-                 mma_warpgroups: int = 1, stages: int = 1, mmas_in_flight: int = 0):
+                 mma_warpgroups: int = 1, stages: int = 1, mmas_in_flight: int = 0, a_rows: int = 0):
         self.dtype = dtype
         self.tile_m, self.tile_n, self.tile_k = tile_m, tile_n, tile_k
+        # a_rows < tile_m (M <= a_rows, row-major A only): TMA loads just the top a_rows rows of
+        # each A tile. Out-of-bounds rows of a TMA box cost time (a 1-row A in a 64-row box took
+        # 1.6x as long as a full one); the rows below hold stale SMEM, which only reaches output
+        # rows >= M, and those the store clips.
+        self.a_rows = a_rows or tile_m
+        assert self.a_rows <= tile_m and self.a_rows % 8 == 0
         self.mma_warpgroups = mma_warpgroups
         self.mma_threads = 128 * mma_warpgroups
         self.num_threads = 128 * (mma_warpgroups + self.producer_warpgroups)
@@ -68,7 +74,12 @@ class GemmBase:
         sA_layout = smem.tile_layout(self.dtype, self.tile_m, self.tile_k, self.stages, rows_contiguous=a_mn)
         sB_layout = smem.tile_layout(self.dtype, self.tile_n, self.tile_k, self.stages, rows_contiguous=b_mn)
         sC_layout = epilogue.smem_layout(self.dtype, self.epi_tile, self.epi_stages)
-        tma_a, tA = tma.make_load(mA, sA_layout, (self.tile_m, self.tile_k))
+        if cutlass.const_expr(self.a_rows < self.tile_m):
+            assert not a_mn, "a_rows needs a row-major (K-major) A"
+            sA_box = smem.tile_layout(self.dtype, self.a_rows, self.tile_k, self.stages)
+            tma_a, tA = tma.make_load(mA, sA_box, (self.a_rows, self.tile_k))
+        else:
+            tma_a, tA = tma.make_load(mA, sA_layout, (self.tile_m, self.tile_k))
         tma_b, tB = tma.make_load(mB, sB_layout, (self.tile_n, self.tile_k))
         tma_c, tC = tma.make_store(mC, sC_layout, self.epi_tile)
 
@@ -104,13 +115,17 @@ class GemmBase:
         if warp_idx == 0:
             tma.prefetch(tma_a, tma_b, tma_c)
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        a_box_bytes = self.a_rows * self.tile_k * (self.dtype.width // 8)
         ring = pipeline.create(storage.ab_barriers.data_ptr(), self.stages, self.mma_threads // 32,
-                               smem.stage_bytes(self.dtype, sA_layout) + smem.stage_bytes(self.dtype, sB_layout))
+                               a_box_bytes + smem.stage_bytes(self.dtype, sB_layout))
         pipeline.init_done()
         sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
         sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
         sC = storage.sC.get_tensor(sC_layout.outer, swizzle=sC_layout.inner)
-        tAsA, tAgA = tma.partition(tma_a, cute.local_tile(mA, (self.tile_m, self.tile_k), (None, None)), sA)
+        sA_box = sA
+        if cutlass.const_expr(self.a_rows < self.tile_m):  # the top rows of every stage
+            sA_box = cute.local_tile(sA, (self.a_rows, self.tile_k, self.stages), (0, 0, 0))
+        tAsA, tAgA = tma.partition(tma_a, cute.local_tile(mA, (self.a_rows, self.tile_k), (None, None)), sA_box)
         tBsB, tBgB = tma.partition(tma_b, cute.local_tile(mB, (self.tile_n, self.tile_k), (None, None)), sB)
         return tidx, warp_idx, ring, storage, sA, sB, sC, tAsA, tAgA, tBsB, tBgB
 
@@ -232,8 +247,8 @@ class PersistentGemm(GemmBase):
 
     def __init__(self, dtype, tile_m: int = 128, tile_n: int = 256, tile_k: int = 64,
                  mma_warpgroups: int = 2, stages: int = 0, mmas_in_flight: int = 1,
-                 group_m: int = 16, producer_regs: int = 40, mma_regs: int = 232):
-        super().__init__(dtype, tile_m, tile_n, tile_k, mma_warpgroups, stages, mmas_in_flight)
+                 group_m: int = 16, producer_regs: int = 40, mma_regs: int = 232, a_rows: int = 0):
+        super().__init__(dtype, tile_m, tile_n, tile_k, mma_warpgroups, stages, mmas_in_flight, a_rows)
         self.group_m = group_m
         self.producer_regs, self.mma_regs = producer_regs, mma_regs
         assert 128 * producer_regs + self.mma_threads * mma_regs <= 65536, "register file overcommitted"

@@ -75,11 +75,14 @@ def test_variants_compile(name, static, promises):
     assert report.spill_bytes == 0, f"{name} {static} spills"
 
 
-@pytest.mark.parametrize("tile_m, tile_n", matmul.PERSISTENT_TILES[1:])
-def test_persistent_gemm_tile_shapes_compile(tile_m, tile_n):
-    """The tile shapes fa3.gemm picks per problem compile for sm_90a with the rung's PTX, no spills."""
+@pytest.mark.parametrize("tile_m, tile_n, a_rows", [(*tiles, ()) for tiles in matmul.PERSISTENT_TILES[1:]]
+                         + [(64, 64, matmul.a_box_rows(1, "row"))])
+def test_persistent_gemm_tile_shapes_compile(tile_m, tile_n, a_rows):
+    """The tile shapes fa3.gemm picks per problem (and the short A box of M <= 32) compile for
+    sm_90a with the rung's PTX, no spills."""
     spec = registry.get("g3")
-    spec = dataclasses.replace(spec, config={**spec.config, **dict(matmul.tile_overrides(tile_m, tile_n))})
+    overrides = {**dict(matmul.tile_overrides(tile_m, tile_n)), **dict(a_rows)}
+    spec = dataclasses.replace(spec, config={**spec.config, **overrides})
     report = _compile.compile_report(spec, torch.bfloat16)
     for promise in spec.ptx_promises:
         assert promise in report.ptx, f"{tile_m}x{tile_n}: {promise!r} missing"

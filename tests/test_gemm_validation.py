@@ -103,6 +103,12 @@ def test_k_splits(m, n, k, splits):
     assert matmul.k_splits(m, n, k, 132) == splits
 
 
+@pytest.mark.parametrize("m, layout, rows", [(1, "row", 8), (8, "row", 8), (9, "row", 16), (32, "row", 32),
+                                              (33, "row", None), (1, "col", None)])
+def test_a_box_rows(m, layout, rows):
+    assert matmul.a_box_rows(m, layout) == (() if rows is None else (("a_rows", rows),))
+
+
 def test_k_splits_never_empty():
     for k_tiles in range(1, 200):
         for m, n in ((1, 512), (1, 4096), (64, 2048)):
