@@ -11,7 +11,8 @@ Roles (block = 128 * (1 + consumer warpgroups) threads):
 Substages (flags and tiles; all five are one class):
     K5.1  warp specialization only. Per tile: S = QK^T, wait, softmax, O += PV, wait.
     K5.2  + ping-pong: named barriers make the consumer warpgroups take turns issuing GEMMs, so
-          one warpgroup's softmax runs under another's GEMMs (warpgroup 1 starts with a credit).
+          one warpgroup's softmax runs under another's GEMMs (warpgroup 1 starts with a credit;
+          common/pingpong.py).
     K5.3  + intra-warpgroup overlap: issue S_j = Q K_j^T, then O += P_{j-1} V_{j-1}; softmax S_j
           while P V is in flight; the first tile's S and the last tile's P V form the prologue and
           epilogue. P_{j-1} lives in its own registers while S_j is computed.
@@ -34,18 +35,21 @@ from cutlass import pipeline as dsl_pipeline
 from cutlass.cute.nvgpu import warpgroup
 
 from .common import epilogue, mask, mma, pipeline, scheduler, seqlen, smem, softmax, tma
+from .common.pingpong import PingPong
+from .common.scheduler import AttentionTileSchedule
 from .k4 import WgmmaAttention
 
 # consumer warpgroups -> (producer, consumer) registers per thread: 128 * (p + n * c) <= 64K
 REGISTER_SPLIT = {2: (24, 240), 3: (32, 160)}
 EPILOGUE_BARRIER = 1  # named barrier among the consumer warpgroups (0 is __syncthreads)
-SCHEDULER_BARRIER = 2  # named barriers 2, 3 (, 4): one per consumer warpgroup
+TURN_BARRIER = 2  # named barriers 2, 3 (, 4): the ping-pong turns, one per consumer warpgroup
 TILE_FULL_BARRIER, TILE_EMPTY_BARRIER = 5, 6  # K5.5: the next-tile slot (producer -> consumers)
 EPI_STAGES = 2  # SMEM buffers the O store cycles through
 
 
-class WarpSpecializedAttention(WgmmaAttention):
+class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
     kv_pipelines = 2  # separate K and V barriers
+    turn_barrier = TURN_BARRIER  # PingPong's first barrier
 
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 128, tile_n: int = 128,
                  kv_stages: int = 2, q_stages: int = 1, pingpong: bool = True,
@@ -146,61 +150,6 @@ class WarpSpecializedAttention(WgmmaAttention):
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(q_pipe, k_pipe, v_pipe, sQ, sK, sV, sO, tma_o, mO, mLSE, mK.shape[0],
                          scale_log2, tidx - 128, warp_idx // 4, epi_tile, next_tile, params)
-
-    # ---------------------------------------------------------------- tile schedule
-    @cute.jit
-    def tile_coords(self, tile: Int32, seqlen_q: Int32, heads_q: Int32, batch: Int32):
-        """The linear tile order (a static CTA b takes tiles b, b + grid, ...; K5.5 hands them out
-        in this order from a counter): heads (and batches) in groups; within a group, Q tiles from
-        the last (longest under causal) to the first, the group's heads interleaved. Non-causal groups are one head: the CTAs running together work
-        on one head and share its K/V in L2. Causal tiles differ in length, so a group holds enough
-        heads for two waves of CTAs to start on long tiles (longest-processing-time first), yet few
-        enough that their K/V still fits in L2 (all heads at once measured 21% slower at s = 2k)."""
-        m_blocks = (seqlen_q + self.tile_m - 1) // self.tile_m
-        heads_batches = heads_q * batch
-        group = 1
-        if cutlass.const_expr(self.causal):
-            group = cutlass.min((2 * cute.arch.grid_dim()[0] + m_blocks - 1) // m_blocks, heads_batches)
-        first_hb = tile // (group * m_blocks) * group
-        in_group = cutlass.min(group, heads_batches - first_hb)
-        within = tile % (group * m_blocks)
-        head_batch = first_hb + within % in_group
-        return m_blocks - 1 - within // in_group, head_batch % heads_q, head_batch // heads_q
-
-    def tile_range(self, mQ, params):
-        seqlen_q, heads_q, batch = mQ.shape[0], mQ.shape[2], mQ.shape[3]
-        if cutlass.const_expr(self.varlen):
-            tiles = params.q_blocks * heads_q
-        else:
-            tiles = (seqlen_q + self.tile_m - 1) // self.tile_m * heads_q * batch
-        return cute.arch.block_idx()[0], tiles, cute.arch.grid_dim()[0]
-
-    @cute.jit
-    def tile_work(self, tile: Int32, mQ: cute.Tensor, seqlen_k: Int32, params):
-        """(m_block, head, batch, seq) of linear tile `tile`: `seq` (common/seqlen.py) holds the
-        entry's lengths and, varlen, its row offsets; mQ is (seqlen_q, d, heads, batch)."""
-        if cutlass.const_expr(self.varlen):
-            # one head's Q tiles of every sequence in a row (they share nothing, but the CTAs
-            # running together then share each sequence's K/V in L2), longest first if causal
-            head, block = tile // params.q_blocks, tile % params.q_blocks
-            batch, m_block, blocks = scheduler.varlen_tile(block, params.cu_q, self.tile_m)
-            if cutlass.const_expr(self.causal):
-                m_block = blocks - 1 - m_block
-            return m_block, head, batch, seqlen.from_cu_seqlens(params.cu_q, params.cu_k, batch)
-        m_block, head, batch = self.tile_coords(tile, mQ.shape[0], mQ.shape[2], mQ.shape[3])
-        return m_block, head, batch, seqlen.fixed(mQ.shape[0], seqlen_k)
-
-    @cute.jit
-    def kv_range(self, m_block: Int32, seq, params):
-        """(n_block_max, n_blocks): the K/V tiles visited, n_block_max - 1 down to n_block_max -
-        n_blocks."""
-        n_max = mask.n_block_max(m_block, self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k,
-                                 self.causal, window=params.window)
-        if cutlass.const_expr(params.window is None):
-            return n_max, n_max
-        n_min = mask.n_block_min(m_block, self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k,
-                                 window=params.window)
-        return n_max, cutlass.max(n_max - n_min, 0)
 
     @cute.jit
     def load(self, q_pipe, k_pipe, v_pipe, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV,
@@ -318,27 +267,6 @@ class WarpSpecializedAttention(WgmmaAttention):
                             dsl_pipeline.NamedBarrier(barrier_id=EPILOGUE_BARRIER,
                                                       num_threads=128 * self.consumer_wgs),
                             ctidx < 32, store_pipe)
-
-    # ---------------------------------------------------------------- ping-pong scheduling
-    # The turn goes round the consumer warpgroups 1 -> 2 (-> 3) -> 1: warpgroup w waits on barrier
-    # SCHEDULER_BARRIER - 1 + w, which its predecessor arrives on (128 waiting + 128 arriving).
-    @cute.jit
-    def mma_init(self, wg: Int32):
-        """Warpgroup 1 starts with the turn: a credit on its own barrier."""
-        if cutlass.const_expr(self.pingpong):
-            if wg == 1:
-                cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER, number_of_threads=256)
-
-    @cute.jit
-    def wait_turn(self, wg: Int32):
-        if cutlass.const_expr(self.pingpong):
-            cute.arch.barrier(barrier_id=SCHEDULER_BARRIER - 1 + wg, number_of_threads=256)
-
-    @cute.jit
-    def pass_turn(self, wg: Int32):
-        if cutlass.const_expr(self.pingpong):
-            cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER + wg % self.consumer_wgs,
-                                     number_of_threads=256)
 
     # ---------------------------------------------------------------- consumer pieces
     @cute.jit
