@@ -193,6 +193,12 @@ KERNELS: dict[str, KernelSpec] = {
                  {"tile_m": 128, "tile_n": 256, "mma_warpgroups": 2, "stages": 0, "mmas_in_flight": 1,
                   "group_m": 16},
                  (_MMA_IN_FLIGHT, "setmaxnreg"), (), 3),
+                ("g4", "ClusterGemm",
+                 "+ 2-CTA clusters along M: each B tile loaded once per cluster and multicast into "
+                 "both CTAs' SMEM",
+                 {"tile_m": 128, "tile_n": 256, "mma_warpgroups": 2, "stages": 0, "mmas_in_flight": 1,
+                  "group_m": 16},
+                 (_MMA_IN_FLIGHT, "setmaxnreg", "multicast::cluster"), (), 2),
             )
         ],
     ]

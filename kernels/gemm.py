@@ -32,6 +32,7 @@ class GemmBase:
     step and the epilogue. Subclasses supply the grid and the kernel body."""
 
     producer_warpgroups = 0  # warpgroups that only load (G3)
+    cluster_m = 1  # CTAs per cluster along M, sharing (multicasting) each B tile (G4: 2)
 
     def __init__(self, dtype, tile_m: int = 128, tile_n: int = 128, tile_k: int = 64,
                  mma_warpgroups: int = 1, stages: int = 1, mmas_in_flight: int = 0, a_rows: int = 0):
@@ -80,7 +81,10 @@ class GemmBase:
             tma_a, tA = tma.make_load(mA, sA_box, (self.a_rows, self.tile_k))
         else:
             tma_a, tA = tma.make_load(mA, sA_layout, (self.tile_m, self.tile_k))
-        tma_b, tB = tma.make_load(mB, sB_layout, (self.tile_n, self.tile_k))
+        if cutlass.const_expr(self.cluster_m > 1):
+            tma_b, tB = tma.make_load_multicast(mB, sB_layout, (self.tile_n, self.tile_k), self.cluster_m)
+        else:
+            tma_b, tB = tma.make_load(mB, sB_layout, (self.tile_n, self.tile_k))
         tma_c, tC = tma.make_store(mC, sC_layout, self.epi_tile)
 
         @cute.struct
@@ -99,6 +103,7 @@ class GemmBase:
                     sA_layout, sB_layout, sC_layout,
                     SharedStorage).launch(grid=self.grid(tiles_m, tiles_n, sm_count, splits),
                                           block=[self.num_threads, 1, 1], stream=stream,
+                                          **({"cluster": [self.cluster_m, 1, 1]} if self.cluster_m > 1 else {}),
                                           min_blocks_per_mp=1)
 
     # ---------------------------------------------------------------- device side, shared
@@ -117,8 +122,8 @@ class GemmBase:
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         a_box_bytes = self.a_rows * self.tile_k * (self.dtype.width // 8)
         ring = pipeline.create(storage.ab_barriers.data_ptr(), self.stages, self.mma_threads // 32,
-                               a_box_bytes + smem.stage_bytes(self.dtype, sB_layout))
-        pipeline.init_done()
+                               a_box_bytes + smem.stage_bytes(self.dtype, sB_layout), self.cluster_m)
+        pipeline.init_done(self.cluster_m)
         sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
         sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
         sC = storage.sC.get_tensor(sC_layout.outer, swizzle=sC_layout.inner)
@@ -126,7 +131,12 @@ class GemmBase:
         if cutlass.const_expr(self.a_rows < self.tile_m):  # the top rows of every stage
             sA_box = cute.local_tile(sA, (self.a_rows, self.tile_k, self.stages), (0, 0, 0))
         tAsA, tAgA = tma.partition(tma_a, cute.local_tile(mA, (self.a_rows, self.tile_k), (None, None)), sA_box)
-        tBsB, tBgB = tma.partition(tma_b, cute.local_tile(mB, (self.tile_n, self.tile_k), (None, None)), sB)
+        gB_tiles = cute.local_tile(mB, (self.tile_n, self.tile_k), (None, None))
+        if cutlass.const_expr(self.cluster_m > 1):  # this CTA issues its slice of each B box
+            tBsB, tBgB = tma.partition_multicast(tma_b, gB_tiles, sB, cute.arch.block_idx_in_cluster(),
+                                                 self.cluster_m)
+        else:
+            tBsB, tBgB = tma.partition(tma_b, gB_tiles, sB)
         return tidx, warp_idx, ring, storage, sA, sB, sC, tAsA, tAgA, tBsB, tBgB
 
     def mma_operands(self, tiled_mma, mma_tidx, sA, sB):
@@ -256,6 +266,14 @@ class PersistentGemm(GemmBase):
     def grid(self, tiles_m, tiles_n, sm_count, splits):
         return [scheduler.persistent_grid(tiles_m * tiles_n * splits, sm_count), 1, 1]
 
+    def unit_range(self, tiles_m: Int32, tiles_n: Int32, splits: Int32):
+        """(first, count, step) of this CTA's work units."""
+        return cute.arch.block_idx()[0], tiles_m * tiles_n * splits, cute.arch.grid_dim()[0]
+
+    def b_multicast(self) -> tuple:
+        """() or (the multicast mask of a B copy,)."""
+        return ()
+
     @cute.jit
     def work_unit(self, unit: Int32, splits: Int32, tiles_m: Int32, tiles_n: Int32, k_tiles: Int32):
         """(tile, m_tile, n_tile, split, first K tile, K tiles) of work unit `unit`."""
@@ -272,14 +290,12 @@ class PersistentGemm(GemmBase):
                splits: Int32, tiled_mma: cute.TiledMma,
                sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout,
                sC_layout: cute.ComposedLayout, SharedStorage: cutlass.Constexpr):
-        first_unit, _, _ = cute.arch.block_idx()
-        unit_step, _, _ = cute.arch.grid_dim()
         tidx, warp_idx, ring, storage, sA, sB, sC, tAsA, tAgA, tBsB, tBgB = self.prologue(
             tma_a, mA, tma_b, mB, tma_c, sA_layout, sB_layout, sC_layout, SharedStorage)
         tiles_m = Int32(cute.size(tAgA, mode=[1]))
         tiles_n = Int32(cute.size(tBgB, mode=[1]))
         k_tiles = Int32(cute.size(tAgA, mode=[2]))
-        num_units = tiles_m * tiles_n * splits
+        first_unit, num_units, unit_step = self.unit_range(tiles_m, tiles_n, splits)
 
         if warp_idx < 4:  # the producer warpgroup
             cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -287,7 +303,8 @@ class PersistentGemm(GemmBase):
                 producer = pipeline.producer_state(self.stages)
                 for unit in cutlass.range(first_unit, num_units, unit_step, unroll=1):
                     _, m_tile, n_tile, _, k_first, k_count = self.work_unit(unit, splits, tiles_m, tiles_n, k_tiles)
-                    copies = [(tma_a, tAgA[None, m_tile, None], tAsA), (tma_b, tBgB[None, n_tile, None], tBsB)]
+                    copies = [(tma_a, tAgA[None, m_tile, None], tAsA),
+                              (tma_b, tBgB[None, n_tile, None], tBsB, *self.b_multicast())]
                     for k in cutlass.range(k_first, k_first + k_count, unroll=1):
                         producer = pipeline.produce(ring, producer, k, copies)
                 pipeline.tail(ring, producer)
@@ -319,3 +336,39 @@ class PersistentGemm(GemmBase):
                                    is_store_warp, store_pipe)
             if is_store_warp:
                 store_pipe.producer_tail()
+
+
+class ClusterGemm(PersistentGemm):
+    """G4: G3 on 2-CTA clusters along M with TMA multicast of B.
+
+    The two CTAs of a cluster compute vertically adjacent output tiles (2p, n) and (2p + 1, n),
+    which need the same B tile. Each CTA's producer loads its own A tile and half of the B tile,
+    and the copy engine writes that half into both CTAs' SMEM (`multicast::cluster`), so each B
+    byte leaves L2 once per cluster instead of once per CTA. Each CTA's full barrier expects its
+    A bytes plus the whole B tile; a stage may be refilled only when the consumers of *both* CTAs
+    have released it (their releases arrive on both CTAs' empty barriers), and the barriers are
+    initialised cluster-wide before the first copy. The pair walks the same work units in step
+    (units are tile pairs in the grouped order), so neither waits on a stage the other never
+    frees; with an odd number of M tiles the last pair's second tile lies past M: its loads are
+    zero-filled and its store is clipped away, and it still multicasts B for its partner.
+    No split-K (the rung is for problems with plenty of tiles).
+    """
+
+    cluster_m = 2
+
+    def grid(self, tiles_m, tiles_n, sm_count, splits):
+        pairs = (tiles_m + 1) // 2 * tiles_n
+        return [self.cluster_m * scheduler.persistent_grid(pairs, sm_count // self.cluster_m), 1, 1]
+
+    def unit_range(self, tiles_m: Int32, tiles_n: Int32, splits: Int32):
+        return (cute.arch.block_idx()[0] // self.cluster_m, (tiles_m + 1) // 2 * tiles_n,
+                cute.arch.grid_dim()[0] // self.cluster_m)
+
+    def b_multicast(self) -> tuple:
+        return (cutlass.Int16((1 << self.cluster_m) - 1),)  # every CTA of the cluster
+
+    @cute.jit
+    def work_unit(self, unit: Int32, splits: Int32, tiles_m: Int32, tiles_n: Int32, k_tiles: Int32):
+        pair_m, n_tile = scheduler.grouped_tile(unit, (tiles_m + 1) // 2, tiles_n, self.group_m // 2)
+        m_tile = pair_m * 2 + cute.arch.block_idx_in_cluster()
+        return unit, m_tile, n_tile, Int32(0), Int32(0), k_tiles

@@ -25,23 +25,31 @@ from cutlass import pipeline
 from cutlass.pipeline import PipelineUserType, make_pipeline_state  # noqa: F401  (re-export)
 
 
-def create(barrier_ptr, stages: int, consumer_warps: int, tx_bytes: int):
+def create(barrier_ptr, stages: int, consumer_warps: int, tx_bytes: int, cluster_m: int = 1):
     """A TMA ring of `stages` whose full barriers expect `tx_bytes` per stage (defer_sync: call
-    `init_done()` once after creating every pipeline of the kernel)."""
+    `init_done()` once after creating every pipeline of the kernel). cluster_m > 1: the CTAs of a
+    cluster along M multicast into each other's stages, so each consumer warp's release arrives on
+    the empty barrier of every CTA in the cluster (the DSL picks one lane per peer)."""
     return pipeline.PipelineTmaAsync.create(
         barrier_storage=barrier_ptr,
         num_stages=stages,
         producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps * cluster_m),
         tx_count=tx_bytes,
         defer_sync=True,
+        # the DSL's "mode n" peers: same n, other m (the CTAs that share B); its "mode m" would
+        # signal only this CTA, and the peer's producer would wait forever
+        **({"cta_layout_vmnk": cute.make_layout((1, cluster_m, 1, 1)), "mcast_mode_mn": (0, 1)}
+           if cluster_m > 1 else {}),
     )
 
 
-def init_done():
-    """Make barrier initialisation visible to the whole CTA before anyone uses a barrier."""
-    pipeline.pipeline_init_arrive(is_relaxed=True)
-    pipeline.pipeline_init_wait()
+def init_done(cluster_m: int = 1):
+    """Make barrier initialisation visible before anyone uses a barrier: to the CTA, or with
+    cluster_m > 1 to the whole cluster (its peers' copies will complete on these barriers)."""
+    cluster = cute.make_layout((cluster_m, 1)) if cluster_m > 1 else None
+    pipeline.pipeline_init_arrive(cluster_shape_mn=cluster, is_relaxed=True)
+    pipeline.pipeline_init_wait(cluster_shape_mn=cluster)
 
 
 def producer_state(stages: int):
@@ -53,13 +61,15 @@ def consumer_state(stages: int):
 
 
 def produce(pipe, state, tile, copies):
-    """Fill stage `state.index` with GMEM tile `tile` of every (atom, tXgX, tXsX) in `copies`, all
-    completing on the stage's one full barrier, then advance. Call from one whole warp: the copy
-    elects its own issuing lane (wrapping it in elect_one can deadlock). Returns the advanced state."""
+    """Fill stage `state.index` with GMEM tile `tile` of every (atom, tXgX, tXsX[, multicast mask])
+    in `copies`, all completing on the stage's one full barrier, then advance. Call from one whole
+    warp: the copy elects its own issuing lane (wrapping it in elect_one can deadlock). Returns the
+    advanced state."""
     pipe.producer_acquire(state)
-    for atom, tXgX, tXsX in copies:
+    for atom, tXgX, tXsX, *mask in copies:  # (atom, tXgX, tXsX[, multicast mask])
+        multicast = {"mcast_mask": mask[0]} if mask else {}
         cute.copy(atom, tXgX[(None, tile)], tXsX[(None, state.index)],
-                  tma_bar_ptr=pipe.producer_get_barrier(state))
+                  tma_bar_ptr=pipe.producer_get_barrier(state), **multicast)
     pipe.producer_commit(state)  # a no-op for TMA: the bytes complete the barrier
     state.advance()
     return state

@@ -21,6 +21,15 @@ def make_load(mX: cute.Tensor, staged_layout, tile_shape):
     return _tiled_atom(cpasync.CopyBulkTensorTileG2SOp(), mX, staged_layout, tile_shape)
 
 
+def make_load_multicast(mX: cute.Tensor, staged_layout, tile_shape, ctas: int):
+    """(atom, tma_tensor) for boxes that `ctas` CTAs of a cluster load together: each issues a
+    1/ctas slice of the box (see partition_multicast) and the copy engine writes it into every
+    CTA's SMEM at the same offset."""
+    one_stage = cute.slice_(staged_layout, (None, None, 0))
+    return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SMulticastOp(), mX, one_stage,
+                                       tile_shape, num_multicast=ctas)
+
+
 def make_store(mX: cute.Tensor, staged_layout, tile_shape):
     """(atom, tma_tensor) storing one stage of `staged_layout` into `tile_shape` boxes of mX; the
     parts of a box past mX's bounds are not written."""
@@ -47,6 +56,12 @@ def transpose(mX: cute.Tensor) -> cute.Tensor:
 def partition(atom, gX: cute.Tensor, sX: cute.Tensor):
     """(tXsX, tXgX): SMEM indexed by stage, GMEM by tile, for a CTA that is its own cluster."""
     return cpasync.tma_partition(atom, 0, cute.make_layout(1),
+                                 cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
+
+
+def partition_multicast(atom, gX: cute.Tensor, sX: cute.Tensor, rank, ctas: int):
+    """(tXsX, tXgX) as `partition`, for CTA `rank` of `ctas` sharing each box (its slice)."""
+    return cpasync.tma_partition(atom, rank, cute.make_layout(ctas),
                                  cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
 
 
