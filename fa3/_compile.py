@@ -156,7 +156,8 @@ def get_attention(spec, dtype, head_dim, causal, varlen=False, local=False, soft
 
 # ----------------------------------------------------------------------------- backward
 def _backward_fake_args(dtype, head_dim, gqa):
-    """Fake (q, k, v, dO, lse2, D, dQacc, dK, dV, lock, scale_log2, softmax_scale): see
+    """Fake (q, k, v, dO, lse2, D, dQacc, dK, dV, lock, scale_log2, softmax_scale, window_left,
+    window_right, softcap_scale): see
     kernels/bwd.py. `rows` is seqlen_q rounded up to the Q tile; dK/dV hold one slice per query
     head, FP32 under GQA (summed over each group afterwards)."""
     cutlass, cute = _import_cute()
@@ -175,29 +176,34 @@ def _backward_fake_args(dtype, head_dim, gqa):
             _unit_last(cute, dkv_dt, b, sk, hq, head_dim), _unit_last(cute, dkv_dt, b, sk, hq, head_dim),
             # the counters have shapes of their own: a 1-element stand-in when not deterministic
             _unit_last(cute, cutlass.Int32, *(cute.sym_int64() for _ in range(3))),
-            cutlass.Float32(1.0), cutlass.Float32(1.0)]
+            cutlass.Float32(1.0), cutlass.Float32(1.0),
+            # window edges and softcap_scale: read only by the local / softcap variants
+            cutlass.Int32(0), cutlass.Int32(0), cutlass.Float32(1.0)]
 
 
-def backward_key(spec, dtype, head_dim, causal, deterministic=False, gqa=False) -> tuple:
+def backward_key(spec, dtype, head_dim, causal, deterministic=False, gqa=False, local=False,
+                 softcap=False) -> tuple:
     cfg = spec.config_for(head_dim)
     return (spec.name, str(dtype), head_dim, bool(causal), bool(deterministic), bool(gqa),
-            tuple(sorted(cfg.items())), TARGET_ARCH, dsl_version())
+            bool(local), bool(softcap), tuple(sorted(cfg.items())), TARGET_ARCH, dsl_version())
 
 
-def _build_backward(spec, dtype, head_dim, causal, deterministic=False, gqa=False, extra_options=""):
+def _build_backward(spec, dtype, head_dim, causal, deterministic=False, gqa=False, local=False,
+                    softcap=False, extra_options=""):
     kernel = spec.load_class()(dtype=cute_dtype(dtype), head_dim=head_dim, causal=causal,
-                               deterministic=deterministic, **spec.config_for(head_dim))
+                               deterministic=deterministic, local=local, softcap=softcap,
+                               **spec.config_for(head_dim))
     return _compile_kernel(kernel, _backward_fake_args(dtype, head_dim, gqa), extra_options)
 
 
-def get_backward(spec, dtype, head_dim, causal, deterministic, gqa):
+def get_backward(spec, dtype, head_dim, causal, deterministic, gqa, local=False, softcap=False):
     """The compiled backward main kernel for this static configuration (compiled on first use)."""
-    fast_key = ("bwd", spec.name, dtype, head_dim, causal, deterministic, gqa)
+    fast_key = ("bwd", spec.name, dtype, head_dim, causal, deterministic, gqa, local, softcap)
     fn = _FAST.get(fast_key)
     if fn is None:
         fn = _FAST[fast_key] = _cached(
-            backward_key(spec, dtype, head_dim, causal, deterministic, gqa),
-            lambda: _build_backward(spec, dtype, head_dim, causal, deterministic, gqa))
+            backward_key(spec, dtype, head_dim, causal, deterministic, gqa, local, softcap),
+            lambda: _build_backward(spec, dtype, head_dim, causal, deterministic, gqa, local, softcap))
     return fn
 
 

@@ -35,7 +35,7 @@ _NO_LOCK: dict[torch.device, torch.Tensor] = {}  # a stand-in for the counters w
 
 
 def launch_attention_backward(spec, dout, q, k, v, out, lse, causal: bool, scale: float,
-                              deterministic: bool):
+                              deterministic: bool, window=(-1, -1), softcap: float = 0.0):
     """(dq, dk, dv) for rung `spec`: preprocess (D, LSE * log2 e), the main kernel (dK, dV per
     query head; dQ summed in FP32), postprocess (dQ * scale -> dtype; GQA sums over each group).
     The body of the fa3::attention_backward op: arguments are validated already."""
@@ -70,8 +70,11 @@ def launch_attention_backward(spec, dout, q, k, v, out, lse, causal: bool, scale
         lock = _NO_LOCK.get(device)
         if lock is None:
             lock = _NO_LOCK[device] = torch.zeros(1, 1, 1, dtype=torch.int32, device=device)
-    fn = _compile.get_backward(spec, dtype, head_dim, bool(causal), bool(deterministic), gqa)
-    fn(q, k, v, dout, lse2, dsum, dq_acc, dk_h, dv_h, lock, scale * masking.LOG2E, scale)
+    mask = masking.masking(causal, window, softcap, scale)  # as the forward saw the scores
+    fn = _compile.get_backward(spec, dtype, head_dim, mask.causal, bool(deterministic), gqa, mask.local,
+                               mask.softcap)
+    fn(q, k, v, dout, lse2, dsum, dq_acc, dk_h, dv_h, lock, mask.scale_log2, scale, mask.left,
+       mask.right, mask.softcap_scale)
     torch.mul(dq_acc[:, :seqlen_q], scale, out=dq)
     if gqa:
         group = heads_q // heads_kv

@@ -202,7 +202,7 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     window_size: (left, right) sliding-window (local) attention as flash-attn: query i sees keys
         j in [i + shift - left, i + shift + right], shift = seqlen_k - seqlen_q; -1 = unbounded.
     softcap: > 0 caps the scores as Gemma 2: s -> softcap * tanh(s / softcap) (s scaled first).
-        window_size and softcap are forward-only for now (inputs that require grad are refused).
+        Both are differentiable (the backward rungs compile them as the forward does).
     return_lse: also return the fp32 log-sum-exp of each row, (batch, heads_q, seqlen_q).
     kernel: a rung of fa3.available_kernels("attention"); None picks the fastest.
     out: optional preallocated output, shaped like q, same dtype and device, contiguous.
@@ -227,10 +227,10 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
         check_output(out, "out", q)
     window = tuple(window_size)
     if window != (-1, -1) or softcap:
-        check_variants(spec, masking.masking(causal, window, softcap, scale), "kernel")
+        mask = masking.masking(causal, window, softcap, scale)
+        check_variants(spec, mask, "kernel")
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            raise NotImplementedError("window_size and softcap have no backward yet: call under "
-                                      "torch.no_grad(), or leave them at (-1, -1) and 0.0 to train")
+            check_variants(_memo_rung(_backward_rung, backward_kernel, q.shape[3]), mask, "backward_kernel")
     if direct_call_ok(q, k, v):
         out, lse = launch_attention(spec, q, k, v, causal, scale, out, window, softcap)
     else:

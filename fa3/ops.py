@@ -2,9 +2,10 @@
 
     torch.ops.fa3.attention(q, k, v, causal, softmax_scale, kernel, deterministic=False,
                             backward_kernel=None, window_left=-1, window_right=-1, softcap=0.0)
-                            -> (out, lse)               differentiable in q, k, v (no window/softcap)
+                            -> (out, lse)               differentiable in q, k, v
     torch.ops.fa3.attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, kernel,
-                                     deterministic) -> (dq, dk, dv)
+                                     deterministic, window_left=-1, window_right=-1, softcap=0.0)
+                                     -> (dq, dk, dv)
     torch.ops.fa3.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale,
                                    window_left, window_right, softcap, kernel) -> (out, lse)
     torch.ops.fa3.attention_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, appended,
@@ -33,7 +34,8 @@ _ATTENTION_SCHEMA = ("(Tensor q, Tensor k, Tensor v, bool causal, float softmax_
                      "bool deterministic=False, str? backward_kernel=None, int window_left=-1, "
                      "int window_right=-1, float softcap=0.0) -> (Tensor, Tensor)")
 _BACKWARD_SCHEMA = ("(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, "
-                    "float softmax_scale, str kernel, bool deterministic) -> (Tensor, Tensor, Tensor)")
+                    "float softmax_scale, str kernel, bool deterministic, int window_left=-1, "
+                    "int window_right=-1, float softcap=0.0) -> (Tensor, Tensor, Tensor)")
 
 
 @torch.library.custom_op("fa3::attention", mutates_args=(), schema=_ATTENTION_SCHEMA)
@@ -56,22 +58,26 @@ def _attention_fake(q, k, v, causal, softmax_scale, kernel, deterministic=False,
 
 
 @torch.library.custom_op("fa3::attention_backward", mutates_args=(), schema=_BACKWARD_SCHEMA)
-def attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, kernel, deterministic):
+def attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, kernel, deterministic,
+                       window_left=-1, window_right=-1, softcap=0.0):
     """(dq, dk, dv), each contiguous and shaped like its input, with backward rung `kernel`."""
     spec = backward._check_backward(dout, q, k, v, out, lse, kernel)
+    window = (window_left, window_right)
+    interface.check_variants(spec, masking.masking(causal, window, softcap, softmax_scale), "backward_kernel")
     return backward.launch_attention_backward(spec, dout, q, k, v, out, lse, causal, softmax_scale,
-                                               deterministic)
+                                               deterministic, window, softcap)
 
 
 @attention_backward.register_fake
-def _attention_backward_fake(dout, q, k, v, out, lse, causal, softmax_scale, kernel, deterministic):
+def _attention_backward_fake(dout, q, k, v, out, lse, causal, softmax_scale, kernel, deterministic,
+                             window_left=-1, window_right=-1, softcap=0.0):
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
 def _save_for_backward(ctx, inputs, output):
     q, k, v, causal, softmax_scale, _, deterministic, backward_kernel, left, right, softcap = inputs
     out, lse = output
-    ctx.plain = (left, right) == (-1, -1) and not softcap
+    ctx.window, ctx.softcap = (left, right), softcap
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.causal, ctx.softmax_scale = causal, softmax_scale
     ctx.deterministic, ctx.backward_kernel = deterministic, backward_kernel
@@ -79,12 +85,11 @@ def _save_for_backward(ctx, inputs, output):
 
 
 def _attention_grads(ctx, dout, _dlse):
-    if not ctx.plain:
-        raise NotImplementedError("fa3.attention with window_size or softcap has no backward yet")
     q, k, v, out, lse = ctx.saved_tensors
     kernel = ctx.backward_kernel or interface._backward_rung(None, q.shape[3]).name
     dq, dk, dv = torch.ops.fa3.attention_backward(dout, q, k, v, out, lse, ctx.causal,
-                                                  ctx.softmax_scale, kernel, ctx.deterministic)
+                                                  ctx.softmax_scale, kernel, ctx.deterministic,
+                                                  ctx.window[0], ctx.window[1], ctx.softcap)
     return dq, dk, dv, None, None, None, None, None, None, None, None
 
 

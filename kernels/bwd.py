@@ -37,16 +37,19 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
-from .common import accum, mask, mma, pipeline, smem, tma
+from .common import accum, mask, mma, pipeline, smem, softmax, tma
 
 
 class AttentionBackward:
     mma_warpgroups = 2
 
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 64, tile_n: int = 128,
-                 q_stages: int = 2, deterministic: bool = False):
+                 q_stages: int = 2, deterministic: bool = False, local: bool = False,
+                 softcap: bool = False):
         assert tile_m % 64 == 0 and tile_n % 64 == 0, "64-row WGMMA atoms; P and dS rows fill a 128-byte swizzle atom"
         self.dtype, self.head_dim, self.causal = dtype, head_dim, causal
+        # static variants, as the forward's: the window's predicates (mask.py) and capped scores
+        self.local, self.softcap = local, softcap
         self.tile_m, self.tile_n, self.q_stages = tile_m, tile_n, q_stages
         self.deterministic = deterministic
         self.num_threads = 128 * self.mma_warpgroups
@@ -92,16 +95,18 @@ class AttentionBackward:
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                  mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor,
                  mdV: cute.Tensor, mLock: cute.Tensor, scale_log2: Float32, softmax_scale: Float32,
-                 stream):
+                 window_left: Int32, window_right: Int32, softcap_scale: Float32, stream):
         """mLSE2, mD: (batch, heads_q, seqlen_q rounded up to tile_m) FP32 from the preprocess;
         mdQacc: (batch, same rows, heads_q, d) FP32, zeroed; mdK, mdV: (batch, seqlen_k, heads_q,
         d), one slice per query head (FP32 when GQA sums them afterwards); mLock: (batch, heads_q,
-        Q tiles) int32 zeros, read only when deterministic."""
+        Q tiles) int32 zeros, read only when deterministic. The window edges and softcap_scale
+        are read only by the local and softcap variants (as the forward's)."""
         batch, seqlen_k, heads_q = mQ.shape[0], mK.shape[1], mQ.shape[2]
         sQ_layout, sKV_layout, sPdS_layout = self.smem_layouts()
         loads = self.make_loads(mQ, mdO, mK, mV, sQ_layout, sKV_layout)
         storage_cls = self.shared_storage(sQ_layout, sKV_layout, sPdS_layout)
         self.kernel(*loads, mLSE2, mD, mdQacc, mdK, mdV, mLock, scale_log2, softmax_scale,
+                    window_left, window_right, softcap_scale,
                     sQ_layout, sKV_layout, sPdS_layout, storage_cls).launch(
             grid=[cute.ceil_div(seqlen_k, self.tile_n), heads_q, batch],
             block=[self.num_threads, 1, 1], stream=stream)
@@ -112,6 +117,7 @@ class AttentionBackward:
                tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom, mV: cute.Tensor,
                mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor,
                mdV: cute.Tensor, mLock: cute.Tensor, scale_log2: Float32, softmax_scale: Float32,
+               window_left: Int32, window_right: Int32, softcap_scale: Float32,
                sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
                sPdS_layout: cute.ComposedLayout, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
@@ -126,8 +132,8 @@ class AttentionBackward:
         s = self.smem_tensors(storage, sQ_layout, sKV_layout, sPdS_layout)
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]  # (seqlen, d, heads, batch) views
         q_copies, kv_copies = self.tma_copies(tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, s, head, batch)
-        m_first = mask.m_block_min(n_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.causal)
-        m_end = (seqlen_q + self.tile_m - 1) // self.tile_m
+        window = (window_left, window_right) if cutlass.const_expr(self.local) else None
+        m_first, m_end = self.q_tile_range(n_block, seqlen_q, seqlen_k, window)
 
         q_producer = pipeline.producer_state(self.q_stages)
         if warp_idx == 0:  # K_j, V_j once; then fill the Q/dO ring
@@ -136,6 +142,7 @@ class AttentionBackward:
                 q_producer = pipeline.produce(q_pipe, q_producer, m_first + q_producer.count, q_copies)
 
         ctx = self.mma_setup(s, tidx)
+        ctx.window, ctx.softcap_scale, ctx.seqlen_q, ctx.seqlen_k = window, softcap_scale, seqlen_q, seqlen_k
         pipeline.consume_wait(kv_pipe, pipeline.consumer_state(1))
         q_consumer = pipeline.consumer_state(self.q_stages)
         for m_block in cutlass.range(m_first, m_end, unroll=1):
@@ -222,6 +229,15 @@ class AttentionBackward:
         return acc_s, acc_dp
 
     @cute.jit
+    def q_tile_range(self, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32, window):
+        """(first, end) of the Q tiles that see K/V tile n_block (mask.py; end >= first)."""
+        first = mask.m_block_min(n_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.causal, window)
+        end = mask.m_block_max(n_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, window)
+        if cutlass.const_expr(window is not None):  # a window may leave this K/V tile no Q tile
+            end = cutlass.max(first, end)
+        return first, end
+
+    @cute.jit
     def row_stats(self, ctx, mX: cute.Tensor, m_block: Int32, head: Int32, batch: Int32):
         """This thread's rows of a per-row statistic (LSE * log2 e or D) of Q tile m_block, into
         registers: loaded before the GEMMs are issued, the loads' latency hides under them."""
@@ -234,22 +250,35 @@ class AttentionBackward:
     @cute.jit
     def probabilities(self, ctx, acc_s, lse2: cute.Tensor, m_block: Int32, n_block: Int32,
                       seqlen_q: Int32, seqlen_k: Int32, scale_log2: Float32):
-        """S -> P in place: mask (tiles that need it), then exp2(S * scale_log2 - LSE * log2 e)."""
+        """S -> P in place: softcap (the capped variant), mask (tiles that need it), then
+        exp2(S * scale_log2 - LSE * log2 e)."""
         s_mn = mma.rows_cols(acc_s)
-        if mask.tile_needs_mask(m_block, n_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.causal):
+        if cutlass.const_expr(self.softcap):
+            softmax.softcap(s_mn, ctx.softcap_scale)
+        if mask.tile_needs_mask(m_block, n_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k,
+                                self.causal, window=ctx.window):
             mask.apply(s_mn, ctx.s_coords, m_block * self.tile_m, n_block * self.tile_n, seqlen_q,
-                       seqlen_k, self.causal)
+                       seqlen_k, self.causal, window=ctx.window)
         for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
             for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
                 s_mn[r, c] = cute.math.exp2(s_mn[r, c] * scale_log2 - lse2[r], fastmath=True)
 
     @cute.jit
-    def score_grads(self, acc_p, acc_dp, dsum: cute.Tensor):
-        """dP -> dS = P * (dP - D) in place."""
+    def score_grads(self, acc_p, acc_dp, dsum: cute.Tensor, lse2: cute.Tensor, scale_log2: Float32):
+        """dP -> dS = P * (dP - D) in place. Capped scores (z = cap * t, t = tanh(s * scale / cap))
+        also take dz/ds's 1 - t^2 (the scale is applied later, as without a cap); t is recovered
+        from P itself, t = (log2 P + LSE * log2 e) / scale_log2, so no register holds it meanwhile,
+        and where P = 0 (masked, or no contribution) the factor is 0, not 0 * inf."""
         p_mn, dp_mn = mma.rows_cols(acc_p), mma.rows_cols(acc_dp)
+        inv_scale = cute.arch.rcp_approx(scale_log2) if cutlass.const_expr(self.softcap) else scale_log2
         for r in cutlass.range_constexpr(cute.size(dp_mn, mode=[0])):
             for c in cutlass.range_constexpr(cute.size(dp_mn, mode=[1])):
-                dp_mn[r, c] = p_mn[r, c] * (dp_mn[r, c] - dsum[r])
+                ds = p_mn[r, c] * (dp_mn[r, c] - dsum[r])
+                if cutlass.const_expr(self.softcap):
+                    p = p_mn[r, c]
+                    t = (cute.math.log2(p, fastmath=True) + lse2[r]) * inv_scale
+                    ds = ds * (1.0 - t * t) if p > 0.0 else Float32(0.0)
+                dp_mn[r, c] = ds
 
     @cute.jit
     def issue_dkv(self, ctx, s, stage):
@@ -274,10 +303,20 @@ class AttentionBackward:
         gdQ = cute.local_tile(mdQacc[batch, None, head, None], (self.tile_m, self.head_dim), (m_block, 0))
         if cutlass.const_expr(self.deterministic):
             counter = accum.elem_ptr(mLock, (batch, head, m_block))
-            accum.ordered_begin(counter, n_block, ctx.tidx, barrier_fn)
+            turn = self.dq_turn(m_block, n_block, ctx.seqlen_q, ctx.seqlen_k, ctx.window)
+            accum.ordered_begin(counter, turn, ctx.tidx, barrier_fn)
         accum.add_fragment(acc_dq, ctx.thr_dq.partition_C(gdQ))
         if cutlass.const_expr(self.deterministic):
             accum.ordered_end(counter, ctx.tidx, barrier_fn)
+
+    @cute.jit
+    def dq_turn(self, m_block: Int32, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32, window) -> Int32:
+        """Deterministic dQ: this K/V tile's place among Q tile m_block's contributors, which are
+        n_block_min(m) .. n_block_max(m) - 1 (a window's first is not 0)."""
+        first = Int32(0)
+        if cutlass.const_expr(window is not None):
+            first = mask.n_block_min(m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, window=window)
+        return n_block - first
 
     @cute.jit
     def compute_step(self, ctx, s, stage, m_block: Int32, n_block: Int32, head: Int32, batch: Int32,
@@ -287,7 +326,7 @@ class AttentionBackward:
         lse2, dsum = self.row_stats(ctx, mLSE2, m_block, head, batch), self.row_stats(ctx, mD, m_block, head, batch)
         acc_s, acc_dp = self.scores_and_dp(ctx, stage, 0)
         self.probabilities(ctx, acc_s, lse2, m_block, n_block, seqlen_q, seqlen_k, scale_log2)
-        self.score_grads(acc_s, acc_dp, dsum)
+        self.score_grads(acc_s, acc_dp, dsum, lse2, scale_log2)
         p, ds = mma.to_dtype(acc_s, self.dtype), mma.to_dtype(acc_dp, self.dtype)
         cute.arch.sync_threads()  # every GEMM of the previous tile is done reading sP and sdS
         mma.store_to_smem(p, ctx.sdp, ctx.tidx, s.sP[None, None, 0])

@@ -37,8 +37,9 @@ DQ_EMPTY, DQ_FULL = 2, 3  # consumers + the dQ writer warp
 
 class WarpSpecializedBackward(AttentionBackward):
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 64, tile_n: int = 128,
-                 q_stages: int = 2, deterministic: bool = False):
-        super().__init__(dtype, head_dim, causal, tile_m, tile_n, q_stages, deterministic)
+                 q_stages: int = 2, deterministic: bool = False, local: bool = False,
+                 softcap: bool = False):
+        super().__init__(dtype, head_dim, causal, tile_m, tile_n, q_stages, deterministic, local, softcap)
         self.consumer_threads = 128 * self.mma_warpgroups
         self.num_threads = 128 + self.consumer_threads
 
@@ -54,7 +55,7 @@ class WarpSpecializedBackward(AttentionBackward):
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                  mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor,
                  mdV: cute.Tensor, mLock: cute.Tensor, scale_log2: Float32, softmax_scale: Float32,
-                 stream):
+                 window_left: Int32, window_right: Int32, softcap_scale: Float32, stream):
         """Arguments as B1's."""
         batch, seqlen_k, heads_q = mQ.shape[0], mK.shape[1], mQ.shape[2]
         sQ_layout, sKV_layout, sPdS_layout = self.smem_layouts()
@@ -63,7 +64,7 @@ class WarpSpecializedBackward(AttentionBackward):
                                           (self.tile_m, self.head_dim))
         storage_cls = self.shared_storage(sQ_layout, sKV_layout, sPdS_layout)
         self.kernel(*loads, tma_dq, tdQ, mLSE2, mD, mdK, mdV, mLock, scale_log2, softmax_scale,
-                    sQ_layout, sKV_layout, sPdS_layout, self.sdq_layout(), storage_cls).launch(
+                    window_left, window_right, softcap_scale, sQ_layout, sKV_layout, sPdS_layout, self.sdq_layout(), storage_cls).launch(
             grid=[cute.ceil_div(seqlen_k, self.tile_n), heads_q, batch],
             block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
@@ -73,7 +74,8 @@ class WarpSpecializedBackward(AttentionBackward):
                tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom, mV: cute.Tensor,
                tma_dq: cute.CopyAtom, mdQacc: cute.Tensor, mLSE2: cute.Tensor, mD: cute.Tensor,
                mdK: cute.Tensor, mdV: cute.Tensor, mLock: cute.Tensor, scale_log2: Float32,
-               softmax_scale: Float32, sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
+               softmax_scale: Float32, window_left: Int32, window_right: Int32, softcap_scale: Float32,
+               sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
                sPdS_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout,
                SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
@@ -87,8 +89,8 @@ class WarpSpecializedBackward(AttentionBackward):
         s = self.smem_tensors(storage, sQ_layout, sKV_layout, sPdS_layout)
         s.sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
-        m_first = mask.m_block_min(n_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.causal)
-        m_end = (seqlen_q + self.tile_m - 1) // self.tile_m
+        window = (window_left, window_right) if cutlass.const_expr(self.local) else None
+        m_first, m_end = self.q_tile_range(n_block, seqlen_q, seqlen_k, window)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
@@ -98,11 +100,13 @@ class WarpSpecializedBackward(AttentionBackward):
                 self.load(q_pipe, kv_pipe, q_copies, kv_copies, n_block, m_first, m_end)
             if warp_idx == 1:
                 self.write_dq(tma_dq, mdQacc, s.sdQ, mLock, n_block, head, batch, m_first, m_end,
+                              seqlen_q, seqlen_k, window,
                               tidx % 32)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             ctidx = tidx - 128
             ctx = self.mma_setup(s, ctidx)
+            ctx.window, ctx.softcap_scale = window, softcap_scale
             pipeline.consume_wait(kv_pipe, pipeline.consumer_state(1))
             q_consumer = pipeline.consumer_state(self.q_stages)
             for i in cutlass.range(m_end - m_first, unroll=1):
@@ -133,7 +137,7 @@ class WarpSpecializedBackward(AttentionBackward):
 
     @cute.jit
     def write_dq(self, tma_dq, mdQacc, sdQ, mLock, n_block: Int32, head: Int32, batch: Int32,
-                 m_first: Int32, m_end: Int32, lane: Int32):
+                 m_first: Int32, m_end: Int32, seqlen_q: Int32, seqlen_k: Int32, window, lane: Int32):
         """dQ writer warp: per Q tile, one TMA reduce-add of the consumers' FP32 share."""
         gdQ = cute.local_tile(mdQacc[None, None, head, batch], (self.tile_m, self.head_dim), (None, 0))
         tdQsdQ, tdQgdQ = tma.partition(tma_dq, gdQ, sdQ)
@@ -144,7 +148,8 @@ class WarpSpecializedBackward(AttentionBackward):
             cute.arch.barrier(barrier_id=DQ_FULL, number_of_threads=handoff)
             if cutlass.const_expr(self.deterministic):
                 counter = accum.elem_ptr(mLock, (batch, head, m_block))
-                accum.ordered_begin(counter, n_block, lane, cute.arch.sync_warp)
+                accum.ordered_begin(counter, self.dq_turn(m_block, n_block, seqlen_q, seqlen_k, window),
+                                    lane, cute.arch.sync_warp)
             cute.copy(tma_dq, tdQsdQ[None, 0], tdQgdQ[None, m_block])
             cute.arch.cp_async_bulk_commit_group()
             if cutlass.const_expr(self.deterministic):
@@ -168,7 +173,7 @@ class WarpSpecializedBackward(AttentionBackward):
         self.probabilities(ctx, acc_s, lse2, m_block, n_block, seqlen_q, seqlen_k, scale_log2)
         p = mma.to_dtype(acc_s, self.dtype)
         warpgroup.wait_group(0)
-        self.score_grads(acc_s, acc_dp, dsum)
+        self.score_grads(acc_s, acc_dp, dsum, lse2, scale_log2)
         ds = mma.to_dtype(acc_dp, self.dtype)
         # every GEMM of the previous Q tile (both warpgroups) is done with sP and sdS
         cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=consumers)

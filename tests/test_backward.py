@@ -57,9 +57,10 @@ def _grads(fn, q, k, v, dout):
     return out, q.grad, k.grad, v.grad
 
 
-def _reference_grads(q, k, v, dout, causal, scale, dtype):
+def _reference_grads(q, k, v, dout, causal, scale, dtype, window=(-1, -1), softcap=0.0):
     def fn(q, k, v):
-        return attention_reference(q, k, v, causal=causal, softmax_scale=scale, dtype=dtype)[0]
+        return attention_reference(q, k, v, causal=causal, softmax_scale=scale, dtype=dtype,
+                                   window_size=window, softcap=softcap)[0]
 
     q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
     out = fn(q, k, v)
@@ -67,12 +68,14 @@ def _reference_grads(q, k, v, dout, causal, scale, dtype):
     return out, q.grad, k.grad, v.grad
 
 
-def check_grads(q, k, v, dout, causal, scale=None, kernel=None, deterministic=False, floor=1e-3):
+def check_grads(q, k, v, dout, causal, scale=None, kernel=None, deterministic=False, floor=1e-3,
+                window=(-1, -1), softcap=0.0):
     got = _grads(lambda q, k, v: fa3.attention(q, k, v, causal=causal, softmax_scale=scale,
-                                               backward_kernel=kernel, deterministic=deterministic),
+                                               backward_kernel=kernel, deterministic=deterministic,
+                                               window_size=window, softcap=softcap),
                  q, k, v, dout)
-    exact = _reference_grads(q, k, v, dout, causal, scale, torch.float64)
-    low = _reference_grads(q, k, v, dout, causal, scale, q.dtype)
+    exact = _reference_grads(q, k, v, dout, causal, scale, torch.float64, window, softcap)
+    low = _reference_grads(q, k, v, dout, causal, scale, q.dtype, window, softcap)
     for name, g, ref, base in zip(("out", "dq", "dk", "dv"), got, exact, low):
         assert g.shape == ref.shape and g.dtype == q.dtype
         assert torch.isfinite(g).all(), f"{name} has NaN/inf"
@@ -88,6 +91,40 @@ def check_grads(q, k, v, dout, causal, scale=None, kernel=None, deterministic=Fa
 def test_gradients(shape, head_dim, causal, kernel):
     q, k, v, dout = _inputs(*shape, head_dim, seed=hash((shape, head_dim, causal)) % 1000)
     check_grads(q, k, v, dout, causal, kernel=kernel)
+
+
+# (causal, window_size, softcap): Mistral-style causal windows, two-sided windows, Gemma-2's cap
+# alone and with a causal window
+VARIANT_CASES = {
+    "causal-window": (True, (100, -1), 0.0),
+    "two-sided-window": (False, (64, 32), 0.0),
+    "softcap": (False, (-1, -1), 5.0),
+    "softcap-causal-window": (True, (128, -1), 5.0),
+}
+
+
+@pytest.mark.parametrize("kernel", BWD_RUNGS)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("case", VARIANT_CASES)
+@pytest.mark.parametrize("shape", [(2, 300, 300, 4, 2), (1, 333, 130, 2, 2)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_window_and_softcap_gradients(shape, case, head_dim, kernel):
+    """Sliding windows and softcap against the float64 reference (seqlen_q > seqlen_k leaves
+    rows without keys under a causal window); the cap of 5 changes these scores."""
+    causal, window, softcap = VARIANT_CASES[case]
+    q, k, v, dout = _inputs(*shape, head_dim, seed=hash((shape, case, head_dim)) % 1000)
+    check_grads(q, k, v, dout, causal, kernel=kernel, window=window, softcap=softcap)
+
+
+@pytest.mark.parametrize("kernel", BWD_RUNGS)
+def test_window_deterministic_is_bitwise_repeatable(kernel):
+    """A window's first dQ contributor is not K/V tile 0: the ordered adds start at its own."""
+    q, k, v, dout = _inputs(2, 1000, 1000, 4, 2, 128)
+    call = dict(causal=True, window_size=(200, -1), softcap=5.0, backward_kernel=kernel, deterministic=True)
+    first = check_grads(q, k, v, dout, True, kernel=kernel, deterministic=True, window=(200, -1), softcap=5.0)
+    again = _grads(lambda q, k, v: fa3.attention(q, k, v, **call), q, k, v, dout)
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("kernel", BWD_RUNGS)

@@ -66,9 +66,12 @@ def test_backward_deterministic_variant_compiles(name):
     ("k5.5", dict(head_dim=128, causal=False, softcap=True), ("tanh.approx.f32",)),
     ("k5.5", dict(head_dim=64, causal=False, local=True), ("wgmma.mma_async",)),
     ("s1", dict(head_dim=128, causal=True, paged=True, local=True, softcap=True), ("tanh.approx.f32",)),
+    ("b2", dict(head_dim=128, causal=False, local=True, softcap=True), ("tanh.approx.f32", "lg2.approx")),
+    ("b1", dict(head_dim=128, causal=False, local=True, softcap=True), ("tanh.approx.f32", "lg2.approx")),
 ])
 def test_variants_compile(name, static, promises):
-    """The variants (varlen, sliding window, softcap) compile for sm_90a without spilling."""
+    """The variants (varlen, sliding window, softcap; forward and backward) compile for sm_90a
+    without spilling."""
     report = _compile.compile_report(registry.get(name), torch.bfloat16, **static)
     for promise in promises:
         assert promise in report.ptx, f"{name} {static}: {promise!r} missing"

@@ -127,11 +127,26 @@ def tile_needs_mask(m_block: Int32, n_block: Int32, tile_m: cutlass.Constexpr, t
 
 @cute.jit
 def m_block_min(n_block: Int32, tile_m: cutlass.Constexpr, tile_n: cutlass.Constexpr,
-                seqlen_q: Int32, seqlen_k: Int32, causal: cutlass.Constexpr) -> Int32:
+                seqlen_q: Int32, seqlen_k: Int32, causal: cutlass.Constexpr, window=None) -> Int32:
     """First Q tile that sees any key of K/V tile `n_block` (the backward's loop start): 0, or under
-    causal the tile holding row n_block * tile_n + seqlen_q - seqlen_k. The Q tiles that see K/V
-    tile n are exactly those m with n < n_block_max(m): the same predicate, inverted."""
-    first = 0
-    if cutlass.const_expr(causal):
+    causal (a window's right edge) the tile holding row n_block * tile_n + seqlen_q - seqlen_k
+    (- right). The Q tiles that see K/V tile n are exactly those m with n_block_min(m) <= n <
+    n_block_max(m): the same predicates, inverted (m_block_max is the other end)."""
+    first = Int32(0)
+    if cutlass.const_expr(window is not None):
+        first = cutlass.max(n_block * tile_n + seqlen_q - seqlen_k - window[1], 0) // tile_m
+    elif cutlass.const_expr(causal):
         first = cutlass.max(n_block * tile_n + seqlen_q - seqlen_k, 0) // tile_m
     return first
+
+
+@cute.jit
+def m_block_max(n_block: Int32, tile_m: cutlass.Constexpr, tile_n: cutlass.Constexpr,
+                seqlen_q: Int32, seqlen_k: Int32, window=None) -> Int32:
+    """One past the last Q tile that sees K/V tile `n_block`: all of them, or with a window the
+    tiles whose first row's window start (n_block_min) is at most the tile's last key."""
+    end = (seqlen_q + tile_m - 1) // tile_m
+    if cutlass.const_expr(window is not None):
+        reach = cutlass.max((n_block + 1) * tile_n + seqlen_q - seqlen_k + window[0], 0)
+        end = cutlass.min(end, (reach + tile_m - 1) // tile_m)
+    return end
