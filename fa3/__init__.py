@@ -2,7 +2,7 @@
 
     fa3.attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
                   return_lse=False, kernel=None, out=None, deterministic=False,
-                  backward_kernel=None)               differentiable in q, k, v (no window/softcap)
+                  backward_kernel=None)               differentiable in q, k, v
     fa3.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
                          causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
                          return_lse=False)                   packed variable-length batches
@@ -10,7 +10,9 @@
                                block_table=None, causal=False, softmax_scale=None,
                                window_size=(-1, -1), softcap=0.0, num_splits=0,
                                return_lse=False)                   decode against a (paged) KV cache
-    fa3.gemm(a, b, out=None, kernel=None)
+    fa3.gemm(a, b, out=None, kernel=None)              any 2-D pair a @ b takes; differentiable
+    fa3.flash_attn_func, fa3.flash_attn_varlen_func, fa3.flash_attn_with_kvcache
+                                            flash-attn's names and signatures (fa3.flash_compat)
     fa3.available_kernels(family=None)      "attention", "backward", "kvcache" or "gemm"
 """
 
@@ -27,9 +29,11 @@ if not _os.path.isdir(_os.path.join(_os.path.dirname(__file__), "kernels")) and 
 from .interface import attention  # noqa: E402
 from .kvcache import attention_with_kvcache  # noqa: E402
 from .matmul import gemm  # noqa: E402
+from .flash_compat import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache  # noqa: E402
 from .varlen import attention_varlen  # noqa: E402
 from . import ops  # noqa: E402,F401  (registers torch.ops.fa3.attention and torch.ops.fa3.gemm)
 from .registry import available_kernels  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "gemm", "available_kernels", "__version__"]
+__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "gemm", "available_kernels",
+           "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "__version__"]

@@ -1,0 +1,85 @@
+"""flash-attn's names: the signatures match flash-attn 2's (names, order, defaults), unsupported
+options are refused by name, valid calls reach fa3's own validation (CPU), and on the GPU the
+results equal fa3's own entry points."""
+
+import inspect
+
+import pytest
+import torch
+
+import fa3
+from conftest import raises_with
+
+# flash-attn 2.x signatures (parameter names in order, with defaults)
+FLASH_ATTN = {
+    "flash_attn_func": "q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), "
+                       "softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False",
+    "flash_attn_varlen_func": "q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, "
+                              "dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), "
+                              "softcap=0.0, alibi_slopes=None, deterministic=False, "
+                              "return_attn_probs=False, block_table=None",
+    "flash_attn_with_kvcache": "q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, "
+                               "cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, "
+                               "block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1), "
+                               "softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0, "
+                               "return_softmax_lse=False",
+}
+
+
+@pytest.mark.parametrize("name", FLASH_ATTN)
+def test_signatures_match_flash_attn(name):
+    params = inspect.signature(getattr(fa3, name)).parameters.values()
+    got = ", ".join(p.name if p.default is inspect.Parameter.empty else f"{p.name}={p.default!r}"
+                    for p in params)
+    assert got == FLASH_ATTN[name] and name in fa3.__all__
+
+
+def _qkv(batch=1, seqlen=16, heads=2, d=64):
+    return [torch.randn(batch, seqlen, heads, d, dtype=torch.bfloat16) for _ in range(3)]
+
+
+@pytest.mark.parametrize("option, words", [
+    (dict(dropout_p=0.1), ("dropout_p=0.1",)),
+    (dict(alibi_slopes=torch.zeros(2)), ("alibi_slopes",)),
+    (dict(return_attn_probs=True), ("return_attn_probs=True", "return_lse")),
+])
+def test_flash_attn_func_refuses_what_fa3_lacks(option, words):
+    q, k, v = _qkv()
+    raises_with(fa3.flash_attn_func, NotImplementedError, *words, q=q, k=k, v=v, **option)
+
+
+def test_valid_calls_reach_fa3_validation():
+    q, k, v = _qkv()
+    raises_with(fa3.flash_attn_func, ValueError, "cpu", q=q, k=k, v=v, causal=True)
+    cu = torch.tensor([0, 16], dtype=torch.int32)
+    raises_with(fa3.flash_attn_varlen_func, ValueError, "cpu", q=q[0], k=k[0], v=v[0], cu_seqlens_q=cu,
+                cu_seqlens_k=cu, max_seqlen_q=16, max_seqlen_k=16)
+
+
+@pytest.mark.parametrize("option", ["rotary_cos", "cache_batch_idx", "cache_leftpad", "alibi_slopes"])
+def test_kvcache_refuses_what_fa3_lacks(option):
+    q, k, v = _qkv()
+    raises_with(fa3.flash_attn_with_kvcache, NotImplementedError, option, q=q, k_cache=k, v_cache=v,
+                cache_seqlens=4, **{option: torch.zeros(1)})
+
+
+def test_kvcache_needs_cache_seqlens():
+    q, k, v = _qkv()
+    raises_with(fa3.flash_attn_with_kvcache, ValueError, "cache_seqlens", q=q, k_cache=k, v_cache=v)
+
+
+@pytest.mark.gpu
+def test_results_equal_fa3():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, 300, 4, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    kw = dict(causal=True, window_size=(64, -1), softcap=10.0)
+    assert torch.equal(fa3.flash_attn_func(q, k, v, 0.0, None, **kw), fa3.attention(q, k, v, **kw))
+    cu = torch.tensor([0, 300, 600], dtype=torch.int32, device="cuda")
+    packed = [t.reshape(600, 4, 128) for t in (q, k, v)]
+    assert torch.equal(fa3.flash_attn_varlen_func(*packed, cu, cu, 300, 300, causal=True),
+                       fa3.attention_varlen(*packed, cu, cu, 300, 300, causal=True))
+    cache_k, cache_v = k.clone(), v.clone()
+    out, lse = fa3.flash_attn_with_kvcache(q[:, :1], cache_k, cache_v, cache_seqlens=300, causal=True,
+                                           return_softmax_lse=True)
+    ref, ref_lse = fa3.attention_with_kvcache(q[:, :1], k, v, cache_seqlens=300, causal=True, return_lse=True)
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
