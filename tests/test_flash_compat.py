@@ -1,8 +1,11 @@
 """flash-attn's names: the signatures match flash-attn 2's (names, order, defaults), unsupported
 options are refused by name, valid calls reach fa3's own validation (CPU), and on the GPU the
-results equal fa3's own entry points."""
+results equal fa3's own entry points. The transformers integration imports without
+transformers."""
 
 import inspect
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -83,3 +86,10 @@ def test_results_equal_fa3():
                                            return_softmax_lse=True)
     ref, ref_lse = fa3.attention_with_kvcache(q[:, :1], k, v, cache_seqlens=300, causal=True, return_lse=True)
     assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+
+
+def test_imports_without_transformers():
+    code = ("import sys; sys.modules['transformers'] = None; import fa3.integrations.transformers as t; "
+            "print(t.REGISTERED)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.stdout.split() == ["False"], proc.stdout + proc.stderr

@@ -1,0 +1,1 @@
+"""fa3 inside other libraries: `fa3.integrations.transformers` (Hugging Face transformers)."""

@@ -1,0 +1,102 @@
+"""fa3 as a Hugging Face transformers attention implementation.
+
+    import fa3.integrations.transformers          # registers "fa3" (a no-op without transformers)
+    model = AutoModelForCausalLM.from_pretrained(..., attn_implementation="fa3")
+    model.set_attn_implementation("fa3")          # or switch an existing model
+
+What a layer passes is mapped onto fa3's entry points: (batch, heads, seqlen, head_dim) tensors as
+(batch, seqlen, heads, head_dim) views (no copies), GQA as it is, `scaling` as softmax_scale,
+causal from the module (`is_causal`), `sliding_window` W as flash-attn's window (W - 1, W - 1) (with
+causal: the W most recent keys, as transformers' own masks), `softcap` as Gemma 2's cap. The mask
+is flash-attention's (transformers' `flash_attention_mask`): None when nothing is padded, else the
+2-D (batch, keys) padding mask, and then the batch is unpadded into fa3.attention_varlen (right- or
+left-padded prompts, and decode steps over padded caches). Generation uses transformers' own cache:
+each step attends to the whole cache, bottom-right aligned.
+
+Refused with a clear error, never approximated: dropout > 0 while training (fa3 has no attention
+dropout), output_attentions, an arbitrary additive mask, and gradients through padded batches
+(varlen has no backward yet: train unpadded, or use "sdpa" for padded training batches).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..interface import attention
+from ..varlen import attention_varlen
+
+NAME = "fa3"
+
+
+def _window(sliding_window, query_length, key_length):
+    """transformers' sliding window W (the W most recent keys) as flash-attn's (left, right)."""
+    if sliding_window is None or key_length <= sliding_window:
+        return (-1, -1)
+    return (sliding_window - 1, sliding_window - 1)
+
+
+def _cu_seqlens(lengths: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
+
+
+def _unpadded(q, k, v, mask, causal, scaling, window, softcap):
+    """Padded (batch, seqlen, heads, d) q/k/v and a (batch, keys) padding mask -> fa3.attention_varlen
+    on the real tokens -> the padded layout again (padded query rows are 0)."""
+    batch, seqlen_q = q.shape[:2]
+    mask = mask.bool()
+    k_lengths = mask.sum(1, dtype=torch.int32)
+    q_mask = mask[:, -seqlen_q:]  # the queries are the last seqlen_q positions (decode: the new ones)
+    q_lengths = q_mask.sum(1, dtype=torch.int32)
+    q_index = q_mask.flatten().nonzero().squeeze(1)
+    k_index = mask.flatten().nonzero().squeeze(1)
+    out = attention_varlen(
+        q.flatten(0, 1)[q_index], k.flatten(0, 1)[k_index], v.flatten(0, 1)[k_index],
+        _cu_seqlens(q_lengths), _cu_seqlens(k_lengths), causal=causal, softmax_scale=scaling,
+        window_size=window, softcap=softcap)
+    padded = q.new_zeros(batch * seqlen_q, *q.shape[2:])
+    padded[q_index] = out
+    return padded.view_as(q)
+
+
+def fa3_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                          sliding_window=None, softcap=None, is_causal=None, **kwargs):
+    """transformers' attention-interface signature; returns (attn_output (batch, seqlen, heads, d),
+    None): fa3 never forms the attention weights."""
+    if dropout and module.training:
+        raise ValueError(f"attention dropout {dropout} while training: fa3 has no attention dropout; "
+                         "set config.attention_dropout = 0.0, or use attn_implementation='sdpa'")
+    if kwargs.get("output_attentions"):
+        raise ValueError("output_attentions=True needs the attention weights, which fa3 never forms; "
+                         "use attn_implementation='eager' to get them")
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (batch, seqlen, heads, d) views
+    window = _window(sliding_window, q.shape[1], k.shape[1])
+    softcap = float(softcap or 0.0)
+    if attention_mask is None:
+        out = attention(q, k, v, causal=causal, softmax_scale=scaling, window_size=window, softcap=softcap)
+        return out, None
+    if attention_mask.dim() != 2 or attention_mask.dtype.is_floating_point:
+        raise ValueError(f"fa3 takes transformers' 2-D padding mask (flash-attention's format), got "
+                         f"{attention_mask.dtype} of shape {tuple(attention_mask.shape)}: an arbitrary "
+                         "additive mask cannot be expressed; use attn_implementation='sdpa'")
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        raise NotImplementedError("fa3 trains on unpadded batches only for now (its variable-length "
+                                  "kernel has no backward): pack or do not pad the training batch, or "
+                                  "use attn_implementation='sdpa' for padded training batches")
+    return _unpadded(q, k, v, attention_mask, causal, scaling, window, softcap), None
+
+
+def register() -> bool:
+    """Register "fa3" with transformers' AttentionInterface (and flash-attention's mask format).
+    Returns False, registering nothing, when transformers is not installed."""
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+    except ImportError:
+        return False
+    AttentionInterface.register(NAME, fa3_attention_forward)
+    AttentionMaskInterface.register(NAME, flash_attention_mask)
+    return True
+
+
+REGISTERED = register()

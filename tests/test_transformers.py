@@ -1,0 +1,144 @@
+"""fa3 as a transformers attention implementation ("fa3", fa3.integrations.transformers).
+
+CPU (CI): with fa3's kernels swapped for the float reference, small Llama / Mistral / Gemma-2
+models from configs (random weights, no download) give the logits of transformers' own "eager"
+attention, unpadded and right- or left-padded: this checks the mapping itself (layouts, GQA,
+scaling, causal, sliding window, softcap, unpadding into varlen). The module imports without
+transformers. GPU: the same models on fa3's kernels against "sdpa"/"eager" in bf16 (logits,
+gradients, greedy generation through transformers' cache)."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import fa3  # noqa: E402
+from fa3.integrations import transformers as fa3_hf  # noqa: E402
+from fa3.reference import attention_reference  # noqa: E402
+from conftest import rel_err  # noqa: E402
+
+
+def _configs():
+    common = dict(vocab_size=256, hidden_size=512, intermediate_size=512, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=128, attention_dropout=0.0,
+                  max_position_embeddings=256)
+    return {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(common)),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(common, sliding_window=16)),
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM,
+                   dict(common, sliding_window=16, attn_logit_softcapping=20.0, final_logit_softcapping=None,
+                        query_pre_attn_scalar=128)),
+    }
+
+
+def make_model(kind, device, dtype):
+    config_cls, model_cls, kwargs = _configs()[kind]
+    torch.manual_seed(0)
+    return model_cls(config_cls(**kwargs)).to(device=device, dtype=dtype).eval()
+
+
+def batch(device, padding):
+    """(input_ids, attention_mask): 3 sequences of 40, 23 and 31 tokens padded to 40."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 256, (3, 40), generator=g)
+    mask = torch.ones(3, 40, dtype=torch.long)
+    if padding != "none":
+        for row, length in ((1, 23), (2, 31)):
+            if padding == "right":
+                mask[row, length:] = 0
+            else:
+                mask[row, :40 - length] = 0
+    return ids.to(device), mask.to(device)
+
+
+def logits_of(model, impl, ids, mask, padding):
+    model.set_attn_implementation(impl)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=None if padding == "none" else mask).logits
+    return out.float() * mask[..., None]  # padded positions do not count
+
+
+# ----------------------------------------------------------------------------- CPU: the mapping
+def _reference_attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0):
+    return attention_reference(q, k, v, causal, softmax_scale, torch.float32, window_size, softcap)[0].to(q.dtype)
+
+
+def _reference_varlen(q, k, v, cu_q, cu_k, *args, causal=False, softmax_scale=None, window_size=(-1, -1),
+                      softcap=0.0, **kwargs):
+    outs = []
+    for i in range(len(cu_q) - 1):
+        sq, sk = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+        outs.append(_reference_attention(q[None, sq], k[None, sk], v[None, sk], causal, softmax_scale,
+                                         window_size, softcap)[0])
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("padding", ["none", "right", "left"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2"])
+def test_mapping_matches_eager_on_cpu(kind, padding, monkeypatch):
+    monkeypatch.setattr(fa3_hf, "attention", _reference_attention)
+    monkeypatch.setattr(fa3_hf, "attention_varlen", _reference_varlen)
+    model = make_model(kind, "cpu", torch.float32)
+    ids, mask = batch("cpu", padding)
+    got, want = logits_of(model, "fa3", ids, mask, padding), logits_of(model, "eager", ids, mask, padding)
+    assert rel_err(got, want) < 1e-4
+
+
+def test_refusals():
+    model = make_model("llama", "cpu", torch.float32)
+    ids, mask = batch("cpu", "right")
+    model.set_attn_implementation("fa3")
+    model.train()  # gradients through a padded batch need varlen's backward
+    with pytest.raises(NotImplementedError, match="sdpa"):
+        model(input_ids=ids, attention_mask=mask)
+    module = model.model.layers[0].self_attn
+    q = torch.zeros(1, 4, 8, 128)
+    with pytest.raises(ValueError, match="dropout"):
+        fa3_hf.fa3_attention_forward(module, q, q, q, None, dropout=0.1)
+    with pytest.raises(ValueError, match="additive mask"):
+        fa3_hf.fa3_attention_forward(module, q, q, q, torch.zeros(1, 1, 8, 8))
+
+
+# ----------------------------------------------------------------------------- GPU: the kernels
+@pytest.mark.gpu
+@pytest.mark.parametrize("padding", ["none", "right", "left"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2"])
+def test_logits_match(kind, padding):
+    model = make_model(kind, "cuda", torch.bfloat16)
+    ids, mask = batch("cuda", padding)
+    peer = "eager" if kind == "gemma2" else "sdpa"  # sdpa ignores Gemma 2's softcap
+    got, want = logits_of(model, "fa3", ids, mask, padding), logits_of(model, peer, ids, mask, padding)
+    assert torch.isfinite(got).all() and rel_err(got, want) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2"])
+def test_gradients_match(kind):
+    model = make_model(kind, "cuda", torch.bfloat16).train()
+    ids, _ = batch("cuda", "none")
+    grads = {}
+    for impl in ("fa3", "eager"):
+        model.set_attn_implementation(impl)
+        model.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        grads[impl] = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
+    assert torch.isfinite(grads["fa3"]).all() and rel_err(grads["fa3"], grads["eager"]) < 5e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("padding", ["none", "left"])
+def test_generation_matches_sdpa(padding):
+    model = make_model("llama", "cuda", torch.bfloat16)
+    ids, mask = batch("cuda", padding)
+    runs = {}
+    for impl in ("fa3", "sdpa"):
+        model.set_attn_implementation(impl)
+        runs[impl] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False,
+                                    output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    for row in range(ids.shape[0]):
+        a, b = runs["fa3"].sequences[row, 40:], runs["sdpa"].sequences[row, 40:]
+        differ = (a != b).nonzero()
+        if len(differ):  # the first difference must be a near tie of sdpa's top two logits
+            step = int(differ[0])
+            top2 = runs["sdpa"].logits[step][row].float().topk(2).values
+            assert float(top2[0] - top2[1]) < 0.05, f"row {row} differs at step {step}"
