@@ -52,14 +52,31 @@ def _check_offset_values(cu_q, cu_k, total_q, total_k, max_seqlen_q, max_seqlen_
             raise ValueError(f"{max_name}={max_len} but a sequence has {max(lengths)} tokens")
 
 
-def _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kernel):
+def _run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_size,
+         softcap, kernel, check_values=True):
+    """attention_varlen's body: (out, lse). check_values=False: for callers that built the offsets
+    themselves from a mask (correct by construction), skipping the host copy that checks them."""
+    spec = _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kernel, check_values)
+    scale = 1.0 / math.sqrt(q.shape[2]) if softmax_scale is None else float(softmax_scale)
+    window = tuple(window_size)
+    masking.check_window(window, softcap)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        raise NotImplementedError("fa3.attention_varlen has no backward yet: call it under "
+                                  "torch.no_grad(), or use fa3.attention on padded batches to train")
+    if interface.direct_call_ok(q, k, v):
+        return launch_varlen(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, bool(causal), scale, window, softcap)
+    return torch.ops.fa3.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, bool(causal), scale,
+                                          window[0], window[1], float(softcap), spec.name)
+
+
+def _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kernel, check_values=True):
     (total_q, _, head_dim), (total_k, _, _) = interface.check_qkv(q, k, v, "(total_k, heads_kv, head_dim)")
     device = q.device
     _check_offsets(cu_seqlens_q, "cu_seqlens_q", device)
     _check_offsets(cu_seqlens_k, "cu_seqlens_k", device, batch=cu_seqlens_q.shape[0] - 1)
     spec = interface._memo_rung(_varlen_rung, kernel, head_dim)
     interface.check_hopper(device, "q")
-    if not (interface._tracing() or torch.cuda.is_current_stream_capturing()):
+    if check_values and not (interface._tracing() or torch.cuda.is_current_stream_capturing()):
         _check_offset_values(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k)
     return spec
 
@@ -122,17 +139,6 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     The offsets are checked on the host (one small copy) except while a CUDA graph is captured or
     torch.compile traces; the kernel itself needs no host sync. Not differentiable yet.
     """
-    spec = _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kernel)
-    scale = 1.0 / math.sqrt(q.shape[2]) if softmax_scale is None else float(softmax_scale)
-    window = tuple(window_size)
-    masking.check_window(window, softcap)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        raise NotImplementedError("fa3.attention_varlen has no backward yet: call it under "
-                                  "torch.no_grad(), or use fa3.attention on padded batches to train")
-    if interface.direct_call_ok(q, k, v):
-        out, lse = launch_varlen(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, bool(causal), scale,
-                                 window, softcap)
-    else:
-        out, lse = torch.ops.fa3.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, bool(causal), scale,
-                                                  window[0], window[1], float(softcap), spec.name)
+    out, lse = _run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                    window_size, softcap, kernel)
     return (out, lse) if return_lse else out

@@ -20,10 +20,12 @@ dropout), output_attentions, an arbitrary additive mask, and gradients through p
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ..interface import attention
-from ..varlen import attention_varlen
+from ..varlen import _run as _run_varlen
 
 NAME = "fa3"
 
@@ -39,20 +41,42 @@ def _cu_seqlens(lengths: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
 
 
+class _UnpadPlan:
+    """The gather indices and offsets of one padding mask, computed once per forward: every layer
+    gets the same mask tensor, and computing them (`nonzero`) synchronizes with the host. Reused
+    only for that very tensor object (a weak reference) at the same version."""
+
+    def __init__(self):
+        self._key, self._plan = None, None
+
+    def get(self, mask: torch.Tensor, seqlen_q: int):
+        key = self._key
+        if key is not None and key[0]() is mask and key[1:] == (mask._version, seqlen_q):
+            return self._plan
+        plan = self._build(mask, seqlen_q)
+        if not torch.compiler.is_compiling():
+            self._key, self._plan = (weakref.ref(mask), mask._version, seqlen_q), plan
+        return plan
+
+    @staticmethod
+    def _build(mask, seqlen_q):
+        mask = mask.bool()
+        q_mask = mask[:, -seqlen_q:]  # the queries are the last seqlen_q positions (decode: the new ones)
+        return (q_mask.flatten().nonzero().squeeze(1), mask.flatten().nonzero().squeeze(1),
+                _cu_seqlens(q_mask.sum(1, dtype=torch.int32)), _cu_seqlens(mask.sum(1, dtype=torch.int32)))
+
+
+_PLAN = _UnpadPlan()
+
+
 def _unpadded(q, k, v, mask, causal, scaling, window, softcap):
     """Padded (batch, seqlen, heads, d) q/k/v and a (batch, keys) padding mask -> fa3.attention_varlen
     on the real tokens -> the padded layout again (padded query rows are 0)."""
     batch, seqlen_q = q.shape[:2]
-    mask = mask.bool()
-    k_lengths = mask.sum(1, dtype=torch.int32)
-    q_mask = mask[:, -seqlen_q:]  # the queries are the last seqlen_q positions (decode: the new ones)
-    q_lengths = q_mask.sum(1, dtype=torch.int32)
-    q_index = q_mask.flatten().nonzero().squeeze(1)
-    k_index = mask.flatten().nonzero().squeeze(1)
-    out = attention_varlen(
-        q.flatten(0, 1)[q_index], k.flatten(0, 1)[k_index], v.flatten(0, 1)[k_index],
-        _cu_seqlens(q_lengths), _cu_seqlens(k_lengths), causal=causal, softmax_scale=scaling,
-        window_size=window, softcap=softcap)
+    q_index, k_index, cu_q, cu_k = _PLAN.get(mask, seqlen_q)
+    # the offsets come from the mask: no host copy to check them (the op still runs the kernel)
+    out, _ = _run_varlen(q.flatten(0, 1)[q_index], k.flatten(0, 1)[k_index], v.flatten(0, 1)[k_index],
+                         cu_q, cu_k, None, None, causal, scaling, window, softcap, None, check_values=False)
     padded = q.new_zeros(batch * seqlen_q, *q.shape[2:])
     padded[q_index] = out
     return padded.view_as(q)
