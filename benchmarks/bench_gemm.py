@@ -30,7 +30,7 @@ from timing import MAX_CALL_S, TooSlow, format_table, measure, measure_gpu, prog
 import torch
 
 import fa3
-from fa3 import registry
+from fa3 import matmul, registry
 
 DEFAULT_SHAPES = ((4096, 4096, 4096), (8192, 8192, 8192), (8192, 8192, 1024), (16384, 2048, 8192),
                   (1000, 3000, 520))
@@ -107,13 +107,12 @@ SWEEP_SHAPES = tuple((m, n, k) for m in (1, 64, 128, 512, 2048) for n, k in ((40
 
 def tile_config(tile_m, tile_n, tile_k, stages) -> tuple:
     """g3 config overrides for one sweep point (fa3._compile.get_gemm's `tiles`)."""
-    return (("tile_m", tile_m), ("tile_n", tile_n), ("tile_k", tile_k), ("stages", stages),
-            ("mma_warpgroups", tile_m // 64))
+    return matmul.tile_overrides(tile_m, tile_n) + (("tile_k", tile_k), ("stages", stages))
 
 
 def sweep_tiles(shapes, dtype, *, warmup, repeats, max_call_s) -> tuple[list, list]:
     """(headers, rows): one row per sweep point, TFLOP/s per shape, then the cuBLAS row."""
-    from fa3 import _compile, matmul
+    from fa3 import _compile
     from fa3.kernels.gemm import PersistentGemm
 
     spec = registry.get("g3")

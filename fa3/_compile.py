@@ -269,7 +269,8 @@ def _build_gemm(spec, dtype, a_layout="row", b_layout="row", extra_options=""):
 def get_gemm(spec, dtype, a_layout, b_layout, tiles: tuple = ()):
     """The compiled GEMM for this rung, dtype and operand layouts (compiled on first use); call it
     as fn(a, b, c, sm_count, workspace, counters, splits). `tiles`: ((key, value), ...) overrides
-    of the rung's config (the tile shape the GEMM heuristic picks per problem). Like get_attention, a hit is one dict lookup."""
+    of the rung's config (the tile shape the GEMM heuristic picks per problem). Like get_attention,
+    a hit is one dict lookup."""
     fast_key = ("gemm", spec.name, dtype, a_layout, b_layout, tiles)
     fn = _FAST.get(fast_key)
     if fn is None:

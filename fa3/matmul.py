@@ -17,8 +17,8 @@ _TMA_ELEMS = 8  # 16 bytes of a 16-bit type: TMA's alignment for row strides and
 # Output tiles (tile_m, tile_n) of the persistent rung, largest first: a problem takes the first
 # whose tile count fills ~90% of the SMs (fewer tiles leave SMs idle, which costs more than smaller
 # tiles do), 128-row tiles only for M > 64 (a 64-row tile on one MMA warpgroup wastes no rows).
-# From `bench_gemm.py --sweep` (worklog/gemm.md): e.g. 128x4096x4096 took 17 us with 64x64 tiles
-# and 43 us with 128x256; 512x4096x4096 26 us with 64x256 and 44 us with 128x256.
+# From `bench_gemm.py --sweep` (worklog/gemm.md): e.g. 128x4096x4096 took 10.3 us with 64x64 tiles
+# and 39.7 us with 128x256; 512x4096x4096 28.0 us with 64x256 and 41.0 us with 128x256.
 PERSISTENT_TILES = ((128, 256), (64, 256), (64, 128), (64, 64))
 _FILL = 0.9
 MAX_SPLITS = 8
@@ -112,7 +112,11 @@ def k_splits(m: int, n: int, k: int, sm_count: int, tile_k: int = 64) -> int:
     wide output: decode-time projections, M = 1..64 against N = 4096), the K range is split so that
     tiles x splits fills them, each split keeping >= MIN_SPLIT_K_TILES K tiles (the partials'
     round trip through L2 must stay small beside the split's loads). No split is empty."""
-    tiles = _tiles(m, n, *_tile_shape(m, n, sm_count))
+    return _split_count(_tiles(m, n, *_tile_shape(m, n, sm_count)), k, sm_count, tile_k)
+
+
+def _split_count(tiles: int, k: int, sm_count: int, tile_k: int) -> int:
+    """k_splits for an output of `tiles` tiles (the host path has them already)."""
     k_tiles = -(-k // tile_k)
     if tiles >= _FILL * sm_count:
         return 1
@@ -208,14 +212,15 @@ def launch_gemm(spec, a, b, out=None):
     b, b_layout = tma_operand(b)
     sm_count = interface._HOPPER_SMS[a.device]
     tiles, splits = (), 1
-    if spec.cls == "PersistentGemm":  # the ladder rungs g1/g2 keep their tiles
-        tiles = persistent_tiles(m, n, sm_count) + a_box_rows(m, a_layout)
-        splits = k_splits(m, n, k, sm_count, spec.config.get("tile_k", 64))
     counters, workspace = _SPLIT_BUFFERS.get(a.device, sm_count)
-    if splits > 1:
+    if spec.cls == "PersistentGemm":  # the ladder rungs g1/g2 keep their tiles
         tile_m, tile_n = _tile_shape(m, n, sm_count)
-        workspace = torch.empty(_tiles(m, n, tile_m, tile_n) * splits * tile_m * tile_n,
-                                dtype=torch.float32, device=a.device)
+        tiles = tile_overrides(tile_m, tile_n) + a_box_rows(m, a_layout)
+        output_tiles = _tiles(m, n, tile_m, tile_n)
+        splits = _split_count(output_tiles, k, sm_count, spec.config.get("tile_k", 64))
+        if splits > 1:
+            workspace = torch.empty(output_tiles * splits * tile_m * tile_n, dtype=torch.float32,
+                                    device=a.device)
     fn = _compile.get_gemm(spec, a.dtype, a_layout, b_layout, tiles)
     # TMA stores 16-byte aligned rows: a ragged N goes through a padded buffer
     c = out if n % _TMA_ELEMS == 0 and out.data_ptr() % 16 == 0 else _padded(m, n, out)

@@ -64,7 +64,8 @@ class WarpSpecializedBackward(AttentionBackward):
                                           (self.tile_m, self.head_dim))
         storage_cls = self.shared_storage(sQ_layout, sKV_layout, sPdS_layout)
         self.kernel(*loads, tma_dq, tdQ, mLSE2, mD, mdK, mdV, mLock, scale_log2, softmax_scale,
-                    window_left, window_right, softcap_scale, sQ_layout, sKV_layout, sPdS_layout, self.sdq_layout(), storage_cls).launch(
+                    window_left, window_right, softcap_scale, sQ_layout, sKV_layout, sPdS_layout,
+                    self.sdq_layout(), storage_cls).launch(
             grid=[cute.ceil_div(seqlen_k, self.tile_n), heads_q, batch],
             block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 

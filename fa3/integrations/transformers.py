@@ -30,7 +30,7 @@ from ..varlen import _run as _run_varlen
 NAME = "fa3"
 
 
-def _window(sliding_window, query_length, key_length):
+def _window(sliding_window, key_length):
     """transformers' sliding window W (the W most recent keys) as flash-attn's (left, right)."""
     if sliding_window is None or key_length <= sliding_window:
         return (-1, -1)
@@ -94,7 +94,7 @@ def fa3_attention_forward(module, query, key, value, attention_mask, dropout=0.0
                          "use attn_implementation='eager' to get them")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (batch, seqlen, heads, d) views
-    window = _window(sliding_window, q.shape[1], k.shape[1])
+    window = _window(sliding_window, k.shape[1])
     softcap = float(softcap or 0.0)
     if attention_mask is None:
         out = attention(q, k, v, causal=causal, softmax_scale=scaling, window_size=window, softcap=softcap)
