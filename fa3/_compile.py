@@ -157,7 +157,7 @@ def get_attention(spec, dtype, head_dim, causal, varlen=False, local=False, soft
 # ----------------------------------------------------------------------------- backward
 def _backward_fake_args(dtype, head_dim, gqa):
     """Fake (q, k, v, dO, lse2, D, dQacc, dK, dV, lock, scale_log2, softmax_scale, window_left,
-    window_right, softcap_scale): see
+    window_right, softcap_scale, cu_seqlens_q, cu_seqlens_k): see
     kernels/bwd.py. `rows` is seqlen_q rounded up to the Q tile; dK/dV hold one slice per query
     head, FP32 under GQA (summed over each group afterwards)."""
     cutlass, cute = _import_cute()
@@ -178,32 +178,37 @@ def _backward_fake_args(dtype, head_dim, gqa):
             _unit_last(cute, cutlass.Int32, *(cute.sym_int64() for _ in range(3))),
             cutlass.Float32(1.0), cutlass.Float32(1.0),
             # window edges and softcap_scale: read only by the local / softcap variants
-            cutlass.Int32(0), cutlass.Int32(0), cutlass.Float32(1.0)]
+            cutlass.Int32(0), cutlass.Int32(0), cutlass.Float32(1.0),
+            # cu_seqlens_q/k: read only by the varlen variant (1-element stand-ins otherwise)
+            *(_fake_tensor(cute, cutlass.Int32, (cute.sym_int64(),), (1,), align=4) for _ in range(2))]
 
 
 def backward_key(spec, dtype, head_dim, causal, deterministic=False, gqa=False, local=False,
-                 softcap=False) -> tuple:
+                 softcap=False, varlen=False) -> tuple:
     cfg = spec.config_for(head_dim)
     return (spec.name, str(dtype), head_dim, bool(causal), bool(deterministic), bool(gqa),
-            bool(local), bool(softcap), tuple(sorted(cfg.items())), TARGET_ARCH, dsl_version())
+            bool(local), bool(softcap), bool(varlen), tuple(sorted(cfg.items())), TARGET_ARCH,
+            dsl_version())
 
 
 def _build_backward(spec, dtype, head_dim, causal, deterministic=False, gqa=False, local=False,
-                    softcap=False, extra_options=""):
+                    softcap=False, varlen=False, extra_options=""):
     kernel = spec.load_class()(dtype=cute_dtype(dtype), head_dim=head_dim, causal=causal,
                                deterministic=deterministic, local=local, softcap=softcap,
-                               **spec.config_for(head_dim))
+                               varlen=varlen, **spec.config_for(head_dim))
     return _compile_kernel(kernel, _backward_fake_args(dtype, head_dim, gqa), extra_options)
 
 
-def get_backward(spec, dtype, head_dim, causal, deterministic, gqa, local=False, softcap=False):
+def get_backward(spec, dtype, head_dim, causal, deterministic, gqa, local=False, softcap=False,
+                 varlen=False):
     """The compiled backward main kernel for this static configuration (compiled on first use)."""
-    fast_key = ("bwd", spec.name, dtype, head_dim, causal, deterministic, gqa, local, softcap)
+    fast_key = ("bwd", spec.name, dtype, head_dim, causal, deterministic, gqa, local, softcap, varlen)
     fn = _FAST.get(fast_key)
     if fn is None:
         fn = _FAST[fast_key] = _cached(
-            backward_key(spec, dtype, head_dim, causal, deterministic, gqa, local, softcap),
-            lambda: _build_backward(spec, dtype, head_dim, causal, deterministic, gqa, local, softcap))
+            backward_key(spec, dtype, head_dim, causal, deterministic, gqa, local, softcap, varlen),
+            lambda: _build_backward(spec, dtype, head_dim, causal, deterministic, gqa, local, softcap,
+                                    varlen))
     return fn
 
 

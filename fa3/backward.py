@@ -1,4 +1,4 @@
-"""The backward of fa3.attention: the fa3::attention_backward op's checks and body.
+"""The backward of fa3.attention and fa3.attention_varlen: the backward ops' checks and bodies.
 
     preprocess (D = rowsum(dO * O), LSE * log2 e)  ->  main kernel (dK, dV; dQ summed in FP32)
     ->  postprocess (dQ * softmax_scale -> dtype; GQA: dK and dV summed over each group)
@@ -10,24 +10,33 @@ from __future__ import annotations
 
 import torch
 
-from . import _compile, interface, masking
+from . import _compile, interface, masking, varlen
 
 
-def _check_backward(dout, q, k, v, out, lse, kernel):
+def _check_backward(dout, q, k, v, out, lse, kernel, cu_seqlens=None):
     """The backward op's arguments: the forward's (checked again: the op can be called directly)
-    plus dout and out shaped like q and lse (batch, heads_q, seqlen_q) FP32."""
-    interface._check_attention(q, k, v, None)
-    spec = interface._memo_rung(interface._backward_rung, kernel, q.shape[3])
+    plus dout and out shaped like q and the forward's FP32 lse: (batch, heads_q, seqlen_q), or
+    (heads_q, total_q) for a packed batch (`cu_seqlens`: its (cu_seqlens_q, cu_seqlens_k))."""
+    if cu_seqlens is None:
+        interface._check_attention(q, k, v, None)
+        batch, seqlen_q, heads_q, head_dim = q.shape
+        lse_shape, lse_layout = (batch, heads_q, seqlen_q), "(batch, heads_q, seqlen_q)"
+    else:
+        varlen._check(q, k, v, *cu_seqlens, None, None, None, check_values=False)
+        total_q, heads_q, head_dim = q.shape
+        lse_shape, lse_layout = (heads_q, total_q), "(heads_q, total_q)"
+    spec = interface._memo_rung(interface._backward_rung, kernel, head_dim)
+    if cu_seqlens is not None:
+        varlen.check_varlen_rung(spec, "backward_kernel")
     for name, t in (("dout", dout), ("out", out)):
-        interface.check_tensor(t, name, 4, q.dtype, unit_stride_last=False)  # any strides: copied if needed
+        interface.check_tensor(t, name, q.dim(), q.dtype, unit_stride_last=False)  # any strides: copied if needed
         if t.shape != q.shape or t.device != q.device:
             raise ValueError(f"{name} must be shaped like q {tuple(q.shape)} on {q.device}, got "
                              f"{tuple(t.shape)} on {t.device}")
-    batch, seqlen_q, heads_q, _ = q.shape
-    if not isinstance(lse, torch.Tensor) or lse.shape != (batch, heads_q, seqlen_q) \
+    if not isinstance(lse, torch.Tensor) or lse.shape != lse_shape \
             or lse.dtype != torch.float32 or lse.device != q.device:
-        raise ValueError(f"lse must be the forward's (batch, heads_q, seqlen_q) = "
-                         f"{(batch, heads_q, seqlen_q)} float32 log-sum-exp on {q.device}")
+        raise ValueError(f"lse must be the forward's {lse_layout} = {lse_shape} float32 "
+                         f"log-sum-exp on {q.device}")
     return spec
 
 
@@ -39,25 +48,51 @@ def launch_attention_backward(spec, dout, q, k, v, out, lse, causal: bool, scale
     """(dq, dk, dv) for rung `spec`: preprocess (D, LSE * log2 e), the main kernel (dK, dV per
     query head; dQ summed in FP32), postprocess (dQ * scale -> dtype; GQA sums over each group).
     The body of the fa3::attention_backward op: arguments are validated already."""
+    dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+    if dq.numel() == 0 or k.shape[1] == 0:  # nothing to differentiate, or no key: all gradients 0
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    tile_m = spec.config_for(q.shape[3])["tile_m"]
+    q_tiles = -(-q.shape[1] // tile_m)
+    # statistics and dQ padded to whole Q tiles: the kernel reads and adds them unchecked
+    _run(spec, dout, q, k, v, out, lse, dq, dk, dv, causal, scale, deterministic, window, softcap,
+         stat_rows=q_tiles * tile_m, dq_rows=q_tiles * tile_m, lock_tiles=q_tiles)
+    return dq, dk, dv
+
+
+def launch_varlen_backward(spec, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal: bool,
+                           scale: float, deterministic: bool, window=(-1, -1), softcap: float = 0.0):
+    """(dq, dk, dv) of a packed batch (fa3.attention_varlen's layouts; lse (heads_q, total_q)):
+    the same three steps with one batch entry holding every sequence (kernels/bwd.py, varlen)."""
+    dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+    if dq.numel() == 0 or k.shape[0] == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    total_q, entries = q.shape[0], cu_seqlens_q.shape[0] - 1
+    tile_m = spec.config_for(q.shape[2])["tile_m"]
+    # packed statistics (rows past an entry are read as LSE = +inf); a last Q tile may add its
+    # (zero) rows past the packed end: tile_m rows of slack; counters: see AttentionBackward
+    _run(spec, *(t.unsqueeze(0) for t in (dout, q, k, v, out, lse, dq, dk, dv)), causal, scale,
+         deterministic, window, softcap, stat_rows=total_q, dq_rows=total_q + tile_m,
+         lock_tiles=total_q // tile_m + entries + 1, cu_seqlens=(cu_seqlens_q, cu_seqlens_k))
+    return dq, dk, dv
+
+
+def _run(spec, dout, q, k, v, out, lse, dq, dk, dv, causal, scale, deterministic, window, softcap,
+         stat_rows: int, dq_rows: int, lock_tiles: int, cu_seqlens=None):
+    """Preprocess, main kernel and postprocess into dq, dk, dv, all in the 4-D (batch, seqlen,
+    heads, d) layout; `stat_rows`, `dq_rows`, `lock_tiles`: the extents of the FP32 statistics, the
+    dQ accumulator and the deterministic counters per (batch, head)."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     device, dtype = q.device, q.dtype
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
-    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-    if dq.numel() == 0 or seqlen_k == 0:  # nothing to differentiate, or no key: all gradients 0
-        return dq.zero_(), dk.zero_(), dv.zero_()
     if q.requires_grad or k.requires_grad or v.requires_grad or out.requires_grad or dout.requires_grad:
         q, k, v, out, dout = interface._detached(q, k, v, out, dout)
     q, k, v, dout = (interface.tma_ready(t) for t in (q, k, v, dout))
     if out.stride(-1) != 1:
         out = out.contiguous()
-    tile_m = spec.config_for(head_dim)["tile_m"]
-    q_tiles = -(-seqlen_q // tile_m)
-    lse2 = torch.empty(batch, heads_q, q_tiles * tile_m, dtype=torch.float32, device=device)
+    lse2 = torch.empty(batch, heads_q, stat_rows, dtype=torch.float32, device=device)
     dsum = torch.empty_like(lse2)
     _compile.get_backward_preprocess(dtype, head_dim)(out, dout, lse, lse2, dsum)
-    dq_acc = torch.zeros(batch, q_tiles * tile_m, heads_q, head_dim, dtype=torch.float32, device=device)
+    dq_acc = torch.zeros(batch, dq_rows, heads_q, head_dim, dtype=torch.float32, device=device)
     gqa = heads_q != heads_kv
     if gqa:  # one slice per query head in FP32, summed over each group below
         dk_h = torch.empty(batch, seqlen_k, heads_q, head_dim, dtype=torch.float32, device=device)
@@ -65,19 +100,19 @@ def launch_attention_backward(spec, dout, q, k, v, out, lse, causal: bool, scale
     else:
         dk_h, dv_h = dk, dv
     if deterministic:
-        lock = torch.zeros(batch, heads_q, q_tiles, dtype=torch.int32, device=device)
+        lock = torch.zeros(batch, heads_q, lock_tiles, dtype=torch.int32, device=device)
     else:
         lock = _NO_LOCK.get(device)
         if lock is None:
             lock = _NO_LOCK[device] = torch.zeros(1, 1, 1, dtype=torch.int32, device=device)
+    cu_q, cu_k = cu_seqlens if cu_seqlens is not None else (interface._stand_in(device),) * 2
     mask = masking.masking(causal, window, softcap, scale)  # as the forward saw the scores
     fn = _compile.get_backward(spec, dtype, head_dim, mask.causal, bool(deterministic), gqa, mask.local,
-                               mask.softcap)
+                               mask.softcap, cu_seqlens is not None)
     fn(q, k, v, dout, lse2, dsum, dq_acc, dk_h, dv_h, lock, mask.scale_log2, scale, mask.left,
-       mask.right, mask.softcap_scale)
+       mask.right, mask.softcap_scale, cu_q, cu_k)
     torch.mul(dq_acc[:, :seqlen_q], scale, out=dq)
     if gqa:
         group = heads_q // heads_kv
         torch.sum(dk_h.view(batch, seqlen_k, heads_kv, group, head_dim), dim=3, out=dk)
         torch.sum(dv_h.view(batch, seqlen_k, heads_kv, group, head_dim), dim=3, out=dv)
-    return dq, dk, dv

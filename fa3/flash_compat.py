@@ -44,14 +44,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            alibi_slopes=None, deterministic=False, return_attn_probs=False,
                            block_table=None):
     """flash_attn.flash_attn_varlen_func: q (total_q, heads_q, d), k and v (total_k, heads_kv, d),
-    int32 cumulative offsets -> out shaped like q. Forward only for now (as fa3.attention_varlen)."""
+    int32 cumulative offsets -> out shaped like q; differentiable (as fa3.attention_varlen)."""
     _check_common(dropout_p, alibi_slopes, return_attn_probs)
     if block_table is not None:
         raise NotImplementedError("block_table in flash_attn_varlen_func is not supported by fa3; for a "
                                   "paged cache use flash_attn_with_kvcache")
-    del deterministic  # the forward is deterministic; there is no varlen backward to order
     return attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
-                            softmax_scale=softmax_scale, window_size=window_size, softcap=softcap)
+                            softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                            deterministic=deterministic)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,

@@ -7,7 +7,11 @@
                                      deterministic, window_left=-1, window_right=-1, softcap=0.0)
                                      -> (dq, dk, dv)
     torch.ops.fa3.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale,
-                                   window_left, window_right, softcap, kernel) -> (out, lse)
+                                   window_left, window_right, softcap, kernel, deterministic=False,
+                                   backward_kernel=None) -> (out, lse)   differentiable in q, k, v
+    torch.ops.fa3.attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                            causal, softmax_scale, kernel, deterministic,
+                                            window_left, window_right, softcap) -> (dq, dk, dv)
     torch.ops.fa3.attention_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, appended,
                                     causal, softmax_scale, num_splits, kernel, window_left=-1,
                                     window_right=-1, softcap=0.0) -> (out, lse)
@@ -124,13 +128,17 @@ gemm.register_autograd(_gemm_grads, setup_context=_gemm_save)
 
 
 _VARLEN_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, bool causal, "
-                  "float softmax_scale, int window_left, int window_right, float softcap, str kernel) "
-                  "-> (Tensor, Tensor)")
+                  "float softmax_scale, int window_left, int window_right, float softcap, str kernel, "
+                  "bool deterministic=False, str? backward_kernel=None) -> (Tensor, Tensor)")
+_VARLEN_BACKWARD_SCHEMA = ("(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+                           "Tensor cu_seqlens_q, Tensor cu_seqlens_k, bool causal, float softmax_scale, "
+                           "str kernel, bool deterministic, int window_left, int window_right, "
+                           "float softcap) -> (Tensor, Tensor, Tensor)")
 
 
 @torch.library.custom_op("fa3::attention_varlen", mutates_args=(), schema=_VARLEN_SCHEMA)
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, window_left,
-                     window_right, softcap, kernel):
+                     window_right, softcap, kernel, deterministic=False, backward_kernel=None):
     """(out (total_q, heads_q, d), lse (heads_q, total_q)) of a packed variable-length batch."""
     spec = varlen._check(q, k, v, cu_seqlens_q, cu_seqlens_k, None, None, kernel)
     return varlen.launch_varlen(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale,
@@ -139,10 +147,49 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale,
 
 @attention_varlen.register_fake
 def _attention_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, window_left,
-                           window_right, softcap, kernel):
+                           window_right, softcap, kernel, deterministic=False, backward_kernel=None):
     total_q, heads_q, _ = q.shape
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             q.new_empty((heads_q, total_q), dtype=torch.float32))
+
+
+@torch.library.custom_op("fa3::attention_varlen_backward", mutates_args=(), schema=_VARLEN_BACKWARD_SCHEMA)
+def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale,
+                              kernel, deterministic, window_left, window_right, softcap):
+    """(dq, dk, dv) of a packed batch, each contiguous and shaped like its input."""
+    spec = backward._check_backward(dout, q, k, v, out, lse, kernel, (cu_seqlens_q, cu_seqlens_k))
+    window = (window_left, window_right)
+    interface.check_variants(spec, masking.masking(causal, window, softcap, softmax_scale), "backward_kernel")
+    return backward.launch_varlen_backward(spec, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                           causal, softmax_scale, deterministic, window, softcap)
+
+
+@attention_varlen_backward.register_fake
+def _attention_varlen_backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal,
+                                    softmax_scale, kernel, deterministic, window_left, window_right,
+                                    softcap):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
+def _varlen_save_for_backward(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, causal, softmax_scale, left, right, softcap, _, deterministic, backward_kernel = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+    ctx.causal, ctx.softmax_scale, ctx.window, ctx.softcap = causal, softmax_scale, (left, right), softcap
+    ctx.deterministic, ctx.backward_kernel = deterministic, backward_kernel
+    ctx.mark_non_differentiable(lse)
+
+
+def _varlen_grads(ctx, dout, _dlse):
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    kernel = ctx.backward_kernel or interface._backward_rung(None, q.shape[2]).name
+    dq, dk, dv = torch.ops.fa3.attention_varlen_backward(
+        dout, q, k, v, out, lse, cu_q, cu_k, ctx.causal, ctx.softmax_scale, kernel, ctx.deterministic,
+        ctx.window[0], ctx.window[1], ctx.softcap)
+    return (dq, dk, dv) + (None,) * 10
+
+
+attention_varlen.register_autograd(_varlen_grads, setup_context=_varlen_save_for_backward)
 
 
 _KVCACHE_SCHEMA = ("(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor? block_table, "

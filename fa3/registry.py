@@ -149,7 +149,7 @@ KERNELS: dict[str, KernelSpec] = {
             per_head_dim={256: {"tile_n": 64}},
             ptx_promises=("wgmma.mma_async", "cp.async.bulk.tensor", "global.add.f32", "stmatrix"),
             ptx_forbids=("setmaxnreg",),
-            speed_rank=1, variants=("local", "softcap"),
+            speed_rank=1, variants=VARIANTS,
         ),
         KernelSpec(
             "b2", BACKWARD, "bwd_ws", "WarpSpecializedBackward",
@@ -160,7 +160,7 @@ KERNELS: dict[str, KernelSpec] = {
             per_head_dim={64: {"tile_m": 128}, 256: {"tile_n": 64, "q_stages": 1}},
             ptx_promises=("wgmma.mma_async", "setmaxnreg", "cp.reduce.async.bulk.tensor", "stmatrix"),
             ptx_forbids=("red.global", "red.relaxed"),
-            speed_rank=2, variants=("local", "softcap"),
+            speed_rank=2, variants=VARIANTS,
         ),
         KernelSpec(
             "s1", KVCACHE, "decode", "SplitKVAttention",

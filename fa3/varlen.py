@@ -53,20 +53,30 @@ def _check_offset_values(cu_q, cu_k, total_q, total_k, max_seqlen_q, max_seqlen_
 
 
 def _run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_size,
-         softcap, kernel, check_values=True):
+         softcap, kernel, check_values=True, deterministic=False, backward_kernel=None):
     """attention_varlen's body: (out, lse). check_values=False: for callers that built the offsets
     themselves from a mask (correct by construction), skipping the host copy that checks them."""
     spec = _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kernel, check_values)
     scale = 1.0 / math.sqrt(q.shape[2]) if softmax_scale is None else float(softmax_scale)
     window = tuple(window_size)
-    masking.check_window(window, softcap)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        raise NotImplementedError("fa3.attention_varlen has no backward yet: call it under "
-                                  "torch.no_grad(), or use fa3.attention on padded batches to train")
+    mask = masking.masking(bool(causal), window, softcap, scale)
     if interface.direct_call_ok(q, k, v):
         return launch_varlen(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, bool(causal), scale, window, softcap)
+    bwd = interface._memo_rung(interface._backward_rung, backward_kernel, q.shape[2])
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        check_varlen_rung(bwd, "backward_kernel")
+        interface.check_variants(bwd, mask, "backward_kernel")
     return torch.ops.fa3.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, bool(causal), scale,
-                                          window[0], window[1], float(softcap), spec.name)
+                                          window[0], window[1], float(softcap), spec.name,
+                                          bool(deterministic), bwd.name)
+
+
+def check_varlen_rung(spec, argument: str) -> None:
+    """A packed batch needs a rung that compiles the varlen variant (registry `variants`)."""
+    if "varlen" not in spec.variants:
+        rungs = [n for n in registry.available_kernels(spec.family) if "varlen" in registry.get(n).variants]
+        raise ValueError(f"{argument}={spec.name!r} cannot take packed batches; rungs that can: "
+                         f"{rungs} (or {argument}=None)")
 
 
 def _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kernel, check_values=True):
@@ -76,7 +86,8 @@ def _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kern
     _check_offsets(cu_seqlens_k, "cu_seqlens_k", device, batch=cu_seqlens_q.shape[0] - 1)
     spec = interface._memo_rung(_varlen_rung, kernel, head_dim)
     interface.check_hopper(device, "q")
-    if check_values and not (interface._tracing() or torch.cuda.is_current_stream_capturing()):
+    if check_values and device.type == "cuda" and not (interface._tracing()
+                                                       or torch.cuda.is_current_stream_capturing()):
         _check_offset_values(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k)
     return spec
 
@@ -85,9 +96,7 @@ def _varlen_rung(kernel, head_dim):
     """An attention rung that compiles the varlen variant (None: the fastest such rung)."""
     if kernel is not None:
         spec = interface.family_rung(registry.ATTENTION, kernel, head_dim, "q, k and v")
-        if "varlen" not in spec.variants:
-            raise ValueError(f"kernel={kernel!r} cannot take packed batches; rungs that can: "
-                             f"{_varlen_rungs()} (or kernel=None)")
+        check_varlen_rung(spec, "kernel")
         return spec
     interface.family_rung(registry.ATTENTION, None, head_dim, "q, k and v")  # head_dim's message
     return registry.get(_fastest_varlen_rung())
@@ -125,7 +134,8 @@ def launch_varlen(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *,
                      causal: bool = False, softmax_scale: float | None = None, window_size=(-1, -1),
-                     softcap: float = 0.0, return_lse: bool = False, kernel: str | None = None):
+                     softcap: float = 0.0, return_lse: bool = False, kernel: str | None = None,
+                     deterministic: bool = False, backward_kernel: str | None = None):
     """Attention over a packed batch of variable-length sequences, as flash_attn_varlen_func.
 
     q: (total_q, heads_q, d); k, v: (total_k, heads_kv, d); bf16/fp16 on a Hopper GPU, d in
@@ -134,11 +144,14 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     max_seqlen_q/k: accepted for flash-attn's signature and checked; the kernel does not need them.
     causal, window_size, softcap, softmax_scale: as fa3.attention, per sequence (bottom-right
     aligned to each sequence's own lengths).
+    deterministic, backward_kernel: as fa3.attention (the backward's dQ order; its rung).
     Returns out (total_q, heads_q, d) (and lse (heads_q, total_q) fp32, flash-attn's varlen layout).
 
+    Differentiable in q, k and v, as fa3.attention (the backward rungs compile packed batches too).
     The offsets are checked on the host (one small copy) except while a CUDA graph is captured or
-    torch.compile traces; the kernel itself needs no host sync. Not differentiable yet.
+    torch.compile traces; the kernels themselves need no host sync.
     """
     out, lse = _run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                    window_size, softcap, kernel)
+                    window_size, softcap, kernel, deterministic=deterministic,
+                    backward_kernel=backward_kernel)
     return (out, lse) if return_lse else out

@@ -27,6 +27,13 @@ Rows past seqlen_q have LSE = +inf in the preprocessed buffer (P = 0) and zero d
 past seqlen_k and above the causal diagonal are masked to -inf before the exponent. Rows with no
 visible key likewise get LSE = +inf: P = 0, dQ = 0, and they add nothing to dK and dV.
 
+Variable-length batches (`varlen`): Q, K, V, dO and the gradients are packed (total, heads, d) with
+flash-attn's cu_seqlens; the grid numbers every entry's K/V tiles in a row (common/scheduler.py)
+and each CTA reads its entry's lengths and row offsets (common/seqlen.py). A Q tile that runs past
+its entry's last row reads the next entry's rows: their LSE is taken as +inf (P = 0, dS = 0), so
+they add exact zeros to dQ and nothing to dK and dV, and the dQ accumulator needs no padding
+between entries (only tile_m rows of slack at the end).
+
 Constraints: head_dim 64/128/256; tile_m and tile_n multiples of 64 (WGMMA's 64-row atom; P and dS
 rows fill a 128-byte swizzle atom). Where a GEMM's M is 64 the two warpgroups split its N.
 """
@@ -37,7 +44,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
-from .common import accum, mask, mma, pipeline, smem, softmax, tma
+from .common import accum, mask, mma, pipeline, scheduler, seqlen, smem, softmax, tma
 
 
 class AttentionBackward:
@@ -45,11 +52,11 @@ class AttentionBackward:
 
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 64, tile_n: int = 128,
                  q_stages: int = 2, deterministic: bool = False, local: bool = False,
-                 softcap: bool = False):
+                 softcap: bool = False, varlen: bool = False):
         assert tile_m % 64 == 0 and tile_n % 64 == 0, "64-row WGMMA atoms; P and dS rows fill a 128-byte swizzle atom"
         self.dtype, self.head_dim, self.causal = dtype, head_dim, causal
         # static variants, as the forward's: the window's predicates (mask.py) and capped scores
-        self.local, self.softcap = local, softcap
+        self.local, self.softcap, self.varlen = local, softcap, varlen
         self.tile_m, self.tile_n, self.q_stages = tile_m, tile_n, q_stages
         self.deterministic = deterministic
         self.num_threads = 128 * self.mma_warpgroups
@@ -95,21 +102,31 @@ class AttentionBackward:
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                  mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor,
                  mdV: cute.Tensor, mLock: cute.Tensor, scale_log2: Float32, softmax_scale: Float32,
-                 window_left: Int32, window_right: Int32, softcap_scale: Float32, stream):
+                 window_left: Int32, window_right: Int32, softcap_scale: Float32,
+                 mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, stream):
         """mLSE2, mD: (batch, heads_q, seqlen_q rounded up to tile_m) FP32 from the preprocess;
         mdQacc: (batch, same rows, heads_q, d) FP32, zeroed; mdK, mdV: (batch, seqlen_k, heads_q,
         d), one slice per query head (FP32 when GQA sums them afterwards); mLock: (batch, heads_q,
         Q tiles) int32 zeros, read only when deterministic. The window edges and softcap_scale
-        are read only by the local and softcap variants (as the forward's)."""
-        batch, seqlen_k, heads_q = mQ.shape[0], mK.shape[1], mQ.shape[2]
+        are read only by the local and softcap variants (as the forward's), cu_seqlens_q/k only by
+        the varlen one. Varlen: batch = 1 holding every entry; mLSE2, mD have total_q rows, mdQacc
+        total_q + tile_m, mLock total_q // tile_m + entries + 1 counters per head."""
         sQ_layout, sKV_layout, sPdS_layout = self.smem_layouts()
         loads = self.make_loads(mQ, mdO, mK, mV, sQ_layout, sKV_layout)
         storage_cls = self.shared_storage(sQ_layout, sKV_layout, sPdS_layout)
         self.kernel(*loads, mLSE2, mD, mdQacc, mdK, mdV, mLock, scale_log2, softmax_scale,
-                    window_left, window_right, softcap_scale,
+                    window_left, window_right, softcap_scale, mCuSeqlensQ, mCuSeqlensK,
                     sQ_layout, sKV_layout, sPdS_layout, storage_cls).launch(
-            grid=[cute.ceil_div(seqlen_k, self.tile_n), heads_q, batch],
-            block=[self.num_threads, 1, 1], stream=stream)
+            grid=self.grid(mQ, mK, mCuSeqlensK), block=[self.num_threads, 1, 1], stream=stream)
+
+    def grid(self, mQ: cute.Tensor, mK: cute.Tensor, mCuSeqlensK: cute.Tensor):
+        """One CTA per (K/V tile, query head, batch entry). Varlen: the entries' K/V tiles in a
+        row, at most ceil(total_k / tile_n) + entries of them (CTAs past the last one exit)."""
+        batch, seqlen_k, heads_q = mQ.shape[0], mK.shape[1], mQ.shape[2]
+        kv_tiles = cute.ceil_div(seqlen_k, self.tile_n)
+        if cutlass.const_expr(self.varlen):
+            return [kv_tiles + mCuSeqlensK.shape[0] - 1, heads_q, 1]
+        return [kv_tiles, heads_q, batch]
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
@@ -118,11 +135,12 @@ class AttentionBackward:
                mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor,
                mdV: cute.Tensor, mLock: cute.Tensor, scale_log2: Float32, softmax_scale: Float32,
                window_left: Int32, window_right: Int32, softcap_scale: Float32,
+               mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor,
                sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
                sPdS_layout: cute.ComposedLayout, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        n_block, head, batch = cute.arch.block_idx()
+        n_block, head, batch, seq = self.kv_tile_work(mQ, mK, mCuSeqlensQ, mCuSeqlensK)
         if warp_idx == 0:
             tma.prefetch(tma_q, tma_do, tma_k, tma_v)
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
@@ -130,10 +148,10 @@ class AttentionBackward:
         q_pipe, kv_pipe = self.make_pipelines(storage, sQ_layout, sKV_layout, consumer_warps)
         pipeline.init_done()
         s = self.smem_tensors(storage, sQ_layout, sKV_layout, sPdS_layout)
-        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]  # (seqlen, d, heads, batch) views
-        q_copies, kv_copies = self.tma_copies(tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, s, head, batch)
+        q_copies, kv_copies = self.tma_copies(tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, s, head,
+                                              batch, seq)
         window = (window_left, window_right) if cutlass.const_expr(self.local) else None
-        m_first, m_end = self.q_tile_range(n_block, seqlen_q, seqlen_k, window)
+        m_first, m_end = self.q_tile_range(n_block, seq.seqlen_q, seq.seqlen_k, window)
 
         q_producer = pipeline.producer_state(self.q_stages)
         if warp_idx == 0:  # K_j, V_j once; then fill the Q/dO ring
@@ -142,21 +160,38 @@ class AttentionBackward:
                 q_producer = pipeline.produce(q_pipe, q_producer, m_first + q_producer.count, q_copies)
 
         ctx = self.mma_setup(s, tidx)
-        ctx.window, ctx.softcap_scale, ctx.seqlen_q, ctx.seqlen_k = window, softcap_scale, seqlen_q, seqlen_k
+        ctx.window, ctx.softcap_scale, ctx.seq = window, softcap_scale, seq
         pipeline.consume_wait(kv_pipe, pipeline.consumer_state(1))
         q_consumer = pipeline.consumer_state(self.q_stages)
         for m_block in cutlass.range(m_first, m_end, unroll=1):
             pipeline.consume_wait(q_pipe, q_consumer)
-            self.compute_step(ctx, s, q_consumer.index, m_block, n_block, head, batch, seqlen_q,
-                              seqlen_k, mLSE2, mD, mdQacc, mLock, scale_log2)
+            self.compute_step(ctx, s, q_consumer.index, m_block, n_block, head, batch, mLSE2, mD,
+                              mdQacc, mLock, scale_log2)
             q_consumer = pipeline.release(q_pipe, q_consumer)
             if warp_idx == 0 and m_first + q_producer.count < m_end:  # refill the stage just freed
                 q_producer = pipeline.produce(q_pipe, q_producer, m_first + q_producer.count, q_copies)
         if warp_idx == 0:
             pipeline.tail(q_pipe, q_producer)
-        self.store_dkv(ctx, mdK, mdV, n_block, head, batch, seqlen_k, softmax_scale)
+        self.store_dkv(ctx, mdK, mdV, n_block, head, batch, softmax_scale)
 
     # ---------------------------------------------------------------- setup pieces
+    @cute.jit
+    def kv_tile_work(self, mQ: cute.Tensor, mK: cute.Tensor, mCuSeqlensQ: cute.Tensor,
+                     mCuSeqlensK: cute.Tensor):
+        """(n_block, head, batch, seq) of this CTA; seq (common/seqlen.py) holds the entry's lengths
+        and row offsets. Varlen: blockIdx.x is a packed K/V tile, found among the entries by a
+        warp-wide search of cu_seqlens_k; a CTA past the last one gets empty lengths (no work)."""
+        block, head, batch = cute.arch.block_idx()
+        if cutlass.const_expr(self.varlen):
+            batch, n_block, blocks = scheduler.varlen_tile(block, mCuSeqlensK, self.tile_n)
+            seq = seqlen.from_cu_seqlens(mCuSeqlensQ, mCuSeqlensK, batch)
+            seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
+            if blocks == 0:
+                seqlen_q, seqlen_k = Int32(0), Int32(0)
+            seq.seqlen_q, seq.seqlen_k = seqlen_q, seqlen_k
+            return n_block, head, batch, seq
+        return block, head, batch, seqlen.fixed(mQ.shape[0], mK.shape[0])  # (seqlen, d, heads, batch)
+
     def make_pipelines(self, storage, sQ_layout, sKV_layout, consumer_warps):
         """(Q/dO ring, K/V single stage): each stage's Q and dO (K and V) land on one barrier."""
         q_pipe = pipeline.create(storage.q_barriers.data_ptr(), self.q_stages, consumer_warps,
@@ -173,17 +208,20 @@ class AttentionBackward:
                                sK=get(storage.sK, sKV_layout), sV=get(storage.sV, sKV_layout),
                                sP=get(storage.sP, sPdS_layout), sdS=get(storage.sdS, sPdS_layout))
 
-    def tma_copies(self, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, s, head, batch):
+    def tma_copies(self, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, s, head, batch, seq):
         """([(atom, gmem tiles, smem stages)] for Q and dO, the same for K and V)."""
         head_kv = head // (mQ.shape[2] // mK.shape[2])
         tile_q, tile_kv = (self.tile_m, self.head_dim), (self.tile_n, self.head_dim)
 
-        def copy(atom, mX, h, tile, sX):
-            tXsX, tXgX = tma.partition(atom, cute.local_tile(mX[None, None, h, batch], tile, (None, 0)), sX)
+        def copy(atom, mX, h, offset, tile, sX):
+            gX = seqlen.rows(mX, h, batch, offset, self.varlen)
+            tXsX, tXgX = tma.partition(atom, cute.local_tile(gX, tile, (None, 0)), sX)
             return atom, tXgX, tXsX
 
-        return ([copy(tma_q, mQ, head, tile_q, s.sQ), copy(tma_do, mdO, head, tile_q, s.sdO)],
-                [copy(tma_k, mK, head_kv, tile_kv, s.sK), copy(tma_v, mV, head_kv, tile_kv, s.sV)])
+        return ([copy(tma_q, mQ, head, seq.offset_q, tile_q, s.sQ),
+                 copy(tma_do, mdO, head, seq.offset_q, tile_q, s.sdO)],
+                [copy(tma_k, mK, head_kv, seq.offset_k, tile_kv, s.sK),
+                 copy(tma_v, mV, head_kv, seq.offset_k, tile_kv, s.sV)])
 
     def mma_setup(self, s, tidx):
         """The three tiled MMAs, every operand fragment (SMEM descriptors, transposed views where
@@ -232,19 +270,28 @@ class AttentionBackward:
     def q_tile_range(self, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32, window):
         """(first, end) of the Q tiles that see K/V tile n_block (mask.py; end >= first)."""
         first = mask.m_block_min(n_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.causal, window)
-        end = mask.m_block_max(n_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, window)
+        end = mask.m_block_max(n_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, window)  # 0 without rows
         if cutlass.const_expr(window is not None):  # a window may leave this K/V tile no Q tile
             end = cutlass.max(first, end)
         return first, end
 
     @cute.jit
-    def row_stats(self, ctx, mX: cute.Tensor, m_block: Int32, head: Int32, batch: Int32):
+    def row_stats(self, ctx, mX: cute.Tensor, m_block: Int32, head: Int32, batch: Int32,
+                  past_end: cutlass.Constexpr):
         """This thread's rows of a per-row statistic (LSE * log2 e or D) of Q tile m_block, into
-        registers: loaded before the GEMMs are issued, the loads' latency hides under them."""
+        registers: loaded before the GEMMs are issued, the loads' latency hides under them.
+        Varlen: the packed rows carry no padding, so rows past the entry read `past_end` instead
+        (+inf for LSE: P = 0 there)."""
         rows = cute.size(ctx.s_coords, mode=[0])
         vals = cute.make_rmem_tensor((rows,), Float32)
         for r in cutlass.range_constexpr(rows):
-            vals[r] = mX[batch, head, m_block * self.tile_m + ctx.s_coords[r, 0][0]]
+            row = m_block * self.tile_m + ctx.s_coords[r, 0][0]
+            if cutlass.const_expr(self.varlen):
+                vals[r] = Float32(past_end)
+                if row < ctx.seq.seqlen_q:
+                    vals[r] = mX[0, head, ctx.seq.offset_q + row]
+            else:
+                vals[r] = mX[batch, head, row]
         return vals
 
     @cute.jit
@@ -300,14 +347,22 @@ class AttentionBackward:
         """dQacc[m_block] += acc_dq (FP32 atomics). Deterministic: K/V tiles add in the order of
         n_block; the Q tiles a K/V tile n sees are those with n < n_block_max(m), so tile m's
         contributors are n = 0, 1, ... and the counter for tile m reads n when n's turn comes."""
-        gdQ = cute.local_tile(mdQacc[batch, None, head, None], (self.tile_m, self.head_dim), (m_block, 0))
+        gdQ = cute.local_tile(seqlen.rows(tma.seq_major(mdQacc), head, batch, ctx.seq.offset_q, self.varlen),
+                              (self.tile_m, self.head_dim), (m_block, 0))
         if cutlass.const_expr(self.deterministic):
-            counter = accum.elem_ptr(mLock, (batch, head, m_block))
-            turn = self.dq_turn(m_block, n_block, ctx.seqlen_q, ctx.seqlen_k, ctx.window)
+            counter = self.dq_counter(mLock, ctx.seq, m_block, head, batch)
+            turn = self.dq_turn(m_block, n_block, ctx.seq.seqlen_q, ctx.seq.seqlen_k, ctx.window)
             accum.ordered_begin(counter, turn, ctx.tidx, barrier_fn)
         accum.add_fragment(acc_dq, ctx.thr_dq.partition_C(gdQ))
         if cutlass.const_expr(self.deterministic):
             accum.ordered_end(counter, ctx.tidx, barrier_fn)
+
+    def dq_counter(self, mLock: cute.Tensor, seq, m_block: Int32, head: Int32, batch: Int32):
+        """Pointer to Q tile m_block's counter. Varlen: entry b's tiles count from
+        cu_seqlens_q[b] // tile_m + b, which leaves every entry room for all of its tiles."""
+        if cutlass.const_expr(self.varlen):
+            return accum.elem_ptr(mLock, (0, head, seq.offset_q // self.tile_m + batch + m_block))
+        return accum.elem_ptr(mLock, (batch, head, m_block))
 
     @cute.jit
     def dq_turn(self, m_block: Int32, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32, window) -> Int32:
@@ -320,12 +375,12 @@ class AttentionBackward:
 
     @cute.jit
     def compute_step(self, ctx, s, stage, m_block: Int32, n_block: Int32, head: Int32, batch: Int32,
-                     seqlen_q: Int32, seqlen_k: Int32, mLSE2: cute.Tensor, mD: cute.Tensor,
-                     mdQacc: cute.Tensor, mLock: cute.Tensor, scale_log2: Float32):
+                     mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor, mLock: cute.Tensor,
+                     scale_log2: Float32):
         """One Q tile against this CTA's K/V tile: the five GEMMs, each waited for."""
-        lse2, dsum = self.row_stats(ctx, mLSE2, m_block, head, batch), self.row_stats(ctx, mD, m_block, head, batch)
+        lse2, dsum = self.stats(ctx, mLSE2, mD, m_block, head, batch)
         acc_s, acc_dp = self.scores_and_dp(ctx, stage, 0)
-        self.probabilities(ctx, acc_s, lse2, m_block, n_block, seqlen_q, seqlen_k, scale_log2)
+        self.probabilities(ctx, acc_s, lse2, m_block, n_block, ctx.seq.seqlen_q, ctx.seq.seqlen_k, scale_log2)
         self.score_grads(acc_s, acc_dp, dsum, lse2, scale_log2)
         p, ds = mma.to_dtype(acc_s, self.dtype), mma.to_dtype(acc_dp, self.dtype)
         cute.arch.sync_threads()  # every GEMM of the previous tile is done reading sP and sdS
@@ -338,13 +393,22 @@ class AttentionBackward:
         self.add_dq(ctx, acc_dq, mdQacc, mLock, m_block, n_block, head, batch, cute.arch.sync_threads)
 
     @cute.jit
+    def stats(self, ctx, mLSE2: cute.Tensor, mD: cute.Tensor, m_block: Int32, head: Int32, batch: Int32):
+        """(LSE * log2 e, D) for this thread's rows of Q tile m_block."""
+        return (self.row_stats(ctx, mLSE2, m_block, head, batch, float("inf")),
+                self.row_stats(ctx, mD, m_block, head, batch, 0.0))
+
+    @cute.jit
     def store_dkv(self, ctx, mdK: cute.Tensor, mdV: cute.Tensor, n_block: Int32, head: Int32,
-                  batch: Int32, seqlen_k: Int32, softmax_scale: Float32):
+                  batch: Int32, softmax_scale: Float32):
         """dK * softmax_scale and dV, rounded to the output's dtype, rows past seqlen_k skipped."""
         coords = ctx.thr_dkv.partition_C(cute.make_identity_tensor((self.tile_n, self.head_dim)))
-        gdK = ctx.thr_dkv.partition_C(cute.local_tile(mdK[batch, None, head, None], (self.tile_n, self.head_dim), (n_block, 0)))
-        gdV = ctx.thr_dkv.partition_C(cute.local_tile(mdV[batch, None, head, None], (self.tile_n, self.head_dim), (n_block, 0)))
-        rows_left = seqlen_k - n_block * self.tile_n
+        tile, offset = (self.tile_n, self.head_dim), ctx.seq.offset_k
+        gdK = ctx.thr_dkv.partition_C(cute.local_tile(
+            seqlen.rows(tma.seq_major(mdK), head, batch, offset, self.varlen), tile, (n_block, 0)))
+        gdV = ctx.thr_dkv.partition_C(cute.local_tile(
+            seqlen.rows(tma.seq_major(mdV), head, batch, offset, self.varlen), tile, (n_block, 0)))
+        rows_left = ctx.seq.seqlen_k - n_block * self.tile_n
         for i in cutlass.range(cute.size(ctx.acc_dk), unroll_full=True):
             if coords[i][0] < rows_left:
                 gdK[i] = (ctx.acc_dk[i] * softmax_scale).to(mdK.element_type)

@@ -28,7 +28,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
 from .bwd import AttentionBackward
-from .common import accum, mask, mma, pipeline, smem, tma
+from .common import accum, mma, pipeline, seqlen, smem, tma
 
 PRODUCER_REGS, CONSUMER_REGS = 24, 240
 CONSUMER_BARRIER = 1  # the consumer warpgroups among themselves (0 is __syncthreads)
@@ -38,8 +38,9 @@ DQ_EMPTY, DQ_FULL = 2, 3  # consumers + the dQ writer warp
 class WarpSpecializedBackward(AttentionBackward):
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 64, tile_n: int = 128,
                  q_stages: int = 2, deterministic: bool = False, local: bool = False,
-                 softcap: bool = False):
-        super().__init__(dtype, head_dim, causal, tile_m, tile_n, q_stages, deterministic, local, softcap)
+                 softcap: bool = False, varlen: bool = False):
+        super().__init__(dtype, head_dim, causal, tile_m, tile_n, q_stages, deterministic, local,
+                         softcap, varlen)
         self.consumer_threads = 128 * self.mma_warpgroups
         self.num_threads = 128 + self.consumer_threads
 
@@ -55,18 +56,18 @@ class WarpSpecializedBackward(AttentionBackward):
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                  mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor,
                  mdV: cute.Tensor, mLock: cute.Tensor, scale_log2: Float32, softmax_scale: Float32,
-                 window_left: Int32, window_right: Int32, softcap_scale: Float32, stream):
+                 window_left: Int32, window_right: Int32, softcap_scale: Float32,
+                 mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, stream):
         """Arguments as B1's."""
-        batch, seqlen_k, heads_q = mQ.shape[0], mK.shape[1], mQ.shape[2]
         sQ_layout, sKV_layout, sPdS_layout = self.smem_layouts()
         loads = self.make_loads(mQ, mdO, mK, mV, sQ_layout, sKV_layout)
         tma_dq, tdQ = tma.make_reduce_add(tma.seq_major(mdQacc), self.sdq_layout(),
                                           (self.tile_m, self.head_dim))
         storage_cls = self.shared_storage(sQ_layout, sKV_layout, sPdS_layout)
         self.kernel(*loads, tma_dq, tdQ, mLSE2, mD, mdK, mdV, mLock, scale_log2, softmax_scale,
-                    window_left, window_right, softcap_scale, sQ_layout, sKV_layout, sPdS_layout,
-                    self.sdq_layout(), storage_cls).launch(
-            grid=[cute.ceil_div(seqlen_k, self.tile_n), heads_q, batch],
+                    window_left, window_right, softcap_scale, mCuSeqlensQ, mCuSeqlensK, sQ_layout,
+                    sKV_layout, sPdS_layout, self.sdq_layout(), storage_cls).launch(
+            grid=self.grid(mQ, mK, mCuSeqlensK),
             block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ---------------------------------------------------------------- device side
@@ -76,12 +77,12 @@ class WarpSpecializedBackward(AttentionBackward):
                tma_dq: cute.CopyAtom, mdQacc: cute.Tensor, mLSE2: cute.Tensor, mD: cute.Tensor,
                mdK: cute.Tensor, mdV: cute.Tensor, mLock: cute.Tensor, scale_log2: Float32,
                softmax_scale: Float32, window_left: Int32, window_right: Int32, softcap_scale: Float32,
-               sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
+               mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
                sPdS_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout,
                SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        n_block, head, batch = cute.arch.block_idx()
+        n_block, head, batch, seq = self.kv_tile_work(mQ, mK, mCuSeqlensQ, mCuSeqlensK)
         if warp_idx == 0:
             tma.prefetch(tma_q, tma_do, tma_k, tma_v, tma_dq)
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
@@ -89,32 +90,30 @@ class WarpSpecializedBackward(AttentionBackward):
         pipeline.init_done()
         s = self.smem_tensors(storage, sQ_layout, sKV_layout, sPdS_layout)
         s.sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
-        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
         window = (window_left, window_right) if cutlass.const_expr(self.local) else None
-        m_first, m_end = self.q_tile_range(n_block, seqlen_q, seqlen_k, window)
+        m_first, m_end = self.q_tile_range(n_block, seq.seqlen_q, seq.seqlen_k, window)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp_idx == 0:
                 q_copies, kv_copies = self.tma_copies(tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV,
-                                                      s, head, batch)
+                                                      s, head, batch, seq)
                 self.load(q_pipe, kv_pipe, q_copies, kv_copies, n_block, m_first, m_end)
             if warp_idx == 1:
                 self.write_dq(tma_dq, mdQacc, s.sdQ, mLock, n_block, head, batch, m_first, m_end,
-                              seqlen_q, seqlen_k, window,
-                              tidx % 32)
+                              seq, window, tidx % 32)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             ctidx = tidx - 128
             ctx = self.mma_setup(s, ctidx)
-            ctx.window, ctx.softcap_scale = window, softcap_scale
+            ctx.window, ctx.softcap_scale, ctx.seq = window, softcap_scale, seq
             pipeline.consume_wait(kv_pipe, pipeline.consumer_state(1))
             q_consumer = pipeline.consumer_state(self.q_stages)
             for i in cutlass.range(m_end - m_first, unroll=1):
                 q_consumer = self.consume_step(ctx, s, q_pipe, q_consumer,
                                                self.m_block_at(i, n_block, m_first, m_end), n_block,
-                                               head, batch, seqlen_q, seqlen_k, mLSE2, mD, scale_log2)
-            self.store_dkv(ctx, mdK, mdV, n_block, head, batch, seqlen_k, softmax_scale)
+                                               head, batch, mLSE2, mD, scale_log2)
+            self.store_dkv(ctx, mdK, mdV, n_block, head, batch, softmax_scale)
 
     @cute.jit
     def m_block_at(self, i: Int32, n_block: Int32, m_first: Int32, m_end: Int32) -> Int32:
@@ -138,9 +137,10 @@ class WarpSpecializedBackward(AttentionBackward):
 
     @cute.jit
     def write_dq(self, tma_dq, mdQacc, sdQ, mLock, n_block: Int32, head: Int32, batch: Int32,
-                 m_first: Int32, m_end: Int32, seqlen_q: Int32, seqlen_k: Int32, window, lane: Int32):
+                 m_first: Int32, m_end: Int32, seq, window, lane: Int32):
         """dQ writer warp: per Q tile, one TMA reduce-add of the consumers' FP32 share."""
-        gdQ = cute.local_tile(mdQacc[None, None, head, batch], (self.tile_m, self.head_dim), (None, 0))
+        gdQ = cute.local_tile(seqlen.rows(mdQacc, head, batch, seq.offset_q, self.varlen),
+                              (self.tile_m, self.head_dim), (None, 0))
         tdQsdQ, tdQgdQ = tma.partition(tma_dq, gdQ, sdQ)
         handoff = self.consumer_threads + 32
         cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=handoff)  # the first credit
@@ -148,9 +148,9 @@ class WarpSpecializedBackward(AttentionBackward):
             m_block = self.m_block_at(i, n_block, m_first, m_end)
             cute.arch.barrier(barrier_id=DQ_FULL, number_of_threads=handoff)
             if cutlass.const_expr(self.deterministic):
-                counter = accum.elem_ptr(mLock, (batch, head, m_block))
-                accum.ordered_begin(counter, self.dq_turn(m_block, n_block, seqlen_q, seqlen_k, window),
-                                    lane, cute.arch.sync_warp)
+                counter = self.dq_counter(mLock, seq, m_block, head, batch)
+                turn = self.dq_turn(m_block, n_block, seq.seqlen_q, seq.seqlen_k, window)
+                accum.ordered_begin(counter, turn, lane, cute.arch.sync_warp)
             cute.copy(tma_dq, tdQsdQ[None, 0], tdQgdQ[None, m_block])
             cute.arch.cp_async_bulk_commit_group()
             if cutlass.const_expr(self.deterministic):
@@ -163,15 +163,14 @@ class WarpSpecializedBackward(AttentionBackward):
 
     @cute.jit
     def consume_step(self, ctx, s, q_pipe, q_state, m_block: Int32, n_block: Int32, head: Int32,
-                     batch: Int32, seqlen_q: Int32, seqlen_k: Int32, mLSE2: cute.Tensor,
-                     mD: cute.Tensor, scale_log2: Float32):
+                     batch: Int32, mLSE2: cute.Tensor, mD: cute.Tensor, scale_log2: Float32):
         """One Q tile: S and dP in flight together, P under dP; dQ handed off under dV and dK."""
         consumers = self.consumer_threads
-        lse2, dsum = self.row_stats(ctx, mLSE2, m_block, head, batch), self.row_stats(ctx, mD, m_block, head, batch)
+        lse2, dsum = self.stats(ctx, mLSE2, mD, m_block, head, batch)
         pipeline.consume_wait(q_pipe, q_state)
         stage = q_state.index
         acc_s, acc_dp = self.scores_and_dp(ctx, stage, 1)  # S has landed, dP may still run
-        self.probabilities(ctx, acc_s, lse2, m_block, n_block, seqlen_q, seqlen_k, scale_log2)
+        self.probabilities(ctx, acc_s, lse2, m_block, n_block, ctx.seq.seqlen_q, ctx.seq.seqlen_k, scale_log2)
         p = mma.to_dtype(acc_s, self.dtype)
         warpgroup.wait_group(0)
         self.score_grads(acc_s, acc_dp, dsum, lse2, scale_log2)

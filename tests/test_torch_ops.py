@@ -183,3 +183,19 @@ def test_compile_traces_the_backward(meta_ok):
     targets = [n.target for g in graphs for n in g.graph.nodes if n.op == "call_function"]
     assert torch.ops.fa3.attention.default in targets and torch.ops.fa3.attention_backward.default in targets
     assert q.grad.shape == q.shape and k.grad.shape == k.shape
+
+
+def test_varlen_backward_on_meta_tensors(meta_ok):
+    """fa3.attention_varlen is differentiable: the packed backward op's fake implementation gives
+    gradients of the packed inputs' shapes (no kernel runs)."""
+    q = meta(50, 4, 64).requires_grad_()
+    k = meta(70, 2, 64).requires_grad_()
+    cu_q = torch.tensor([0, 20, 50], dtype=torch.int32, device="meta")
+    cu_k = torch.tensor([0, 35, 70], dtype=torch.int32, device="meta")
+    out, lse = fa3.attention_varlen(q, k, k, cu_q, cu_k, causal=True, return_lse=True, deterministic=True)
+    assert out.requires_grad and not lse.requires_grad and lse.shape == (4, 50)
+    out.sum().backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and q.grad.dtype == BF16
+    dq, dk, dv = torch.ops.fa3.attention_varlen_backward(out.detach(), q, k, k, out.detach(), lse, cu_q, cu_k,
+                                                         True, 0.125, BACKWARD_64, False, -1, -1, 0.0)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, k.shape)

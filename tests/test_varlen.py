@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fa3
-from fa3 import varlen
+from fa3 import interface, registry, varlen
 from fa3.reference import attention_reference
 
 from conftest import HAS_HOPPER, raises_with, rel_err
@@ -93,11 +93,17 @@ def test_varlen_in_cuda_graph_and_torch_compile():
 
 
 @gpu
-def test_varlen_refuses_gradients():
+def test_varlen_backward_rung_must_take_packed_batches(monkeypatch):
+    """A backward rung without the varlen variant is refused by name before anything runs."""
+    import dataclasses
+
     q = torch.randn(10, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     cu = torch.tensor([0, 10], dtype=torch.int32, device="cuda")
-    raises_with(fa3.attention_varlen, NotImplementedError, "backward", q=q, k=q, v=q,
-                cu_seqlens_q=cu, cu_seqlens_k=cu)
+    plain = dataclasses.replace(registry.get("b1"), variants=("local", "softcap"))
+    monkeypatch.setattr(registry, "get", lambda name, _get=registry.get: plain if name == "b1" else _get(name))
+    monkeypatch.setattr(interface, "_RUNGS", {})  # resolved rungs are remembered
+    raises_with(fa3.attention_varlen, ValueError, "backward_kernel='b1'", "packed", q=q, k=q, v=q,
+                cu_seqlens_q=cu, cu_seqlens_k=cu, backward_kernel="b1")
 
 
 @gpu

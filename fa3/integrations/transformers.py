@@ -10,12 +10,12 @@ causal from the module (`is_causal`), `sliding_window` W as flash-attn's window 
 causal: the W most recent keys, as transformers' own masks), `softcap` as Gemma 2's cap. The mask
 is flash-attention's (transformers' `flash_attention_mask`): None when nothing is padded, else the
 2-D (batch, keys) padding mask, and then the batch is unpadded into fa3.attention_varlen (right- or
-left-padded prompts, and decode steps over padded caches). Generation uses transformers' own cache:
-each step attends to the whole cache, bottom-right aligned.
+left-padded prompts, padded training batches, and decode steps over padded caches). Generation uses
+transformers' own cache: each step attends to the whole cache, bottom-right aligned. Training runs
+fa3's backward, padded batches included (the varlen backward; gradients of padded rows are 0).
 
 Refused with a clear error, never approximated: dropout > 0 while training (fa3 has no attention
-dropout), output_attentions, an arbitrary additive mask, and gradients through padded batches
-(varlen has no backward yet: train unpadded, or use "sdpa" for padded training batches).
+dropout), output_attentions and an arbitrary additive mask.
 """
 
 from __future__ import annotations
@@ -103,10 +103,6 @@ def fa3_attention_forward(module, query, key, value, attention_mask, dropout=0.0
         raise ValueError(f"fa3 takes transformers' 2-D padding mask (flash-attention's format), got "
                          f"{attention_mask.dtype} of shape {tuple(attention_mask.shape)}: an arbitrary "
                          "additive mask cannot be expressed; use attn_implementation='sdpa'")
-    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
-        raise NotImplementedError("fa3 trains on unpadded batches only for now (its variable-length "
-                                  "kernel has no backward): pack or do not pad the training batch, or "
-                                  "use attn_implementation='sdpa' for padded training batches")
     return _unpadded(q, k, v, attention_mask, causal, scaling, window, softcap), None
 
 
