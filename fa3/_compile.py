@@ -158,11 +158,12 @@ def get_attention(spec, dtype, head_dim, causal, varlen=False, local=False, soft
 def _backward_fake_args(dtype, head_dim, gqa):
     """Fake (q, k, v, dO, lse2, D, dQacc, dK, dV, lock, scale_log2, softmax_scale, window_left,
     window_right, softcap_scale, cu_seqlens_q, cu_seqlens_k): see
-    kernels/bwd.py. `rows` is seqlen_q rounded up to the Q tile; dK/dV hold one slice per query
+    kernels/bwd.py. `rows` is seqlen_q rounded up to the Q tile (varlen: total_q; dQacc then has
+    tile_m rows more); dK/dV hold one slice per query
     head, FP32 under GQA (summed over each group afterwards)."""
     cutlass, cute = _import_cute()
     dt = cute_dtype(dtype)
-    b, sq, sk, hq, hkv, rows = (cute.sym_int64() for _ in range(6))
+    b, sq, sk, hq, hkv, rows, dq_rows = (cute.sym_int64() for _ in range(7))
 
     f32, dkv_dt = cutlass.Float32, (cutlass.Float32 if gqa else dt)
 
@@ -172,7 +173,7 @@ def _backward_fake_args(dtype, head_dim, gqa):
     return [tma_operand(b, sq, hq, head_dim), tma_operand(b, sk, hkv, head_dim),
             tma_operand(b, sk, hkv, head_dim), tma_operand(b, sq, hq, head_dim),
             _unit_last(cute, f32, b, hq, rows), _unit_last(cute, f32, b, hq, rows),
-            _unit_last(cute, f32, b, rows, hq, head_dim),
+            _unit_last(cute, f32, b, dq_rows, hq, head_dim),
             _unit_last(cute, dkv_dt, b, sk, hq, head_dim), _unit_last(cute, dkv_dt, b, sk, hq, head_dim),
             # the counters have shapes of their own: a 1-element stand-in when not deterministic
             _unit_last(cute, cutlass.Int32, *(cute.sym_int64() for _ in range(3))),
