@@ -1,15 +1,19 @@
 """End to end in transformers: a Llama-shaped model (random weights from a config, no download) with
 attn_implementation="sdpa" and "fa3", timed and compared side by side.
 
-    python benchmarks/e2e_transformers.py [--layers 4] [--seqlen 8192] [--json FILE]
+    python benchmarks/e2e_transformers.py [--layers 4] [--seqlen 8192] [--only train,...]
+                                          [--profile] [--json FILE]
 
-Three workloads, bf16 on one GPU:
-  prefill   a padded batch (4 prompts of seqlen, 3/4, 1/2 and 1/4 of it, left-padded): forward
-            only; logits compared on the real tokens.
-  train     one training step (forward + backward) on batch 2 x seqlen, unpadded; losses compared.
-  generate  4 left-padded prompts of 512..2048 tokens, 64 new tokens, greedy, transformers' cache;
-            tokens compared (a first difference must be a near tie of sdpa's top-two logits).
+Four workloads, bf16 on one GPU:
+  prefill       a padded batch (4 prompts of seqlen, 3/4, 1/2 and 1/4 of it, left-padded):
+                forward only; logits compared on the real tokens.
+  train         one training step (forward + backward) on batch 2 x seqlen, unpadded; losses compared.
+  train-padded  one training step on the prefill's lengths, right-padded (labels -100 on padding):
+                fa3 runs the packed (varlen) forward and backward; losses compared.
+  generate      4 left-padded prompts of 512..2048 tokens, 64 new tokens, greedy, transformers'
+                cache; tokens compared (a first difference must be a near tie of sdpa's top two).
 Times are medians of --repeats runs after a warm-up run (CUDA-synchronized wall time).
+--profile prints each implementation's 12 most expensive GPU kernels per workload (one run).
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ def make_model(args):
     return LlamaForCausalLM(config).to(device="cuda", dtype=torch.bfloat16)
 
 
-def timed(fn, repeats):
+def timed(fn, repeats, profile=False, label=""):
     fn()
     torch.cuda.synchronize()
     times = []
@@ -47,16 +51,108 @@ def timed(fn, repeats):
         result = fn()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
+    if profile:
+        from torch.profiler import ProfilerActivity, profile as torch_profile
+
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        print(f"--- {label}: GPU kernels of one run")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=70))
     return statistics.median(times) * 1e3, result
 
 
-def left_padded(lengths, total, gen):
+def padded(lengths, total, gen, side="left"):
     ids = torch.randint(3, 32000, (len(lengths), total), generator=gen)
     mask = torch.zeros(len(lengths), total, dtype=torch.long)
     for row, length in enumerate(lengths):
-        mask[row, total - length:] = 1
-        ids[row, :total - length] = 0
+        real = slice(total - length, total) if side == "left" else slice(0, length)
+        mask[row, real] = 1
+        ids[row] = ids[row].masked_fill(mask[row] == 0, 0)
     return ids.cuda(), mask.cuda()
+
+
+def rel_diff(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+def prefill(model, args, gen):
+    s = args.seqlen
+    ids, mask = padded([s, 3 * s // 4, s // 2, s // 4], s, gen)
+    model.eval()
+    times, logits = {}, {}
+    for impl in IMPLS:
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            times[impl], out = timed(lambda: model(input_ids=ids, attention_mask=mask).logits, args.repeats,
+                                     args.profile, f"prefill {impl}")
+        logits[impl] = out.float() * mask[..., None]
+        del out
+        progress(f"prefill      {impl:5s} {times[impl]:8.2f} ms")
+    return ["prefill (4 padded prompts)", times, f"logits rel. diff {rel_diff(logits['fa3'], logits['sdpa']):.1e}"], True
+
+
+def train(model, args, gen, pad):
+    """One optimizer-free training step: forward, loss, backward."""
+    s = args.seqlen
+    if pad:
+        ids, mask = padded([s, 3 * s // 4, s // 2, s // 4], s, gen, side="right")
+        labels = ids.masked_fill(mask == 0, -100)
+        name = "train step (4 padded, right)"
+    else:
+        ids, mask = torch.randint(3, 32000, (2, s), generator=gen).cuda(), None
+        labels = ids
+        name = f"train step (2 x {s})"
+    model.train()
+    times, losses = {}, {}
+    for impl in IMPLS:
+        model.set_attn_implementation(impl)
+
+        def step():
+            model.zero_grad(set_to_none=True)
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            loss.backward()
+            return loss.detach()
+        times[impl], loss = timed(step, args.repeats, args.profile, f"{name} {impl}")
+        losses[impl] = float(loss)
+        progress(f"{'train-padded' if pad else 'train':12s} {impl:5s} {times[impl]:8.2f} ms  loss {losses[impl]:.5f}")
+    model.zero_grad(set_to_none=True)
+    diff = abs(losses["fa3"] - losses["sdpa"]) / abs(losses["sdpa"])
+    return [name, times, f"loss rel. diff {diff:.1e}"], True
+
+
+def generate(model, args, gen):
+    """Greedy generation through transformers' cache; tokens compared."""
+    model.eval()
+    ids, mask = padded([2048, 1536, 1024, 512], 2048, gen)
+    times, runs = {}, {}
+    for impl in IMPLS:
+        model.set_attn_implementation(impl)
+        times[impl], runs[impl] = timed(
+            lambda: model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=64, do_sample=False,
+                                   output_logits=True, return_dict_in_generate=True, pad_token_id=0),
+            args.repeats, args.profile, f"generate {impl}")
+        progress(f"generate     {impl:5s} {times[impl]:8.2f} ms")
+    same, ties, bad = 0, 0, 0
+    for row in range(ids.shape[0]):
+        x, y = runs["fa3"].sequences[row, 2048:], runs["sdpa"].sequences[row, 2048:]
+        differ = (x != y).nonzero()
+        if not len(differ):
+            same += 1
+            continue
+        step = int(differ[0])
+        top2 = runs["sdpa"].logits[step][row].float().topk(2).values
+        if float(top2[0] - top2[1]) < 0.05:
+            ties += 1
+        else:
+            bad += 1
+    return (["generate 64 tokens (4 prompts)", times,
+             f"{same}/4 identical, {ties} near-tie divergences, {bad} unexplained"], bad == 0)
+
+
+IMPLS = ("sdpa", "fa3")
+WORKLOADS = {"prefill": prefill, "train": lambda m, a, g: train(m, a, g, pad=False),
+             "train-padded": lambda m, a, g: train(m, a, g, pad=True), "generate": generate}
 
 
 def main(argv=None) -> int:
@@ -68,79 +164,24 @@ def main(argv=None) -> int:
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--only", default=",".join(WORKLOADS), help=f"comma-separated, of {list(WORKLOADS)}")
+    p.add_argument("--profile", action="store_true")
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args(argv)
+    unknown = set(args.only.split(",")) - set(WORKLOADS)
+    if unknown:
+        p.error(f"--only: unknown workloads {sorted(unknown)}; choose from {list(WORKLOADS)}")
     if not torch.cuda.is_available():
         print("e2e_transformers needs a CUDA GPU (Hopper for fa3); none was found.")
         return 2
     model = make_model(args)
     gen = torch.Generator().manual_seed(0)
-    s = args.seqlen
-    rows, results, ok = [], {}, True
-
-    # prefill of a padded batch
-    ids, mask = left_padded([s, 3 * s // 4, s // 2, s // 4], s, gen)
-    model.eval()
-    for impl in ("sdpa", "fa3"):
-        model.set_attn_implementation(impl)
-        with torch.no_grad():
-            ms, logits = timed(lambda: model(input_ids=ids, attention_mask=mask).logits, args.repeats)
-        results[("prefill", impl)] = (ms, (logits.float() * mask[..., None]))
-        progress(f"prefill  {impl:5s} {ms:8.2f} ms")
-    a, b = results[("prefill", "fa3")][1], results[("prefill", "sdpa")][1]
-    prefill_err = float((a - b).norm() / b.norm())
-    rows.append(["prefill (4 padded prompts)", results[("prefill", "sdpa")][0], results[("prefill", "fa3")][0],
-                 f"logits rel. diff {prefill_err:.1e}"])
-    del a, b, results[("prefill", "fa3")], results[("prefill", "sdpa")]
-
-    # one training step, unpadded
-    tokens = torch.randint(3, 32000, (2, s), generator=gen).cuda()
-    model.train()
-    losses = {}
-    for impl in ("sdpa", "fa3"):
-        model.set_attn_implementation(impl)
-
-        def step():
-            model.zero_grad(set_to_none=True)
-            loss = model(input_ids=tokens, labels=tokens).loss
-            loss.backward()
-            return loss.detach()
-        ms, loss = timed(step, args.repeats)
-        losses[impl] = (ms, float(loss))
-        progress(f"train    {impl:5s} {ms:8.2f} ms  loss {float(loss):.5f}")
-    loss_diff = abs(losses["fa3"][1] - losses["sdpa"][1]) / abs(losses["sdpa"][1])
-    rows.append([f"train step (2 x {s})", losses["sdpa"][0], losses["fa3"][0], f"loss rel. diff {loss_diff:.1e}"])
-    model.zero_grad(set_to_none=True)
-
-    # greedy generation through transformers' cache
-    model.eval()
-    ids, mask = left_padded([2048, 1536, 1024, 512], 2048, gen)
-    runs = {}
-    for impl in ("sdpa", "fa3"):
-        model.set_attn_implementation(impl)
-        ms, run = timed(lambda: model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=64,
-                                               do_sample=False, output_logits=True,
-                                               return_dict_in_generate=True, pad_token_id=0), args.repeats)
-        runs[impl] = (ms, run)
-        progress(f"generate {impl:5s} {ms:8.2f} ms")
-    same, ties, bad = 0, 0, 0
-    for row in range(ids.shape[0]):
-        x, y = runs["fa3"][1].sequences[row, 2048:], runs["sdpa"][1].sequences[row, 2048:]
-        differ = (x != y).nonzero()
-        if not len(differ):
-            same += 1
-            continue
-        step = int(differ[0])
-        top2 = runs["sdpa"][1].logits[step][row].float().topk(2).values
-        if float(top2[0] - top2[1]) < 0.05:
-            ties += 1
-        else:
-            bad += 1
-    ok = bad == 0
-    rows.append(["generate 64 tokens (4 prompts)", runs["sdpa"][0], runs["fa3"][0],
-                 f"{same}/4 identical, {ties} near-tie divergences, {bad} unexplained"])
-
-    table = [[name, sdpa, fa3_ms, f"{sdpa / fa3_ms:.2f}x", note] for name, sdpa, fa3_ms, note in rows]
+    rows, ok = [], True
+    for name in args.only.split(","):
+        row, agreed = WORKLOADS[name](model, args, gen)
+        rows.append(row)
+        ok = ok and agreed
+    table = [[name, t["sdpa"], t["fa3"], f"{t['sdpa'] / t['fa3']:.2f}x", note] for name, t, note in rows]
     print()
     print(f"{torch.cuda.get_device_name()}; Llama-shaped, {args.layers} layers, width {args.width}, "
           f"{args.heads}/{args.kv_heads} heads, d{args.width // args.heads}, bf16")
