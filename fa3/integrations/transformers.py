@@ -74,9 +74,14 @@ def _unpadded(q, k, v, mask, causal, scaling, window, softcap):
     on the real tokens -> the padded layout again (padded query rows are 0)."""
     batch, seqlen_q = q.shape[:2]
     q_index, k_index, cu_q, cu_k = _PLAN.get(mask, seqlen_q)
+    # every query real (decode steps: the new tokens): no gather, no scatter back
+    all_queries = q_index.shape[0] == batch * seqlen_q
+    q_packed = q.flatten(0, 1) if all_queries else q.flatten(0, 1)[q_index]
     # the offsets come from the mask: no host copy to check them (the op still runs the kernel)
-    out, _ = _run_varlen(q.flatten(0, 1)[q_index], k.flatten(0, 1)[k_index], v.flatten(0, 1)[k_index],
+    out, _ = _run_varlen(q_packed, k.flatten(0, 1)[k_index], v.flatten(0, 1)[k_index],
                          cu_q, cu_k, None, None, causal, scaling, window, softcap, None, check_values=False)
+    if all_queries:
+        return out.view(q.shape)
     padded = q.new_zeros(batch * seqlen_q, *q.shape[2:])
     padded[q_index] = out
     return padded.view_as(q)
