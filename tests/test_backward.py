@@ -68,6 +68,16 @@ def _reference_grads(q, k, v, dout, causal, scale, dtype, window=(-1, -1), softc
     return out, q.grad, k.grad, v.grad
 
 
+def assert_close_to_reference(got, exact, low, dtype, floor):
+    """(out, dq, dk, dv) against float64, within 2x PyTorch's own error in `dtype` (+ floor)."""
+    for name, g, ref, base in zip(("out", "dq", "dk", "dv"), got, exact, low):
+        assert g.shape == ref.shape and g.dtype == dtype
+        assert torch.isfinite(g).all(), f"{name} has NaN/inf"
+        err, base_err = rel_err(g, ref), rel_err(base.to(ref.dtype), ref)
+        assert err <= 2 * base_err + floor, f"{name}: rel err {err:.2e} vs PyTorch {dtype} {base_err:.2e}"
+    return got
+
+
 def check_grads(q, k, v, dout, causal, scale=None, kernel=None, deterministic=False, floor=1e-3,
                 window=(-1, -1), softcap=0.0):
     got = _grads(lambda q, k, v: fa3.attention(q, k, v, causal=causal, softmax_scale=scale,
@@ -76,12 +86,7 @@ def check_grads(q, k, v, dout, causal, scale=None, kernel=None, deterministic=Fa
                  q, k, v, dout)
     exact = _reference_grads(q, k, v, dout, causal, scale, torch.float64, window, softcap)
     low = _reference_grads(q, k, v, dout, causal, scale, q.dtype, window, softcap)
-    for name, g, ref, base in zip(("out", "dq", "dk", "dv"), got, exact, low):
-        assert g.shape == ref.shape and g.dtype == q.dtype
-        assert torch.isfinite(g).all(), f"{name} has NaN/inf"
-        err, base_err = rel_err(g, ref), rel_err(base.to(ref.dtype), ref)
-        assert err <= 2 * base_err + floor, f"{name}: rel err {err:.2e} vs PyTorch {q.dtype} {base_err:.2e}"
-    return got
+    return assert_close_to_reference(got, exact, low, q.dtype, floor)
 
 
 @pytest.mark.parametrize("kernel", BWD_RUNGS)
@@ -325,12 +330,7 @@ def check_varlen_grads(q, k, v, dout, cu_q, cu_k, causal, kernel=None, determini
     got = _grads(fn, q, k, v, dout)
     exact = _varlen_reference_grads(q, k, v, dout, cu_q, cu_k, causal, torch.float64, window, softcap)
     low = _varlen_reference_grads(q, k, v, dout, cu_q, cu_k, causal, q.dtype, window, softcap)
-    for name, g, ref, base in zip(("out", "dq", "dk", "dv"), got, exact, low):
-        assert g.shape == ref.shape and g.dtype == q.dtype
-        assert torch.isfinite(g).all(), f"{name} has NaN/inf"
-        err, base_err = rel_err(g, ref), rel_err(base.to(ref.dtype), ref)
-        assert err <= 2 * base_err + floor, f"{name}: rel err {err:.2e} vs PyTorch {q.dtype} {base_err:.2e}"
-    return got
+    return assert_close_to_reference(got, exact, low, q.dtype, floor)
 
 
 @pytest.mark.parametrize("kernel", BWD_RUNGS)
