@@ -18,7 +18,7 @@ complete, then bumps the counter (common/accum.py).
 
 Not deterministic, each CTA starts its walk over the Q tiles at a different tile (`m_block_at`).
 
-Constraints: as B1. SMEM (bf16): d=128: Q/dO 2 x 32 KB, K/V 64 KB, P/dS 32 KB, dQ 32 KB = 192 KB;
+Packed batches (varlen) and constraints: as B1. SMEM (bf16): d=128: Q/dO 2 x 32 KB, K/V 64 KB, P/dS 32 KB, dQ 32 KB = 192 KB;
 d=256 takes one Q/dO stage (64 KB), K/V 64 KB, P/dS 16 KB, dQ 64 KB = 208 KB.
 """
 
@@ -77,8 +77,8 @@ class WarpSpecializedBackward(AttentionBackward):
                tma_dq: cute.CopyAtom, mdQacc: cute.Tensor, mLSE2: cute.Tensor, mD: cute.Tensor,
                mdK: cute.Tensor, mdV: cute.Tensor, mLock: cute.Tensor, scale_log2: Float32,
                softmax_scale: Float32, window_left: Int32, window_right: Int32, softcap_scale: Float32,
-               mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
-               sPdS_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout,
+               mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, sQ_layout: cute.ComposedLayout,
+               sKV_layout: cute.ComposedLayout, sPdS_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout,
                SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
