@@ -5,7 +5,8 @@
                   backward_kernel=None)               differentiable in q, k, v
     fa3.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
                          causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-                         return_lse=False)                   packed variable-length batches
+                         return_lse=False, kernel=None, deterministic=False,
+                         backward_kernel=None)       packed variable-length batches; differentiable
     fa3.attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=..,
                                block_table=None, causal=False, softmax_scale=None,
                                window_size=(-1, -1), softcap=0.0, num_splits=0,

@@ -59,13 +59,13 @@ def _run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal
     spec = _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kernel, check_values)
     scale = 1.0 / math.sqrt(q.shape[2]) if softmax_scale is None else float(softmax_scale)
     window = tuple(window_size)
-    mask = masking.masking(bool(causal), window, softcap, scale)
+    masking.check_window(window, softcap)
     if interface.direct_call_ok(q, k, v):
         return launch_varlen(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, bool(causal), scale, window, softcap)
     bwd = interface._memo_rung(interface._backward_rung, backward_kernel, q.shape[2])
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         check_varlen_rung(bwd, "backward_kernel")
-        interface.check_variants(bwd, mask, "backward_kernel")
+        interface.check_variants(bwd, masking.masking(bool(causal), window, softcap, scale), "backward_kernel")
     return torch.ops.fa3.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, bool(causal), scale,
                                           window[0], window[1], float(softcap), spec.name,
                                           bool(deterministic), bwd.name)
@@ -74,9 +74,8 @@ def _run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal
 def check_varlen_rung(spec, argument: str) -> None:
     """A packed batch needs a rung that compiles the varlen variant (registry `variants`)."""
     if "varlen" not in spec.variants:
-        rungs = [n for n in registry.available_kernels(spec.family) if "varlen" in registry.get(n).variants]
         raise ValueError(f"{argument}={spec.name!r} cannot take packed batches; rungs that can: "
-                         f"{rungs} (or {argument}=None)")
+                         f"{_varlen_rungs(spec.family)} (or {argument}=None)")
 
 
 def _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kernel, check_values=True):
@@ -108,8 +107,9 @@ def _fastest_varlen_rung() -> str:
     return max((registry.get(n) for n in _varlen_rungs()), key=lambda s: s.speed_rank).name
 
 
-def _varlen_rungs():
-    return [n for n in registry.available_kernels(registry.ATTENTION) if "varlen" in registry.get(n).variants]
+def _varlen_rungs(family: str = registry.ATTENTION):
+    """The rungs of `family` that compile the varlen variant."""
+    return [n for n in registry.available_kernels(family) if "varlen" in registry.get(n).variants]
 
 
 def launch_varlen(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale: float,
