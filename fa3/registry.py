@@ -163,6 +163,18 @@ KERNELS: dict[str, KernelSpec] = {
             speed_rank=2, variants=VARIANTS,
         ),
         KernelSpec(
+            "b3", BACKWARD, "bwd_swap", "SwappedBackward",
+            "+ S^T = K Q^T: P^T and dS^T stay in registers as the A operands of dV and dK, dS "
+            "written once (for dQ) into one of two buffers, one consumer barrier per Q tile",
+            config={"tile_m": 64, "tile_n": 128, "q_stages": 2},
+            per_head_dim={64: {"tile_m": 128}},
+            head_dims=(64, 128),  # d=256 keeps b2 (registers)
+            ptx_promises=("wgmma.mma_async", "setmaxnreg", "cp.reduce.async.bulk.tensor", "stmatrix",
+                          "shfl.sync.idx"),
+            ptx_forbids=("red.global", "red.relaxed"),
+            speed_rank=3, variants=VARIANTS,
+        ),
+        KernelSpec(
             "s1", KVCACHE, "decode", "SplitKVAttention",
             "KV-cache attention (dense or paged): query heads of a KV head packed into one 64-row "
             "tile, the key range split across CTAs, FP32 partials merged by a combine kernel",

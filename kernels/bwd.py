@@ -49,6 +49,7 @@ from .common import accum, mask, mma, pipeline, scheduler, seqlen, smem, softmax
 
 class AttentionBackward:
     mma_warpgroups = 2
+    p_in_smem = True  # P goes through SMEM for dV (B3 keeps it in registers)
 
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 64, tile_n: int = 128,
                  q_stages: int = 2, deterministic: bool = False, local: bool = False,
@@ -77,6 +78,8 @@ class AttentionBackward:
                 *tma.make_load(tma.seq_major(mV), sKV_layout, tile_kv))
 
     def shared_storage(self, sQ_layout, sKV_layout, sPdS_layout):
+        p_elems = cute.cosize(sPdS_layout) if self.p_in_smem else 8  # 8 keeps the field valid
+
         @cute.struct
         class SharedStorage:
             q_barriers: cute.struct.MemRange[Int64, 2 * self.q_stages]
@@ -85,7 +88,7 @@ class AttentionBackward:
             sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPdS_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, p_elems], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPdS_layout)], 1024]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, self.dq_smem_elems()], 1024]
 
@@ -206,7 +209,8 @@ class AttentionBackward:
 
         return SimpleNamespace(sQ=get(storage.sQ, sQ_layout), sdO=get(storage.sdO, sQ_layout),
                                sK=get(storage.sK, sKV_layout), sV=get(storage.sV, sKV_layout),
-                               sP=get(storage.sP, sPdS_layout), sdS=get(storage.sdS, sPdS_layout))
+                               sP=get(storage.sP, sPdS_layout) if self.p_in_smem else None,
+                               sdS=get(storage.sdS, sPdS_layout))
 
     def tma_copies(self, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, s, head, batch, seq):
         """([(atom, gmem tiles, smem stages)] for Q and dO, the same for K and V)."""

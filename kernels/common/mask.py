@@ -109,6 +109,23 @@ def apply(scores: cute.Tensor, coords: cute.Tensor, row0: Int32, col0: Int32, se
 
 
 @cute.jit
+def apply_transposed(scores_t: cute.Tensor, coords: cute.Tensor, key0: Int32, query0: Int32,
+                     seqlen_q: Int32, seqlen_k: Int32, causal: cutlass.Constexpr, window=None):
+    """`apply` on a transposed tile S^T (rows are keys, columns queries: the backward's K Q^T).
+    The limits are the same per query, so they are computed once per column."""
+    for c in cutlass.range_constexpr(cute.size(scores_t, mode=[1])):
+        query = query0 + coords[0, c][1]
+        limit = col_limit(query, seqlen_q, seqlen_k, causal, window) - key0
+        start = col_start(query, seqlen_q, seqlen_k, window) - key0
+        for r in cutlass.range_constexpr(cute.size(scores_t, mode=[0])):
+            key = coords[r, c][0]
+            hidden = key >= limit
+            if cutlass.const_expr(window is not None):
+                hidden = hidden | (key < start)
+            scores_t[r, c] = -cutlass.Float32.inf if hidden else scores_t[r, c]
+
+
+@cute.jit
 def tile_needs_mask(m_block: Int32, n_block: Int32, tile_m: cutlass.Constexpr, tile_n: cutlass.Constexpr,
                     seqlen_q: Int32, seqlen_k: Int32, causal: cutlass.Constexpr,
                     rows_per_query=None, window=None) -> cutlass.Boolean:

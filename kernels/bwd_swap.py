@@ -1,0 +1,195 @@
+"""B3: B2 with the scores computed transposed, S^T = K Q^T, so that P^T and dS^T stay in registers.
+
+FlashAttention-3's `SdP_swapAB`. B2 computes S = Q K^T (queries on the accumulator's rows) and
+writes P and dS to SMEM, because dV = P^T dO and dK = dS^T Q need them transposed. B3 swaps the
+operands of the first two GEMMs:
+
+    S^T  = K Q^T          (tile_n, tile_m)   A = K (K-major),  B = Q  (K-major)
+    dP^T = V dO^T         (tile_n, tile_m)   A = V (K-major),  B = dO (K-major)
+    P^T  = exp2(S^T * scale_log2 - LSE * log2 e)    LSE per *column* now
+    dS^T = P^T * (dP^T - D)                         D per column
+    dV  += P^T dO         (tile_n, d)        A = P^T  from registers (RS), B = dO^T (MN-major)
+    dK  += dS^T Q         (tile_n, d)        A = dS^T from registers (RS), B = Q^T  (MN-major)
+    dQ_i = dS K           (tile_m, d)        A = dS (MN-major view of the SMEM dS^T), B = K^T
+
+Each consumer warpgroup owns 64 keys (rows of S^T) for the whole walk, the same rows of dV and dK
+it accumulates, so the accumulator of S^T is already the A operand of dV (the m64nNk16
+accumulator and the m64k16 A fragment coincide, as P in the forward's P V). P never touches SMEM;
+dS^T is written once, for dQ, whose K dimension runs over both warpgroups' keys. The freed SMEM
+holds a second dS buffer, so one barrier per Q tile (dS complete before dQ reads it) replaces
+B2's two: the buffer written at tile i was last read by tile i - 2's dQ, which both warpgroups
+waited for before the barrier of tile i - 1.
+
+Per-query statistics. LSE * log2 e and D now belong to columns: a thread holds columns
+8j + 2 (lane % 4) + {0, 1} of each 64-column block, tile_m / 4 of them, too many registers to
+hold them all beside five accumulators. Each lane loads the 2 tile_m / 64 values of columns
+8 (lane / 4) + 2 (lane % 4) + {0, 1} (+ 64k) and the others are fetched with one shuffle per
+column when used (the lane holding column 8j + ... is 4 (j % 8) + lane % 4).
+
+The loader, the dQ writer warp, the deterministic order and the packed-batch handling are B2's.
+Constraints: head_dim 64 and 128 (tiles 128 x 128 and 64 x 128; d = 256 keeps B2: its dK and dV
+accumulators leave no room for S^T's 64-key rows per warpgroup at tile_n = 128); two Q stages
+(the dS buffers follow the Q stage index). SMEM (bf16, d = 128): Q/dO 2 x 32 KB, K/V 64 KB, dS
+2 x 16 KB, dQ 32 KB = 192 KB.
+"""
+
+from types import SimpleNamespace
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import warpgroup
+
+from .bwd_ws import CONSUMER_BARRIER, DQ_EMPTY, DQ_FULL, WarpSpecializedBackward
+from .common import mask, mma, pipeline, smem, softmax
+
+
+class SwappedBackward(WarpSpecializedBackward):
+    p_in_smem = False
+
+    def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 64, tile_n: int = 128,
+                 q_stages: int = 2, deterministic: bool = False, local: bool = False,
+                 softcap: bool = False, varlen: bool = False):
+        assert q_stages == 2, "the two dS buffers follow the Q stage index"
+        assert tile_n == 128, "each of the two consumer warpgroups owns 64 keys"
+        super().__init__(dtype, head_dim, causal, tile_m, tile_n, q_stages, deterministic, local,
+                         softcap, varlen)
+
+    # ---------------------------------------------------------------- host side
+    def smem_layouts(self):
+        """Q/dO staged as B2's; dS^T (tile_n, tile_m) with one buffer per Q stage."""
+        sQ_layout, sKV_layout, _ = super().smem_layouts()
+        return sQ_layout, sKV_layout, smem.tile_layout(self.dtype, self.tile_n, self.tile_m, self.q_stages)
+
+    # ---------------------------------------------------------------- device side
+    def mma_setup(self, s, tidx):
+        wgs = self.mma_warpgroups
+        sdp = mma.tiled_mma(self.dtype, self.tile_n, self.tile_m, warpgroups=wgs)  # S^T and dP^T
+        dkv = mma.tiled_mma(self.dtype, self.tile_n, self.head_dim, b_major="MN", a_in_regs=True,
+                            warpgroups=wgs)
+        dq = mma.tiled_mma(self.dtype, self.tile_m, self.head_dim, a_major="MN", b_major="MN",
+                           warpgroups=wgs)
+        thr_sdp, thr_dkv, thr_dq = sdp.get_slice(tidx), dkv.get_slice(tidx), dq.get_slice(tidx)
+        t = mma.transpose_view
+        ctx = SimpleNamespace(
+            sdp=sdp, dkv=dkv, dq=dq, thr_sdp=thr_sdp, thr_dkv=thr_dkv, thr_dq=thr_dq, tidx=tidx,
+            lane=tidx % 32,
+            tSrK=thr_sdp.make_fragment_A(thr_sdp.partition_A(s.sK)),
+            tSrQ=thr_sdp.make_fragment_B(thr_sdp.partition_B(s.sQ)),
+            tdPrV=thr_sdp.make_fragment_A(thr_sdp.partition_A(s.sV)),
+            tdPrdO=thr_sdp.make_fragment_B(thr_sdp.partition_B(s.sdO)),
+            tdVrdOt=thr_dkv.make_fragment_B(thr_dkv.partition_B(t(s.sdO))),
+            tdKrQt=thr_dkv.make_fragment_B(thr_dkv.partition_B(t(s.sQ))),
+            tdQrdS=thr_dq.make_fragment_A(thr_dq.partition_A(t(s.sdS))),
+            tdQrKt=thr_dq.make_fragment_B(thr_dq.partition_B(t(s.sK))),
+            s_coords=mma.rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m)))),
+        )
+        ctx.acc_dv = cute.make_rmem_tensor(thr_dkv.partition_shape_C((self.tile_n, self.head_dim)), Float32)
+        ctx.acc_dk = cute.make_rmem_tensor(thr_dkv.partition_shape_C((self.tile_n, self.head_dim)), Float32)
+        ctx.acc_dv.fill(0.0)
+        ctx.acc_dk.fill(0.0)
+        return ctx
+
+    @cute.jit
+    def scores_and_dp(self, ctx, stage, wait_s: cutlass.Constexpr):
+        """Issue S^T = K Q^T and dP^T = V dO^T back to back; wait until `wait_s` groups remain."""
+        shape = ctx.thr_sdp.partition_shape_C((self.tile_n, self.tile_m))
+        acc_s = cute.make_rmem_tensor(shape, Float32)
+        acc_dp = cute.make_rmem_tensor(shape, Float32)
+        mma.gemm(ctx.sdp, acc_s, ctx.tSrK[None, None, None, 0], ctx.tSrQ[None, None, None, stage],
+                 zero_init=True, wait=-1)
+        mma.gemm(ctx.sdp, acc_dp, ctx.tdPrV[None, None, None, 0], ctx.tdPrdO[None, None, None, stage],
+                 zero_init=True, wait=wait_s)
+        return acc_s, acc_dp
+
+    @cute.jit
+    def row_stats(self, ctx, mX: cute.Tensor, m_block: Int32, head: Int32, batch: Int32,
+                  past_end: cutlass.Constexpr):
+        """This lane's share of a per-query statistic of Q tile m_block: columns 8 (lane / 4) +
+        2 (lane % 4) + {0, 1} + 64 k (`col_stat` fetches the others). Varlen: queries past the
+        entry read `past_end`."""
+        blocks = self.tile_m // 64
+        vals = cute.make_rmem_tensor((2 * blocks,), Float32)
+        base = m_block * self.tile_m + 8 * (ctx.lane // 4) + 2 * (ctx.lane % 4)
+        for k in cutlass.range_constexpr(blocks):
+            for i in cutlass.range_constexpr(2):
+                row = base + 64 * k + i
+                if cutlass.const_expr(self.varlen):
+                    vals[2 * k + i] = Float32(past_end)
+                    if row < ctx.seq.seqlen_q:
+                        vals[2 * k + i] = mX[0, head, ctx.seq.offset_q + row]
+                else:
+                    vals[2 * k + i] = mX[batch, head, row]
+        return vals
+
+    @cute.jit
+    def col_stat(self, ctx, vals: cute.Tensor, c: cutlass.Constexpr) -> Float32:
+        """The statistic of this thread's c-th column (of the (rows, cols) accumulator view):
+        column 8 j + 2 (lane % 4) + i with c = 2 j + i, held by lane 4 (j % 8) + lane % 4."""
+        j, i = c // 2, c % 2
+        return cute.arch.shuffle_sync(vals[i + 2 * (j // 8)], 4 * (j % 8) + ctx.lane % 4)
+
+    @cute.jit
+    def probabilities(self, ctx, acc_s, lse2: cute.Tensor, m_block: Int32, n_block: Int32,
+                      seqlen_q: Int32, seqlen_k: Int32, scale_log2: Float32):
+        """S^T -> P^T in place: softcap, mask (tiles that need it), exp2 with the column's LSE."""
+        s_mn = mma.rows_cols(acc_s)
+        if cutlass.const_expr(self.softcap):
+            softmax.softcap(s_mn, ctx.softcap_scale)
+        if mask.tile_needs_mask(m_block, n_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k,
+                                self.causal, window=ctx.window):
+            mask.apply_transposed(s_mn, ctx.s_coords, n_block * self.tile_n, m_block * self.tile_m,
+                                  seqlen_q, seqlen_k, self.causal, window=ctx.window)
+        for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+            lse = self.col_stat(ctx, lse2, c)
+            for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+                s_mn[r, c] = cute.math.exp2(s_mn[r, c] * scale_log2 - lse, fastmath=True)
+
+    @cute.jit
+    def score_grads_t(self, ctx, acc_p, acc_dp, dsum: cute.Tensor, lse2: cute.Tensor, scale_log2: Float32):
+        """dP^T -> dS^T in place, B1's `score_grads` with the statistics per column."""
+        p_mn, dp_mn = mma.rows_cols(acc_p), mma.rows_cols(acc_dp)
+        inv_scale = cute.arch.rcp_approx(scale_log2) if cutlass.const_expr(self.softcap) else scale_log2
+        for c in cutlass.range_constexpr(cute.size(dp_mn, mode=[1])):
+            d = self.col_stat(ctx, dsum, c)
+            lse = self.col_stat(ctx, lse2, c) if cutlass.const_expr(self.softcap) else d
+            for r in cutlass.range_constexpr(cute.size(dp_mn, mode=[0])):
+                ds = p_mn[r, c] * (dp_mn[r, c] - d)
+                if cutlass.const_expr(self.softcap):
+                    p = p_mn[r, c]
+                    t = (cute.math.log2(p, fastmath=True) + lse) * inv_scale
+                    ds = ds * (1.0 - t * t) if p > 0.0 else Float32(0.0)
+                dp_mn[r, c] = ds
+
+    @cute.jit
+    def consume_step(self, ctx, s, q_pipe, q_state, m_block: Int32, n_block: Int32, head: Int32,
+                     batch: Int32, mLSE2: cute.Tensor, mD: cute.Tensor, scale_log2: Float32):
+        """One Q tile: S^T and dP^T in flight together; dV issued from P^T's registers under dP^T;
+        dK from dS^T's registers; dS^T to SMEM, one barrier, dQ; dQ handed off under dK."""
+        consumers = self.consumer_threads
+        lse2, dsum = self.stats(ctx, mLSE2, mD, m_block, head, batch)
+        pipeline.consume_wait(q_pipe, q_state)
+        stage = q_state.index
+        acc_s, acc_dp = self.scores_and_dp(ctx, stage, 1)  # S^T has landed, dP^T may still run
+        self.probabilities(ctx, acc_s, lse2, m_block, n_block, ctx.seq.seqlen_q, ctx.seq.seqlen_k, scale_log2)
+        p = mma.to_dtype(acc_s, self.dtype)
+        mma.gemm(ctx.dkv, ctx.acc_dv, mma.as_a_operand(p), ctx.tdVrdOt[None, None, None, stage], wait=1)
+        self.score_grads_t(ctx, acc_s, acc_dp, dsum, lse2, scale_log2)  # dP^T has landed
+        ds = mma.to_dtype(acc_dp, self.dtype)
+        mma.store_to_smem(ds, ctx.sdp, ctx.tidx, s.sdS[None, None, stage])
+        cute.arch.fence_view_async_shared()
+        # both warpgroups' keys of dS^T are in SMEM; the buffer's last reader (tile i - 2's dQ)
+        # was waited for before the barrier of tile i - 1
+        cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=consumers)
+        acc_dq = cute.make_rmem_tensor(ctx.thr_dq.partition_shape_C((self.tile_m, self.head_dim)), Float32)
+        mma.gemm(ctx.dq, acc_dq, ctx.tdQrdS[None, None, None, stage], ctx.tdQrKt[None, None, None, 0],
+                 zero_init=True, wait=-1)
+        mma.gemm(ctx.dkv, ctx.acc_dk, mma.as_a_operand(ds), ctx.tdKrQt[None, None, None, stage], wait=1)
+        cute.arch.barrier(barrier_id=DQ_EMPTY, number_of_threads=consumers + 32)  # dV, dQ done
+        tdQsdQ = ctx.thr_dq.partition_C(s.sdQ[None, None, 0])
+        for i in cutlass.range(cute.size(acc_dq), unroll_full=True):
+            tdQsdQ[i] = acc_dq[i]
+        cute.arch.fence_view_async_shared()  # generic-proxy writes, read by the bulk copy
+        cute.arch.barrier_arrive(barrier_id=DQ_FULL, number_of_threads=consumers + 32)
+        warpgroup.wait_group(0)
+        return pipeline.release(q_pipe, q_state)
