@@ -17,6 +17,7 @@ ATTENTION = "attention"
 GEMM = "gemm"
 BACKWARD = "backward"  # attention's gradients
 KVCACHE = "kvcache"  # attention against a (paged) KV cache: decode
+FAMILIES = (ATTENTION, BACKWARD, KVCACHE, GEMM)
 
 
 @dataclass(frozen=True)
@@ -228,7 +229,10 @@ def get(name: str) -> KernelSpec:
 
 def available_kernels(family: str | None = None) -> list[str]:
     """Names of every rung, slowest first (`family`: "attention", "backward", "kvcache" or "gemm"
-    to filter)."""
+    to filter; any other family is refused)."""
+    if family is not None and family not in FAMILIES:
+        raise ValueError(f"family={family!r} is not a kernel family; choose one of "
+                         f"{', '.join(map(repr, FAMILIES))} (or None for every rung)")
     return [n for n, s in KERNELS.items() if family is None or s.family == family]
 
 

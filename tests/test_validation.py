@@ -114,6 +114,12 @@ def test_unknown_kernel_lists_rungs():
         assert repr(name) in msg
 
 
+def test_unknown_family_lists_families():
+    msg = raises_with(fa3.available_kernels, ValueError, "family='bogus'", family="bogus")
+    for family in registry.FAMILIES:
+        assert repr(family) in msg and fa3.available_kernels(family)
+
+
 @pytest.mark.parametrize("kernel", GEMM_RUNGS)
 def test_gemm_rung_is_not_an_attention_kernel(kernel):
     q, k, v = qkv()
