@@ -6,6 +6,10 @@ flash-attn's `flash_attn_with_kvcache` conventions: q (batch, seqlen_q, heads_q,
 (in place) before attending. The kernel (kernels/decode.py) packs the query heads of each KV head
 into one tile and splits the key range across CTAs; `num_splits=0` picks the split count from
 shapes alone (no host sync: CUDA graphs capture the call).
+
+Eager calls check the values of cache_seqlens and block_table on the host (fa3.index_checks: one
+small copy); captured and traced calls cannot, and rely on clamping: the kernel clamps lengths to
+[0, capacity] and page indices to [0, num_pages), append_to_cache the append's positions.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import math
 
 import torch
 
-from . import _compile, interface, masking, registry
+from . import _compile, index_checks, interface, masking, registry
 
 PAGE_MULTIPLE = 64  # the kernel's key block: a page holds whole blocks
 MAX_SPLITS = 64
@@ -70,17 +74,19 @@ def _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kernel, window
         appended = k.shape[1]
         if appended > capacity:
             raise ValueError(f"{appended} new tokens do not fit a cache of {capacity} per sequence")
-    cache_seqlens = _seqlens_tensor(cache_seqlens, batch, q.device)
+        if block_table is not None and appended and planes == 0:
+            raise ValueError("k_cache has no pages (shape[0] = 0): the new tokens have nowhere to go")
+    cache_seqlens = _seqlens_tensor(cache_seqlens, batch, q.device, capacity, appended, block_table, rows)
     spec = interface._memo_rung(interface.family_rung, registry.KVCACHE, kernel, head_dim,
                                 "q and the cache")
     interface.check_hopper(q.device, "q")
     return spec, cache_seqlens, capacity, appended
 
 
-def _seqlens_tensor(cache_seqlens, batch, device):
-    if isinstance(cache_seqlens, int):
-        if cache_seqlens < 0:
-            raise ValueError(f"cache_seqlens={cache_seqlens} must be >= 0")
+def _seqlens_tensor(cache_seqlens, batch, device, capacity, appended, block_table, page_size):
+    if isinstance(cache_seqlens, int):  # a host value: checked in every call
+        index_checks.check_cache_lengths([cache_seqlens], capacity, appended, block_table, page_size,
+                                         indexed=False)
         return torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
     if not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.dtype != torch.int32 \
             or cache_seqlens.shape != (batch,):
@@ -104,17 +110,23 @@ def num_splits_for(batch, heads_kv, q_tiles, capacity, sm_count, tile_n=64) -> i
     return max(1, min(MAX_SPLITS, sm_count // ctas, blocks // MIN_BLOCKS_PER_SPLIT))
 
 
-def append_to_cache(k_cache, v_cache, k, v, cache_seqlens, block_table):
-    """Write the new tokens at positions cache_seqlens[b] + i (device-side indices: no sync)."""
+def append_to_cache(k_cache, v_cache, k, v, cache_seqlens, block_table, capacity: int):
+    """Write the new tokens at positions cache_seqlens[b] + i (device-side indices: no sync).
+
+    torch's index ops assert on the device for an index outside the tensor, which ends the
+    process's CUDA context; so the first position is clamped to [0, capacity - new_tokens] and page
+    indices to [0, num_pages) (in the ops that convert them anyway: no extra kernel). Checked
+    values are unchanged; unchecked bad ones (CUDA-graph capture, torch.compile) write inside the
+    cache."""
     batch, new = k.shape[:2]
-    positions = cache_seqlens.long()[:, None] + torch.arange(new, device=k.device)
+    positions = cache_seqlens.clamp(0, capacity - new)[:, None] + torch.arange(new, device=k.device)
     if block_table is None:
         rows = torch.arange(batch, device=k.device)[:, None].expand(batch, new)
         k_cache[rows, positions] = k
         v_cache[rows, positions] = v
     else:
         page_size = k_cache.shape[1]
-        pages = torch.gather(block_table, 1, positions // page_size).long()
+        pages = torch.gather(block_table, 1, positions // page_size).clamp_(0, k_cache.shape[0] - 1)
         k_cache[pages, positions % page_size] = k
         v_cache[pages, positions % page_size] = v
 
@@ -183,24 +195,43 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         naming each sequence's pages in order.
     k, v: optional new tokens (batch, new_tokens, heads_kv, d), written into the cache at positions
         cache_seqlens[b] .. cache_seqlens[b] + new_tokens - 1 (in place) before attending.
-    cache_seqlens: int or int32 (batch,) tensor: valid tokens per sequence before the append. Values
-        are not read on the host (that would synchronize); the kernel clamps the key count to the
-        cache's capacity, and the caller keeps cache_seqlens + new_tokens within it.
+    cache_seqlens: int or int32 (batch,) tensor: valid tokens per sequence before the append, in
+        [0, capacity] with cache_seqlens + new_tokens <= capacity (capacity: k_cache.shape[1]
+        dense, block_table.shape[1] * page_size paged).
     causal: query i of seqlen_q sees keys up to cache_seqlens + new_tokens - seqlen_q + i (bottom
         right aligned, as flash-attn).
     window_size, softcap: sliding window and capped scores, as fa3.attention (the window is
         aligned the same way, to each sequence's own length).
     num_splits: how many CTAs share each sequence's keys; 0 picks from the shapes and SM count.
     Returns out (batch, seqlen_q, heads_q, d) (and the fp32 lse (batch, heads_q, seqlen_q)).
-    Not differentiable (inference). Runs on torch's current stream without host syncs, so a decode
-    step can be captured in a CUDA graph.
+    Not differentiable (inference). Runs on torch's current stream, so a decode step can be
+    captured in a CUDA graph.
+
+    Bad values: an eager call copies cache_seqlens (and, paged, the smallest and largest page index
+    the sequences use) to the host, one small copy and one sync, and raises ValueError naming the
+    argument, the batch entry, the value and the bound: a length outside [0, capacity], an append
+    past the capacity, or a block_table entry outside [0, num_pages) among the first
+    ceil((cache_seqlens[b] + new_tokens) / page_size) of row b (entries past those are never read,
+    and may hold anything). An append is refused before it writes. While a CUDA graph is captured
+    or torch.compile traces, values cannot be read on the host (nor in direct calls of
+    torch.ops.fa3.attention_kvcache): lengths are clamped to [0, capacity] and page indices to
+    [0, num_pages), and an append past the capacity writes its tokens at the last new_tokens
+    positions (clamped page indices included). The results of bad values are then meaningless,
+    but no kernel reads or writes outside its tensors and the CUDA context survives.
     """
     spec, seqlens, capacity, appended = _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                                                kernel, window_size, softcap)
     window = tuple(window_size)
     scale = 1.0 / math.sqrt(q.shape[3]) if softmax_scale is None else float(softmax_scale)
+    wait = None
+    if index_checks.values_checkable(q.device):
+        wait = index_checks.start_cache_check(seqlens, block_table, capacity, appended, k_cache.shape[1],
+                                              k_cache.shape[0])
     if k is not None:
-        append_to_cache(k_cache, v_cache, k, v, seqlens, block_table)
+        if wait is not None:  # refuse before anything is written into the cache
+            wait()
+            wait = None
+        append_to_cache(k_cache, v_cache, k, v, seqlens, block_table, capacity)
     if interface.direct_call_ok(q, k_cache, v_cache):
         out, lse = launch_kvcache(spec, q, k_cache, v_cache, seqlens, block_table, capacity, appended,
                                   bool(causal), scale, int(num_splits), window, softcap)
@@ -208,4 +239,6 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         out, lse = torch.ops.fa3.attention_kvcache(q, k_cache, v_cache, seqlens, block_table, appended,
                                                    bool(causal), scale, int(num_splits), spec.name,
                                                    window[0], window[1], float(softcap))
+    if wait is not None:  # after the launch (the kernel clamps): the GPU stays busy while the host waits
+        wait()
     return (out, lse) if return_lse else out

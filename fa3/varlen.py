@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from . import interface, masking, registry
+from . import index_checks, interface, masking, registry
 
 
 def _check_offsets(cu, name: str, device, batch=None):
@@ -28,28 +28,6 @@ def _check_offsets(cu, name: str, device, batch=None):
                          f"{f' = {batch + 1} (as cu_seqlens_q)' if batch is not None else ''}")
     if cu.stride(0) != 1:
         raise ValueError(f"{name} must be contiguous: pass {name}.contiguous()")
-
-
-def _check_offset_values(cu_q, cu_k, total_q, total_k, max_seqlen_q, max_seqlen_k):
-    """Offsets start at 0, never decrease and end at the packed length; one small copy to the
-    host (skipped while a CUDA graph captures or torch.compile traces: nothing may sync there)."""
-    values = torch.cat([cu_q, cu_k]).tolist()
-    n = cu_q.shape[0]
-    for name, cu, total, total_name, max_len, max_name in (
-            ("cu_seqlens_q", values[:n], total_q, "q.shape[0]", max_seqlen_q, "max_seqlen_q"),
-            ("cu_seqlens_k", values[n:], total_k, "k.shape[0]", max_seqlen_k, "max_seqlen_k")):
-        if cu[0] != 0:
-            raise ValueError(f"{name}[0] = {cu[0]}; offsets start at 0")
-        lengths = [b - a for a, b in zip(cu, cu[1:])]
-        bad = next((i for i, length in enumerate(lengths) if length < 0), None)
-        if bad is not None:
-            raise ValueError(f"{name} decreases at entry {bad + 1} ({cu[bad]} -> {cu[bad + 1]}); "
-                             "offsets must be non-decreasing (a cumulative sum of lengths)")
-        if cu[-1] != total:
-            raise ValueError(f"{name}[-1] = {cu[-1]} but {total_name} = {total}; the last offset is "
-                             "the packed length")
-        if lengths and max_len is not None and max(lengths) > max_len:
-            raise ValueError(f"{max_name}={max_len} but a sequence has {max(lengths)} tokens")
 
 
 def _run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_size,
@@ -85,9 +63,9 @@ def _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kern
     _check_offsets(cu_seqlens_k, "cu_seqlens_k", device, batch=cu_seqlens_q.shape[0] - 1)
     spec = interface._memo_rung(_varlen_rung, kernel, head_dim)
     interface.check_hopper(device, "q")
-    if check_values and device.type == "cuda" and not (interface._tracing()
-                                                       or torch.cuda.is_current_stream_capturing()):
-        _check_offset_values(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k)
+    if check_values and index_checks.values_checkable(device):
+        index_checks.check_offset_values(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q,
+                                         max_seqlen_k)
     return spec
 
 

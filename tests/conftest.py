@@ -36,3 +36,32 @@ def raises_with(fn, exc, *words, **call):
     for w in words:
         assert w in msg, f"{w!r} not in the message: {msg}"
     return msg
+
+
+def compute_sanitizer():
+    """The path of NVIDIA's compute-sanitizer, or None where it is not installed."""
+    import shutil
+
+    return shutil.which("compute-sanitizer") or next(
+        (p for p in ("/usr/local/cuda/bin/compute-sanitizer",) if os.path.exists(p)), None)
+
+
+def run_script(tmp_path, script: str, *args, sanitizer=None, timeout=900) -> str:
+    """Run `script` (Python source) in a fresh process with `args`, under compute-sanitizer with the
+    options `sanitizer` (a list, e.g. ["--tool", "racecheck"]; None: plainly), with this checkout's
+    fa3 importable; returns stdout + stderr (a process that a bad access ends cannot take pytest
+    with it)."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "script.py"
+    path.write_text(script)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    command = [sys.executable, str(path), *args]
+    if sanitizer is not None:
+        tool = compute_sanitizer()
+        assert tool is not None, "compute-sanitizer is not installed: check compute_sanitizer() first"
+        command = [tool, *sanitizer, *command]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    return proc.stdout + proc.stderr

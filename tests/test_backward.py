@@ -14,7 +14,7 @@ import fa3
 from fa3 import registry
 from fa3.reference import attention_reference
 
-from conftest import rel_err
+from conftest import compute_sanitizer, rel_err, run_script
 
 pytestmark = pytest.mark.gpu
 BWD_RUNGS = registry.available_kernels(registry.BACKWARD)
@@ -271,20 +271,10 @@ def test_racecheck_backward(tmp_path):
     """compute-sanitizer's racecheck over every backward rung on a small ragged shape (plain; window,
     softcap and deterministic; packed): no SMEM hazards between the loader, the consumers and the dQ
     writer (skipped without the tool)."""
-    import os
-    import shutil
-    import subprocess
-    import sys
-
-    tool = shutil.which("compute-sanitizer") or next(
-        (p for p in ("/usr/local/cuda/bin/compute-sanitizer",) if os.path.exists(p)), None)
-    if tool is None:
+    if compute_sanitizer() is None:
         pytest.skip("compute-sanitizer is not installed")
-    script = tmp_path / "bwd_race.py"
-    script.write_text(SANITIZER_SCRIPT)
-    proc = subprocess.run([tool, "--tool", "racecheck", "--racecheck-report", "hazard", sys.executable,
-                           str(script)], capture_output=True, text=True, timeout=900)
-    report = proc.stdout + proc.stderr
+    report = run_script(tmp_path, SANITIZER_SCRIPT,
+                        sanitizer=["--tool", "racecheck", "--racecheck-report", "hazard"])
     assert "done" in report, report[-3000:]
     assert "0 hazards displayed" in report or "RACECHECK SUMMARY: 0 hazards" in report, report[-3000:]
 

@@ -167,7 +167,10 @@ def raises(exc, *words, **over):
 def test_kvcache_validation_messages():
     raises(ValueError, "cache_seqlens", "int32", cache_seqlens=torch.tensor([3, 4]))
     raises(ValueError, "cache_seqlens", "(batch=2,)", cache_seqlens=torch.tensor([3], dtype=torch.int32))
-    raises(ValueError, ">= 0", cache_seqlens=-1)
+    raises(ValueError, "cache_seqlens = -1", "negative", "[0, 256]", cache_seqlens=-1)
+    raises(ValueError, "cache_seqlens = 257", "capacity of 256", "k_cache.shape[1] = 256", cache_seqlens=257)
+    raises(ValueError, "cache_seqlens = 255", "2 new tokens", "257", "<= 256", cache_seqlens=255,
+           k=torch.randn(2, 2, 2, 128, dtype=torch.bfloat16), v=torch.randn(2, 2, 2, 128, dtype=torch.bfloat16))
     raises(ValueError, "k_cache", "v_cache", v_cache=torch.randn(2, 128, 2, 128, dtype=torch.bfloat16))
     raises(ValueError, "heads_q=8", "heads_kv=3", k_cache=torch.randn(2, 256, 3, 128, dtype=torch.bfloat16),
            v_cache=torch.randn(2, 256, 3, 128, dtype=torch.bfloat16))

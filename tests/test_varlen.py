@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fa3
-from fa3 import interface, registry, varlen
+from fa3 import index_checks, interface, registry
 from fa3.reference import attention_reference
 
 from conftest import HAS_HOPPER, raises_with, rel_err
@@ -137,11 +137,11 @@ def test_varlen_validation_messages():
 def test_varlen_offset_checks_on_host_values():
     cu = lambda *x: torch.tensor(x, dtype=torch.int32)
     ok = cu(0, 3, 3, 8)
-    varlen._check_offset_values(ok, ok, 8, 8, 5, None)  # empty sequences are fine
+    index_checks.check_offset_values(ok, ok, 8, 8, 5, None)  # empty sequences are fine
     for bad_q, words in ((cu(0, 3, 2, 8), "decreases"), (cu(0, 3, 3, 7), "q.shape[0] = 8"),
                          (cu(2, 3, 3, 8), "start at 0")):
         with pytest.raises(ValueError) as info:
-            varlen._check_offset_values(bad_q, ok, 8, 8, None, None)
+            index_checks.check_offset_values(bad_q, ok, 8, 8, None, None)
         assert words in str(info.value)
 
 

@@ -1,0 +1,230 @@
+"""Bad values of the index arguments (cache_seqlens, block_table, cu_seqlens_q/k, an append past
+the capacity): eager calls refuse them with a ValueError naming the argument, the entry, the value
+and the bound; captured calls (no host reads there) run with clamped values, touching no memory
+outside their tensors; and the CUDA context survives either way.
+
+CPU: the host checks (fa3.index_checks) on CPU tensors, and the append's index clamping.
+GPU: each bad value in its own process (under compute-sanitizer's memcheck where installed):
+(a) the eager call raises ValueError with the message (a refused append writes nothing), (b) a
+CUDA graph captured with good values and replayed with the bad one completes, (c) a good call
+afterwards runs; memcheck must report 0 errors. (memcheck sees accesses outside an allocation; the
+caching allocator keeps several tensors in one, so a read a little past a tensor may go unseen.)
+"""
+
+import json
+
+import pytest
+import torch
+
+import fa3
+from fa3 import index_checks, interface, kvcache
+
+from conftest import compute_sanitizer, raises_with, run_script
+
+BF16 = torch.bfloat16
+CAPACITY, PAGE, PAGES = 256, 64, 8  # two sequences; paged: 4 pages of 64 each, 8 in the pool
+
+
+# ----------------------------------------------------------------------------- CPU: host checks
+def _lengths(*values):
+    return torch.tensor(values, dtype=torch.int32)
+
+
+def _check(seqlens, table=None, appended=0, num_pages=PAGES):
+    """start_cache_check then wait, on CPU tensors (the same code as on the GPU, without the event)."""
+    page_size = CAPACITY if table is None else PAGE
+    capacity = CAPACITY if table is None else table.shape[1] * PAGE
+    index_checks.start_cache_check(seqlens, table, capacity, appended, page_size, num_pages)()
+
+
+def _bad(words, *args, **kw):
+    with pytest.raises(ValueError) as info:
+        _check(*args, **kw)
+    for w in words:
+        assert w in str(info.value), f"{w!r} not in: {info.value}"
+    return str(info.value)
+
+
+def _table(*rows):
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+def test_good_values_pass():
+    _check(_lengths(0, 256))
+    _check(_lengths(254, 0), appended=2)
+    _check(_lengths(256, 0), _table([0, 1, 2, 3], [4, 5, 6, 7]))
+    # entries past a sequence's used pages are never read: stale or -1 is fine (serving engines)
+    _check(_lengths(64, 65), _table([7, -1, -1, 100000], [0, 1, -1, -1]))
+    _check(_lengths(63, 0), _table([7, -1, -1, -1], [0, -1, -1, -1]), appended=1)
+    _check(_lengths(0, 0), _table([-1, -1, -1, -1], [-1, -1, -1, -1]), num_pages=0)
+    _check(_lengths())  # an empty batch
+
+
+def test_bad_cache_seqlens():
+    _bad(["cache_seqlens[0] = 100000", "capacity of 256", "k_cache.shape[1] = 256", "[0, 256]"],
+         _lengths(100000, 3))
+    _bad(["cache_seqlens[1] = -7", "negative", "[0, 256]"], _lengths(3, -7))
+    _bad(["cache_seqlens[0] = 257", "block_table.shape[1] * page_size = 4 * 64"],
+         _lengths(257, 3), _table([0, 1, 2, 3], [4, 5, 6, 7]))
+
+
+def test_append_past_capacity():
+    _bad(["cache_seqlens[1] = 255", "2 new tokens", "is 257", "<= 256"], _lengths(3, 255), appended=2)
+    _bad(["cache_seqlens[0] = 250", "8 new tokens", "<= 256"], _lengths(250, 0),
+         _table([0, 1, 2, 3], [4, 5, 6, 7]), appended=8)
+
+
+def test_bad_block_table():
+    table = _table([0, 1, 2, 3], [4, 5, 6, 7])
+    for value in (100000, -7, PAGES):
+        bad = table.clone()
+        bad[1, 0] = value
+        _bad([f"block_table[1, 0] = {value}", "num_pages = k_cache.shape[0] = 8", "[0, 8)"],
+             _lengths(10, 192), bad)
+    bad = table.clone()
+    bad[1, 3] = 100000  # read only by the appended tokens (positions 192, 193)
+    _check(_lengths(10, 192), bad)
+    _bad(["block_table[1, 3] = 100000"], _lengths(10, 192), bad, appended=2)
+
+
+def test_int_cache_seqlens_checked_in_every_call():
+    q = torch.randn(2, 1, 8, 128, dtype=BF16)
+    kc = torch.randn(2, CAPACITY, 2, 128, dtype=BF16)
+    call = dict(q=q, k_cache=kc, v_cache=kc)
+    raises_with(fa3.attention_with_kvcache, ValueError, "cache_seqlens = 100000", "capacity of 256",
+                cache_seqlens=100000, **call)
+    raises_with(fa3.attention_with_kvcache, ValueError, "cache_seqlens = -7", "negative", cache_seqlens=-7,
+                **call)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_append_clamps_unchecked_values(paged):
+    """Under capture nothing is checked: the append's indices are clamped into the cache (torch's
+    index ops would assert on the device; on CPU they raise IndexError)."""
+    new = 2
+    k = torch.randn(2, new, 2, 8)
+    if paged:
+        cache = torch.zeros(PAGES, PAGE, 2, 8)
+        table = _table([0, 1, 2, 3], [-7, 100000, 6, 7])
+        seqlens = _lengths(100000, 0)
+    else:
+        cache, table, seqlens = torch.zeros(2, CAPACITY, 2, 8), None, _lengths(-7, 100000)
+    v_cache = torch.zeros_like(cache)
+    kvcache.append_to_cache(cache, v_cache, k, k, seqlens, table, CAPACITY)
+    if paged:  # entry 0 at the end of its last page (3); entry 1's page -7 clamped to page 0
+        assert torch.equal(cache[3, PAGE - new:], k[0]) and torch.equal(cache[0, :new], k[1])
+    else:  # -7 -> position 0; 100000 -> the last `new` positions
+        assert torch.equal(cache[0, :new], k[0]) and torch.equal(cache[1, CAPACITY - new:], k[1])
+    assert torch.equal(v_cache, cache)
+
+
+def test_eager_append_refused_before_writing(monkeypatch):
+    """The eager check waits for its values before the append: a refused call leaves the cache as
+    it was (CPU tensors let through the device checks)."""
+    monkeypatch.setattr(interface, "check_hopper", lambda device, name: None)
+    monkeypatch.setattr(index_checks, "values_checkable", lambda device: True)
+    kc = torch.zeros(PAGES, PAGE, 2, 128, dtype=BF16)
+    k = torch.randn(2, 2, 2, 128, dtype=BF16)
+    table = _table([0, 1, 2, 3], [4, 5, 6, 100000])
+    raises_with(fa3.attention_with_kvcache, ValueError, "block_table[1, 3] = 100000",
+                q=torch.randn(2, 1, 8, 128, dtype=BF16), k_cache=kc, v_cache=kc, k=k, v=k,
+                cache_seqlens=_lengths(10, 192), block_table=table)
+    assert not kc.any()
+
+
+# ----------------------------------------------------------------------------- GPU: subprocesses
+# name -> (entry, argument, index, bad value, new tokens appended, words of the eager message)
+CASES = {
+    "dense-seqlens-past-capacity": ("dense", "cache_seqlens", 0, 100000, 0,
+                                    ["cache_seqlens[0] = 100000", "capacity of 256"]),
+    "dense-seqlens-negative": ("dense", "cache_seqlens", 1, -7, 0, ["cache_seqlens[1] = -7", "negative"]),
+    "dense-append-past-capacity": ("dense", "cache_seqlens", 1, 255, 2, ["cache_seqlens[1] = 255", "is 257"]),
+    "paged-seqlens-past-capacity": ("paged", "cache_seqlens", 0, 100000, 0,
+                                    ["cache_seqlens[0] = 100000", "4 * 64"]),
+    "paged-seqlens-negative": ("paged", "cache_seqlens", 1, -7, 0, ["cache_seqlens[1] = -7", "negative"]),
+    "paged-append-past-capacity": ("paged", "cache_seqlens", 1, 255, 2, ["cache_seqlens[1] = 255", "is 257"]),
+    "paged-table-past-pool": ("paged", "block_table", [1, 0], 100000, 0,
+                              ["block_table[1, 0] = 100000", "num_pages = k_cache.shape[0] = 8"]),
+    "paged-table-negative": ("paged", "block_table", [0, 0], -7, 0, ["block_table[0, 0] = -7"]),
+    "paged-append-into-bad-page": ("paged", "block_table", [1, 3], 100000, 2, ["block_table[1, 3] = 100000"]),
+    "varlen-cu-k-past-total": ("varlen", "cu_seqlens_k", 2, 100000, 0,
+                               ["cu_seqlens_k[-1] = 100000", "k.shape[0] = 300"]),
+    "varlen-cu-k-decreasing": ("varlen", "cu_seqlens_k", 1, 100000, 0, ["cu_seqlens_k decreases at entry 2"]),
+    "varlen-cu-q-negative": ("varlen", "cu_seqlens_q", 1, -7, 0, ["cu_seqlens_q decreases at entry 1"]),
+}
+
+GPU_SCRIPT = r'''
+import json, sys
+import torch
+import fa3
+
+entry, argument, index, value, new, words = json.loads(sys.argv[1])
+index = tuple(index) if isinstance(index, list) else index
+g = torch.Generator(device="cuda").manual_seed(0)
+rand = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g)
+i32 = lambda *values: torch.tensor(values, dtype=torch.int32, device="cuda")
+if entry == "varlen":
+    q, k, v = rand(300, 4, 128), rand(300, 2, 128), rand(300, 2, 128)
+    args = {"cu_seqlens_q": i32(0, 100, 300), "cu_seqlens_k": i32(0, 100, 300)}
+    call = lambda: fa3.attention_varlen(q, k, v, args["cu_seqlens_q"], args["cu_seqlens_k"], causal=True)
+    caches = []
+else:
+    q = rand(2, 1, 8, 128)
+    paged = entry == "paged"
+    k_cache = rand(8, 64, 2, 128) if paged else rand(2, 256, 2, 128)
+    v_cache = torch.randn_like(k_cache)
+    args = {"cache_seqlens": i32(10, 192),
+            "block_table": torch.arange(8, dtype=torch.int32, device="cuda").view(2, 4) if paged else None}
+    k_new = rand(2, new, 2, 128) if new else None
+    v_new = rand(2, new, 2, 128) if new else None
+    call = lambda: fa3.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, causal=True,
+                                              cache_seqlens=args["cache_seqlens"],
+                                              block_table=args["block_table"])
+    caches = [k_cache, v_cache]
+good = args[argument].clone()
+expected = call()  # compiles, with good values
+torch.cuda.synchronize()
+
+# (a) eager: refused, naming the value; a refused append writes nothing
+before = [c.clone() for c in caches]
+args[argument][index] = value
+try:
+    call()
+    raise SystemExit("FAIL: the eager call accepted the bad value")
+except ValueError as exc:
+    message = str(exc)
+missing = [w for w in words if w not in message]
+assert not missing, f"{missing} not in the message: {message}"
+torch.cuda.synchronize()
+assert all(torch.equal(a, b) for a, b in zip(before, caches)), "the refused call wrote into the cache"
+print("eager:", message)
+
+# (b) captured with good values, replayed with the bad one: clamped, no error
+args[argument].copy_(good)
+graph = torch.cuda.CUDAGraph()
+with torch.cuda.graph(graph):
+    captured = call()
+args[argument][index] = value
+for _ in range(2):
+    graph.replay()
+torch.cuda.synchronize()
+print("replayed with the bad value")
+
+# (c) the context still works
+args[argument].copy_(good)
+after = call()
+torch.cuda.synchronize()
+assert torch.isfinite(after).all() and torch.isfinite(expected).all()
+print("done")
+'''
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_value_on_gpu(case, tmp_path):
+    tool = compute_sanitizer()
+    report = run_script(tmp_path, GPU_SCRIPT, json.dumps(CASES[case]),
+                        sanitizer=["--tool", "memcheck"] if tool else None)
+    assert "done" in report and "FAIL" not in report, report[-4000:]
+    if tool:
+        assert "ERROR SUMMARY: 0 errors" in report, report[-4000:]
