@@ -168,8 +168,9 @@ KERNELS: dict[str, KernelSpec] = {
             "+ S^T = K Q^T: P^T and dS^T stay in registers as the A operands of dV and dK, dS "
             "written once (for dQ) into one of two buffers, one consumer barrier per Q tile",
             config={"tile_m": 64, "tile_n": 128, "q_stages": 2},
-            per_head_dim={64: {"tile_m": 128}},
-            head_dims=(64, 128),  # d=256 keeps b2 (registers)
+            # d=64: 128-row Q tiles spill (two 64 x 128 accumulators a thread) and 64-row ones
+            # lose to b2's 128-row tiles; d=256: dK and dV leave no registers. b2 serves both.
+            head_dims=(128,),
             ptx_promises=("wgmma.mma_async", "setmaxnreg", "cp.reduce.async.bulk.tensor", "stmatrix",
                           "shfl.sync.idx"),
             ptx_forbids=("red.global", "red.relaxed"),

@@ -236,19 +236,15 @@ class AttentionBackward:
                             warpgroups=wgs)  # dV and dK
         dq = mma.tiled_mma(self.dtype, self.tile_m, self.head_dim, b_major="MN", warpgroups=wgs)
         thr_sdp, thr_dkv, thr_dq = sdp.get_slice(tidx), dkv.get_slice(tidx), dq.get_slice(tidx)
+        wg_sdp, wg_dkv, wg_dq = (mma.warpgroup_slice(m, tidx) for m in (sdp, dkv, dq))
         t = mma.transpose_view
         ctx = SimpleNamespace(
             sdp=sdp, dkv=dkv, dq=dq, thr_sdp=thr_sdp, thr_dkv=thr_dkv, thr_dq=thr_dq, tidx=tidx,
-            tSrQ=thr_sdp.make_fragment_A(thr_sdp.partition_A(s.sQ)),
-            tSrK=thr_sdp.make_fragment_B(thr_sdp.partition_B(s.sK)),
-            tdPrdO=thr_sdp.make_fragment_A(thr_sdp.partition_A(s.sdO)),
-            tdPrV=thr_sdp.make_fragment_B(thr_sdp.partition_B(s.sV)),
-            tdVrPt=thr_dkv.make_fragment_A(thr_dkv.partition_A(t(s.sP))),
-            tdVrdOt=thr_dkv.make_fragment_B(thr_dkv.partition_B(t(s.sdO))),
-            tdKrdSt=thr_dkv.make_fragment_A(thr_dkv.partition_A(t(s.sdS))),
-            tdKrQt=thr_dkv.make_fragment_B(thr_dkv.partition_B(t(s.sQ))),
-            tdQrdS=thr_dq.make_fragment_A(thr_dq.partition_A(s.sdS)),
-            tdQrKt=thr_dq.make_fragment_B(thr_dq.partition_B(t(s.sK))),
+            tSrQ=mma.fragment_A(wg_sdp, s.sQ), tSrK=mma.fragment_B(wg_sdp, s.sK),
+            tdPrdO=mma.fragment_A(wg_sdp, s.sdO), tdPrV=mma.fragment_B(wg_sdp, s.sV),
+            tdVrPt=mma.fragment_A(wg_dkv, t(s.sP)), tdVrdOt=mma.fragment_B(wg_dkv, t(s.sdO)),
+            tdKrdSt=mma.fragment_A(wg_dkv, t(s.sdS)), tdKrQt=mma.fragment_B(wg_dkv, t(s.sQ)),
+            tdQrdS=mma.fragment_A(wg_dq, s.sdS), tdQrKt=mma.fragment_B(wg_dq, t(s.sK)),
             s_coords=mma.rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))),
         )
         ctx.acc_dv = cute.make_rmem_tensor(thr_dkv.partition_shape_C((self.tile_n, self.head_dim)), Float32)
@@ -287,7 +283,7 @@ class AttentionBackward:
         Varlen: the packed rows carry no padding, so rows past the entry read `past_end` instead
         (+inf for LSE: P = 0 there)."""
         rows = cute.size(ctx.s_coords, mode=[0])
-        vals = cute.make_rmem_tensor((rows,), Float32)
+        vals = cute.make_rmem_tensor((self.stat_count(ctx),), Float32)
         for r in cutlass.range_constexpr(rows):
             row = m_block * self.tile_m + ctx.s_coords[r, 0][0]
             if cutlass.const_expr(self.varlen):
@@ -395,6 +391,10 @@ class AttentionBackward:
         self.issue_dkv(ctx, s, stage)
         acc_dq = self.issue_dq(ctx, 0)
         self.add_dq(ctx, acc_dq, mdQacc, mLock, m_block, n_block, head, batch, cute.arch.sync_threads)
+
+    def stat_count(self, ctx) -> int:
+        """Values of a per-row statistic a thread holds for one Q tile (its rows)."""
+        return cute.size(ctx.s_coords, mode=[0])
 
     @cute.jit
     def stats(self, ctx, mLSE2: cute.Tensor, mD: cute.Tensor, m_block: Int32, head: Int32, batch: Int32):

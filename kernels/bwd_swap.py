@@ -40,7 +40,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
-from .bwd_ws import CONSUMER_BARRIER, DQ_EMPTY, DQ_FULL, WarpSpecializedBackward
+from .bwd_ws import CONSUMER_BARRIER, WarpSpecializedBackward
 from .common import mask, mma, pipeline, smem, softmax
 
 
@@ -70,18 +70,15 @@ class SwappedBackward(WarpSpecializedBackward):
         dq = mma.tiled_mma(self.dtype, self.tile_m, self.head_dim, a_major="MN", b_major="MN",
                            warpgroups=wgs)
         thr_sdp, thr_dkv, thr_dq = sdp.get_slice(tidx), dkv.get_slice(tidx), dq.get_slice(tidx)
+        wg_sdp, wg_dkv, wg_dq = (mma.warpgroup_slice(m, tidx) for m in (sdp, dkv, dq))
         t = mma.transpose_view
         ctx = SimpleNamespace(
             sdp=sdp, dkv=dkv, dq=dq, thr_sdp=thr_sdp, thr_dkv=thr_dkv, thr_dq=thr_dq, tidx=tidx,
             lane=tidx % 32,
-            tSrK=thr_sdp.make_fragment_A(thr_sdp.partition_A(s.sK)),
-            tSrQ=thr_sdp.make_fragment_B(thr_sdp.partition_B(s.sQ)),
-            tdPrV=thr_sdp.make_fragment_A(thr_sdp.partition_A(s.sV)),
-            tdPrdO=thr_sdp.make_fragment_B(thr_sdp.partition_B(s.sdO)),
-            tdVrdOt=thr_dkv.make_fragment_B(thr_dkv.partition_B(t(s.sdO))),
-            tdKrQt=thr_dkv.make_fragment_B(thr_dkv.partition_B(t(s.sQ))),
-            tdQrdS=thr_dq.make_fragment_A(thr_dq.partition_A(t(s.sdS))),
-            tdQrKt=thr_dq.make_fragment_B(thr_dq.partition_B(t(s.sK))),
+            tSrK=mma.fragment_A(wg_sdp, s.sK), tSrQ=mma.fragment_B(wg_sdp, s.sQ),
+            tdPrV=mma.fragment_A(wg_sdp, s.sV), tdPrdO=mma.fragment_B(wg_sdp, s.sdO),
+            tdVrdOt=mma.fragment_B(wg_dkv, t(s.sdO)), tdKrQt=mma.fragment_B(wg_dkv, t(s.sQ)),
+            tdQrdS=mma.fragment_A(wg_dq, t(s.sdS)), tdQrKt=mma.fragment_B(wg_dq, t(s.sK)),
             s_coords=mma.rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m)))),
         )
         ctx.acc_dv = cute.make_rmem_tensor(thr_dkv.partition_shape_C((self.tile_n, self.head_dim)), Float32)
@@ -109,7 +106,7 @@ class SwappedBackward(WarpSpecializedBackward):
         2 (lane % 4) + {0, 1} + 64 k (`col_stat` fetches the others). Varlen: queries past the
         entry read `past_end`."""
         blocks = self.tile_m // 64
-        vals = cute.make_rmem_tensor((2 * blocks,), Float32)
+        vals = cute.make_rmem_tensor((self.stat_count(ctx),), Float32)
         base = m_block * self.tile_m + 8 * (ctx.lane // 4) + 2 * (ctx.lane % 4)
         for k in cutlass.range_constexpr(blocks):
             for i in cutlass.range_constexpr(2):
@@ -121,6 +118,9 @@ class SwappedBackward(WarpSpecializedBackward):
                 else:
                     vals[2 * k + i] = mX[batch, head, row]
         return vals
+
+    def stat_count(self, ctx) -> int:
+        return 2 * (self.tile_m // 64)
 
     @cute.jit
     def col_stat(self, ctx, vals: cute.Tensor, c: cutlass.Constexpr) -> Float32:
@@ -162,15 +162,17 @@ class SwappedBackward(WarpSpecializedBackward):
                 dp_mn[r, c] = ds
 
     @cute.jit
-    def consume_step(self, ctx, s, q_pipe, q_state, m_block: Int32, n_block: Int32, head: Int32,
-                     batch: Int32, mLSE2: cute.Tensor, mD: cute.Tensor, scale_log2: Float32):
+    def consume_step(self, ctx, s, q_pipe, q_state, m_block: Int32, next_m_block: Int32, n_block: Int32,
+                     head: Int32, batch: Int32, mLSE2: cute.Tensor, mD: cute.Tensor, scale_log2: Float32,
+                     lse2: cute.Tensor, dsum: cute.Tensor):
         """One Q tile: S^T and dP^T in flight together; dV issued from P^T's registers under dP^T;
         dK from dS^T's registers; dS^T to SMEM, one barrier, dQ; dQ handed off under dK."""
         consumers = self.consumer_threads
-        lse2, dsum = self.stats(ctx, mLSE2, mD, m_block, head, batch)
         pipeline.consume_wait(q_pipe, q_state)
         stage = q_state.index
-        acc_s, acc_dp = self.scores_and_dp(ctx, stage, 1)  # S^T has landed, dP^T may still run
+        acc_s, acc_dp = self.scores_and_dp(ctx, stage, -1)
+        next_lse2, next_dsum = self.stats(ctx, mLSE2, mD, next_m_block, head, batch)  # a tile ahead
+        warpgroup.wait_group(1)  # S^T has landed, dP^T may still run
         self.probabilities(ctx, acc_s, lse2, m_block, n_block, ctx.seq.seqlen_q, ctx.seq.seqlen_k, scale_log2)
         p = mma.to_dtype(acc_s, self.dtype)
         mma.gemm(ctx.dkv, ctx.acc_dv, mma.as_a_operand(p), ctx.tdVrdOt[None, None, None, stage], wait=1)
@@ -185,11 +187,8 @@ class SwappedBackward(WarpSpecializedBackward):
         mma.gemm(ctx.dq, acc_dq, ctx.tdQrdS[None, None, None, stage], ctx.tdQrKt[None, None, None, 0],
                  zero_init=True, wait=-1)
         mma.gemm(ctx.dkv, ctx.acc_dk, mma.as_a_operand(ds), ctx.tdKrQt[None, None, None, stage], wait=1)
-        cute.arch.barrier(barrier_id=DQ_EMPTY, number_of_threads=consumers + 32)  # dV, dQ done
-        tdQsdQ = ctx.thr_dq.partition_C(s.sdQ[None, None, 0])
-        for i in cutlass.range(cute.size(acc_dq), unroll_full=True):
-            tdQsdQ[i] = acc_dq[i]
-        cute.arch.fence_view_async_shared()  # generic-proxy writes, read by the bulk copy
-        cute.arch.barrier_arrive(barrier_id=DQ_FULL, number_of_threads=consumers + 32)
+        self.hand_off_dq(ctx, s, acc_dq)  # dV and dQ are done, dK may run
+        lse2.store(next_lse2.load())
+        dsum.store(next_dsum.load())
         warpgroup.wait_group(0)
         return pipeline.release(q_pipe, q_state)

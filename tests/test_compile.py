@@ -69,6 +69,8 @@ def test_backward_deterministic_variant_compiles(name):
     ("b2", dict(head_dim=128, causal=False, local=True, softcap=True), ("tanh.approx.f32", "lg2.approx")),
     ("b1", dict(head_dim=128, causal=False, local=True, softcap=True), ("tanh.approx.f32", "lg2.approx")),
     ("b2", dict(head_dim=128, causal=True, varlen=True, deterministic=True), ("vote.sync.ballot",)),
+    ("b3", dict(head_dim=128, causal=True, varlen=True, deterministic=True), ("vote.sync.ballot",)),
+    ("b3", dict(head_dim=128, causal=False, local=True, gqa=True), ("shfl.sync.idx",)),
     ("b1", dict(head_dim=64, causal=True, varlen=True, gqa=True), ("vote.sync.ballot",)),
 ])
 def test_variants_compile(name, static, promises):

@@ -36,6 +36,25 @@ def tiled_mma(dtype, tile_m: int, tile_n: int, a_major="K", b_major="K", a_in_re
         a_source=warpgroup.OperandSource.RMEM if a_in_regs else warpgroup.OperandSource.SMEM)
 
 
+def warpgroup_slice(tiled: cute.TiledMma, thread_idx):
+    """The slice of `tiled` for thread_idx's warpgroup, from a warp-uniform index: SMEM operands
+    are per warpgroup (every thread of it passes the same descriptors), and a provably uniform
+    slice lets the compiler build the descriptors in uniform registers (no per-thread address
+    math and register-to-uniform moves before each WGMMA)."""
+    warpgroup_idx = cute.arch.make_warp_uniform(thread_idx // 128)
+    return tiled.get_slice(warpgroup_idx * 128)
+
+
+def fragment_A(slice_, sA: cute.Tensor) -> cute.Tensor:
+    """The A operand fragment (SMEM descriptors) of sA for one MMA slice."""
+    return slice_.make_fragment_A(slice_.partition_A(sA))
+
+
+def fragment_B(slice_, sB: cute.Tensor) -> cute.Tensor:
+    """The B operand fragment (SMEM descriptors) of sB for one MMA slice."""
+    return slice_.make_fragment_B(slice_.partition_B(sB))
+
+
 @cute.jit
 def gemm(tiled: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
          zero_init: cutlass.Constexpr[bool] = False, wait: cutlass.Constexpr[int] = 0):
