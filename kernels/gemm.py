@@ -141,9 +141,8 @@ class GemmBase:
 
     def mma_operands(self, tiled_mma, mma_tidx, sA, sB):
         """(tCrA, tCrB, acc): SMEM descriptors indexed [.., k_block, stage] and the FP32 accumulator."""
-        thr = tiled_mma.get_slice(mma_tidx)
-        tCrA = thr.make_fragment_A(thr.partition_A(sA))
-        tCrB = thr.make_fragment_B(thr.partition_B(sB))
+        thr, wg = tiled_mma.get_slice(mma_tidx), mma.warpgroup_slice(tiled_mma, mma_tidx)
+        tCrA, tCrB = mma.fragment_A(wg, sA), mma.fragment_B(wg, sB)
         acc = cute.make_rmem_tensor(thr.partition_shape_C((self.tile_m, self.tile_n)), Float32)
         return tCrA, tCrB, acc
 

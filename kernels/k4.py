@@ -48,11 +48,11 @@ class WgmmaAttention(TmaRingAttention):
         """Fragments and accumulators for the tile: the QK^T MMA (both substages), then either K3's
         per-row state (K4.1, as `ctx.k3`) or the P V MMA and register softmax state (K4.2)."""
         qk = mma.tiled_mma(self.dtype, self.tile_m, self.tile_n)
-        thr_qk = qk.get_slice(tidx % (128 * (self.tile_m // 64)))
+        mma_tidx = tidx % (128 * (self.tile_m // 64))
+        thr_qk, wg_qk = qk.get_slice(mma_tidx), mma.warpgroup_slice(qk, mma_tidx)
         ctx = SimpleNamespace(
             qk=qk, thr_qk=thr_qk,
-            tSrQ=thr_qk.make_fragment_A(thr_qk.partition_A(sQ)),
-            tSrK=thr_qk.make_fragment_B(thr_qk.partition_B(sK)),
+            tSrQ=mma.fragment_A(wg_qk, sQ), tSrK=mma.fragment_B(wg_qk, sK),
             s_coords=mma.rows_cols(thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))),
             m_block=m_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k, tidx=tidx)
         if cutlass.const_expr(not self.pv_on_wgmma):
@@ -60,7 +60,7 @@ class WgmmaAttention(TmaRingAttention):
             return ctx
         ctx.pv = mma.tiled_mma(self.dtype, self.tile_m, self.head_dim, b_major="MN", a_in_regs=True)
         thr_pv = ctx.pv.get_slice(tidx)
-        ctx.tOrVt = thr_pv.make_fragment_B(thr_pv.partition_B(mma.transpose_view(sV)))
+        ctx.tOrVt = mma.fragment_B(mma.warpgroup_slice(ctx.pv, mma_tidx), mma.transpose_view(sV))
         ctx.acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((self.tile_m, self.head_dim)), Float32)
         ctx.acc_o.fill(0.0)
         ctx.o_coords = mma.rows_cols(thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim))))
