@@ -71,6 +71,9 @@ def _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kernel, window
         if k.shape != v.shape or k.shape[0] != batch or k.shape[2:] != (heads_kv, head_dim):
             raise ValueError(f"k and v must both be (batch={batch}, new_tokens, heads_kv={heads_kv}, "
                              f"head_dim={head_dim}), got {tuple(k.shape)} and {tuple(v.shape)}")
+        if k.device != q.device or v.device != q.device:
+            name, t = ("k", k) if k.device != q.device else ("v", v)
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; put them on one GPU")
         appended = k.shape[1]
         if appended > capacity:
             raise ValueError(f"{appended} new tokens do not fit a cache of {capacity} per sequence")
