@@ -90,7 +90,7 @@ def test_bad_block_table():
 def test_int_cache_seqlens_checked_in_every_call():
     q = torch.randn(2, 1, 8, 128, dtype=BF16)
     kc = torch.randn(2, CAPACITY, 2, 128, dtype=BF16)
-    call = dict(q=q, k_cache=kc, v_cache=kc)
+    call = {"q": q, "k_cache": kc, "v_cache": kc}
     raises_with(fa3.attention_with_kvcache, ValueError, "cache_seqlens = 100000", "capacity of 256",
                 cache_seqlens=100000, **call)
     raises_with(fa3.attention_with_kvcache, ValueError, "cache_seqlens = -7", "negative", cache_seqlens=-7,

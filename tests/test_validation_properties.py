@@ -18,7 +18,8 @@ import pytest
 import torch
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 import fa3  # noqa: E402
 from fa3 import index_checks, interface, kvcache, matmul, registry, varlen  # noqa: E402
