@@ -282,10 +282,9 @@ class AttentionBackward:
         registers: loaded before the GEMMs are issued, the loads' latency hides under them.
         Varlen: the packed rows carry no padding, so rows past the entry read `past_end` instead
         (+inf for LSE: P = 0 there)."""
-        rows = cute.size(ctx.s_coords, mode=[0])
         vals = cute.make_rmem_tensor((self.stat_count(ctx),), Float32)
-        for r in cutlass.range_constexpr(rows):
-            row = m_block * self.tile_m + ctx.s_coords[r, 0][0]
+        for r in cutlass.range_constexpr(self.stat_count(ctx)):
+            row = m_block * self.tile_m + self.stat_index(ctx, r)
             if cutlass.const_expr(self.varlen):
                 vals[r] = Float32(past_end)
                 if row < ctx.seq.seqlen_q:
@@ -395,6 +394,10 @@ class AttentionBackward:
     def stat_count(self, ctx) -> int:
         """Values of a per-row statistic a thread holds for one Q tile (its rows)."""
         return cute.size(ctx.s_coords, mode=[0])
+
+    def stat_index(self, ctx, r: int):
+        """The row of the Q tile whose statistic is this thread's r-th value."""
+        return ctx.s_coords[r, 0][0]
 
     @cute.jit
     def stats(self, ctx, mLSE2: cute.Tensor, mD: cute.Tensor, m_block: Int32, head: Int32, batch: Int32):

@@ -105,22 +105,23 @@ class SwappedBackward(WarpSpecializedBackward):
         """This lane's share of a per-query statistic of Q tile m_block: columns 8 (lane / 4) +
         2 (lane % 4) + {0, 1} + 64 k (`col_stat` fetches the others). Varlen: queries past the
         entry read `past_end`."""
-        blocks = self.tile_m // 64
         vals = cute.make_rmem_tensor((self.stat_count(ctx),), Float32)
-        base = m_block * self.tile_m + 8 * (ctx.lane // 4) + 2 * (ctx.lane % 4)
-        for k in cutlass.range_constexpr(blocks):
-            for i in cutlass.range_constexpr(2):
-                row = base + 64 * k + i
-                if cutlass.const_expr(self.varlen):
-                    vals[2 * k + i] = Float32(past_end)
-                    if row < ctx.seq.seqlen_q:
-                        vals[2 * k + i] = mX[0, head, ctx.seq.offset_q + row]
-                else:
-                    vals[2 * k + i] = mX[batch, head, row]
+        for r in cutlass.range_constexpr(self.stat_count(ctx)):
+            row = m_block * self.tile_m + self.stat_index(ctx, r)
+            if cutlass.const_expr(self.varlen):
+                vals[r] = Float32(past_end)
+                if row < ctx.seq.seqlen_q:
+                    vals[r] = mX[0, head, ctx.seq.offset_q + row]
+            else:
+                vals[r] = mX[batch, head, row]
         return vals
 
     def stat_count(self, ctx) -> int:
         return 2 * (self.tile_m // 64)
+
+    def stat_index(self, ctx, r: int):
+        """Value r = 2 k + i is column 64 k + 8 (lane / 4) + 2 (lane % 4) + i."""
+        return 64 * (r // 2) + 8 * (ctx.lane // 4) + 2 * (ctx.lane % 4) + r % 2
 
     @cute.jit
     def col_stat(self, ctx, vals: cute.Tensor, c: cutlass.Constexpr) -> Float32:
@@ -162,17 +163,14 @@ class SwappedBackward(WarpSpecializedBackward):
                 dp_mn[r, c] = ds
 
     @cute.jit
-    def consume_step(self, ctx, s, q_pipe, q_state, m_block: Int32, next_m_block: Int32, n_block: Int32,
-                     head: Int32, batch: Int32, mLSE2: cute.Tensor, mD: cute.Tensor, scale_log2: Float32,
-                     lse2: cute.Tensor, dsum: cute.Tensor):
+    def consume_step(self, ctx, s, q_pipe, q_state, m_block: Int32, n_block: Int32, head: Int32,
+                     batch: Int32, mLSE2: cute.Tensor, mD: cute.Tensor, scale_log2: Float32):
         """One Q tile: S^T and dP^T in flight together; dV issued from P^T's registers under dP^T;
         dK from dS^T's registers; dS^T to SMEM, one barrier, dQ; dQ handed off under dK."""
         consumers = self.consumer_threads
-        pipeline.consume_wait(q_pipe, q_state)
+        lse2, dsum = self.step_stats(ctx, s, q_pipe, q_state, mLSE2, mD, m_block, head, batch)
         stage = q_state.index
-        acc_s, acc_dp = self.scores_and_dp(ctx, stage, -1)
-        next_lse2, next_dsum = self.stats(ctx, mLSE2, mD, next_m_block, head, batch)  # a tile ahead
-        warpgroup.wait_group(1)  # S^T has landed, dP^T may still run
+        acc_s, acc_dp = self.scores_and_dp(ctx, stage, 1)  # S^T has landed, dP^T may still run
         self.probabilities(ctx, acc_s, lse2, m_block, n_block, ctx.seq.seqlen_q, ctx.seq.seqlen_k, scale_log2)
         p = mma.to_dtype(acc_s, self.dtype)
         mma.gemm(ctx.dkv, ctx.acc_dv, mma.as_a_operand(p), ctx.tdVrdOt[None, None, None, stage], wait=1)
@@ -188,7 +186,5 @@ class SwappedBackward(WarpSpecializedBackward):
                  zero_init=True, wait=-1)
         mma.gemm(ctx.dkv, ctx.acc_dk, mma.as_a_operand(ds), ctx.tdKrQt[None, None, None, stage], wait=1)
         self.hand_off_dq(ctx, s, acc_dq)  # dV and dQ are done, dK may run
-        lse2.store(next_lse2.load())
-        dsum.store(next_dsum.load())
         warpgroup.wait_group(0)
         return pipeline.release(q_pipe, q_state)

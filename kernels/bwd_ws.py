@@ -109,21 +109,10 @@ class WarpSpecializedBackward(AttentionBackward):
             ctx.window, ctx.softcap_scale, ctx.seq = window, softcap_scale, seq
             pipeline.consume_wait(kv_pipe, pipeline.consumer_state(1))
             q_consumer = pipeline.consumer_state(self.q_stages)
-            # the per-row statistics are loaded one Q tile ahead: their global-load latency hides
-            # under a whole step instead of the first GEMM
-            count = m_end - m_first
-            lse2 = cute.make_rmem_tensor((self.stat_count(ctx),), Float32)
-            dsum = cute.make_rmem_tensor((self.stat_count(ctx),), Float32)
-            if count > 0:
-                first_lse2, first_dsum = self.stats(ctx, mLSE2, mD, self.m_block_at(0, n_block, m_first, m_end),
-                                                    head, batch)
-                lse2.store(first_lse2.load())
-                dsum.store(first_dsum.load())
-            for i in cutlass.range(count, unroll=1):
-                q_consumer = self.consume_step(
-                    ctx, s, q_pipe, q_consumer, self.m_block_at(i, n_block, m_first, m_end),
-                    self.m_block_at(cutlass.min(i + 1, count - 1), n_block, m_first, m_end), n_block,
-                    head, batch, mLSE2, mD, scale_log2, lse2, dsum)
+            for i in cutlass.range(m_end - m_first, unroll=1):
+                q_consumer = self.consume_step(ctx, s, q_pipe, q_consumer,
+                                               self.m_block_at(i, n_block, m_first, m_end), n_block,
+                                               head, batch, mLSE2, mD, scale_log2)
             self.store_dkv(ctx, mdK, mdV, n_block, head, batch, softmax_scale)
 
     @cute.jit
@@ -173,17 +162,13 @@ class WarpSpecializedBackward(AttentionBackward):
         cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     @cute.jit
-    def consume_step(self, ctx, s, q_pipe, q_state, m_block: Int32, next_m_block: Int32, n_block: Int32,
-                     head: Int32, batch: Int32, mLSE2: cute.Tensor, mD: cute.Tensor, scale_log2: Float32,
-                     lse2: cute.Tensor, dsum: cute.Tensor):
-        """One Q tile: S and dP in flight together, P under dP; dQ handed off under dV and dK.
-        lse2 and dsum hold this tile's statistics and leave with next_m_block's."""
+    def consume_step(self, ctx, s, q_pipe, q_state, m_block: Int32, n_block: Int32, head: Int32,
+                     batch: Int32, mLSE2: cute.Tensor, mD: cute.Tensor, scale_log2: Float32):
+        """One Q tile: S and dP in flight together, P under dP; dQ handed off under dV and dK."""
         consumers = self.consumer_threads
-        pipeline.consume_wait(q_pipe, q_state)
+        lse2, dsum = self.step_stats(ctx, s, q_pipe, q_state, mLSE2, mD, m_block, head, batch)
         stage = q_state.index
-        acc_s, acc_dp = self.scores_and_dp(ctx, stage, -1)
-        next_lse2, next_dsum = self.stats(ctx, mLSE2, mD, next_m_block, head, batch)
-        warpgroup.wait_group(1)  # S has landed, dP may still run
+        acc_s, acc_dp = self.scores_and_dp(ctx, stage, 1)  # S has landed, dP may still run
         self.probabilities(ctx, acc_s, lse2, m_block, n_block, ctx.seq.seqlen_q, ctx.seq.seqlen_k, scale_log2)
         p = mma.to_dtype(acc_s, self.dtype)
         warpgroup.wait_group(0)
@@ -199,10 +184,17 @@ class WarpSpecializedBackward(AttentionBackward):
         self.issue_dkv(ctx, s, stage)
         warpgroup.wait_group(2)  # dQ is done; dV and dK still run
         self.hand_off_dq(ctx, s, acc_dq)
-        lse2.store(next_lse2.load())
-        dsum.store(next_dsum.load())
         warpgroup.wait_group(0)
         return pipeline.release(q_pipe, q_state)
+
+    @cute.jit
+    def step_stats(self, ctx, s, q_pipe, q_state, mLSE2: cute.Tensor, mD: cute.Tensor, m_block: Int32,
+                   head: Int32, batch: Int32):
+        """This thread's (LSE * log2 e, D) of Q tile m_block, loaded from global memory before
+        waiting for the tile's stage (their latency hides under the wait and the first GEMM)."""
+        lse2, dsum = self.stats(ctx, mLSE2, mD, m_block, head, batch)
+        pipeline.consume_wait(q_pipe, q_state)
+        return lse2, dsum
 
     @cute.jit
     def hand_off_dq(self, ctx, s, acc_dq: cute.Tensor):
