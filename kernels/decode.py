@@ -22,9 +22,13 @@ The cache is dense, (batch, capacity, heads_kv, d), or paged, (num_pages, page_s
 with `block_table[b, i]` the page holding keys [i * page_size, (i + 1) * page_size) of entry b.
 Both are the same to the producer: a key block lives in a (rows, d) plane at (row tile, kv head,
 plane), the plane being the batch entry (dense) or the page (paged); tile_n divides page_size, so
-a block never straddles pages. TMA clips coordinates outside the tensor, so a block table that
-points past the pool reads zeros, never another allocation. Sequence lengths come from
-`cache_seqlens` (common/seqlen.py); causal masks align to the bottom right as everywhere in fa3.
+a block never straddles pages. Sequence lengths come from `cache_seqlens` (common/seqlen.py);
+causal masks align to the bottom right as everywhere in fa3.
+
+Values no host check has seen (a CUDA graph replayed with new lengths or pages) cannot send a load
+outside the cache: lengths are clamped to [0, capacity] (capacity: the dense cache's rows, or
+pages_per_seq * page_size), so no block-table entry past a row's pages_per_seq is read, and each
+page index read is clamped to [0, num_pages). Both bounds come from the tensors' (dynamic) shapes.
 """
 
 from types import SimpleNamespace
@@ -158,7 +162,9 @@ class SplitKVAttention:
         plane, row_tile = batch, n_block
         if cutlass.const_expr(self.paged):
             tiles_per_page = mK.shape[0] // self.tile_n
-            plane = mBlockTable[batch, n_block // tiles_per_page]
+            # a bad entry reads some page of the pool (results are meaningless, memory is safe)
+            page = mBlockTable[batch, n_block // tiles_per_page]
+            plane = cutlass.max(cutlass.min(page, mK.shape[3] - 1), 0)
             row_tile = n_block % tiles_per_page
         tile_kv = (self.tile_n, self.head_dim)
         tKsK, tKgK = tma.partition(tma_k, cute.local_tile(mK[None, None, head_kv, plane], tile_kv, (None, 0)), sK)

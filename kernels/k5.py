@@ -43,7 +43,6 @@ from .k4 import WgmmaAttention
 REGISTER_SPLIT = {2: (24, 240), 3: (32, 160)}
 EPILOGUE_BARRIER = 1  # named barrier among the consumer warpgroups (0 is __syncthreads)
 TURN_BARRIER = 2  # named barriers 2, 3 (, 4): the ping-pong turns, one per consumer warpgroup
-TILE_FULL_BARRIER, TILE_EMPTY_BARRIER = 5, 6  # K5.5: the next-tile slot (producer -> consumers)
 EPI_STAGES = 2  # SMEM buffers the O store cycles through
 
 
@@ -92,6 +91,7 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
         class SharedStorage:
             q_barriers: cute.struct.MemRange[Int64, 2 * self.q_stages]
             kv_barriers: cute.struct.MemRange[Int64, 4 * self.kv_stages]
+            tile_barriers: cute.struct.MemRange[Int64, scheduler.TILE_HANDOFF_BARRIERS]  # K5.5
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
@@ -129,31 +129,40 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
                                  smem.stage_bytes(self.dtype, sQ_layout))
         k_pipe = pipeline.create(barriers, self.kv_stages, consumer_warps, kv_bytes)
         v_pipe = pipeline.create(barriers + 2 * self.kv_stages, self.kv_stages, consumer_warps, kv_bytes)
+        # K5.5: the next tile's index, producer warp -> every consumer thread (common/scheduler.py)
+        handoff = None
+        if cutlass.const_expr(self.dynamic):
+            handoff = scheduler.tile_handoff(storage.tile_barriers.data_ptr(), 128 * self.consumer_wgs)
         pipeline.init_done()
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
         sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
         sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         next_tile = storage.next_tile.get_tensor(cute.make_layout(1))
-        # what varies per call beyond the tensors: sequence offsets, window edges, the softcap
+        # what varies per call beyond the tensors: sequence offsets, window edges, the softcap.
+        # Varlen: every entry's rows are clamped into the packed tensors' rows (rows_q/rows_k), so
+        # offsets that no host check saw (a replayed CUDA graph) never store O or LSE outside them.
+        varlen = cutlass.const_expr(self.varlen)
+        rows_q, rows_k = (mO_rows.shape[1], mK.shape[0]) if varlen else (None, None)
         params = SimpleNamespace(
             cu_q=mCuSeqlensQ, cu_k=mCuSeqlensK, o_rows=mO_rows, softcap_scale=softcap_scale,
+            rows_q=rows_q, rows_k=rows_k,
             window=(window_left, window_right) if cutlass.const_expr(self.local) else None,
-            q_blocks=scheduler.varlen_blocks(mCuSeqlensQ, self.tile_m) if cutlass.const_expr(self.varlen) else None)
+            q_blocks=scheduler.varlen_blocks(mCuSeqlensQ, self.tile_m, rows_q) if varlen else None)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self.load(q_pipe, k_pipe, v_pipe, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV,
-                          mTileCounter, next_tile, params)
+                          mTileCounter, next_tile, handoff, params)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(q_pipe, k_pipe, v_pipe, sQ, sK, sV, sO, tma_o, mO, mLSE, mK.shape[0],
-                         scale_log2, tidx - 128, warp_idx // 4, epi_tile, next_tile, params)
+                         scale_log2, tidx - 128, warp_idx // 4, epi_tile, next_tile, handoff, params)
 
     @cute.jit
     def load(self, q_pipe, k_pipe, v_pipe, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV,
-             mTileCounter, next_tile, params):
+             mTileCounter, next_tile, handoff, params):
         """Producer warp: per tile, Q once, then K_j and V_j from the last tile to the first. The
         states run on across tiles, so the next tile's loads start as soon as stages free up."""
         states = (pipeline.producer_state(self.q_stages), pipeline.producer_state(self.kv_stages),
@@ -161,16 +170,27 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
         first, tiles, step = self.tile_range(mQ, params)
         loads = (q_pipe, k_pipe, v_pipe, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, params)
         if cutlass.const_expr(self.dynamic):
+            # one hand-off after each tile: before the one after tile t, t hand-offs were done
             tile = first
             while tile < tiles:
                 states = self.load_tile(tile, states, *loads)
-                tile = scheduler.publish_next_tile(mTileCounter, next_tile, step, TILE_FULL_BARRIER,
-                                                   TILE_EMPTY_BARRIER, 32 + 128 * self.consumer_wgs)
+                tile = scheduler.publish_next_tile(mTileCounter, next_tile, step, handoff,
+                                                   self.tiles_done_parity(states[0], True) ^ 1)
+            scheduler.handoff_tail(handoff, self.tiles_done_parity(states[0], True))
         else:
             for tile in cutlass.range(first, tiles, step, unroll=1):
                 states = self.load_tile(tile, states, *loads)
         for pipe, state in zip((q_pipe, k_pipe, v_pipe), states):
             pipeline.tail(pipe, state)
+
+    def tiles_done_parity(self, q_state, producer: bool):
+        """The number of tiles this role has finished, mod 2, read off its Q ring state (one Q
+        stage per tile): its count, or with one Q stage its phase, which flips once a tile
+        (producer states start at phase 1, consumer states at 0). The tile hand-off's pipeline
+        state follows from it (common/scheduler.py), with no state of its own in the tile loop."""
+        if cutlass.const_expr(self.q_stages == 1):
+            return q_state.phase ^ 1 if producer else q_state.phase
+        return q_state.count & 1
 
     @cute.jit
     def load_tile(self, tile: Int32, states, q_pipe, k_pipe, v_pipe, tma_q, mQ, tma_k, mK, tma_v, mV,
@@ -200,7 +220,7 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
     @cute.jit
     def consume(self, q_pipe, k_pipe, v_pipe, sQ, sK, sV, sO, tma_o, mO, mLSE, seqlen_k: Int32,
                 scale_log2: Float32, ctidx: Int32, wg: Int32, epi_tile: cutlass.Constexpr, next_tile,
-                params):
+                handoff, params):
         """Consumer warpgroups: per tile, the mainloop, then O through SMEM and a TMA store."""
         states = (pipeline.consumer_state(self.q_stages), pipeline.consumer_state(self.kv_stages),
                   pipeline.consumer_state(self.kv_stages))
@@ -210,13 +230,12 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
                 wg, store_pipe, epi_tile, params)
         self.mma_init(wg)
         if cutlass.const_expr(self.dynamic):
-            threads = 32 + 128 * self.consumer_wgs
-            scheduler.give_first_credit(TILE_EMPTY_BARRIER, threads)
+            # every consumer thread takes every index the producer publishes, the sentinel included
             tile = first
             while tile < tiles:
                 states = self.consume_tile(tile, states, *args)
-                tile = scheduler.take_next_tile(next_tile, tiles, TILE_FULL_BARRIER, TILE_EMPTY_BARRIER,
-                                                threads)
+                tile = scheduler.take_next_tile(next_tile, handoff,
+                                                self.tiles_done_parity(states[0], False) ^ 1)
         else:
             for tile in cutlass.range(first, tiles, step, unroll=1):
                 states = self.consume_tile(tile, states, *args)

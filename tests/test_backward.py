@@ -258,9 +258,7 @@ for kernel in fa3.available_kernels("backward"):
         fa3.attention(q, k, v, causal=causal, window_size=(40, 20), softcap=5.0, backward_kernel=kernel,
                       deterministic=True).sum().backward()
         cu = torch.tensor([0, 70, 71, 150], dtype=torch.int32, device="cuda")
-        # (forward k5.3: k5.5's dynamic next-tile handoff draws "potential" hazards of its own,
-        # worklog/adoption.md)
-        fa3.attention_varlen(q[0], k[0], v[0], cu, cu, causal=causal, kernel="k5.3",
+        fa3.attention_varlen(q[0], k[0], v[0], cu, cu, causal=causal,
                              backward_kernel=kernel).sum().backward()
 torch.cuda.synchronize()
 print("done")

@@ -20,6 +20,7 @@ last, and the K/V tiles a Q tile visits).
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
+from cutlass import pipeline as dsl_pipeline
 
 from . import mask, seqlen
 
@@ -44,43 +45,79 @@ def grouped_tile(tile_id: Int32, tiles_m: Int32, tiles_n: Int32, group_m: cutlas
 # A persistent CTA takes tile blockIdx first, then whatever the GMEM counter hands out next
 # (grid + atomicAdd(counter, 1)): a CTA that finished short tiles takes more of them, which a static
 # b, b + grid, ... assignment cannot do when tiles differ in length (causal attention). Within a
-# CTA, the producer warp fetches the next tile and hands it to the consumers through one SMEM slot,
-# guarded by two named barriers (full: the slot holds the next tile; empty: the consumers read it).
+# CTA, the producer warp fetches the next tile and hands it to the consumers through one SMEM slot
+# on a one-stage mbarrier pipeline (as FA3's and CUTLASS's schedulers do): *full* (one arrival, the
+# producer's, after it wrote the slot) and *empty* (one arrival per consumer thread, after it read
+# the slot). Every consumer thread reads every tile index, the "no more tiles" one (>= tiles)
+# included, and releases it; the producer publishes exactly one index per tile it loaded, the
+# last one being that sentinel, so both sides run the same number of hand-offs. The arrive/wait
+# pairs order the slot's accesses (release/acquire at CTA scope) in a way compute-sanitizer's
+# racecheck follows; named barriers (bar.arrive) order them too, but the tool reported hazards.
+# One stage: the producer claims tile t + 1 only once the consumers have taken tile t, so a CTA
+# never holds a claimed tile it cannot start (the counter's load balancing depends on it).
+# With one stage, a side's pipeline state is just the parity of the hand-offs it has done so far
+# (`done`, 0 or 1): callers that count their tiles anyway derive it from that count instead of
+# carrying a state of its own across the tile loop (one more live register: the d64 packed
+# kernel, three 160-register consumer warpgroups, spills it).
 # The counter must read 0 at launch (the caller zeroes it).
+TILE_HANDOFF_BARRIERS = 2  # Int64 mbarriers (full, empty) the hand-off needs in SMEM
+
+
+def tile_handoff(barrier_ptr, consumer_threads: int):
+    """The next-tile pipeline on `barrier_ptr` (TILE_HANDOFF_BARRIERS mbarriers), created like the
+    kernel's TMA rings (deferred: the kernel's pipeline.init_done() publishes the barriers)."""
+    return dsl_pipeline.PipelineAsync.create(
+        barrier_storage=barrier_ptr,
+        num_stages=1,
+        producer_group=dsl_pipeline.CooperativeGroup(dsl_pipeline.Agent.Thread, 1),
+        consumer_group=dsl_pipeline.CooperativeGroup(dsl_pipeline.Agent.Thread, consumer_threads),
+        defer_sync=True,
+    )
+
+
+def _producer_state(done: Int32):
+    """The producer's state after `done` (mod 2) hand-offs: its phase starts at 1, flips each one."""
+    return dsl_pipeline.PipelineState(1, Int32(0), Int32(0), done ^ 1)
+
+
+def _consumer_state(done: Int32):
+    """The consumers' state after `done` (mod 2) hand-offs: phase 0 first."""
+    return dsl_pipeline.PipelineState(1, Int32(0), Int32(0), done)
 
 
 @cute.jit
-def publish_next_tile(counter: cute.Tensor, slot: cute.Tensor, grid: Int32, full_barrier: int,
-                      empty_barrier: int, threads: int) -> Int32:
-    """Producer warp: fetch the next tile and publish it to the consumers; returns it.
-    `threads`: the producer warp plus every consumer thread."""
+def publish_next_tile(counter: cute.Tensor, slot: cute.Tensor, grid: Int32, handoff,
+                      done: Int32) -> Int32:
+    """Producer warp (all 32 lanes): fetch the next tile and publish it once the consumers have
+    taken the previous one; `done`: the parity of the hand-offs before this one. Returns the tile."""
     lane = cute.arch.lane_idx()
     next_tile = Int32(0)
     if lane == 0:
         next_tile = grid + cute.arch.atomic_add(counter.iterator, Int32(1), sem="relaxed", scope="gpu")
     next_tile = cute.arch.shuffle_sync(next_tile, 0)
-    cute.arch.barrier(barrier_id=empty_barrier, number_of_threads=threads)  # the last one was read
+    state = _producer_state(done)
+    handoff.producer_acquire(state)  # every consumer thread has read the previous index
     if lane == 0:
         slot[0] = next_tile
-    cute.arch.barrier_arrive(barrier_id=full_barrier, number_of_threads=threads)
+        handoff.producer_commit(state)  # the one arrival on full, after the write
     return next_tile
 
 
 @cute.jit
-def take_next_tile(slot: cute.Tensor, tiles: Int32, full_barrier: int, empty_barrier: int,
-                   threads: int) -> Int32:
-    """Consumers: the tile the producer published. They free the slot only while tiles remain:
-    past the last one the producer publishes no more (every arrive pairs with one wait)."""
-    cute.arch.barrier(barrier_id=full_barrier, number_of_threads=threads)
+def take_next_tile(slot: cute.Tensor, handoff, done: Int32) -> Int32:
+    """Consumer threads (every one): the tile the producer published, the sentinel included;
+    `done`: the parity of the hand-offs before this one."""
+    state = _consumer_state(done)
+    handoff.consumer_wait(state, handoff.consumer_try_wait(state))
     next_tile = slot[0]
-    if next_tile < tiles:
-        cute.arch.barrier_arrive(barrier_id=empty_barrier, number_of_threads=threads)
+    handoff.consumer_release(state)  # one arrival per thread, after its read
     return next_tile
 
 
-def give_first_credit(empty_barrier: int, threads: int):
-    """Consumers, once before their first tile: the slot starts empty."""
-    cute.arch.barrier_arrive(barrier_id=empty_barrier, number_of_threads=threads)
+def handoff_tail(handoff, done: Int32):
+    """Producer, before it exits (the rings' epilogue): wait until the consumers have taken the
+    last index it published, the sentinel; `done`: the parity of all its hand-offs."""
+    handoff.producer_tail(_producer_state(done))
 
 
 # ---------------------------------------------------------------- variable-length batches
@@ -88,28 +125,32 @@ def give_first_credit(empty_barrier: int, threads: int):
 # them), so no tile is empty. A warp finds a tile's entry from flash-attn's cu_seqlens alone: each
 # lane takes one entry of a chunk of 32, a shuffle scan gives the chunk's running tile counts and a
 # ballot names the lane whose range holds the tile (one step per 32 entries; no host pass).
+# `rows` (the packed tensor's total rows; None: trust the offsets) clamps each entry's span as
+# seqlen.packed_span does, so that the tile numbering and the tiles' own lengths agree, and bad
+# offsets can neither add tiles past the tensor nor make a count negative.
 
 
 @cute.jit
-def _entry_blocks(mCuSeqlens: cute.Tensor, entry: Int32, tile_m: cutlass.Constexpr) -> Int32:
+def _entry_blocks(mCuSeqlens: cute.Tensor, entry: Int32, tile_m: cutlass.Constexpr, rows=None) -> Int32:
     blocks = Int32(0)
     if entry < mCuSeqlens.shape[0] - 1:
-        blocks = (mCuSeqlens[entry + 1] - mCuSeqlens[entry] + tile_m - 1) // tile_m
+        _, length = seqlen.packed_span(mCuSeqlens, entry, rows)
+        blocks = (length + tile_m - 1) // tile_m
     return blocks
 
 
 @cute.jit
-def varlen_blocks(mCuSeqlens: cute.Tensor, tile_m: cutlass.Constexpr) -> Int32:
+def varlen_blocks(mCuSeqlens: cute.Tensor, tile_m: cutlass.Constexpr, rows=None) -> Int32:
     """Q tiles of the whole packed batch (every lane of the calling warp gets the total)."""
     lane = cute.arch.lane_idx()
     total = Int32(0)
     for chunk in cutlass.range(0, mCuSeqlens.shape[0] - 1, 32, unroll=1):
-        total += cute.arch.warp_reduction_sum(_entry_blocks(mCuSeqlens, chunk + lane, tile_m))
+        total += cute.arch.warp_reduction_sum(_entry_blocks(mCuSeqlens, chunk + lane, tile_m, rows))
     return total
 
 
 @cute.jit
-def varlen_tile(block: Int32, mCuSeqlens: cute.Tensor, tile_m: cutlass.Constexpr):
+def varlen_tile(block: Int32, mCuSeqlens: cute.Tensor, tile_m: cutlass.Constexpr, rows=None):
     """(entry, its Q tile index, its Q tile count) of packed Q tile `block` < varlen_blocks; a
     whole warp calls it."""
     lane = cute.arch.lane_idx()
@@ -119,7 +160,7 @@ def varlen_tile(block: Int32, mCuSeqlens: cute.Tensor, tile_m: cutlass.Constexpr
     entry, m_block, blocks = Int32(0), Int32(0), Int32(0)
     searching = chunk < entries
     while searching:
-        count = _entry_blocks(mCuSeqlens, chunk + lane, tile_m)
+        count = _entry_blocks(mCuSeqlens, chunk + lane, tile_m, rows)
         running = count  # inclusive scan over the lanes
         for i in cutlass.range_constexpr(5):
             below = cute.arch.shuffle_sync_up(running, 1 << i)
@@ -143,7 +184,8 @@ def varlen_tile(block: Int32, mCuSeqlens: cute.Tensor, tile_m: cutlass.Constexpr
 class AttentionTileSchedule:
     """Mixin for a persistent attention kernel (K5): a linear tile -> the work it names. The kernel
     sets tile_m, tile_n, causal and varlen (static); `params` holds what varies per call: varlen,
-    q_blocks (varlen_blocks) and cu_q/cu_k; window (None, or the sliding window's edges)."""
+    q_blocks (varlen_blocks), cu_q/cu_k and rows_q/rows_k (the packed tensors' rows, which bound
+    every entry's span); window (None, or the sliding window's edges)."""
 
     @cute.jit
     def tile_coords(self, tile: Int32, seqlen_q: Int32, heads_q: Int32, batch: Int32):
@@ -183,10 +225,11 @@ class AttentionTileSchedule:
             # one head's Q tiles of every sequence in a row (they share nothing, but the CTAs
             # running together then share each sequence's K/V in L2), longest first if causal
             head, block = tile // params.q_blocks, tile % params.q_blocks
-            batch, m_block, blocks = varlen_tile(block, params.cu_q, self.tile_m)
+            batch, m_block, blocks = varlen_tile(block, params.cu_q, self.tile_m, params.rows_q)
             if cutlass.const_expr(self.causal):
                 m_block = blocks - 1 - m_block
-            return m_block, head, batch, seqlen.from_cu_seqlens(params.cu_q, params.cu_k, batch)
+            return m_block, head, batch, seqlen.from_cu_seqlens(params.cu_q, params.cu_k, batch,
+                                                                params.rows_q, params.rows_k)
         m_block, head, batch = self.tile_coords(tile, mQ.shape[0], mQ.shape[2], mQ.shape[3])
         return m_block, head, batch, seqlen.fixed(mQ.shape[0], seqlen_k)
 

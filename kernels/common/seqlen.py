@@ -27,12 +27,28 @@ def fixed(seqlen_q: Int32, seqlen_k: Int32):
 
 
 @cute.jit
-def from_cu_seqlens(mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, batch: Int32):
+def packed_span(mCuSeqlens: cute.Tensor, entry: Int32, total):
+    """(offset, length) of entry `entry` of a packed batch: rows [cu[entry], cu[entry + 1]).
+    `total` (the packed tensor's rows; None: trust the offsets) clamps the span into [0, total]
+    with a length >= 0, so that offsets no host check saw (a CUDA graph replayed with new ones)
+    never place a row outside the tensor: an entry past the end is empty, one that runs over it
+    is cut at it, a decreasing pair gives an empty entry."""
+    start, end = mCuSeqlens[entry], mCuSeqlens[entry + 1]
+    if cutlass.const_expr(total is not None):
+        start = cutlass.max(cutlass.min(start, total), 0)
+        end = cutlass.max(cutlass.min(end, total), start)
+    return start, end - start
+
+
+@cute.jit
+def from_cu_seqlens(mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, batch: Int32, total_q=None,
+                    total_k=None):
     """Entry `batch` of a packed variable-length batch: its rows are [cu[batch], cu[batch + 1]) of
-    the one (total, heads, d) tensor (flash-attn's cu_seqlens, int32, batch + 1 offsets)."""
-    offset_q, offset_k = mCuSeqlensQ[batch], mCuSeqlensK[batch]
-    return SimpleNamespace(seqlen_q=mCuSeqlensQ[batch + 1] - offset_q, seqlen_k=mCuSeqlensK[batch + 1] - offset_k,
-                           offset_q=offset_q, offset_k=offset_k)
+    the one (total, heads, d) tensor (flash-attn's cu_seqlens, int32, batch + 1 offsets), clamped
+    into the tensors' total_q / total_k rows when given (packed_span)."""
+    offset_q, seqlen_q = packed_span(mCuSeqlensQ, batch, total_q)
+    offset_k, seqlen_k = packed_span(mCuSeqlensK, batch, total_k)
+    return SimpleNamespace(seqlen_q=seqlen_q, seqlen_k=seqlen_k, offset_q=offset_q, offset_k=offset_k)
 
 
 def rows(mX: cute.Tensor, head: Int32, batch: Int32, offset: Int32, varlen: bool) -> cute.Tensor:

@@ -1,0 +1,141 @@
+"""compute-sanitizer over the forward, KV-cache and GEMM kernels (GPU; skipped without the tool).
+
+racecheck: no shared-memory hazard, on shapes where persistent CTAs take several tiles, so that
+k5.5's next-tile hand-off (producer warp -> consumer warpgroups, common/scheduler.py) runs many
+times per CTA: causal fixed-shape calls (the dynamic schedule; d128 with two consumer warpgroups,
+d64 with three), non-causal ones (the static schedule), packed batches both ways, the KV-cache
+kernel (dense and paged, split and not, with an append) and every GEMM rung.
+
+memcheck: index values no host check saw (as inside a CUDA-graph capture: the check is switched
+off) never make a kernel touch memory outside its tensors: offsets past the packed rows, negative
+or decreasing ones, cache lengths past the capacity, page indices outside the pool. Torch's caching
+allocator is off in that process, so that every tensor is its own allocation and memcheck sees an
+access even a few bytes past one.
+
+Each case runs in its own process (conftest.run_script).
+"""
+
+import json
+
+import pytest
+
+from conftest import compute_sanitizer, run_script
+
+pytestmark = pytest.mark.gpu
+
+RACECHECK = ["--tool", "racecheck", "--racecheck-report", "hazard"]
+
+RACE_SCRIPT = r'''
+import sys
+import torch
+import fa3
+
+case = sys.argv[1]
+g = torch.Generator(device="cuda").manual_seed(0)
+rand = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g)
+i32 = lambda values: torch.tensor(values, dtype=torch.int32, device="cuda")
+outs = []
+if case.startswith("forward"):  # 1 x 4096 x 8 heads: 256 (d64: 176) Q tiles on <= 132 CTAs
+    causal, d = case in ("forward-causal", "forward-causal-d64"), 64 if case.endswith("d64") else 128
+    q, k, v = rand(1, 4096, 8, d), rand(1, 4096, 2, d), rand(1, 4096, 2, d)
+    outs.append(fa3.attention(q, k, v, causal=causal, kernel="k5.5"))
+elif case == "varlen":  # 35 Q tiles a head, 8 heads
+    lens = [1000, 1, 2100, 64, 933]
+    cu = i32([0] + torch.tensor(lens).cumsum(0).tolist())
+    q, k, v = rand(sum(lens), 8, 128), rand(sum(lens), 2, 128), rand(sum(lens), 2, 128)
+    for causal in (True, False):
+        outs.append(fa3.attention_varlen(q, k, v, cu, cu, causal=causal, kernel="k5.5"))
+elif case == "kvcache":
+    q = rand(4, 2, 16, 128)  # GQA 8: 16 packed rows a KV head
+    lengths = i32([4000, 1, 300, 2047])
+    dense = rand(4, 4096, 2, 128), rand(4, 4096, 2, 128)
+    pages = rand(64, 256, 2, 128), rand(64, 256, 2, 128)  # 16 pages a sequence: capacity 4096
+    table = torch.randperm(64, device="cuda").to(torch.int32).view(4, 16)
+    for splits in (1, 0):  # one split (O written directly), or the heuristic's (partials, combine)
+        outs.append(fa3.attention_with_kvcache(q, *dense, cache_seqlens=lengths, causal=True,
+                                               num_splits=splits))
+        outs.append(fa3.attention_with_kvcache(q, *pages, cache_seqlens=lengths, block_table=table,
+                                               causal=True, num_splits=splits))
+    new = rand(4, 3, 2, 128), rand(4, 3, 2, 128)
+    outs.append(fa3.attention_with_kvcache(q, *pages, *new, cache_seqlens=lengths, block_table=table))
+elif case == "gemm":  # 512 tiles of 128 x 256
+    a, b = rand(4096, 256), rand(256, 4096)
+    for kernel in fa3.available_kernels("gemm"):
+        outs.append(fa3.gemm(a, b, kernel=kernel))
+else:
+    raise SystemExit(f"FAIL: unknown case {case}")
+torch.cuda.synchronize()
+assert all(torch.isfinite(o).all() for o in outs), "FAIL: non-finite output"
+print("done")
+'''
+
+RACE_CASES = ["forward-causal", "forward-causal-d64", "forward", "varlen", "kvcache", "gemm"]
+
+
+@pytest.mark.parametrize("case", RACE_CASES)
+def test_racecheck(case, tmp_path):
+    if compute_sanitizer() is None:
+        pytest.skip("compute-sanitizer is not installed")
+    report = run_script(tmp_path, RACE_SCRIPT, case, sanitizer=RACECHECK)
+    assert "done" in report and "FAIL" not in report, report[-4000:]
+    assert "0 hazards displayed" in report or "RACECHECK SUMMARY: 0 hazards" in report, report[-4000:]
+
+
+MEM_SCRIPT = r'''
+import json, os, sys
+os.environ["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"  # one allocation per tensor: memcheck sees all
+import torch
+import fa3
+from fa3 import index_checks
+
+index_checks.values_checkable = lambda device: False  # as under capture: no host check
+entry, argument, index, value = json.loads(sys.argv[1])
+index = tuple(index) if isinstance(index, list) else index
+g = torch.Generator(device="cuda").manual_seed(0)
+rand = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g)
+i32 = lambda *values: torch.tensor(values, dtype=torch.int32, device="cuda")
+if entry == "varlen":
+    q, k, v = rand(300, 4, 128), rand(300, 2, 128), rand(300, 2, 128)
+    args = {"cu_seqlens_q": i32(0, 100, 300), "cu_seqlens_k": i32(0, 100, 300)}
+    args[argument][index] = value
+    for causal in (True, False):
+        fa3.attention_varlen(q, k, v, args["cu_seqlens_q"], args["cu_seqlens_k"], causal=causal,
+                             kernel="k5.5")
+else:
+    paged = entry == "paged"
+    q = rand(2, 1, 8, 128)
+    k_cache = rand(8, 64, 2, 128) if paged else rand(2, 256, 2, 128)
+    v_cache = rand(*k_cache.shape)
+    args = {"cache_seqlens": i32(10, 192),
+            "block_table": torch.arange(8, dtype=torch.int32, device="cuda").view(2, 4) if paged else None}
+    args[argument][index] = value
+    for splits in (1, 0):
+        fa3.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=args["cache_seqlens"],
+                                   block_table=args["block_table"], causal=True, num_splits=splits)
+torch.cuda.synchronize()
+print("done")
+'''
+
+# name -> (entry, argument, index, bad value)
+MEM_CASES = {
+    "varlen-cu-q-past-total": ("varlen", "cu_seqlens_q", 2, 400),  # O/LSE rows 300..399
+    "varlen-cu-q-negative": ("varlen", "cu_seqlens_q", 1, -7),  # entry 1 from row -7
+    "varlen-cu-q-first-past-total": ("varlen", "cu_seqlens_q", 0, 100000),
+    "varlen-cu-q-huge": ("varlen", "cu_seqlens_q", 2, 2**31 - 1),
+    "varlen-cu-k-past-total": ("varlen", "cu_seqlens_k", 2, 100000),
+    "varlen-cu-k-negative": ("varlen", "cu_seqlens_k", 1, -100000),
+    "dense-seqlens-past-capacity": ("dense", "cache_seqlens", 0, 100000),
+    "dense-seqlens-negative": ("dense", "cache_seqlens", 1, -7),
+    "paged-seqlens-past-capacity": ("paged", "cache_seqlens", 1, 100000),
+    "paged-table-past-pool": ("paged", "block_table", [1, 0], 100000),
+    "paged-table-negative": ("paged", "block_table", [1, 1], -7),
+}
+
+
+@pytest.mark.parametrize("case", list(MEM_CASES))
+def test_unchecked_values_stay_in_bounds(case, tmp_path):
+    if compute_sanitizer() is None:
+        pytest.skip("compute-sanitizer is not installed")
+    report = run_script(tmp_path, MEM_SCRIPT, json.dumps(MEM_CASES[case]), sanitizer=["--tool", "memcheck"])
+    assert "done" in report, report[-4000:]
+    assert "ERROR SUMMARY: 0 errors" in report, report[-4000:]
