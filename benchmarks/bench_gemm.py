@@ -117,7 +117,7 @@ def sweep_tiles(shapes, dtype, *, warmup, repeats, max_call_s) -> tuple[list, li
 
     spec = registry.get("g3")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    counters, no_workspace = matmul._SPLIT_BUFFERS.get(torch.device("cuda", 0), sms)  # no split-K here
+    counters, no_workspace = matmul.SPLIT_BUFFERS.get(torch.device("cuda", 0), sms)  # no split-K here
     operands = []
     for m, n, k in shapes:
         gen = torch.Generator(device="cuda").manual_seed(0)

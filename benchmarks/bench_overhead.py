@@ -32,7 +32,7 @@ from timing import format_table, median_ms, progress, write_json
 import torch
 
 import fa3
-from fa3 import _compile, interface, masking, registry
+from fa3 import _checks, _compile, _dispatch, _launch, interface, masking, registry
 
 # (batch, seqlen, heads, head_dim, causal): the first is the shape the overhead issue measured
 ATTENTION_SHAPES = [(1, 128, 16, 128, False), (1, 128, 16, 128, True)]
@@ -130,18 +130,18 @@ def breakdown(calls: int) -> list[dict]:
     batch, seqlen, heads, head_dim, causal = ATTENTION_SHAPES[0]
     q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16)
                for _ in range(3))
-    spec = interface._check_attention(q, k, v, None)
+    spec = interface.check_attention(q, k, v, None)
     out, lse = interface.launch_attention(spec, q, k, v, causal, head_dim ** -0.5)
     fn = _compile.get_attention(spec, q.dtype, head_dim, causal)
     args = [q, k, v, out, lse, head_dim ** -0.5 * masking.LOG2E]
     if spec.persistent:
-        args += [interface._HOPPER_SMS[q.device], interface._tile_counter(spec, causal, q.device)]
-    if spec.variants:  # (interface.run_attention's order) cu_seqlens stand-ins, window, softcap
-        args += [interface._stand_in(q.device)] * 2 + [0, 0, 1.0]
+        args += [_checks.HOPPER_SMS[q.device], _launch.tile_counter(spec, causal, q.device)]
+    if spec.variants:  # (_launch.run_attention's order) cu_seqlens stand-ins, window, softcap
+        args += [_launch.stand_in(q.device)] * 2 + [0, 0, 1.0]
     pieces = [
         ("fa3.attention, all of it", lambda: fa3.attention(q, k, v, causal=causal)),
-        ("validation (_check_attention)", lambda: interface._check_attention(q, k, v, None)),
-        ("direct_call_ok", lambda: interface.direct_call_ok(q, k, v)),
+        ("validation (check_attention)", lambda: interface.check_attention(q, k, v, None)),
+        ("direct_call_ok", lambda: _dispatch.direct_call_ok(q, k, v)),
         ("allocate out and lse", lambda: (torch.empty_like(q), torch.empty(batch, heads, seqlen, device="cuda"))),
         ("launch_attention (allocates lse)", lambda: interface.launch_attention(spec, q, k, v, causal, 0.1, out)),
         ("compiled kernel call alone", lambda: fn(*args)),

@@ -129,13 +129,13 @@ def format_table(headers: list[str], rows: list[list]) -> str:
 
 def environment() -> dict:
     """Where the numbers come from, for the JSON output."""
-    from fa3 import _compile
+    from fa3 import _dsl
 
     return {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "cutlass_dsl": _compile.dsl_version(),
+        "cutlass_dsl": _dsl.version(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
 

@@ -12,7 +12,7 @@
         bf16, causal and not; error against torch SDPA and TFLOP/s. Without one: compiles every
         attention rung for sm_90a and reports each.
 
-Nothing here imports cutlass before the target architecture is pinned (fa3._compile does it).
+Nothing here imports cutlass before the target architecture is pinned (fa3._dsl does it).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _compile, _disk_cache, registry
+from . import _compile, _disk_cache, _dsl, registry
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DEMO_SHAPE = dict(batch=2, seqlen=4096, heads=16, head_dim=128)
@@ -43,8 +43,7 @@ def prepare_dsl_env() -> None:
     Without a GPU the DSL would target sm_100a: pin sm_90a. compile_report keeps the PTX and cubin,
     which the DSL also writes as files into its dump folder, by default the current directory:
     point it at a scratch folder that goes away at exit."""
-    if not torch.cuda.is_available():
-        os.environ.setdefault("CUTE_DSL_ARCH", _compile.TARGET_ARCH)
+    _dsl.pin_target_arch()
     if "CUTE_DSL_DUMP_DIR" not in os.environ:
         scratch = tempfile.mkdtemp(prefix="fa3-dsl-")
         os.environ["CUTE_DSL_DUMP_DIR"] = scratch
@@ -156,7 +155,7 @@ def cmd_compile(args) -> int:
             f.write(result.report.ptx)
         with open(cubin_path, "wb") as f:
             f.write(result.report.cubin)
-        print(f"{result.label} ({_compile.TARGET_ARCH}): {ptx_path} ({_kib(len(result.report.ptx))}), "
+        print(f"{result.label} ({_dsl.TARGET_ARCH}): {ptx_path} ({_kib(len(result.report.ptx))}), "
               f"{cubin_path} ({_kib(len(result.report.cubin))})")
         print(f"  {result.resources()}")
         for line in result.report.summary().splitlines():
@@ -194,7 +193,7 @@ def cmd_warm_cache(args) -> int:
     if specs is None:
         return 2
     dtype = DTYPES[args.dtype]
-    print(f"compile cache: {root} ({_compile.TARGET_ARCH})", flush=True)
+    print(f"compile cache: {root} ({_dsl.TARGET_ARCH})", flush=True)
     failures = 0
     for spec in specs:
         for static in cache_configs(spec, args.head_dim, args.causal):
@@ -223,7 +222,7 @@ def _hopper_available() -> bool:
 
 def _demo_compile_only(reason: str) -> int:
     d = DEMO_SHAPE["head_dim"]
-    print(f"{reason}: compiling every attention rung for {_compile.TARGET_ARCH} instead "
+    print(f"{reason}: compiling every attention rung for {_dsl.TARGET_ARCH} instead "
           f"(head_dim {d}, causal, bf16)", flush=True)
     failures = 0
     for name in registry.available_kernels(registry.ATTENTION):
@@ -282,7 +281,7 @@ def cmd_demo(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m fa3", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    comp = sub.add_parser("compile", help=f"compile rungs for {_compile.TARGET_ARCH}; write PTX and cubin")
+    comp = sub.add_parser("compile", help=f"compile rungs for {_dsl.TARGET_ARCH}; write PTX and cubin")
     comp.add_argument("--kernel", required=True, choices=registry.available_kernels() + ["all"],
                       metavar="NAME", help="a rung (" + ", ".join(registry.available_kernels())
                       + ") or 'all'")

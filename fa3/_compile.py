@@ -5,54 +5,29 @@ Kernels are compiled against *fake* tensors whose batch, seqlen, heads and strid
 plain torch tensors, checks them in compiled code, and launches on torch's current stream. A new
 shape never recompiles; a new dtype, head dim, causal flag or rung does (it is in the key).
 
-Without a GPU (CI), compiles target sm_90a: CUTE_DSL_ARCH must be set before `import cutlass`,
-which is why nothing in fa3 imports cutlass at module import time.
+Without a GPU (CI), compiles target sm_90a: the DSL is imported through fa3._dsl, which pins the
+architecture first (nothing in fa3 imports cutlass at module import time).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import io
-import os
 import re
 import threading
 from dataclasses import dataclass
 
 import torch
 
-from . import _disk_cache, registry
+from . import _disk_cache, _dsl, registry
 
-TARGET_ARCH = "sm_90a"
 _LOCK = threading.Lock()
 _CACHE: dict[tuple, object] = {}
 
 
-def _import_cute():
-    if not torch.cuda.is_available():
-        # The DSL would silently pick sm_100a on a machine without a GPU.
-        os.environ.setdefault("CUTE_DSL_ARCH", TARGET_ARCH)
-    import cutlass
-    import cutlass.cute as cute
-
-    return cutlass, cute
-
-
-@functools.lru_cache(maxsize=None)
-def dsl_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("nvidia-cutlass-dsl")
-    except Exception:  # source-tree DSL without metadata
-        cutlass, _ = _import_cute()
-
-        return getattr(cutlass, "__version__", "unknown")
-
-
 def cute_dtype(torch_dtype):
-    cutlass, _ = _import_cute()
+    cutlass, _ = _dsl.import_cute()
     return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[torch_dtype]
 
 
@@ -70,7 +45,7 @@ def _unit_last(cute, dtype, *shape, tma=False, align=4):
 
 def _attention_fake_args(spec, dtype, head_dim):
     """Fake (q, k, v, o, lse[, scores]) in flash-attn's (batch, seqlen, heads, head_dim) layout."""
-    cutlass, cute = _import_cute()
+    cutlass, cute = _dsl.import_cute()
     dt = cute_dtype(dtype)
     b, sq, sk, hq, hkv = (cute.sym_int64() for _ in range(5))
 
@@ -95,16 +70,16 @@ def attention_key(spec, dtype, head_dim, causal, varlen=False, local=False, soft
     cfg = spec.config_for(head_dim)
     variant = (bool(varlen), bool(local), bool(softcap))
     return (spec.name, str(dtype), head_dim, bool(causal), *((variant,) if any(variant) else ()),
-            tuple(sorted(cfg.items())), TARGET_ARCH, dsl_version())
+            tuple(sorted(cfg.items())), _dsl.TARGET_ARCH, _dsl.version())
 
 
 def _options(extra: str = "") -> str:
-    return f"--enable-tvm-ffi --gpu-arch {TARGET_ARCH} {extra}".strip()
+    return f"--enable-tvm-ffi --gpu-arch {_dsl.TARGET_ARCH} {extra}".strip()
 
 
 def _compile_kernel(kernel, fake_args, extra_options):
     """Compile for torch's current stream (TVM-FFI: called with plain torch tensors)."""
-    _, cute = _import_cute()
+    _, cute = _dsl.import_cute()
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(kernel, *fake_args, stream, options=_options(extra_options))
 
@@ -161,7 +136,7 @@ def _backward_fake_args(dtype, head_dim, gqa):
     kernels/bwd.py. `rows` is seqlen_q rounded up to the Q tile (varlen: total_q; dQacc then has
     tile_m rows more); dK/dV hold one slice per query
     head, FP32 under GQA (summed over each group afterwards)."""
-    cutlass, cute = _import_cute()
+    cutlass, cute = _dsl.import_cute()
     dt = cute_dtype(dtype)
     b, sq, sk, hq, hkv, rows, dq_rows = (cute.sym_int64() for _ in range(7))
 
@@ -188,8 +163,8 @@ def backward_key(spec, dtype, head_dim, causal, deterministic=False, gqa=False, 
                  softcap=False, varlen=False) -> tuple:
     cfg = spec.config_for(head_dim)
     return (spec.name, str(dtype), head_dim, bool(causal), bool(deterministic), bool(gqa),
-            bool(local), bool(softcap), bool(varlen), tuple(sorted(cfg.items())), TARGET_ARCH,
-            dsl_version())
+            bool(local), bool(softcap), bool(varlen), tuple(sorted(cfg.items())), _dsl.TARGET_ARCH,
+            _dsl.version())
 
 
 def _build_backward(spec, dtype, head_dim, causal, deterministic=False, gqa=False, local=False,
@@ -214,7 +189,7 @@ def get_backward(spec, dtype, head_dim, causal, deterministic, gqa, local=False,
 
 
 def _build_preprocess(dtype, head_dim):
-    cutlass, cute = _import_cute()
+    cutlass, cute = _dsl.import_cute()
     from .kernels.bwd_pre import BackwardPreprocess
 
     dt = cute_dtype(dtype)
@@ -234,7 +209,7 @@ def get_backward_preprocess(dtype, head_dim):
     fast_key = ("bwd_pre", dtype, head_dim)
     fn = _FAST.get(fast_key)
     if fn is None:
-        key = ("bwd_pre", str(dtype), head_dim, TARGET_ARCH, dsl_version())
+        key = ("bwd_pre", str(dtype), head_dim, _dsl.TARGET_ARCH, _dsl.version())
         fn = _FAST[fast_key] = _cached(key, lambda: _build_preprocess(dtype, head_dim))
     return fn
 
@@ -248,7 +223,7 @@ def _gemm_fake_args(dtype, a_layout, b_layout):
     """Fake a (M, K), b (K, N), c (M, N) row-major, the SM count, and split-K's FP32 workspace,
     int32 counters and split count. Shapes are dynamic and shared (the call checks that a, b and c
     agree); the non-unit stride is dynamic and 16-byte aligned."""
-    cutlass, cute = _import_cute()
+    cutlass, cute = _dsl.import_cute()
     dt = cute_dtype(dtype)
     m, n, k = (cute.sym_int64() for _ in range(3))
 
@@ -264,7 +239,7 @@ def _gemm_fake_args(dtype, a_layout, b_layout):
 
 def gemm_key(spec, dtype, a_layout, b_layout) -> tuple:
     return (spec.name, str(dtype), a_layout, b_layout, tuple(sorted(spec.config.items())),
-            TARGET_ARCH, dsl_version())
+            _dsl.TARGET_ARCH, _dsl.version())
 
 
 def _build_gemm(spec, dtype, a_layout="row", b_layout="row", extra_options=""):
@@ -292,7 +267,7 @@ def _kvcache_fake_args(dtype, head_dim):
     """Fake (q, k_cache, v_cache, cache_seqlens, block_table, out, lse, out_partial, lse_partial,
     scale_log2, appended): see kernels/decode.py. The cache is (planes, rows, heads_kv, d), planes
     being batch entries (dense) or pages (paged); every extent is dynamic."""
-    cutlass, cute = _import_cute()
+    cutlass, cute = _dsl.import_cute()
     dt, f32, i32 = cute_dtype(dtype), cutlass.Float32, cutlass.Int32
     b, sq, hq, hkv, rows, planes, pages, splits = (cute.sym_int64() for _ in range(8))
     # the block table and the partials have extents of their own: 1-element stand-ins when unused
@@ -309,7 +284,7 @@ def _kvcache_fake_args(dtype, head_dim):
 def kvcache_key(spec, dtype, head_dim, causal, paged=False, local=False, softcap=False) -> tuple:
     variant = (bool(local), bool(softcap))
     return (spec.name, str(dtype), head_dim, bool(causal), bool(paged), *((variant,) if any(variant) else ()),
-            tuple(sorted(spec.config_for(head_dim).items())), TARGET_ARCH, dsl_version())
+            tuple(sorted(spec.config_for(head_dim).items())), _dsl.TARGET_ARCH, _dsl.version())
 
 
 def _build_kvcache(spec, dtype, head_dim, causal, paged=False, local=False, softcap=False,
@@ -330,7 +305,7 @@ def get_kvcache(spec, dtype, head_dim, causal, paged, local=False, softcap=False
 
 
 def _build_combine(dtype, head_dim, extra_options=""):
-    cutlass, cute = _import_cute()
+    cutlass, cute = _dsl.import_cute()
     from .kernels.decode import SplitKVCombine
 
     dt, f32 = cute_dtype(dtype), cutlass.Float32
@@ -345,7 +320,7 @@ def get_combine(dtype, head_dim):
     fast_key = ("combine", dtype, head_dim)
     fn = _FAST.get(fast_key)
     if fn is None:
-        key = ("combine", str(dtype), head_dim, TARGET_ARCH, dsl_version())
+        key = ("combine", str(dtype), head_dim, _dsl.TARGET_ARCH, _dsl.version())
         fn = _FAST[fast_key] = _cached(key, lambda: _build_combine(dtype, head_dim))
     return fn
 
@@ -394,7 +369,7 @@ KEYS = {registry.ATTENTION: attention_key, registry.GEMM: gemm_key, registry.BAC
 def fill_disk_cache(spec, dtype=torch.bfloat16, **static):
     """Compile into the disk cache unless a valid entry is there (no GPU needed: for deployments).
     Returns (entry path or None if the cache is off or unwritable, whether it compiled)."""
-    _import_cute()  # pins the target arch before anything imports cutlass
+    _dsl.pin_target_arch()  # before anything imports cutlass
     key = KEYS[spec.family](spec, dtype, **static)
     path = _disk_cache.has(key)
     if path is not None:

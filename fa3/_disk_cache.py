@@ -37,6 +37,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from . import _dsl
+
 log = logging.getLogger("fa3")
 
 FORMAT = b"fa3-kernel-cache 1"
@@ -268,9 +270,7 @@ def _load_shared(cache: Store, ekey: tuple, payload: bytes):
 def _load_with_dsl(cache: Store, ekey: tuple, payload: bytes):
     """The kernel through the DSL's own loader (cute.runtime.load_module), which links the object
     in memory: needs no C compiler, but imports cutlass."""
-    from ._compile import _import_cute
-
-    _, cute = _import_cute()
+    _, cute = _dsl.import_cute()
     _load_globally(*cute.runtime.find_runtime_libraries(enable_tvm_ffi=False))  # load_module opens it RTLD_LOCAL
     with tempfile.TemporaryDirectory(prefix="fa3-load-") as tmp:
         obj = os.path.join(tmp, "kernel.o")

@@ -3,33 +3,33 @@
     preprocess (D = rowsum(dO * O), LSE * log2 e)  ->  main kernel (dK, dV; dQ summed in FP32)
     ->  postprocess (dQ * softmax_scale -> dtype; GQA: dK and dV summed over each group)
 
-The autograd registration that calls it is in fa3.ops; the rung choice in fa3.interface.
+The autograd registration that calls it is in fa3.ops; the rung choice in fa3._dispatch.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import _compile, interface, masking, varlen
+from . import _checks, _compile, _dispatch, _launch, interface, masking, varlen
 
 
-def _check_backward(dout, q, k, v, out, lse, kernel, cu_seqlens=None):
+def check_backward(dout, q, k, v, out, lse, kernel, cu_seqlens=None):
     """The backward op's arguments: the forward's (checked again: the op can be called directly)
     plus dout and out shaped like q and the forward's FP32 lse: (batch, heads_q, seqlen_q), or
     (heads_q, total_q) for a packed batch (`cu_seqlens`: its (cu_seqlens_q, cu_seqlens_k))."""
     if cu_seqlens is None:
-        interface._check_attention(q, k, v, None)
+        interface.check_attention(q, k, v, None)
         batch, seqlen_q, heads_q, head_dim = q.shape
         lse_shape, lse_layout = (batch, heads_q, seqlen_q), "(batch, heads_q, seqlen_q)"
     else:
-        varlen._check(q, k, v, *cu_seqlens, None, None, None, check_values=False)
+        varlen.check_varlen(q, k, v, *cu_seqlens, None, None, None, check_values=False)
         total_q, heads_q, head_dim = q.shape
         lse_shape, lse_layout = (heads_q, total_q), "(heads_q, total_q)"
-    spec = interface._memo_rung(interface._backward_rung, kernel, head_dim)
+    spec = _dispatch.memo_rung(_dispatch.backward_rung, kernel, head_dim)
     if cu_seqlens is not None:
         varlen.check_varlen_rung(spec, "backward_kernel")
     for name, t in (("dout", dout), ("out", out)):
-        interface.check_tensor(t, name, q.dim(), q.dtype, unit_stride_last=False)  # any strides: copied if needed
+        _checks.check_tensor(t, name, q.dim(), q.dtype, unit_stride_last=False)  # any strides: copied if needed
         if t.shape != q.shape or t.device != q.device:
             raise ValueError(f"{name} must be shaped like q {tuple(q.shape)} on {q.device}, got "
                              f"{tuple(t.shape)} on {t.device}")
@@ -85,8 +85,8 @@ def _run(spec, dout, q, k, v, out, lse, dq, dk, dv, causal, scale, deterministic
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     device, dtype = q.device, q.dtype
     if q.requires_grad or k.requires_grad or v.requires_grad or out.requires_grad or dout.requires_grad:
-        q, k, v, out, dout = interface._detached(q, k, v, out, dout)
-    q, k, v, dout = (interface.tma_ready(t) for t in (q, k, v, dout))
+        q, k, v, out, dout = _launch.detached(q, k, v, out, dout)
+    q, k, v, dout = (_launch.tma_ready(t) for t in (q, k, v, dout))
     if out.stride(-1) != 1:
         out = out.contiguous()
     lse2 = torch.empty(batch, heads_q, stat_rows, dtype=torch.float32, device=device)
@@ -105,7 +105,7 @@ def _run(spec, dout, q, k, v, out, lse, dq, dk, dv, causal, scale, deterministic
         lock = _NO_LOCK.get(device)
         if lock is None:
             lock = _NO_LOCK[device] = torch.zeros(1, 1, 1, dtype=torch.int32, device=device)
-    cu_q, cu_k = cu_seqlens if cu_seqlens is not None else (interface._stand_in(device),) * 2
+    cu_q, cu_k = cu_seqlens if cu_seqlens is not None else (_launch.stand_in(device),) * 2
     mask = masking.masking(causal, window, softcap, scale)  # as the forward saw the scores
     fn = _compile.get_backward(spec, dtype, head_dim, mask.causal, bool(deterministic), gqa, mask.local,
                                mask.softcap, cu_seqlens is not None)

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import torch
 
-from . import interface
+from . import _dispatch
 
 
 def values_checkable(device: torch.device) -> bool:
     """Whether the host may read index values now: tensors on a CUDA device (CPU and meta tensors
     never reach a kernel), outside torch.compile tracing, dispatch modes (FakeTensorMode's tensors
     hold no values) and CUDA-graph capture."""
-    return device.type == "cuda" and not (interface._tracing() or interface._dispatch_modes()
+    return device.type == "cuda" and not (_dispatch.tracing() or _dispatch.dispatch_modes()
                                           or torch.cuda.is_current_stream_capturing())
 
 

@@ -18,17 +18,19 @@ import math
 
 import torch
 
-from . import _compile, index_checks, interface, masking, registry
+from . import _checks, _compile, _dispatch, index_checks, masking, registry
 
 PAGE_MULTIPLE = 64  # the kernel's key block: a page holds whole blocks
 MAX_SPLITS = 64
 MIN_BLOCKS_PER_SPLIT = 4  # below this a split's fixed costs outweigh the keys it reads
 
 
-def _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kernel, window_size, softcap):
-    interface.check_tensor(q, "q", 4)
-    interface.check_tensor(k_cache, "k_cache", 4, q.dtype)
-    interface.check_tensor(v_cache, "v_cache", 4, q.dtype)
+def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kernel, window_size, softcap):
+    """attention_with_kvcache's arguments; returns (spec, cache_seqlens as an int32 tensor, capacity,
+    new tokens)."""
+    _checks.check_tensor(q, "q", 4)
+    _checks.check_tensor(k_cache, "k_cache", 4, q.dtype)
+    _checks.check_tensor(v_cache, "v_cache", 4, q.dtype)
     batch, seqlen_q, heads_q, head_dim = q.shape
     masking.check_window(window_size, softcap)
     if k_cache.shape != v_cache.shape:
@@ -66,8 +68,8 @@ def _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kernel, window
     if (k is None) != (v is None):
         raise ValueError("pass both k and v (the new tokens to append), or neither")
     if k is not None:
-        interface.check_tensor(k, "k", 4, q.dtype)
-        interface.check_tensor(v, "v", 4, q.dtype)
+        _checks.check_tensor(k, "k", 4, q.dtype)
+        _checks.check_tensor(v, "v", 4, q.dtype)
         if k.shape != v.shape or k.shape[0] != batch or k.shape[2:] != (heads_kv, head_dim):
             raise ValueError(f"k and v must both be (batch={batch}, new_tokens, heads_kv={heads_kv}, "
                              f"head_dim={head_dim}), got {tuple(k.shape)} and {tuple(v.shape)}")
@@ -80,9 +82,9 @@ def _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kernel, window
         if block_table is not None and appended and planes == 0:
             raise ValueError("k_cache has no pages (shape[0] = 0): the new tokens have nowhere to go")
     cache_seqlens = _seqlens_tensor(cache_seqlens, batch, q.device, capacity, appended, block_table, rows)
-    spec = interface._memo_rung(interface.family_rung, registry.KVCACHE, kernel, head_dim,
-                                "q and the cache")
-    interface.check_hopper(q.device, "q")
+    spec = _dispatch.memo_rung(_dispatch.family_rung, registry.KVCACHE, kernel, head_dim,
+                               "q and the cache")
+    _checks.check_hopper(q.device, "q")
     return spec, cache_seqlens, capacity, appended
 
 
@@ -153,7 +155,7 @@ def _dummy(kind, device, head_dim=None):
 def launch_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, capacity: int, appended: int,
                    causal: bool, scale: float, num_splits: int, window=(-1, -1), softcap: float = 0.0):
     """(out, lse) of rung `spec`; arguments are validated (`capacity`: keys a sequence can hold, from
-    `_check`) and the new tokens already appended."""
+    `check_kvcache`) and the new tokens already appended."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     device = q.device
     out = torch.empty(batch, seqlen_q, heads_q, head_dim, dtype=q.dtype, device=device)
@@ -169,7 +171,7 @@ def launch_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, capaci
         if mask.local:  # a window bounds the keys a query sees, whatever the cache holds
             keys = min(capacity, mask.left + mask.right + seqlen_q)
         num_splits = num_splits_for(batch, heads_kv, q_tiles, keys,
-                                    interface._sm_count(device.index), spec.config["tile_n"])
+                                    _checks.sm_count(device.index), spec.config["tile_n"])
     if num_splits > 1:
         o_partial = torch.empty(num_splits, batch, seqlen_q, heads_q, head_dim, dtype=torch.float32,
                                 device=device)
@@ -222,8 +224,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     positions (clamped page indices included). The results of bad values are then meaningless,
     but no kernel reads or writes outside its tensors and the CUDA context survives.
     """
-    spec, seqlens, capacity, appended = _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
-                                               kernel, window_size, softcap)
+    spec, seqlens, capacity, appended = check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens,
+                                                      block_table, kernel, window_size, softcap)
     window = tuple(window_size)
     scale = 1.0 / math.sqrt(q.shape[3]) if softmax_scale is None else float(softmax_scale)
     wait = None
@@ -235,7 +237,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
             wait()
             wait = None
         append_to_cache(k_cache, v_cache, k, v, seqlens, block_table, capacity)
-    if interface.direct_call_ok(q, k_cache, v_cache):
+    if _dispatch.direct_call_ok(q, k_cache, v_cache):
         out, lse = launch_kvcache(spec, q, k_cache, v_cache, seqlens, block_table, capacity, appended,
                                   bool(causal), scale, int(num_splits), window, softcap)
     else:

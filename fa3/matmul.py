@@ -1,7 +1,7 @@
 """fa3.gemm: validate once, pick a rung, launch (the GEMM half of the public API).
 
-The checks it shares with attention (tensors, outputs, the Hopper GPU, rung memo, the eager fast
-path) live in fa3.interface and are called through it.
+The checks it shares with attention (tensors, outputs, the Hopper GPU) live in fa3._checks, the
+rung memo and the eager fast path in fa3._dispatch.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import _compile, interface, registry
+from . import _checks, _compile, _dispatch, _launch, registry
 
 _TMA_ELEMS = 8  # 16 bytes of a 16-bit type: TMA's alignment for row strides and base addresses
 
@@ -25,7 +25,7 @@ MAX_SPLITS = 8
 MIN_SPLIT_K_TILES = 4
 
 
-class _OutputSpec(NamedTuple):  # what interface.check_output compares `out` against, without allocating
+class _OutputSpec(NamedTuple):  # what _checks.check_output compares `out` against, without allocating
     shape: torch.Size
     dtype: torch.dtype
     device: torch.device
@@ -41,7 +41,7 @@ def _aligned_view(t: torch.Tensor):
     stride a multiple of 8 elements (16 bytes) and at least the unit-stride extent (no overlapping
     rows). A length-1 dimension's stride is meaningless, so it is set to an aligned value (a view)."""
     rows, cols = t.shape
-    if not interface._tracing() and t.data_ptr() % 16:
+    if not _dispatch.tracing() and t.data_ptr() % 16:
         return None
     for layout, unit, extent, other, lead in (("row", t.stride(1), cols, rows, t.stride(0)),
                                                ("col", t.stride(0), rows, cols, t.stride(1))):
@@ -143,32 +143,32 @@ class _SplitBuffers:
         return buffers
 
 
-_SPLIT_BUFFERS = _SplitBuffers()
+SPLIT_BUFFERS = _SplitBuffers()
 
 
 def _gemm_rung(kernel):
     """The GEMM rung `kernel` (None: the fastest)."""
-    spec = registry.get(kernel if kernel is not None else interface._fastest_rung(registry.GEMM))
+    spec = registry.get(kernel if kernel is not None else _dispatch.fastest_rung(registry.GEMM))
     if spec.family != registry.GEMM:
         raise ValueError(f"kernel={kernel!r} is an attention rung; GEMM rungs are "
                          f"{registry.available_kernels(registry.GEMM)}")
     return spec
 
 
-def _check_gemm(a, b, out, kernel):
+def check_gemm(a, b, out, kernel):
     """Validate fa3.gemm's arguments (any 2-D pair that a @ b takes); returns the rung's spec."""
-    interface.check_tensor(a, "a", 2, unit_stride_last=False)
-    interface.check_tensor(b, "b", 2, a.dtype, unit_stride_last=False)
+    _checks.check_tensor(a, "a", 2, unit_stride_last=False)
+    _checks.check_tensor(b, "b", 2, a.dtype, unit_stride_last=False)
     (m, k), n = a.shape, b.shape[1]
     if b.shape[0] != k:
         raise ValueError(f"a is {tuple(a.shape)} and b is {tuple(b.shape)}: a's columns (K = {k}) must "
                          f"equal b's rows ({b.shape[0]}) for a @ b")
-    spec = interface._memo_rung(_gemm_rung, kernel)
+    spec = _dispatch.memo_rung(_gemm_rung, kernel)
     if b.device != a.device:
         raise ValueError(f"b is on {b.device} but a is on {a.device}; put them on one GPU")
     if out is not None:
-        interface.check_output(out, "out", _OutputSpec(torch.Size((m, n)), a.dtype, a.device))
-    interface.check_hopper(a.device, "a")
+        _checks.check_output(out, "out", _OutputSpec(torch.Size((m, n)), a.dtype, a.device))
+    _checks.check_hopper(a.device, "a")
     return spec
 
 
@@ -189,8 +189,8 @@ def gemm(a, b, *, out=None, kernel: str | None = None):
     wrapper: it traces under torch.compile and torch.export, can be captured in CUDA graphs, and
     is differentiable (dA = dC B^T and dB = A^T dC on the same kernels, through transposed views).
     """
-    spec = _check_gemm(a, b, out, kernel)
-    if interface.direct_call_ok(a, b):
+    spec = check_gemm(a, b, out, kernel)
+    if _dispatch.direct_call_ok(a, b):
         return launch_gemm(spec, a, b, out)
     result = torch.ops.fa3.gemm(a, b, spec.name)
     return result if out is None else out.copy_(result)  # the op is functional
@@ -207,12 +207,12 @@ def launch_gemm(spec, a, b, out=None):
     if k == 0:
         return out.zero_()
     if a.requires_grad or b.requires_grad:
-        a, b = interface._detached(a, b)
+        a, b = _launch.detached(a, b)
     a, a_layout = tma_operand(a)
     b, b_layout = tma_operand(b)
-    sm_count = interface._HOPPER_SMS[a.device]
+    sm_count = _checks.HOPPER_SMS[a.device]
     tiles, splits = (), 1
-    counters, workspace = _SPLIT_BUFFERS.get(a.device, sm_count)
+    counters, workspace = SPLIT_BUFFERS.get(a.device, sm_count)
     if spec.cls == "PersistentGemm":  # the ladder rungs g1/g2 keep their tiles
         tile_m, tile_n = _tile_shape(m, n, sm_count)
         tiles = tile_overrides(tile_m, tile_n) + a_box_rows(m, a_layout)

@@ -23,7 +23,7 @@ from symbolic input shapes without touching a GPU or compiling a kernel. `kernel
 (fa3.available_kernels()); fa3.attention and fa3.gemm resolve their `kernel=None` before calling.
 
 The public functions validate and, in plain eager calls, run the same implementation without the
-dispatcher (interface.direct_call_ok). When the ops do run (compiled graphs, dispatch modes,
+dispatcher (fa3._dispatch.direct_call_ok). When the ops do run (compiled graphs, dispatch modes,
 autograd, or direct calls to torch.ops.fa3.*) they validate their arguments again on real tensors,
 which is also where the GPU and pointer-alignment checks that tracing skips take place.
 """
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from . import backward, interface, kvcache, masking, matmul, varlen
+from . import _dispatch, backward, interface, kvcache, masking, matmul, varlen
 
 _ATTENTION_SCHEMA = ("(Tensor q, Tensor k, Tensor v, bool causal, float softmax_scale, str kernel, "
                      "bool deterministic=False, str? backward_kernel=None, int window_left=-1, "
@@ -47,9 +47,9 @@ def attention(q, k, v, causal, softmax_scale, kernel, deterministic=False, backw
               window_left=-1, window_right=-1, softcap=0.0):
     """(out, lse) of rung `kernel`: out shaped like q (contiguous), lse (batch, heads_q, seqlen_q) fp32.
     `deterministic` and `backward_kernel` are for the backward (None: the fastest rung)."""
-    spec = interface._check_attention(q, k, v, kernel)
+    spec = interface.check_attention(q, k, v, kernel)
     window = (window_left, window_right)
-    interface.check_variants(spec, masking.masking(causal, window, softcap, softmax_scale), "kernel")
+    _dispatch.check_variants(spec, masking.masking(causal, window, softcap, softmax_scale), "kernel")
     return interface.launch_attention(spec, q, k, v, causal, softmax_scale, None, window, softcap)
 
 
@@ -65,9 +65,9 @@ def _attention_fake(q, k, v, causal, softmax_scale, kernel, deterministic=False,
 def attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, kernel, deterministic,
                        window_left=-1, window_right=-1, softcap=0.0):
     """(dq, dk, dv), each contiguous and shaped like its input, with backward rung `kernel`."""
-    spec = backward._check_backward(dout, q, k, v, out, lse, kernel)
+    spec = backward.check_backward(dout, q, k, v, out, lse, kernel)
     window = (window_left, window_right)
-    interface.check_variants(spec, masking.masking(causal, window, softcap, softmax_scale), "backward_kernel")
+    _dispatch.check_variants(spec, masking.masking(causal, window, softcap, softmax_scale), "backward_kernel")
     return backward.launch_attention_backward(spec, dout, q, k, v, out, lse, causal, softmax_scale,
                                                deterministic, window, softcap)
 
@@ -90,7 +90,7 @@ def _save_for_backward(ctx, inputs, output):
 
 def _attention_grads(ctx, dout, _dlse):
     q, k, v, out, lse = ctx.saved_tensors
-    kernel = ctx.backward_kernel or interface._backward_rung(None, q.shape[3]).name
+    kernel = ctx.backward_kernel or _dispatch.backward_rung(None, q.shape[3]).name
     dq, dk, dv = torch.ops.fa3.attention_backward(dout, q, k, v, out, lse, ctx.causal,
                                                   ctx.softmax_scale, kernel, ctx.deterministic,
                                                   ctx.window[0], ctx.window[1], ctx.softcap)
@@ -103,7 +103,7 @@ attention.register_autograd(_attention_grads, setup_context=_save_for_backward)
 @torch.library.custom_op("fa3::gemm", mutates_args=(), schema="(Tensor a, Tensor b, str kernel) -> Tensor")
 def gemm(a, b, kernel):
     """a @ b with rung `kernel`: a new contiguous (M, N) tensor in a's dtype."""
-    return matmul.launch_gemm(matmul._check_gemm(a, b, None, kernel), a, b)
+    return matmul.launch_gemm(matmul.check_gemm(a, b, None, kernel), a, b)
 
 
 @gemm.register_fake
@@ -140,7 +140,7 @@ _VARLEN_BACKWARD_SCHEMA = ("(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor o
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, window_left,
                      window_right, softcap, kernel, deterministic=False, backward_kernel=None):
     """(out (total_q, heads_q, d), lse (heads_q, total_q)) of a packed variable-length batch."""
-    spec = varlen._check(q, k, v, cu_seqlens_q, cu_seqlens_k, None, None, kernel)
+    spec = varlen.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, None, None, kernel)
     return varlen.launch_varlen(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale,
                                 (window_left, window_right), softcap)
 
@@ -157,9 +157,9 @@ def _attention_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale,
                               kernel, deterministic, window_left, window_right, softcap):
     """(dq, dk, dv) of a packed batch, each contiguous and shaped like its input."""
-    spec = backward._check_backward(dout, q, k, v, out, lse, kernel, (cu_seqlens_q, cu_seqlens_k))
+    spec = backward.check_backward(dout, q, k, v, out, lse, kernel, (cu_seqlens_q, cu_seqlens_k))
     window = (window_left, window_right)
-    interface.check_variants(spec, masking.masking(causal, window, softcap, softmax_scale), "backward_kernel")
+    _dispatch.check_variants(spec, masking.masking(causal, window, softcap, softmax_scale), "backward_kernel")
     return backward.launch_varlen_backward(spec, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                                            causal, softmax_scale, deterministic, window, softcap)
 
@@ -182,7 +182,7 @@ def _varlen_save_for_backward(ctx, inputs, output):
 
 def _varlen_grads(ctx, dout, _dlse):
     q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-    kernel = ctx.backward_kernel or interface._backward_rung(None, q.shape[2]).name
+    kernel = ctx.backward_kernel or _dispatch.backward_rung(None, q.shape[2]).name
     dq, dk, dv = torch.ops.fa3.attention_varlen_backward(
         dout, q, k, v, out, lse, cu_q, cu_k, ctx.causal, ctx.softmax_scale, kernel, ctx.deterministic,
         ctx.window[0], ctx.window[1], ctx.softcap)
@@ -203,8 +203,8 @@ def attention_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, appended,
     """(out, lse) against the cache, whose last `appended` tokens per sequence are already written
     (fa3.attention_with_kvcache appends them before calling)."""
     window = (window_left, window_right)
-    spec, seqlens, capacity, _ = kvcache._check(q, k_cache, v_cache, None, None, cache_seqlens,
-                                                block_table, kernel, window, softcap)
+    spec, seqlens, capacity, _ = kvcache.check_kvcache(q, k_cache, v_cache, None, None, cache_seqlens,
+                                                       block_table, kernel, window, softcap)
     return kvcache.launch_kvcache(spec, q, k_cache, v_cache, seqlens, block_table, capacity, appended,
                                   causal, softmax_scale, num_splits, window, softcap)
 

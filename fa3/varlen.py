@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from . import index_checks, interface, masking, registry
+from . import _checks, _dispatch, _launch, index_checks, masking, registry
 
 
 def _check_offsets(cu, name: str, device, batch=None):
@@ -30,20 +30,22 @@ def _check_offsets(cu, name: str, device, batch=None):
         raise ValueError(f"{name} must be contiguous: pass {name}.contiguous()")
 
 
-def _run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_size,
-         softcap, kernel, check_values=True, deterministic=False, backward_kernel=None):
-    """attention_varlen's body: (out, lse). check_values=False: for callers that built the offsets
-    themselves from a mask (correct by construction), skipping the host copy that checks them."""
-    spec = _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kernel, check_values)
+def packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                     window_size, softcap, kernel, check_values=True, deterministic=False,
+                     backward_kernel=None):
+    """attention_varlen's body: (out, lse) of a packed batch. check_values=False: for callers that
+    built the offsets themselves from a mask (correct by construction), skipping the host copy
+    that checks them (fa3.integrations.transformers)."""
+    spec = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kernel, check_values)
     scale = 1.0 / math.sqrt(q.shape[2]) if softmax_scale is None else float(softmax_scale)
     window = tuple(window_size)
     masking.check_window(window, softcap)
-    if interface.direct_call_ok(q, k, v):
+    if _dispatch.direct_call_ok(q, k, v):
         return launch_varlen(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, bool(causal), scale, window, softcap)
-    bwd = interface._memo_rung(interface._backward_rung, backward_kernel, q.shape[2])
+    bwd = _dispatch.memo_rung(_dispatch.backward_rung, backward_kernel, q.shape[2])
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         check_varlen_rung(bwd, "backward_kernel")
-        interface.check_variants(bwd, masking.masking(bool(causal), window, softcap, scale), "backward_kernel")
+        _dispatch.check_variants(bwd, masking.masking(bool(causal), window, softcap, scale), "backward_kernel")
     return torch.ops.fa3.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, bool(causal), scale,
                                           window[0], window[1], float(softcap), spec.name,
                                           bool(deterministic), bwd.name)
@@ -56,13 +58,15 @@ def check_varlen_rung(spec, argument: str) -> None:
                          f"{_varlen_rungs(spec.family)} (or {argument}=None)")
 
 
-def _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kernel, check_values=True):
-    (total_q, _, head_dim), (total_k, _, _) = interface.check_qkv(q, k, v, "(total_k, heads_kv, head_dim)")
+def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kernel, check_values=True):
+    """attention_varlen's arguments (the offsets' values too, where check_values and the call allow
+    a host copy: fa3.index_checks); returns the rung's spec."""
+    (total_q, _, head_dim), (total_k, _, _) = _checks.check_qkv(q, k, v, "(total_k, heads_kv, head_dim)")
     device = q.device
     _check_offsets(cu_seqlens_q, "cu_seqlens_q", device)
     _check_offsets(cu_seqlens_k, "cu_seqlens_k", device, batch=cu_seqlens_q.shape[0] - 1)
-    spec = interface._memo_rung(_varlen_rung, kernel, head_dim)
-    interface.check_hopper(device, "q")
+    spec = _dispatch.memo_rung(_varlen_rung, kernel, head_dim)
+    _checks.check_hopper(device, "q")
     if check_values and index_checks.values_checkable(device):
         index_checks.check_offset_values(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q,
                                          max_seqlen_k)
@@ -72,10 +76,10 @@ def _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kern
 def _varlen_rung(kernel, head_dim):
     """An attention rung that compiles the varlen variant (None: the fastest such rung)."""
     if kernel is not None:
-        spec = interface.family_rung(registry.ATTENTION, kernel, head_dim, "q, k and v")
+        spec = _dispatch.family_rung(registry.ATTENTION, kernel, head_dim, "q, k and v")
         check_varlen_rung(spec, "kernel")
         return spec
-    interface.family_rung(registry.ATTENTION, None, head_dim, "q, k and v")  # head_dim's message
+    _dispatch.family_rung(registry.ATTENTION, None, head_dim, "q, k and v")  # head_dim's message
     return registry.get(_fastest_varlen_rung())
 
 
@@ -101,12 +105,12 @@ def launch_varlen(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale
     if k.shape[0] == 0:  # no keys anywhere: O = 0, LSE = -inf
         return out.zero_(), lse.fill_(float("-inf"))
     if q.requires_grad or k.requires_grad or v.requires_grad:
-        q, k, v = interface._detached(q, k, v)
+        q, k, v = _launch.detached(q, k, v)
     # the kernel takes flash-attn's 4-D layout with one batch entry holding every sequence
-    q4, k4, v4 = (interface.tma_ready(t.unsqueeze(0)) for t in (q, k, v))
+    q4, k4, v4 = (_launch.tma_ready(t.unsqueeze(0)) for t in (q, k, v))
     args = [q4, k4, v4, out.unsqueeze(0), lse.unsqueeze(0)]
-    interface.run_attention(spec, q.dtype, head_dim, masking.masking(causal, window, softcap, scale),
-                            args, q.device, cu_seqlens=(cu_seqlens_q, cu_seqlens_k))
+    _launch.run_attention(spec, q.dtype, head_dim, masking.masking(causal, window, softcap, scale),
+                          args, q.device, cu_seqlens=(cu_seqlens_q, cu_seqlens_k))
     return out, lse
 
 
@@ -129,7 +133,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     The offsets are checked on the host (one small copy) except while a CUDA graph is captured or
     torch.compile traces; the kernels themselves need no host sync.
     """
-    out, lse = _run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                    window_size, softcap, kernel, deterministic=deterministic,
-                    backward_kernel=backward_kernel)
+    out, lse = packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                softmax_scale, window_size, softcap, kernel, deterministic=deterministic,
+                                backward_kernel=backward_kernel)
     return (out, lse) if return_lse else out

@@ -123,5 +123,5 @@ def test_empty_inputs():
 
 
 def test_default_kernel_is_fastest():
-    assert fa3.interface._check_attention(*_inputs((1, 8, 8, 1, 1), 128, torch.bfloat16, 0), None) \
+    assert fa3.interface.check_attention(*_inputs((1, 8, 8, 1, 1), 128, torch.bfloat16, 0), None) \
         is registry.fastest(registry.ATTENTION, 128)

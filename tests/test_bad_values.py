@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import fa3
-from fa3 import index_checks, interface, kvcache
+from fa3 import _checks, index_checks, kvcache
 
 from conftest import compute_sanitizer, raises_with, run_script
 
@@ -121,7 +121,7 @@ def test_append_clamps_unchecked_values(paged):
 def test_eager_append_refused_before_writing(monkeypatch):
     """The eager check waits for its values before the append: a refused call leaves the cache as
     it was (CPU tensors let through the device checks)."""
-    monkeypatch.setattr(interface, "check_hopper", lambda device, name: None)
+    monkeypatch.setattr(_checks, "check_hopper", lambda device, name: None)
     monkeypatch.setattr(index_checks, "values_checkable", lambda device: True)
     kc = torch.zeros(PAGES, PAGE, 2, 128, dtype=BF16)
     k = torch.randn(2, 2, 2, 128, dtype=BF16)

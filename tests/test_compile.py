@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import fa3.__main__ as cli
-from fa3 import _compile, matmul, registry
+from fa3 import _compile, _dsl, matmul, registry
 
 cli.prepare_dsl_env()  # before the first compile imports cutlass: sm_90a, no PTX files in the cwd
 
@@ -40,7 +40,7 @@ def test_compiles_with_promised_ptx(name, head_dim, causal, capsys):
     with capsys.disabled():
         print(f"\n  {result.line()}", end="")
     ptx = result.report.ptx
-    assert f".target {_compile.TARGET_ARCH}" in ptx
+    assert f".target {_dsl.TARGET_ARCH}" in ptx
     assert len(result.report.cubin) > 0
     assert result.report.registers, "ptxas reported no register counts"
     for promise in spec.ptx_promises:
@@ -132,7 +132,7 @@ def test_cli_compile(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     ptx, cubin = out / f"{name}.ptx", out / f"{name}.cubin"
     assert ptx.stat().st_size > 0 and cubin.stat().st_size > 0
-    assert f".target {_compile.TARGET_ARCH}" in ptx.read_text()
+    assert f".target {_dsl.TARGET_ARCH}" in ptx.read_text()
     assert "registers" in proc.stdout and "PTX promises ok" in proc.stdout
     for promise in registry.get(name).ptx_promises:
         assert f"{promise!r}: present" in proc.stdout

@@ -20,7 +20,7 @@ import torch
 
 import fa3
 import fa3.__main__ as cli
-from fa3 import _compile, _disk_cache, registry
+from fa3 import _compile, _disk_cache, _dsl, registry
 
 BF16 = torch.bfloat16
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -60,10 +60,10 @@ def test_attention_key_changes_with_every_compiled_in_parameter(monkeypatch):
                 key(s=registry.get(registry.available_kernels(registry.ATTENTION)[0])),
                 key(s=replace(spec, config={**spec.config, "tile_n": 64})),
                 key(s=replace(spec, per_head_dim={128: {"kv_stages": 7}}))]
-    monkeypatch.setattr(_compile, "TARGET_ARCH", "sm_90")
+    monkeypatch.setattr(_dsl, "TARGET_ARCH", "sm_90")
     variants.append(key())
     monkeypatch.undo()
-    monkeypatch.setattr(_compile, "dsl_version", lambda: "0.0.0")
+    monkeypatch.setattr(_dsl, "version", lambda: "0.0.0")
     variants.append(key())
     assert len({base, *variants}) == len(variants) + 1
 
@@ -74,7 +74,7 @@ def test_gemm_key_changes_with_every_compiled_in_parameter(monkeypatch):
     base = key()
     variants = [key(dtype=torch.float16), key(a="col"), key(b="col"), key(s=registry.get("g1")),
                 key(s=replace(spec, config={**spec.config, "group_m": 8}))]
-    monkeypatch.setattr(_compile, "dsl_version", lambda: "0.0.0")
+    monkeypatch.setattr(_dsl, "version", lambda: "0.0.0")
     variants.append(key())
     assert len({base, *variants}) == len(variants) + 1
 
@@ -194,7 +194,7 @@ def stand_in_dsl(monkeypatch, cache_dir):
     shared library is linked (there is no C compiler)."""
     cute = SimpleNamespace(runtime=SimpleNamespace(find_runtime_libraries=lambda enable_tvm_ffi=False: [],
                                                    load_module=stand_in_load_module))
-    monkeypatch.setattr(_compile, "_import_cute", lambda: (None, cute))
+    monkeypatch.setattr(_dsl, "import_cute", lambda: (None, cute))
     monkeypatch.setattr(_disk_cache, "_c_compiler", lambda: None)
     built = []
 

@@ -178,7 +178,7 @@ def test_split_k(m, n, k):
     check(None, a, b)
     first, second = fa3.gemm(a, b), fa3.gemm(a, b)
     assert torch.equal(first, second), "split-K is not deterministic"
-    counters, _ = matmul._SPLIT_BUFFERS.get(a.device, sms)
+    counters, _ = matmul.SPLIT_BUFFERS.get(a.device, sms)
     assert int(counters.abs().sum()) == 0, "a tile counter was left nonzero"
 
 

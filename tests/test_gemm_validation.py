@@ -78,7 +78,6 @@ ODD_OPERANDS = {
 @pytest.mark.parametrize("case", ODD_OPERANDS)
 def test_odd_operands_are_copied_aligned(case):
     t = ODD_OPERANDS[case]()
-    assert matmul._aligned_view(t) is None
     view, layout = matmul.tma_operand(t)
     assert layout == "row" and torch.equal(view, t) and view.data_ptr() != t.data_ptr()
     assert view.stride(1) == 1 and view.stride(0) % 8 == 0 and view.data_ptr() % 16 == 0
@@ -162,7 +161,7 @@ def test_unknown_kernel():
 ])
 def test_row_major_operands_are_views(shape, layout, strides):
     t = torch.randn(*shape, dtype=BF16)
-    view, got = matmul._aligned_view(t)
+    view, got = matmul.tma_operand(t)
     assert (got, view.stride()) == (layout, strides) and view.data_ptr() == t.data_ptr()
 
 
@@ -173,7 +172,7 @@ def test_row_major_operands_are_views(shape, layout, strides):
 ])
 def test_transposed_operands_are_views(stored, layout, strides):
     t = torch.randn(*stored, dtype=BF16).t()
-    view, got = matmul._aligned_view(t)
+    view, got = matmul.tma_operand(t)
     assert (got, view.stride()) == (layout, strides) and view.data_ptr() == t.data_ptr()
 
 

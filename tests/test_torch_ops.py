@@ -12,7 +12,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fa3
-from fa3 import interface, registry
+from fa3 import _checks, _dispatch, registry
 
 BF16 = torch.bfloat16
 ATTENTION = registry.fastest(registry.ATTENTION, 128).name
@@ -23,7 +23,7 @@ BACKWARD_64 = registry.fastest(registry.BACKWARD, 64).name
 @pytest.fixture
 def meta_ok(monkeypatch):
     """Let meta tensors through the device check (they carry shapes and dtypes only)."""
-    monkeypatch.setattr(interface, "check_hopper", lambda device, name: None)
+    monkeypatch.setattr(_checks, "check_hopper", lambda device, name: None)
 
 
 def meta(*shape, dtype=BF16):
@@ -122,17 +122,17 @@ def test_validation_runs_when_traced(meta_ok):
 def test_direct_call_only_for_plain_eager_tensors():
     """Eager calls skip the dispatcher only when it would add nothing (see direct_call_ok)."""
     t = torch.empty(2, 2)
-    assert interface.direct_call_ok(t, t)
+    assert _dispatch.direct_call_ok(t, t)
     with torch.no_grad():
-        assert interface.direct_call_ok(t, t.requires_grad_())
-    assert not interface.direct_call_ok(t, t)  # requires grad: the op's autograd error must fire
+        assert _dispatch.direct_call_ok(t, t.requires_grad_())
+    assert not _dispatch.direct_call_ok(t, t)  # requires grad: the op's autograd error must fire
     t = torch.empty(2, 2)
     with FakeTensorMode() as mode:
-        assert not interface.direct_call_ok(mode.from_tensor(t))
-        assert not interface.direct_call_ok(t)  # a dispatch mode is active
-    assert not interface.direct_call_ok(torch.nn.Parameter(t))  # a subclass
+        assert not _dispatch.direct_call_ok(mode.from_tensor(t))
+        assert not _dispatch.direct_call_ok(t)  # a dispatch mode is active
+    assert not _dispatch.direct_call_ok(torch.nn.Parameter(t))  # a subclass
     with torch.profiler.profile():  # the profiler should see fa3::attention by name
-        assert not interface.direct_call_ok(t)
+        assert not _dispatch.direct_call_ok(t)
 
 
 @pytest.mark.parametrize("heads_kv", [4, 1], ids=["mha", "mqa"])

@@ -77,7 +77,7 @@ def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, 
 @pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2"])
 def test_mapping_matches_eager_on_cpu(kind, padding, monkeypatch):
     monkeypatch.setattr(fa3_hf, "attention", _reference_attention)
-    monkeypatch.setattr(fa3_hf, "_run_varlen", _reference_varlen)
+    monkeypatch.setattr(fa3_hf, "packed_attention", _reference_varlen)
     model = make_model(kind, "cpu", torch.float32)
     ids, mask = batch("cpu", padding)
     got, want = logits_of(model, "fa3", ids, mask, padding), logits_of(model, "eager", ids, mask, padding)
@@ -98,7 +98,7 @@ def parameter_grads(model, impl, ids, mask, padding):
 @pytest.mark.parametrize("padding", ["right", "left"])
 def test_padded_training_mapping_on_cpu(padding, monkeypatch):
     """Gradients flow through the unpad gather and the scatter back (padded rows get none)."""
-    monkeypatch.setattr(fa3_hf, "_run_varlen", _reference_varlen)
+    monkeypatch.setattr(fa3_hf, "packed_attention", _reference_varlen)
     model = make_model("mistral", "cpu", torch.float32).train()
     ids, mask = batch("cpu", padding)
     got, want = (parameter_grads(model, impl, ids, mask, padding) for impl in ("fa3", "eager"))
@@ -108,7 +108,7 @@ def test_padded_training_mapping_on_cpu(padding, monkeypatch):
 def test_generation_mapping_on_cpu(monkeypatch):
     """Decode steps over a left-padded cache (every new query real: no gather or scatter of q)
     give eager's tokens and logits."""
-    monkeypatch.setattr(fa3_hf, "_run_varlen", _reference_varlen)
+    monkeypatch.setattr(fa3_hf, "packed_attention", _reference_varlen)
     model = make_model("llama", "cpu", torch.float32)
     ids, mask = batch("cpu", "left")
     runs = {}

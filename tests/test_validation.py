@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fa3
-from fa3 import interface, registry
+from fa3 import _checks, registry
 from fa3.reference import attention_reference, causal_mask
 from conftest import raises_with
 
@@ -135,11 +135,11 @@ def test_cpu_tensors(kernel):
 
 def test_non_hopper_gpu(monkeypatch):
     # a fresh memo of checked devices: on a real Hopper machine earlier tests have filled it
-    monkeypatch.setattr(interface, "_HOPPER_SMS", {})
-    monkeypatch.setattr(interface, "_device_capability", lambda index: (8, 0))
+    monkeypatch.setattr(_checks, "HOPPER_SMS", {})
+    monkeypatch.setattr(_checks, "_device_capability", lambda index: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA A100-SXM4-80GB")
     with pytest.raises(RuntimeError) as info:
-        interface.check_hopper(torch.device("cuda", 0), "q")
+        _checks.check_hopper(torch.device("cuda", 0), "q")
     msg = str(info.value)
     for w in ("q", "A100", "sm_80", "Hopper", "sm_90"):
         assert w in msg, f"{w!r} not in the message: {msg}"
@@ -148,7 +148,7 @@ def test_non_hopper_gpu(monkeypatch):
 @pytest.fixture
 def no_device_check(monkeypatch):
     """Let CPU tensors through the device check, to reach the checks that come after it."""
-    monkeypatch.setattr(interface, "check_hopper", lambda device, name: None)
+    monkeypatch.setattr(_checks, "check_hopper", lambda device, name: None)
 
 
 @pytest.mark.parametrize("bad", ["shape", "dtype", "strided", "not a tensor"])

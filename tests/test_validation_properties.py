@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import fa3  # noqa: E402
-from fa3 import index_checks, interface, kvcache, matmul, registry, varlen  # noqa: E402
+from fa3 import _checks, index_checks, interface, kvcache, matmul, registry, varlen  # noqa: E402
 
 SETTINGS = settings(max_examples=100, deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -226,7 +226,7 @@ def _mode(mode):
         yield
         return
     with contextlib.ExitStack() as stack:
-        stack.enter_context(mock.patch.object(interface, "check_hopper", lambda device, name: None))
+        stack.enter_context(mock.patch.object(_checks, "check_hopper", lambda device, name: None))
         checked = (lambda device: device.type == "cpu") if mode == "checked" else (lambda device: False)
         stack.enter_context(mock.patch.object(index_checks, "values_checkable", checked))
         for (module, name), fn in STAND_INS.items():

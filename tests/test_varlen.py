@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fa3
-from fa3 import index_checks, interface, registry
+from fa3 import _dispatch, index_checks, registry
 from fa3.reference import attention_reference
 
 from conftest import HAS_HOPPER, raises_with, rel_err
@@ -101,7 +101,7 @@ def test_varlen_backward_rung_must_take_packed_batches(monkeypatch):
     cu = torch.tensor([0, 10], dtype=torch.int32, device="cuda")
     plain = dataclasses.replace(registry.get("b1"), variants=("local", "softcap"))
     monkeypatch.setattr(registry, "get", lambda name, _get=registry.get: plain if name == "b1" else _get(name))
-    monkeypatch.setattr(interface, "_RUNGS", {})  # resolved rungs are remembered
+    monkeypatch.setattr(_dispatch, "_RUNGS", {})  # resolved rungs are remembered
     raises_with(fa3.attention_varlen, ValueError, "backward_kernel='b1'", "packed", q=q, k=q, v=q,
                 cu_seqlens_q=cu, cu_seqlens_k=cu, backward_kernel="b1")
 

@@ -25,7 +25,7 @@ import weakref
 import torch
 
 from ..interface import attention
-from ..varlen import _run as _run_varlen
+from ..varlen import packed_attention
 
 NAME = "fa3"
 
@@ -78,8 +78,8 @@ def _unpadded(q, k, v, mask, causal, scaling, window, softcap):
     all_queries = q_index.shape[0] == batch * seqlen_q
     q_packed = q.flatten(0, 1) if all_queries else q.flatten(0, 1)[q_index]
     # the offsets come from the mask: no host copy to check them (the op still runs the kernel)
-    out, _ = _run_varlen(q_packed, k.flatten(0, 1)[k_index], v.flatten(0, 1)[k_index],
-                         cu_q, cu_k, None, None, causal, scaling, window, softcap, None, check_values=False)
+    out, _ = packed_attention(q_packed, k.flatten(0, 1)[k_index], v.flatten(0, 1)[k_index], cu_q, cu_k,
+                              None, None, causal, scaling, window, softcap, None, check_values=False)
     if all_queries:
         return out.view(q.shape)
     padded = q.new_zeros(batch * seqlen_q, *q.shape[2:])

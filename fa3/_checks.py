@@ -1,0 +1,108 @@
+"""The argument checks the entry points share, with their messages: tensors (type, rank, dtype,
+unit-stride last dimension), q/k/v alike, preallocated outputs, and the Hopper GPU (whose SM count
+the persistent kernels take). Every message names the argument and the fix; kernels never
+re-validate.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from . import _dispatch
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(index: int) -> int:
+    """The SM count of CUDA device `index`."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+# Devices that passed check_hopper -> their SM count (what persistent kernels take): one dict
+# lookup per call answers both questions.
+HOPPER_SMS: dict[torch.device, int] = {}
+
+
+def check_hopper(device: torch.device, name: str) -> None:
+    """`name` must live on an sm_90 GPU (H100/H200/H800): the kernels use Hopper-only instructions.
+
+    While torch.compile or torch.export traces a call only the device type is checked: the
+    registered op checks the GPU itself when it runs."""
+    if device.type != "cuda":
+        raise ValueError(f"{name} is on {device}; fa3 runs on a CUDA GPU: move it with {name}.cuda()")
+    # tracing() first: traced code must not read (and so guard on) the memo
+    if _dispatch.tracing() or device in HOPPER_SMS:
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    cap = _device_capability(index)
+    if cap != (9, 0):
+        raise RuntimeError(
+            f"{name} is on {torch.cuda.get_device_name(index)} (sm_{cap[0]}{cap[1]}); fa3's kernels "
+            "need a Hopper GPU (sm_90: H100, H200, H800). Use torch.nn.functional."
+            "scaled_dot_product_attention on other GPUs.")
+    if device.index is not None:  # tensors' devices always carry an index
+        HOPPER_SMS[device] = sm_count(index)
+
+
+def check_tensor(t, name: str, ndim: int, dtype=None, unit_stride_last: bool = True) -> None:
+    """Type, rank, dtype and (unless `unit_stride_last` is False: GEMM operands may be
+    transposed views) a unit-stride last dimension: what every kernel argument needs."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name} has dtype {t.dtype}; fa3 supports torch.bfloat16 and torch.float16: "
+                        f"convert with {name}.to(torch.bfloat16)")
+    if dtype is not None and t.dtype != dtype:
+        raise TypeError(f"{name} has dtype {t.dtype} but the first argument is {dtype}; "
+                        "all inputs must share one dtype")
+    if unit_stride_last and t.stride(-1) != 1 and t.numel():
+        raise ValueError(f"{name} must be contiguous in its last dimension (stride {t.stride(-1)}); "
+                         f"pass {name}.contiguous()")
+
+
+def check_output(out, name: str, like) -> None:
+    """`out` must match `like`'s shape, dtype and device (a tensor, or anything with those three
+    fields), contiguous and 16-byte aligned."""
+    if not isinstance(out, torch.Tensor) or out.shape != like.shape or out.dtype != like.dtype \
+            or out.device != like.device:
+        raise ValueError(f"{name} must be a tensor of shape {tuple(like.shape)}, dtype {like.dtype} "
+                         f"on {like.device}; allocate it with torch.empty_like(...)")
+    # traced calls (torch.compile) copy the op's result into `out`: its address does not matter
+    if not out.is_contiguous() or (not _dispatch.tracing() and out.data_ptr() % 16):
+        raise ValueError(f"{name} must be contiguous and 16-byte aligned; allocate it with "
+                         "torch.empty_like(..., memory_format=torch.contiguous_format)")
+
+
+def check_qkv(q, k, v, kv_layout: str):
+    """What every q, k, v entry point needs, for any leading dimensions: types, ranks, dtypes,
+    k and v alike (`kv_layout` names their dimensions), one head_dim, heads_q a multiple of
+    heads_kv, one device. Returns (q.shape, k.shape)."""
+    ndim = kv_layout.count(",") + 1
+    check_tensor(q, "q", ndim)
+    check_tensor(k, "k", ndim, q.dtype)
+    check_tensor(v, "v", ndim, q.dtype)
+    q_shape, k_shape = q.shape, k.shape  # (each .shape builds a new torch.Size: read it once)
+    if k_shape != v.shape:
+        raise ValueError(f"k {tuple(k_shape)} and v {tuple(v.shape)} must have the same shape {kv_layout}")
+    head_dim, heads_q, heads_kv = q_shape[-1], q_shape[-2], k_shape[-2]
+    if k_shape[-1] != head_dim:
+        raise ValueError(f"q has head_dim {head_dim} but k and v have head_dim {k_shape[-1]}; "
+                         "fa3 needs the same head_dim for q, k and v")
+    if heads_kv == 0 or heads_q % heads_kv != 0:
+        raise ValueError(f"heads_q={heads_q} must be a multiple of heads_kv={heads_kv} "
+                         "(GQA/MQA share each k/v head among heads_q // heads_kv query heads)")
+    device = q.device
+    if k.device != device or v.device != device:
+        name, t = ("k", k) if k.device != device else ("v", v)
+        raise ValueError(f"{name} is on {t.device} but q is on {device}; put them on one GPU")
+    return q_shape, k_shape

@@ -1,0 +1,110 @@
+"""Which implementation serves a call: the rung, and whether the call may skip torch's dispatcher.
+
+Rungs: `kernel=None` picks the fastest rung of a family for the head dim; a named rung is checked
+against its family, the head dim and the variants the call needs (window, softcap), in messages
+that name the argument. Eager calls remember what they resolved (memo_rung: one dict lookup).
+
+Direct calls: a plain eager call runs an op's implementation itself (direct_call_ok); traced
+calls, dispatch and function modes, functorch transforms, autograd and the profiler go through
+torch.ops.fa3 (fa3.ops).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import masking, registry
+
+# True while torch.compile or torch.export traces the call: checks that need real data (pointers,
+# the GPU) are left to the registered op (fa3.ops), which runs them on real tensors.
+tracing = torch.compiler.is_compiling
+# How many dispatch modes (FakeTensorMode, ...) are active: their tensors hold no values.
+dispatch_modes = torch._C._len_torch_dispatch_stack
+_function_modes = torch._C._is_torch_function_mode_enabled
+_functorch_transforms = torch._C._are_functorch_transforms_active
+_profiling = torch._C._autograd._profiler_enabled
+
+
+def direct_call_ok(*tensors) -> bool:
+    """Whether calling an op's implementation directly does exactly what dispatching through
+    torch.ops.fa3 would: not traced (torch.compile, torch.export), no dispatch or function modes
+    (FakeTensorMode, FlopCounterMode, ...), no functorch transforms, plain tensors that need no
+    autograd, and no profiler (which should see the op by name). The dispatcher costs ~10 us a
+    call; the eager wrappers skip it when this holds."""
+    if tracing() or dispatch_modes() or _function_modes() \
+            or _functorch_transforms() or _profiling():
+        return False
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if type(t) is not torch.Tensor or (grad and t.requires_grad):
+            return False
+    return True
+
+
+# (resolver, arguments) -> rung, for arguments the resolver accepted: eager calls skip the registry
+# scan. Traced calls (torch.compile) bypass it, so compiled graphs never guard on its contents.
+_RUNGS: dict[tuple, registry.KernelSpec] = {}
+
+
+def memo_rung(resolve, *args):
+    """resolve(*args), remembered for eager calls (it raises for bad arguments: never stored)."""
+    if tracing():
+        return resolve(*args)
+    spec = _RUNGS.get((resolve, *args))
+    if spec is None:
+        spec = _RUNGS[(resolve, *args)] = resolve(*args)
+    return spec
+
+
+def attention_rung(kernel, head_dim):
+    """The attention rung `kernel` (None: the fastest for head_dim), checked to support head_dim."""
+    return family_rung(registry.ATTENTION, kernel, head_dim, "q, k and v")
+
+
+def family_rung(family, kernel, head_dim, operands):
+    """The `family` rung `kernel` (None: the fastest for head_dim), checked to support head_dim;
+    `operands` names what to pad in the message for an unsupported head_dim."""
+    spec = registry.get(kernel) if kernel is not None else None
+    if spec is not None and spec.family != family:
+        raise ValueError(f"kernel={kernel!r} is a {spec.family} rung; {family} rungs are "
+                         f"{registry.available_kernels(family)}")
+    supported = spec.head_dims if spec is not None else sorted(
+        {d for n in registry.available_kernels(family) for d in registry.get(n).head_dims})
+    if head_dim not in supported:
+        raise ValueError(f"head_dim={head_dim} is not supported{' by ' + kernel if kernel else ''}; "
+                         f"supported head dims are {tuple(supported)}: pad {operands} to the next one")
+    if spec is not None:
+        return spec
+    # the supported value equal to head_dim: a plain int even where torch.compile made it symbolic
+    head_dim = next(d for d in supported if d == head_dim)
+    return registry.get(fastest_rung(family, head_dim))
+
+
+def backward_rung(kernel, head_dim):
+    """The backward rung `kernel` (None: the fastest for head_dim), checked to support head_dim."""
+    if kernel is None:
+        # (a plain int even where torch.compile made head_dim symbolic; the forward checked it)
+        head_dim = next(d for d in (64, 128, 256) if d == head_dim)
+        return registry.get(fastest_rung(registry.BACKWARD, head_dim))
+    spec = registry.get(kernel)
+    if spec.family != registry.BACKWARD:
+        raise ValueError(f"backward_kernel={kernel!r} is not a backward rung ({spec.family}); backward rungs are "
+                         f"{registry.available_kernels(registry.BACKWARD)}")
+    if head_dim not in spec.head_dims:
+        raise ValueError(f"head_dim={head_dim} is not supported by {kernel}; it supports "
+                         f"{spec.head_dims}")
+    return spec
+
+
+@torch.compiler.assume_constant_result
+def fastest_rung(family: str, head_dim: int | None = None) -> str:
+    """registry.fastest's name; torch.compile takes it as a constant (it cannot trace max(key=))."""
+    return registry.fastest(family, head_dim).name
+
+
+def check_variants(spec, mask: masking.Masking, argument: str) -> None:
+    """A window or softcap needs a rung that compiles them (registry `variants`)."""
+    if not mask.plain and not spec.variants:
+        raise ValueError(f"{argument}={spec.name!r} supports neither window_size nor softcap; "
+                         f"rungs that do: {[n for n in registry.available_kernels(spec.family) if registry.get(n).variants]}"
+                         f" (or {argument}=None)")

@@ -1,0 +1,63 @@
+"""What the launches share, once the arguments are checked: views the kernels can take (TMA-ready,
+detached), per-device stand-ins for tensor arguments a kernel does not read, and the attention
+forward kernel's launch, which fa3.attention and fa3.attention_varlen both end in.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _checks, _compile, masking
+
+
+def detached(*tensors):
+    """Views that do not require grad (same memory): kernels take tensors through DLPack, which
+    refuses tensors that require grad (they reach a kernel under no_grad, or through the op)."""
+    return tuple(t.detach() if t.requires_grad else t for t in tensors)
+
+
+def tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """Kernels assume 16-byte aligned base and strides (TMA's rule). Views that already satisfy it,
+    such as q/k/v sliced from one packed qkv tensor, pass through without a copy; others are
+    copied once into a fresh (aligned) contiguous tensor."""
+    s0, s1, s2, s3 = t.stride()  # (batch, seqlen, heads, head_dim); 16 bytes = 8 bf16/fp16 elements
+    # (stride 0: an expanded tensor, such as the gradient of a .sum(), is copied too)
+    if t.data_ptr() % 16 == 0 and s0 % 8 == 0 and s1 % 8 == 0 and s2 % 8 == 0 and s3 == 1 \
+            and s0 and s1 and s2:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+_STAND_IN: dict = {}
+
+
+def stand_in(device) -> torch.Tensor:
+    """One int32 zero per device: what a kernel gets for a tensor argument it does not read."""
+    t = _STAND_IN.get(device)
+    if t is None:
+        t = _STAND_IN[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return t
+
+
+def tile_counter(spec, causal: bool, device) -> torch.Tensor:
+    """The GMEM counter a dynamically scheduled rung hands tiles out from: zeroed per call (on the
+    call's stream, so graphs capture it). Static schedules never touch it: one shared stand-in."""
+    if causal and spec.config.get("dynamic_schedule"):
+        return torch.zeros(1, dtype=torch.int32, device=device)
+    return stand_in(device)
+
+
+def run_attention(spec, dtype, head_dim: int, mask: masking.Masking, args: list, device,
+                  cu_seqlens=None):
+    """Append the runtime arguments after (q, k, v, o, lse[, scores]) and launch: the scale, the
+    persistent ones, and the variants' (cu_seqlens_q/k when varlen, window edges, softcap scale)."""
+    fn = _compile.get_attention(spec, dtype, head_dim, mask.causal, cu_seqlens is not None,
+                                mask.local, mask.softcap)
+    args.append(mask.scale_log2)
+    if spec.persistent:
+        args.append(_checks.HOPPER_SMS[device])
+        args.append(tile_counter(spec, mask.causal, device))
+    if spec.variants:
+        cu_q, cu_k = cu_seqlens if cu_seqlens is not None else (stand_in(device),) * 2
+        args += [cu_q, cu_k, mask.left, mask.right, mask.softcap_scale]
+    fn(*args)
