@@ -17,7 +17,6 @@ exits with status 1.
 from __future__ import annotations
 
 import argparse
-import math
 import time
 
 import torch

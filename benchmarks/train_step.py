@@ -118,7 +118,7 @@ def train(model, tokens, steps, step_fn):
 
     for _ in range(steps):
         times.append(event_times_ms(step, 1)[0])
-    return [l.item() for l in losses], times
+    return [loss.item() for loss in losses], times
 
 
 def median(xs):
@@ -136,7 +136,8 @@ def compare(name, make_model, tokens, steps, step_fns) -> bool:
         results[label] = train(model, tokens, steps, fn)
         del model
         torch.cuda.empty_cache()
-        print(f"  {name} {label:<5} losses " + " ".join(f"{l:.4f}" for l in results[label][0]), flush=True)
+        losses = " ".join(f"{loss:.4f}" for loss in results[label][0])
+        print(f"  {name} {label:<5} losses {losses}", flush=True)
     (fa3_losses, fa3_ms), (sdpa_losses, sdpa_ms) = results["fa3"], results["sdpa"]
     worst = max(abs(a - b) / abs(b) for a, b in zip(fa3_losses, sdpa_losses))
     # the first step compiles (fa3) or autotunes: the median of the rest

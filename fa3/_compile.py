@@ -341,8 +341,8 @@ class CompileReport:
                    re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", self.ptxas_log))
 
     def summary(self) -> str:
-        lines = [l.split("info    :")[-1].strip() for l in self.ptxas_log.splitlines()
-                 if "registers" in l or "spill" in l]
+        lines = [line.split("info    :")[-1].strip() for line in self.ptxas_log.splitlines()
+                 if "registers" in line or "spill" in line]
         return "\n".join(lines)
 
 

@@ -122,7 +122,8 @@ def _host_isa() -> str:
         return machine
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((set(l.split(":", 1)[1].split()) for l in f if l.startswith("flags")), set())
+            flags = next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")),
+                         set())
     except OSError:
         return machine
     levels = [("v2", {"cx16", "popcnt", "sse4_1", "sse4_2", "ssse3"}),

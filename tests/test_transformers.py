@@ -12,7 +12,6 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-import fa3  # noqa: E402
 from fa3.integrations import transformers as fa3_hf  # noqa: E402
 from fa3.reference import attention_reference  # noqa: E402
 from conftest import rel_err  # noqa: E402

@@ -13,7 +13,7 @@ import fa3
 from fa3 import masking
 from fa3.reference import attention_reference
 
-from conftest import HAS_HOPPER, raises_with, rel_err
+from conftest import raises_with, rel_err
 
 gpu = pytest.mark.gpu
 TOL = 1.5e-2
