@@ -186,8 +186,9 @@ class AttentionBackward:
         warp-wide search of cu_seqlens_k; a CTA past the last one gets empty lengths (no work)."""
         block, head, batch = cute.arch.block_idx()
         if cutlass.const_expr(self.varlen):
-            batch, n_block, blocks = scheduler.varlen_tile(block, mCuSeqlensK, self.tile_n)
-            seq = seqlen.from_cu_seqlens(mCuSeqlensQ, mCuSeqlensK, batch)
+            # offsets clamped into the packed rows: unchecked ones (a replayed graph) stay inside
+            batch, n_block, blocks = scheduler.varlen_tile(block, mCuSeqlensK, self.tile_n, mK.shape[0])
+            seq = seqlen.from_cu_seqlens(mCuSeqlensQ, mCuSeqlensK, batch, mQ.shape[0], mK.shape[0])
             seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
             if blocks == 0:
                 seqlen_q, seqlen_k = Int32(0), Int32(0)
