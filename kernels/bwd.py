@@ -231,28 +231,40 @@ class AttentionBackward:
     def mma_setup(self, s, tidx):
         """The three tiled MMAs, every operand fragment (SMEM descriptors, transposed views where
         the GEMM reads a tile the other way round) and the dK/dV accumulators."""
-        wgs = self.mma_warpgroups
-        sdp = mma.tiled_mma(self.dtype, self.tile_m, self.tile_n, warpgroups=wgs)  # S and dP
-        dkv = mma.tiled_mma(self.dtype, self.tile_n, self.head_dim, a_major="MN", b_major="MN",
-                            warpgroups=wgs)  # dV and dK
-        dq = mma.tiled_mma(self.dtype, self.tile_m, self.head_dim, b_major="MN", warpgroups=wgs)
+        sdp, dkv, dq = self.tiled_mmas()
         thr_sdp, thr_dkv, thr_dq = sdp.get_slice(tidx), dkv.get_slice(tidx), dq.get_slice(tidx)
         wg_sdp, wg_dkv, wg_dq = (mma.warpgroup_slice(m, tidx) for m in (sdp, dkv, dq))
-        t = mma.transpose_view
         ctx = SimpleNamespace(
             sdp=sdp, dkv=dkv, dq=dq, thr_sdp=thr_sdp, thr_dkv=thr_dkv, thr_dq=thr_dq, tidx=tidx,
-            tSrQ=mma.fragment_A(wg_sdp, s.sQ), tSrK=mma.fragment_B(wg_sdp, s.sK),
-            tdPrdO=mma.fragment_A(wg_sdp, s.sdO), tdPrV=mma.fragment_B(wg_sdp, s.sV),
-            tdVrPt=mma.fragment_A(wg_dkv, t(s.sP)), tdVrdOt=mma.fragment_B(wg_dkv, t(s.sdO)),
-            tdKrdSt=mma.fragment_A(wg_dkv, t(s.sdS)), tdKrQt=mma.fragment_B(wg_dkv, t(s.sQ)),
-            tdQrdS=mma.fragment_A(wg_dq, s.sdS), tdQrKt=mma.fragment_B(wg_dq, t(s.sK)),
-            s_coords=mma.rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))),
+            lane=tidx % 32, **self.operand_fragments(s, wg_sdp, wg_dkv, wg_dq),
+            s_coords=mma.rows_cols(thr_sdp.partition_C(cute.make_identity_tensor(self.score_tile()))),
         )
         ctx.acc_dv = cute.make_rmem_tensor(thr_dkv.partition_shape_C((self.tile_n, self.head_dim)), Float32)
         ctx.acc_dk = cute.make_rmem_tensor(thr_dkv.partition_shape_C((self.tile_n, self.head_dim)), Float32)
         ctx.acc_dv.fill(0.0)
         ctx.acc_dk.fill(0.0)
         return ctx
+
+    def score_tile(self):
+        """The (rows, cols) of the S and dP accumulators: (queries, keys)."""
+        return self.tile_m, self.tile_n
+
+    def tiled_mmas(self):
+        """(S and dP, dV and dK, dQ) tiled MMAs."""
+        wgs = self.mma_warpgroups
+        return (mma.tiled_mma(self.dtype, self.tile_m, self.tile_n, warpgroups=wgs),
+                mma.tiled_mma(self.dtype, self.tile_n, self.head_dim, a_major="MN", b_major="MN", warpgroups=wgs),
+                mma.tiled_mma(self.dtype, self.tile_m, self.head_dim, b_major="MN", warpgroups=wgs))
+
+    def operand_fragments(self, s, wg_sdp, wg_dkv, wg_dq) -> dict:
+        """Every GEMM's A and B descriptors, from the warpgroup slices (see mma.warpgroup_slice)."""
+        t = mma.transpose_view
+        return dict(
+            tSrQ=mma.fragment_A(wg_sdp, s.sQ), tSrK=mma.fragment_B(wg_sdp, s.sK),
+            tdPrdO=mma.fragment_A(wg_sdp, s.sdO), tdPrV=mma.fragment_B(wg_sdp, s.sV),
+            tdVrPt=mma.fragment_A(wg_dkv, t(s.sP)), tdVrdOt=mma.fragment_B(wg_dkv, t(s.sdO)),
+            tdKrdSt=mma.fragment_A(wg_dkv, t(s.sdS)), tdKrQt=mma.fragment_B(wg_dkv, t(s.sQ)),
+            tdQrdS=mma.fragment_A(wg_dq, s.sdS), tdQrKt=mma.fragment_B(wg_dq, t(s.sK)))
 
     # ---------------------------------------------------------------- compute pieces
     @cute.jit

@@ -33,8 +33,6 @@ accumulators leave no room for S^T's 64-key rows per warpgroup at tile_n = 128);
 2 x 16 KB, dQ 32 KB = 192 KB.
 """
 
-from types import SimpleNamespace
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
@@ -62,30 +60,25 @@ class SwappedBackward(WarpSpecializedBackward):
         return sQ_layout, sKV_layout, smem.tile_layout(self.dtype, self.tile_n, self.tile_m, self.q_stages)
 
     # ---------------------------------------------------------------- device side
-    def mma_setup(self, s, tidx):
+    def score_tile(self):
+        return self.tile_n, self.tile_m  # S^T: (keys, queries)
+
+    def tiled_mmas(self):
         wgs = self.mma_warpgroups
-        sdp = mma.tiled_mma(self.dtype, self.tile_n, self.tile_m, warpgroups=wgs)  # S^T and dP^T
-        dkv = mma.tiled_mma(self.dtype, self.tile_n, self.head_dim, b_major="MN", a_in_regs=True,
-                            warpgroups=wgs)
-        dq = mma.tiled_mma(self.dtype, self.tile_m, self.head_dim, a_major="MN", b_major="MN",
-                           warpgroups=wgs)
-        thr_sdp, thr_dkv, thr_dq = sdp.get_slice(tidx), dkv.get_slice(tidx), dq.get_slice(tidx)
-        wg_sdp, wg_dkv, wg_dq = (mma.warpgroup_slice(m, tidx) for m in (sdp, dkv, dq))
+        return (mma.tiled_mma(self.dtype, self.tile_n, self.tile_m, warpgroups=wgs),  # S^T and dP^T
+                mma.tiled_mma(self.dtype, self.tile_n, self.head_dim, b_major="MN", a_in_regs=True,
+                              warpgroups=wgs),
+                mma.tiled_mma(self.dtype, self.tile_m, self.head_dim, a_major="MN", b_major="MN",
+                              warpgroups=wgs))
+
+    def operand_fragments(self, s, wg_sdp, wg_dkv, wg_dq) -> dict:
+        """K and V are the A operands of S^T and dP^T; dV and dK take A from registers."""
         t = mma.transpose_view
-        ctx = SimpleNamespace(
-            sdp=sdp, dkv=dkv, dq=dq, thr_sdp=thr_sdp, thr_dkv=thr_dkv, thr_dq=thr_dq, tidx=tidx,
-            lane=tidx % 32,
+        return dict(
             tSrK=mma.fragment_A(wg_sdp, s.sK), tSrQ=mma.fragment_B(wg_sdp, s.sQ),
             tdPrV=mma.fragment_A(wg_sdp, s.sV), tdPrdO=mma.fragment_B(wg_sdp, s.sdO),
             tdVrdOt=mma.fragment_B(wg_dkv, t(s.sdO)), tdKrQt=mma.fragment_B(wg_dkv, t(s.sQ)),
-            tdQrdS=mma.fragment_A(wg_dq, t(s.sdS)), tdQrKt=mma.fragment_B(wg_dq, t(s.sK)),
-            s_coords=mma.rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m)))),
-        )
-        ctx.acc_dv = cute.make_rmem_tensor(thr_dkv.partition_shape_C((self.tile_n, self.head_dim)), Float32)
-        ctx.acc_dk = cute.make_rmem_tensor(thr_dkv.partition_shape_C((self.tile_n, self.head_dim)), Float32)
-        ctx.acc_dv.fill(0.0)
-        ctx.acc_dk.fill(0.0)
-        return ctx
+            tdQrdS=mma.fragment_A(wg_dq, t(s.sdS)), tdQrKt=mma.fragment_B(wg_dq, t(s.sK)))
 
     @cute.jit
     def scores_and_dp(self, ctx, stage, wait_s: cutlass.Constexpr):
@@ -99,24 +92,9 @@ class SwappedBackward(WarpSpecializedBackward):
                  zero_init=True, wait=wait_s)
         return acc_s, acc_dp
 
-    @cute.jit
-    def row_stats(self, ctx, mX: cute.Tensor, m_block: Int32, head: Int32, batch: Int32,
-                  past_end: cutlass.Constexpr):
-        """This lane's share of a per-query statistic of Q tile m_block: columns 8 (lane / 4) +
-        2 (lane % 4) + {0, 1} + 64 k (`col_stat` fetches the others). Varlen: queries past the
-        entry read `past_end`."""
-        vals = cute.make_rmem_tensor((self.stat_count(ctx),), Float32)
-        for r in cutlass.range_constexpr(self.stat_count(ctx)):
-            row = m_block * self.tile_m + self.stat_index(ctx, r)
-            if cutlass.const_expr(self.varlen):
-                vals[r] = Float32(past_end)
-                if row < ctx.seq.seqlen_q:
-                    vals[r] = mX[0, head, ctx.seq.offset_q + row]
-            else:
-                vals[r] = mX[batch, head, row]
-        return vals
-
     def stat_count(self, ctx) -> int:
+        """A lane's share of a per-query statistic (B1's row_stats loads it; `col_stat` fetches
+        the other columns from the lanes that hold them)."""
         return 2 * (self.tile_m // 64)
 
     def stat_index(self, ctx, r: int):
