@@ -224,7 +224,9 @@ print("done")
 def test_bad_value_on_gpu(case, tmp_path):
     tool = compute_sanitizer()
     report = run_script(tmp_path, GPU_SCRIPT, json.dumps(CASES[case]),
-                        sanitizer=["--tool", "memcheck"] if tool else None)
+                        # memory errors only: driver-API lookups (cuGetProcAddress) that fail
+                        # by design are not what this test is about
+                        sanitizer=["--tool", "memcheck", "--report-api-errors", "no"] if tool else None)
     assert "done" in report and "FAIL" not in report, report[-4000:]
     if tool:
         assert "ERROR SUMMARY: 0 errors" in report, report[-4000:]
