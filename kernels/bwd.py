@@ -329,15 +329,24 @@ class AttentionBackward:
         from P itself, t = (log2 P + LSE * log2 e) / scale_log2, so no register holds it meanwhile,
         and where P = 0 (masked, or no contribution) the factor is 0, not 0 * inf."""
         p_mn, dp_mn = mma.rows_cols(acc_p), mma.rows_cols(acc_dp)
-        inv_scale = cute.arch.rcp_approx(scale_log2) if cutlass.const_expr(self.softcap) else scale_log2
+        inv_scale = self.score_grad_scale(scale_log2)
         for r in cutlass.range_constexpr(cute.size(dp_mn, mode=[0])):
             for c in cutlass.range_constexpr(cute.size(dp_mn, mode=[1])):
-                ds = p_mn[r, c] * (dp_mn[r, c] - dsum[r])
-                if cutlass.const_expr(self.softcap):
-                    p = p_mn[r, c]
-                    t = (cute.math.log2(p, fastmath=True) + lse2[r]) * inv_scale
-                    ds = ds * (1.0 - t * t) if p > 0.0 else Float32(0.0)
-                dp_mn[r, c] = ds
+                dp_mn[r, c] = self.score_grad(p_mn[r, c], dp_mn[r, c], dsum[r], lse2[r], inv_scale)
+
+    @cute.jit
+    def score_grad_scale(self, scale_log2: Float32) -> Float32:
+        """What `score_grad` multiplies by to recover t: 1 / scale_log2 (capped scores only)."""
+        return cute.arch.rcp_approx(scale_log2) if cutlass.const_expr(self.softcap) else scale_log2
+
+    @cute.jit
+    def score_grad(self, p: Float32, dp: Float32, dsum: Float32, lse2: Float32, inv_scale: Float32) -> Float32:
+        """One element of dS = P * (dP - D), times 1 - t^2 for capped scores (see score_grads)."""
+        ds = p * (dp - dsum)
+        if cutlass.const_expr(self.softcap):
+            t = (cute.math.log2(p, fastmath=True) + lse2) * inv_scale
+            ds = ds * (1.0 - t * t) if p > 0.0 else Float32(0.0)
+        return ds
 
     @cute.jit
     def issue_dkv(self, ctx, s, stage):

@@ -27,9 +27,9 @@ hold them all beside five accumulators. Each lane loads the 2 tile_m / 64 values
 column when used (the lane holding column 8j + ... is 4 (j % 8) + lane % 4).
 
 The loader, the dQ writer warp, the deterministic order and the packed-batch handling are B2's.
-Constraints: head_dim 64 and 128 (tiles 128 x 128 and 64 x 128; d = 256 keeps B2: its dK and dV
-accumulators leave no room for S^T's 64-key rows per warpgroup at tile_n = 128); two Q stages
-(the dS buffers follow the Q stage index). SMEM (bf16, d = 128): Q/dO 2 x 32 KB, K/V 64 KB, dS
+Constraints: head_dim 128 (64 x 128 tiles; at d = 64, 128-row Q tiles spill and 64-row ones lose
+to B2's 128-row tiles; at d = 256 the dK and dV accumulators leave no room: B2 serves both); two
+Q stages (the dS buffers follow the Q stage index). SMEM (bf16, d = 128): Q/dO 2 x 32 KB, K/V 64 KB, dS
 2 x 16 KB, dQ 32 KB = 192 KB.
 """
 
@@ -128,17 +128,12 @@ class SwappedBackward(WarpSpecializedBackward):
     def score_grads_t(self, ctx, acc_p, acc_dp, dsum: cute.Tensor, lse2: cute.Tensor, scale_log2: Float32):
         """dP^T -> dS^T in place, B1's `score_grads` with the statistics per column."""
         p_mn, dp_mn = mma.rows_cols(acc_p), mma.rows_cols(acc_dp)
-        inv_scale = cute.arch.rcp_approx(scale_log2) if cutlass.const_expr(self.softcap) else scale_log2
+        inv_scale = self.score_grad_scale(scale_log2)
         for c in cutlass.range_constexpr(cute.size(dp_mn, mode=[1])):
             d = self.col_stat(ctx, dsum, c)
-            lse = self.col_stat(ctx, lse2, c) if cutlass.const_expr(self.softcap) else d
+            lse = self.col_stat(ctx, lse2, c) if cutlass.const_expr(self.softcap) else d  # read only with a cap
             for r in cutlass.range_constexpr(cute.size(dp_mn, mode=[0])):
-                ds = p_mn[r, c] * (dp_mn[r, c] - d)
-                if cutlass.const_expr(self.softcap):
-                    p = p_mn[r, c]
-                    t = (cute.math.log2(p, fastmath=True) + lse) * inv_scale
-                    ds = ds * (1.0 - t * t) if p > 0.0 else Float32(0.0)
-                dp_mn[r, c] = ds
+                dp_mn[r, c] = self.score_grad(p_mn[r, c], dp_mn[r, c], d, lse, inv_scale)
 
     @cute.jit
     def consume_step(self, ctx, s, q_pipe, q_state, m_block: Int32, n_block: Int32, head: Int32,
