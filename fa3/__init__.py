@@ -3,14 +3,18 @@
     fa3.attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
                   return_lse=False, kernel=None, out=None, deterministic=False,
                   backward_kernel=None)               differentiable in q, k, v
-    fa3.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
+    fa3.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                          causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
                          return_lse=False, kernel=None, deterministic=False,
-                         backward_kernel=None)       packed variable-length batches; differentiable
+                         backward_kernel=None, block_table=None, seqused_k=None, out=None,
+                         num_splits=0, scheduler_metadata=None)
+                                packed variable-length batches (differentiable), or packed
+                                queries over a (paged) KV cache (block_table/seqused_k)
     fa3.attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=..,
-                               block_table=None, causal=False, softmax_scale=None,
-                               window_size=(-1, -1), softcap=0.0, num_splits=0,
-                               return_lse=False)                   decode against a (paged) KV cache
+                               block_table=None, cu_seqlens_q=None, max_seqlen_q=None,
+                               causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                               num_splits=0, return_lse=False)     decode against a (paged) KV cache
+    fa3.get_scheduler_metadata(...)     the split plan of a cache call ahead of time
     fa3.gemm(a, b, out=None, kernel=None)              any 2-D pair a @ b takes; differentiable
     fa3.flash_attn_func, fa3.flash_attn_varlen_func, fa3.flash_attn_with_kvcache
                                             flash-attn's names and signatures (fa3.flash_compat)
@@ -28,7 +32,7 @@ if not _os.path.isdir(_os.path.join(_os.path.dirname(__file__), "kernels")) and 
     __path__.append(_root)  # noqa: F821  (package __path__)
 
 from .interface import attention  # noqa: E402
-from .kvcache import attention_with_kvcache  # noqa: E402
+from .kvcache import attention_with_kvcache, get_scheduler_metadata  # noqa: E402
 from .matmul import gemm  # noqa: E402
 from .flash_compat import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache  # noqa: E402
 from .varlen import attention_varlen  # noqa: E402
@@ -36,5 +40,6 @@ from . import ops  # noqa: E402,F401  (registers torch.ops.fa3.attention and tor
 from .registry import available_kernels  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "gemm", "available_kernels",
+__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "get_scheduler_metadata", "gemm",
+           "available_kernels",
            "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "__version__"]

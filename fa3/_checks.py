@@ -106,3 +106,19 @@ def check_qkv(q, k, v, kv_layout: str):
         name, t = ("k", k) if k.device != device else ("v", v)
         raise ValueError(f"{name} is on {t.device} but q is on {device}; put them on one GPU")
     return q_shape, k_shape
+
+
+def check_offsets(cu, name: str, device, batch=None) -> None:
+    """cu_seqlens-style offsets: a contiguous 1-D int32 tensor of batch + 1 entries on `device`
+    (their values: fa3.index_checks)."""
+    if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1:
+        raise ValueError(f"{name} must be a 1-D int32 tensor of batch + 1 offsets, got "
+                         f"{getattr(cu, 'dtype', type(cu).__name__)} {tuple(getattr(cu, 'shape', ()))}: "
+                         "use .to(torch.int32)")
+    if cu.device != device:
+        raise ValueError(f"{name} is on {cu.device} but q is on {device}; move it with .to(q.device)")
+    if cu.shape[0] < 1 or (batch is not None and cu.shape[0] != batch + 1):
+        raise ValueError(f"{name} has {cu.shape[0]} entries; it needs batch + 1"
+                         f"{f' = {batch + 1} (as cu_seqlens_q)' if batch is not None else ''}")
+    if cu.stride(0) != 1:
+        raise ValueError(f"{name} must be contiguous: pass {name}.contiguous()")

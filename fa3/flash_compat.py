@@ -5,14 +5,18 @@
 Arguments mean what they mean in flash-attn 2 (positional order included) and the results come
 back as flash-attn returns them. What fa3 does not implement is refused with a message naming the
 argument, never ignored: dropout_p > 0, alibi_slopes, return_attn_probs (the probability matrix is
-never formed), and the KV-cache options rotary_cos/sin, cache_batch_idx and cache_leftpad.
+never formed), attention sinks (s_aux), and the KV-cache options rotary_cos/sin, cache_batch_idx,
+cache_leftpad and cu_seqlens_k_new. flash-attn 3's serving keywords (seqused_k, block_table or
+page_table, out, num_splits, scheduler_metadata, cu_seqlens_q on the cache call) are taken.
 Everything else is validated by the fa3 function each one calls.
 """
 
 from __future__ import annotations
 
+import torch
+
 from .interface import attention
-from .kvcache import attention_with_kvcache
+from .kvcache import attention_with_kvcache, check_scheduler_metadata
 from .varlen import attention_varlen
 
 
@@ -39,39 +43,72 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                      softcap=softcap, deterministic=deterministic)
 
 
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+def _check_descales(*descales):
+    """FP8 descale factors: flash-attn applies them to FP8 inputs only; fa3 takes 16-bit inputs,
+    for which they mean nothing (as in flash-attn), so they are accepted and not read."""
+    for name, t in zip(("q_descale", "k_descale", "v_descale"), descales):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor or None, got {type(t).__name__}")
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                           dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                            alibi_slopes=None, deterministic=False, return_attn_probs=False,
-                           block_table=None):
+                           block_table=None, *, seqused_k=None, return_softmax_lse=False, out=None,
+                           scheduler_metadata=None, num_splits=0, q_descale=None, k_descale=None,
+                           v_descale=None, fa_version=None, s_aux=None):
     """flash_attn.flash_attn_varlen_func: q (total_q, heads_q, d), k and v (total_k, heads_kv, d),
-    int32 cumulative offsets -> out shaped like q; differentiable (as fa3.attention_varlen)."""
+    int32 cumulative offsets -> out shaped like q; differentiable (as fa3.attention_varlen).
+
+    Over a KV cache, as vLLM calls it (keywords of flash-attn 3 / vllm_flash_attn): k and v the
+    cache (paged with block_table, any page size, or dense), seqused_k int32 (batch,) each
+    sequence's keys, cu_seqlens_k None, out= a preallocated output, num_splits (0: planned from
+    shapes), scheduler_metadata (fa3.get_scheduler_metadata), return_softmax_lse -> (out, lse).
+    FP8 descales are accepted and not read (fa3's inputs are 16-bit, where flash-attn ignores them
+    too); s_aux (attention sinks) is refused."""
     _check_common(dropout_p, alibi_slopes, return_attn_probs)
-    if block_table is not None:
-        raise NotImplementedError("block_table in flash_attn_varlen_func is not supported by fa3; for a "
-                                  "paged cache use flash_attn_with_kvcache")
-    return attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
-                            softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-                            deterministic=deterministic)
+    _check_descales(q_descale, k_descale, v_descale)
+    if s_aux is not None:
+        raise NotImplementedError("s_aux (attention sinks) is not supported by fa3; leave it at None")
+    _refuse("fa_version", fa_version, None if fa_version is None else 3, "fa3 is FlashAttention-3")
+    result = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                              softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                              deterministic=deterministic, block_table=block_table, seqused_k=seqused_k,
+                              out=out, num_splits=num_splits, scheduler_metadata=scheduler_metadata,
+                              return_lse=return_softmax_lse)
+    return result
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-                            return_softmax_lse=False):
+                            return_softmax_lse=False, *, page_table=None, cu_seqlens_q=None,
+                            max_seqlen_q=None, cu_seqlens_k_new=None, scheduler_metadata=None,
+                            q_descale=None, k_descale=None, v_descale=None):
     """flash_attn.flash_attn_with_kvcache: new k/v (if given) are written into the cache in place at
-    cache_seqlens, then q attends to each sequence's cache -> out, or (out, softmax_lse)."""
+    cache_seqlens, then q attends to each sequence's cache -> out, or (out, softmax_lse).
+    flash-attn 3's keywords too (SGLang's call): page_table (= block_table), cu_seqlens_q and
+    max_seqlen_q (packed queries, several per sequence), scheduler_metadata, FP8 descales
+    (accepted, not read)."""
     for name, value in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
                         ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad),
-                        ("alibi_slopes", alibi_slopes)):
+                        ("alibi_slopes", alibi_slopes), ("cu_seqlens_k_new", cu_seqlens_k_new)):
         if value is not None:
             raise NotImplementedError(f"{name} is not supported by fa3's flash_attn_with_kvcache; leave it "
                                       f"at None (apply rotary embeddings to q and k before the call)")
     del rotary_interleaved  # only meaningful with rotary_cos/sin
+    _check_descales(q_descale, k_descale, v_descale)
+    if page_table is not None:
+        if block_table is not None:
+            raise ValueError("pass block_table or page_table (the same argument), not both")
+        block_table = page_table
     if cache_seqlens is None:
         raise ValueError("cache_seqlens is required by fa3 (int32 (batch,) or an int: the tokens each "
                          "sequence already holds in the cache)")
+    check_scheduler_metadata(scheduler_metadata, q)
     return attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
-                                  block_table=block_table, causal=causal, softmax_scale=softmax_scale,
+                                  block_table=block_table, cu_seqlens_q=cu_seqlens_q,
+                                  max_seqlen_q=max_seqlen_q, causal=causal, softmax_scale=softmax_scale,
                                   window_size=window_size, softcap=softcap, num_splits=num_splits,
                                   return_lse=return_softmax_lse)

@@ -148,3 +148,33 @@ def start_cache_check(cache_seqlens: torch.Tensor, block_table, capacity: int, a
         if paged and not (0 <= values[batch] and values[batch + 1] < num_pages):
             check_block_table(lengths, block_table.tolist(), appended, page_size, num_pages)
     return wait
+
+
+# ----------------------------------------------------------------------------- packed queries over a KV cache
+_NO_KEYS = torch.zeros(1, dtype=torch.int32)  # offsets [0]: a packed call over a cache has no cu_seqlens_k
+
+
+def start_packed_cache_check(cu_seqlens_q: torch.Tensor, total_q: int, max_seqlen_q: int,
+                             seqused_k: torch.Tensor, block_table, capacity: int, page_size: int,
+                             num_pages: int, lengths_name: str = "cache_seqlens"):
+    """start_cache_check for packed queries over a KV cache (nothing appended), plus the values of
+    cu_seqlens_q (check_offset_values' rules: start at 0, never decrease, end at total_q, no entry
+    longer than max_seqlen_q). Both copies are asynchronous and `wait` syncs once; the cache
+    checks' messages name the lengths as `lengths_name` (seqused_k in attention_varlen)."""
+    wait_cache = start_cache_check(seqused_k, block_table, capacity, 0, page_size, num_pages)
+    host_cu = cu_seqlens_q.to("cpu", non_blocking=True)
+    done = torch.cuda.Event() if cu_seqlens_q.is_cuda else None
+    if done is not None:
+        done.record()
+
+    def wait():
+        if done is not None:
+            done.synchronize()
+        check_offset_values(host_cu, _NO_KEYS, total_q, 0, max_seqlen_q, None)
+        try:
+            wait_cache()
+        except ValueError as exc:
+            if lengths_name == "cache_seqlens":
+                raise
+            raise ValueError(str(exc).replace("cache_seqlens", lengths_name)) from None
+    return wait

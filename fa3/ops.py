@@ -14,7 +14,8 @@
                                             window_left, window_right, softcap) -> (dq, dk, dv)
     torch.ops.fa3.attention_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, appended,
                                     causal, softmax_scale, num_splits, kernel, window_left=-1,
-                                    window_right=-1, softcap=0.0) -> (out, lse)
+                                    window_right=-1, softcap=0.0, cu_seqlens_q=None,
+                                    max_seqlen_q=0, max_seqlen_k=-1) -> (out, lse)
     torch.ops.fa3.gemm(a, b, kernel) -> out
 
 All are functional (they allocate their outputs; nothing is mutated), so torch.compile and
@@ -194,25 +195,34 @@ attention_varlen.register_autograd(_varlen_grads, setup_context=_varlen_save_for
 
 _KVCACHE_SCHEMA = ("(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor? block_table, "
                    "int appended, bool causal, float softmax_scale, int num_splits, str kernel, "
-                   "int window_left=-1, int window_right=-1, float softcap=0.0) -> (Tensor, Tensor)")
+                   "int window_left=-1, int window_right=-1, float softcap=0.0, Tensor? cu_seqlens_q=None, "
+                   "int max_seqlen_q=0, int max_seqlen_k=-1) -> (Tensor, Tensor)")
 
 
 @torch.library.custom_op("fa3::attention_kvcache", mutates_args=(), schema=_KVCACHE_SCHEMA)
 def attention_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, appended, causal, softmax_scale,
-                      num_splits, kernel, window_left=-1, window_right=-1, softcap=0.0):
+                      num_splits, kernel, window_left=-1, window_right=-1, softcap=0.0, cu_seqlens_q=None,
+                      max_seqlen_q=0, max_seqlen_k=-1):
     """(out, lse) against the cache, whose last `appended` tokens per sequence are already written
-    (fa3.attention_with_kvcache appends them before calling)."""
+    (fa3.attention_with_kvcache appends them before calling). Packed queries (cu_seqlens_q): q and
+    out (total_q, heads_q, d), lse (heads_q, total_q)."""
     window = (window_left, window_right)
-    spec, seqlens, capacity, _ = kvcache.check_kvcache(q, k_cache, v_cache, None, None, cache_seqlens,
-                                                       block_table, kernel, window, softcap)
+    packed = cu_seqlens_q is not None
+    spec, seqlens, capacity, _, max_q = kvcache.check_kvcache(
+        q, k_cache, v_cache, None, None, cache_seqlens, block_table, kernel, window, softcap, cu_seqlens_q,
+        max_seqlen_q if packed else None)
     return kvcache.launch_kvcache(spec, q, k_cache, v_cache, seqlens, block_table, capacity, appended,
-                                  causal, softmax_scale, num_splits, window, softcap)
+                                  causal, softmax_scale, num_splits, window, softcap, cu_seqlens_q, max_q,
+                                  max_seqlen_k)
 
 
 @attention_kvcache.register_fake
 def _attention_kvcache_fake(q, k_cache, v_cache, cache_seqlens, block_table, appended, causal,
                             softmax_scale, num_splits, kernel, window_left=-1, window_right=-1,
-                            softcap=0.0):
+                            softcap=0.0, cu_seqlens_q=None, max_seqlen_q=0, max_seqlen_k=-1):
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if cu_seqlens_q is not None:
+        total_q, heads_q, _ = q.shape
+        return out, q.new_empty((heads_q, total_q), dtype=torch.float32)
     batch, seqlen_q, heads_q, _ = q.shape
-    return (torch.empty_like(q, memory_format=torch.contiguous_format),
-            q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32))
+    return out, q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)

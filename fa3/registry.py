@@ -180,11 +180,13 @@ KERNELS: dict[str, KernelSpec] = {
             "s1", KVCACHE, "decode", "SplitKVAttention",
             "KV-cache attention (dense or paged): query heads of a KV head packed into one 64-row "
             "tile, the key range split across CTAs, FP32 partials merged by a combine kernel",
-            # 64-key blocks: any page size that is a multiple of 64 holds whole blocks; the TMA ring
-            # is as deep as SMEM allows (memory-bound: bytes in flight are what matter)
+            # 64-key blocks: pages of a multiple of 64 hold whole blocks (one TMA box each), other
+            # page sizes are gathered row by row with cp.async (the `gather` layout); the ring is as
+            # deep as SMEM allows (memory-bound: bytes in flight are what matter). Queries may be
+            # packed by cu_seqlens_q (varlen).
             config={"tile_m": 64, "tile_n": 64, "max_kv_stages": 8},
             ptx_promises=("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait", "ex2.approx"),
-            speed_rank=1, variants=("local", "softcap"),
+            speed_rank=1, variants=("local", "softcap", "varlen"),
         ),
         *[
             KernelSpec(

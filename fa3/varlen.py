@@ -13,42 +13,32 @@ import math
 
 import torch
 
-from . import _checks, _dispatch, _launch, index_checks, masking, registry
-
-
-def _check_offsets(cu, name: str, device, batch=None):
-    if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1:
-        raise ValueError(f"{name} must be a 1-D int32 tensor of batch + 1 offsets, got "
-                         f"{getattr(cu, 'dtype', type(cu).__name__)} {tuple(getattr(cu, 'shape', ()))}: "
-                         "use .to(torch.int32)")
-    if cu.device != device:
-        raise ValueError(f"{name} is on {cu.device} but q is on {device}; move it with .to(q.device)")
-    if cu.shape[0] < 1 or (batch is not None and cu.shape[0] != batch + 1):
-        raise ValueError(f"{name} has {cu.shape[0]} entries; it needs batch + 1"
-                         f"{f' = {batch + 1} (as cu_seqlens_q)' if batch is not None else ''}")
-    if cu.stride(0) != 1:
-        raise ValueError(f"{name} must be contiguous: pass {name}.contiguous()")
+from . import _checks, _dispatch, _launch, index_checks, kvcache, masking, registry
 
 
 def packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                      window_size, softcap, kernel, check_values=True, deterministic=False,
-                     backward_kernel=None):
+                     backward_kernel=None, out=None):
     """attention_varlen's body: (out, lse) of a packed batch. check_values=False: for callers that
     built the offsets themselves from a mask (correct by construction), skipping the host copy
     that checks them (fa3.integrations.transformers)."""
     spec = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kernel, check_values)
+    if out is not None:
+        _checks.check_output(out, "out", q)
     scale = 1.0 / math.sqrt(q.shape[2]) if softmax_scale is None else float(softmax_scale)
     window = tuple(window_size)
     masking.check_window(window, softcap)
     if _dispatch.direct_call_ok(q, k, v):
-        return launch_varlen(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, bool(causal), scale, window, softcap)
+        return launch_varlen(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, bool(causal), scale, window, softcap,
+                             out)
     bwd = _dispatch.memo_rung(_dispatch.backward_rung, backward_kernel, q.shape[2])
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         check_varlen_rung(bwd, "backward_kernel")
         _dispatch.check_variants(bwd, masking.masking(bool(causal), window, softcap, scale), "backward_kernel")
-    return torch.ops.fa3.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, bool(causal), scale,
-                                          window[0], window[1], float(softcap), spec.name,
-                                          bool(deterministic), bwd.name)
+    result, lse = torch.ops.fa3.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, bool(causal), scale,
+                                                 window[0], window[1], float(softcap), spec.name,
+                                                 bool(deterministic), bwd.name)
+    return (result if out is None else out.copy_(result)), lse  # (the op is functional)
 
 
 def check_varlen_rung(spec, argument: str) -> None:
@@ -63,8 +53,8 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     a host copy: fa3.index_checks); returns the rung's spec."""
     (total_q, _, head_dim), (total_k, _, _) = _checks.check_qkv(q, k, v, "(total_k, heads_kv, head_dim)")
     device = q.device
-    _check_offsets(cu_seqlens_q, "cu_seqlens_q", device)
-    _check_offsets(cu_seqlens_k, "cu_seqlens_k", device, batch=cu_seqlens_q.shape[0] - 1)
+    _checks.check_offsets(cu_seqlens_q, "cu_seqlens_q", device)
+    _checks.check_offsets(cu_seqlens_k, "cu_seqlens_k", device, batch=cu_seqlens_q.shape[0] - 1)
     spec = _dispatch.memo_rung(_varlen_rung, kernel, head_dim)
     _checks.check_hopper(device, "q")
     if check_values and index_checks.values_checkable(device):
@@ -95,10 +85,12 @@ def _varlen_rungs(family: str = registry.ATTENTION):
 
 
 def launch_varlen(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale: float,
-                  window=(-1, -1), softcap: float = 0.0):
-    """(out (total_q, heads_q, d), lse (heads_q, total_q) fp32); arguments validated."""
+                  window=(-1, -1), softcap: float = 0.0, out=None):
+    """(out (total_q, heads_q, d), lse (heads_q, total_q) fp32); arguments validated (`out`: a
+    checked preallocated output, or None)."""
     total_q, heads_q, head_dim = q.shape
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(heads_q, total_q, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
@@ -114,10 +106,12 @@ def launch_varlen(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale
     return out, lse
 
 
-def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *,
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, *,
                      causal: bool = False, softmax_scale: float | None = None, window_size=(-1, -1),
                      softcap: float = 0.0, return_lse: bool = False, kernel: str | None = None,
-                     deterministic: bool = False, backward_kernel: str | None = None):
+                     deterministic: bool = False, backward_kernel: str | None = None,
+                     block_table=None, seqused_k=None, out=None, num_splits: int = 0,
+                     scheduler_metadata=None):
     """Attention over a packed batch of variable-length sequences, as flash_attn_varlen_func.
 
     q: (total_q, heads_q, d); k, v: (total_k, heads_kv, d); bf16/fp16 on a Hopper GPU, d in
@@ -127,13 +121,41 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     causal, window_size, softcap, softmax_scale: as fa3.attention, per sequence (bottom-right
     aligned to each sequence's own lengths).
     deterministic, backward_kernel: as fa3.attention (the backward's dQ order; its rung).
+    out: optional preallocated output (total_q, heads_q, d), contiguous; it is returned.
     Returns out (total_q, heads_q, d) (and lse (heads_q, total_q) fp32, flash-attn's varlen layout).
 
-    Differentiable in q, k and v, as fa3.attention (the backward rungs compile packed batches too).
+    Over a KV cache (what serving engines call once per layer and step, vLLM's call): k and v are
+    the cache, paged (num_pages, page_size, heads_kv, d) with `block_table` (batch, max_pages)
+    int32, any page size, or dense (batch, capacity, heads_kv, d) without it; `seqused_k` int32
+    (batch,) is the keys each sequence holds (its first seqused_k[b] cache positions) and
+    cu_seqlens_k is None. The queries mix any lengths (a decode is a one-token entry, a chunk of
+    a prefill a longer one); causal aligns each entry's queries to the end of its keys.
+    max_seqlen_q sizes the grid (None: total_q), max_seqlen_k bounds the keys for the split plan
+    (None: the capacity); num_splits: CTAs per sequence's keys (0: planned from these shapes; see
+    fa3.get_scheduler_metadata). No host sync besides the eager value checks (as
+    fa3.attention_with_kvcache: skipped under CUDA-graph capture and torch.compile, where the
+    kernel clamps), so the call captures in a CUDA graph at fixed shapes. Inference only.
+
+    Without a cache: differentiable in q, k and v, as fa3.attention (the backward rungs compile packed batches too).
     The offsets are checked on the host (one small copy) except while a CUDA graph is captured or
     torch.compile traces; the kernels themselves need no host sync.
     """
+    if block_table is not None or seqused_k is not None:
+        if cu_seqlens_k is not None:
+            raise ValueError("cu_seqlens_k must be None with block_table/seqused_k: the keys of entry b "
+                             "are the first seqused_k[b] positions of its cache (flash-attn's convention)")
+        if seqused_k is None:
+            raise ValueError("seqused_k is required with block_table: int32 (batch,), the keys each "
+                             "sequence holds in the cache")
+        kvcache.check_scheduler_metadata(scheduler_metadata, q)
+        out, lse = kvcache.cache_attention(q, k, v, None, None, seqused_k, block_table, causal, softmax_scale,
+                                           window_size, softcap, num_splits, kernel, cu_seqlens_q,
+                                           max_seqlen_q, max_seqlen_k, out, lengths_name="seqused_k")
+        return (out, lse) if return_lse else out
+    if cu_seqlens_k is None:
+        raise ValueError("cu_seqlens_k is required (int32 (batch + 1,) offsets of k and v), unless k and v "
+                         "are a KV cache read through seqused_k (and block_table)")
     out, lse = packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                 softmax_scale, window_size, softcap, kernel, deterministic=deterministic,
-                                backward_kernel=backward_kernel)
+                                backward_kernel=backward_kernel, out=out)
     return (out, lse) if return_lse else out

@@ -32,19 +32,25 @@ page index read is clamped to [0, num_pages). Both bounds come from the tensors'
 """
 
 from types import SimpleNamespace
+from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
-from .common import mask, mma, pipeline, seqlen, smem, softmax, tma
+from .common import mask, mma, paged, pipeline, seqlen, smem, softmax, tma
 
 
 class SplitKVAttention:
     def __init__(self, dtype, head_dim: int, causal: bool, paged: bool = False, tile_m: int = 64,
-                 tile_n: int = 64, max_kv_stages: int = 8, local: bool = False, softcap: bool = False):
+                 tile_n: int = 64, max_kv_stages: int = 8, local: bool = False, softcap: bool = False,
+                 gather: bool = False, varlen: bool = False):
         self.dtype, self.head_dim, self.causal, self.paged = dtype, head_dim, causal, paged
         self.local, self.softcap = local, softcap  # a sliding window (mask.py), capped scores
+        # pages that do not hold whole key blocks: cp.async row gathers (common/paged.py)
+        self.gather = paged and gather
+        # queries packed by cu_seqlens_q (total_q, heads_q, d), keys from the cache
+        self.varlen = varlen
         self.tile_m, self.tile_n = tile_m, tile_n
         self.num_threads = 128  # one warpgroup: tile_m = 64 rows
         q_bytes = tile_m * head_dim * 2
@@ -56,18 +62,26 @@ class SplitKVAttention:
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mCacheSeqlens: cute.Tensor,
                  mBlockTable: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mOacc: cute.Tensor,
                  mLSEacc: cute.Tensor, scale_log2: Float32, appended: Int32, window_left: Int32,
-                 window_right: Int32, softcap_scale: Float32, stream):
+                 window_right: Int32, softcap_scale: Float32, mCuSeqlensQ: cute.Tensor,
+                 max_seqlen_q: Int32, stream):
         """mQ (batch, seqlen_q, heads_q, d); mK/mV the cache; mO/mLSE the result when there is one
         split, else mOacc (splits, batch, seqlen_q, heads_q, d) and mLSEacc (splits, batch,
         heads_q, seqlen_q) in FP32: the number of splits is mOacc.shape[0]. The window edges and
-        softcap_scale are read only by the variants that use them."""
+        softcap_scale are read only by the variants that use them. Varlen: batch 1, the queries of
+        entry b at rows [cu[b], cu[b + 1]) of mCuSeqlensQ (batch + 1,), max_seqlen_q their longest
+        (it sizes the grid); otherwise both are unread."""
         batch, seqlen_q, heads_q, _ = mQ.shape
+        if cutlass.const_expr(self.varlen):
+            batch, seqlen_q = mCuSeqlensQ.shape[0] - 1, max_seqlen_q
         heads_kv = mK.shape[2]
         sQ_layout = smem.tile_layout(self.dtype, self.tile_m, self.head_dim)
         sKV_layout = smem.tile_layout(self.dtype, self.tile_n, self.head_dim, self.kv_stages)
         tile_kv = (self.tile_n, self.head_dim)
-        tma_k, tK = tma.make_load(tma.seq_major(mK), sKV_layout, tile_kv)
-        tma_v, tV = tma.make_load(tma.seq_major(mV), sKV_layout, tile_kv)
+        if cutlass.const_expr(self.gather):  # cp.async reads the cache itself: (rows, d, heads, pages)
+            tma_k, tK, tma_v, tV = None, tma.seq_major(mK), None, tma.seq_major(mV)
+        else:  # (a page smaller than the box could not even describe it)
+            tma_k, tK = tma.make_load(tma.seq_major(mK), sKV_layout, tile_kv)
+            tma_v, tV = tma.make_load(tma.seq_major(mV), sKV_layout, tile_kv)
 
         @cute.struct
         class SharedStorage:
@@ -80,60 +94,77 @@ class SplitKVAttention:
                           f"S1 with kv_stages={self.kv_stages}, tile_n={self.tile_n}, d={self.head_dim}")
         q_tiles = cute.ceil_div(seqlen_q * (heads_q // heads_kv), self.tile_m)
         self.kernel(mQ, tma_k, tK, tma_v, tV, mCacheSeqlens, mBlockTable, mO, mLSE, mOacc, mLSEacc,
-                    scale_log2, appended, window_left, window_right, softcap_scale, sQ_layout,
-                    sKV_layout, SharedStorage).launch(
+                    scale_log2, appended, window_left, window_right, softcap_scale, mCuSeqlensQ,
+                    sQ_layout, sKV_layout, SharedStorage).launch(
             grid=[mOacc.shape[0], heads_kv * q_tiles, batch], block=[self.num_threads, 1, 1],
             stream=stream)
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
-    def kernel(self, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom,
+    def kernel(self, mQ: cute.Tensor, tma_k: Optional[cute.CopyAtom], mK: cute.Tensor,
+               tma_v: Optional[cute.CopyAtom],
                mV: cute.Tensor, mCacheSeqlens: cute.Tensor, mBlockTable: cute.Tensor, mO: cute.Tensor,
                mLSE: cute.Tensor, mOacc: cute.Tensor, mLSEacc: cute.Tensor, scale_log2: Float32,
                appended: Int32, window_left: Int32, window_right: Int32, softcap_scale: Float32,
-               sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
-               SharedStorage: cutlass.Constexpr):
+               mCuSeqlensQ: cute.Tensor, sQ_layout: cute.ComposedLayout,
+               sKV_layout: cute.ComposedLayout, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         split, head_tile, batch = cute.arch.block_idx()
         num_splits = mOacc.shape[0]
-        seqlen_q, heads_q, heads_kv = mQ.shape[1], mQ.shape[2], mK.shape[2]  # mK: (rows, d, heads, planes)
+        heads_q, heads_kv = mQ.shape[2], mK.shape[2]  # mK: (rows, d, heads, planes)
         group = heads_q // heads_kv
-        q_tiles = (seqlen_q * group + self.tile_m - 1) // self.tile_m
+        q_tiles = cute.arch.grid_dim()[1] // heads_kv
         head_kv, m_block = head_tile // q_tiles, head_tile % q_tiles
         capacity = mK.shape[0]
         if cutlass.const_expr(self.paged):
             capacity = mBlockTable.shape[1] * mK.shape[0]
-        seq = seqlen.from_cache(mCacheSeqlens, batch, seqlen_q, appended, capacity)
-        if warp_idx == 0:
-            tma.prefetch(tma_k, tma_v)
+        if cutlass.const_expr(self.varlen):  # queries at rows offset_q.. of the one packed plane
+            seq = seqlen.from_cache_packed(mCuSeqlensQ, mCacheSeqlens, batch, appended, capacity,
+                                           mQ.shape[1])
+        else:
+            seq = seqlen.from_cache(mCacheSeqlens, batch, mQ.shape[1], appended, capacity)
+        q_plane = 0 if cutlass.const_expr(self.varlen) else batch
+        if cutlass.const_expr(not self.gather):
+            if warp_idx == 0:
+                tma.prefetch(tma_k, tma_v)
 
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
-        kv_pipe = pipeline.create(storage.kv_barriers.data_ptr(), self.kv_stages, 4,
-                                  2 * smem.stage_bytes(self.dtype, sKV_layout))
+        if cutlass.const_expr(self.gather):
+            kv_pipe = pipeline.create_gather(storage.kv_barriers.data_ptr(), self.kv_stages,
+                                             self.num_threads)
+        else:
+            kv_pipe = pipeline.create(storage.kv_barriers.data_ptr(), self.kv_stages, 4,
+                                      2 * smem.stage_bytes(self.dtype, sKV_layout))
         pipeline.init_done()
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)[None, None, 0]
         sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
         sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
 
         window = (window_left, window_right) if cutlass.const_expr(self.local) else None
-        # this split's share of the key blocks the tile sees
+        # this split's share of the key blocks the tile sees (none when the tile holds no query:
+        # a packed entry shorter than the longest)
         blocks_end = mask.n_block_max(m_block, self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k,
                                       self.causal, rows_per_query=group, window=window)
         blocks_start = mask.n_block_min(m_block, self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k,
                                         rows_per_query=group, window=window)
         blocks = cutlass.max(blocks_end - blocks_start, 0)
+        if m_block * self.tile_m >= seq.seqlen_q * group:
+            blocks = 0
         per_split = (blocks + num_splits - 1) // num_splits
         first = blocks_start + split * per_split
         n_blocks = cutlass.max(cutlass.min(blocks_end, first + per_split) - first, 0)
+        if blocks == 0:
+            n_blocks = 0
         last = first + n_blocks - 1  # visited first
 
         kv_producer = pipeline.producer_state(self.kv_stages)
-        if warp_idx == 0:
+        loads = (kv_pipe, tma_k, mK, tma_v, mV, sK, sV, mBlockTable, head_kv, batch, seq.seqlen_k, tidx)
+        if self.is_kv_producer(warp_idx):
             for _ in cutlass.range(cutlass.min(self.kv_stages, n_blocks), unroll=1):
-                kv_producer = self.load_kv(kv_pipe, kv_producer, last - kv_producer.count, tma_k, mK,
-                                           tma_v, mV, sK, sV, mBlockTable, head_kv, batch)
-        self.load_q(mQ, sQ, tidx, m_block, head_kv, group, batch, seqlen_q)
+                kv_producer = self.load_kv(kv_producer, last - kv_producer.count, *loads)
+        if n_blocks > 0:  # (CTA-uniform: the gather syncs the CTA)
+            self.load_q(mQ, sQ, tidx, m_block, head_kv, group, q_plane, seq)
 
         ctx = self.compute_setup(sQ, sK, sV, tidx)
         kv_consumer = pipeline.consumer_state(self.kv_stages)
@@ -141,31 +172,40 @@ class SplitKVAttention:
         for j in cutlass.range(n_blocks, unroll=1):
             n_block = last - j
             pipeline.consume_wait(kv_pipe, kv_consumer)
+            if cutlass.const_expr(self.gather):  # cp.async wrote the stage (generic proxy): WGMMA reads it
+                cute.arch.fence_proxy("async.shared", space="cta")
             self.zero_rows_past_end(sV[None, None, kv_consumer.index], seq.seqlen_k - n_block * self.tile_n, tidx)
             self.compute_tile(ctx, kv_consumer.index, m_block, n_block, group, seq, scale_log2, window,
                               softcap_scale)
             kv_consumer = pipeline.release(kv_pipe, kv_consumer)
-            if warp_idx == 0 and kv_producer.count < n_blocks:  # refill the stage just freed
-                kv_producer = self.load_kv(kv_pipe, kv_producer, last - kv_producer.count, tma_k, mK,
-                                           tma_v, mV, sK, sV, mBlockTable, head_kv, batch)
-        if warp_idx == 0:
+            if self.is_kv_producer(warp_idx) and kv_producer.count < n_blocks:  # refill the stage just freed
+                kv_producer = self.load_kv(kv_producer, last - kv_producer.count, *loads)
+        if self.is_kv_producer(warp_idx):
             pipeline.tail(kv_pipe, kv_producer)
-        self.store(ctx, mO, mLSE, mOacc, mLSEacc, split, num_splits, row0, head_kv, group, batch,
-                   seqlen_q, scale_log2)
+        self.store(ctx, mO, mLSE, mOacc, mLSEacc, split, num_splits, row0, head_kv, group, q_plane,
+                   seq, scale_log2)
+
+    def is_kv_producer(self, warp_idx):
+        """Warp 0 issues the TMA loads; every thread takes its share of a gather."""
+        return True if cutlass.const_expr(self.gather) else warp_idx == 0
 
     # ---------------------------------------------------------------- loads
     @cute.jit
-    def load_kv(self, kv_pipe, state, n_block: Int32, tma_k, mK, tma_v, mV, sK, sV, mBlockTable,
-                head_kv: Int32, batch: Int32):
-        """Key block n_block of this entry into the next stage: (row tile, head, plane) coordinates
-        in the dense cache (plane = batch entry) or the paged one (plane = its page)."""
+    def load_kv(self, state, n_block: Int32, kv_pipe, tma_k, mK, tma_v, mV, sK, sV, mBlockTable,
+                head_kv: Int32, batch: Int32, seqlen_k: Int32, tidx: Int32):
+        """Key block n_block of this entry into the next stage: one TMA box per tensor at (row
+        tile, head, plane) of the dense cache (plane = batch entry) or the paged one (plane = its
+        page), or (gather) cp.async copies of the block's rows from their pages."""
+        if cutlass.const_expr(self.gather):
+            gather = paged.RowGather(self.dtype, self.tile_n, self.head_dim, self.num_threads)
+            copies = lambda stage: gather.load(tidx, mBlockTable, batch, n_block, seqlen_k, [
+                (mK[None, None, head_kv, None], sK[None, None, stage]),
+                (mV[None, None, head_kv, None], sV[None, None, stage])])
+            return pipeline.produce_copies(kv_pipe, state, copies)
         plane, row_tile = batch, n_block
         if cutlass.const_expr(self.paged):
-            tiles_per_page = mK.shape[0] // self.tile_n
-            # a bad entry reads some page of the pool (results are meaningless, memory is safe)
-            page = mBlockTable[batch, n_block // tiles_per_page]
-            plane = cutlass.max(cutlass.min(page, mK.shape[3] - 1), 0)
-            row_tile = n_block % tiles_per_page
+            plane, row_tile = paged.block_page(mBlockTable, batch, n_block, self.tile_n, mK.shape[0],
+                                               mK.shape[3])
         tile_kv = (self.tile_n, self.head_dim)
         tKsK, tKgK = tma.partition(tma_k, cute.local_tile(mK[None, None, head_kv, plane], tile_kv, (None, 0)), sK)
         tVsV, tVgV = tma.partition(tma_v, cute.local_tile(mV[None, None, head_kv, plane], tile_kv, (None, 0)), sV)
@@ -173,7 +213,7 @@ class SplitKVAttention:
 
     @cute.jit
     def load_q(self, mQ: cute.Tensor, sQ: cute.Tensor, tidx: Int32, m_block: Int32, head_kv: Int32,
-               group: Int32, batch: Int32, seqlen_q: Int32):
+               group: Int32, q_plane: Int32, seq):
         """Gather the packed Q tile into SMEM: 8-element chunks, rows past the queries zeroed."""
         chunks_per_row = self.head_dim // 8
         for i in cutlass.range_constexpr(self.tile_m * chunks_per_row // self.num_threads):
@@ -181,10 +221,10 @@ class SplitKVAttention:
             r, c = chunk // chunks_per_row, chunk % chunks_per_row * 8
             packed = m_block * self.tile_m + r
             query, head = packed // group, head_kv * group + packed % group
-            valid = query < seqlen_q
-            query = cutlass.min(query, seqlen_q - 1)  # a row that exists: loaded, then zeroed
+            valid = query < seq.seqlen_q
+            query = cutlass.min(query, seq.seqlen_q - 1)  # a row that exists: loaded, then zeroed
             for e in cutlass.range_constexpr(8):
-                x = mQ[batch, query, head, c + e]
+                x = mQ[q_plane, seq.offset_q + query, head, c + e]
                 sQ[r, c + e] = x if valid else x.dtype(0.0)
         # generic-proxy writes, read by WGMMA through the async proxy
         cute.arch.fence_proxy("async.shared", space="cta")
@@ -193,8 +233,9 @@ class SplitKVAttention:
     @cute.jit
     def zero_rows_past_end(self, sV_stage: cute.Tensor, valid_rows: Int32, tidx: Int32):
         """Zero the V rows of a ragged last block that lie past the sequence. A cache's unused rows
-        are whatever memory held (NaN bit patterns included) and P = 0 there does not help:
-        0 * NaN = NaN. K needs nothing: masking selects -inf over any score."""
+        are whatever memory held (NaN bit patterns included; a gather leaves them as the stage
+        held them) and P = 0 there does not help: 0 * NaN = NaN. K needs nothing: masking selects
+        -inf over any score."""
         if valid_rows < self.tile_n:
             for r in cutlass.range(valid_rows, self.tile_n, unroll=1):
                 for c in cutlass.range_constexpr((self.head_dim + self.num_threads - 1) // self.num_threads):
@@ -242,25 +283,26 @@ class SplitKVAttention:
     # ---------------------------------------------------------------- epilogue
     @cute.jit
     def store(self, ctx, mO, mLSE, mOacc, mLSEacc, split: Int32, num_splits: Int32, row0: Int32,
-              head_kv: Int32, group: Int32, batch: Int32, seqlen_q: Int32, scale_log2: Float32):
+              head_kv: Int32, group: Int32, q_plane: Int32, seq, scale_log2: Float32):
         """O and LSE of each real row (direct stores: a decode tile has few), unpacked to (query,
-        head); with several splits the FP32 partials instead."""
+        head) at the entry's rows of plane q_plane; with several splits the FP32 partials instead."""
         o_mn = mma.rows_cols(ctx.acc_o)
         for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
             inv_sum, lse = softmax.finalize(ctx.row_max[r], ctx.row_sum[r], scale_log2, 4)
             packed = row0 + ctx.o_coords[r, 0][0]
             query, head = packed // group, head_kv * group + packed % group
-            if query < seqlen_q:
+            if query < seq.seqlen_q:
+                row = seq.offset_q + query
                 if num_splits == 1:
                     for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
-                        mO[batch, query, head, ctx.o_coords[r, c][1]] = (o_mn[r, c] * inv_sum).to(self.dtype)
+                        mO[q_plane, row, head, ctx.o_coords[r, c][1]] = (o_mn[r, c] * inv_sum).to(self.dtype)
                     if ctx.tidx % 4 == 0:
-                        mLSE[batch, head, query] = lse
+                        mLSE[q_plane, head, row] = lse
                 else:
                     for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
-                        mOacc[split, batch, query, head, ctx.o_coords[r, c][1]] = o_mn[r, c] * inv_sum
+                        mOacc[split, q_plane, row, head, ctx.o_coords[r, c][1]] = o_mn[r, c] * inv_sum
                     if ctx.tidx % 4 == 0:
-                        mLSEacc[split, batch, head, query] = lse
+                        mLSEacc[split, q_plane, head, row] = lse
 
 
 class SplitKVCombine:

@@ -66,6 +66,14 @@ def test_backward_deterministic_variant_compiles(name):
     ("k5.5", dict(head_dim=128, causal=False, softcap=True), ("tanh.approx.f32",)),
     ("k5.5", dict(head_dim=64, causal=False, local=True), ("wgmma.mma_async",)),
     ("s1", dict(head_dim=128, causal=True, paged=True, local=True, softcap=True), ("tanh.approx.f32",)),
+    # pages that do not hold whole key blocks: cp.async row gathers completing on the ring's mbarriers
+    *[("s1", dict(head_dim=d, causal=True, paged=True, gather=True), ("cp.async.cg.shared.global",
+                                                                      "cp.async.mbarrier.arrive.noinc"))
+      for d in (64, 128, 256)],
+    ("s1", dict(head_dim=128, causal=True, paged=True, gather=True, varlen=True, local=True, softcap=True),
+     ("cp.async.mbarrier.arrive.noinc", "tanh.approx.f32")),
+    ("s1", dict(head_dim=128, causal=True, paged=True, varlen=True), ("cp.async.bulk.tensor",)),
+    ("s1", dict(head_dim=64, causal=False, paged=False, varlen=True), ("cp.async.bulk.tensor",)),
     ("b2", dict(head_dim=128, causal=False, local=True, softcap=True), ("tanh.approx.f32", "lg2.approx")),
     ("b1", dict(head_dim=128, causal=False, local=True, softcap=True), ("tanh.approx.f32", "lg2.approx")),
     ("b2", dict(head_dim=128, causal=True, varlen=True, deterministic=True), ("vote.sync.ballot",)),

@@ -13,11 +13,12 @@ import torch
 import fa3
 from conftest import raises_with
 
-# flash-attn 2.x signatures (parameter names in order, with defaults)
+# flash-attn 2.x signatures (parameter names in order, with defaults); fa3 may make a required one
+# optional (flash-attn 3 did: cu_seqlens_k and the max lengths, for calls over a KV cache)
 FLASH_ATTN = {
     "flash_attn_func": "q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), "
                        "softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False",
-    "flash_attn_varlen_func": "q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, "
+    "flash_attn_varlen_func": "q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, "
                               "dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), "
                               "softcap=0.0, alibi_slopes=None, deterministic=False, "
                               "return_attn_probs=False, block_table=None",
@@ -27,14 +28,24 @@ FLASH_ATTN = {
                                "softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0, "
                                "return_softmax_lse=False",
 }
+# flash-attn 3's serving keywords (keyword-only after flash-attn 2's parameters), as vLLM and SGLang pass them
+FLASH_ATTN_3_KEYWORDS = {
+    "flash_attn_func": set(),
+    "flash_attn_varlen_func": {"seqused_k", "return_softmax_lse", "out", "scheduler_metadata", "num_splits",
+                               "q_descale", "k_descale", "v_descale", "fa_version", "s_aux"},
+    "flash_attn_with_kvcache": {"page_table", "cu_seqlens_q", "max_seqlen_q", "cu_seqlens_k_new",
+                                "scheduler_metadata", "q_descale", "k_descale", "v_descale"},
+}
 
 
 @pytest.mark.parametrize("name", FLASH_ATTN)
 def test_signatures_match_flash_attn(name):
     params = inspect.signature(getattr(fa3, name)).parameters.values()
+    positional = [p for p in params if p.kind != inspect.Parameter.KEYWORD_ONLY]
     got = ", ".join(p.name if p.default is inspect.Parameter.empty else f"{p.name}={p.default!r}"
-                    for p in params)
+                    for p in positional)
     assert got == FLASH_ATTN[name] and name in fa3.__all__
+    assert {p.name for p in params if p.kind == inspect.Parameter.KEYWORD_ONLY} == FLASH_ATTN_3_KEYWORDS[name]
 
 
 def _qkv(batch=1, seqlen=16, heads=2, d=64):

@@ -177,9 +177,9 @@ def test_kvcache_validation_messages():
     raises(ValueError, "dense k_cache", "block_table", k_cache=torch.randn(3, 256, 2, 128, dtype=torch.bfloat16),
            v_cache=torch.randn(3, 256, 2, 128, dtype=torch.bfloat16))
     raises(ValueError, "block_table", "int32", block_table=torch.zeros(2, 4, dtype=torch.int64))
-    raises(ValueError, "page_size=48", "multiple of 64", block_table=torch.zeros(2, 4, dtype=torch.int32),
-           k_cache=torch.randn(8, 48, 2, 128, dtype=torch.bfloat16),
-           v_cache=torch.randn(8, 48, 2, 128, dtype=torch.bfloat16))
+    raises(ValueError, "page_size = k_cache.shape[1] = 0", block_table=torch.zeros(2, 4, dtype=torch.int32),
+           k_cache=torch.randn(8, 0, 2, 128, dtype=torch.bfloat16),
+           v_cache=torch.randn(8, 0, 2, 128, dtype=torch.bfloat16))
     raises(ValueError, "both k and v", k=torch.randn(2, 1, 2, 128, dtype=torch.bfloat16))
     raises(ValueError, "new_tokens", k=torch.randn(2, 1, 4, 128, dtype=torch.bfloat16),
            v=torch.randn(2, 1, 4, 128, dtype=torch.bfloat16))

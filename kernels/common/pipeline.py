@@ -44,6 +44,20 @@ def create(barrier_ptr, stages: int, consumer_warps: int, tx_bytes: int, cluster
     )
 
 
+def create_gather(barrier_ptr, stages: int, threads: int):
+    """A ring that `threads` threads fill with cp.async copies and then read (PipelineCpAsync): the
+    full barrier expects one arrival per thread, made by the copy engine once that thread's copies
+    have landed (`commit_copies`); the empty barrier one per thread after it read the stage. The
+    same threads produce and consume (a producer acquire waits for all of them to release)."""
+    return pipeline.PipelineCpAsync.create(
+        barrier_storage=barrier_ptr,
+        num_stages=stages,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, threads),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, threads),
+        defer_sync=True,
+    )
+
+
 def init_done(cluster_m: int = 1):
     """Make barrier initialisation visible before anyone uses a barrier: to the CTA, or with
     cluster_m > 1 to the whole cluster (its peers' copies will complete on these barriers)."""
@@ -71,6 +85,17 @@ def produce(pipe, state, tile, copies):
         cute.copy(atom, tXgX[(None, tile)], tXsX[(None, state.index)],
                   tma_bar_ptr=pipe.producer_get_barrier(state), **multicast)
     pipe.producer_commit(state)  # a no-op for TMA: the bytes complete the barrier
+    state.advance()
+    return state
+
+
+def produce_copies(pipe, state, load, *args):
+    """Fill stage `state.index` of a gather ring (create_gather): wait until it is free, issue
+    `load(state.index, *args)` (this thread's cp.async copies), arrive on the full barrier when
+    they land, advance. Every producer thread calls it. Returns the advanced state."""
+    pipe.producer_acquire(state)
+    load(state.index, *args)
+    pipe.producer_commit(state)  # cp.async.mbarrier.arrive.noinc: once this thread's copies land
     state.advance()
     return state
 

@@ -1,7 +1,9 @@
 """Per batch entry: how many queries and keys there are (one home for sequence lengths).
 
 Fixed-shape calls read them from the tensors' shapes; a KV cache holds `cache_seqlens[b]` valid
-keys (plus the tokens appended this call) out of its capacity. The producer, the split-KV range,
+keys (plus the tokens appended this call) out of its capacity; packed batches (`cu_seqlens`) place
+each entry's rows at an offset of one packed tensor, and a packed batch over a KV cache takes its
+queries from `cu_seqlens_q` and its keys from the cache. The producer, the split-KV range,
 masking and the epilogue all ask this one object instead of each computing their own.
 """
 
@@ -17,8 +19,25 @@ def from_cache(mCacheSeqlens: cute.Tensor, batch: Int32, seqlen_q: Int32, append
                capacity: Int32):
     """Entry `batch` of a KV cache: keys are the cache's first cache_seqlens[batch] rows plus the
     `appended` rows written this call, clamped to [0, capacity] so that no load leaves the cache."""
-    seqlen_k = cutlass.max(cutlass.min(mCacheSeqlens[batch] + appended, capacity), 0)
-    return SimpleNamespace(seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+    return SimpleNamespace(seqlen_q=seqlen_q, seqlen_k=_cached_keys(mCacheSeqlens, batch, appended, capacity),
+                           offset_q=Int32(0))
+
+
+@cute.jit
+def _cached_keys(mCacheSeqlens: cute.Tensor, batch: Int32, appended: Int32, capacity: Int32) -> Int32:
+    return cutlass.max(cutlass.min(mCacheSeqlens[batch] + appended, capacity), 0)
+
+
+@cute.jit
+def from_cache_packed(mCuSeqlensQ: cute.Tensor, mCacheSeqlens: cute.Tensor, batch: Int32,
+                      appended: Int32, capacity: Int32, total_q: Int32):
+    """Entry `batch` of packed queries over a KV cache (a varlen call with seqused_k): its queries
+    are rows [cu[batch], cu[batch + 1]) of the packed (total_q, heads, d) q, clamped into its
+    total_q rows (packed_span); its keys the cache's first cache_seqlens[batch] (+ appended) rows,
+    clamped as from_cache."""
+    offset_q, seqlen_q = packed_span(mCuSeqlensQ, batch, total_q)
+    return SimpleNamespace(seqlen_q=seqlen_q, seqlen_k=_cached_keys(mCacheSeqlens, batch, appended, capacity),
+                           offset_q=offset_q)
 
 
 def fixed(seqlen_q: Int32, seqlen_k: Int32):

@@ -1,0 +1,347 @@
+"""Serving engines' calls: any page size, packed queries over a (paged) KV cache, the split plan.
+
+GPU tests compare against the float64 reference on the same batch unpaged and unpacked: pages are
+shuffled within a pool holding unused pages, the pool's rows past each sequence hold NaN, table
+entries past a sequence's pages hold -1 (as engines leave them: never read), outputs are poisoned
+with NaN before the call, and sequences of 0 and 1 keys and queries are in every batch. CPU tests
+check the refusals of bad arguments and values, by name.
+"""
+
+import re
+
+import pytest
+import torch
+
+import fa3
+from fa3 import index_checks, kvcache
+from fa3.reference import attention_reference
+
+from conftest import raises_with, rel_err
+
+gpu = pytest.mark.gpu
+TOL = 1.5e-2
+PAGE_SIZES = [1, 16, 48, 64, 256]
+
+
+def _paged_cache(lens, heads_kv, d, page_size, gen, spare_pages=3):
+    """Per-sequence dense K/V (NaN past each length) and the same in a shuffled page pool:
+    returns (k_seqs, v_seqs, k_pool, v_pool, block_table); unused table entries are -1."""
+    max_pages = max(1, max(-(-n // page_size) for n in lens))
+    used = [-(-n // page_size) for n in lens]
+    num_pages = sum(used) + spare_pages
+    shape = (num_pages, page_size, heads_kv, d)
+    k_pool = torch.full(shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+    v_pool = torch.full(shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+    perm = torch.randperm(num_pages, device="cuda", generator=gen).tolist()
+    table = torch.full((len(lens), max_pages), -1, dtype=torch.int32)
+    k_seqs, v_seqs, nxt = [], [], 0
+    for b, n in enumerate(lens):
+        k = torch.randn(n, heads_kv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        v = torch.randn(n, heads_kv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        k_seqs.append(k)
+        v_seqs.append(v)
+        for j in range(used[b]):
+            page = perm[nxt]
+            nxt += 1
+            table[b, j] = page
+            rows = slice(j * page_size, min(n, (j + 1) * page_size))
+            k_pool[page, :rows.stop - rows.start] = k[rows]
+            v_pool[page, :rows.stop - rows.start] = v[rows]
+    return k_seqs, v_seqs, k_pool, v_pool, table.cuda()
+
+
+def _reference(q_seqs, k_seqs, v_seqs, causal, window_size=(-1, -1), softcap=0.0):
+    """Per sequence, float64: [(out (len_q, heads_q, d), lse (heads_q, len_q))]."""
+    result = []
+    for q, k, v in zip(q_seqs, k_seqs, v_seqs):
+        o, lse = attention_reference(q[None], k[None], v[None], causal, dtype=torch.float64,
+                                     window_size=window_size, softcap=softcap)
+        result.append((o[0], lse[0]))
+    return result
+
+
+def _cu(lengths):
+    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+
+
+def _check(out, lse, ref, what):
+    assert not out.isnan().any(), f"{what}: NaN (a row was not written, or garbage was read)"
+    ref_o = torch.cat([o for o, _ in ref])
+    ref_lse = torch.cat([lse for _, lse in ref], dim=-1)
+    assert rel_err(out, ref_o) < TOL, f"{what}: relative error {rel_err(out, ref_o):.2e}"
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite), f"{what}: rows with no key differ"
+    assert (lse[finite].double() - ref_lse[finite]).abs().max().item() < 1e-2, what
+
+
+# ----------------------------------------------------------------------------- any page size
+@gpu
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_decode_any_page_size(page_size, head_dim, causal):
+    """attention_with_kvcache on pages of 1-256 tokens (gathered below 64, TMA at 64 and 256):
+    ragged lengths with 0 and 1, one to several queries, 1 to n splits."""
+    if head_dim != 128 and page_size not in (1, 16):
+        pytest.skip("other head dims: the gather sizes only")
+    gen = torch.Generator(device="cuda").manual_seed(page_size * 7 + head_dim)
+    lens = [0, 1, 200, 63, 1000, 129]
+    for seqlen_q in (1, 3):
+        k_seqs, v_seqs, k_pool, v_pool, table = _paged_cache(lens, 2, head_dim, page_size, gen)
+        q = torch.randn(len(lens), seqlen_q, 8, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+        ref = _reference(list(q), k_seqs, v_seqs, causal)
+        ref_o, ref_lse = torch.stack([o for o, _ in ref]), torch.stack([lse for _, lse in ref])
+        seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        for splits in (1, 3, 0):
+            out, lse = fa3.attention_with_kvcache(q, k_pool, v_pool, cache_seqlens=seqlens, block_table=table,
+                                                  causal=causal, num_splits=splits, return_lse=True)
+            what = f"page {page_size}, d{head_dim}, seqlen_q {seqlen_q}, splits {splits}"
+            assert not out.isnan().any() and rel_err(out, ref_o) < TOL, f"{what}: {rel_err(out, ref_o)}"
+            finite = torch.isfinite(ref_lse)
+            assert torch.equal(torch.isfinite(lse), finite), what
+            assert (lse[finite].double() - ref_lse[finite]).abs().max().item() < 1e-2, what
+
+
+@gpu
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_decode_small_pages_append_window_softcap(page_size):
+    """New tokens appended into small pages, then attended with a window and softcap."""
+    gen = torch.Generator(device="cuda").manual_seed(page_size)
+    lens, new = [5, 300, 0], 2
+    k_seqs, v_seqs, k_pool, v_pool, table = _paged_cache([n + new for n in lens], 2, 128, page_size, gen)
+    q = torch.randn(3, new, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k_new = torch.stack([k[n:n + new] for k, n in zip(k_seqs, lens)])
+    v_new = torch.stack([v[n:n + new] for v, n in zip(v_seqs, lens)])
+    # the pool holds NaN where the new tokens go: the append must overwrite them
+    for b, n in enumerate(lens):
+        for i in range(n, n + new):
+            k_pool[table[b, i // page_size], i % page_size] = float("nan")
+    seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    ref = _reference(list(q), k_seqs, v_seqs, True, (100, 0), 10.0)
+    out = fa3.attention_with_kvcache(q, k_pool, v_pool, k_new, v_new, cache_seqlens=seqlens, block_table=table,
+                                     causal=True, window_size=(100, 0), softcap=10.0)
+    assert rel_err(out, torch.stack([o for o, _ in ref])) < TOL
+
+
+# ----------------------------------------------------------------------------- packed queries over a cache
+MIXES = [  # (query lengths, key lengths): decodes (1), chunked prefills, empty entries
+    ([1, 1, 37, 0, 200, 1], [500, 1, 37, 0, 900, 64]),
+    ([64, 1, 3], [64, 4000, 3]),
+    ([1] * 40, [17 * i + 1 for i in range(40)]),          # many entries: pure decode
+]
+
+
+@gpu
+@pytest.mark.parametrize("page_size", [None, 1, 16, 64])
+@pytest.mark.parametrize("case", range(len(MIXES)))
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_over_paged_cache(page_size, case, causal):
+    """fa3.attention_varlen(q, k_cache, v_cache, cu_seqlens_q, None, ..., block_table, seqused_k)
+    against each sequence's float64 reference (keys: its first seqused_k cache positions; causal
+    aligned to the end of its keys); out= poisoned with NaN; the split count forced and planned."""
+    lens_q, lens_k = MIXES[case]
+    gen = torch.Generator(device="cuda").manual_seed(case * 11 + (page_size or 0))
+    heads_q, heads_kv, d = 8, 2, 128
+    if page_size is None:  # a dense cache: (batch, capacity, heads_kv, d), seqused_k < capacity
+        capacity = max(lens_k) + 5
+        k_cache = torch.full((len(lens_k), capacity, heads_kv, d), float("nan"), device="cuda", dtype=torch.bfloat16)
+        v_cache = k_cache.clone()
+        k_seqs = [torch.randn(n, heads_kv, d, device="cuda", dtype=torch.bfloat16, generator=gen) for n in lens_k]
+        v_seqs = [torch.randn(n, heads_kv, d, device="cuda", dtype=torch.bfloat16, generator=gen) for n in lens_k]
+        for b, n in enumerate(lens_k):
+            k_cache[b, :n], v_cache[b, :n] = k_seqs[b], v_seqs[b]
+        table = None
+    else:
+        k_seqs, v_seqs, k_cache, v_cache, table = _paged_cache(lens_k, heads_kv, d, page_size, gen)
+    q = torch.randn(sum(lens_q), heads_q, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    cu_q = _cu(lens_q)
+    q_seqs = list(torch.split(q, lens_q))
+    ref = _reference(q_seqs, k_seqs, v_seqs, causal)
+    seqused_k = torch.tensor(lens_k, dtype=torch.int32, device="cuda")
+    for splits in (1, 4, 0):
+        out = torch.full_like(q, float("nan"))
+        got, lse = fa3.attention_varlen(q, k_cache, v_cache, cu_q, None, max(lens_q), max(lens_k),
+                                        block_table=table, seqused_k=seqused_k, causal=causal,
+                                        return_lse=True, out=out, num_splits=splits)
+        assert got is out and lse.shape == (heads_q, q.shape[0])
+        _check(out, lse, ref, f"page {page_size}, case {case}, splits {splits}")
+    # vLLM's keywords reach the same call
+    out = torch.full_like(q, float("nan"))
+    fa3.flash_attn_varlen_func(q=q, k=k_cache, v=v_cache, out=out, cu_seqlens_q=cu_q, max_seqlen_q=max(lens_q),
+                               seqused_k=seqused_k, max_seqlen_k=max(lens_k), softmax_scale=d ** -0.5,
+                               causal=causal, alibi_slopes=None, window_size=(-1, -1), block_table=table,
+                               softcap=0.0, scheduler_metadata=None, fa_version=3, num_splits=0)
+    assert rel_err(out, torch.cat([o for o, _ in ref])) < TOL
+
+
+@gpu
+def test_varlen_over_cache_window_softcap_and_max_seqlen_q_default():
+    lens_q, lens_k = [1, 50, 1], [700, 300, 1]
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    k_seqs, v_seqs, k_cache, v_cache, table = _paged_cache(lens_k, 4, 64, 16, gen)
+    q = torch.randn(sum(lens_q), 8, 64, device="cuda", dtype=torch.bfloat16, generator=gen)
+    ref = _reference(list(torch.split(q, lens_q)), k_seqs, v_seqs, True, (128, 0), 20.0)
+    out, lse = fa3.attention_varlen(q, k_cache, v_cache, _cu(lens_q), block_table=table,
+                                    seqused_k=torch.tensor(lens_k, dtype=torch.int32, device="cuda"),
+                                    causal=True, window_size=(128, 0), softcap=20.0, return_lse=True)
+    _check(out, lse, ref, "window + softcap, max_seqlen_q=None")
+
+
+@gpu
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_kvcache_packed_queries_equal_unpacked(page_size):
+    """attention_with_kvcache with cu_seqlens_q (several query tokens per sequence, as speculative
+    verify) gives the rows of the same batch unpacked, and the reference for ragged lengths."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    lens_k = [300, 5, 1024]
+    k_seqs, v_seqs, k_cache, v_cache, table = _paged_cache(lens_k, 2, 128, page_size or 64, gen)
+    if page_size is None:  # dense: one row per sequence
+        k_cache = torch.stack([torch.cat([k, k.new_full((1024 - k.shape[0], 2, 128), float("nan"))]) for k in k_seqs])
+        v_cache = torch.stack([torch.cat([v, v.new_full((1024 - v.shape[0], 2, 128), float("nan"))]) for v in v_seqs])
+        table = None
+    seqlens = torch.tensor(lens_k, dtype=torch.int32, device="cuda")
+    q = torch.randn(3, 4, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    unpacked = fa3.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table, causal=True)
+    packed = fa3.attention_with_kvcache(q.flatten(0, 1), k_cache, v_cache, cache_seqlens=seqlens, block_table=table,
+                                        cu_seqlens_q=_cu([4, 4, 4]), max_seqlen_q=4, causal=True)
+    assert rel_err(packed, unpacked.flatten(0, 1)) < 1e-6
+    lens_q = [4, 1, 2]
+    qr = torch.randn(sum(lens_q), 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    out = fa3.flash_attn_with_kvcache(qr, k_cache, v_cache, cache_seqlens=seqlens, page_table=table,
+                                      cu_seqlens_q=_cu(lens_q), max_seqlen_q=4, causal=True)
+    ref = _reference(list(torch.split(qr, lens_q)), k_seqs, v_seqs, True)
+    assert rel_err(out, torch.cat([o for o, _ in ref])) < TOL
+
+
+@gpu
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_varlen_over_cache_in_cuda_graph(page_size):
+    """A mixed step captured once and replayed with new lengths, new pages and new queries (no host
+    sync, no planning in the replay): it equals an eager call on the new values."""
+    gen = torch.Generator(device="cuda").manual_seed(page_size)
+    lens_q, lens_k = [1, 1, 16, 1], [100, 1, 40, 2000]
+    _, _, k_cache, v_cache, table = _paged_cache([2048] * 4, 8, 128, page_size, gen, spare_pages=0)
+    q = torch.randn(sum(lens_q), 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    cu_q = _cu(lens_q)
+    seqused = torch.tensor(lens_k, dtype=torch.int32, device="cuda")
+    meta = fa3.get_scheduler_metadata(4, 16, 2048, 32, 8, 128, seqused, causal=True, page_size=page_size)
+    step = lambda: fa3.attention_varlen(q, k_cache, v_cache, cu_q, None, 16, 2048, block_table=table,
+                                        seqused_k=seqused, causal=True, scheduler_metadata=meta)
+    step()  # compiles
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    seqused.copy_(torch.tensor([1500, 7, 16, 1], dtype=torch.int32))
+    cu_q.copy_(_cu([2, 1, 13, 3]))
+    table.copy_(table.flip(1))
+    q.normal_(generator=gen)
+    graph.replay()
+    assert rel_err(out, step()) < 1e-6
+
+
+# ----------------------------------------------------------------------------- bad values, on the GPU
+@gpu
+def test_bad_values_over_cache_refused_before_writing():
+    """Bad cu_seqlens_q / seqused_k / block_table values: a ValueError naming them, and out= is
+    left as it was (nothing written)."""
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    _, _, k_cache, v_cache, table = _paged_cache([100, 40], 2, 128, 16, gen, spare_pages=0)
+    q = torch.randn(5, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    seqused = torch.tensor([100, 40], dtype=torch.int32, device="cuda")
+    cases = [
+        (dict(cu_seqlens_q=torch.tensor([1, 3, 5], dtype=torch.int32, device="cuda")), "start at 0"),
+        (dict(cu_seqlens_q=torch.tensor([0, 4, 3], dtype=torch.int32, device="cuda")), "decreases"),
+        (dict(seqused_k=torch.tensor([100, 400], dtype=torch.int32, device="cuda")), "seqused_k[1] = 400"),
+        (dict(block_table=torch.where(table == table[1, 0], 99, table)), "block_table[1, 0] = 99"),
+    ]
+    for over, words in cases:
+        args = dict(cu_seqlens_q=torch.tensor([0, 2, 5], dtype=torch.int32, device="cuda"), seqused_k=seqused,
+                    block_table=table)
+        args.update(over)
+        out = torch.full_like(q, float("nan"))
+        with pytest.raises(ValueError, match=re.escape(words)):
+            fa3.attention_varlen(q, k_cache, v_cache, args["cu_seqlens_q"], None, 3, 400, causal=True, out=out,
+                                 block_table=args["block_table"], seqused_k=args["seqused_k"])
+        assert out.isnan().all(), f"{words}: out was written"
+
+
+# ----------------------------------------------------------------------------- CPU: refusals
+def _cpu_call(**over):
+    args = dict(q=torch.randn(5, 8, 128, dtype=torch.bfloat16),
+                k=torch.randn(6, 16, 2, 128, dtype=torch.bfloat16),
+                v=torch.randn(6, 16, 2, 128, dtype=torch.bfloat16),
+                cu_seqlens_q=torch.tensor([0, 2, 5], dtype=torch.int32), cu_seqlens_k=None,
+                block_table=torch.zeros(2, 3, dtype=torch.int32),
+                seqused_k=torch.tensor([3, 4], dtype=torch.int32))
+    args.update(over)
+    return args
+
+
+def test_varlen_over_cache_argument_checks():
+    call = fa3.attention_varlen
+    raises_with(call, ValueError, "block_table", "int32", **_cpu_call(block_table=torch.zeros(2, 3)))
+    raises_with(call, ValueError, "block_table", "(batch=2, max_pages)",
+                **_cpu_call(block_table=torch.zeros(3, 3, dtype=torch.int32)))
+    raises_with(call, ValueError, "block_table", **_cpu_call(block_table=torch.zeros(6, dtype=torch.int32)))
+    raises_with(call, ValueError, "seqused_k", "(batch=2,)", **_cpu_call(seqused_k=torch.tensor([3], dtype=torch.int32)))
+    raises_with(call, ValueError, "seqused_k", "int32", **_cpu_call(seqused_k=torch.tensor([3, 4])))
+    raises_with(call, ValueError, "seqused_k is required", **_cpu_call(seqused_k=None))
+    raises_with(call, ValueError, "cu_seqlens_k must be None",
+                **_cpu_call(cu_seqlens_k=torch.tensor([0, 3, 7], dtype=torch.int32)))
+    raises_with(call, ValueError, "cu_seqlens_q", "int32", **_cpu_call(cu_seqlens_q=torch.tensor([0, 2, 5])))
+    raises_with(call, ValueError, "page_size = k_cache.shape[1] = 0",
+                **_cpu_call(k=torch.randn(6, 0, 2, 128, dtype=torch.bfloat16),
+                            v=torch.randn(6, 0, 2, 128, dtype=torch.bfloat16)))
+    raises_with(call, ValueError, "max_seqlen_q", **_cpu_call(), max_seqlen_q=-1)
+    raises_with(call, ValueError, "q has head_dim 64", **_cpu_call(q=torch.randn(5, 8, 64, dtype=torch.bfloat16)))
+    raises_with(call, ValueError, "a dense k_cache must have batch 2",
+                **_cpu_call(block_table=None, k=torch.randn(3, 16, 2, 128, dtype=torch.bfloat16),
+                            v=torch.randn(3, 16, 2, 128, dtype=torch.bfloat16)))
+    raises_with(call, ValueError, "cu_seqlens_k is required", **_cpu_call(block_table=None, seqused_k=None))
+    raises_with(fa3.flash_attn_varlen_func, NotImplementedError, "s_aux", **_cpu_call(),
+                s_aux=torch.zeros(8))
+    raises_with(fa3.flash_attn_varlen_func, NotImplementedError, "fa_version=2", **_cpu_call(), fa_version=2)
+    raises_with(fa3.attention_with_kvcache, NotImplementedError, "cu_seqlens_q",
+                q=torch.randn(5, 8, 128, dtype=torch.bfloat16), k_cache=torch.randn(6, 16, 2, 128, dtype=torch.bfloat16),
+                v_cache=torch.randn(6, 16, 2, 128, dtype=torch.bfloat16), k=torch.randn(2, 1, 2, 128, dtype=torch.bfloat16),
+                v=torch.randn(2, 1, 2, 128, dtype=torch.bfloat16), cache_seqlens=torch.tensor([3, 4], dtype=torch.int32),
+                block_table=torch.zeros(2, 3, dtype=torch.int32), cu_seqlens_q=torch.tensor([0, 2, 5], dtype=torch.int32))
+    raises_with(kvcache.check_scheduler_metadata, ValueError, "scheduler_metadata", metadata=torch.zeros(2),
+                q=torch.zeros(1))
+
+
+def test_packed_cache_value_checks_on_host_copies():
+    """The eager value checks of a packed call over a cache (CPU tensors stand in for the device
+    copies): offsets, lengths (named seqused_k) and the pages the sequences use."""
+    table = torch.tensor([[0, 1, -1], [2, -1, -1]], dtype=torch.int32)
+    lengths = torch.tensor([20, 16], dtype=torch.int32)
+
+    def check(cu, lengths=lengths, table=table, max_q=3):
+        index_checks.start_packed_cache_check(torch.tensor(cu, dtype=torch.int32), 5, max_q, lengths, table,
+                                              3 * 16, 16, 3, "seqused_k")()
+
+    check([0, 2, 5])  # fine: entries past a sequence's pages (-1) are not read
+    with pytest.raises(ValueError, match=r"cu_seqlens_q\[0\] = 1"):
+        check([1, 2, 5])
+    with pytest.raises(ValueError, match="cu_seqlens_q decreases at entry 2"):
+        check([0, 4, 3])
+    with pytest.raises(ValueError, match=r"cu_seqlens_q\[-1\] = 4"):
+        check([0, 2, 4])
+    with pytest.raises(ValueError, match="max_seqlen_q=2"):
+        check([0, 2, 5], max_q=2)
+    with pytest.raises(ValueError, match=r"seqused_k\[1\] = 49"):
+        check([0, 2, 5], lengths=torch.tensor([20, 49], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"block_table\[1, 1\] = -1"):
+        check([0, 2, 5], lengths=torch.tensor([20, 17], dtype=torch.int32))
+
+
+def test_split_plan_from_shapes():
+    spec = fa3.registry.get("s1")
+    mask = fa3.masking.masking(True, (-1, -1), 0.0, 1.0)
+    # decode of one long sequence: split to fill the SMs; a wide batch: one split
+    assert kvcache.plan_splits(spec, 1, 1, 32, 8, 32768, mask, 132) == 16
+    assert kvcache.plan_splits(spec, 64, 1, 32, 8, 4096, mask, 132) == 1
+    # query heads of a KV head share a tile (16 x 4 = one 64-row tile); more queries make more
+    # Q tiles, so fewer splits
+    assert kvcache.plan_splits(spec, 1, 16, 32, 8, 32768, mask, 132) == 16
+    assert kvcache.plan_splits(spec, 1, 64, 32, 8, 32768, mask, 132) == 4
