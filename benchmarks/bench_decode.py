@@ -5,7 +5,8 @@ prefill (fa3.attention_varlen), beside cuDNN, SDPA flash and flash-attn-4.
 
 fa3 is timed both eager and replayed from a CUDA graph (what engines do; the difference is host
 overhead), and eager without the host checks of the index values (their cost). Cases (bf16, d128, GQA 32 query / 8 KV heads, one new query per sequence): batch 16 x 8k keys,
-batch 1 x 32k, batch 64 x 4k, each dense and paged (pages of 64 and 256, permuted). Every
+batch 1 x 32k, batch 64 x 4k, each dense and paged (pages of 16, 64 and 256, permuted; 16 is
+vLLM's default and is read by row gathers, 64 and 256 by TMA). Every
 sequence holds the full number of keys. Each row prints the GPU time per call (CUDA events,
 median), the K/V bytes read per microsecond, and that rate's share of the device-to-device
 copy bandwidth measured in the same run (bytes read + written per second by a large copy).
@@ -207,7 +208,7 @@ def decode_rows(peers, gen):
     print(f"device-to-device copy: {copy_gbs:.0f} GB/s (read + write)", flush=True)
     rows, records = [], []
     for batch, keys in CASES:
-        for page_size in (None, 64, 256):
+        for page_size in (None, 16, 64, 256):
             q, k, v, seqlens, table = make_case(batch, keys, page_size, gen)
             kv_bytes = 2 * batch * keys * HEADS_KV * D * 2
             ref = fa3.attention_with_kvcache(q, k, v, cache_seqlens=seqlens, block_table=table)
