@@ -19,11 +19,20 @@ visited from the last to the first, so the ragged and causal-diagonal blocks, th
 come first.
 
 The cache is dense, (batch, capacity, heads_kv, d), or paged, (num_pages, page_size, heads_kv, d)
-with `block_table[b, i]` the page holding keys [i * page_size, (i + 1) * page_size) of entry b.
-Both are the same to the producer: a key block lives in a (rows, d) plane at (row tile, kv head,
-plane), the plane being the batch entry (dense) or the page (paged); tile_n divides page_size, so
-a block never straddles pages. Sequence lengths come from `cache_seqlens` (common/seqlen.py);
-causal masks align to the bottom right as everywhere in fa3.
+with `block_table[b, i]` the page holding keys [i * page_size, (i + 1) * page_size) of entry b
+(common/paged.py). Dense caches and pages of a multiple of tile_n are the same to the producer: a
+key block lives in a (rows, d) plane at (row tile, kv head, plane), the plane being the batch entry
+(dense) or the page (paged), one TMA box. Any other page size (1, 16, ...) compiles the `gather`
+layout: every thread copies its share of the block's rows from their pages with cp.async into the
+same swizzled stage, on a cp.async ring (the full barrier counts one arrival per thread); the
+consumers fence the async proxy before WGMMA reads it. Sequence lengths come from `cache_seqlens`
+(common/seqlen.py); causal masks align to the bottom right as everywhere in fa3.
+
+Packed queries (`varlen`): q is one (total_q, heads_q, d) plane, entry b's queries at rows
+[cu_seqlens_q[b], cu_seqlens_q[b + 1]) (seqlen.from_cache_packed); the grid covers the longest
+entry (max_seqlen_q) and a tile past an entry's queries loads and stores nothing. O, LSE and the
+partials are stored at the entry's rows, so one combine serves both layouts. A decode is an entry
+of one query; a chunk of a prompt, a longer one: one launch serves a serving engine's whole step.
 
 Values no host check has seen (a CUDA graph replayed with new lengths or pages) cannot send a load
 outside the cache: lengths are clamped to [0, capacity] (capacity: the dense cache's rows, or
@@ -154,8 +163,6 @@ class SplitKVAttention:
         per_split = (blocks + num_splits - 1) // num_splits
         first = blocks_start + split * per_split
         n_blocks = cutlass.max(cutlass.min(blocks_end, first + per_split) - first, 0)
-        if blocks == 0:
-            n_blocks = 0
         last = first + n_blocks - 1  # visited first
 
         kv_producer = pipeline.producer_state(self.kv_stages)
