@@ -12,7 +12,8 @@ is reading K and V once, at memory speed. Two ideas make that possible on 132 SM
   (`SplitKVCombine`) merges the partials: LSE = log sum_i exp(lse_i), O = sum_i exp(lse_i - LSE) O_i.
   With one split the kernel writes O and LSE directly.
 
-Grid (num_splits, heads_kv * q_tiles, batch), one warpgroup per CTA (tile_m = 64). K/V tiles come
+Grid (num_splits, heads_kv * q_tiles, batch), one warpgroup per CTA (tile_m = 64; packed queries:
+below). K/V tiles come
 through K3's TMA ring (`kv_stages` deep, warp 0 refills a stage as soon as it is released); the
 math is K4.2's (both GEMMs on WGMMA, softmax on the accumulator, P from registers). Key blocks are
 visited from the last to the first, so the ragged and causal-diagonal blocks, the only ones masked,
@@ -29,9 +30,13 @@ consumers fence the async proxy before WGMMA reads it. Sequence lengths come fro
 (common/seqlen.py); causal masks align to the bottom right as everywhere in fa3.
 
 Packed queries (`varlen`): q is one (total_q, heads_q, d) plane, entry b's queries at rows
-[cu_seqlens_q[b], cu_seqlens_q[b + 1]) (seqlen.from_cache_packed); the grid covers the longest
-entry (max_seqlen_q) and a tile past an entry's queries loads and stores nothing. O, LSE and the
-partials are stored at the entry's rows, so one combine serves both layouts. A decode is an entry
+[cu_seqlens_q[b], cu_seqlens_q[b + 1]) (seqlen.from_cache_packed). The grid is (splits, Q tiles,
+heads_kv): the Q tiles of every entry numbered in a row (entry b has ceil(len_b * group / tile_m)),
+each CTA finding its entry from cu_seqlens_q with a warp scan (scheduler.varlen_tile, as k5's packed
+batches), so a step of 100 decodes beside one 2k-token chunk launches about 230 tiles per KV head,
+not 101 x the chunk's 128; the grid's bound (min(batch x tiles of max_seqlen_q, ceil(total_q x
+group / tile_m) + batch)) leaves a few tiles with no rows, which load and store nothing. O, LSE and
+the partials are stored at the entry's rows, so one combine serves both layouts. A decode is an entry
 of one query; a chunk of a prompt, a longer one: one launch serves a serving engine's whole step.
 
 Values no host check has seen (a CUDA graph replayed with new lengths or pages) cannot send a load
@@ -47,7 +52,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
-from .common import mask, mma, paged, pipeline, seqlen, smem, softmax, tma
+from .common import mask, mma, paged, pipeline, scheduler, seqlen, smem, softmax, tma
 
 
 class SplitKVAttention:
@@ -80,9 +85,17 @@ class SplitKVAttention:
         entry b at rows [cu[b], cu[b + 1]) of mCuSeqlensQ (batch + 1,), max_seqlen_q their longest
         (it sizes the grid); otherwise both are unread."""
         batch, seqlen_q, heads_q, _ = mQ.shape
-        if cutlass.const_expr(self.varlen):
-            batch, seqlen_q = mCuSeqlensQ.shape[0] - 1, max_seqlen_q
         heads_kv = mK.shape[2]
+        group = heads_q // heads_kv
+        q_tiles = cute.ceil_div(seqlen_q * group, self.tile_m)
+        grid = [mOacc.shape[0], heads_kv * q_tiles, batch]
+        if cutlass.const_expr(self.varlen):
+            # every entry's Q tiles in a row, per KV head: sum_b ceil(len_b * group / tile_m) is at most
+            # ceil(total_q * group / tile_m) + batch, and at most batch tiles of the longest entry
+            batch = mCuSeqlensQ.shape[0] - 1
+            tiles = cutlass.min(batch * cute.ceil_div(max_seqlen_q * group, self.tile_m),
+                                cute.ceil_div(seqlen_q * group, self.tile_m) + batch)
+            grid = [mOacc.shape[0], cutlass.max(tiles, 1), heads_kv]
         sQ_layout = smem.tile_layout(self.dtype, self.tile_m, self.head_dim)
         sKV_layout = smem.tile_layout(self.dtype, self.tile_n, self.head_dim, self.kv_stages)
         tile_kv = (self.tile_n, self.head_dim)
@@ -101,12 +114,10 @@ class SplitKVAttention:
 
         smem.check_budget(SharedStorage.size_in_bytes(),
                           f"S1 with kv_stages={self.kv_stages}, tile_n={self.tile_n}, d={self.head_dim}")
-        q_tiles = cute.ceil_div(seqlen_q * (heads_q // heads_kv), self.tile_m)
         self.kernel(mQ, tma_k, tK, tma_v, tV, mCacheSeqlens, mBlockTable, mO, mLSE, mOacc, mLSEacc,
                     scale_log2, appended, window_left, window_right, softcap_scale, mCuSeqlensQ,
                     sQ_layout, sKV_layout, SharedStorage).launch(
-            grid=[mOacc.shape[0], heads_kv * q_tiles, batch], block=[self.num_threads, 1, 1],
-            stream=stream)
+            grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
@@ -119,19 +130,25 @@ class SplitKVAttention:
                sKV_layout: cute.ComposedLayout, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        split, head_tile, batch = cute.arch.block_idx()
         num_splits = mOacc.shape[0]
         heads_q, heads_kv = mQ.shape[2], mK.shape[2]  # mK: (rows, d, heads, planes)
         group = heads_q // heads_kv
-        q_tiles = cute.arch.grid_dim()[1] // heads_kv
-        head_kv, m_block = head_tile // q_tiles, head_tile % q_tiles
         capacity = mK.shape[0]
         if cutlass.const_expr(self.paged):
             capacity = mBlockTable.shape[1] * mK.shape[0]
-        if cutlass.const_expr(self.varlen):  # queries at rows offset_q.. of the one packed plane
+        if cutlass.const_expr(self.varlen):
+            # grid (splits, Q tiles of every entry in a row, heads_kv): each warp finds its tile's
+            # entry from cu_seqlens_q (common/scheduler.py); a tile past the last holds no rows
+            split, tile, head_kv = cute.arch.block_idx()
+            batch, m_block, entry_tiles = scheduler.varlen_tile(tile, mCuSeqlensQ, self.tile_m, mQ.shape[1],
+                                                                group)
+            # queries at rows offset_q.. of the one packed plane
             seq = seqlen.from_cache_packed(mCuSeqlensQ, mCacheSeqlens, batch, appended, capacity,
                                            mQ.shape[1])
         else:
+            split, head_tile, batch = cute.arch.block_idx()
+            q_tiles = cute.arch.grid_dim()[1] // heads_kv
+            head_kv, m_block = head_tile // q_tiles, head_tile % q_tiles
             seq = seqlen.from_cache(mCacheSeqlens, batch, mQ.shape[1], appended, capacity)
         q_plane = 0 if cutlass.const_expr(self.varlen) else batch
         if cutlass.const_expr(not self.gather):
@@ -151,15 +168,15 @@ class SplitKVAttention:
         sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
 
         window = (window_left, window_right) if cutlass.const_expr(self.local) else None
-        # this split's share of the key blocks the tile sees (none when the tile holds no query:
-        # a packed entry shorter than the longest)
+        # this split's share of the key blocks the tile sees (none when the tile holds no query)
         blocks_end = mask.n_block_max(m_block, self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k,
                                       self.causal, rows_per_query=group, window=window)
         blocks_start = mask.n_block_min(m_block, self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k,
                                         rows_per_query=group, window=window)
         blocks = cutlass.max(blocks_end - blocks_start, 0)
-        if m_block * self.tile_m >= seq.seqlen_q * group:
-            blocks = 0
+        if cutlass.const_expr(self.varlen):
+            if entry_tiles == 0:  # a tile past the last entry's
+                blocks = 0
         per_split = (blocks + num_splits - 1) // num_splits
         first = blocks_start + split * per_split
         n_blocks = cutlass.max(cutlass.min(blocks_end, first + per_split) - first, 0)

@@ -131,10 +131,13 @@ def handoff_tail(handoff, done: Int32):
 
 
 @cute.jit
-def _entry_blocks(mCuSeqlens: cute.Tensor, entry: Int32, tile_m: cutlass.Constexpr, rows=None) -> Int32:
+def _entry_blocks(mCuSeqlens: cute.Tensor, entry: Int32, tile_m: cutlass.Constexpr, rows=None,
+                  rows_per_query=None) -> Int32:
     blocks = Int32(0)
     if entry < mCuSeqlens.shape[0] - 1:
         _, length = seqlen.packed_span(mCuSeqlens, entry, rows)
+        if cutlass.const_expr(rows_per_query is not None):  # packed GQA: a tile row per (query, head)
+            length = length * rows_per_query
         blocks = (length + tile_m - 1) // tile_m
     return blocks
 
@@ -150,9 +153,11 @@ def varlen_blocks(mCuSeqlens: cute.Tensor, tile_m: cutlass.Constexpr, rows=None)
 
 
 @cute.jit
-def varlen_tile(block: Int32, mCuSeqlens: cute.Tensor, tile_m: cutlass.Constexpr, rows=None):
+def varlen_tile(block: Int32, mCuSeqlens: cute.Tensor, tile_m: cutlass.Constexpr, rows=None,
+                rows_per_query=None):
     """(entry, its Q tile index, its Q tile count) of packed Q tile `block` < varlen_blocks; a
-    whole warp calls it."""
+    whole warp calls it. A `block` past the last tile gives a tile count of 0. `rows_per_query`:
+    tile rows per query (the query heads a packed-GQA tile holds per query position)."""
     lane = cute.arch.lane_idx()
     entries = mCuSeqlens.shape[0] - 1
     before = Int32(0)  # tiles of the entries before this chunk
@@ -160,7 +165,7 @@ def varlen_tile(block: Int32, mCuSeqlens: cute.Tensor, tile_m: cutlass.Constexpr
     entry, m_block, blocks = Int32(0), Int32(0), Int32(0)
     searching = chunk < entries
     while searching:
-        count = _entry_blocks(mCuSeqlens, chunk + lane, tile_m, rows)
+        count = _entry_blocks(mCuSeqlens, chunk + lane, tile_m, rows, rows_per_query)
         running = count  # inclusive scan over the lanes
         for i in cutlass.range_constexpr(5):
             below = cute.arch.shuffle_sync_up(running, 1 << i)
