@@ -265,7 +265,7 @@ def get_gemm(spec, dtype, a_layout, b_layout, tiles: tuple = ()):
 # ----------------------------------------------------------------------------- KV cache (S1)
 def _kvcache_fake_args(dtype, head_dim):
     """Fake (q, k_cache, v_cache, cache_seqlens, block_table, out, lse, out_partial, lse_partial,
-    scale_log2, appended, window edges, softcap scale, cu_seqlens_q, max_seqlen_q): see
+    scale_log2, appended, window edges, softcap scale, cu_seqlens_q, max_seqlen_q, cache_leftpad): see
     kernels/decode.py. The cache is (planes, rows, heads_kv, d), planes being batch entries (dense)
     or pages (paged); every extent is dynamic (packed queries: q is (1, total_q, heads_q, d) and
     cache_seqlens has its own extent)."""
@@ -274,7 +274,7 @@ def _kvcache_fake_args(dtype, head_dim):
     b, sq, hq, hkv, rows, planes, pages, splits = (cute.sym_int64() for _ in range(8))
     # the block table, the partials, the lengths and the query offsets have extents of their own:
     # 1-element stand-ins when unused
-    b_table, b_part, sq_part, hq_part, b_lens, b_cu = (cute.sym_int64() for _ in range(6))
+    b_table, b_part, sq_part, hq_part, b_lens, b_cu, b_pad = (cute.sym_int64() for _ in range(7))
     cache = lambda: _unit_last(cute, dt, planes, rows, hkv, head_dim, tma=True)
     return [_unit_last(cute, dt, b, sq, hq, head_dim, align=2), cache(), cache(),
             _fake_tensor(cute, i32, (b_lens,), (1,), align=4), _unit_last(cute, i32, b_table, pages),
@@ -282,36 +282,38 @@ def _kvcache_fake_args(dtype, head_dim):
             _unit_last(cute, f32, splits, b_part, sq_part, hq_part, head_dim),
             _unit_last(cute, f32, splits, b_part, hq_part, sq_part), f32(1.0), i32(0),
             i32(0), i32(0), f32(1.0),  # (appended,) window edges, softcap scale
-            _fake_tensor(cute, i32, (b_cu,), (1,), align=4), i32(1)]  # cu_seqlens_q, max_seqlen_q
+            _fake_tensor(cute, i32, (b_cu,), (1,), align=4), i32(1),  # cu_seqlens_q, max_seqlen_q
+            _fake_tensor(cute, i32, (b_pad,), (1,), align=4)]  # cache_leftpad
 
 
 def kvcache_key(spec, dtype, head_dim, causal, paged=False, local=False, softcap=False, gather=False,
-                varlen=False) -> tuple:
+                varlen=False, leftpad=False) -> tuple:
     variant = (bool(local), bool(softcap))
-    layout = (bool(gather), bool(varlen))  # row gathers of small pages, packed queries
+    layout = (bool(gather), bool(varlen), bool(leftpad))  # row gathers, packed queries, left padding
     return (spec.name, str(dtype), head_dim, bool(causal), bool(paged), *((variant,) if any(variant) else ()),
-            *((("gather_varlen",) + layout,) if any(layout) else ()),
+            *((("gather_varlen_leftpad",) + layout,) if any(layout) else ()),
             tuple(sorted(spec.config_for(head_dim).items())), _dsl.TARGET_ARCH, _dsl.version())
 
 
 def _build_kvcache(spec, dtype, head_dim, causal, paged=False, local=False, softcap=False, gather=False,
-                   varlen=False, extra_options=""):
+                   varlen=False, leftpad=False, extra_options=""):
     kernel = spec.load_class()(dtype=cute_dtype(dtype), head_dim=head_dim, causal=causal, paged=paged,
-                               local=local, softcap=softcap, gather=gather, varlen=varlen,
+                               local=local, softcap=softcap, gather=gather, varlen=varlen, leftpad=leftpad,
                                **spec.config_for(head_dim))
     return _compile_kernel(kernel, _kvcache_fake_args(dtype, head_dim), extra_options)
 
 
 def get_kvcache(spec, dtype, head_dim, causal, paged, local=False, softcap=False, gather=False,
-                varlen=False):
+                varlen=False, leftpad=False):
     """The compiled KV-cache kernel: paged (gather: pages that do not hold whole key blocks) or
-    dense, packed queries (varlen) or (batch, seqlen_q) ones."""
-    fast_key = ("kvcache", spec.name, dtype, head_dim, causal, paged, local, softcap, gather, varlen)
+    dense (leftpad: keys from cache_leftpad on), packed queries (varlen) or (batch, seqlen_q) ones."""
+    fast_key = ("kvcache", spec.name, dtype, head_dim, causal, paged, local, softcap, gather, varlen, leftpad)
     fn = _FAST.get(fast_key)
     if fn is None:
         fn = _FAST[fast_key] = _cached(
-            kvcache_key(spec, dtype, head_dim, causal, paged, local, softcap, gather, varlen),
-            lambda: _build_kvcache(spec, dtype, head_dim, causal, paged, local, softcap, gather, varlen))
+            kvcache_key(spec, dtype, head_dim, causal, paged, local, softcap, gather, varlen, leftpad),
+            lambda: _build_kvcache(spec, dtype, head_dim, causal, paged, local, softcap, gather, varlen,
+                                   leftpad))
     return fn
 
 

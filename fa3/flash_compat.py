@@ -5,8 +5,8 @@
 Arguments mean what they mean in flash-attn 2 (positional order included) and the results come
 back as flash-attn returns them. What fa3 does not implement is refused with a message naming the
 argument, never ignored: dropout_p > 0, alibi_slopes, return_attn_probs (the probability matrix is
-never formed), attention sinks (s_aux), and the KV-cache options rotary_cos/sin, cache_batch_idx,
-cache_leftpad and cu_seqlens_k_new. flash-attn 3's serving keywords (seqused_k, block_table or
+never formed), attention sinks (s_aux), and the KV-cache options rotary_cos/sin, cache_batch_idx
+and cu_seqlens_k_new. flash-attn 3's serving keywords (seqused_k, block_table or
 page_table, out, num_splits, scheduler_metadata, cu_seqlens_q on the cache call) are taken.
 Everything else is validated by the fa3 function each one calls.
 """
@@ -88,12 +88,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             q_descale=None, k_descale=None, v_descale=None):
     """flash_attn.flash_attn_with_kvcache: new k/v (if given) are written into the cache in place at
     cache_seqlens, then q attends to each sequence's cache -> out, or (out, softmax_lse).
-    flash-attn 3's keywords too (SGLang's call): page_table (= block_table), cu_seqlens_q and
-    max_seqlen_q (packed queries, several per sequence), scheduler_metadata, FP8 descales
-    (accepted, not read)."""
+    cache_leftpad: where each sequence's keys start in a left-padded dense cache. flash-attn 3's
+    keywords too (SGLang's call): page_table (= block_table), cu_seqlens_q and max_seqlen_q (packed
+    queries, several per sequence), scheduler_metadata, FP8 descales (accepted, not read)."""
     for name, value in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
-                        ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad),
-                        ("alibi_slopes", alibi_slopes), ("cu_seqlens_k_new", cu_seqlens_k_new)):
+                        ("cache_batch_idx", cache_batch_idx), ("alibi_slopes", alibi_slopes),
+                        ("cu_seqlens_k_new", cu_seqlens_k_new)):
         if value is not None:
             raise NotImplementedError(f"{name} is not supported by fa3's flash_attn_with_kvcache; leave it "
                                       f"at None (apply rotary embeddings to q and k before the call)")
@@ -109,6 +109,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     check_scheduler_metadata(scheduler_metadata, q)
     return attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
                                   block_table=block_table, cu_seqlens_q=cu_seqlens_q,
-                                  max_seqlen_q=max_seqlen_q, causal=causal, softmax_scale=softmax_scale,
+                                  max_seqlen_q=max_seqlen_q, cache_leftpad=cache_leftpad, causal=causal,
+                                  softmax_scale=softmax_scale,
                                   window_size=window_size, softcap=softcap, num_splits=num_splits,
                                   return_lse=return_softmax_lse)

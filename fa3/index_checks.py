@@ -178,3 +178,22 @@ def start_packed_cache_check(cu_seqlens_q: torch.Tensor, total_q: int, max_seqle
                 raise
             raise ValueError(str(exc).replace("cache_seqlens", lengths_name)) from None
     return wait
+
+
+def start_leftpad_check(cache_leftpad: torch.Tensor, cache_seqlens: torch.Tensor):
+    """flash-attn's cache_leftpad: where each sequence's keys start in a dense cache, in
+    [0, cache_seqlens[b]]. Returns `wait`, as start_cache_check (one asynchronous copy)."""
+    host = torch.stack([cache_leftpad, cache_seqlens]).to("cpu", non_blocking=True)
+    done = torch.cuda.Event() if cache_leftpad.is_cuda else None
+    if done is not None:
+        done.record()
+
+    def wait():
+        if done is not None:
+            done.synchronize()
+        for b, (pad, n) in enumerate(zip(*host.tolist())):
+            if not 0 <= pad <= n:
+                raise ValueError(f"cache_leftpad[{b}] = {pad} is outside [0, cache_seqlens[{b}] = {n}]: it is "
+                                 "the cache position where sequence b's keys start (the rows before it are "
+                                 "padding); pass each sequence's first position")
+    return wait

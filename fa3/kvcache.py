@@ -30,7 +30,7 @@ MIN_BLOCKS_PER_SPLIT = 4  # below this a split's fixed costs outweigh the keys i
 
 
 def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kernel, window_size, softcap,
-                  cu_seqlens_q=None, max_seqlen_q=None, lengths_name="cache_seqlens"):
+                  cu_seqlens_q=None, max_seqlen_q=None, lengths_name="cache_seqlens", cache_leftpad=None):
     """The arguments of a call against a KV cache (attention_with_kvcache; attention_varlen over a
     cache, whose lengths are `seqused_k`: `lengths_name`); returns (spec, the lengths as an int32
     tensor, capacity, new tokens, max_seqlen_q). Packed queries (cu_seqlens_q given): q is
@@ -103,6 +103,15 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kernel,
             raise ValueError("k_cache has no pages (shape[0] = 0): the new tokens have nowhere to go")
     cache_seqlens = _seqlens_tensor(cache_seqlens, batch, q.device, capacity, appended, block_table, rows,
                                     lengths_name)
+    if cache_leftpad is not None:
+        if block_table is not None or packed:
+            raise NotImplementedError("cache_leftpad is for a dense cache with (batch, seqlen_q) queries (as in "
+                                      "flash-attn): not with block_table or cu_seqlens_q")
+        if not isinstance(cache_leftpad, torch.Tensor) or cache_leftpad.dtype != torch.int32 \
+                or cache_leftpad.shape != (batch,) or cache_leftpad.device != q.device:
+            raise ValueError(f"cache_leftpad must be an int32 tensor of shape (batch={batch},) on {q.device}, got "
+                             f"{getattr(cache_leftpad, 'dtype', type(cache_leftpad).__name__)} "
+                             f"{tuple(getattr(cache_leftpad, 'shape', ()))}: use .to(torch.int32)")
     spec = _dispatch.memo_rung(_dispatch.family_rung, registry.KVCACHE, kernel, head_dim,
                                "q and the cache")
     _checks.check_hopper(q.device, "q")
@@ -191,12 +200,14 @@ def plan_splits(spec, batch: int, max_seqlen_q: int, heads_q: int, heads_kv: int
 
 def launch_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, capacity: int, appended: int,
                    causal: bool, scale: float, num_splits: int, window=(-1, -1), softcap: float = 0.0,
-                   cu_seqlens_q=None, max_seqlen_q: int = 0, max_seqlen_k: int = -1, out=None):
+                   cu_seqlens_q=None, max_seqlen_q: int = 0, max_seqlen_k: int = -1, out=None,
+                   cache_leftpad=None):
     """(out, lse) of rung `spec`; arguments are validated (`capacity`: keys a sequence can hold, from
     `check_kvcache`) and the new tokens already appended. Packed queries (cu_seqlens_q): q and out
     are (total_q, heads_q, d), lse (heads_q, total_q), and the kernel sees them as a batch of one
     plane (grid sized by max_seqlen_q); otherwise q is (batch, seqlen_q, heads_q, d). max_seqlen_k
-    (-1: unknown, the capacity) bounds the keys for the split plan."""
+    (-1: unknown, the capacity) bounds the keys for the split plan; cache_leftpad (batch,): where
+    each sequence's keys start in a dense cache."""
     device, head_dim = q.device, q.shape[-1]
     packed = cu_seqlens_q is not None
     if out is None:
@@ -230,11 +241,13 @@ def launch_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, capaci
         lse_partial = torch.empty(num_splits, planes, heads_q, rows_q, dtype=torch.float32, device=device)
     else:
         o_partial, lse_partial = _dummy("o_partial", device, head_dim), _dummy("lse_partial", device)
+    leftpad = cache_leftpad is not None
     fn = _compile.get_kvcache(spec, q.dtype, head_dim, mask.causal, paged, mask.local, mask.softcap,
-                              gather, packed)
+                              gather, packed, leftpad)
     table = block_table if paged else _dummy("table", device)
     fn(q4, k_cache, v_cache, cache_seqlens, table, out4, lse3, o_partial, lse_partial, mask.scale_log2,
-       appended, mask.left, mask.right, mask.softcap_scale, cu, seqlen_q)
+       appended, mask.left, mask.right, mask.softcap_scale, cu, seqlen_q,
+       cache_leftpad if leftpad else _launch.stand_in(device))
     if num_splits > 1:
         _compile.get_combine(q.dtype, head_dim)(o_partial, lse_partial, out4, lse3)
     return out, lse
@@ -242,12 +255,12 @@ def launch_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, capaci
 
 def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, softmax_scale, window_size,
                     softcap, num_splits, kernel, cu_seqlens_q=None, max_seqlen_q=None, max_seqlen_k=None,
-                    out=None, lengths_name="cache_seqlens"):
+                    out=None, lengths_name="cache_seqlens", cache_leftpad=None):
     """The body of every call against a KV cache: check, check the index values (eager), append,
     launch (directly, or through torch.ops.fa3.attention_kvcache), return (out, lse)."""
     spec, seqlens, capacity, appended, max_q = check_kvcache(
         q, k_cache, v_cache, k, v, seqlens, block_table, kernel, window_size, softcap, cu_seqlens_q,
-        max_seqlen_q, lengths_name)
+        max_seqlen_q, lengths_name, cache_leftpad)
     if out is not None:
         _checks.check_output(out, "out", q)
     window = tuple(window_size)
@@ -262,6 +275,8 @@ def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, sof
         else:
             wait = index_checks.start_cache_check(seqlens, block_table, capacity, appended, k_cache.shape[1],
                                                   k_cache.shape[0])
+        if cache_leftpad is not None:
+            wait = _both(wait, index_checks.start_leftpad_check(cache_leftpad, seqlens))
     if wait is not None and (k is not None or out is not None):  # refuse before anything is written
         wait()
         wait = None
@@ -270,20 +285,28 @@ def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, sof
     if _dispatch.direct_call_ok(q, k_cache, v_cache):
         out, lse = launch_kvcache(spec, q, k_cache, v_cache, seqlens, block_table, capacity, appended,
                                   bool(causal), scale, int(num_splits), window, softcap, cu_seqlens_q, max_q,
-                                  max_seqlen_k, out)
+                                  max_seqlen_k, out, cache_leftpad)
     else:
         result, lse = torch.ops.fa3.attention_kvcache(q, k_cache, v_cache, seqlens, block_table, appended,
                                                       bool(causal), scale, int(num_splits), spec.name,
                                                       window[0], window[1], float(softcap), cu_seqlens_q,
-                                                      max_q, max_seqlen_k)
+                                                      max_q, max_seqlen_k, cache_leftpad)
         out = result if out is None else out.copy_(result)  # the op is functional
     if wait is not None:  # after the launch (the kernel clamps): the GPU stays busy while the host waits
         wait()
     return out, lse
 
 
+def _both(first, second):
+    """One wait for two started checks."""
+    def wait():
+        first()
+        second()
+    return wait
+
+
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_table=None,
-                           cu_seqlens_q=None, max_seqlen_q=None,
+                           cu_seqlens_q=None, max_seqlen_q=None, cache_leftpad=None,
                            causal: bool = False, softmax_scale: float | None = None,
                            window_size=(-1, -1), softcap: float = 0.0, num_splits: int = 0,
                            return_lse: bool = False, kernel: str | None = None):
@@ -303,6 +326,9 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     cache_seqlens: int or int32 (batch,) tensor: valid tokens per sequence before the append, in
         [0, capacity] with cache_seqlens + new_tokens <= capacity (capacity: k_cache.shape[1]
         dense, block_table.shape[1] * page_size paged).
+    cache_leftpad: optional int32 (batch,), flash-attn's: sequence b's keys start at cache position
+        cache_leftpad[b] (a left-padded dense cache, as batched generation fills it); its keys are
+        positions [cache_leftpad[b], cache_seqlens[b] + new_tokens). Dense caches only.
     causal: query i of seqlen_q sees keys up to cache_seqlens + new_tokens - seqlen_q + i (bottom
         right aligned, as flash-attn; per entry with cu_seqlens_q).
     window_size, softcap: sliding window and capped scores, as fa3.attention (the window is
@@ -327,7 +353,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     context survives.
     """
     out, lse = cache_attention(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale,
-                               window_size, softcap, num_splits, kernel, cu_seqlens_q, max_seqlen_q)
+                               window_size, softcap, num_splits, kernel, cu_seqlens_q, max_seqlen_q,
+                               cache_leftpad=cache_leftpad)
     return (out, lse) if return_lse else out
 
 

@@ -15,7 +15,7 @@
     torch.ops.fa3.attention_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, appended,
                                     causal, softmax_scale, num_splits, kernel, window_left=-1,
                                     window_right=-1, softcap=0.0, cu_seqlens_q=None,
-                                    max_seqlen_q=0, max_seqlen_k=-1) -> (out, lse)
+                                    max_seqlen_q=0, max_seqlen_k=-1, cache_leftpad=None) -> (out, lse)
     torch.ops.fa3.gemm(a, b, kernel) -> out
 
 All are functional (they allocate their outputs; nothing is mutated), so torch.compile and
@@ -196,13 +196,13 @@ attention_varlen.register_autograd(_varlen_grads, setup_context=_varlen_save_for
 _KVCACHE_SCHEMA = ("(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor? block_table, "
                    "int appended, bool causal, float softmax_scale, int num_splits, str kernel, "
                    "int window_left=-1, int window_right=-1, float softcap=0.0, Tensor? cu_seqlens_q=None, "
-                   "int max_seqlen_q=0, int max_seqlen_k=-1) -> (Tensor, Tensor)")
+                   "int max_seqlen_q=0, int max_seqlen_k=-1, Tensor? cache_leftpad=None) -> (Tensor, Tensor)")
 
 
 @torch.library.custom_op("fa3::attention_kvcache", mutates_args=(), schema=_KVCACHE_SCHEMA)
 def attention_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, appended, causal, softmax_scale,
                       num_splits, kernel, window_left=-1, window_right=-1, softcap=0.0, cu_seqlens_q=None,
-                      max_seqlen_q=0, max_seqlen_k=-1):
+                      max_seqlen_q=0, max_seqlen_k=-1, cache_leftpad=None):
     """(out, lse) against the cache, whose last `appended` tokens per sequence are already written
     (fa3.attention_with_kvcache appends them before calling). Packed queries (cu_seqlens_q): q and
     out (total_q, heads_q, d), lse (heads_q, total_q)."""
@@ -210,16 +210,16 @@ def attention_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, appended,
     packed = cu_seqlens_q is not None
     spec, seqlens, capacity, _, max_q = kvcache.check_kvcache(
         q, k_cache, v_cache, None, None, cache_seqlens, block_table, kernel, window, softcap, cu_seqlens_q,
-        max_seqlen_q if packed else None)
+        max_seqlen_q if packed else None, cache_leftpad=cache_leftpad)
     return kvcache.launch_kvcache(spec, q, k_cache, v_cache, seqlens, block_table, capacity, appended,
                                   causal, softmax_scale, num_splits, window, softcap, cu_seqlens_q, max_q,
-                                  max_seqlen_k)
+                                  max_seqlen_k, None, cache_leftpad)
 
 
 @attention_kvcache.register_fake
 def _attention_kvcache_fake(q, k_cache, v_cache, cache_seqlens, block_table, appended, causal,
                             softmax_scale, num_splits, kernel, window_left=-1, window_right=-1,
-                            softcap=0.0, cu_seqlens_q=None, max_seqlen_q=0, max_seqlen_k=-1):
+                            softcap=0.0, cu_seqlens_q=None, max_seqlen_q=0, max_seqlen_k=-1, cache_leftpad=None):
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if cu_seqlens_q is not None:
         total_q, heads_q, _ = q.shape

@@ -58,13 +58,15 @@ from .common import mask, mma, paged, pipeline, scheduler, seqlen, smem, softmax
 class SplitKVAttention:
     def __init__(self, dtype, head_dim: int, causal: bool, paged: bool = False, tile_m: int = 64,
                  tile_n: int = 64, max_kv_stages: int = 8, local: bool = False, softcap: bool = False,
-                 gather: bool = False, varlen: bool = False):
+                 gather: bool = False, varlen: bool = False, leftpad: bool = False):
         self.dtype, self.head_dim, self.causal, self.paged = dtype, head_dim, causal, paged
         self.local, self.softcap = local, softcap  # a sliding window (mask.py), capped scores
         # pages that do not hold whole key blocks: cp.async row gathers (common/paged.py)
         self.gather = paged and gather
         # queries packed by cu_seqlens_q (total_q, heads_q, d), keys from the cache
         self.varlen = varlen
+        # a left-padded dense cache: entry b's keys start at row cache_leftpad[b] (flash-attn's)
+        self.leftpad = leftpad and not paged
         self.tile_m, self.tile_n = tile_m, tile_n
         self.num_threads = 128  # one warpgroup: tile_m = 64 rows
         q_bytes = tile_m * head_dim * 2
@@ -77,13 +79,14 @@ class SplitKVAttention:
                  mBlockTable: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mOacc: cute.Tensor,
                  mLSEacc: cute.Tensor, scale_log2: Float32, appended: Int32, window_left: Int32,
                  window_right: Int32, softcap_scale: Float32, mCuSeqlensQ: cute.Tensor,
-                 max_seqlen_q: Int32, stream):
+                 max_seqlen_q: Int32, mLeftpad: cute.Tensor, stream):
         """mQ (batch, seqlen_q, heads_q, d); mK/mV the cache; mO/mLSE the result when there is one
         split, else mOacc (splits, batch, seqlen_q, heads_q, d) and mLSEacc (splits, batch,
         heads_q, seqlen_q) in FP32: the number of splits is mOacc.shape[0]. The window edges and
         softcap_scale are read only by the variants that use them. Varlen: batch 1, the queries of
         entry b at rows [cu[b], cu[b + 1]) of mCuSeqlensQ (batch + 1,), max_seqlen_q their longest
-        (it sizes the grid); otherwise both are unread."""
+        (it sizes the grid); otherwise both are unread. mLeftpad (batch,): where each entry's keys
+        start in a dense cache (the leftpad variant; unread otherwise)."""
         batch, seqlen_q, heads_q, _ = mQ.shape
         heads_kv = mK.shape[2]
         group = heads_q // heads_kv
@@ -116,7 +119,7 @@ class SplitKVAttention:
                           f"S1 with kv_stages={self.kv_stages}, tile_n={self.tile_n}, d={self.head_dim}")
         self.kernel(mQ, tma_k, tK, tma_v, tV, mCacheSeqlens, mBlockTable, mO, mLSE, mOacc, mLSEacc,
                     scale_log2, appended, window_left, window_right, softcap_scale, mCuSeqlensQ,
-                    sQ_layout, sKV_layout, SharedStorage).launch(
+                    mLeftpad, sQ_layout, sKV_layout, SharedStorage).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------- device side
@@ -126,7 +129,7 @@ class SplitKVAttention:
                mV: cute.Tensor, mCacheSeqlens: cute.Tensor, mBlockTable: cute.Tensor, mO: cute.Tensor,
                mLSE: cute.Tensor, mOacc: cute.Tensor, mLSEacc: cute.Tensor, scale_log2: Float32,
                appended: Int32, window_left: Int32, window_right: Int32, softcap_scale: Float32,
-               mCuSeqlensQ: cute.Tensor, sQ_layout: cute.ComposedLayout,
+               mCuSeqlensQ: cute.Tensor, mLeftpad: cute.Tensor, sQ_layout: cute.ComposedLayout,
                sKV_layout: cute.ComposedLayout, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -149,7 +152,8 @@ class SplitKVAttention:
             split, head_tile, batch = cute.arch.block_idx()
             q_tiles = cute.arch.grid_dim()[1] // heads_kv
             head_kv, m_block = head_tile // q_tiles, head_tile % q_tiles
-            seq = seqlen.from_cache(mCacheSeqlens, batch, mQ.shape[1], appended, capacity)
+            seq = seqlen.from_cache(mCacheSeqlens, batch, mQ.shape[1], appended, capacity,
+                                    mLeftpad if cutlass.const_expr(self.leftpad) else None)
         q_plane = 0 if cutlass.const_expr(self.varlen) else batch
         if cutlass.const_expr(not self.gather):
             if warp_idx == 0:
@@ -183,7 +187,7 @@ class SplitKVAttention:
         last = first + n_blocks - 1  # visited first
 
         kv_producer = pipeline.producer_state(self.kv_stages)
-        loads = (kv_pipe, tma_k, mK, tma_v, mV, sK, sV, mBlockTable, head_kv, batch, seq.seqlen_k, tidx)
+        loads = (kv_pipe, tma_k, mK, tma_v, mV, sK, sV, mBlockTable, head_kv, batch, seq, tidx)
         if self.is_kv_producer(warp_idx):
             for _ in cutlass.range(cutlass.min(self.kv_stages, n_blocks), unroll=1):
                 kv_producer = self.load_kv(kv_producer, last - kv_producer.count, *loads)
@@ -216,13 +220,14 @@ class SplitKVAttention:
     # ---------------------------------------------------------------- loads
     @cute.jit
     def load_kv(self, state, n_block: Int32, kv_pipe, tma_k, mK, tma_v, mV, sK, sV, mBlockTable,
-                head_kv: Int32, batch: Int32, seqlen_k: Int32, tidx: Int32):
+                head_kv: Int32, batch: Int32, seq, tidx: Int32):
         """Key block n_block of this entry into the next stage: one TMA box per tensor at (row
-        tile, head, plane) of the dense cache (plane = batch entry) or the paged one (plane = its
-        page), or (gather) cp.async copies of the block's rows from their pages."""
+        tile, head, plane) of the dense cache (plane = batch entry; left-padded: rows from
+        seq.offset_k) or the paged one (plane = its page), or (gather) cp.async copies of the
+        block's rows from their pages."""
         if cutlass.const_expr(self.gather):
             gather = paged.RowGather(self.dtype, self.tile_n, self.head_dim, self.num_threads)
-            copies = lambda stage: gather.load(tidx, mBlockTable, batch, n_block, seqlen_k, [
+            copies = lambda stage: gather.load(tidx, mBlockTable, batch, n_block, seq.seqlen_k, [
                 (mK[None, None, head_kv, None], sK[None, None, stage]),
                 (mV[None, None, head_kv, None], sV[None, None, stage])])
             return pipeline.produce_copies(kv_pipe, state, copies)
@@ -231,8 +236,11 @@ class SplitKVAttention:
             plane, row_tile = paged.block_page(mBlockTable, batch, n_block, self.tile_n, mK.shape[0],
                                                mK.shape[3])
         tile_kv = (self.tile_n, self.head_dim)
-        tKsK, tKgK = tma.partition(tma_k, cute.local_tile(mK[None, None, head_kv, plane], tile_kv, (None, 0)), sK)
-        tVsV, tVgV = tma.partition(tma_v, cute.local_tile(mV[None, None, head_kv, plane], tile_kv, (None, 0)), sV)
+        gK, gV = mK[None, None, head_kv, plane], mV[None, None, head_kv, plane]
+        if cutlass.const_expr(self.leftpad):  # TMA boxes start at any row
+            gK, gV = cute.domain_offset((seq.offset_k, 0), gK), cute.domain_offset((seq.offset_k, 0), gV)
+        tKsK, tKgK = tma.partition(tma_k, cute.local_tile(gK, tile_kv, (None, 0)), sK)
+        tVsV, tVgV = tma.partition(tma_v, cute.local_tile(gV, tile_kv, (None, 0)), sV)
         return pipeline.produce(kv_pipe, state, row_tile, [(tma_k, tKgK, tKsK), (tma_v, tVgV, tVsV)])
 
     @cute.jit

@@ -74,6 +74,7 @@ def test_backward_deterministic_variant_compiles(name):
      ("cp.async.mbarrier.arrive.noinc", "tanh.approx.f32")),
     ("s1", dict(head_dim=128, causal=True, paged=True, varlen=True), ("cp.async.bulk.tensor",)),
     ("s1", dict(head_dim=64, causal=False, paged=False, varlen=True), ("cp.async.bulk.tensor",)),
+    ("s1", dict(head_dim=128, causal=True, leftpad=True, local=True), ("cp.async.bulk.tensor",)),
     ("b2", dict(head_dim=128, causal=False, local=True, softcap=True), ("tanh.approx.f32", "lg2.approx")),
     ("b1", dict(head_dim=128, causal=False, local=True, softcap=True), ("tanh.approx.f32", "lg2.approx")),
     ("b2", dict(head_dim=128, causal=True, varlen=True, deterministic=True), ("vote.sync.ballot",)),

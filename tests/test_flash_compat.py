@@ -70,7 +70,7 @@ def test_valid_calls_reach_fa3_validation():
                 cu_seqlens_k=cu, max_seqlen_q=16, max_seqlen_k=16)
 
 
-@pytest.mark.parametrize("option", ["rotary_cos", "cache_batch_idx", "cache_leftpad", "alibi_slopes"])
+@pytest.mark.parametrize("option", ["rotary_cos", "cache_batch_idx", "alibi_slopes", "cu_seqlens_k_new"])
 def test_kvcache_refuses_what_fa3_lacks(option):
     q, k, v = _qkv()
     raises_with(fa3.flash_attn_with_kvcache, NotImplementedError, option, q=q, k_cache=k, v_cache=v,

@@ -239,6 +239,41 @@ def test_varlen_over_cache_in_cuda_graph(page_size):
     assert rel_err(out, step()) < 1e-6
 
 
+@gpu
+@pytest.mark.parametrize("new_tokens", [0, 1])
+def test_kvcache_leftpad(new_tokens):
+    """flash-attn's cache_leftpad: sequence b's keys are cache positions [leftpad[b],
+    cache_seqlens[b] + new): the padding before them (NaN here) is never read; appends land at
+    cache_seqlens as without it; causal aligns to the end of the keys; 1 to n splits."""
+    gen = torch.Generator(device="cuda").manual_seed(13 + new_tokens)
+    batch, capacity, hkv, d = 4, 1024, 2, 128
+    pads, lens = [0, 100, 513, 7], [300, 164, 900, 8]
+    k = torch.randn(batch, capacity, hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v = torch.randn_like(k)
+    for b, (pad, n) in enumerate(zip(pads, lens)):
+        k[b, :pad] = float("nan")
+        v[b, :pad] = float("nan")
+        k[b, n:] = float("nan")
+        v[b, n:] = float("nan")
+    q = torch.randn(batch, 2, 8, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k_new = torch.randn(batch, new_tokens, hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v_new = torch.randn_like(k_new)
+    ref = [attention_reference(q[b:b + 1], torch.cat([k[b, pads[b]:lens[b]], k_new[b]])[None],
+                               torch.cat([v[b, pads[b]:lens[b]], v_new[b]])[None], True, dtype=torch.float64)[0]
+           for b in range(batch)]
+    seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    leftpad = torch.tensor(pads, dtype=torch.int32, device="cuda")
+    for splits in (1, 5, 0):
+        kc, vc = k.clone(), v.clone()
+        args = (k_new, v_new) if new_tokens else ()
+        out = fa3.flash_attn_with_kvcache(q, kc, vc, *args, cache_seqlens=seqlens, cache_leftpad=leftpad,
+                                          causal=True, num_splits=splits)
+        assert rel_err(out, torch.cat(ref)) < TOL, f"splits {splits}: {rel_err(out, torch.cat(ref))}"
+    bad = torch.tensor([0, 165, 0, 0], dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match=re.escape("cache_leftpad[1] = 165")):
+        fa3.attention_with_kvcache(q, k, v, cache_seqlens=seqlens, cache_leftpad=bad)
+
+
 # ----------------------------------------------------------------------------- bad values, on the GPU
 @gpu
 def test_bad_values_over_cache_refused_before_writing():
@@ -308,6 +343,25 @@ def test_varlen_over_cache_argument_checks():
                 block_table=torch.zeros(2, 3, dtype=torch.int32), cu_seqlens_q=torch.tensor([0, 2, 5], dtype=torch.int32))
     raises_with(kvcache.check_scheduler_metadata, ValueError, "scheduler_metadata", metadata=torch.zeros(2),
                 q=torch.zeros(1))
+    dense = dict(q=torch.randn(2, 1, 8, 128, dtype=torch.bfloat16), k_cache=torch.randn(2, 64, 2, 128, dtype=torch.bfloat16),
+                 v_cache=torch.randn(2, 64, 2, 128, dtype=torch.bfloat16), cache_seqlens=torch.tensor([3, 4], dtype=torch.int32))
+    raises_with(fa3.attention_with_kvcache, ValueError, "cache_leftpad", "(batch=2,)", **dense,
+                cache_leftpad=torch.zeros(3, dtype=torch.int32))
+    raises_with(fa3.attention_with_kvcache, ValueError, "cache_leftpad", "int32", **dense,
+                cache_leftpad=torch.zeros(2))
+    raises_with(fa3.attention_with_kvcache, NotImplementedError, "cache_leftpad", "block_table",
+                **{**dense, "k_cache": torch.randn(4, 16, 2, 128, dtype=torch.bfloat16),
+                   "v_cache": torch.randn(4, 16, 2, 128, dtype=torch.bfloat16)},
+                block_table=torch.zeros(2, 2, dtype=torch.int32), cache_leftpad=torch.zeros(2, dtype=torch.int32))
+
+
+def test_leftpad_value_check_on_host_copies():
+    seqlens = torch.tensor([10, 4], dtype=torch.int32)
+    index_checks.start_leftpad_check(torch.tensor([10, 0], dtype=torch.int32), seqlens)()
+    with pytest.raises(ValueError, match=re.escape("cache_leftpad[0] = -1")):
+        index_checks.start_leftpad_check(torch.tensor([-1, 0], dtype=torch.int32), seqlens)()
+    with pytest.raises(ValueError, match=re.escape("cache_leftpad[1] = 5 is outside [0, cache_seqlens[1] = 4]")):
+        index_checks.start_leftpad_check(torch.tensor([0, 5], dtype=torch.int32), seqlens)()
 
 
 def test_packed_cache_value_checks_on_host_copies():

@@ -16,11 +16,17 @@ from cutlass import Int32
 
 @cute.jit
 def from_cache(mCacheSeqlens: cute.Tensor, batch: Int32, seqlen_q: Int32, appended: Int32,
-               capacity: Int32):
+               capacity: Int32, mLeftpad=None):
     """Entry `batch` of a KV cache: keys are the cache's first cache_seqlens[batch] rows plus the
-    `appended` rows written this call, clamped to [0, capacity] so that no load leaves the cache."""
-    return SimpleNamespace(seqlen_q=seqlen_q, seqlen_k=_cached_keys(mCacheSeqlens, batch, appended, capacity),
-                           offset_q=Int32(0))
+    `appended` rows written this call, clamped to [0, capacity] so that no load leaves the cache.
+    A left-padded cache (`mLeftpad`, flash-attn's cache_leftpad) starts at row cache_leftpad[batch]
+    (clamped into those rows): the keys are the rows from there (offset_k) to the end."""
+    seqlen_k = _cached_keys(mCacheSeqlens, batch, appended, capacity)
+    offset_k = Int32(0)
+    if cutlass.const_expr(mLeftpad is not None):
+        offset_k = cutlass.max(cutlass.min(mLeftpad[batch], seqlen_k), 0)
+        seqlen_k = seqlen_k - offset_k
+    return SimpleNamespace(seqlen_q=seqlen_q, seqlen_k=seqlen_k, offset_q=Int32(0), offset_k=offset_k)
 
 
 @cute.jit
@@ -37,7 +43,7 @@ def from_cache_packed(mCuSeqlensQ: cute.Tensor, mCacheSeqlens: cute.Tensor, batc
     clamped as from_cache."""
     offset_q, seqlen_q = packed_span(mCuSeqlensQ, batch, total_q)
     return SimpleNamespace(seqlen_q=seqlen_q, seqlen_k=_cached_keys(mCacheSeqlens, batch, appended, capacity),
-                           offset_q=offset_q)
+                           offset_q=offset_q, offset_k=Int32(0))
 
 
 def fixed(seqlen_q: Int32, seqlen_k: Int32):
