@@ -227,7 +227,8 @@ class SplitKVAttention:
         block's rows from their pages."""
         if cutlass.const_expr(self.gather):
             gather = paged.RowGather(self.dtype, self.tile_n, self.head_dim, self.num_threads)
-            copies = lambda stage: gather.load(tidx, mBlockTable, batch, n_block, seq.seqlen_k, [
+            rows = gather.locate(tidx, mBlockTable, batch, n_block, seq.seqlen_k, mK.shape[0], mK.shape[3])
+            copies = lambda stage: gather.copy(tidx, rows, [
                 (mK[None, None, head_kv, None], sK[None, None, stage]),
                 (mV[None, None, head_kv, None], sV[None, None, stage])])
             return pipeline.produce_copies(kv_pipe, state, copies)

@@ -68,18 +68,28 @@ class RowGather:
         return tiled, tiled.get_slice(tidx)
 
     @cute.jit
-    def load(self, tidx: Int32, mBlockTable: cute.Tensor, batch: Int32, n_block: Int32,
-             seqlen_k: Int32, copies):
-        """Copy key block n_block's rows that the sequence holds: `copies` is a list of (mX, sX)
-        pairs sharing the rows (K and V), mX the cache as (page_size, d, pages) of one head, sX
-        one (tile_n, d) stage."""
-        tiled, thr = self.thread_copy(tidx)
-        page_size, num_pages = copies[0][0].shape[0], copies[0][0].shape[2]
-        chunk = tidx % self.chunks
+    def locate(self, tidx: Int32, mBlockTable: cute.Tensor, batch: Int32, n_block: Int32,
+               seqlen_k: Int32, page_size: Int32, num_pages: Int32):
+        """(valid, page, row) of each row this thread copies in key block n_block: the table reads,
+        issued before the stage is free so that their latency hides behind the wait. Rows past the
+        sequence read its last key's entry (always one of its pages) and are not copied."""
+        rows = []
         for i in cutlass.range_constexpr(self.tile_n // self.rows_per_pass):
             key = n_block * self.tile_n + tidx // self.chunks + i * self.rows_per_pass
-            if key < seqlen_k:
-                page, row = key_location(mBlockTable, batch, key, page_size, num_pages)
+            page, row = key_location(mBlockTable, batch, cutlass.min(key, seqlen_k - 1), page_size, num_pages)
+            rows.append((key < seqlen_k, page, row))
+        return rows
+
+    @cute.jit
+    def copy(self, tidx: Int32, rows, copies):
+        """Issue this thread's copies of the located rows: `copies` is a list of (mX, sX) pairs
+        sharing the rows (K and V), mX the cache as (page_size, d, pages) of one head, sX one
+        (tile_n, d) stage."""
+        tiled, thr = self.thread_copy(tidx)
+        chunk = tidx % self.chunks
+        for i in cutlass.range_constexpr(self.tile_n // self.rows_per_pass):
+            valid, page, row = rows[i]
+            if valid:
                 for mX, sX in copies:
                     dst = thr.partition_D(sX)[None, i, 0]
                     src = cute.local_tile(mX[row, None, page], (self.elems,), (chunk,))
