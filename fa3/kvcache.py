@@ -43,8 +43,9 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kernel,
         (total_q, heads_q, head_dim), seqlen_q = q.shape, None
         _checks.check_offsets(cu_seqlens_q, "cu_seqlens_q", q.device)
         batch = cu_seqlens_q.shape[0] - 1
-        max_seqlen_q = total_q if max_seqlen_q is None else max_seqlen_q
-        if not isinstance(max_seqlen_q, int) or max_seqlen_q < 0:
+        if max_seqlen_q is None:
+            max_seqlen_q = total_q
+        elif not isinstance(max_seqlen_q, int) or max_seqlen_q < 0:
             raise ValueError(f"max_seqlen_q must be an int >= 0 (the longest entry of cu_seqlens_q), got "
                              f"{max_seqlen_q!r}; pass None to use q.shape[0]")
     else:

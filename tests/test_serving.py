@@ -399,3 +399,19 @@ def test_split_plan_from_shapes():
     # Q tiles, so fewer splits
     assert kvcache.plan_splits(spec, 1, 16, 32, 8, 32768, mask, 132) == 16
     assert kvcache.plan_splits(spec, 1, 64, 32, 8, 32768, mask, 132) == 4
+
+
+def test_packed_cache_op_fake_shapes():
+    """torch.ops.fa3.attention_kvcache with packed queries, under FakeTensorMode (what torch.compile
+    traces): out like q, lse (heads_q, total_q)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(7, 8, 128, dtype=torch.bfloat16, device="cuda")
+        pages = torch.empty(10, 16, 2, 128, dtype=torch.bfloat16, device="cuda")
+        cu = torch.empty(4, dtype=torch.int32, device="cuda")
+        seqused = torch.empty(3, dtype=torch.int32, device="cuda")
+        table = torch.empty(3, 4, dtype=torch.int32, device="cuda")
+        out, lse = torch.ops.fa3.attention_kvcache(q, pages, pages, seqused, table, 0, True, 0.1, 0, "s1",
+                                                   -1, -1, 0.0, cu, 5, 64)
+    assert out.shape == q.shape and lse.shape == (8, 7) and lse.dtype == torch.float32
