@@ -71,6 +71,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
     if s_aux is not None:
         raise NotImplementedError("s_aux (attention sinks) is not supported by fa3; leave it at None")
     _refuse("fa_version", fa_version, None if fa_version is None else 3, "fa3 is FlashAttention-3")
+    window_size = (-1, -1) if window_size is None else window_size  # (flash-attn 3's default)
     result = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                               softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
                               deterministic=deterministic, block_table=block_table, seqused_k=seqused_k,

@@ -397,7 +397,7 @@ def check_scheduler_metadata(metadata, q) -> None:
     if metadata is None:
         return
     if not isinstance(metadata, torch.Tensor) or metadata.dtype != torch.int32 or metadata.numel() < 1 \
-            or metadata.device != q.device:
+            or metadata.device != getattr(q, "device", None):
         raise ValueError(f"scheduler_metadata must be the int32 tensor fa3.get_scheduler_metadata returns, on "
                          f"{q.device}, got {getattr(metadata, 'dtype', type(metadata).__name__)} "
                          f"{tuple(getattr(metadata, 'shape', ()))} (or pass None: fa3 plans from shapes)")

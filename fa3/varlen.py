@@ -130,15 +130,16 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None
     (batch,) is the keys each sequence holds (its first seqused_k[b] cache positions) and
     cu_seqlens_k is None. The queries mix any lengths (a decode is a one-token entry, a chunk of
     a prefill a longer one); causal aligns each entry's queries to the end of its keys.
-    max_seqlen_q sizes the grid (None: total_q), max_seqlen_k bounds the keys for the split plan
-    (None: the capacity); num_splits: CTAs per sequence's keys (0: planned from these shapes; see
-    fa3.get_scheduler_metadata). No host sync besides the eager value checks (as
-    fa3.attention_with_kvcache: skipped under CUDA-graph capture and torch.compile, where the
-    kernel clamps), so the call captures in a CUDA graph at fixed shapes. Inference only.
+    max_seqlen_q bounds the grid (None: total_q), max_seqlen_k the keys for the split plan (None:
+    the capacity); num_splits: CTAs per sequence's keys (0: planned from these shapes; see
+    fa3.get_scheduler_metadata; without a cache neither applies: keys are not split). No host
+    sync besides the eager value checks (as fa3.attention_with_kvcache: skipped under CUDA-graph
+    capture and torch.compile, where the kernel clamps), so the call captures in a CUDA graph at
+    fixed shapes. Inference only.
 
-    Without a cache: differentiable in q, k and v, as fa3.attention (the backward rungs compile packed batches too).
-    The offsets are checked on the host (one small copy) except while a CUDA graph is captured or
-    torch.compile traces; the kernels themselves need no host sync.
+    Without a cache: differentiable in q, k and v, as fa3.attention (the backward rungs compile
+    packed batches too). The offsets are checked on the host (one small copy) except while a CUDA
+    graph is captured or torch.compile traces; the kernels themselves need no host sync.
     """
     if block_table is not None or seqused_k is not None:
         if cu_seqlens_k is not None:
@@ -155,6 +156,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None
     if cu_seqlens_k is None:
         raise ValueError("cu_seqlens_k is required (int32 (batch + 1,) offsets of k and v), unless k and v "
                          "are a KV cache read through seqused_k (and block_table)")
+    kvcache.check_scheduler_metadata(scheduler_metadata, q)  # (no split plan without a cache)
     out, lse = packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                 softmax_scale, window_size, softcap, kernel, deterministic=deterministic,
                                 backward_kernel=backward_kernel, out=out)
