@@ -151,6 +151,19 @@ CASES = {
                                ["cu_seqlens_k[-1] = 100000", "k.shape[0] = 300"]),
     "varlen-cu-k-decreasing": ("varlen", "cu_seqlens_k", 1, 100000, 0, ["cu_seqlens_k decreases at entry 2"]),
     "varlen-cu-q-negative": ("varlen", "cu_seqlens_q", 1, -7, 0, ["cu_seqlens_q decreases at entry 1"]),
+    # pages of 16 (row gathers): the same bounds, read row by row
+    "paged16-seqlens-past-capacity": ("paged16", "cache_seqlens", 0, 100000, 0,
+                                      ["cache_seqlens[0] = 100000", "16 * 16"]),
+    "paged16-table-past-pool": ("paged16", "block_table", [1, 0], 100000, 0,
+                                ["block_table[1, 0] = 100000", "num_pages = k_cache.shape[0] = 32"]),
+    "paged16-table-negative": ("paged16", "block_table", [0, 0], -7, 0, ["block_table[0, 0] = -7"]),
+    "paged16-append-into-bad-page": ("paged16", "block_table", [1, 12], 100000, 2, ["block_table[1, 12] = 100000"]),
+    # packed queries over a paged cache (vLLM's call)
+    "cachevarlen-cu-q-decreasing": ("cachevarlen", "cu_seqlens_q", 1, 100000, 0,
+                                    ["cu_seqlens_q decreases at entry 2"]),
+    "cachevarlen-seqused-past-capacity": ("cachevarlen", "seqused_k", 1, 100000, 0, ["seqused_k[1] = 100000"]),
+    "cachevarlen-table-past-pool": ("cachevarlen", "block_table", [1, 3], 100000, 0,
+                                    ["block_table[1, 3] = 100000"]),
 }
 
 GPU_SCRIPT = r'''
@@ -168,13 +181,22 @@ if entry == "varlen":
     args = {"cu_seqlens_q": i32(0, 100, 300), "cu_seqlens_k": i32(0, 100, 300)}
     call = lambda: fa3.attention_varlen(q, k, v, args["cu_seqlens_q"], args["cu_seqlens_k"], causal=True)
     caches = []
+elif entry == "cachevarlen":
+    q, k_cache = rand(5, 8, 128), rand(32, 16, 2, 128)
+    v_cache = torch.randn_like(k_cache)
+    args = {"cu_seqlens_q": i32(0, 2, 5), "seqused_k": i32(10, 192),
+            "block_table": torch.arange(32, dtype=torch.int32, device="cuda").view(2, 16)}
+    call = lambda: fa3.attention_varlen(q, k_cache, v_cache, args["cu_seqlens_q"], None, 3, 256, causal=True,
+                                        block_table=args["block_table"], seqused_k=args["seqused_k"])
+    caches = [k_cache, v_cache]
 else:
     q = rand(2, 1, 8, 128)
-    paged = entry == "paged"
-    k_cache = rand(8, 64, 2, 128) if paged else rand(2, 256, 2, 128)
+    paged = entry in ("paged", "paged16")
+    page = 16 if entry == "paged16" else 64
+    k_cache = rand(512 // page, page, 2, 128) if paged else rand(2, 256, 2, 128)
     v_cache = torch.randn_like(k_cache)
     args = {"cache_seqlens": i32(10, 192),
-            "block_table": torch.arange(8, dtype=torch.int32, device="cuda").view(2, 4) if paged else None}
+            "block_table": torch.arange(512 // page, dtype=torch.int32, device="cuda").view(2, -1) if paged else None}
     k_new = rand(2, new, 2, 128) if new else None
     v_new = rand(2, new, 2, 128) if new else None
     call = lambda: fa3.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, causal=True,
