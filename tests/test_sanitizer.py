@@ -4,7 +4,8 @@ racecheck: no shared-memory hazard, on shapes where persistent CTAs take several
 k5.5's next-tile hand-off (producer warp -> consumer warpgroups, common/scheduler.py) runs many
 times per CTA: causal fixed-shape calls (the dynamic schedule; d128 with two consumer warpgroups,
 d64 with three), non-causal ones (the static schedule), packed batches both ways, the KV-cache
-kernel (dense and paged, split and not, with an append) and every GEMM rung.
+kernel (dense and paged, split and not, with an append; pages of 16 through the cp.async row
+gathers, decodes and packed queries) and every GEMM rung.
 
 memcheck: index values no host check saw (as inside a CUDA-graph capture: the check is switched
 off) never make a kernel touch memory outside its tensors: offsets past the packed rows, negative
@@ -63,6 +64,16 @@ elif case == "kvcache":
                                                causal=True, num_splits=splits))
     new = rand(4, 3, 2, 128), rand(4, 3, 2, 128)
     outs.append(fa3.attention_with_kvcache(q, *pages, *new, cache_seqlens=lengths, block_table=table))
+elif case == "kvcache-gather":  # pages of 16 (cp.async row gathers), decodes and packed queries
+    lengths = i32([4000, 1, 300, 2047])
+    pages = rand(1024, 16, 2, 128), rand(1024, 16, 2, 128)  # 256 pages a sequence: capacity 4096
+    table = torch.randperm(1024, device="cuda").to(torch.int32).view(4, 256)
+    for splits in (1, 0):
+        outs.append(fa3.attention_with_kvcache(rand(4, 2, 16, 128), *pages, cache_seqlens=lengths,
+                                               block_table=table, causal=True, num_splits=splits))
+        cu = i32([0, 1, 65, 66, 100])  # a decode, a 64-token chunk, a decode, a 34-token chunk
+        outs.append(fa3.attention_varlen(rand(100, 16, 128), *pages, cu, None, 64, 4000, causal=True,
+                                         block_table=table, seqused_k=lengths, num_splits=splits))
 elif case == "gemm":  # 512 tiles of 128 x 256
     a, b = rand(4096, 256), rand(256, 4096)
     for kernel in fa3.available_kernels("gemm"):
@@ -74,7 +85,7 @@ assert all(torch.isfinite(o).all() for o in outs), "FAIL: non-finite output"
 print("done")
 '''
 
-RACE_CASES = ["forward-causal", "forward-causal-d64", "forward", "varlen", "kvcache", "gemm"]
+RACE_CASES = ["forward-causal", "forward-causal-d64", "forward", "varlen", "kvcache", "kvcache-gather", "gemm"]
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
