@@ -12,6 +12,8 @@ results, never reads or writes outside the tensors.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from . import _dispatch
@@ -81,20 +83,22 @@ def check_cache_lengths(lengths, capacity: int, appended: int, block_table, page
 
 
 def _first_bad_page(lengths, table, appended: int, page_size: int, num_pages: int):
-    """(b, j, value) of the first block_table entry a sequence uses that is not a page, or None."""
-    for b, (n, row) in enumerate(zip(lengths, table)):
-        used = -(-(n + appended) // page_size)
-        for j, page in enumerate(row[:used]):
-            if not 0 <= page < num_pages:
-                return b, j, page
-    return None
+    """(b, j, value) of the first block_table entry a sequence uses that is not a page, or None.
+    `table` is a CPU tensor; vectorized, since tables hold thousands of entries."""
+    used = (torch.tensor(lengths, dtype=torch.int64) + appended + page_size - 1) // page_size
+    in_use = torch.arange(table.shape[1])[None, :] < used[:, None]
+    bad = (in_use & ((table < 0) | (table >= num_pages))).nonzero()
+    if bad.shape[0] == 0:
+        return None
+    b, j = bad[0].tolist()
+    return b, j, int(table[b, j])
 
 
 def check_block_table(lengths, table, appended: int, page_size: int, num_pages: int) -> None:
-    """Host values (lists): the entries each sequence uses, the first ceil((cache_seqlens[b] +
-    new_tokens) / page_size) of its row, are pages of k_cache; entries past them are not read
-    (serving engines leave them stale or -1)."""
-    bad = _first_bad_page(lengths, table, appended, page_size, num_pages)
+    """Host values (lengths: a list; table: a CPU tensor or nested lists): the entries each
+    sequence uses, the first ceil((cache_seqlens[b] + new_tokens) / page_size) of its row, are
+    pages of k_cache; entries past them are not read (serving engines leave them stale or -1)."""
+    bad = _first_bad_page(lengths, torch.as_tensor(table), appended, page_size, num_pages)
     if bad is not None:
         b, j, page = bad
         raise ValueError(f"block_table[{b}, {j}] = {page} is not a page of k_cache, which has "
@@ -103,48 +107,84 @@ def check_block_table(lengths, table, appended: int, page_size: int, num_pages: 
                          f"[0, {num_pages}): fix the table, or allocate the pages it names")
 
 
-# A (page_size, device) -> arange(n) * page_size, the first key of each page, grown on demand
-_PAGE_STARTS: dict = {}
+class _Staging:
+    """Per device and thread: a side stream, a pinned int32 host buffer and two events.
+
+    The copy of the index values runs on the side stream, behind an event recorded on the caller's
+    stream where the call begins (so it sees every earlier write of the values), while the
+    caller's stream goes on to the attention kernel without waiting for it: the kernels of
+    back-to-back calls run back to back, and the host waits only for the small copy."""
+
+    def __init__(self, device):
+        self.stream = torch.cuda.Stream(device)
+        self.begun = torch.cuda.Event()
+        self.copied = torch.cuda.Event()
+        self.host = torch.empty(0, dtype=torch.int32)
+
+    def copy(self, tensors):
+        """Host views of `tensors` (int32), filled once `self.copied` has completed."""
+        n = sum(t.numel() for t in tensors)
+        if self.host.shape[0] < n:
+            self.host = torch.empty(max(n, 2 * self.host.shape[0], 1024), dtype=torch.int32,
+                                    pin_memory=True)
+        self.begun.record()
+        self.stream.wait_event(self.begun)
+        views, start = [], 0
+        with torch.cuda.stream(self.stream):
+            for t in tensors:
+                views.append(self.host[start:start + t.numel()].view(t.shape))
+                views[-1].copy_(t, non_blocking=True)
+                start += t.numel()
+            self.copied.record()
+        return views
 
 
-def _page_starts(pages: int, page_size: int, device) -> torch.Tensor:
-    starts = _PAGE_STARTS.get((page_size, device))
-    if starts is None or starts.shape[0] < pages:
-        starts = _PAGE_STARTS[(page_size, device)] = torch.arange(
-            0, max(pages, 64) * page_size, page_size, dtype=torch.int32, device=device)
-    return starts[:pages]
+_STAGING = threading.local()
+
+
+def _staging(device) -> _Staging:
+    per_device = getattr(_STAGING, "per_device", None)
+    if per_device is None:
+        per_device = _STAGING.per_device = {}
+    staging = per_device.get(device)
+    if staging is None:
+        staging = per_device[device] = _Staging(device)
+    return staging
+
+
+def start_host_copy(tensors):
+    """(host views of the int32 `tensors`, `copied`): calling copied() waits until the views hold
+    the values. CUDA tensors are copied on the side stream of _Staging; CPU ones (the tests)
+    are their own views."""
+    if not tensors[0].is_cuda:
+        return list(tensors), lambda: None
+    staging = _staging(tensors[0].device)
+    return staging.copy(tensors), staging.copied.synchronize
 
 
 def start_cache_check(cache_seqlens: torch.Tensor, block_table, capacity: int, appended: int,
                       page_size: int, num_pages: int):
-    """Launch the device side of the KV-cache checks and return `wait`, which waits for it (the one
-    host sync) and raises ValueError for bad values.
+    """Start copying cache_seqlens (and block_table, paged) to the host and return `wait`, which
+    waits for the copy (the one host sync) and raises ValueError for bad values.
 
-    What comes to the host is cache_seqlens and, for a paged cache, the smallest and largest page
-    index among the entries the sequences use (one masked min/max on the device); a table with a
-    bad entry is then copied whole to name it. The copy is asynchronous: a caller that launches
-    more work before `wait` keeps the GPU busy while the host waits for the small copy."""
+    On the GPU the copy runs on a side stream (see _Staging): the caller launches its kernel
+    before `wait`, and the kernels clamp, so the check costs the host's time and a copy that runs
+    beside that kernel, not a gap between kernels. On the host, the whole table's
+    min and max decide in one step; only a table with an entry outside [0, num_pages) is searched
+    for a bad entry among those the sequences use (serving engines leave the rest stale or -1)."""
     batch = cache_seqlens.shape[0]
     if batch == 0:
         return lambda: None
-    summary = cache_seqlens
     paged = block_table is not None and block_table.shape[1] > 0
-    if paged:
-        ends = cache_seqlens + appended if appended else cache_seqlens
-        used = _page_starts(block_table.shape[1], page_size, block_table.device) < ends[:, None]
-        low, high = torch.aminmax(torch.where(used, block_table, 0))
-        summary = torch.cat([cache_seqlens, low.view(1), high.view(1)])
-    host = summary.to("cpu", non_blocking=True)
-    done = torch.cuda.Event() if summary.is_cuda else None  # (CPU tensors: the tests)
-    if done is not None:
-        done.record()
+    host, copied = start_host_copy([cache_seqlens] + ([block_table] if paged else []))
 
     def wait():
-        if done is not None:
-            done.synchronize()
-        values = host.tolist()
-        lengths = values[:batch]
+        copied()
+        lengths = host[0].tolist()
         check_cache_lengths(lengths, capacity, appended, block_table, page_size)
-        if paged and not (0 <= values[batch] and values[batch + 1] < num_pages):
-            check_block_table(lengths, block_table.tolist(), appended, page_size, num_pages)
+        if paged:
+            table = host[1]
+            low, high = torch.aminmax(table)
+            if not (0 <= int(low) and int(high) < num_pages):
+                check_block_table(lengths, table, appended, page_size, num_pages)
     return wait
