@@ -130,17 +130,19 @@ def get_attention(spec, dtype, head_dim, causal, varlen=False, local=False, soft
 
 
 # ----------------------------------------------------------------------------- backward
-def _backward_fake_args(dtype, head_dim, gqa):
+def _backward_fake_args(dtype, head_dim, gqa, deterministic):
     """Fake (q, k, v, dO, lse2, D, dQacc, dK, dV, lock, scale_log2, softmax_scale, window_left,
     window_right, softcap_scale, cu_seqlens_q, cu_seqlens_k): see
     kernels/bwd.py. `rows` is seqlen_q rounded up to the Q tile (varlen: total_q; dQacc then has
-    tile_m rows more); dK/dV hold one slice per query
-    head, FP32 under GQA (summed over each group afterwards)."""
+    tile_m rows more); dK/dV: (batch, seqlen_k, heads_q, d) in the inputs' dtype without GQA; under
+    GQA FP32, (batch, seqlen_k, heads_kv, d) that the kernel adds into with atomics, or, when
+    deterministic, one slice per query head summed over each group afterwards."""
     cutlass, cute = _dsl.import_cute()
     dt = cute_dtype(dtype)
     b, sq, sk, hq, hkv, rows, dq_rows = (cute.sym_int64() for _ in range(7))
 
     f32, dkv_dt = cutlass.Float32, (cutlass.Float32 if gqa else dt)
+    dkv_heads = hkv if gqa and not deterministic else hq
 
     def tma_operand(*shape):
         return _unit_last(cute, dt, *shape, tma=True)
@@ -149,7 +151,8 @@ def _backward_fake_args(dtype, head_dim, gqa):
             tma_operand(b, sk, hkv, head_dim), tma_operand(b, sq, hq, head_dim),
             _unit_last(cute, f32, b, hq, rows), _unit_last(cute, f32, b, hq, rows),
             _unit_last(cute, f32, b, dq_rows, hq, head_dim),
-            _unit_last(cute, dkv_dt, b, sk, hq, head_dim), _unit_last(cute, dkv_dt, b, sk, hq, head_dim),
+            _unit_last(cute, dkv_dt, b, sk, dkv_heads, head_dim),
+            _unit_last(cute, dkv_dt, b, sk, dkv_heads, head_dim),
             # the counters have shapes of their own: a 1-element stand-in when not deterministic
             _unit_last(cute, cutlass.Int32, *(cute.sym_int64() for _ in range(3))),
             cutlass.Float32(1.0), cutlass.Float32(1.0),
@@ -172,7 +175,7 @@ def _build_backward(spec, dtype, head_dim, causal, deterministic=False, gqa=Fals
     kernel = spec.load_class()(dtype=cute_dtype(dtype), head_dim=head_dim, causal=causal,
                                deterministic=deterministic, local=local, softcap=softcap,
                                varlen=varlen, **spec.config_for(head_dim))
-    return _compile_kernel(kernel, _backward_fake_args(dtype, head_dim, gqa), extra_options)
+    return _compile_kernel(kernel, _backward_fake_args(dtype, head_dim, gqa, deterministic), extra_options)
 
 
 def get_backward(spec, dtype, head_dim, causal, deterministic, gqa, local=False, softcap=False,
