@@ -50,7 +50,7 @@ def prepare_dsl_env() -> None:
         atexit.register(shutil.rmtree, scratch, ignore_errors=True)
 
 
-HEAD_DIM_FAMILIES = (registry.ATTENTION, registry.BACKWARD, registry.KVCACHE)
+HEAD_DIM_FAMILIES = (registry.ATTENTION, registry.ATTENTION_FP8, registry.BACKWARD, registry.KVCACHE)
 
 
 def static_args(spec: registry.KernelSpec, head_dim: int, causal: bool) -> dict:
@@ -63,6 +63,8 @@ def static_args(spec: registry.KernelSpec, head_dim: int, causal: bool) -> dict:
 
 def describe(spec: registry.KernelSpec, dtype: torch.dtype, head_dim: int, causal: bool) -> str:
     dt = next(k for k, v in DTYPES.items() if v == dtype)
+    if spec.family == registry.ATTENTION_FP8:  # q, k, v e4m3; dtype is the output's
+        dt = f"e4m3->{dt}"
     if spec.family in HEAD_DIM_FAMILIES:
         return f"{spec.name} d{head_dim} {'causal' if causal else 'non-causal'} {dt}"
     return f"{spec.name} {spec.family} {dt}"
@@ -174,7 +176,7 @@ def cache_configs(spec: registry.KernelSpec, head_dim: int, causal: bool) -> lis
     """The static configurations --warm-cache compiles for a rung: attention at --head-dim and
     --causal (the backward also in its deterministic and GQA variants); GEMM with every operand
     layout (row-major and transposed a and b)."""
-    if spec.family == registry.ATTENTION:
+    if spec.family in (registry.ATTENTION, registry.ATTENTION_FP8):
         return [{"head_dim": head_dim, "causal": causal}]
     if spec.family == registry.BACKWARD:
         return [{"head_dim": head_dim, "causal": causal, "deterministic": det, "gqa": gqa}
