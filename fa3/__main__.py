@@ -3,6 +3,7 @@
     python -m fa3 compile --kernel NAME|all [--head-dim 128] [--causal] [--dtype bf16|fp16] --out DIR
         Compiles rungs for sm_90a (no GPU needed), writes NAME.ptx and NAME.cubin into DIR and
         prints ptxas' registers and spills and which of the rung's promised PTX instructions appear.
+        FP8 rungs (f1) take e4m3 q/k/v; --dtype is then their output's type.
     python -m fa3 compile --warm-cache --kernel NAME|all [--head-dim 128] [--causal] [--dtype bf16]
         Compiles into the disk compile cache instead (FA3_CACHE_DIR, default ~/.cache/fa3; no GPU
         needed), skipping what is there, so that a deployment's first calls load in milliseconds.
