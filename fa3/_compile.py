@@ -28,7 +28,8 @@ _CACHE: dict[tuple, object] = {}
 
 def cute_dtype(torch_dtype):
     cutlass, _ = _dsl.import_cute()
-    return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[torch_dtype]
+    return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
+            torch.float8_e4m3fn: cutlass.Float8E4M3FN}[torch_dtype]
 
 
 def _fake_tensor(cute, dtype, shape, strides, align=16):
@@ -39,7 +40,9 @@ def _unit_last(cute, dtype, *shape, tma=False, align=4):
     """A fake tensor whose last stride is 1 and other strides dynamic; `tma`: base and strides
     16-byte aligned (what TMA needs), else the base aligned to `align` bytes."""
     if tma:
-        return _fake_tensor(cute, dtype, shape, (*(cute.sym_int64(divisibility=8) for _ in shape[:-1]), 1))
+        per_16_bytes = 128 // dtype.width  # elements
+        return _fake_tensor(cute, dtype, shape,
+                            (*(cute.sym_int64(divisibility=per_16_bytes) for _ in shape[:-1]), 1))
     return _fake_tensor(cute, dtype, shape, (*(cute.sym_int64() for _ in shape[:-1]), 1), align=align)
 
 
@@ -90,6 +93,48 @@ def _build_attention(spec, dtype, head_dim, causal, varlen=False, local=False, s
     kernel = spec.load_class()(dtype=cute_dtype(dtype), head_dim=head_dim, causal=causal,
                                **variant, **spec.config_for(head_dim))
     return _compile_kernel(kernel, _attention_fake_args(spec, dtype, head_dim), extra_options)
+
+
+# ----------------------------------------------------------------------------- FP8 forward (F1)
+def _attention_fp8_fake_args(spec, out_dtype, head_dim):
+    """Fake (q, k, vt, o, lse, scale_log2, SM count, tile counter, cu_seqlens stand-ins, window
+    edges, softcap scale, q/k/v descales): q, k e4m3 (batch, seqlen, heads, d); vt e4m3 (batch, d,
+    heads_kv, keys padded to 16); o in out_dtype; descales float32 (batch, heads_kv)."""
+    cutlass, cute = _dsl.import_cute()
+    f8, f32 = cutlass.Float8E4M3FN, cutlass.Float32
+    b, sq, sk, skt, hq, hkv = (cute.sym_int64() for _ in range(6))
+    args = [_unit_last(cute, f8, b, sq, hq, head_dim, tma=True),
+            _unit_last(cute, f8, b, sk, hkv, head_dim, tma=True),
+            _unit_last(cute, f8, b, head_dim, hkv, skt, tma=True),
+            _unit_last(cute, cute_dtype(out_dtype), b, sq, hq, head_dim, tma=True),
+            _unit_last(cute, f32, b, hq, sq), f32(1.0), cutlass.Int32(132),
+            _fake_tensor(cute, cutlass.Int32, (1,), (1,), align=4)]
+    args += [_fake_tensor(cute, cutlass.Int32, (cute.sym_int64(),), (1,), align=4) for _ in range(2)]
+    args += [cutlass.Int32(0), cutlass.Int32(0), f32(1.0)]
+    args += [_unit_last(cute, f32, b, hkv) for _ in range(3)]
+    return args
+
+
+def _build_attention_fp8(spec, dtype, head_dim, causal, local=False, softcap=False, extra_options=""):
+    """`dtype`: the output's (q, k, v are e4m3)."""
+    kernel = spec.load_class()(dtype=cute_dtype(dtype), head_dim=head_dim, causal=causal, local=local,
+                               softcap=softcap, **spec.config_for(head_dim))
+    return _compile_kernel(kernel, _attention_fp8_fake_args(spec, dtype, head_dim), extra_options)
+
+
+def attention_fp8_key(spec, dtype, head_dim, causal, local=False, softcap=False) -> tuple:
+    return attention_key(spec, dtype, head_dim, causal, False, local, softcap)
+
+
+def get_attention_fp8(spec, out_dtype, head_dim, causal, local=False, softcap=False):
+    """The compiled FP8 forward for this static configuration (`out_dtype`: O's)."""
+    fast_key = ("fp8", spec.name, out_dtype, head_dim, causal, local, softcap)
+    fn = _FAST.get(fast_key)
+    if fn is None:
+        fn = _FAST[fast_key] = _cached(
+            attention_fp8_key(spec, out_dtype, head_dim, causal, local, softcap),
+            lambda: _build_attention_fp8(spec, out_dtype, head_dim, causal, local, softcap))
+    return fn
 
 
 def _cached(key, build):
@@ -362,10 +407,12 @@ def compile_report(spec, dtype=torch.bfloat16, **static) -> CompileReport:
 
 
 # family -> builder(spec, dtype, **static, extra_options) -> compiled function
-BUILDERS = {registry.ATTENTION: _build_attention, registry.GEMM: _build_gemm,
+BUILDERS = {registry.ATTENTION: _build_attention, registry.ATTENTION_FP8: _build_attention_fp8,
+            registry.GEMM: _build_gemm,
             registry.BACKWARD: _build_backward, registry.KVCACHE: _build_kvcache}
 # family -> key(spec, dtype, **static): the compile-cache key, with the builder's static arguments
-KEYS = {registry.ATTENTION: attention_key, registry.GEMM: gemm_key, registry.BACKWARD: backward_key,
+KEYS = {registry.ATTENTION: attention_key, registry.ATTENTION_FP8: attention_fp8_key,
+        registry.GEMM: gemm_key, registry.BACKWARD: backward_key,
         registry.KVCACHE: kvcache_key}
 
 
