@@ -19,6 +19,8 @@
     fa3.flash_attn_func, fa3.flash_attn_varlen_func, fa3.flash_attn_with_kvcache
                                             flash-attn's names and signatures (fa3.flash_compat)
     fa3.available_kernels(family=None)      "attention", "backward", "kvcache" or "gemm"
+    fa3.quantize_fp8(x, granularity="tensor"|"head"|"block", hadamard=False) -> (x_fp8, descale)
+    fa3.dequantize_fp8(x_fp8, descale), fa3.hadamard_rotate(x, seed=0)   FP8 helpers (fa3.quantize)
 """
 
 import os as _os
@@ -38,8 +40,9 @@ from .flash_compat import flash_attn_func, flash_attn_varlen_func, flash_attn_wi
 from .varlen import attention_varlen  # noqa: E402
 from . import ops  # noqa: E402,F401  (registers torch.ops.fa3.attention and torch.ops.fa3.gemm)
 from .registry import available_kernels  # noqa: E402
+from .quantize import dequantize_fp8, hadamard_rotate, quantize_fp8  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["attention", "attention_varlen", "attention_with_kvcache", "get_scheduler_metadata", "gemm",
-           "available_kernels",
-           "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "__version__"]
+           "available_kernels", "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
+           "quantize_fp8", "dequantize_fp8", "hadamard_rotate", "__version__"]

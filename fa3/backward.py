@@ -46,7 +46,8 @@ _NO_LOCK: dict[torch.device, torch.Tensor] = {}  # a stand-in for the counters w
 def launch_attention_backward(spec, dout, q, k, v, out, lse, causal: bool, scale: float,
                               deterministic: bool, window=(-1, -1), softcap: float = 0.0):
     """(dq, dk, dv) for rung `spec`: preprocess (D, LSE * log2 e), the main kernel (dK, dV per
-    query head; dQ summed in FP32), postprocess (dQ * scale -> dtype; GQA sums over each group).
+    query head; dQ summed in FP32), postprocess (dQ * scale -> dtype; GQA: dK/dV from the FP32 sums the kernel added, or,
+    deterministic, summed over each group from one FP32 slice per query head).
     The body of the fa3::attention_backward op: arguments are validated already."""
     dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     if dq.numel() == 0 or k.shape[1] == 0:  # nothing to differentiate, or no key: all gradients 0
@@ -94,7 +95,10 @@ def _run(spec, dout, q, k, v, out, lse, dq, dk, dv, causal, scale, deterministic
     _compile.get_backward_preprocess(dtype, head_dim)(out, dout, lse, lse2, dsum)
     dq_acc = torch.zeros(batch, dq_rows, heads_q, head_dim, dtype=torch.float32, device=device)
     gqa = heads_q != heads_kv
-    if gqa:  # one slice per query head in FP32, summed over each group below
+    if gqa and not deterministic:  # the kernel adds each query head's share with FP32 atomics
+        dk_h = torch.zeros(batch, seqlen_k, heads_kv, head_dim, dtype=torch.float32, device=device)
+        dv_h = torch.zeros_like(dk_h)
+    elif gqa:  # one slice per query head in FP32, summed over each group below in a fixed order
         dk_h = torch.empty(batch, seqlen_k, heads_q, head_dim, dtype=torch.float32, device=device)
         dv_h = torch.empty_like(dk_h)
     else:
@@ -112,7 +116,10 @@ def _run(spec, dout, q, k, v, out, lse, dq, dk, dv, causal, scale, deterministic
     fn(q, k, v, dout, lse2, dsum, dq_acc, dk_h, dv_h, lock, mask.scale_log2, scale, mask.left,
        mask.right, mask.softcap_scale, cu_q, cu_k)
     torch.mul(dq_acc[:, :seqlen_q], scale, out=dq)
-    if gqa:
+    if gqa and not deterministic:
+        dk.copy_(dk_h)
+        dv.copy_(dv_h)
+    elif gqa:
         group = heads_q // heads_kv
         torch.sum(dk_h.view(batch, seqlen_k, heads_kv, group, head_dim), dim=3, out=dk)
         torch.sum(dv_h.view(batch, seqlen_k, heads_kv, group, head_dim), dim=3, out=dv)

@@ -273,11 +273,11 @@ def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, sof
             wait = index_checks.start_packed_cache_check(cu_seqlens_q, q.shape[0], max_q, seqlens, block_table,
                                                          capacity, k_cache.shape[1], k_cache.shape[0],
                                                          lengths_name)
+        elif cache_leftpad is not None:
+            wait = index_checks.start_leftpad_check(cache_leftpad, seqlens, capacity, appended, k_cache.shape[1])
         else:
             wait = index_checks.start_cache_check(seqlens, block_table, capacity, appended, k_cache.shape[1],
                                                   k_cache.shape[0])
-        if cache_leftpad is not None:
-            wait = _both(wait, index_checks.start_leftpad_check(cache_leftpad, seqlens))
     if wait is not None and (k is not None or out is not None):  # refuse before anything is written
         wait()
         wait = None
@@ -296,14 +296,6 @@ def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, sof
     if wait is not None:  # after the launch (the kernel clamps): the GPU stays busy while the host waits
         wait()
     return out, lse
-
-
-def _both(first, second):
-    """One wait for two started checks."""
-    def wait():
-        first()
-        second()
-    return wait
 
 
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_table=None,

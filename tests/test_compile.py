@@ -65,6 +65,8 @@ def test_backward_deterministic_variant_compiles(name):
     ("k5.5", dict(head_dim=128, causal=True, varlen=True), ("vote.sync.ballot",)),  # tile search
     ("k5.5", dict(head_dim=128, causal=False, softcap=True), ("tanh.approx.f32",)),
     ("k5.5", dict(head_dim=64, causal=False, local=True), ("wgmma.mma_async",)),
+    ("f1", dict(head_dim=128, causal=False, softcap=True), ("tanh.approx.f32", ".e4m3.e4m3")),
+    ("f1", dict(head_dim=64, causal=True, local=True), (".e4m3.e4m3",)),
     ("s1", dict(head_dim=128, causal=True, paged=True, local=True, softcap=True), ("tanh.approx.f32",)),
     # pages that do not hold whole key blocks: cp.async row gathers completing on the ring's mbarriers
     *[("s1", dict(head_dim=d, causal=True, paged=True, gather=True), ("cp.async.cg.shared.global",

@@ -357,11 +357,15 @@ def test_varlen_over_cache_argument_checks():
 
 def test_leftpad_value_check_on_host_copies():
     seqlens = torch.tensor([10, 4], dtype=torch.int32)
-    index_checks.start_leftpad_check(torch.tensor([10, 0], dtype=torch.int32), seqlens)()
+    check = lambda pads, lengths=seqlens: index_checks.start_leftpad_check(
+        torch.tensor(pads, dtype=torch.int32), lengths, 16, 0, 16)()
+    check([10, 0])
     with pytest.raises(ValueError, match=re.escape("cache_leftpad[0] = -1")):
-        index_checks.start_leftpad_check(torch.tensor([-1, 0], dtype=torch.int32), seqlens)()
+        check([-1, 0])
     with pytest.raises(ValueError, match=re.escape("cache_leftpad[1] = 5 is outside [0, cache_seqlens[1] = 4]")):
-        index_checks.start_leftpad_check(torch.tensor([0, 5], dtype=torch.int32), seqlens)()
+        check([0, 5])
+    with pytest.raises(ValueError, match=re.escape("cache_seqlens[1] = 17")):
+        check([0, 0], torch.tensor([10, 17], dtype=torch.int32))
 
 
 def test_packed_cache_value_checks_on_host_copies():

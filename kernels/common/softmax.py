@@ -45,13 +45,16 @@ def _reduce(scores: cute.Tensor, r: int, op):
 
 @cute.jit
 def online_update(scores: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor,
-                  scale_log2: Float32, threads_per_row: cutlass.Constexpr) -> cute.Tensor:
+                  scale_log2: Float32, threads_per_row: cutlass.Constexpr,
+                  p_offset_log2: cutlass.Constexpr = 0) -> cute.Tensor:
     """Turn one tile of scores into probabilities, in place; return each row's rescale factor.
 
     `scores`: (rows, cols) register view, this thread's share of `rows` rows (masked entries
     -inf); each row is spread over `threads_per_row` adjacent lanes (a quad for 4) and reduced by
     butterfly shuffles. `row_max`/`row_sum`: (rows,) register tensors carried across tiles; the
-    sum stays a per-thread partial until `finalize`.
+    sum stays a per-thread partial until `finalize`. `p_offset_log2` (FP8): the probabilities come
+    out times 2^p_offset_log2, lifting small ones out of e4m3's subnormals (P <= 256 < 448, e4m3's
+    largest); the sums carry the same factor, and `finalize` takes it out of the LSE (1/l cancels it).
     """
     rows, cols = cute.size(scores, mode=[0]), cute.size(scores, mode=[1])
     correction = cute.make_rmem_tensor((rows,), Float32)
@@ -64,6 +67,8 @@ def online_update(scores: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tenso
         factor = cute.math.exp2(max_offset(old_max, scale_log2) - offset, fastmath=True)
         if old_max == -Float32.inf:
             factor = Float32(0.0)
+        if cutlass.const_expr(p_offset_log2 != 0):
+            offset = offset - Float32(p_offset_log2)
         for c in cutlass.range_constexpr(cols):
             scores[r, c] = cute.math.exp2(scores[r, c] * scale_log2 - offset, fastmath=True)
         tile_sum = _reduce(scores, r, lambda a, b: a + b)
@@ -103,12 +108,16 @@ def row_state(rows: int):
 
 @cute.jit
 def finalize(row_max: Float32, row_sum: Float32, scale_log2: Float32,
-             threads_per_row: cutlass.Constexpr):
-    """(1/l, lse) for a row: the output scale (0 for an empty row) and the natural-log LSE."""
+             threads_per_row: cutlass.Constexpr, p_offset_log2: cutlass.Constexpr = 0):
+    """(1/l, lse) for a row: the output scale (0 for an empty row) and the natural-log LSE
+    (`p_offset_log2`: online_update's, taken out of the LSE)."""
     total = cute.arch.warp_reduction_sum(row_sum, threads_in_group=threads_per_row)
     inv_sum = Float32(0.0)
     lse = -Float32.inf
     if total > Float32(0.0):
         inv_sum = Float32(1.0) / total
-        lse = (row_max * scale_log2 + cute.math.log2(total, fastmath=True)) * Float32(LN2)
+        log2_sum = cute.math.log2(total, fastmath=True)
+        if cutlass.const_expr(p_offset_log2 != 0):
+            log2_sum = log2_sum - Float32(p_offset_log2)
+        lse = (row_max * scale_log2 + log2_sum) * Float32(LN2)
     return inv_sum, lse
