@@ -5,10 +5,13 @@ CPU: ranks are processes spawned with torch.multiprocessing on the gloo backend,
 attention a float64 reference (fa3.reference) standing in for the kernels: every rank's out and
 grads, gathered, must equal the single-process float64 attention of the whole sequence (causal and
 not, GQA, 2 and 3 ranks). GPU (2+ Hopper GPUs): 2 ranks on NCCL running fa3's kernels, against
-single-GPU fa3.attention on the whole sequence, within 2x its error against float64.
+single-GPU fa3.attention on the whole sequence, within 2x its error against float64. One GPU: the
+ranks as threads of one process (ThreadRing) running fa3's kernels on every step's slices.
 """
 
+import queue
 import tempfile
+import threading
 
 import pytest
 import torch
@@ -175,6 +178,122 @@ def test_validation_messages():
     raises_with(fa3.context_parallel_attention, TypeError, "q must be a torch.Tensor", q=None, k=q, v=q)
     raises_with(fa3.context_parallel_attention, ValueError, "CUDA GPU", q=q, k=q, v=q)
     raises_with(context_parallel.shard, RuntimeError, "init_process_group", x=q)
+
+
+class ThreadRing:
+    """Rank `rank` of `size` threads of one process sharing one GPU stream: the n-th send_recv of a
+    rank is received by the next rank's n-th (as NCCL matches posted operations in order). Stream
+    order makes each copy visible to the kernels queued after the receiver's wait."""
+
+    def __init__(self, rank: int, size: int, boxes: list, lock):
+        self.rank, self.size, self.boxes, self.lock, self.posted = rank, size, boxes, lock, 0
+
+    def _box(self, rank, seq):
+        with self.lock:
+            return self.boxes[rank].setdefault(seq, queue.Queue(1))
+
+    def send_recv(self, tensor):
+        seq, self.posted = self.posted, self.posted + 1
+        self._box((self.rank + 1) % self.size, seq).put(tensor.clone())
+        box = self._box(self.rank, seq)
+        return _Waiting(box)
+
+
+class _Waiting:
+    def __init__(self, box):
+        self.box = box
+
+    def wait(self):
+        return self.box.get(timeout=300)
+
+
+def _thread_ranks(size, work):
+    """work(rank, ring) on `size` threads; returns their results in rank order (re-raising)."""
+    boxes, lock, results = [{} for _ in range(size)], threading.Lock(), [None] * size
+
+    def run(rank):
+        try:
+            results[rank] = work(rank, ThreadRing(rank, size, boxes, lock))
+        except BaseException as e:  # noqa: BLE001  (handed to the main thread)
+            results[rank] = e
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
+
+
+def test_thread_ring_matches_gloo_ring():
+    """ThreadRing (the one-GPU test's transport) against the reference on CPU: 4 ranks."""
+    world, scale = 4, 0.4
+    q, k, v, dout = _global_inputs(2 * world * 2, 4, 2, 8, seed=11)
+    local = _reference_local(scale)
+
+    def work(rank, r):
+        pos = context_parallel.positions(q.shape[1], rank, world)
+        shard = [t[:, pos] for t in (q, k, v, dout)]
+        out, lse = ring.ring_forward(local, *shard[:3], r, True)
+        return (out, *ring.ring_backward(local, shard[3], *shard[:3], out, lse, r, True))
+
+    got = _thread_ranks(world, work)
+    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_out, _ = attention_reference(*ref_in, causal=True, softmax_scale=scale, dtype=torch.float64)
+    ref_out.backward(dout)
+    order = torch.cat([context_parallel.positions(q.shape[1], r, world) for r in range(world)])
+    for i, ref in enumerate([ref_out] + [t.grad for t in ref_in]):
+        gathered = torch.cat([g[i] for g in got], 1)
+        assert rel_err(gathered, ref[:, order]) < 1e-12
+
+
+GPU_THREAD_CASES = [  # (ranks, tokens per chunk, heads_q, heads_kv, head_dim, causal)
+    (2, 333, 4, 4, 128, True),
+    (2, 333, 4, 2, 128, False),
+    (3, 200, 8, 2, 64, True),
+    (2, 256, 2, 1, 256, True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world, chunk, heads_q, heads_kv, head_dim, causal", GPU_THREAD_CASES)
+def test_ring_with_fa3_kernels_on_one_gpu(world, chunk, heads_q, heads_kv, head_dim, causal):
+    """The ring's schedule with fa3's kernels on every step's slices (halves of q, k, v, out, dout
+    and lse as views), ranks as threads on one GPU: out and grads against single-GPU
+    fa3.attention, within 2x its error against float64."""
+    seqlen = 2 * world * chunk
+    q, k, v, dout = _global_inputs(seqlen, heads_q, heads_kv, head_dim, 0, "cuda", torch.bfloat16)
+    local = context_parallel.fa3_local(1.0 / head_dim ** 0.5)
+    for c in (True, False):  # compile outside the threads
+        out, lse = local.forward(q, k, v, c)
+        local.backward(dout, q, k, v, out, lse, c)
+    torch.empty(1 << 26, device="cuda").fill_(float("nan"))  # poison what the results reuse
+
+    def work(rank, r):
+        pos = context_parallel.positions(seqlen, rank, world, zigzag=True).cuda()
+        shard = [t[:, pos] for t in (q, k, v, dout)]
+        out, lse = ring.ring_forward(local, *shard[:3], r, causal)
+        return (out, *ring.ring_backward(local, shard[3], *shard[:3], out, lse, r, causal))
+
+    got = _thread_ranks(world, work)
+    order = torch.cat([context_parallel.positions(seqlen, r, world) for r in range(world)]).cuda()
+    single_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    single_out = fa3.attention(*single_in, causal=causal)
+    single_out.backward(dout)
+    exact_in = [t.double().requires_grad_() for t in (q, k, v)]
+    exact_out, _ = attention_reference(*exact_in, causal=causal, dtype=torch.float64)
+    exact_out.backward(dout.double())
+    single = [single_out] + [t.grad for t in single_in]
+    exact = [exact_out] + [t.grad for t in exact_in]
+    for i, name in enumerate(("out", "dq", "dk", "dv")):
+        g = torch.cat([res[i] for res in got], 1)
+        s, e = single[i][:, order], exact[i][:, order]
+        assert g.shape == s.shape and g.dtype == s.dtype and torch.isfinite(g).all(), name
+        err, base = rel_err(g, e), rel_err(s, e)
+        assert err <= 2 * base + 1e-3, f"{name}: rel err {err:.2e}, single GPU {base:.2e}"
 
 
 # ---------------------------------------------------------------------------------------------
