@@ -52,7 +52,11 @@ def _group_rank_size(group):
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("context parallelism needs a torch.distributed process group: call "
                            "torch.distributed.init_process_group (e.g. under torchrun) first")
-    return dist.get_rank(group), dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(f"this process (global rank {dist.get_rank()}) is not in group {group}: pass a "
+                         "group it belongs to (None: the default group)")
+    return rank, dist.get_world_size(group)
 
 
 def shard(x: torch.Tensor, group=None, *, dim: int = 1, zigzag: bool = True) -> torch.Tensor:
@@ -100,6 +104,7 @@ def check_context_parallel(q, k, v, causal: bool) -> None:
                          "2 * world_size)")
 
 
+@torch.compiler.disable  # P2P calls are not traceable: compiled models call it as an opaque function
 def context_parallel_attention(q, k, v, group=None, *, causal: bool = True,
                                softmax_scale: float | None = None, deterministic: bool = False,
                                return_lse: bool = False, kernel: str | None = None,
@@ -118,7 +123,8 @@ def context_parallel_attention(q, k, v, group=None, *, causal: bool = True,
         (batch, heads_q, seqlen_q), not differentiable.
     Returns this rank's out (shaped like q); the backward returns this rank's dq, dk, dv.
 
-    Every rank of the group must call it, with the same arguments, in the same order.
+    Every rank of the group must call it, with the same arguments, in the same order. Under
+    torch.compile it runs eagerly (a graph break: point-to-point calls are not traced).
     """
     check_context_parallel(q, k, v, causal)
     spec = interface.check_attention(q, k, v, kernel)

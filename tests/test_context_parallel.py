@@ -4,7 +4,7 @@ merge and the travelling dK/dV, against single-process attention.
 CPU: ranks are processes spawned with torch.multiprocessing on the gloo backend, the local
 attention a float64 reference (fa3.reference) standing in for the kernels: every rank's out and
 grads, gathered, must equal the single-process float64 attention of the whole sequence (causal and
-not, GQA, 2 and 3 ranks). GPU (2+ Hopper GPUs): 2 ranks on NCCL running fa3's kernels, against
+not, GQA, a 3-rank ring and a 2-rank subgroup). GPU (2+ Hopper GPUs): 2 ranks on NCCL running fa3's kernels, against
 single-GPU fa3.attention on the whole sequence, within 2x its error against float64. One GPU: the
 ranks as threads of one process (ThreadRing) running fa3's kernels on every step's slices.
 """
@@ -62,48 +62,55 @@ def _cpu_ranks(rank, world_size, init_method):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
     try:
-        for i, (chunk, heads_q, heads_kv, head_dim) in enumerate(CPU_CASES):
-            for causal in (True, False):
-                _check_cpu_case(2 * world_size * chunk, heads_q, heads_kv, head_dim, causal, seed=10 * i + causal)
-        _check_unshard(world_size)
+        # a ring of every rank, then one of global ranks 1 and 2 (group ranks 0 and 1)
+        pair = dist.new_group([1, 2])
+        for group, members in ((None, range(world_size)), (pair, (1, 2))):
+            if rank not in members:
+                continue
+            for i, (chunk, heads_q, heads_kv, head_dim) in enumerate(CPU_CASES):
+                for causal in (True, False):
+                    _check_cpu_case(group, 2 * len(members) * chunk, heads_q, heads_kv, head_dim, causal,
+                                    seed=10 * i + causal)
+            _check_unshard(group, len(members))
     finally:
         dist.destroy_process_group()
 
 
-def _check_cpu_case(seqlen, heads_q, heads_kv, head_dim, causal, seed):
+def _check_cpu_case(group, seqlen, heads_q, heads_kv, head_dim, causal, seed):
     scale = 0.7 / head_dim ** 0.5
     q, k, v, dout = _global_inputs(seqlen, heads_q, heads_kv, head_dim, seed)
     zigzag = causal or seed % 2 == 0  # non-causal: contiguous shards as well
-    local = [context_parallel.shard(t, zigzag=zigzag).requires_grad_() for t in (q, k, v)]
-    out, lse = ring.ring_attention(*local, _reference_local(scale), ring.Ring(), causal)
-    out.backward(context_parallel.shard(dout, zigzag=zigzag))
-    got = [context_parallel.unshard(t, zigzag=zigzag) for t in (out, lse.transpose(1, 2))]
-    got += [context_parallel.unshard(t.grad, zigzag=zigzag) for t in local]
+    local = [context_parallel.shard(t, group, zigzag=zigzag).requires_grad_() for t in (q, k, v)]
+    out, lse = ring.ring_attention(*local, _reference_local(scale), ring.Ring(group), causal)
+    out.backward(context_parallel.shard(dout, group, zigzag=zigzag))
+    got = [context_parallel.unshard(t, group, zigzag=zigzag) for t in (out, lse.transpose(1, 2))]
+    got += [context_parallel.unshard(t.grad, group, zigzag=zigzag) for t in local]
 
     ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
     ref_out, ref_lse = attention_reference(*ref_in, causal=causal, softmax_scale=scale, dtype=torch.float64)
     ref_out.backward(dout)
     expected = [ref_out, ref_lse.transpose(1, 2)] + [t.grad for t in ref_in]
-    case = f"seqlen={seqlen} heads={heads_q}/{heads_kv} causal={causal} zigzag={zigzag}"
+    case = (f"{dist.get_world_size(group)} ranks, seqlen={seqlen} heads={heads_q}/{heads_kv} "
+            f"causal={causal} zigzag={zigzag}")
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, expected):
         assert a.shape == b.shape, f"{case}: {name} shape {tuple(a.shape)} != {tuple(b.shape)}"
         assert torch.isfinite(a).all(), f"{case}: {name} has NaN/inf"
         assert rel_err(a, b) < 1e-12, f"{case}: {name} rel err {rel_err(a, b):.2e}"
 
 
-def _check_unshard(world_size):
+def _check_unshard(group, world_size):
     x = torch.arange(2 * 4 * world_size * 3, dtype=torch.float64).view(2, 4 * world_size, 3)
     for zigzag in (True, False):
-        part = context_parallel.shard(x, zigzag=zigzag)
-        expected = context_parallel.positions(x.shape[1], dist.get_rank(), world_size, zigzag)
+        part = context_parallel.shard(x, group, zigzag=zigzag)
+        expected = context_parallel.positions(x.shape[1], dist.get_rank(group), world_size, zigzag)
         assert torch.equal(part, x[:, expected])
-        assert torch.equal(context_parallel.unshard(part, zigzag=zigzag), x)
+        assert torch.equal(context_parallel.unshard(part, group, zigzag=zigzag), x)
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_ring_matches_single_process(world_size):
-    """gloo ranks, float64 local attention: out, lse, dq, dk, dv equal single-process attention."""
-    _spawn(_cpu_ranks, world_size)
+def test_ring_matches_single_process():
+    """3 gloo ranks, float64 local attention: out, lse, dq, dk, dv of a 3-rank ring and of a ring
+    of global ranks 1 and 2 (a subgroup) equal single-process attention."""
+    _spawn(_cpu_ranks, 3)
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -228,7 +235,7 @@ def _thread_ranks(size, work):
     return results
 
 
-def test_thread_ring_matches_gloo_ring():
+def test_thread_ring_matches_single_process():
     """ThreadRing (the one-GPU test's transport) against the reference on CPU: 4 ranks."""
     world, scale = 4, 0.4
     q, k, v, dout = _global_inputs(2 * world * 2, 4, 2, 8, seed=11)
