@@ -4,9 +4,10 @@ merge and the travelling dK/dV, against single-process attention.
 CPU: ranks are processes spawned with torch.multiprocessing on the gloo backend, the local
 attention a float64 reference (fa3.reference) standing in for the kernels: every rank's out and
 grads, gathered, must equal the single-process float64 attention of the whole sequence (causal and
-not, GQA, a 3-rank ring and a 2-rank subgroup). GPU (2+ Hopper GPUs): 2 ranks on NCCL running fa3's kernels, against
-single-GPU fa3.attention on the whole sequence, within 2x its error against float64. One GPU: the
-ranks as threads of one process (ThreadRing) running fa3's kernels on every step's slices.
+not, GQA, a 3-rank ring and a 2-rank subgroup). GPU (2+ Hopper GPUs): 2 ranks on NCCL running fa3's
+kernels, against single-GPU fa3.attention on the whole sequence, within 2x its error against
+float64. One GPU: the ranks as threads of one process (ThreadRing) running fa3's kernels on every
+step's slices.
 """
 
 import queue
