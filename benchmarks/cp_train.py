@@ -2,13 +2,16 @@
 
     torchrun --nproc_per_node 2 benchmarks/cp_train.py [--seqlen 131072] [--heads 8] [--kv-heads 8]
         [--head-dim 128] [--batch 1] [--iters 3] [--no-causal] [--peers sdpa-flash,sdpa-cudnn]
-        [--json out.json]
+        [--simulate-ranks N] [--json out.json]
 
 One attention layer (bf16, the whole sequence of --seqlen tokens), forward and backward, timed as:
   fa3 1 GPU           fa3.attention on the whole sequence, on every GPU at once (each alone)
   fa3 ring            fa3.context_parallel_attention on zig-zag shards (fa3.context_parallel.shard)
   fa3 compute only    the same ring with no communication (fa3.ring.Loopback): the same kernels on
                       the same shapes; ring / compute-only - 1 is the communication left exposed
+  compute only, N ranks simulated   (--simulate-ranks N) each rank's compute-only schedule of an
+                      N-rank ring, run in turn on this GPU: the slowest is what N GPUs can reach at
+                      best. With torchrun --nproc_per_node 1 it predicts the scaling on one GPU.
   torch CP <backend>  torch's context_parallel (ring over SDPA's flash or cuDNN backend on DTensor
                       shards, its head-tail load balancing: the same tokens per rank as fa3's)
 Each time is the median of --iters CUDA-event times after one untimed call (it compiles), the
@@ -126,6 +129,20 @@ def torch_cp_rows(args, q, k, v, dout, reference_shard, mesh):
     return rows
 
 
+def simulated_row(args, local, q, k, v, dout):
+    """Each of --simulate-ranks ranks' compute-only schedule in turn on this GPU: the slowest rank's
+    time is what that many GPUs can reach at best (a prediction, before any multi-GPU run)."""
+    n, times = args.simulate_ranks, []
+    for r in range(n):
+        say(f"compute only, rank {r} of {n} simulated on this GPU")
+        pos = context_parallel.positions(args.seqlen, r, n, zigzag=args.causal).cuda()
+        loopback = ring.Loopback(r, n)
+        compute = lambda q, k, v: ring.ring_attention(q, k, v, local, loopback, args.causal)[0]
+        fwd, fwd_bwd = fwd_bwd_runner(compute, *(t[:, pos].contiguous() for t in (q, k, v, dout)))
+        times.append((timed_ms(fwd, args.iters), timed_ms(fwd_bwd, args.iters)))
+    return (f"compute only, {n} ranks simulated", n, max(t[0] for t in times), max(t[1] for t in times), None)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seqlen", type=int, default=131072)
@@ -136,6 +153,8 @@ def main():
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--no-causal", dest="causal", action="store_false")
     ap.add_argument("--peers", default="sdpa-flash,sdpa-cudnn", help="torch CP backends ('' for none)")
+    ap.add_argument("--simulate-ranks", type=int, default=0,
+                    help="also run each of N ranks' compute-only schedule on this GPU (predicts N GPUs)")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
     args.kv_heads = args.kv_heads or args.heads
@@ -178,6 +197,9 @@ def main():
     compute = lambda q, k, v: ring.ring_attention(q, k, v, local, loopback, args.causal)[0]
     fwd, fwd_bwd = fwd_bwd_runner(compute, *shards)
     rows.append(("fa3 compute only", world, timed_ms(fwd, args.iters), timed_ms(fwd_bwd, args.iters), None))
+
+    if args.simulate_ranks:
+        rows.append(simulated_row(args, local, q, k, v, dout))
 
     if args.peers:
         say(f"torch context_parallel on {world} GPUs")
