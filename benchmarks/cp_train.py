@@ -203,7 +203,7 @@ def main():
 
     if args.peers:
         say(f"torch context_parallel on {world} GPUs")
-        rows += torch_cp_rows(args, q, k, v, shards[3], reference_shard, mesh)
+        rows += torch_cp_rows(args, q, k, v, dout, reference_shard, mesh)
 
     flops = 3.5 * attention_flops(args.batch, args.heads, args.seqlen, args.seqlen, args.head_dim, args.causal)
     base = rows[0][3]
