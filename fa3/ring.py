@@ -153,19 +153,22 @@ def ring_backward(local: LocalAttention, dout, q, k, v, out, lse, ring, causal: 
     kv = torch.stack((k, v))
     half = q.shape[1] // 2
     acc = accumulator_dtype(q.dtype)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    dkv = pending_dkv = None
+    dq = dkv = pending_dkv = None
     for step in range(ring.size):
         pending_kv = ring.send_recv(kv) if step + 1 < ring.size else None
         rows, keys, block_causal = plan(step, ring.rank, causal, half)
         bdq, bdk, bdv = local.backward(dout[:, rows], q[:, rows], kv[0][:, keys], kv[1][:, keys],
                                        out[:, rows], lse[:, :, rows], block_causal)
-        dq[:, rows] += bdq
-        # the accumulator of the block held now: fresh at step 0, else from the previous rank
-        dkv = torch.zeros(kv.shape, dtype=acc, device=q.device) if step == 0 \
-            else pending_dkv.wait()
-        dkv[0][:, keys] += bdk
-        dkv[1][:, keys] += bdv
+        if step == 0:  # the diagonal block covers every row and key: the sums start from it
+            dq = bdq.to(acc)
+            dkv = torch.empty(kv.shape, dtype=acc, device=q.device)
+            dkv[0].copy_(bdk)
+            dkv[1].copy_(bdv)
+        else:  # this block's accumulator arrives from the previous rank
+            dq[:, rows] += bdq
+            dkv = pending_dkv.wait()
+            dkv[0][:, keys] += bdk
+            dkv[1][:, keys] += bdv
         pending_dkv = ring.send_recv(dkv)
         if pending_kv is not None:
             kv = pending_kv.wait()
