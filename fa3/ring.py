@@ -140,7 +140,7 @@ def ring_forward(local: LocalAttention, q, k, v, ring, causal: bool):
         rows, keys, block_causal = plan(step, ring.rank, causal, half)
         block_out, block_lse = local.forward(q[:, rows], kv[0][:, keys], kv[1][:, keys], block_causal)
         if out is None:  # step 0 covers every row
-            out, lse = block_out.to(accumulator_dtype(q.dtype)), block_lse.clone()
+            out, lse = block_out.to(accumulator_dtype(q.dtype)), block_lse
         else:
             merge(out[:, rows], lse[:, :, rows], block_out, block_lse)
         if pending is not None:
