@@ -15,6 +15,12 @@
                                causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
                                num_splits=0, return_lse=False)     decode against a (paged) KV cache
     fa3.get_scheduler_metadata(...)     the split plan of a cache call ahead of time
+    fa3.attention_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, ...)
+                                            (dq, dk, dv) for a given forward result (out, lse)
+    fa3.context_parallel_attention(q, k, v, group=None, causal=True, softmax_scale=None,
+                                   deterministic=False, return_lse=False)
+                                            ring attention over a torch.distributed group, each
+                                            rank holding a shard (fa3.context_parallel.shard)
     fa3.gemm(a, b, out=None, kernel=None)              any 2-D pair a @ b takes; differentiable
     fa3.flash_attn_func, fa3.flash_attn_varlen_func, fa3.flash_attn_with_kvcache
                                             flash-attn's names and signatures (fa3.flash_compat)
@@ -38,11 +44,14 @@ from .kvcache import attention_with_kvcache, get_scheduler_metadata  # noqa: E40
 from .matmul import gemm  # noqa: E402
 from .flash_compat import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache  # noqa: E402
 from .varlen import attention_varlen  # noqa: E402
+from .backward import attention_backward  # noqa: E402
+from .context_parallel import context_parallel_attention  # noqa: E402
 from . import ops  # noqa: E402,F401  (registers torch.ops.fa3.attention and torch.ops.fa3.gemm)
 from .registry import available_kernels  # noqa: E402
 from .quantize import dequantize_fp8, hadamard_rotate, quantize_fp8  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "get_scheduler_metadata", "gemm",
-           "available_kernels", "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
-           "quantize_fp8", "dequantize_fp8", "hadamard_rotate", "__version__"]
+__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "get_scheduler_metadata", "gemm", "available_kernels",
+           "attention_backward", "context_parallel_attention",
+           "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "quantize_fp8",
+           "dequantize_fp8", "hadamard_rotate", "__version__"]

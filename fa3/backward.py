@@ -3,10 +3,15 @@
     preprocess (D = rowsum(dO * O), LSE * log2 e)  ->  main kernel (dK, dV; dQ summed in FP32)
     ->  postprocess (dQ * softmax_scale -> dtype; GQA: dK and dV summed over each group)
 
-The autograd registration that calls it is in fa3.ops; the rung choice in fa3._dispatch.
+`attention_backward` runs the three for a given forward result (out, lse): what a caller that
+merges several attention calls needs (fa3.context_parallel_attention differentiates each ring step
+with the merged out and lse). The autograd registration that calls it is in fa3.ops; the rung
+choice in fa3._dispatch.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -38,6 +43,29 @@ def check_backward(dout, q, k, v, out, lse, kernel, cu_seqlens=None):
         raise ValueError(f"lse must be the forward's {lse_layout} = {lse_shape} float32 "
                          f"log-sum-exp on {q.device}")
     return spec
+
+
+def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False,
+                       softmax_scale: float | None = None, window_size=(-1, -1), softcap: float = 0.0,
+                       deterministic: bool = False, backward_kernel: str | None = None):
+    """(dq, dk, dv) of fa3.attention(q, k, v, ...) for the upstream gradient `dout`, given the
+    forward's `out` (shaped like q) and FP32 `lse` (batch, heads_q, seqlen_q), with the forward's
+    causal, softmax_scale, window_size and softcap.
+
+    `out` and `lse` need not come from this q, k, v: with the out and lse of attention over a
+    larger key set (merged from blocks, as ring attention does), the result is this key block's
+    share of the gradient: dq summed over blocks, and this block's dk and dv, are exact. GQA: dk
+    and dv are summed over each group. Not differentiable itself (a plain function, not autograd).
+    deterministic and backward_kernel: as in fa3.attention."""
+    spec = check_backward(dout, q, k, v, out, lse, backward_kernel)
+    scale = 1.0 / math.sqrt(q.shape[3]) if softmax_scale is None else float(softmax_scale)
+    window, causal, softcap = tuple(window_size), bool(causal), float(softcap)
+    _dispatch.check_variants(spec, masking.masking(causal, window, softcap, scale), "backward_kernel")
+    if _dispatch.direct_call_ok(dout, q, k, v, out, lse):
+        return launch_attention_backward(spec, dout, q, k, v, out, lse, causal, scale,
+                                         bool(deterministic), window, softcap)
+    return torch.ops.fa3.attention_backward(dout, q, k, v, out, lse, causal, scale, spec.name,
+                                            bool(deterministic), window[0], window[1], softcap)
 
 
 _NO_LOCK: dict[torch.device, torch.Tensor] = {}  # a stand-in for the counters when not deterministic
