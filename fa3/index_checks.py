@@ -168,19 +168,24 @@ def _unchanged_signature(tensors, bounds):
     return tuple((id(t), t._version) for t in tensors) + bounds, [weakref.ref(t) for t in tensors]
 
 
-def _checked_before(tensors, bounds):
-    """Whether the last passing check of this thread saw exactly these values (see
-    _unchanged_signature): a model's layers pass the same cache_seqlens and block_table, and
-    only the first of them needs the copy."""
+def _start_check(tensors, bounds, check):
+    """Copy `tensors` to the host and return `wait`, which waits for the copy and calls
+    check(host views); a check that passes is remembered, and a later call of this thread with
+    the same tensors, unmodified (see _unchanged_signature), and the same `bounds` skips the copy
+    and the check: a model's layers pass the same cache_seqlens and block_table, and only the
+    first of them needs them. The signature is taken here, when the copy is enqueued."""
     signature = _unchanged_signature(tensors, bounds)
     last = getattr(_PER_THREAD, "checked", None)
-    if signature is None or last is None or last[0] != signature[0]:
-        return False
-    return all(ref() is t for ref, t in zip(last[1], tensors))
+    if signature is not None and last is not None and last[0] == signature[0] \
+            and all(ref() is t for ref, t in zip(last[1], tensors)):
+        return lambda: None
+    host, copied = start_host_copy(tensors)
 
-
-def _remember_checked(tensors, bounds):
-    _PER_THREAD.checked = _unchanged_signature(tensors, bounds)
+    def wait():
+        copied()
+        check(host)
+        _PER_THREAD.checked = signature
+    return wait
 
 
 def start_cache_check(cache_seqlens: torch.Tensor, block_table, capacity: int, appended: int,
@@ -190,7 +195,7 @@ def start_cache_check(cache_seqlens: torch.Tensor, block_table, capacity: int, a
 
     The caller launches its kernel before `wait` (the kernels clamp; see _Staging). A call that
     passes the same tensors as the last passing check, unmodified, skips the copy
-    (_checked_before: the layers of one decode step). On the host, the whole table's
+    (_start_check: the layers of one decode step). On the host, the whole table's
     min and max decide in one step; only a table with an entry outside [0, num_pages) is searched
     for a bad entry among those the sequences use (serving engines leave the rest stale or -1)."""
     batch = cache_seqlens.shape[0]
@@ -198,22 +203,22 @@ def start_cache_check(cache_seqlens: torch.Tensor, block_table, capacity: int, a
         return lambda: None
     paged = block_table is not None and block_table.shape[1] > 0
     tensors = [cache_seqlens] + ([block_table] if paged else [])
-    bounds = (capacity, appended, page_size, num_pages)
-    if _checked_before(tensors, bounds):
-        return lambda: None
-    host, copied = start_host_copy(tensors)
+    return _start_check(tensors, (capacity, appended, page_size, num_pages),
+                        lambda host: _check_cache_values(host[0], host[1] if paged else None, block_table,
+                                                         capacity, appended, page_size, num_pages))
 
-    def wait():
-        copied()
-        lengths = host[0].tolist()
-        check_cache_lengths(lengths, capacity, appended, block_table, page_size)
-        if paged:
-            table = host[1]
-            low, high = torch.aminmax(table)
-            if not (0 <= int(low) and int(high) < num_pages):
-                check_block_table(lengths, table, appended, page_size, num_pages)
-        _remember_checked(tensors, bounds)
-    return wait
+
+def _check_cache_values(lengths, table, block_table, capacity: int, appended: int, page_size: int,
+                        num_pages: int) -> None:
+    """The host copies of the cache lengths and (paged; else None) the table: the lengths as
+    check_cache_lengths; the whole table's min and max decide in one step, and only a table with
+    an entry outside [0, num_pages) is searched for a bad entry the sequences use."""
+    lengths = lengths.tolist()
+    check_cache_lengths(lengths, capacity, appended, block_table, page_size)
+    if table is not None:
+        low, high = torch.aminmax(table)
+        if not (0 <= int(low) and int(high) < num_pages):
+            check_block_table(lengths, table, appended, page_size, num_pages)
 
 
 # ----------------------------------------------------------------------------- packed queries over a KV cache
@@ -243,24 +248,12 @@ def start_packed_cache_check(cu_seqlens_q: torch.Tensor, total_q: int, max_seqle
     paged = block_table is not None and block_table.shape[1] > 0
     tensors = [cu_seqlens_q, seqused_k] + ([block_table] if paged else [])
     bounds = ("packed", total_q, max_seqlen_q, capacity, page_size, num_pages)
-    if _checked_before(tensors, bounds):
-        return lambda: None
-    host, copied = start_host_copy(tensors)
 
-    def check_cache():
-        lengths = host[1].tolist()
-        check_cache_lengths(lengths, capacity, 0, block_table, page_size)
-        if paged:
-            low, high = torch.aminmax(host[2])
-            if not (0 <= int(low) and int(high) < num_pages):
-                check_block_table(lengths, host[2], 0, page_size, num_pages)
-
-    def wait():
-        copied()
+    def check(host):
         check_offset_values(host[0], _NO_KEYS, total_q, 0, max_seqlen_q, None)
-        _renamed(check_cache, lengths_name)
-        _remember_checked(tensors, bounds)
-    return wait
+        _renamed(lambda: _check_cache_values(host[1], host[2] if paged else None, block_table, capacity,
+                                             0, page_size, num_pages), lengths_name)
+    return _start_check(tensors, bounds, check)
 
 
 def start_leftpad_check(cache_leftpad: torch.Tensor, cache_seqlens: torch.Tensor, capacity: int,
@@ -271,12 +264,8 @@ def start_leftpad_check(cache_leftpad: torch.Tensor, cache_seqlens: torch.Tensor
         return lambda: None
     tensors = [cache_seqlens, cache_leftpad]
     bounds = ("leftpad", capacity, appended, page_size)
-    if _checked_before(tensors, bounds):
-        return lambda: None
-    host, copied = start_host_copy(tensors)
 
-    def wait():
-        copied()
+    def check(host):
         lengths = host[0].tolist()
         check_cache_lengths(lengths, capacity, appended, None, page_size)
         for b, (pad, n) in enumerate(zip(host[1].tolist(), lengths)):
@@ -284,5 +273,4 @@ def start_leftpad_check(cache_leftpad: torch.Tensor, cache_seqlens: torch.Tensor
                 raise ValueError(f"cache_leftpad[{b}] = {pad} is outside [0, cache_seqlens[{b}] = {n}]: it is "
                                  "the cache position where sequence b's keys start (the rows before it are "
                                  "padding); pass each sequence's first position")
-        _remember_checked(tensors, bounds)
-    return wait
+    return _start_check(tensors, bounds, check)

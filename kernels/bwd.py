@@ -109,7 +109,8 @@ class AttentionBackward:
                  mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, stream):
         """mLSE2, mD: (batch, heads_q, seqlen_q rounded up to tile_m) FP32 from the preprocess;
         mdQacc: (batch, same rows, heads_q, d) FP32, zeroed; mdK, mdV: (batch, seqlen_k, heads_q,
-        d), one slice per query head (FP32 when GQA sums them afterwards); mLock: (batch, heads_q,
+        d), one slice per query head, or under GQA FP32: zeroed (batch, seqlen_k, heads_kv, d) that
+        the kernel adds into, or, deterministic, per-query-head slices summed afterwards; mLock: (batch, heads_q,
         Q tiles) int32 zeros, read only when deterministic. The window edges and softcap_scale
         are read only by the local and softcap variants (as the forward's), cu_seqlens_q/k only by
         the varlen one. Varlen: batch = 1 holding every entry; mLSE2, mD have total_q rows, mdQacc
