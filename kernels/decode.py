@@ -148,6 +148,9 @@ class SplitKVAttention:
             # queries at rows offset_q.. of the one packed plane
             seq = seqlen.from_cache_packed(mCuSeqlensQ, mCacheSeqlens, batch, appended, capacity,
                                            mQ.shape[1])
+            # a tile past the last entry's (the grid is sized for graph replay) names entry 0 with no
+            # tiles: it must own no rows, or its empty partials would race the real tile's stores
+            seq.seqlen_q = cutlass.min(seq.seqlen_q, entry_tiles * self.tile_m)
         else:
             split, head_tile, batch = cute.arch.block_idx()
             q_tiles = cute.arch.grid_dim()[1] // heads_kv
