@@ -106,3 +106,19 @@ def check_qkv(q, k, v, kv_layout: str):
         name, t = ("k", k) if k.device != device else ("v", v)
         raise ValueError(f"{name} is on {t.device} but q is on {device}; put them on one GPU")
     return q_shape, k_shape
+
+
+def check_sinks(sinks, heads_q: int, device) -> None:
+    """Attention sinks: one float32 logit per query head, (heads_q,), on the inputs' device."""
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be a torch.Tensor of shape (heads_q={heads_q},), got "
+                        f"{type(sinks).__name__}")
+    if sinks.dtype != torch.float32:
+        raise TypeError(f"sinks has dtype {sinks.dtype}; it must be torch.float32 (one logit per query "
+                        "head): pass sinks.float()")
+    if sinks.shape != (heads_q,):
+        raise ValueError(f"sinks must have shape (heads_q={heads_q},), one logit per query head, got "
+                         f"{tuple(sinks.shape)}")
+    if sinks.device != device:
+        raise ValueError(f"sinks is on {sinks.device} but q is on {device}; move it with "
+                         "sinks.to(q.device)")

@@ -60,15 +60,17 @@ def _attention_fake_args(spec, dtype, head_dim):
         args.append(cutlass.Int32(132))  # SM count, a runtime argument
         args.append(_fake_tensor(cute, cutlass.Int32, (1,), (1,), align=4))  # the tile counter
     if spec.variants:  # cu_seqlens_q/k (own extents: 1-element stand-ins when not varlen), window
-        # edges, softcap scale
+        # edges, softcap scale, the sinks (heads_q,) FP32 (a 1-element stand-in without them)
         args += [_fake_tensor(cute, cutlass.Int32, (cute.sym_int64(),), (1,), align=4) for _ in range(2)]
         args += [cutlass.Int32(0), cutlass.Int32(0), cutlass.Float32(1.0)]
+        args.append(_fake_tensor(cute, cutlass.Float32, (cute.sym_int64(),), (1,), align=4))
     return args
 
 
-def attention_key(spec, dtype, head_dim, causal, varlen=False, local=False, softcap=False) -> tuple:
+def attention_key(spec, dtype, head_dim, causal, varlen=False, local=False, softcap=False,
+                  sinks=False) -> tuple:
     cfg = spec.config_for(head_dim)
-    variant = (bool(varlen), bool(local), bool(softcap))
+    variant = (bool(varlen), bool(local), bool(softcap), bool(sinks))
     return (spec.name, str(dtype), head_dim, bool(causal), *((variant,) if any(variant) else ()),
             tuple(sorted(cfg.items())), _dsl.TARGET_ARCH, _dsl.version())
 
@@ -85,8 +87,8 @@ def _compile_kernel(kernel, fake_args, extra_options):
 
 
 def _build_attention(spec, dtype, head_dim, causal, varlen=False, local=False, softcap=False,
-                     extra_options=""):
-    variant = dict(varlen=varlen, local=local, softcap=softcap) if spec.variants else {}
+                     sinks=False, extra_options=""):
+    variant = dict(varlen=varlen, local=local, softcap=softcap, sinks=sinks) if spec.variants else {}
     kernel = spec.load_class()(dtype=cute_dtype(dtype), head_dim=head_dim, causal=causal,
                                **variant, **spec.config_for(head_dim))
     return _compile_kernel(kernel, _attention_fake_args(spec, dtype, head_dim), extra_options)
@@ -116,16 +118,16 @@ def _load_or_build(key, build):
 _FAST: dict[tuple, object] = {}  # (rung, dtype, head_dim, causal) -> compiled: the per-call lookup
 
 
-def get_attention(spec, dtype, head_dim, causal, varlen=False, local=False, softcap=False):
+def get_attention(spec, dtype, head_dim, causal, varlen=False, local=False, softcap=False, sinks=False):
     """The compiled kernel for this static configuration (compiled on first use). The per-call
     path is one dict lookup; the full key (config, arch, DSL version) is built only on a miss.
-    varlen/local/softcap: the variants of rungs that list them (registry `variants`)."""
-    fast_key = (spec.name, dtype, head_dim, causal, varlen, local, softcap)
+    varlen/local/softcap/sinks: the variants of rungs that list them (registry `variants`)."""
+    fast_key = (spec.name, dtype, head_dim, causal, varlen, local, softcap, sinks)
     fn = _FAST.get(fast_key)
     if fn is None:
         fn = _FAST[fast_key] = _cached(
-            attention_key(spec, dtype, head_dim, causal, varlen, local, softcap),
-            lambda: _build_attention(spec, dtype, head_dim, causal, varlen, local, softcap))
+            attention_key(spec, dtype, head_dim, causal, varlen, local, softcap, sinks),
+            lambda: _build_attention(spec, dtype, head_dim, causal, varlen, local, softcap, sinks))
     return fn
 
 
@@ -265,7 +267,7 @@ def get_gemm(spec, dtype, a_layout, b_layout, tiles: tuple = ()):
 # ----------------------------------------------------------------------------- KV cache (S1)
 def _kvcache_fake_args(dtype, head_dim):
     """Fake (q, k_cache, v_cache, cache_seqlens, block_table, out, lse, out_partial, lse_partial,
-    scale_log2, appended): see kernels/decode.py. The cache is (planes, rows, heads_kv, d), planes
+    scale_log2, appended, window edges, softcap scale, sinks): see kernels/decode.py. The cache is (planes, rows, heads_kv, d), planes
     being batch entries (dense) or pages (paged); every extent is dynamic."""
     cutlass, cute = _dsl.import_cute()
     dt, f32, i32 = cute_dtype(dtype), cutlass.Float32, cutlass.Int32
@@ -278,50 +280,53 @@ def _kvcache_fake_args(dtype, head_dim):
             _unit_last(cute, dt, b, sq, hq, head_dim, align=2), _unit_last(cute, f32, b, hq, sq),
             _unit_last(cute, f32, splits, b_part, sq_part, hq_part, head_dim),
             _unit_last(cute, f32, splits, b_part, hq_part, sq_part), f32(1.0), i32(0),
-            i32(0), i32(0), f32(1.0)]  # (appended,) window edges, softcap scale
+            i32(0), i32(0), f32(1.0),  # (appended,) window edges, softcap scale
+            _fake_tensor(cute, f32, (cute.sym_int64(),), (1,), align=4)]  # sinks (or a stand-in)
 
 
-def kvcache_key(spec, dtype, head_dim, causal, paged=False, local=False, softcap=False) -> tuple:
-    variant = (bool(local), bool(softcap))
+def kvcache_key(spec, dtype, head_dim, causal, paged=False, local=False, softcap=False,
+                sinks=False) -> tuple:
+    variant = (bool(local), bool(softcap), bool(sinks))
     return (spec.name, str(dtype), head_dim, bool(causal), bool(paged), *((variant,) if any(variant) else ()),
             tuple(sorted(spec.config_for(head_dim).items())), _dsl.TARGET_ARCH, _dsl.version())
 
 
-def _build_kvcache(spec, dtype, head_dim, causal, paged=False, local=False, softcap=False,
+def _build_kvcache(spec, dtype, head_dim, causal, paged=False, local=False, softcap=False, sinks=False,
                    extra_options=""):
     kernel = spec.load_class()(dtype=cute_dtype(dtype), head_dim=head_dim, causal=causal, paged=paged,
-                               local=local, softcap=softcap, **spec.config_for(head_dim))
+                               local=local, softcap=softcap, sinks=sinks, **spec.config_for(head_dim))
     return _compile_kernel(kernel, _kvcache_fake_args(dtype, head_dim), extra_options)
 
 
-def get_kvcache(spec, dtype, head_dim, causal, paged, local=False, softcap=False):
-    fast_key = ("kvcache", spec.name, dtype, head_dim, causal, paged, local, softcap)
+def get_kvcache(spec, dtype, head_dim, causal, paged, local=False, softcap=False, sinks=False):
+    fast_key = ("kvcache", spec.name, dtype, head_dim, causal, paged, local, softcap, sinks)
     fn = _FAST.get(fast_key)
     if fn is None:
-        fn = _FAST[fast_key] = _cached(kvcache_key(spec, dtype, head_dim, causal, paged, local, softcap),
+        fn = _FAST[fast_key] = _cached(kvcache_key(spec, dtype, head_dim, causal, paged, local, softcap, sinks),
                                        lambda: _build_kvcache(spec, dtype, head_dim, causal, paged, local,
-                                                              softcap))
+                                                              softcap, sinks))
     return fn
 
 
-def _build_combine(dtype, head_dim, extra_options=""):
+def _build_combine(dtype, head_dim, sinks=False, extra_options=""):
     cutlass, cute = _dsl.import_cute()
     from .kernels.decode import SplitKVCombine
 
     dt, f32 = cute_dtype(dtype), cutlass.Float32
     b, sq, hq, splits = (cute.sym_int64() for _ in range(4))
     args = [_unit_last(cute, f32, splits, b, sq, hq, head_dim), _unit_last(cute, f32, splits, b, hq, sq),
-            _unit_last(cute, dt, b, sq, hq, head_dim, align=2), _unit_last(cute, f32, b, hq, sq)]
-    return _compile_kernel(SplitKVCombine(dt, head_dim), args, extra_options)
+            _unit_last(cute, dt, b, sq, hq, head_dim, align=2), _unit_last(cute, f32, b, hq, sq),
+            _fake_tensor(cute, f32, (cute.sym_int64(),), (1,), align=4)]
+    return _compile_kernel(SplitKVCombine(dt, head_dim, sinks), args, extra_options)
 
 
-def get_combine(dtype, head_dim):
-    """The split-KV combine kernel: FP32 partial O and LSE -> O, LSE."""
-    fast_key = ("combine", dtype, head_dim)
+def get_combine(dtype, head_dim, sinks=False):
+    """The split-KV combine kernel: FP32 partial O and LSE (and the sinks) -> O, LSE."""
+    fast_key = ("combine", dtype, head_dim, sinks)
     fn = _FAST.get(fast_key)
     if fn is None:
-        key = ("combine", str(dtype), head_dim, _dsl.TARGET_ARCH, _dsl.version())
-        fn = _FAST[fast_key] = _cached(key, lambda: _build_combine(dtype, head_dim))
+        key = ("combine", str(dtype), head_dim, bool(sinks), _dsl.TARGET_ARCH, _dsl.version())
+        fn = _FAST[fast_key] = _cached(key, lambda: _build_combine(dtype, head_dim, sinks))
     return fn
 
 

@@ -108,3 +108,11 @@ def check_variants(spec, mask: masking.Masking, argument: str) -> None:
         raise ValueError(f"{argument}={spec.name!r} supports neither window_size nor softcap; "
                          f"rungs that do: {[n for n in registry.available_kernels(spec.family) if registry.get(n).variants]}"
                          f" (or {argument}=None)")
+
+
+def check_sinks(spec, argument: str) -> None:
+    """Attention sinks need a rung that compiles them (registry `variants`)."""
+    if registry.SINKS not in spec.variants:
+        raise ValueError(f"{argument}={spec.name!r} does not support sinks; rungs that do: "
+                         f"{[n for n in registry.available_kernels(spec.family) if registry.SINKS in registry.get(n).variants]}"
+                         f" (or {argument}=None)")

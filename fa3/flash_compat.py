@@ -11,6 +11,8 @@ Everything else is validated by the fa3 function each one calls.
 
 from __future__ import annotations
 
+import torch
+
 from .interface import attention
 from .kvcache import attention_with_kvcache
 from .varlen import attention_varlen
@@ -31,18 +33,28 @@ def _check_common(dropout_p, alibi_slopes, return_attn_probs):
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                    learnable_sink=None):
     """flash_attn.flash_attn_func: q (batch, seqlen_q, heads_q, d), k and v (batch, seqlen_k,
-    heads_kv, d) -> out shaped like q. Differentiable (window and softcap included)."""
+    heads_kv, d) -> out shaped like q. Differentiable (window and softcap included).
+    learnable_sink: flash-attn-4's name for attention sinks (fa3.attention's `sinks`: float32
+    (heads_q,); a 16-bit one is cast)."""
     _check_common(dropout_p, alibi_slopes, return_attn_probs)
     return attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                     softcap=softcap, deterministic=deterministic)
+                     softcap=softcap, deterministic=deterministic, sinks=_sinks(learnable_sink))
+
+
+def _sinks(learnable_sink):
+    """flash-attn-4 keeps its sinks in the model's dtype: cast (differentiably) to fa3's float32."""
+    if learnable_sink is not None and getattr(learnable_sink, "dtype", None) in (torch.bfloat16, torch.float16):
+        return learnable_sink.float()
+    return learnable_sink
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                            alibi_slopes=None, deterministic=False, return_attn_probs=False,
-                           block_table=None):
+                           block_table=None, *, learnable_sink=None):
     """flash_attn.flash_attn_varlen_func: q (total_q, heads_q, d), k and v (total_k, heads_kv, d),
     int32 cumulative offsets -> out shaped like q; differentiable (as fa3.attention_varlen)."""
     _check_common(dropout_p, alibi_slopes, return_attn_probs)
@@ -51,14 +63,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                   "paged cache use flash_attn_with_kvcache")
     return attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                             softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-                            deterministic=deterministic)
+                            deterministic=deterministic, sinks=_sinks(learnable_sink))
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-                            return_softmax_lse=False):
+                            return_softmax_lse=False, *, learnable_sink=None):
     """flash_attn.flash_attn_with_kvcache: new k/v (if given) are written into the cache in place at
     cache_seqlens, then q attends to each sequence's cache -> out, or (out, softmax_lse)."""
     for name, value in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
@@ -74,4 +86,4 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     return attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
                                   block_table=block_table, causal=causal, softmax_scale=softmax_scale,
                                   window_size=window_size, softcap=softcap, num_splits=num_splits,
-                                  return_lse=return_softmax_lse)
+                                  return_lse=return_softmax_lse, sinks=_sinks(learnable_sink))

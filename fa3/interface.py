@@ -28,7 +28,7 @@ def check_attention(q, k, v, kernel):
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
               window_size=(-1, -1), softcap: float = 0.0,
               return_lse: bool = False, kernel: str | None = None, out=None,
-              deterministic: bool = False, backward_kernel: str | None = None):
+              deterministic: bool = False, backward_kernel: str | None = None, sinks=None):
     """Exact softmax attention, softmax(q k^T * softmax_scale) v, as flash-attn computes it.
 
     q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim); bf16 or
@@ -46,9 +46,13 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     deterministic: make the backward bitwise reproducible (dQ's FP32 partial sums are added in a
         fixed order; measured cost in worklog/backward.md). The forward is deterministic anyway.
     backward_kernel: a rung of fa3.available_kernels("backward"); None picks the fastest.
+    sinks: optional attention sinks (gpt-oss), a float32 (heads_q,) tensor of finite logits: head
+        h's sink joins the denominator of each of its rows, taking probability mass but adding no
+        value: out_i = sum_j exp(s_ij) v_j / (sum_j exp(s_ij) + exp(sinks[h])), and lse includes
+        it (a row that sees no key gives 0 and lse = sinks[h]). Differentiable.
     Returns out shaped like q (and lse).
 
-    Differentiable in q, k and v (whichever require grad), through torch.autograd, torch.compile
+    Differentiable in q, k, v and sinks (whichever require grad), through torch.autograd, torch.compile
     and torch.utils.checkpoint; lse is returned as a non-differentiable output. GQA gradients of k
     and v are summed over the query heads that share them.
 
@@ -69,18 +73,21 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             backward_spec = _dispatch.memo_rung(_dispatch.backward_rung, backward_kernel, q.shape[3])
             _dispatch.check_variants(backward_spec, mask, "backward_kernel")
-    if _dispatch.direct_call_ok(q, k, v):
-        out, lse = launch_attention(spec, q, k, v, causal, scale, out, window, softcap)
+    if sinks is not None:
+        _checks.check_sinks(sinks, q.shape[2], q.device)
+        _dispatch.check_sinks(spec, "kernel")
+    if _dispatch.direct_call_ok(q, k, v) and (sinks is None or _dispatch.direct_call_ok(sinks)):
+        out, lse = launch_attention(spec, q, k, v, causal, scale, out, window, softcap, sinks)
     else:
         bwd = _dispatch.memo_rung(_dispatch.backward_rung, backward_kernel, q.shape[3]).name
         result, lse = torch.ops.fa3.attention(q, k, v, causal, scale, spec.name, bool(deterministic), bwd,
-                                              window[0], window[1], float(softcap))
+                                              window[0], window[1], float(softcap), sinks)
         out = result if out is None else out.copy_(result)  # the op is functional
     return (out, lse) if return_lse else out
 
 
 def launch_attention(spec, q, k, v, causal: bool, scale: float, out=None, window=(-1, -1),
-                     softcap: float = 0.0):
+                     softcap: float = 0.0, sinks=None):
     """Allocate the outputs (`out` unless given) and launch rung `spec` on torch's current stream;
     returns (out, lse). The body of the fa3::attention op: arguments are validated already."""
     batch, seqlen_q, heads_q, head_dim = q.shape
@@ -91,13 +98,15 @@ def launch_attention(spec, q, k, v, causal: bool, scale: float, out=None, window
     seqlen_k = k.shape[1]
     if out.numel() == 0 or seqlen_k == 0:  # nothing to compute, or no keys: O = 0, LSE = -inf
         out.zero_()
-        lse.fill_(float("-inf"))
+        _launch.no_keys(lse, sinks)
         return out, lse
     if q.requires_grad or k.requires_grad or v.requires_grad:
         q, k, v = _launch.detached(q, k, v)
+    if sinks is not None:
+        sinks = _launch.sinks_ready(sinks)
     mask = masking.masking(causal, window, softcap, scale)
     args = [_launch.tma_ready(q), _launch.tma_ready(k), _launch.tma_ready(v), out, lse]
     if spec.needs_scores_workspace:
         args.append(torch.empty(batch, heads_q, seqlen_q, seqlen_k, dtype=torch.float32, device=device))
-    _launch.run_attention(spec, q.dtype, head_dim, mask, args, device)
+    _launch.run_attention(spec, q.dtype, head_dim, mask, args, device, sinks=sinks)
     return out, lse

@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from . import _checks, _compile, _dispatch, index_checks, masking, registry
+from . import _checks, _compile, _dispatch, _launch, index_checks, masking, registry
 
 PAGE_MULTIPLE = 64  # the kernel's key block: a page holds whole blocks
 MAX_SPLITS = 64
@@ -153,7 +153,8 @@ def _dummy(kind, device, head_dim=None):
 
 
 def launch_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, capacity: int, appended: int,
-                   causal: bool, scale: float, num_splits: int, window=(-1, -1), softcap: float = 0.0):
+                   causal: bool, scale: float, num_splits: int, window=(-1, -1), softcap: float = 0.0,
+                   sinks=None):
     """(out, lse) of rung `spec`; arguments are validated (`capacity`: keys a sequence can hold, from
     `check_kvcache`) and the new tokens already appended."""
     batch, seqlen_q, heads_q, head_dim = q.shape
@@ -178,19 +179,22 @@ def launch_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, capaci
         lse_partial = torch.empty(num_splits, batch, heads_q, seqlen_q, dtype=torch.float32, device=device)
     else:
         o_partial, lse_partial = _dummy("o_partial", device, head_dim), _dummy("lse_partial", device)
-    fn = _compile.get_kvcache(spec, q.dtype, head_dim, mask.causal, paged, mask.local, mask.softcap)
+    has_sinks = sinks is not None
+    sinks = _launch.sinks_ready(sinks) if has_sinks else _launch.stand_in(device, torch.float32)
+    fn = _compile.get_kvcache(spec, q.dtype, head_dim, mask.causal, paged, mask.local, mask.softcap,
+                              has_sinks)
     table = block_table if paged else _dummy("table", device)
     fn(q, k_cache, v_cache, cache_seqlens, table, out, lse, o_partial, lse_partial, mask.scale_log2,
-       appended, mask.left, mask.right, mask.softcap_scale)
+       appended, mask.left, mask.right, mask.softcap_scale, sinks)
     if num_splits > 1:
-        _compile.get_combine(q.dtype, head_dim)(o_partial, lse_partial, out, lse)
+        _compile.get_combine(q.dtype, head_dim, has_sinks)(o_partial, lse_partial, out, lse, sinks)
     return out, lse
 
 
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_table=None,
                            causal: bool = False, softmax_scale: float | None = None,
                            window_size=(-1, -1), softcap: float = 0.0, num_splits: int = 0,
-                           return_lse: bool = False, kernel: str | None = None):
+                           return_lse: bool = False, kernel: str | None = None, sinks=None):
     """softmax(q K^T * softmax_scale) V over each sequence's cached keys, as flash-attn's
     flash_attn_with_kvcache.
 
@@ -208,6 +212,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     window_size, softcap: sliding window and capped scores, as fa3.attention (the window is
         aligned the same way, to each sequence's own length).
     num_splits: how many CTAs share each sequence's keys; 0 picks from the shapes and SM count.
+    sinks: optional attention sinks, a float32 (heads_q,) tensor, as fa3.attention (not
+        differentiated here).
     Returns out (batch, seqlen_q, heads_q, d) (and the fp32 lse (batch, heads_q, seqlen_q)).
     Not differentiable (inference). Runs on torch's current stream, so a decode step can be
     captured in a CUDA graph.
@@ -228,6 +234,10 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
                                                       block_table, kernel, window_size, softcap)
     window = tuple(window_size)
     scale = 1.0 / math.sqrt(q.shape[3]) if softmax_scale is None else float(softmax_scale)
+    if sinks is not None:
+        _checks.check_sinks(sinks, q.shape[2], q.device)
+        _dispatch.check_sinks(spec, "kernel")
+        sinks = sinks.detach()  # inference: no gradient flows through the cache call
     wait = None
     if index_checks.values_checkable(q.device):
         wait = index_checks.start_cache_check(seqlens, block_table, capacity, appended, k_cache.shape[1],
@@ -237,13 +247,13 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
             wait()
             wait = None
         append_to_cache(k_cache, v_cache, k, v, seqlens, block_table, capacity)
-    if _dispatch.direct_call_ok(q, k_cache, v_cache):
+    if _dispatch.direct_call_ok(q, k_cache, v_cache) and (sinks is None or _dispatch.direct_call_ok(sinks)):
         out, lse = launch_kvcache(spec, q, k_cache, v_cache, seqlens, block_table, capacity, appended,
-                                  bool(causal), scale, int(num_splits), window, softcap)
+                                  bool(causal), scale, int(num_splits), window, softcap, sinks)
     else:
         out, lse = torch.ops.fa3.attention_kvcache(q, k_cache, v_cache, seqlens, block_table, appended,
                                                    bool(causal), scale, int(num_splits), spec.name,
-                                                   window[0], window[1], float(softcap))
+                                                   window[0], window[1], float(softcap), sinks)
     if wait is not None:  # after the launch (the kernel clamps): the GPU stays busy while the host waits
         wait()
     return (out, lse) if return_lse else out

@@ -39,8 +39,9 @@ class KernelSpec:
     needs_scores_workspace: bool = False
     # A persistent grid (one CTA per SM): the kernel takes the SM count as its last argument.
     persistent: bool = False
-    # Static variants the class compiles on demand (of VARIANTS); a rung with any takes their
-    # runtime arguments (cu_seqlens, window edges, softcap scale) after the persistent ones.
+    # Static variants the class compiles on demand (of VARIANTS, "sinks"); a rung with any takes
+    # their runtime arguments (cu_seqlens, window edges, softcap scale; an attention rung also the
+    # sinks) after the persistent ones.
     variants: tuple = ()
 
     def config_for(self, head_dim: int | None = None) -> dict:
@@ -54,6 +55,9 @@ class KernelSpec:
 
 
 VARIANTS = ("varlen", "local", "softcap")  # packed batches, sliding window, capped scores
+# forward rungs also fold attention sinks (one logit per query head in each row's denominator)
+# into their softmax; the backward needs no variant for them (the LSE includes the sink)
+SINKS = "sinks"
 _SCALAR_PTX = ("ld.global", "ex2.approx")
 # a K tile's WGMMAs left running while the next is issued (the PTX spells it with a tab)
 _MMA_IN_FLIGHT = "wgmma.wait_group.sync.aligned \t1;"
@@ -124,7 +128,7 @@ KERNELS: dict[str, KernelSpec] = {
                 # next tile's index from SMEM (ld.shared.b32), so only 16-bit loads are forbidden there
                 ptx_forbids=("cvt.f32.bf16", "ld.shared.u16", "ld.shared.b16", "ld.shared.v2.u16")
                 if flags.get("dynamic_schedule") else ("cvt.f32.bf16", "ld.shared"),
-                speed_rank=7 + i, persistent=True, variants=VARIANTS,
+                speed_rank=7 + i, persistent=True, variants=VARIANTS + (SINKS,),
             )
             for i, summary, flags in (
                 (1, "warp specialization: TMA producer warp, two consumer warpgroups, setmaxnreg",
@@ -184,7 +188,7 @@ KERNELS: dict[str, KernelSpec] = {
             # is as deep as SMEM allows (memory-bound: bytes in flight are what matter)
             config={"tile_m": 64, "tile_n": 64, "max_kv_stages": 8},
             ptx_promises=("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait", "ex2.approx"),
-            speed_rank=1, variants=("local", "softcap"),
+            speed_rank=1, variants=("local", "softcap", SINKS),
         ),
         *[
             KernelSpec(

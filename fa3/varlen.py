@@ -32,7 +32,7 @@ def _check_offsets(cu, name: str, device, batch=None):
 
 def packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                      window_size, softcap, kernel, check_values=True, deterministic=False,
-                     backward_kernel=None):
+                     backward_kernel=None, sinks=None):
     """attention_varlen's body: (out, lse) of a packed batch. check_values=False: for callers that
     built the offsets themselves from a mask (correct by construction), skipping the host copy
     that checks them (fa3.integrations.transformers)."""
@@ -40,15 +40,19 @@ def packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     scale = 1.0 / math.sqrt(q.shape[2]) if softmax_scale is None else float(softmax_scale)
     window = tuple(window_size)
     masking.check_window(window, softcap)
-    if _dispatch.direct_call_ok(q, k, v):
-        return launch_varlen(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, bool(causal), scale, window, softcap)
+    if sinks is not None:
+        _checks.check_sinks(sinks, q.shape[1], q.device)
+        _dispatch.check_sinks(spec, "kernel")
+    if _dispatch.direct_call_ok(q, k, v) and (sinks is None or _dispatch.direct_call_ok(sinks)):
+        return launch_varlen(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, bool(causal), scale, window, softcap,
+                             sinks)
     bwd = _dispatch.memo_rung(_dispatch.backward_rung, backward_kernel, q.shape[2])
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         check_varlen_rung(bwd, "backward_kernel")
         _dispatch.check_variants(bwd, masking.masking(bool(causal), window, softcap, scale), "backward_kernel")
     return torch.ops.fa3.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, bool(causal), scale,
                                           window[0], window[1], float(softcap), spec.name,
-                                          bool(deterministic), bwd.name)
+                                          bool(deterministic), bwd.name, sinks)
 
 
 def check_varlen_rung(spec, argument: str) -> None:
@@ -95,29 +99,31 @@ def _varlen_rungs(family: str = registry.ATTENTION):
 
 
 def launch_varlen(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale: float,
-                  window=(-1, -1), softcap: float = 0.0):
+                  window=(-1, -1), softcap: float = 0.0, sinks=None):
     """(out (total_q, heads_q, d), lse (heads_q, total_q) fp32); arguments validated."""
     total_q, heads_q, head_dim = q.shape
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(heads_q, total_q, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
-    if k.shape[0] == 0:  # no keys anywhere: O = 0, LSE = -inf
-        return out.zero_(), lse.fill_(float("-inf"))
+    if k.shape[0] == 0:  # no keys anywhere: O = 0, LSE = -inf (or the sinks)
+        return out.zero_(), _launch.no_keys(lse, sinks)
     if q.requires_grad or k.requires_grad or v.requires_grad:
         q, k, v = _launch.detached(q, k, v)
+    if sinks is not None:
+        sinks = _launch.sinks_ready(sinks)
     # the kernel takes flash-attn's 4-D layout with one batch entry holding every sequence
     q4, k4, v4 = (_launch.tma_ready(t.unsqueeze(0)) for t in (q, k, v))
     args = [q4, k4, v4, out.unsqueeze(0), lse.unsqueeze(0)]
     _launch.run_attention(spec, q.dtype, head_dim, masking.masking(causal, window, softcap, scale),
-                          args, q.device, cu_seqlens=(cu_seqlens_q, cu_seqlens_k))
+                          args, q.device, cu_seqlens=(cu_seqlens_q, cu_seqlens_k), sinks=sinks)
     return out, lse
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *,
                      causal: bool = False, softmax_scale: float | None = None, window_size=(-1, -1),
                      softcap: float = 0.0, return_lse: bool = False, kernel: str | None = None,
-                     deterministic: bool = False, backward_kernel: str | None = None):
+                     deterministic: bool = False, backward_kernel: str | None = None, sinks=None):
     """Attention over a packed batch of variable-length sequences, as flash_attn_varlen_func.
 
     q: (total_q, heads_q, d); k, v: (total_k, heads_kv, d); bf16/fp16 on a Hopper GPU, d in
@@ -126,7 +132,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     max_seqlen_q/k: accepted for flash-attn's signature and checked; the kernel does not need them.
     causal, window_size, softcap, softmax_scale: as fa3.attention, per sequence (bottom-right
     aligned to each sequence's own lengths).
-    deterministic, backward_kernel: as fa3.attention (the backward's dQ order; its rung).
+    deterministic, backward_kernel, sinks: as fa3.attention (the backward's dQ order; its rung;
+        attention sinks, one float32 logit per query head).
     Returns out (total_q, heads_q, d) (and lse (heads_q, total_q) fp32, flash-attn's varlen layout).
 
     Differentiable in q, k and v, as fa3.attention (the backward rungs compile packed batches too).
@@ -135,5 +142,5 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     """
     out, lse = packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                 softmax_scale, window_size, softcap, kernel, deterministic=deterministic,
-                                backward_kernel=backward_kernel)
+                                backward_kernel=backward_kernel, sinks=sinks)
     return (out, lse) if return_lse else out

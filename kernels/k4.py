@@ -65,6 +65,7 @@ class WgmmaAttention(TmaRingAttention):
         ctx.acc_o.fill(0.0)
         ctx.o_coords = mma.rows_cols(thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim))))
         ctx.row_max, ctx.row_sum = softmax.row_state(cute.size(ctx.s_coords, mode=[0]))
+        ctx.sink_log2 = None  # an attention sink in the exp2 domain (K5's sinks variant sets it)
         return ctx
 
     @cute.jit
@@ -132,7 +133,7 @@ class WgmmaAttention(TmaRingAttention):
         varlen sequence's offset, else 0)."""
         o_mn = mma.rows_cols(ctx.acc_o)
         for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
-            inv_sum, lse = softmax.finalize(ctx.row_max[r], ctx.row_sum[r], scale_log2, 4)
+            inv_sum, lse = softmax.finalize(ctx.row_max[r], ctx.row_sum[r], scale_log2, 4, ctx.sink_log2)
             row = ctx.m_block * self.tile_m + ctx.o_coords[r, 0][0]
             if row < ctx.seqlen_q:
                 for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):

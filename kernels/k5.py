@@ -20,7 +20,9 @@ Substages (flags and tiles; all five are one class):
           1 -> 2 -> 3 -> 1.
     K5.5  + dynamic schedule (causal): after tile blockIdx, a CTA takes whichever tile a GMEM
           counter hands out next, so CTAs that drew short tiles take more (common/scheduler.py).
-Epilogue: O (scaled by 1/l) and LSE are written once from registers.
+Epilogue: O (scaled by 1/l) and LSE are written once from registers; with attention sinks (a
+compile-time variant) each query head's sink logit joins l and the LSE there (softmax.finalize),
+and nowhere else: the mainloop is unchanged.
 
 Constraints: head_dim 64/128/256 (tiles per head dim in the registry); the register split is
 24 / 240 (producer / two consumer warpgroups) or 32 / 160 (three), sum <= 64K registers per SM.
@@ -53,15 +55,16 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 128, tile_n: int = 128,
                  kv_stages: int = 2, q_stages: int = 1, pingpong: bool = True,
                  intra_wg_overlap: bool = True, dynamic_schedule: bool = False,
-                 varlen: bool = False, local: bool = False, softcap: bool = False):
+                 varlen: bool = False, local: bool = False, softcap: bool = False,
+                 sinks: bool = False):
         if local and tile_m == 192:
             # three 160-register warpgroups have no room for the window's state (680 bytes of
             # spills at d64): a windowed kernel takes two warpgroups on 128-row tiles
             tile_m = 128
         super().__init__(dtype, head_dim, causal, tile_m, tile_n, kv_stages, pv_on_wgmma=True)
         # variants (static, each compiled on demand): packed variable-length batches, a sliding
-        # window (mask.py), tanh-capped scores (softmax.py)
-        self.varlen, self.local, self.softcap = varlen, local, softcap
+        # window (mask.py), tanh-capped scores, attention sinks in the denominator (softmax.py)
+        self.varlen, self.local, self.softcap, self.sinks = varlen, local, softcap, sinks
         self.consumer_wgs = tile_m // 64
         self.num_threads = 128 * (1 + self.consumer_wgs)
         self.producer_regs, self.consumer_regs = REGISTER_SPLIT[self.consumer_wgs]
@@ -76,11 +79,11 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mLSE: cute.Tensor, scale_log2: Float32, sm_count: Int32, mTileCounter: cute.Tensor,
                  mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, window_left: Int32,
-                 window_right: Int32, softcap_scale: Float32, stream):
+                 window_right: Int32, softcap_scale: Float32, mSinks: cute.Tensor, stream):
         """mQ/mK/mV/mO (batch, seqlen, heads, d), mLSE (batch, heads_q, seqlen_q). Varlen: batch 1,
         the sequences packed along seqlen at the int32 offsets mCuSeqlensQ/K (batch + 1,); otherwise
-        those are unread stand-ins, as are the window edges (mask.py) and softcap_scale
-        (softmax.softcap) when their variant is off."""
+        those are unread stand-ins, as are the window edges (mask.py), softcap_scale
+        (softmax.softcap) and mSinks (heads_q,) FP32 (softmax.finalize) when their variant is off."""
         batch, seqlen_q, heads_q, _ = mQ.shape
         sQ_layout, sKV_layout, loads = self.make_loads(mQ, mK, mV)
         epi_tile = epilogue.subtile(self.tile_m, self.consumer_wgs)
@@ -102,7 +105,7 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
                           f"K5 with kv_stages={self.kv_stages}, tile_n={self.tile_n}, d={self.head_dim}")
         tiles = cute.ceil_div(seqlen_q, self.tile_m) * heads_q * batch
         self.kernel(*loads, tma_o, tO, mO, mLSE, scale_log2, mTileCounter, mCuSeqlensQ, mCuSeqlensK,
-                    window_left, window_right, softcap_scale, sQ_layout, sKV_layout, sO_layout,
+                    window_left, window_right, softcap_scale, mSinks, sQ_layout, sKV_layout, sO_layout,
                     epi_tile, SharedStorage).launch(
             grid=[scheduler.persistent_grid(tiles, sm_count), 1, 1], block=[self.num_threads, 1, 1],
             stream=stream, min_blocks_per_mp=1)
@@ -113,7 +116,8 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
                tma_v: cute.CopyAtom, mV: cute.Tensor, tma_o: cute.CopyAtom, mO: cute.Tensor,
                mO_rows: cute.Tensor, mLSE: cute.Tensor, scale_log2: Float32, mTileCounter: cute.Tensor,
                mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, window_left: Int32,
-               window_right: Int32, softcap_scale: Float32, sQ_layout: cute.ComposedLayout,
+               window_right: Int32, softcap_scale: Float32, mSinks: cute.Tensor,
+               sQ_layout: cute.ComposedLayout,
                sKV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
                epi_tile: cutlass.Constexpr, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
@@ -145,7 +149,7 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
         varlen = cutlass.const_expr(self.varlen)
         rows_q, rows_k = (mO_rows.shape[1], mK.shape[0]) if varlen else (None, None)
         params = SimpleNamespace(
-            cu_q=mCuSeqlensQ, cu_k=mCuSeqlensK, o_rows=mO_rows, softcap_scale=softcap_scale,
+            cu_q=mCuSeqlensQ, cu_k=mCuSeqlensK, o_rows=mO_rows, softcap_scale=softcap_scale, sinks=mSinks,
             rows_q=rows_q, rows_k=rows_k,
             window=(window_left, window_right) if cutlass.const_expr(self.local) else None,
             q_blocks=scheduler.varlen_blocks(mCuSeqlensQ, self.tile_m, rows_q) if varlen else None)
@@ -252,6 +256,8 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
         ctx = self.compute_setup(sQ[None, None, q_state.index], sK, sV, None, ctidx, m_block,
                                  seq.seqlen_q, seq.seqlen_k)
         ctx.window, ctx.softcap_scale, ctx.n_max = params.window, params.softcap_scale, n_max
+        if cutlass.const_expr(self.sinks):  # read now, used by the epilogue: its latency is hidden
+            ctx.sink_log2 = params.sinks[head] * Float32(softmax.LOG2E)
         pipeline.consume_wait(q_pipe, q_state)
         if n_blocks > 0:
             if cutlass.const_expr(self.intra_wg_overlap):
@@ -275,7 +281,7 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
         """O / l through SMEM (stmatrix) and a TMA store that clips the ragged edge; LSE direct."""
         o_mn = mma.rows_cols(ctx.acc_o)
         for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
-            inv_sum, lse = softmax.finalize(ctx.row_max[r], ctx.row_sum[r], scale_log2, 4)
+            inv_sum, lse = softmax.finalize(ctx.row_max[r], ctx.row_sum[r], scale_log2, 4, ctx.sink_log2)
             for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
                 o_mn[r, c] = o_mn[r, c] * inv_sum
             row = ctx.m_block * self.tile_m + ctx.o_coords[r, 0][0]

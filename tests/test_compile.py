@@ -72,6 +72,10 @@ def test_backward_deterministic_variant_compiles(name):
     ("b3", dict(head_dim=128, causal=True, varlen=True, deterministic=True), ("vote.sync.ballot",)),
     ("b3", dict(head_dim=128, causal=False, local=True, gqa=True), ("shfl.sync.idx",)),
     ("b1", dict(head_dim=64, causal=True, varlen=True, gqa=True), ("vote.sync.ballot",)),
+    # attention sinks: one more exp2 and a max per row in the epilogue, nothing in the mainloop
+    ("k5.5", dict(head_dim=128, causal=True, sinks=True), ("lg2.approx",)),
+    ("k5.5", dict(head_dim=64, causal=False, varlen=True, local=True, sinks=True), ("vote.sync.ballot",)),
+    ("s1", dict(head_dim=128, causal=True, paged=True, sinks=True), ("lg2.approx",)),
 ])
 def test_variants_compile(name, static, promises):
     """The variants (varlen, sliding window, softcap; forward and backward) compile for sm_90a
@@ -94,6 +98,28 @@ def test_persistent_gemm_tile_shapes_compile(tile_m, tile_n, a_rows):
     for promise in spec.ptx_promises:
         assert promise in report.ptx, f"{tile_m}x{tile_n}: {promise!r} missing"
     assert report.spill_bytes == 0, f"{tile_m}x{tile_n} spills"
+
+
+def test_sinks_combine_compiles():
+    """The split-KV combine with the sinks as one more term compiles without spilling."""
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stderr(buf), contextlib.redirect_stdout(buf):
+        fn = _compile._build_combine(torch.bfloat16, 128, sinks=True,
+                                     extra_options="--keep-ptx --keep-cubin remarks{ptx}")
+    report = _compile.CompileReport(fn.artifacts.PTX, fn.artifacts.CUBIN, buf.getvalue())
+    assert "ex2.approx" in report.ptx and report.registers and report.spill_bytes == 0
+
+
+def test_sinks_are_in_the_compile_keys():
+    spec = registry.get("k5.5")
+    assert _compile.attention_key(spec, torch.bfloat16, 128, True) != \
+        _compile.attention_key(spec, torch.bfloat16, 128, True, sinks=True)
+    s1 = registry.get("s1")
+    assert _compile.kvcache_key(s1, torch.bfloat16, 128, True) != \
+        _compile.kvcache_key(s1, torch.bfloat16, 128, True, sinks=True)
 
 
 def test_attention_key_covers_static_configuration():

@@ -31,10 +31,14 @@ FLASH_ATTN = {
 
 @pytest.mark.parametrize("name", FLASH_ATTN)
 def test_signatures_match_flash_attn(name):
-    params = inspect.signature(getattr(fa3, name)).parameters.values()
+    """flash-attn 2's positional parameters in order, then flash-attn-4's keyword-only
+    `learnable_sink` (attention sinks)."""
+    params = list(inspect.signature(getattr(fa3, name)).parameters.values())
+    extra = [p for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
     got = ", ".join(p.name if p.default is inspect.Parameter.empty else f"{p.name}={p.default!r}"
-                    for p in params)
+                    for p in params if p not in extra)
     assert got == FLASH_ATTN[name] and name in fa3.__all__
+    assert [(p.name, p.default) for p in extra] == [("learnable_sink", None)]
 
 
 def _qkv(batch=1, seqlen=16, heads=2, d=64):

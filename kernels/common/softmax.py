@@ -103,12 +103,27 @@ def row_state(rows: int):
 
 @cute.jit
 def finalize(row_max: Float32, row_sum: Float32, scale_log2: Float32,
-             threads_per_row: cutlass.Constexpr):
-    """(1/l, lse) for a row: the output scale (0 for an empty row) and the natural-log LSE."""
+             threads_per_row: cutlass.Constexpr, sink_log2=None):
+    """(1/l, lse) for a row: the output scale (0 for an empty row) and the natural-log LSE.
+
+    `sink_log2` (compile-time optional): an attention sink, a logit that joins the row's
+    denominator with no value (gpt-oss), in the exp2 domain (sink * log2 e). The row's sum is then
+    taken relative to m = max(row max, sink), so that neither term overflows:
+        l = sum_j 2^(s_j - m) + 2^(sink - m),   O = acc * 2^(max - m) / l,   LSE = (m + log2 l) ln 2.
+    A row that sees no key gives O = 0 and LSE = sink; a sink of -inf is no sink."""
     total = cute.arch.warp_reduction_sum(row_sum, threads_in_group=threads_per_row)
     inv_sum = Float32(0.0)
     lse = -Float32.inf
-    if total > Float32(0.0):
-        inv_sum = Float32(1.0) / total
-        lse = (row_max * scale_log2 + cute.math.log2(total, fastmath=True)) * Float32(LN2)
+    if cutlass.const_expr(sink_log2 is None):
+        if total > Float32(0.0):
+            inv_sum = Float32(1.0) / total
+            lse = (row_max * scale_log2 + cute.math.log2(total, fastmath=True)) * Float32(LN2)
+    else:
+        offset = max_offset(row_max, scale_log2)  # (an empty row: 0, and total = 0)
+        top = cute.arch.fmax(offset, sink_log2)
+        rows_share = cute.math.exp2(offset - top, fastmath=True)
+        total = total * rows_share + cute.math.exp2(sink_log2 - top, fastmath=True)
+        if total > Float32(0.0):
+            inv_sum = rows_share / total
+            lse = (top + cute.math.log2(total, fastmath=True)) * Float32(LN2)
     return inv_sum, lse
