@@ -2,19 +2,22 @@
 
     fa3.attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
                   return_lse=False, kernel=None, out=None, deterministic=False,
-                  backward_kernel=None)               differentiable in q, k, v
+                  backward_kernel=None, sinks=None)   differentiable in q, k, v (and sinks)
     fa3.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
                          causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
                          return_lse=False, kernel=None, deterministic=False,
-                         backward_kernel=None)       packed variable-length batches; differentiable
+                         backward_kernel=None, sinks=None)   packed variable-length batches; differentiable
     fa3.attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=..,
                                block_table=None, causal=False, softmax_scale=None,
                                window_size=(-1, -1), softcap=0.0, num_splits=0,
-                               return_lse=False)                   decode against a (paged) KV cache
+                               return_lse=False, sinks=None)      decode against a (paged) KV cache
     fa3.gemm(a, b, out=None, kernel=None)              any 2-D pair a @ b takes; differentiable
     fa3.flash_attn_func, fa3.flash_attn_varlen_func, fa3.flash_attn_with_kvcache
                                             flash-attn's names and signatures (fa3.flash_compat)
-    fa3.available_kernels(family=None)      "attention", "backward", "kvcache" or "gemm"
+    fa3.available_kernels(family=None, head_dim=None)   "attention", "backward", "kvcache" or "gemm"
+
+head_dim 64, 96, 128, 192 or 256 (q, k and v alike); sinks: gpt-oss's attention sinks, one float32
+logit per query head.
 """
 
 import os as _os

@@ -84,7 +84,7 @@ def backward_rung(kernel, head_dim):
     """The backward rung `kernel` (None: the fastest for head_dim), checked to support head_dim."""
     if kernel is None:
         # (a plain int even where torch.compile made head_dim symbolic; the forward checked it)
-        head_dim = next(d for d in (64, 128, 256) if d == head_dim)
+        head_dim = next(d for d in registry.HEAD_DIMS if d == head_dim)
         return registry.get(fastest_rung(registry.BACKWARD, head_dim))
     spec = registry.get(kernel)
     if spec.family != registry.BACKWARD:

@@ -30,7 +30,7 @@ class KernelSpec:
     config: dict = field(default_factory=dict)
     # head_dim -> overrides of `config` (tiles and stages that fit SMEM and registers)
     per_head_dim: dict = field(default_factory=dict)
-    head_dims: tuple = (64, 128, 256)
+    head_dims: tuple = (64, 128, 256)  # the scalar rungs; the WGMMA rungs that serve calls: HEAD_DIMS
     ptx_promises: tuple = ()  # substrings the sm_90a PTX must contain
     ptx_forbids: tuple = ()  # substrings it must not contain
     # Higher is faster; `kernel=None` picks the fastest rung that supports the call.
@@ -54,6 +54,8 @@ class KernelSpec:
         return getattr(importlib.import_module(f"fa3.kernels.{self.module}"), self.cls)
 
 
+# every head dim the default rungs serve (forward, backward, KV cache), each on tiles of its own
+HEAD_DIMS = (64, 96, 128, 192, 256)
 VARIANTS = ("varlen", "local", "softcap")  # packed batches, sliding window, capped scores
 # forward rungs also fold attention sinks (one logit per query head in each row's denominator)
 # into their softmax; the backward needs no variant for them (the LSE includes the sink)
@@ -117,11 +119,15 @@ KERNELS: dict[str, KernelSpec] = {
                 # one Q buffer: a second measured no faster (and 2.3x slower causal at s=2k)
                 config={"tile_m": 128, "tile_n": 128, "kv_stages": 2, "q_stages": 1, **flags},
                 # d=64: softmax-bound, a third K/V stage measured +2-7% (and from k5.4 a third
-                # consumer warpgroup on 192-row tiles, 160 registers each; d128/d256 need the
-                # 240-register budget of two); d=256: a 64-wide K/V tile fits in 227 KB and keeps
-                # S small beside the 128-register O accumulator
+                # consumer warpgroup on 192-row tiles, 160 registers each; d96-d256 need the
+                # 240-register budget of two: d96 on 192-row tiles spills 480 bytes); d=96: d128's
+                # tiles (64-byte swizzle, smem.py); d=192: two stages of 128-wide K/V tiles need
+                # 258 KB, 96-wide ones fit (FA3 C++ takes 96 for its paged/local d192 too);
+                # d=256: a 64-wide K/V tile fits in 227 KB and keeps S small beside the
+                # 128-register O accumulator
                 per_head_dim={64: {"kv_stages": 3, **({"tile_m": 192} if i >= 4 else {})},
-                              256: {"tile_n": 64}},
+                              192: {"tile_n": 96}, 256: {"tile_n": 64}},
+                head_dims=HEAD_DIMS,
                 ptx_promises=("wgmma.mma_async", "setmaxnreg", "cp.async.bulk.tensor", "bar.arrive"
                               if flags["pingpong"] else "mbarrier.try_wait"),
                 # no 16-bit operand is read from SMEM into registers; k5.5's consumers read the
@@ -150,8 +156,8 @@ KERNELS: dict[str, KernelSpec] = {
             "backward: five WGMMAs per Q tile against one K/V tile, P and dS through SMEM, "
             "dQ by FP32 atomics, each GEMM waited for",
             config={"tile_m": 64, "tile_n": 128, "q_stages": 2},
-            # d=256: dK and dV alone take 128 registers a thread; a 64-row K/V tile halves them
-            per_head_dim={256: {"tile_n": 64}},
+            # d=192/256: dK and dV alone take 96/128 registers a thread; a 64-row K/V tile halves them
+            per_head_dim={192: {"tile_n": 64}, 256: {"tile_n": 64}}, head_dims=HEAD_DIMS,
             ptx_promises=("wgmma.mma_async", "cp.async.bulk.tensor", "global.add.f32", "stmatrix"),
             ptx_forbids=("setmaxnreg",),
             speed_rank=1, variants=VARIANTS,
@@ -161,8 +167,11 @@ KERNELS: dict[str, KernelSpec] = {
             "+ warp specialization (loader warp, dQ-writer warp, two consumer warpgroups, "
             "setmaxnreg), S/dP and dQ/dV/dK in flight together, dQ by one TMA reduce-add per tile",
             config={"tile_m": 64, "tile_n": 128, "q_stages": 2},
-            # d=256: the FP32 dQ buffer (64 KB) leaves room for one Q/dO stage
-            per_head_dim={64: {"tile_m": 128}, 256: {"tile_n": 64, "q_stages": 1}},
+            # d=192: 64-row K/V tiles as d256 (dK, dV: 96 registers a thread; a multiple of 64
+            # rows: P and dS fill whole swizzle atoms), two Q/dO stages still fit; d=256: the
+            # FP32 dQ buffer (64 KB) leaves room for one Q/dO stage. d=96 takes d128's tiles.
+            per_head_dim={64: {"tile_m": 128}, 192: {"tile_n": 64}, 256: {"tile_n": 64, "q_stages": 1}},
+            head_dims=HEAD_DIMS,
             ptx_promises=("wgmma.mma_async", "setmaxnreg", "cp.reduce.async.bulk.tensor", "stmatrix"),
             ptx_forbids=("red.global", "red.relaxed"),
             speed_rank=2, variants=VARIANTS,
@@ -186,7 +195,7 @@ KERNELS: dict[str, KernelSpec] = {
             "tile, the key range split across CTAs, FP32 partials merged by a combine kernel",
             # 64-key blocks: any page size that is a multiple of 64 holds whole blocks; the TMA ring
             # is as deep as SMEM allows (memory-bound: bytes in flight are what matter)
-            config={"tile_m": 64, "tile_n": 64, "max_kv_stages": 8},
+            config={"tile_m": 64, "tile_n": 64, "max_kv_stages": 8}, head_dims=HEAD_DIMS,
             ptx_promises=("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait", "ex2.approx"),
             speed_rank=1, variants=("local", "softcap", SINKS),
         ),
@@ -232,13 +241,15 @@ def get(name: str) -> KernelSpec:
                          "(fa3.available_kernels() lists them)") from None
 
 
-def available_kernels(family: str | None = None) -> list[str]:
+def available_kernels(family: str | None = None, head_dim: int | None = None) -> list[str]:
     """Names of every rung, slowest first (`family`: "attention", "backward", "kvcache" or "gemm"
-    to filter; any other family is refused)."""
+    to filter; any other family is refused; `head_dim`: only the rungs that compile it, e.g.
+    available_kernels("attention", head_dim=96))."""
     if family is not None and family not in FAMILIES:
         raise ValueError(f"family={family!r} is not a kernel family; choose one of "
                          f"{', '.join(map(repr, FAMILIES))} (or None for every rung)")
-    return [n for n, s in KERNELS.items() if family is None or s.family == family]
+    return [n for n, s in KERNELS.items() if (family is None or s.family == family)
+            and (head_dim is None or head_dim in s.head_dims)]
 
 
 def fastest(family: str, head_dim: int | None = None) -> KernelSpec:

@@ -24,7 +24,7 @@ Epilogue: O (scaled by 1/l) and LSE are written once from registers; with attent
 compile-time variant) each query head's sink logit joins l and the LSE there (softmax.finalize),
 and nowhere else: the mainloop is unchanged.
 
-Constraints: head_dim 64/128/256 (tiles per head dim in the registry); the register split is
+Constraints: head_dim 64/96/128/192/256 (tiles per head dim in the registry); the register split is
 24 / 240 (producer / two consumer warpgroups) or 32 / 160 (three), sum <= 64K registers per SM.
 """
 
@@ -61,6 +61,10 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
             # three 160-register warpgroups have no room for the window's state (680 bytes of
             # spills at d64): a windowed kernel takes two warpgroups on 128-row tiles
             tile_m = 128
+        if varlen and head_dim == 192 and tile_n > 80:
+            # likewise a packed batch's offsets and bounds beside 96-wide S tiles at d192 (36
+            # bytes of spills): 80-wide K/V tiles
+            tile_n = 80
         super().__init__(dtype, head_dim, causal, tile_m, tile_n, kv_stages, pv_on_wgmma=True)
         # variants (static, each compiled on demand): packed variable-length batches, a sliding
         # window (mask.py), tanh-capped scores, attention sinks in the denominator (softmax.py)

@@ -1,8 +1,8 @@
 """CPU tests: every rung of the registry compiles for sm_90a and emits the PTX it promises.
 
 No GPU is needed: the DSL compiles against fake tensors with symbolic shapes. Attention rungs are
-compiled at head_dim 128 causal, and at 64 and 256 non-causal where the rung supports them; GEMM
-rungs with their family's defaults. ptxas' registers and spills are printed for each.
+compiled at head_dim 128 causal, and at 64 and 256 non-causal where the rung supports them, and
+each family's default rung at 96 (causal) and 192; GEMM rungs with their family's defaults. ptxas' registers and spills are printed for each.
 """
 
 import dataclasses
@@ -31,6 +31,10 @@ def compile_cases():
         for d in (64, 256):
             if d in spec.head_dims and d != main:
                 yield pytest.param(name, d, False, id=f"{name}-d{d}")
+        # d96 (64-byte swizzle) and d192 (tiles of their own): the rung each family defaults to
+        for d in (96, 192):
+            if d in spec.head_dims and registry.fastest(spec.family, d).name == name:
+                yield pytest.param(name, d, d == 96, id=f"{name}-d{d}{'-causal' if d == 96 else ''}")
 
 
 @pytest.mark.parametrize("name, head_dim, causal", list(compile_cases()))
@@ -47,7 +51,7 @@ def test_compiles_with_promised_ptx(name, head_dim, causal, capsys):
         assert promise in ptx, f"{name}: promised {promise!r} is not in the PTX"
     for forbidden in spec.ptx_forbids:
         assert forbidden not in ptx, f"{name}: forbidden {forbidden!r} is in the PTX"
-    if spec.family == registry.BACKWARD:  # five accumulators live at once: a spill is a regression
+    if spec.family == registry.BACKWARD or head_dim in (96, 192):  # (backward: five accumulators)
         assert result.report.spill_bytes == 0, f"{name}: ptxas spills ({result.resources()})"
 
 
@@ -76,6 +80,10 @@ def test_backward_deterministic_variant_compiles(name):
     ("k5.5", dict(head_dim=128, causal=True, sinks=True), ("lg2.approx",)),
     ("k5.5", dict(head_dim=64, causal=False, varlen=True, local=True, sinks=True), ("vote.sync.ballot",)),
     ("s1", dict(head_dim=128, causal=True, paged=True, sinks=True), ("lg2.approx",)),
+    # d192 packed batches (80-wide K/V tiles: 96 spill); d96 deterministic GQA backward (dQ's
+    # 48-column warpgroup shares on a 32-byte swizzle, smem.py)
+    ("k5.5", dict(head_dim=192, causal=True, varlen=True, sinks=True), ("vote.sync.ballot",)),
+    ("b2", dict(head_dim=96, causal=True, deterministic=True, gqa=True), ("cp.reduce.async.bulk.tensor",)),
 ])
 def test_variants_compile(name, static, promises):
     """The variants (varlen, sliding window, softcap; forward and backward) compile for sm_90a

@@ -12,7 +12,7 @@ import fa3
 from fa3 import _checks, backward, registry
 from fa3.reference import attention_reference
 
-from conftest import HAS_HOPPER, raises_with, rel_err
+from conftest import HEAD_DIM_PARAM, HAS_HOPPER, raises_with, rel_err
 
 gpu = pytest.mark.gpu
 BF16 = torch.bfloat16
@@ -174,7 +174,7 @@ SHAPES = [(2, 257, 131, 4, 2), (1, 100, 333, 6, 1), (2, 333, 100, 2, 2), (1, 1, 
 
 
 @gpu
-@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
+@HEAD_DIM_PARAM
 @pytest.mark.parametrize("causal, window", [(False, (-1, -1)), (True, (-1, -1)), (False, (50, 20))])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_sinks_forward_backward_match_reference(head_dim, causal, window, shape):
@@ -210,7 +210,7 @@ def test_sinks_deterministic_backward_is_repeatable():
 
 
 @gpu
-@pytest.mark.parametrize("head_dim", [64, 96, 128, 192])
+@HEAD_DIM_PARAM
 @pytest.mark.parametrize("causal", [False, True])
 def test_sinks_varlen_forward_backward(head_dim, causal):
     lens_q, lens_k = [1, 77, 500, 2, 0], [600, 77, 130, 0, 5]
@@ -243,7 +243,7 @@ def test_sinks_varlen_forward_backward(head_dim, causal):
 
 
 @gpu
-@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
+@HEAD_DIM_PARAM
 @pytest.mark.parametrize("page_size", [None, 64])
 def test_sinks_kvcache(head_dim, page_size):
     """Dense and paged caches, one split and several (the combine adds the sink), rows with no key."""
