@@ -85,19 +85,21 @@ def check_output(out, name: str, like) -> None:
 
 def check_qkv(q, k, v, kv_layout: str):
     """What every q, k, v entry point needs, for any leading dimensions: types, ranks, dtypes,
-    k and v alike (`kv_layout` names their dimensions), one head_dim, heads_q a multiple of
-    heads_kv, one device. Returns (q.shape, k.shape)."""
+    k and v alike but for v's head_dim (`kv_layout` names their dimensions), q's head_dim = k's,
+    heads_q a multiple of heads_kv, one device. Returns (q.shape, k.shape); whether v's head_dim
+    may differ is the rung's to say (fa3._dispatch.check_value_head_dim)."""
     ndim = kv_layout.count(",") + 1
     check_tensor(q, "q", ndim)
     check_tensor(k, "k", ndim, q.dtype)
     check_tensor(v, "v", ndim, q.dtype)
-    q_shape, k_shape = q.shape, k.shape  # (each .shape builds a new torch.Size: read it once)
-    if k_shape != v.shape:
-        raise ValueError(f"k {tuple(k_shape)} and v {tuple(v.shape)} must have the same shape {kv_layout}")
+    q_shape, k_shape, v_shape = q.shape, k.shape, v.shape  # (each .shape builds a new torch.Size)
+    if k_shape[:-1] != v_shape[:-1]:
+        raise ValueError(f"k {tuple(k_shape)} and v {tuple(v_shape)} must have the same shape {kv_layout} "
+                         "(v's head_dim aside)")
     head_dim, heads_q, heads_kv = q_shape[-1], q_shape[-2], k_shape[-2]
     if k_shape[-1] != head_dim:
-        raise ValueError(f"q has head_dim {head_dim} but k and v have head_dim {k_shape[-1]}; "
-                         "fa3 needs the same head_dim for q, k and v")
+        raise ValueError(f"q has head_dim {head_dim} but k has head_dim {k_shape[-1]}; "
+                         "fa3 needs the same head_dim for q and k")
     if heads_kv == 0 or heads_q % heads_kv != 0:
         raise ValueError(f"heads_q={heads_q} must be a multiple of heads_kv={heads_kv} "
                          "(GQA/MQA share each k/v head among heads_q // heads_kv query heads)")

@@ -43,14 +43,16 @@ def _unit_last(cute, dtype, *shape, tma=False, align=4):
     return _fake_tensor(cute, dtype, shape, (*(cute.sym_int64() for _ in shape[:-1]), 1), align=align)
 
 
-def _attention_fake_args(spec, dtype, head_dim):
-    """Fake (q, k, v, o, lse[, scores]) in flash-attn's (batch, seqlen, heads, head_dim) layout."""
+def _attention_fake_args(spec, dtype, head_dim, head_dim_v=None):
+    """Fake (q, k, v, o, lse[, scores]) in flash-attn's (batch, seqlen, heads, head_dim) layout;
+    v and o have head_dim_v (default head_dim)."""
     cutlass, cute = _dsl.import_cute()
     dt = cute_dtype(dtype)
     b, sq, sk, hq, hkv = (cute.sym_int64() for _ in range(5))
+    dv = head_dim_v or head_dim
 
-    q, o = _unit_last(cute, dt, b, sq, hq, head_dim, tma=True), _unit_last(cute, dt, b, sq, hq, head_dim, tma=True)
-    k, v = _unit_last(cute, dt, b, sk, hkv, head_dim, tma=True), _unit_last(cute, dt, b, sk, hkv, head_dim, tma=True)
+    q, o = _unit_last(cute, dt, b, sq, hq, head_dim, tma=True), _unit_last(cute, dt, b, sq, hq, dv, tma=True)
+    k, v = _unit_last(cute, dt, b, sk, hkv, head_dim, tma=True), _unit_last(cute, dt, b, sk, hkv, dv, tma=True)
     lse = _unit_last(cute, cutlass.Float32, b, hq, sq)
     args = [q, k, v, o, lse]
     if spec.needs_scores_workspace:
@@ -68,10 +70,11 @@ def _attention_fake_args(spec, dtype, head_dim):
 
 
 def attention_key(spec, dtype, head_dim, causal, varlen=False, local=False, softcap=False,
-                  sinks=False) -> tuple:
-    cfg = spec.config_for(head_dim)
+                  sinks=False, head_dim_v=None) -> tuple:
+    cfg = spec.config_for(head_dim, head_dim_v)
     variant = (bool(varlen), bool(local), bool(softcap), bool(sinks))
-    return (spec.name, str(dtype), head_dim, bool(causal), *((variant,) if any(variant) else ()),
+    dims = head_dim if head_dim_v in (None, head_dim) else (head_dim, head_dim_v)
+    return (spec.name, str(dtype), dims, bool(causal), *((variant,) if any(variant) else ()),
             tuple(sorted(cfg.items())), _dsl.TARGET_ARCH, _dsl.version())
 
 
@@ -87,11 +90,13 @@ def _compile_kernel(kernel, fake_args, extra_options):
 
 
 def _build_attention(spec, dtype, head_dim, causal, varlen=False, local=False, softcap=False,
-                     sinks=False, extra_options=""):
+                     sinks=False, head_dim_v=None, extra_options=""):
     variant = dict(varlen=varlen, local=local, softcap=softcap, sinks=sinks) if spec.variants else {}
+    if head_dim_v not in (None, head_dim):
+        variant["head_dim_v"] = head_dim_v
     kernel = spec.load_class()(dtype=cute_dtype(dtype), head_dim=head_dim, causal=causal,
-                               **variant, **spec.config_for(head_dim))
-    return _compile_kernel(kernel, _attention_fake_args(spec, dtype, head_dim), extra_options)
+                               **variant, **spec.config_for(head_dim, head_dim_v))
+    return _compile_kernel(kernel, _attention_fake_args(spec, dtype, head_dim, head_dim_v), extra_options)
 
 
 def _cached(key, build):
@@ -118,16 +123,19 @@ def _load_or_build(key, build):
 _FAST: dict[tuple, object] = {}  # (rung, dtype, head_dim, causal) -> compiled: the per-call lookup
 
 
-def get_attention(spec, dtype, head_dim, causal, varlen=False, local=False, softcap=False, sinks=False):
+def get_attention(spec, dtype, head_dim, causal, varlen=False, local=False, softcap=False, sinks=False,
+                  head_dim_v=None):
     """The compiled kernel for this static configuration (compiled on first use). The per-call
     path is one dict lookup; the full key (config, arch, DSL version) is built only on a miss.
-    varlen/local/softcap/sinks: the variants of rungs that list them (registry `variants`)."""
-    fast_key = (spec.name, dtype, head_dim, causal, varlen, local, softcap, sinks)
+    varlen/local/softcap/sinks: the variants of rungs that list them (registry `variants`);
+    head_dim_v: V's head dim where it differs (registry `value_head_dims`)."""
+    fast_key = (spec.name, dtype, head_dim, causal, varlen, local, softcap, sinks, head_dim_v)
     fn = _FAST.get(fast_key)
     if fn is None:
         fn = _FAST[fast_key] = _cached(
-            attention_key(spec, dtype, head_dim, causal, varlen, local, softcap, sinks),
-            lambda: _build_attention(spec, dtype, head_dim, causal, varlen, local, softcap, sinks))
+            attention_key(spec, dtype, head_dim, causal, varlen, local, softcap, sinks, head_dim_v),
+            lambda: _build_attention(spec, dtype, head_dim, causal, varlen, local, softcap, sinks,
+                                     head_dim_v))
     return fn
 
 

@@ -110,6 +110,21 @@ def check_variants(spec, mask: masking.Masking, argument: str) -> None:
                          f" (or {argument}=None)")
 
 
+def check_value_head_dim(spec, head_dim, head_dim_v, argument: str, backward: bool = False) -> None:
+    """v's head dim may differ from q's and k's only in the pairs the rung lists (registry
+    `value_head_dims`), and only forward (`backward`: the call needs gradients)."""
+    if head_dim_v == head_dim:
+        return
+    if (head_dim, head_dim_v) not in spec.value_head_dims or backward:
+        pairs = ", ".join(map(str, registry.VALUE_HEAD_DIMS))
+        what = ("the backward (gradients) does" if backward and (head_dim, head_dim_v) in spec.value_head_dims
+                else f"{argument}={spec.name!r} does")
+        raise ValueError(f"v has head_dim {head_dim_v} but q and k have {head_dim}, which {what} not take: "
+                         f"v's head dim may differ only as (q/k, v) in {pairs}, forward only "
+                         f"(fa3.attention, fa3.attention_varlen with the k5 rungs); else pad v to "
+                         f"{head_dim} and slice the output")
+
+
 def check_sinks(spec, argument: str) -> None:
     """Attention sinks need a rung that compiles them (registry `variants`)."""
     if registry.SINKS not in spec.variants:

@@ -60,12 +60,12 @@ def tile_counter(spec, causal: bool, device) -> torch.Tensor:
 
 
 def run_attention(spec, dtype, head_dim: int, mask: masking.Masking, args: list, device,
-                  cu_seqlens=None, sinks=None):
+                  cu_seqlens=None, sinks=None, head_dim_v=None):
     """Append the runtime arguments after (q, k, v, o, lse[, scores]) and launch: the scale, the
     persistent ones, and the variants' (cu_seqlens_q/k when varlen, window edges, softcap scale,
-    the sinks (heads_q,) FP32)."""
+    the sinks (heads_q,) FP32). head_dim_v: V's head dim where it differs from head_dim."""
     fn = _compile.get_attention(spec, dtype, head_dim, mask.causal, cu_seqlens is not None,
-                                mask.local, mask.softcap, sinks is not None)
+                                mask.local, mask.softcap, sinks is not None, head_dim_v)
     args.append(mask.scale_log2)
     if spec.persistent:
         args.append(_checks.HOPPER_SMS[device])

@@ -32,6 +32,8 @@ def check_backward(dout, q, k, v, out, lse, kernel, cu_seqlens=None, sinks=None)
         total_q, heads_q, head_dim = q.shape
         lse_shape, lse_layout = (heads_q, total_q), "(heads_q, total_q)"
     spec = _dispatch.memo_rung(_dispatch.backward_rung, kernel, head_dim)
+    if v.shape[-1] != head_dim:
+        _dispatch.check_value_head_dim(spec, head_dim, v.shape[-1], "backward_kernel", backward=True)
     if cu_seqlens is not None:
         varlen.check_varlen_rung(spec, "backward_kernel")
     for name, t in (("dout", dout), ("out", out)):

@@ -9,6 +9,7 @@ Batch, seqlens and heads are dynamic in the compiled kernels, so new shapes neve
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import torch
 
@@ -21,6 +22,9 @@ def check_attention(q, k, v, kernel):
     if k_shape[0] != q_shape[0]:
         raise ValueError(f"q has batch {q_shape[0]} but k and v have batch {k_shape[0]}")
     spec = _dispatch.memo_rung(_dispatch.attention_rung, kernel, q_shape[3])
+    head_dim_v = v.shape[3]
+    if head_dim_v != q_shape[3]:
+        _dispatch.check_value_head_dim(spec, q_shape[3], head_dim_v, "kernel")
     _checks.check_hopper(q.device, "q")
     return spec
 
@@ -32,7 +36,9 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     """Exact softmax attention, softmax(q k^T * softmax_scale) v, as flash-attn computes it.
 
     q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim); bf16 or
-    fp16 on a Hopper GPU; heads_q a multiple of heads_kv (GQA/MQA). head_dim 64, 128 or 256.
+    fp16 on a Hopper GPU; heads_q a multiple of heads_kv (GQA/MQA). head_dim 64, 96, 128, 192 or
+    256. v's head dim may differ from q's and k's as (q/k, v) = (192, 128) (DeepSeek's MLA prefill)
+    or (128, 64), forward only: out then has v's head dim.
     causal: mask aligned to the bottom right when seqlen_q != seqlen_k (query i sees keys
     j <= i + seqlen_k - seqlen_q), as in flash-attn >= 2.1; rows that see no key give 0.
     softmax_scale: defaults to 1/sqrt(head_dim).
@@ -65,7 +71,7 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     scale = 1.0 / math.sqrt(q.shape[3]) if softmax_scale is None else float(softmax_scale)
     causal = bool(causal)
     if out is not None:
-        _checks.check_output(out, "out", q)
+        _checks.check_output(out, "out", q if v.shape[3] == q.shape[3] else _out_like(q, v))
     window = tuple(window_size)
     if window != (-1, -1) or softcap:
         mask = masking.masking(causal, window, softcap, scale)
@@ -76,6 +82,9 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     if sinks is not None:
         _checks.check_sinks(sinks, q.shape[2], q.device)
         _dispatch.check_sinks(spec, "kernel")
+    if v.shape[3] != q.shape[3] and torch.is_grad_enabled() and (
+            q.requires_grad or k.requires_grad or v.requires_grad or getattr(sinks, "requires_grad", False)):
+        _dispatch.check_value_head_dim(spec, q.shape[3], v.shape[3], "kernel", backward=True)
     if _dispatch.direct_call_ok(q, k, v) and (sinks is None or _dispatch.direct_call_ok(sinks)):
         out, lse = launch_attention(spec, q, k, v, causal, scale, out, window, softcap, sinks)
     else:
@@ -91,9 +100,11 @@ def launch_attention(spec, q, k, v, causal: bool, scale: float, out=None, window
     """Allocate the outputs (`out` unless given) and launch rung `spec` on torch's current stream;
     returns (out, lse). The body of the fa3::attention op: arguments are validated already."""
     batch, seqlen_q, heads_q, head_dim = q.shape
+    head_dim_v = v.shape[3]
     device = q.device
     if out is None:  # (torch.empty parses a shape tuple ~1.5 us slower than this or separate ints)
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        out = torch.empty_like(q, memory_format=torch.contiguous_format) if head_dim_v == head_dim \
+            else q.new_empty((batch, seqlen_q, heads_q, head_dim_v))
     lse = torch.empty(batch, heads_q, seqlen_q, dtype=torch.float32, device=device)
     seqlen_k = k.shape[1]
     if out.numel() == 0 or seqlen_k == 0:  # nothing to compute, or no keys: O = 0, LSE = -inf
@@ -108,5 +119,11 @@ def launch_attention(spec, q, k, v, causal: bool, scale: float, out=None, window
     args = [_launch.tma_ready(q), _launch.tma_ready(k), _launch.tma_ready(v), out, lse]
     if spec.needs_scores_workspace:
         args.append(torch.empty(batch, heads_q, seqlen_q, seqlen_k, dtype=torch.float32, device=device))
-    _launch.run_attention(spec, q.dtype, head_dim, mask, args, device, sinks=sinks)
+    _launch.run_attention(spec, q.dtype, head_dim, mask, args, device, sinks=sinks,
+                          head_dim_v=None if head_dim_v == head_dim else head_dim_v)
     return out, lse
+
+
+def _out_like(q, v):
+    """What `out` must look like when v's head dim differs from q's: q's shape with v's head dim."""
+    return SimpleNamespace(shape=torch.Size((*q.shape[:-1], v.shape[-1])), dtype=q.dtype, device=q.device)

@@ -198,7 +198,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     """softmax(q K^T * softmax_scale) V over each sequence's cached keys, as flash-attn's
     flash_attn_with_kvcache.
 
-    q: (batch, seqlen_q, heads_q, d), bf16/fp16, d in 64/128/256, heads_q a multiple of heads_kv.
+    q: (batch, seqlen_q, heads_q, d), bf16/fp16, d in 64/96/128/192/256, heads_q a multiple of heads_kv.
     k_cache, v_cache: dense (batch, capacity, heads_kv, d), or paged (num_pages, page_size,
         heads_kv, d) with page_size a multiple of 64 and `block_table` (batch, max_pages) int32
         naming each sequence's pages in order.

@@ -75,8 +75,14 @@ def _sinks_grad_like(sinks, q):
 def _attention_fake(q, k, v, causal, softmax_scale, kernel, deterministic=False, backward_kernel=None,
                     window_left=-1, window_right=-1, softcap=0.0, sinks=None):
     batch, seqlen_q, heads_q, _ = q.shape
-    return (torch.empty_like(q, memory_format=torch.contiguous_format),
-            q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32))
+    return _out_fake(q, v), q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
+
+
+def _out_fake(q, v):
+    """The output: q's shape with v's head dim, contiguous."""
+    if v.shape[-1] == q.shape[-1]:
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 
 @torch.library.custom_op("fa3::attention_backward", mutates_args=(), schema=_BACKWARD_SCHEMA)
@@ -172,8 +178,7 @@ def _attention_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_
                            window_right, softcap, kernel, deterministic=False, backward_kernel=None,
                            sinks=None):
     total_q, heads_q, _ = q.shape
-    return (torch.empty_like(q, memory_format=torch.contiguous_format),
-            q.new_empty((heads_q, total_q), dtype=torch.float32))
+    return _out_fake(q, v), q.new_empty((heads_q, total_q), dtype=torch.float32)
 
 
 @torch.library.custom_op("fa3::attention_varlen_backward", mutates_args=(), schema=_VARLEN_BACKWARD_SCHEMA)

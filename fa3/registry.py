@@ -28,9 +28,12 @@ class KernelSpec:
     cls: str
     summary: str
     config: dict = field(default_factory=dict)
-    # head_dim -> overrides of `config` (tiles and stages that fit SMEM and registers)
+    # head_dim (or (head_dim, head_dim_v)) -> overrides of `config` (tiles and stages that fit
+    # SMEM and registers)
     per_head_dim: dict = field(default_factory=dict)
     head_dims: tuple = (64, 128, 256)  # the scalar rungs; the WGMMA rungs that serve calls: HEAD_DIMS
+    # (head_dim, head_dim_v) pairs with V's head dim different from Q's and K's (forward only)
+    value_head_dims: tuple = ()
     ptx_promises: tuple = ()  # substrings the sm_90a PTX must contain
     ptx_forbids: tuple = ()  # substrings it must not contain
     # Higher is faster; `kernel=None` picks the fastest rung that supports the call.
@@ -44,10 +47,12 @@ class KernelSpec:
     # sinks) after the persistent ones.
     variants: tuple = ()
 
-    def config_for(self, head_dim: int | None = None) -> dict:
+    def config_for(self, head_dim: int | None = None, head_dim_v: int | None = None) -> dict:
         cfg = dict(self.config)
         if head_dim is not None:
             cfg.update(self.per_head_dim.get(head_dim, {}))
+            if head_dim_v not in (None, head_dim):
+                cfg.update(self.per_head_dim.get((head_dim, head_dim_v), {}))
         return cfg
 
     def load_class(self):
@@ -56,6 +61,9 @@ class KernelSpec:
 
 # every head dim the default rungs serve (forward, backward, KV cache), each on tiles of its own
 HEAD_DIMS = (64, 96, 128, 192, 256)
+# (q/k head dim, v head dim) pairs the forward takes besides equal ones: DeepSeek-style MLA prefill
+# (192, 128), and (128, 64)
+VALUE_HEAD_DIMS = ((192, 128), (128, 64))
 VARIANTS = ("varlen", "local", "softcap")  # packed batches, sliding window, capped scores
 # forward rungs also fold attention sinks (one logit per query head in each row's denominator)
 # into their softmax; the backward needs no variant for them (the LSE includes the sink)
@@ -125,9 +133,11 @@ KERNELS: dict[str, KernelSpec] = {
                 # 258 KB, 96-wide ones fit (FA3 C++ takes 96 for its paged/local d192 too);
                 # d=256: a 64-wide K/V tile fits in 227 KB and keeps S small beside the
                 # 128-register O accumulator
+                # (192, 128), DeepSeek's MLA prefill: V's 128-wide rows leave room for 128-wide
+                # K/V tiles again (216 KB)
                 per_head_dim={64: {"kv_stages": 3, **({"tile_m": 192} if i >= 4 else {})},
-                              192: {"tile_n": 96}, 256: {"tile_n": 64}},
-                head_dims=HEAD_DIMS,
+                              192: {"tile_n": 96}, 256: {"tile_n": 64}, (192, 128): {"tile_n": 128}},
+                head_dims=HEAD_DIMS, value_head_dims=VALUE_HEAD_DIMS,
                 ptx_promises=("wgmma.mma_async", "setmaxnreg", "cp.async.bulk.tensor", "bar.arrive"
                               if flags["pingpong"] else "mbarrier.try_wait"),
                 # no 16-bit operand is read from SMEM into registers; k5.5's consumers read the

@@ -47,8 +47,11 @@ def packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         return launch_varlen(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, bool(causal), scale, window, softcap,
                              sinks)
     bwd = _dispatch.memo_rung(_dispatch.backward_rung, backward_kernel, q.shape[2])
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                    or getattr(sinks, "requires_grad", False)):
         check_varlen_rung(bwd, "backward_kernel")
+        if v.shape[2] != q.shape[2]:
+            _dispatch.check_value_head_dim(spec, q.shape[2], v.shape[2], "kernel", backward=True)
         _dispatch.check_variants(bwd, masking.masking(bool(causal), window, softcap, scale), "backward_kernel")
     return torch.ops.fa3.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, bool(causal), scale,
                                           window[0], window[1], float(softcap), spec.name,
@@ -70,6 +73,8 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     _check_offsets(cu_seqlens_q, "cu_seqlens_q", device)
     _check_offsets(cu_seqlens_k, "cu_seqlens_k", device, batch=cu_seqlens_q.shape[0] - 1)
     spec = _dispatch.memo_rung(_varlen_rung, kernel, head_dim)
+    if v.shape[2] != head_dim:
+        _dispatch.check_value_head_dim(spec, head_dim, v.shape[2], "kernel")
     _checks.check_hopper(device, "q")
     if check_values and index_checks.values_checkable(device):
         index_checks.check_offset_values(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q,
@@ -102,7 +107,9 @@ def launch_varlen(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale
                   window=(-1, -1), softcap: float = 0.0, sinks=None):
     """(out (total_q, heads_q, d), lse (heads_q, total_q) fp32); arguments validated."""
     total_q, heads_q, head_dim = q.shape
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    head_dim_v = v.shape[2]
+    out = torch.empty_like(q, memory_format=torch.contiguous_format) if head_dim_v == head_dim \
+        else q.new_empty((total_q, heads_q, head_dim_v))
     lse = torch.empty(heads_q, total_q, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
@@ -116,7 +123,8 @@ def launch_varlen(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale
     q4, k4, v4 = (_launch.tma_ready(t.unsqueeze(0)) for t in (q, k, v))
     args = [q4, k4, v4, out.unsqueeze(0), lse.unsqueeze(0)]
     _launch.run_attention(spec, q.dtype, head_dim, masking.masking(causal, window, softcap, scale),
-                          args, q.device, cu_seqlens=(cu_seqlens_q, cu_seqlens_k), sinks=sinks)
+                          args, q.device, cu_seqlens=(cu_seqlens_q, cu_seqlens_k), sinks=sinks,
+                          head_dim_v=None if head_dim_v == head_dim else head_dim_v)
     return out, lse
 
 
@@ -127,7 +135,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     """Attention over a packed batch of variable-length sequences, as flash_attn_varlen_func.
 
     q: (total_q, heads_q, d); k, v: (total_k, heads_kv, d); bf16/fp16 on a Hopper GPU, d in
-    64/128/256, heads_q a multiple of heads_kv. cu_seqlens_q/k: int32 (batch + 1,) offsets,
+    64/96/128/192/256 (v's may differ as fa3.attention's), heads_q a multiple of heads_kv. cu_seqlens_q/k: int32 (batch + 1,) offsets,
     starting at 0, non-decreasing, ending at total_q/total_k; sequences may be empty.
     max_seqlen_q/k: accepted for flash-attn's signature and checked; the kernel does not need them.
     causal, window_size, softcap, softmax_scale: as fa3.attention, per sequence (bottom-right

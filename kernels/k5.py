@@ -56,16 +56,19 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
                  kv_stages: int = 2, q_stages: int = 1, pingpong: bool = True,
                  intra_wg_overlap: bool = True, dynamic_schedule: bool = False,
                  varlen: bool = False, local: bool = False, softcap: bool = False,
-                 sinks: bool = False):
+                 sinks: bool = False, head_dim_v: int | None = None):
         if local and tile_m == 192:
             # three 160-register warpgroups have no room for the window's state (680 bytes of
             # spills at d64): a windowed kernel takes two warpgroups on 128-row tiles
             tile_m = 128
-        if varlen and head_dim == 192 and tile_n > 80:
+        if varlen and head_dim == 192 and head_dim_v in (None, 192) and tile_n > 80:
             # likewise a packed batch's offsets and bounds beside 96-wide S tiles at d192 (36
             # bytes of spills): 80-wide K/V tiles
             tile_n = 80
         super().__init__(dtype, head_dim, causal, tile_m, tile_n, kv_stages, pv_on_wgmma=True)
+        # V's (and O's) head dim, where it differs from Q's and K's (DeepSeek's (192, 128)): only
+        # V's ring, P V and the epilogue see it
+        self.head_dim_v = head_dim_v or head_dim
         # variants (static, each compiled on demand): packed variable-length batches, a sliding
         # window (mask.py), tanh-capped scores, attention sinks in the denominator (softmax.py)
         self.varlen, self.local, self.softcap, self.sinks = varlen, local, softcap, sinks
@@ -90,6 +93,7 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
         (softmax.softcap) and mSinks (heads_q,) FP32 (softmax.finalize) when their variant is off."""
         batch, seqlen_q, heads_q, _ = mQ.shape
         sQ_layout, sKV_layout, loads = self.make_loads(mQ, mK, mV)
+        sV_layout = self.v_layout()
         epi_tile = epilogue.subtile(self.tile_m, self.consumer_wgs)
         sO_layout = epilogue.smem_layout(self.dtype, epi_tile, EPI_STAGES)
         tma_o, tO = tma.make_store(tma.seq_major(mO), sO_layout, epi_tile)
@@ -101,7 +105,7 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
             tile_barriers: cute.struct.MemRange[Int64, scheduler.TILE_HANDOFF_BARRIERS]  # K5.5
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
             sO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sO_layout)], 1024]
             next_tile: cute.struct.MemRange[Int32, 1]
 
@@ -109,7 +113,8 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
                           f"K5 with kv_stages={self.kv_stages}, tile_n={self.tile_n}, d={self.head_dim}")
         tiles = cute.ceil_div(seqlen_q, self.tile_m) * heads_q * batch
         self.kernel(*loads, tma_o, tO, mO, mLSE, scale_log2, mTileCounter, mCuSeqlensQ, mCuSeqlensK,
-                    window_left, window_right, softcap_scale, mSinks, sQ_layout, sKV_layout, sO_layout,
+                    window_left, window_right, softcap_scale, mSinks, sQ_layout, sKV_layout, sV_layout,
+                    sO_layout,
                     epi_tile, SharedStorage).launch(
             grid=[scheduler.persistent_grid(tiles, sm_count), 1, 1], block=[self.num_threads, 1, 1],
             stream=stream, min_blocks_per_mp=1)
@@ -122,7 +127,8 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
                mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, window_left: Int32,
                window_right: Int32, softcap_scale: Float32, mSinks: cute.Tensor,
                sQ_layout: cute.ComposedLayout,
-               sKV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
+               sKV_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
+               sO_layout: cute.ComposedLayout,
                epi_tile: cutlass.Constexpr, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -136,7 +142,8 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
         q_pipe = pipeline.create(storage.q_barriers.data_ptr(), self.q_stages, consumer_warps,
                                  smem.stage_bytes(self.dtype, sQ_layout))
         k_pipe = pipeline.create(barriers, self.kv_stages, consumer_warps, kv_bytes)
-        v_pipe = pipeline.create(barriers + 2 * self.kv_stages, self.kv_stages, consumer_warps, kv_bytes)
+        v_pipe = pipeline.create(barriers + 2 * self.kv_stages, self.kv_stages, consumer_warps,
+                                 smem.stage_bytes(self.dtype, sV_layout))
         # K5.5: the next tile's index, producer warp -> every consumer thread (common/scheduler.py)
         handoff = None
         if cutlass.const_expr(self.dynamic):
@@ -144,7 +151,7 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
         pipeline.init_done()
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
-        sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         next_tile = storage.next_tile.get_tensor(cute.make_layout(1))
         # what varies per call beyond the tensors: sequence offsets, window edges, the softcap.
@@ -212,7 +219,7 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
         gV = seqlen.rows(mV, head_kv, batch, seq.offset_k, self.varlen)
         tQsQ, tQgQ = tma.partition(tma_q, cute.local_tile(gQ, tile_q, (None, 0)), sQ)
         tKsK, tKgK = tma.partition(tma_k, cute.local_tile(gK, tile_kv, (None, 0)), sK)
-        tVsV, tVgV = tma.partition(tma_v, cute.local_tile(gV, tile_kv, (None, 0)), sV)
+        tVsV, tVgV = tma.partition(tma_v, cute.local_tile(gV, (self.tile_n, self.head_dim_v), (None, 0)), sV)
         n_max, n_blocks = self.kv_range(m_block, seq, params)
         if n_blocks == 0:  # no key is visible: the consumers still take (and release) the Q tile
             q_state = pipeline.produce(q_pipe, q_state, m_block, [(tma_q, tQgQ, tQsQ)])
@@ -291,7 +298,7 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
             row = ctx.m_block * self.tile_m + ctx.o_coords[r, 0][0]
             if ctidx % 4 == 0 and row < ctx.seqlen_q:
                 mLSE[batch, head, row] = lse
-        gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.head_dim), (ctx.m_block, 0))
+        gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.head_dim_v), (ctx.m_block, 0))
         epilogue.store_tile(ctx.acc_o, ctx.pv, ctidx, sO, tma_o, gO, epi_tile,
                             dsl_pipeline.NamedBarrier(barrier_id=EPILOGUE_BARRIER,
                                                       num_threads=128 * self.consumer_wgs),

@@ -84,6 +84,9 @@ def test_backward_deterministic_variant_compiles(name):
     # 48-column warpgroup shares on a 32-byte swizzle, smem.py)
     ("k5.5", dict(head_dim=192, causal=True, varlen=True, sinks=True), ("vote.sync.ballot",)),
     ("b2", dict(head_dim=96, causal=True, deterministic=True, gqa=True), ("cp.reduce.async.bulk.tensor",)),
+    # v's head dim other than q/k's: (192, 128) on 128-wide K/V tiles, (128, 64)
+    ("k5.5", dict(head_dim=192, head_dim_v=128, causal=True), ("wgmma.mma_async",)),
+    ("k5.5", dict(head_dim=128, head_dim_v=64, causal=False, varlen=True), ("vote.sync.ballot",)),
 ])
 def test_variants_compile(name, static, promises):
     """The variants (varlen, sliding window, softcap; forward and backward) compile for sm_90a

