@@ -12,7 +12,7 @@ import fa3
 from fa3 import _checks, backward, registry
 from fa3.reference import attention_reference
 
-from conftest import HEAD_DIM_PARAM, HAS_HOPPER, raises_with, rel_err
+from conftest import HAS_HOPPER, raises_with, rel_err
 
 gpu = pytest.mark.gpu
 BF16 = torch.bfloat16
@@ -171,12 +171,16 @@ def _reference_with_grads(q, k, v, dout, sinks, dtype, **kw):
 
 
 SHAPES = [(2, 257, 131, 4, 2), (1, 100, 333, 6, 1), (2, 333, 100, 2, 2), (1, 1, 3, 2, 2)]
+# (head_dim, causal, window): every head dim, each mask kind at two of them (the sink is head-dim
+# independent: it lives in the epilogue; each case compiles a forward and two backward kernels)
+MASK_CASES = [(64, False, (-1, -1)), (96, True, (-1, -1)), (128, True, (-1, -1)), (128, False, (50, 20)),
+              (192, False, (-1, -1)), (192, True, (100, 0)), (256, False, (50, 20))]
 
 
 @gpu
-@HEAD_DIM_PARAM
-@pytest.mark.parametrize("causal, window", [(False, (-1, -1)), (True, (-1, -1)), (False, (50, 20))])
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("head_dim, causal, window", MASK_CASES,
+                         ids=[f"d{d}-{'causal' if c else 'full'}-w{w[0]}" for d, c, w in MASK_CASES])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_sinks_forward_backward_match_reference(head_dim, causal, window, shape):
     batch, sq, sk, hq, hkv = shape
     q, k, v, dout = _gpu_inputs(batch, sq, sk, hq, hkv, head_dim, seed=sq + head_dim)
@@ -197,8 +201,9 @@ def test_sinks_forward_backward_match_reference(head_dim, causal, window, shape)
 
 
 @gpu
-def test_sinks_deterministic_backward_is_repeatable():
-    q, k, v, dout = _gpu_inputs(2, 1000, 1000, 8, 2, 128, seed=3)
+@pytest.mark.parametrize("head_dim", [96, 128, 192], ids=lambda d: f"d{d}")
+def test_sinks_deterministic_backward_is_repeatable(head_dim):
+    q, k, v, dout = _gpu_inputs(2, 1000, 1000, 8, 2, head_dim, seed=3)
     sinks = _sinks(8, device="cuda")
     grads = []
     for _ in range(2):
@@ -210,7 +215,7 @@ def test_sinks_deterministic_backward_is_repeatable():
 
 
 @gpu
-@HEAD_DIM_PARAM
+@pytest.mark.parametrize("head_dim", [96, 128, 192], ids=lambda d: f"d{d}")
 @pytest.mark.parametrize("causal", [False, True])
 def test_sinks_varlen_forward_backward(head_dim, causal):
     lens_q, lens_k = [1, 77, 500, 2, 0], [600, 77, 130, 0, 5]
@@ -243,7 +248,7 @@ def test_sinks_varlen_forward_backward(head_dim, causal):
 
 
 @gpu
-@HEAD_DIM_PARAM
+@pytest.mark.parametrize("head_dim", [96, 128, 192], ids=lambda d: f"d{d}")
 @pytest.mark.parametrize("page_size", [None, 64])
 def test_sinks_kvcache(head_dim, page_size):
     """Dense and paged caches, one split and several (the combine adds the sink), rows with no key."""
