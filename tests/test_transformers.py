@@ -146,20 +146,20 @@ def test_refusals():
 # ----------------------------------------------------------------------------- GPU: the kernels
 @pytest.mark.gpu
 @pytest.mark.parametrize("padding", ["none", "right", "left"])
-@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2", "gpt_oss"])
 def test_logits_match(kind, padding):
     model = make_model(kind, "cuda", torch.bfloat16)
     ids, mask = batch("cuda", padding)
-    peer = "eager" if kind == "gemma2" else "sdpa"  # sdpa ignores Gemma 2's softcap
+    peer = "eager" if kind in ("gemma2", "gpt_oss") else "sdpa"  # sdpa knows no softcap nor sinks
     got, want = logits_of(model, "fa3", ids, mask, padding), logits_of(model, peer, ids, mask, padding)
     assert torch.isfinite(got).all() and rel_err(got, want) < 2e-2
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("padding", ["none", "right", "left"])
-@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2", "gpt_oss"])
 def test_gradients_match(kind, padding):
-    """A training step, padded batches through the varlen backward."""
+    """A training step, padded batches through the varlen backward (gpt-oss: its sinks' too)."""
     model = make_model(kind, "cuda", torch.bfloat16).train()
     ids, mask = batch("cuda", padding)
     got, want = (parameter_grads(model, impl, ids, mask, padding) for impl in ("fa3", "eager"))
