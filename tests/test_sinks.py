@@ -339,3 +339,29 @@ def test_tiny_gpt_oss_greedy_tokens_match_eager():
         model.set_attn_implementation("fa3")
         out = model(prompt).logits.float()
     assert rel_err(out, ref) < 2e-2
+
+
+def test_sinks_trace_under_torch_compile(meta_ok):
+    """torch.compile(fullgraph=True) traces a training step with sinks: one forward and one
+    backward op, d sinks shaped like sinks."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    def loss_fn(q, k, sinks):
+        return fa3.attention(q, k, k, causal=True, sinks=sinks).float().square().sum()
+
+    q, k = _meta(2, 64, 4, 64).requires_grad_(), _meta(2, 64, 2, 64).requires_grad_()
+    sinks = torch.zeros(4, device="meta").requires_grad_()
+    torch._dynamo.reset()
+    compiled = torch.compile(loss_fn, fullgraph=True, backend=aot_autograd(fw_compiler=backend,
+                                                                           bw_compiler=backend))
+    compiled(q, k, sinks).backward()
+    targets = [n.target for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert torch.ops.fa3.attention.default in targets and torch.ops.fa3.attention_backward.default in targets
+    assert sinks.grad.shape == (4,) and q.grad.shape == q.shape
