@@ -9,7 +9,7 @@ and flash-attn 4's CuTe-DSL kernel (fa4: flash_attn.cute.flash_attn_func) when i
 
     python benchmarks/bench_attention.py [--kernels all|k1,k2,...] [--head-dims 64,128,256]
         [--seqlens 512,1024,...] [--causal both|true|false] [--peers sdpa-flash,sdpa-cudnn,fa4]
-        [--json FILE] [--plot FILE.png] [--backward [--deterministic]] [--sinks]
+        [--json FILE] [--plot FILE.png] [--backward [--deterministic]] [--sinks] [--fp8]
     python benchmarks/bench_attention.py --plot-from FILE.json --plot FILE.png   (no GPU needed)
 
 --plot draws TFLOP/s against seqlen, one panel per (head dim, causal) (matplotlib, optional).
@@ -22,6 +22,13 @@ deterministic=True as a column of its own ("b1+det").
 --sinks adds each fa3 rung that takes attention sinks (and fa4, as `learnable_sink`) called with
 one random float32 sink per query head, as a column of its own ("k5.5+sinks"): what sinks cost
 against the same call without them (forward, or with --backward the backward, d sinks included).
+
+--fp8 adds the FP8 forward rungs (family attention_fp8, e.g. f1) as columns of their own: the same
+randn inputs quantized to e4m3 per (batch, kv head) with fa3.quantize_fp8 (outside the timing), bf16
+output; the timed call is fa3.attention with the descales, so it includes the host's V transpose
+(fa3.fp8.transpose_v). The "fp8/fa3" column is the best FP8 rung over the best bf16 rung. The peers
+stay bf16: flash-attn 4 has no FP8 kernel for SM90 (its FP8 forward is SM100-only), and SDPA's
+cuDNN and flash backends do not take float8 inputs.
 
 Rungs that materialise scores (K1) skip sizes whose fp32 score workspace exceeds 8 GB, and any
 runner whose call would take more than --max-call-s (5 s) skips that size and the larger ones.
@@ -71,6 +78,7 @@ class Runner:
     make: Callable
     context: Callable = contextlib.nullcontext
     skip: Callable = field(default=lambda batch, seqlen, heads, head_dim: None)
+    fp8: bool = False  # an FP8 rung: its own ratio column, not in "best fa3"
 
 
 def unsupported_head_dim(spec, head_dim):
@@ -102,6 +110,25 @@ def rung_runner(name: str, sinks: bool = False) -> Runner:
         return lambda: fa3.attention(q, k, v, causal=causal, kernel=name, out=out, sinks=s)
 
     return Runner(name + ("+sinks" if sinks else ""), True, make, skip=skip)
+
+
+FP8_NOTE = ("fp8: peers stay bf16 (flash-attn 4 has no FP8 forward on SM90; SDPA's cuDNN and flash "
+            "backends take no float8 inputs); FP8 times include the host's V transpose")
+
+
+def fp8_runner(name: str) -> Runner:
+    """FP8 rung `name` on the bf16 inputs quantized per (batch, kv head), outside the timing."""
+    spec = registry.get(name)
+
+    def make(q, k, v, causal):
+        heads_kv = k.shape[2]
+        (q8, sq), (k8, sk), (v8, sv) = (fa3.quantize_fp8(q, "head", num_heads_kv=heads_kv),
+                                        fa3.quantize_fp8(k, "head"), fa3.quantize_fp8(v, "head"))
+        out = torch.empty_like(q)
+        return lambda: fa3.attention(q8, k8, v8, q_descale=sq, k_descale=sk, v_descale=sv,
+                                     causal=causal, kernel=name, out=out)
+
+    return Runner(name, False, make, skip=lambda b, s, h, d: unsupported_head_dim(spec, d), fp8=True)
 
 
 def backward_rung_runner(name: str, deterministic: bool = False, sinks: bool = False) -> Runner:
@@ -233,15 +260,21 @@ def _ratio(a, b):
 def table(rows, runners) -> str:
     names = [r.name for r in runners]
     fa3_names = [r.name for r in runners if r.is_fa3]
+    fp8_names = [r.name for r in runners if r.fp8]
     headers = ["d", "causal", "seqlen", *names, "best fa3", "fa3/fa4", "fa3/cudnn"]
+    if fp8_names:
+        headers.append("fp8/fa3")
     body = []
     for row in rows:
         rate = {n: row["results"].get(n, {}).get("tflops") for n in names}
         best = max((n for n in fa3_names if rate[n]), key=lambda n: rate[n], default=None)
         top = rate[best] if best else None
-        body.append([row["head_dim"], "yes" if row["causal"] else "no", row["seqlen"],
-                     *(rate[n] for n in names), best,
-                     _ratio(top, rate.get("fa4")), _ratio(top, rate.get("sdpa-cudnn"))])
+        line = [row["head_dim"], "yes" if row["causal"] else "no", row["seqlen"],
+                *(rate[n] for n in names), best,
+                _ratio(top, rate.get("fa4")), _ratio(top, rate.get("sdpa-cudnn"))]
+        if fp8_names:
+            line.append(_ratio(max((rate[n] for n in fp8_names if rate[n]), default=None), top))
+        body.append(line)
     return format_table(headers, body)
 
 
@@ -267,6 +300,9 @@ def parse_args(argv=None):
                    help="with --backward: also each rung with deterministic=True")
     p.add_argument("--sinks", action="store_true",
                    help="also each rung (and fa4) with attention sinks, as a column '+sinks'")
+    p.add_argument("--fp8", action="store_true",
+                   help="also the FP8 forward rungs (" + ",".join(registry.available_kernels(
+                       registry.ATTENTION_FP8)) + ") on the inputs quantized to e4m3")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--max-call-s", type=float, default=MAX_CALL_S,
@@ -304,6 +340,9 @@ def main(argv=None) -> int:
     peers, notes = peer_runners(args.peers, args.sinks)
     for note in notes:
         progress(note)
+    if args.backward and args.fp8:
+        print("--fp8 times the forward only (FP8 attention has no backward)")
+        return 2
     if args.backward:
         rungs = [backward_rung_runner(n) for n in args.kernels]
         if args.deterministic:
@@ -316,6 +355,9 @@ def main(argv=None) -> int:
         if args.sinks:
             runners += [rung_runner(n, sinks=True) for n in args.kernels
                         if registry.SINKS in registry.get(n).variants]
+        if args.fp8:
+            runners += [fp8_runner(n) for n in registry.available_kernels(registry.ATTENTION_FP8)]
+            notes.append(FP8_NOTE)
     rows = sweep(runners, args.head_dims, args.causals, args.seqlens, warmup=args.warmup,
                  repeats=args.repeats, max_call_s=args.max_call_s,
                  flops_factor=2.5 if args.backward else 1.0)
@@ -324,7 +366,8 @@ def main(argv=None) -> int:
     for note in notes:
         print(note)
     setting = {"total_tokens": TOTAL_TOKENS, "hidden": HIDDEN, "dtype": "bf16",
-               "direction": "backward" if args.backward else "forward"}
+               "direction": "backward" if args.backward else "forward",
+               **({"fp8": "e4m3 q/k/v, per (batch, kv head) scales"} if args.fp8 else {})}
     if args.json:
         write_json(args.json, {"setting": setting, "notes": notes, "rows": rows})
     if args.plot:

@@ -11,13 +11,22 @@
                                block_table=None, causal=False, softmax_scale=None,
                                window_size=(-1, -1), softcap=0.0, num_splits=0,
                                return_lse=False, sinks=None)      decode against a (paged) KV cache
+    fa3.attention_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, ...)
+                                            (dq, dk, dv[, dsinks]) for a given forward result
+    fa3.context_parallel_attention(q, k, v, group=None, causal=True, softmax_scale=None,
+                                   deterministic=False, return_lse=False)
+                                            ring attention over a torch.distributed group, each
+                                            rank holding a shard (fa3.context_parallel.shard)
     fa3.gemm(a, b, out=None, kernel=None)              any 2-D pair a @ b takes; differentiable
     fa3.flash_attn_func, fa3.flash_attn_varlen_func, fa3.flash_attn_with_kvcache
                                             flash-attn's names and signatures (fa3.flash_compat)
-    fa3.available_kernels(family=None, head_dim=None)   "attention", "backward", "kvcache" or "gemm"
+    fa3.available_kernels(family=None, head_dim=None)   "attention", "attention_fp8", "backward",
+                                                        "kvcache" or "gemm"
+    fa3.quantize_fp8(x, granularity="tensor"|"head"|"block", hadamard=False) -> (x_fp8, descale)
+    fa3.dequantize_fp8(x_fp8, descale), fa3.hadamard_rotate(x, seed=0)   FP8 helpers (fa3.quantize)
 
-head_dim 64, 96, 128, 192 or 256 (q, k and v alike); sinks: gpt-oss's attention sinks, one float32
-logit per query head.
+head_dim 64, 96, 128, 192 or 256 (q, k and v alike; FP8: 64, 128 or 256); sinks: gpt-oss's
+attention sinks, one float32 logit per query head (16-bit inputs).
 """
 
 import os as _os
@@ -35,9 +44,14 @@ from .kvcache import attention_with_kvcache  # noqa: E402
 from .matmul import gemm  # noqa: E402
 from .flash_compat import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache  # noqa: E402
 from .varlen import attention_varlen  # noqa: E402
+from .backward import attention_backward  # noqa: E402
+from .context_parallel import context_parallel_attention  # noqa: E402
 from . import ops  # noqa: E402,F401  (registers torch.ops.fa3.attention and torch.ops.fa3.gemm)
 from .registry import available_kernels  # noqa: E402
+from .quantize import dequantize_fp8, hadamard_rotate, quantize_fp8  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["attention", "attention_varlen", "attention_with_kvcache", "gemm", "available_kernels",
-           "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "__version__"]
+           "attention_backward", "context_parallel_attention",
+           "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "quantize_fp8",
+           "dequantize_fp8", "hadamard_rotate", "__version__"]

@@ -3,6 +3,7 @@
     python -m fa3 compile --kernel NAME|all [--head-dim 128] [--causal] [--dtype bf16|fp16] --out DIR
         Compiles rungs for sm_90a (no GPU needed), writes NAME.ptx and NAME.cubin into DIR and
         prints ptxas' registers and spills and which of the rung's promised PTX instructions appear.
+        FP8 rungs (f1) take e4m3 q/k/v; --dtype is then their output's type.
     python -m fa3 compile --warm-cache --kernel NAME|all [--head-dim 128] [--causal] [--dtype bf16]
         Compiles into the disk compile cache instead (FA3_CACHE_DIR, default ~/.cache/fa3; no GPU
         needed), skipping what is there, so that a deployment's first calls load in milliseconds.
@@ -50,7 +51,7 @@ def prepare_dsl_env() -> None:
         atexit.register(shutil.rmtree, scratch, ignore_errors=True)
 
 
-HEAD_DIM_FAMILIES = (registry.ATTENTION, registry.BACKWARD, registry.KVCACHE)
+HEAD_DIM_FAMILIES = (registry.ATTENTION, registry.ATTENTION_FP8, registry.BACKWARD, registry.KVCACHE)
 
 
 def static_args(spec: registry.KernelSpec, head_dim: int, causal: bool) -> dict:
@@ -63,6 +64,8 @@ def static_args(spec: registry.KernelSpec, head_dim: int, causal: bool) -> dict:
 
 def describe(spec: registry.KernelSpec, dtype: torch.dtype, head_dim: int, causal: bool) -> str:
     dt = next(k for k, v in DTYPES.items() if v == dtype)
+    if spec.family == registry.ATTENTION_FP8:  # q, k, v e4m3; dtype is the output's
+        dt = f"e4m3->{dt}"
     if spec.family in HEAD_DIM_FAMILIES:
         return f"{spec.name} d{head_dim} {'causal' if causal else 'non-causal'} {dt}"
     return f"{spec.name} {spec.family} {dt}"
@@ -174,7 +177,7 @@ def cache_configs(spec: registry.KernelSpec, head_dim: int, causal: bool) -> lis
     """The static configurations --warm-cache compiles for a rung: attention at --head-dim and
     --causal (the backward also in its deterministic and GQA variants); GEMM with every operand
     layout (row-major and transposed a and b)."""
-    if spec.family == registry.ATTENTION:
+    if spec.family in (registry.ATTENTION, registry.ATTENTION_FP8):
         return [{"head_dim": head_dim, "causal": causal}]
     if spec.family == registry.BACKWARD:
         return [{"head_dim": head_dim, "causal": causal, "deterministic": det, "gqa": gqa}

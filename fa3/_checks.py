@@ -13,6 +13,9 @@ import torch
 from . import _dispatch
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+FP8_DTYPES = (torch.float8_e4m3fn,)  # what the FP8 forward takes
+# any FP8 input routes a call to the FP8 forward, whose checks name what it does not take
+FP8_LIKE = FP8_DTYPES + (torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 
 
 @functools.lru_cache(maxsize=None)
@@ -52,14 +55,19 @@ def check_hopper(device: torch.device, name: str) -> None:
         HOPPER_SMS[device] = sm_count(index)
 
 
-def check_tensor(t, name: str, ndim: int, dtype=None, unit_stride_last: bool = True) -> None:
-    """Type, rank, dtype and (unless `unit_stride_last` is False: GEMM operands may be
-    transposed views) a unit-stride last dimension: what every kernel argument needs."""
+def check_tensor(t, name: str, ndim: int, dtype=None, unit_stride_last: bool = True,
+                 dtypes=SUPPORTED_DTYPES) -> None:
+    """Type, rank, dtype (one of `dtypes`: 16-bit, or FP8_DTYPES for the FP8 forward) and (unless
+    `unit_stride_last` is False: GEMM operands may be transposed views) a unit-stride last
+    dimension: what every kernel argument needs."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
-    if t.dtype not in SUPPORTED_DTYPES:
+    if t.dtype not in dtypes:
+        if dtypes is FP8_DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; fa3's FP8 attention takes torch.float8_e4m3fn "
+                            f"q, k and v (e5m2 is not supported): quantize with fa3.quantize_fp8({name})")
         raise TypeError(f"{name} has dtype {t.dtype}; fa3 supports torch.bfloat16 and torch.float16: "
                         f"convert with {name}.to(torch.bfloat16)")
     if dtype is not None and t.dtype != dtype:
@@ -83,15 +91,15 @@ def check_output(out, name: str, like) -> None:
                          "torch.empty_like(..., memory_format=torch.contiguous_format)")
 
 
-def check_qkv(q, k, v, kv_layout: str):
-    """What every q, k, v entry point needs, for any leading dimensions: types, ranks, dtypes,
-    k and v alike but for v's head_dim (`kv_layout` names their dimensions), q's head_dim = k's,
-    heads_q a multiple of heads_kv, one device. Returns (q.shape, k.shape); whether v's head_dim
-    may differ is the rung's to say (fa3._dispatch.check_value_head_dim)."""
+def check_qkv(q, k, v, kv_layout: str, dtypes=SUPPORTED_DTYPES):
+    """What every q, k, v entry point needs, for any leading dimensions: types, ranks, dtypes (of
+    `dtypes`), k and v alike but for v's head_dim (`kv_layout` names their dimensions), q's
+    head_dim = k's, heads_q a multiple of heads_kv, one device. Returns (q.shape, k.shape); whether
+    v's head_dim may differ is the rung's to say (fa3._dispatch.check_value_head_dim)."""
     ndim = kv_layout.count(",") + 1
-    check_tensor(q, "q", ndim)
-    check_tensor(k, "k", ndim, q.dtype)
-    check_tensor(v, "v", ndim, q.dtype)
+    check_tensor(q, "q", ndim, dtypes=dtypes)
+    check_tensor(k, "k", ndim, q.dtype, dtypes=dtypes)
+    check_tensor(v, "v", ndim, q.dtype, dtypes=dtypes)
     q_shape, k_shape, v_shape = q.shape, k.shape, v.shape  # (each .shape builds a new torch.Size)
     if k_shape[:-1] != v_shape[:-1]:
         raise ValueError(f"k {tuple(k_shape)} and v {tuple(v_shape)} must have the same shape {kv_layout} "
@@ -124,3 +132,24 @@ def check_sinks(sinks, heads_q: int, device) -> None:
     if sinks.device != device:
         raise ValueError(f"sinks is on {sinks.device} but q is on {device}; move it with "
                          "sinks.to(q.device)")
+
+
+def check_descale(t, name: str, batch: int, heads_kv: int, device) -> torch.Tensor:
+    """An FP8 descale as the kernel takes it: float32 (batch, heads_kv) contiguous on `device`, from
+    None (1), a 0-d or one-element tensor (broadcast), or a (batch, heads_kv) tensor (flash-attn's
+    FA3 interface)."""
+    if t is None:
+        return torch.ones(batch, heads_kv, dtype=torch.float32, device=device)
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor (float32, shape (batch, heads_kv) = "
+                        f"({batch}, {heads_kv}), or one element) or None, got {type(t).__name__}")
+    if t.dtype != torch.float32:
+        raise TypeError(f"{name} has dtype {t.dtype}; descales are torch.float32: {name}.float()")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but q is on {device}; put it on q's device")
+    if t.numel() == 1 and t.dim() <= 2:
+        return t.reshape(1, 1).expand(batch, heads_kv).contiguous()
+    if tuple(t.shape) != (batch, heads_kv):
+        raise ValueError(f"{name} has shape {tuple(t.shape)}; it must be (batch, heads_kv) = "
+                         f"({batch}, {heads_kv}), or hold one element (per tensor)")
+    return t if t.is_contiguous() else t.contiguous()

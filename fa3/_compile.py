@@ -28,7 +28,8 @@ _CACHE: dict[tuple, object] = {}
 
 def cute_dtype(torch_dtype):
     cutlass, _ = _dsl.import_cute()
-    return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[torch_dtype]
+    return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
+            torch.float8_e4m3fn: cutlass.Float8E4M3FN}[torch_dtype]
 
 
 def _fake_tensor(cute, dtype, shape, strides, align=16):
@@ -39,7 +40,9 @@ def _unit_last(cute, dtype, *shape, tma=False, align=4):
     """A fake tensor whose last stride is 1 and other strides dynamic; `tma`: base and strides
     16-byte aligned (what TMA needs), else the base aligned to `align` bytes."""
     if tma:
-        return _fake_tensor(cute, dtype, shape, (*(cute.sym_int64(divisibility=8) for _ in shape[:-1]), 1))
+        per_16_bytes = 128 // dtype.width  # elements
+        return _fake_tensor(cute, dtype, shape,
+                            (*(cute.sym_int64(divisibility=per_16_bytes) for _ in shape[:-1]), 1))
     return _fake_tensor(cute, dtype, shape, (*(cute.sym_int64() for _ in shape[:-1]), 1), align=align)
 
 
@@ -99,6 +102,48 @@ def _build_attention(spec, dtype, head_dim, causal, varlen=False, local=False, s
     return _compile_kernel(kernel, _attention_fake_args(spec, dtype, head_dim, head_dim_v), extra_options)
 
 
+# ----------------------------------------------------------------------------- FP8 forward (F1)
+def _attention_fp8_fake_args(spec, out_dtype, head_dim):
+    """Fake (q, k, vt, o, lse, scale_log2, SM count, tile counter, cu_seqlens stand-ins, window
+    edges, softcap scale, q/k/v descales): q, k e4m3 (batch, seqlen, heads, d); vt e4m3 (batch, d,
+    heads_kv, keys padded to 16); o in out_dtype; descales float32 (batch, heads_kv)."""
+    cutlass, cute = _dsl.import_cute()
+    f8, f32 = cutlass.Float8E4M3FN, cutlass.Float32
+    b, sq, sk, skt, hq, hkv = (cute.sym_int64() for _ in range(6))
+    args = [_unit_last(cute, f8, b, sq, hq, head_dim, tma=True),
+            _unit_last(cute, f8, b, sk, hkv, head_dim, tma=True),
+            _unit_last(cute, f8, b, head_dim, hkv, skt, tma=True),
+            _unit_last(cute, cute_dtype(out_dtype), b, sq, hq, head_dim, tma=True),
+            _unit_last(cute, f32, b, hq, sq), f32(1.0), cutlass.Int32(132),
+            _fake_tensor(cute, cutlass.Int32, (1,), (1,), align=4)]
+    args += [_fake_tensor(cute, cutlass.Int32, (cute.sym_int64(),), (1,), align=4) for _ in range(2)]
+    args += [cutlass.Int32(0), cutlass.Int32(0), f32(1.0)]
+    args += [_unit_last(cute, f32, b, hkv) for _ in range(3)]
+    return args
+
+
+def _build_attention_fp8(spec, dtype, head_dim, causal, local=False, softcap=False, extra_options=""):
+    """`dtype`: the output's (q, k, v are e4m3)."""
+    kernel = spec.load_class()(dtype=cute_dtype(dtype), head_dim=head_dim, causal=causal, local=local,
+                               softcap=softcap, **spec.config_for(head_dim))
+    return _compile_kernel(kernel, _attention_fp8_fake_args(spec, dtype, head_dim), extra_options)
+
+
+def attention_fp8_key(spec, dtype, head_dim, causal, local=False, softcap=False) -> tuple:
+    return attention_key(spec, dtype, head_dim, causal, False, local, softcap)
+
+
+def get_attention_fp8(spec, out_dtype, head_dim, causal, local=False, softcap=False):
+    """The compiled FP8 forward for this static configuration (`out_dtype`: O's)."""
+    fast_key = ("fp8", spec.name, out_dtype, head_dim, causal, local, softcap)
+    fn = _FAST.get(fast_key)
+    if fn is None:
+        fn = _FAST[fast_key] = _cached(
+            attention_fp8_key(spec, out_dtype, head_dim, causal, local, softcap),
+            lambda: _build_attention_fp8(spec, out_dtype, head_dim, causal, local, softcap))
+    return fn
+
+
 def _cached(key, build):
     """The kernel for `key` (a callable), loaded from the disk cache or built and stored there,
     once even across threads, on first use."""
@@ -140,17 +185,19 @@ def get_attention(spec, dtype, head_dim, causal, varlen=False, local=False, soft
 
 
 # ----------------------------------------------------------------------------- backward
-def _backward_fake_args(dtype, head_dim, gqa):
+def _backward_fake_args(dtype, head_dim, gqa, deterministic):
     """Fake (q, k, v, dO, lse2, D, dQacc, dK, dV, lock, scale_log2, softmax_scale, window_left,
     window_right, softcap_scale, cu_seqlens_q, cu_seqlens_k): see
     kernels/bwd.py. `rows` is seqlen_q rounded up to the Q tile (varlen: total_q; dQacc then has
-    tile_m rows more); dK/dV hold one slice per query
-    head, FP32 under GQA (summed over each group afterwards)."""
+    tile_m rows more); dK/dV: (batch, seqlen_k, heads_q, d) in the inputs' dtype without GQA; under
+    GQA FP32, (batch, seqlen_k, heads_kv, d) that the kernel adds into with atomics, or, when
+    deterministic, one slice per query head summed over each group afterwards."""
     cutlass, cute = _dsl.import_cute()
     dt = cute_dtype(dtype)
     b, sq, sk, hq, hkv, rows, dq_rows = (cute.sym_int64() for _ in range(7))
 
     f32, dkv_dt = cutlass.Float32, (cutlass.Float32 if gqa else dt)
+    dkv_heads = hkv if gqa and not deterministic else hq
 
     def tma_operand(*shape):
         return _unit_last(cute, dt, *shape, tma=True)
@@ -159,7 +206,8 @@ def _backward_fake_args(dtype, head_dim, gqa):
             tma_operand(b, sk, hkv, head_dim), tma_operand(b, sq, hq, head_dim),
             _unit_last(cute, f32, b, hq, rows), _unit_last(cute, f32, b, hq, rows),
             _unit_last(cute, f32, b, dq_rows, hq, head_dim),
-            _unit_last(cute, dkv_dt, b, sk, hq, head_dim), _unit_last(cute, dkv_dt, b, sk, hq, head_dim),
+            _unit_last(cute, dkv_dt, b, sk, dkv_heads, head_dim),
+            _unit_last(cute, dkv_dt, b, sk, dkv_heads, head_dim),
             # the counters have shapes of their own: a 1-element stand-in when not deterministic
             _unit_last(cute, cutlass.Int32, *(cute.sym_int64() for _ in range(3))),
             cutlass.Float32(1.0), cutlass.Float32(1.0),
@@ -182,7 +230,7 @@ def _build_backward(spec, dtype, head_dim, causal, deterministic=False, gqa=Fals
     kernel = spec.load_class()(dtype=cute_dtype(dtype), head_dim=head_dim, causal=causal,
                                deterministic=deterministic, local=local, softcap=softcap,
                                varlen=varlen, **spec.config_for(head_dim))
-    return _compile_kernel(kernel, _backward_fake_args(dtype, head_dim, gqa), extra_options)
+    return _compile_kernel(kernel, _backward_fake_args(dtype, head_dim, gqa, deterministic), extra_options)
 
 
 def get_backward(spec, dtype, head_dim, causal, deterministic, gqa, local=False, softcap=False,
@@ -372,10 +420,12 @@ def compile_report(spec, dtype=torch.bfloat16, **static) -> CompileReport:
 
 
 # family -> builder(spec, dtype, **static, extra_options) -> compiled function
-BUILDERS = {registry.ATTENTION: _build_attention, registry.GEMM: _build_gemm,
+BUILDERS = {registry.ATTENTION: _build_attention, registry.ATTENTION_FP8: _build_attention_fp8,
+            registry.GEMM: _build_gemm,
             registry.BACKWARD: _build_backward, registry.KVCACHE: _build_kvcache}
 # family -> key(spec, dtype, **static): the compile-cache key, with the builder's static arguments
-KEYS = {registry.ATTENTION: attention_key, registry.GEMM: gemm_key, registry.BACKWARD: backward_key,
+KEYS = {registry.ATTENTION: attention_key, registry.ATTENTION_FP8: attention_fp8_key,
+        registry.GEMM: gemm_key, registry.BACKWARD: backward_key,
         registry.KVCACHE: kvcache_key}
 
 

@@ -20,9 +20,10 @@ def tma_ready(t: torch.Tensor) -> torch.Tensor:
     """Kernels assume 16-byte aligned base and strides (TMA's rule). Views that already satisfy it,
     such as q/k/v sliced from one packed qkv tensor, pass through without a copy; others are
     copied once into a fresh (aligned) contiguous tensor."""
-    s0, s1, s2, s3 = t.stride()  # (batch, seqlen, heads, head_dim); 16 bytes = 8 bf16/fp16 elements
+    s0, s1, s2, s3 = t.stride()  # (batch, seqlen, heads, head_dim)
+    e = 16 // t.element_size()  # elements in 16 bytes: 8 bf16/fp16, 16 FP8
     # (stride 0: an expanded tensor, such as the gradient of a .sum(), is copied too)
-    if t.data_ptr() % 16 == 0 and s0 % 8 == 0 and s1 % 8 == 0 and s2 % 8 == 0 and s3 == 1 \
+    if t.data_ptr() % 16 == 0 and s0 % e == 0 and s1 % e == 0 and s2 % e == 0 and s3 == 1 \
             and s0 and s1 and s2:
         return t
     return t.clone(memory_format=torch.contiguous_format)

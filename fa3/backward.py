@@ -9,10 +9,15 @@ adds no value, so D = rowsum(dO * O) is still sum_j P_j dP_j). The sink's own gr
 d sinks_h = -sum over the rows of head h of exp(sinks_h - LSE) * D (sink_grad), from the
 preprocess's D.
 
-The autograd registration that calls it is in fa3.ops; the rung choice in fa3._dispatch.
+`attention_backward` runs the three for a given forward result (out, lse): what a caller that
+merges several attention calls needs (fa3.context_parallel_attention differentiates each ring step
+with the merged out and lse). The autograd registration that calls it is in fa3.ops; the rung
+choice in fa3._dispatch.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -65,13 +70,44 @@ def _no_sink_grad(sinks, q):
     return torch.zeros_like(sinks, memory_format=torch.contiguous_format)
 
 
+def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False,
+                       softmax_scale: float | None = None, window_size=(-1, -1), softcap: float = 0.0,
+                       deterministic: bool = False, backward_kernel: str | None = None, sinks=None):
+    """(dq, dk, dv) of fa3.attention(q, k, v, ...) for the upstream gradient `dout`, given the
+    forward's `out` (shaped like q) and FP32 `lse` (batch, heads_q, seqlen_q), with the forward's
+    causal, softmax_scale, window_size and softcap.
+
+    `out` and `lse` need not come from this q, k, v: with the out and lse of attention over a
+    larger key set (merged from blocks, as ring attention does), the result is this key block's
+    share of the gradient: dq summed over blocks, and this block's dk and dv, are exact. GQA: dk
+    and dv are summed over each group. Not differentiable itself (a plain function, not autograd).
+    deterministic and backward_kernel: as in fa3.attention.
+    sinks: the forward's attention sinks, (heads_q,) float32: then (dq, dk, dv, dsinks). (dq, dk and
+    dv need only the lse, which includes the sinks; dsinks depends on out, lse and dout alone, so
+    it is the same for every key block of a merged result: take it once.)"""
+    spec = check_backward(dout, q, k, v, out, lse, backward_kernel, sinks=sinks)
+    scale = 1.0 / math.sqrt(q.shape[3]) if softmax_scale is None else float(softmax_scale)
+    window, causal, softcap = tuple(window_size), bool(causal), float(softcap)
+    _dispatch.check_variants(spec, masking.masking(causal, window, softcap, scale), "backward_kernel")
+    if _dispatch.direct_call_ok(dout, q, k, v, out, lse) and (sinks is None or _dispatch.direct_call_ok(sinks)):
+        grads = launch_attention_backward(spec, dout, q, k, v, out, lse, causal, scale,
+                                          bool(deterministic), window, softcap, sinks)
+    else:
+        grads = torch.ops.fa3.attention_backward(dout, q, k, v, out, lse, causal, scale, spec.name,
+                                                 bool(deterministic), window[0], window[1], softcap,
+                                                 sinks)
+    return tuple(grads) if sinks is not None else tuple(grads[:3])
+
+
 _NO_LOCK: dict[torch.device, torch.Tensor] = {}  # a stand-in for the counters when not deterministic
 
 
 def launch_attention_backward(spec, dout, q, k, v, out, lse, causal: bool, scale: float,
                               deterministic: bool, window=(-1, -1), softcap: float = 0.0, sinks=None):
-    """(dq, dk, dv, dsinks) for rung `spec`: preprocess (D, LSE * log2 e), the main kernel (dK, dV per
-    query head; dQ summed in FP32), postprocess (dQ * scale -> dtype; GQA sums over each group).
+    """(dq, dk, dv, dsinks) for rung `spec`: preprocess (D, LSE * log2 e), the main kernel (dK, dV
+    per query head; dQ summed in FP32), postprocess (dQ * scale -> dtype; GQA: dK/dV from the FP32
+    sums the kernel added, or, deterministic, summed over each group from one FP32 slice per query
+    head); dsinks: sink_grad, or (0,) without sinks.
     The body of the fa3::attention_backward op: arguments are validated already."""
     dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     if dq.numel() == 0 or k.shape[1] == 0:  # nothing to differentiate, or no key: all gradients 0
@@ -124,7 +160,10 @@ def _run(spec, dout, q, k, v, out, lse, dq, dk, dv, causal, scale, deterministic
     dsinks = _no_sink_grad(None, q) if sinks is None else sink_grad(sinks, lse, dsum, seqlen_q)
     dq_acc = torch.zeros(batch, dq_rows, heads_q, head_dim, dtype=torch.float32, device=device)
     gqa = heads_q != heads_kv
-    if gqa:  # one slice per query head in FP32, summed over each group below
+    if gqa and not deterministic:  # the kernel adds each query head's share with FP32 atomics
+        dk_h = torch.zeros(batch, seqlen_k, heads_kv, head_dim, dtype=torch.float32, device=device)
+        dv_h = torch.zeros_like(dk_h)
+    elif gqa:  # one slice per query head in FP32, summed over each group below in a fixed order
         dk_h = torch.empty(batch, seqlen_k, heads_q, head_dim, dtype=torch.float32, device=device)
         dv_h = torch.empty_like(dk_h)
     else:
@@ -142,7 +181,10 @@ def _run(spec, dout, q, k, v, out, lse, dq, dk, dv, causal, scale, deterministic
     fn(q, k, v, dout, lse2, dsum, dq_acc, dk_h, dv_h, lock, mask.scale_log2, scale, mask.left,
        mask.right, mask.softcap_scale, cu_q, cu_k)
     torch.mul(dq_acc[:, :seqlen_q], scale, out=dq)
-    if gqa:
+    if gqa and not deterministic:
+        dk.copy_(dk_h)
+        dv.copy_(dv_h)
+    elif gqa:
         group = heads_q // heads_kv
         torch.sum(dk_h.view(batch, seqlen_k, heads_kv, group, head_dim), dim=3, out=dk)
         torch.sum(dv_h.view(batch, seqlen_k, heads_kv, group, head_dim), dim=3, out=dv)

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import torch
 
-from . import _checks, _dispatch, _launch, masking
+from . import _checks, _dispatch, _launch, fp8, masking
 
 
 def check_attention(q, k, v, kernel):
@@ -32,7 +32,8 @@ def check_attention(q, k, v, kernel):
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
               window_size=(-1, -1), softcap: float = 0.0,
               return_lse: bool = False, kernel: str | None = None, out=None,
-              deterministic: bool = False, backward_kernel: str | None = None, sinks=None):
+              deterministic: bool = False, backward_kernel: str | None = None, sinks=None,
+              q_descale=None, k_descale=None, v_descale=None):
     """Exact softmax attention, softmax(q k^T * softmax_scale) v, as flash-attn computes it.
 
     q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim); bf16 or
@@ -58,6 +59,12 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
         it (a row that sees no key gives 0 and lse = sinks[h]). Differentiable.
     Returns out shaped like q (and lse).
 
+    FP8: q, k, v in torch.float8_e4m3fn (fa3.quantize_fp8) with q_descale, k_descale, v_descale:
+    float32 (batch, heads_kv), or one element per tensor, or None (1); attention of the dequantized
+    inputs (x * x_descale), output bf16 (or out='s dtype, bf16 or fp16). Causal, GQA, lse,
+    window_size and softcap as above; head_dim 64, 128 or 256 (v's as q's); no sinks; `kernel`
+    names an "attention_fp8" rung. Forward only (inputs that require grad are refused). See fa3.fp8.
+
     Differentiable in q, k, v and sinks (whichever require grad), through torch.autograd, torch.compile
     and torch.utils.checkpoint; lse is returned as a non-differentiable output. GQA gradients of k
     and v are summed over the query heads that share them.
@@ -67,6 +74,10 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     sizes or seqlens do not recompile. Kernels launch on torch's current CUDA stream without
     synchronizing the host, so calls can be captured in CUDA graphs (after a first eager call).
     """
+    if fp8.is_fp8_call(q, q_descale, k_descale, v_descale):
+        return fp8.attention_fp8(q, k, v, q_descale, k_descale, v_descale, causal=causal,
+                                 softmax_scale=softmax_scale, window=window_size, softcap=softcap,
+                                 return_lse=return_lse, kernel=kernel, out=out, sinks=sinks)
     spec = check_attention(q, k, v, kernel)
     scale = 1.0 / math.sqrt(q.shape[3]) if softmax_scale is None else float(softmax_scale)
     causal = bool(causal)

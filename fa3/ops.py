@@ -17,10 +17,13 @@
     torch.ops.fa3.attention_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, appended,
                                     causal, softmax_scale, num_splits, kernel, window_left=-1,
                                     window_right=-1, softcap=0.0, sinks=None) -> (out, lse)
-
-`sinks`: optional (heads_q,) float32 attention-sink logits; the backward ops return their gradient
-dsinks (a (0,) tensor when there are none).
+    torch.ops.fa3.attention_fp8(q, k, v, q_descale, k_descale, v_descale, causal, softmax_scale,
+                                kernel, window_left, window_right, softcap, out_dtype)
+                                -> (out, lse)               forward only (FP8 e4m3 q, k, v)
     torch.ops.fa3.gemm(a, b, kernel) -> out
+
+`sinks`: optional (heads_q,) float32 attention-sink logits (16-bit inputs; the FP8 op takes none);
+the backward ops return their gradient dsinks (a (0,) tensor when there are none).
 
 All are functional (they allocate their outputs; nothing is mutated), so torch.compile and
 torch.export trace them as single graph nodes, and their fake implementations give output shapes
@@ -37,7 +40,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks, _dispatch, backward, interface, kvcache, masking, matmul, varlen
+from . import _checks, _dispatch, backward, fp8, interface, kvcache, masking, matmul, varlen
 
 _ATTENTION_SCHEMA = ("(Tensor q, Tensor k, Tensor v, bool causal, float softmax_scale, str kernel, "
                      "bool deterministic=False, str? backward_kernel=None, int window_left=-1, "
@@ -247,4 +250,28 @@ def _attention_kvcache_fake(q, k_cache, v_cache, cache_seqlens, block_table, app
                             softcap=0.0, sinks=None):
     batch, seqlen_q, heads_q, _ = q.shape
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32))
+
+
+_FP8_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor q_descale, Tensor k_descale, Tensor v_descale, "
+               "bool causal, float softmax_scale, str kernel, int window_left, int window_right, "
+               "float softcap, ScalarType out_dtype) -> (Tensor, Tensor)")
+
+
+@torch.library.custom_op("fa3::attention_fp8", mutates_args=(), schema=_FP8_SCHEMA)
+def attention_fp8(q, k, v, q_descale, k_descale, v_descale, causal, softmax_scale, kernel, window_left,
+                  window_right, softcap, out_dtype):
+    """(out in out_dtype, lse) of FP8 rung `kernel` on e4m3 q, k, v and their descales. No autograd:
+    FP8 attention is forward-only (fa3.attention refuses inputs that require grad)."""
+    spec, descales = fp8.check_attention_fp8(q, k, v, q_descale, k_descale, v_descale, kernel)
+    mask = masking.masking(causal, (window_left, window_right), softcap, softmax_scale)
+    _dispatch.check_variants(spec, mask, "kernel")
+    return fp8.launch_attention_fp8(spec, q, k, v, descales, mask, out_dtype)
+
+
+@attention_fp8.register_fake
+def _attention_fp8_fake(q, k, v, q_descale, k_descale, v_descale, causal, softmax_scale, kernel,
+                        window_left, window_right, softcap, out_dtype):
+    batch, seqlen_q, heads_q, _ = q.shape
+    return (q.new_empty(q.shape, dtype=out_dtype),
             q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32))

@@ -57,3 +57,32 @@ def attention_reference(q, k, v, causal=False, softmax_scale=None, dtype=torch.f
     probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
     out = torch.matmul(probs, vf).transpose(1, 2)
     return out, lse
+
+
+def attention_backward_reference(dout, q, k, v, out, lse, causal=False, softmax_scale=None,
+                                 dtype=torch.float64):
+    """(dq, dk, dv) in `dtype` given the forward's `out` and `lse` (fa3.attention_backward's
+    definition): P = exp(S - lse), D = rowsum(dO * O), dS = P (dO V^T - D), dQ = scale dS K,
+    dK = scale dS^T Q, dV = P^T dO; GQA: dK and dV summed over each group. With the out and lse of
+    a larger key set this is one key block's share of the gradient (ring attention's backward)."""
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    group = heads_q // heads_kv
+    qf, of, dof = (t.to(dtype).transpose(1, 2) for t in (q, out, dout))  # b h s d
+    kf = k.to(dtype).transpose(1, 2).repeat_interleave(group, dim=1)
+    vf = v.to(dtype).transpose(1, 2).repeat_interleave(group, dim=1)
+    scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale
+    if causal:
+        scores = scores.masked_fill(~causal_mask(seqlen_q, seqlen_k, q.device), float("-inf"))
+    lse = lse.to(dtype)
+    probs = torch.exp(scores - torch.where(torch.isinf(lse), float("inf"), lse)[..., None])
+    dv = torch.matmul(probs.transpose(-1, -2), dof)
+    dscores = probs * (torch.matmul(dof, vf.transpose(-1, -2)) - (dof * of).sum(-1, keepdim=True))
+    dq = torch.matmul(dscores, kf) * scale
+    dk = torch.matmul(dscores.transpose(-1, -2), qf) * scale
+
+    def per_kv_head(t):  # b h_q s d -> b s h_kv d, summed over each group
+        return t.view(batch, heads_kv, group, seqlen_k, head_dim).sum(2).transpose(1, 2)
+
+    return dq.transpose(1, 2), per_kv_head(dk), per_kv_head(dv)

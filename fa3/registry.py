@@ -14,16 +14,17 @@ import importlib
 from dataclasses import dataclass, field
 
 ATTENTION = "attention"
+ATTENTION_FP8 = "attention_fp8"  # the forward on float8_e4m3fn q, k, v (with descales)
 GEMM = "gemm"
 BACKWARD = "backward"  # attention's gradients
 KVCACHE = "kvcache"  # attention against a (paged) KV cache: decode
-FAMILIES = (ATTENTION, BACKWARD, KVCACHE, GEMM)
+FAMILIES = (ATTENTION, ATTENTION_FP8, BACKWARD, KVCACHE, GEMM)
 
 
 @dataclass(frozen=True)
 class KernelSpec:
     name: str
-    family: str  # ATTENTION, BACKWARD, KVCACHE or GEMM
+    family: str  # ATTENTION, ATTENTION_FP8, BACKWARD, KVCACHE or GEMM
     module: str  # relative to fa3.kernels
     cls: str
     summary: str
@@ -162,6 +163,21 @@ KERNELS: dict[str, KernelSpec] = {
             )
         ],
         KernelSpec(
+            "f1", ATTENTION_FP8, "k5_fp8", "Fp8Attention",
+            "k5.5 on FP8 e4m3 q/k/v: e4m3 WGMMA (k32) for both GEMMs, V^T from the host, P rounded "
+            "to e4m3 in registers in the A operand's order, descales folded into the scales",
+            config={"tile_m": 128, "tile_n": 128, "kv_stages": 2, "q_stages": 1, "pingpong": True,
+                    "intra_wg_overlap": True, "dynamic_schedule": True},
+            # k5.5's tiles (the FP8 tiles hold half the bytes: room for more stages, not measured)
+            per_head_dim={64: {"kv_stages": 3, "tile_m": 192}, 256: {"tile_n": 64}},
+            ptx_promises=("wgmma.mma_async", ".e4m3.e4m3", "cvt.rn.satfinite.e4m3x2.f32", "setmaxnreg",
+                          "cp.async.bulk.tensor", "bar.arrive"),
+            # no operand is read from SMEM into registers, and nothing is rounded to 16 bits but O
+            ptx_forbids=("cvt.f32.bf16", "ld.shared.u8", "ld.shared.b8", "ld.shared.u16",
+                         "ld.shared.b16"),
+            speed_rank=1, persistent=True, variants=("local", "softcap"),
+        ),
+        KernelSpec(
             "b1", BACKWARD, "bwd", "AttentionBackward",
             "backward: five WGMMAs per Q tile against one K/V tile, P and dS through SMEM, "
             "dQ by FP32 atomics, each GEMM waited for",
@@ -252,9 +268,9 @@ def get(name: str) -> KernelSpec:
 
 
 def available_kernels(family: str | None = None, head_dim: int | None = None) -> list[str]:
-    """Names of every rung, slowest first (`family`: "attention", "backward", "kvcache" or "gemm"
-    to filter; any other family is refused; `head_dim`: only the rungs that compile it, e.g.
-    available_kernels("attention", head_dim=96))."""
+    """Names of every rung, slowest first (`family`: "attention", "attention_fp8", "backward",
+    "kvcache" or "gemm" to filter; any other family is refused; `head_dim`: only the rungs that
+    compile it, e.g. available_kernels("attention", head_dim=96))."""
     if family is not None and family not in FAMILIES:
         raise ValueError(f"family={family!r} is not a kernel family; choose one of "
                          f"{', '.join(map(repr, FAMILIES))} (or None for every rung)")

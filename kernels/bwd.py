@@ -113,7 +113,8 @@ class AttentionBackward:
                  mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, stream):
         """mLSE2, mD: (batch, heads_q, seqlen_q rounded up to tile_m) FP32 from the preprocess;
         mdQacc: (batch, same rows, heads_q, d) FP32, zeroed; mdK, mdV: (batch, seqlen_k, heads_q,
-        d), one slice per query head (FP32 when GQA sums them afterwards); mLock: (batch, heads_q,
+        d), one slice per query head, or under GQA FP32: zeroed (batch, seqlen_k, heads_kv, d) that
+        the kernel adds into, or, deterministic, per-query-head slices summed afterwards; mLock: (batch, heads_q,
         Q tiles) int32 zeros, read only when deterministic. The window edges and softcap_scale
         are read only by the local and softcap variants (as the forward's), cu_seqlens_q/k only by
         the varlen one. Varlen: batch = 1 holding every entry; mLSE2, mD have total_q rows, mdQacc
@@ -179,7 +180,7 @@ class AttentionBackward:
                 q_producer = pipeline.produce(q_pipe, q_producer, m_first + q_producer.count, q_copies)
         if warp_idx == 0:
             pipeline.tail(q_pipe, q_producer)
-        self.store_dkv(ctx, mdK, mdV, n_block, head, batch, softmax_scale)
+        self.store_dkv(ctx, mdK, mdV, n_block, head, batch, softmax_scale, mLSE2.shape[1])
 
     # ---------------------------------------------------------------- setup pieces
     @cute.jit
@@ -433,16 +434,24 @@ class AttentionBackward:
 
     @cute.jit
     def store_dkv(self, ctx, mdK: cute.Tensor, mdV: cute.Tensor, n_block: Int32, head: Int32,
-                  batch: Int32, softmax_scale: Float32):
-        """dK * softmax_scale and dV, rounded to the output's dtype, rows past seqlen_k skipped."""
+                  batch: Int32, softmax_scale: Float32, heads_q: Int32):
+        """dK * softmax_scale and dV, rows past seqlen_k skipped: rounded to the output's dtype
+        into this head's slice, or, GQA without determinism (FP32 dK/dV with heads_kv heads),
+        added with FP32 atomics into the slice of the group's KV head."""
         coords = ctx.thr_dkv.partition_C(cute.make_identity_tensor((self.tile_n, self.head_dim)))
         tile, offset = (self.tile_n, self.head_dim), ctx.seq.offset_k
+        group_sum = cutlass.const_expr(mdK.element_type == Float32 and not self.deterministic)
+        slice_head = head // (heads_q // mdK.shape[2]) if group_sum else head
         gdK = ctx.thr_dkv.partition_C(cute.local_tile(
-            seqlen.rows(tma.seq_major(mdK), head, batch, offset, self.varlen), tile, (n_block, 0)))
+            seqlen.rows(tma.seq_major(mdK), slice_head, batch, offset, self.varlen), tile, (n_block, 0)))
         gdV = ctx.thr_dkv.partition_C(cute.local_tile(
-            seqlen.rows(tma.seq_major(mdV), head, batch, offset, self.varlen), tile, (n_block, 0)))
+            seqlen.rows(tma.seq_major(mdV), slice_head, batch, offset, self.varlen), tile, (n_block, 0)))
         rows_left = ctx.seq.seqlen_k - n_block * self.tile_n
         for i in cutlass.range(cute.size(ctx.acc_dk), unroll_full=True):
             if coords[i][0] < rows_left:
-                gdK[i] = (ctx.acc_dk[i] * softmax_scale).to(mdK.element_type)
-                gdV[i] = ctx.acc_dv[i].to(mdV.element_type)
+                if cutlass.const_expr(group_sum):
+                    accum.add_element(gdK, i, ctx.acc_dk[i] * softmax_scale)
+                    accum.add_element(gdV, i, ctx.acc_dv[i])
+                else:
+                    gdK[i] = (ctx.acc_dk[i] * softmax_scale).to(mdK.element_type)
+                    gdV[i] = ctx.acc_dv[i].to(mdV.element_type)

@@ -115,7 +115,7 @@ class WarpSpecializedBackward(AttentionBackward):
                 q_consumer = self.consume_step(ctx, s, q_pipe, q_consumer,
                                                self.m_block_at(i, n_block, m_first, m_end), n_block,
                                                head, batch, mLSE2, mD, scale_log2)
-            self.store_dkv(ctx, mdK, mdV, n_block, head, batch, softmax_scale)
+            self.store_dkv(ctx, mdK, mdV, n_block, head, batch, softmax_scale, mLSE2.shape[1])
 
     @cute.jit
     def m_block_at(self, i: Int32, n_block: Int32, m_first: Int32, m_end: Int32) -> Int32:

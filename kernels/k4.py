@@ -40,6 +40,10 @@ class WgmmaAttention(TmaRingAttention):
         else:
             assert tile_m == 64, "K4.1 keeps K3's 4-threads-per-row softmax: tile_m = 64"
 
+    # V's SMEM tile as P V's B operand: (tile_n, d) read through a transposed view (MN-major, 16-bit
+    # types), or (FP8, "K") already stored transposed as (d, tile_n)
+    v_major = "MN"
+
     def p_smem_elems(self) -> int:
         return 8 if self.pv_on_wgmma else super().p_smem_elems()  # K4.2: P stays in registers
 
@@ -58,9 +62,10 @@ class WgmmaAttention(TmaRingAttention):
         if cutlass.const_expr(not self.pv_on_wgmma):
             ctx.k3 = super().compute_setup(sQ, sK, sV, sP, tidx, m_block, seqlen_q, seqlen_k)
             return ctx
-        ctx.pv = mma.tiled_mma(self.dtype, self.tile_m, self.head_dim_v, b_major="MN", a_in_regs=True)
+        ctx.pv = mma.tiled_mma(self.dtype, self.tile_m, self.head_dim_v, b_major=self.v_major, a_in_regs=True)
         thr_pv = ctx.pv.get_slice(tidx)
-        ctx.tOrVt = mma.fragment_B(mma.warpgroup_slice(ctx.pv, mma_tidx), mma.transpose_view(sV))
+        sVt = mma.transpose_view(sV) if self.v_major == "MN" else sV
+        ctx.tOrVt = mma.fragment_B(mma.warpgroup_slice(ctx.pv, mma_tidx), sVt)
         ctx.acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((self.tile_m, self.head_dim_v)), Float32)
         ctx.acc_o.fill(0.0)
         ctx.o_coords = mma.rows_cols(thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v))))

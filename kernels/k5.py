@@ -29,6 +29,7 @@ Constraints: head_dim 64/96/128/192/256 (tiles per head dim in the registry); th
 """
 
 from types import SimpleNamespace
+from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -90,12 +91,28 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
         """mQ/mK/mV/mO (batch, seqlen, heads, d), mLSE (batch, heads_q, seqlen_q). Varlen: batch 1,
         the sequences packed along seqlen at the int32 offsets mCuSeqlensQ/K (batch + 1,); otherwise
         those are unread stand-ins, as are the window edges (mask.py), softcap_scale
-        (softmax.softcap) and mSinks (heads_q,) FP32 (softmax.finalize) when their variant is off."""
-        batch, seqlen_q, heads_q, _ = mQ.shape
+        (softmax.softcap) and mSinks (heads_q,) FP32 (softmax.finalize) when their variant is off
+        (the kernel then takes None in mSinks' place: no parameter)."""
+        self.launch(mQ, mK, mV, mO, mLSE, scale_log2, sm_count, mTileCounter, mCuSeqlensQ,
+                    mCuSeqlensK, window_left, window_right, softcap_scale,
+                    (mSinks if cutlass.const_expr(self.sinks) else None,), stream)
+
+    def make_stage_loads(self, mQ, mK, mV):
+        """SMEM layouts of Q, K and V and their TMA atoms: K3's, V's ring on V's head dim."""
         sQ_layout, sKV_layout, loads = self.make_loads(mQ, mK, mV)
-        sV_layout = self.v_layout()
+        return sQ_layout, sKV_layout, self.v_layout(), loads
+
+    @cute.jit
+    def launch(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+               mLSE: cute.Tensor, scale_log2: Float32, sm_count: Int32, mTileCounter: cute.Tensor,
+               mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, window_left: Int32,
+               window_right: Int32, softcap_scale: Float32, extra: tuple, stream):
+        """SMEM, TMA atoms and the persistent launch; `extra` (tensors) go to `kernel` after
+        softcap_scale (K5's: the sinks or None; a subclass's kernel takes its own)."""
+        batch, seqlen_q, heads_q, _ = mQ.shape
+        sQ_layout, sKV_layout, sV_layout, loads = self.make_stage_loads(mQ, mK, mV)
         epi_tile = epilogue.subtile(self.tile_m, self.consumer_wgs)
-        sO_layout = epilogue.smem_layout(self.dtype, epi_tile, EPI_STAGES)
+        sO_layout = epilogue.smem_layout(mO.element_type, epi_tile, EPI_STAGES)
         tma_o, tO = tma.make_store(tma.seq_major(mO), sO_layout, epi_tile)
 
         @cute.struct
@@ -106,16 +123,15 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
-            sO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sO_layout)], 1024]
+            sO: cute.struct.Align[cute.struct.MemRange[mO.element_type, cute.cosize(sO_layout)], 1024]
             next_tile: cute.struct.MemRange[Int32, 1]
 
         smem.check_budget(SharedStorage.size_in_bytes(),
                           f"K5 with kv_stages={self.kv_stages}, tile_n={self.tile_n}, d={self.head_dim}")
         tiles = cute.ceil_div(seqlen_q, self.tile_m) * heads_q * batch
         self.kernel(*loads, tma_o, tO, mO, mLSE, scale_log2, mTileCounter, mCuSeqlensQ, mCuSeqlensK,
-                    window_left, window_right, softcap_scale, mSinks, sQ_layout, sKV_layout, sV_layout,
-                    sO_layout,
-                    epi_tile, SharedStorage).launch(
+                    window_left, window_right, softcap_scale, *extra, sQ_layout, sKV_layout, sV_layout,
+                    sO_layout, epi_tile, SharedStorage).launch(
             grid=[scheduler.persistent_grid(tiles, sm_count), 1, 1], block=[self.num_threads, 1, 1],
             stream=stream, min_blocks_per_mp=1)
 
@@ -125,11 +141,22 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
                tma_v: cute.CopyAtom, mV: cute.Tensor, tma_o: cute.CopyAtom, mO: cute.Tensor,
                mO_rows: cute.Tensor, mLSE: cute.Tensor, scale_log2: Float32, mTileCounter: cute.Tensor,
                mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, window_left: Int32,
-               window_right: Int32, softcap_scale: Float32, mSinks: cute.Tensor,
-               sQ_layout: cute.ComposedLayout,
-               sKV_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
-               sO_layout: cute.ComposedLayout,
+               window_right: Int32, softcap_scale: Float32, mSinks: Optional[cute.Tensor],
+               sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
+               sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
                epi_tile: cutlass.Constexpr, SharedStorage: cutlass.Constexpr):
+        self.roles(tma_q, mQ, tma_k, mK, tma_v, mV, tma_o, mO, mO_rows, mLSE, scale_log2, mTileCounter,
+                   mCuSeqlensQ, mCuSeqlensK, window_left, window_right, softcap_scale, mSinks, None,
+                   sQ_layout, sKV_layout, sV_layout, sO_layout, epi_tile, SharedStorage)
+
+    @cute.jit
+    def roles(self, tma_q, mQ, tma_k, mK, tma_v, mV, tma_o, mO, mO_rows, mLSE, scale_log2: Float32,
+              mTileCounter, mCuSeqlensQ, mCuSeqlensK, window_left: Int32, window_right: Int32,
+              softcap_scale: Float32, sinks, descales, sQ_layout, sKV_layout, sV_layout, sO_layout,
+              epi_tile: cutlass.Constexpr, SharedStorage: cutlass.Constexpr):
+        """The kernel's body: barriers, SMEM, then the producer and consumer roles. `sinks`: None,
+        or the (heads_q,) FP32 sink logits (the sinks variant); `descales`: None, or FP8's (q, k, v)
+        descale tensors (batch, heads_kv)."""
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -137,11 +164,11 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
 
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         consumer_warps = 4 * self.consumer_wgs
-        kv_bytes = smem.stage_bytes(self.dtype, sKV_layout)
         barriers = storage.kv_barriers.data_ptr()
         q_pipe = pipeline.create(storage.q_barriers.data_ptr(), self.q_stages, consumer_warps,
                                  smem.stage_bytes(self.dtype, sQ_layout))
-        k_pipe = pipeline.create(barriers, self.kv_stages, consumer_warps, kv_bytes)
+        k_pipe = pipeline.create(barriers, self.kv_stages, consumer_warps,
+                                 smem.stage_bytes(self.dtype, sKV_layout))
         v_pipe = pipeline.create(barriers + 2 * self.kv_stages, self.kv_stages, consumer_warps,
                                  smem.stage_bytes(self.dtype, sV_layout))
         # K5.5: the next tile's index, producer warp -> every consumer thread (common/scheduler.py)
@@ -160,8 +187,9 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
         varlen = cutlass.const_expr(self.varlen)
         rows_q, rows_k = (mO_rows.shape[1], mK.shape[0]) if varlen else (None, None)
         params = SimpleNamespace(
-            cu_q=mCuSeqlensQ, cu_k=mCuSeqlensK, o_rows=mO_rows, softcap_scale=softcap_scale, sinks=mSinks,
-            rows_q=rows_q, rows_k=rows_k,
+            cu_q=mCuSeqlensQ, cu_k=mCuSeqlensK, o_rows=mO_rows, softcap_scale=softcap_scale,
+            rows_q=rows_q, rows_k=rows_k, sinks=sinks, descales=descales,
+            group=mQ.shape[2] // mK.shape[2],
             window=(window_left, window_right) if cutlass.const_expr(self.local) else None,
             q_blocks=scheduler.varlen_blocks(mCuSeqlensQ, self.tile_m, rows_q) if varlen else None)
 
@@ -198,6 +226,10 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
         for pipe, state in zip((q_pipe, k_pipe, v_pipe), states):
             pipeline.tail(pipe, state)
 
+    def v_tiles(self, gV: cute.Tensor) -> cute.Tensor:
+        """One head's V rows, (seqlen_k, d_v), as (tile_n, d_v) tiles indexed by the last mode."""
+        return cute.local_tile(gV, (self.tile_n, self.head_dim_v), (None, 0))
+
     def tiles_done_parity(self, q_state, producer: bool):
         """The number of tiles this role has finished, mod 2, read off its Q ring state (one Q
         stage per tile): its count, or with one Q stage its phase, which flips once a tile
@@ -219,7 +251,7 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
         gV = seqlen.rows(mV, head_kv, batch, seq.offset_k, self.varlen)
         tQsQ, tQgQ = tma.partition(tma_q, cute.local_tile(gQ, tile_q, (None, 0)), sQ)
         tKsK, tKgK = tma.partition(tma_k, cute.local_tile(gK, tile_kv, (None, 0)), sK)
-        tVsV, tVgV = tma.partition(tma_v, cute.local_tile(gV, (self.tile_n, self.head_dim_v), (None, 0)), sV)
+        tVsV, tVgV = tma.partition(tma_v, self.v_tiles(gV), sV)
         n_max, n_blocks = self.kv_range(m_block, seq, params)
         if n_blocks == 0:  # no key is visible: the consumers still take (and release) the Q tile
             q_state = pipeline.produce(q_pipe, q_state, m_block, [(tma_q, tQgQ, tQsQ)])
@@ -269,6 +301,7 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
         ctx.window, ctx.softcap_scale, ctx.n_max = params.window, params.softcap_scale, n_max
         if cutlass.const_expr(self.sinks):  # read now, used by the epilogue: its latency is hidden
             ctx.sink_log2 = params.sinks[head] * Float32(softmax.LOG2E)
+        scale_log2 = self.tile_scales(ctx, scale_log2, batch, head, params)
         pipeline.consume_wait(q_pipe, q_state)
         if n_blocks > 0:
             if cutlass.const_expr(self.intra_wg_overlap):
@@ -286,13 +319,22 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
             self.store_o(ctx, tma_o, mO, sO, mLSE, batch, head, scale_log2, store_pipe, ctidx, epi_tile)
         return q_state, k_state, v_state
 
+    def tile_scales(self, ctx, scale_log2: Float32, batch: Int32, head: Int32, params):
+        """The tile's exp2-domain score scale; sets ctx.o_scale (None: O is only divided by the row
+        sums). FP8 folds its descales in here."""
+        ctx.o_scale = None
+        return scale_log2
+
     @cute.jit
     def store_o(self, ctx, tma_o, mO, sO, mLSE, batch: Int32, head: Int32, scale_log2: Float32,
                 store_pipe, ctidx: Int32, epi_tile: cutlass.Constexpr):
         """O / l through SMEM (stmatrix) and a TMA store that clips the ragged edge; LSE direct."""
         o_mn = mma.rows_cols(ctx.acc_o)
         for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
-            inv_sum, lse = softmax.finalize(ctx.row_max[r], ctx.row_sum[r], scale_log2, 4, ctx.sink_log2)
+            inv_sum, lse = softmax.finalize(ctx.row_max[r], ctx.row_sum[r], scale_log2, 4,
+                                            ctx.sink_log2, self.p_offset_log2)
+            if cutlass.const_expr(ctx.o_scale is not None):
+                inv_sum = inv_sum * ctx.o_scale
             for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
                 o_mn[r, c] = o_mn[r, c] * inv_sum
             row = ctx.m_block * self.tile_m + ctx.o_coords[r, 0][0]
@@ -317,7 +359,7 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
     def issue_pv(self, ctx, p, v_pipe, v_state):
         """Wait for V_j and issue O += P V_j without waiting for it."""
         pipeline.consume_wait(v_pipe, v_state)
-        mma.gemm(ctx.pv, ctx.acc_o, mma.as_a_operand(p), ctx.tOrVt[None, None, None, v_state.index], wait=-1)
+        mma.gemm(ctx.pv, ctx.acc_o, self.p_operand(p), ctx.tOrVt[None, None, None, v_state.index], wait=-1)
 
     @cute.jit
     def softmax_tile(self, ctx, acc_s, n_block: Int32, scale_log2: Float32, masked: cutlass.Constexpr):
@@ -328,7 +370,20 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
         if cutlass.const_expr(masked):
             mask.apply(s_mn, ctx.s_coords, ctx.m_block * self.tile_m, n_block * self.tile_n,
                        ctx.seqlen_q, ctx.seqlen_k, self.causal, window=ctx.window)
-        return softmax.online_update(s_mn, ctx.row_max, ctx.row_sum, scale_log2, 4)
+        return softmax.online_update(s_mn, ctx.row_max, ctx.row_sum, scale_log2, 4, self.p_offset_log2)
+
+    # P = exp(S - max) in registers, rounded to the operand type of P V and used as its A operand
+    # (16-bit: the accumulator's own layout, regrouped); FP8 replaces these three.
+    p_offset_log2 = 0  # P is computed as 2^p_offset_log2 times the probabilities (finalize undoes it)
+
+    def new_p(self, ctx, acc_s: cute.Tensor) -> cute.Tensor:
+        return cute.make_rmem_tensor_like(acc_s, self.dtype)
+
+    def convert_p(self, p: cute.Tensor, acc_s: cute.Tensor):
+        p.store(acc_s.load().to(self.dtype))
+
+    def p_operand(self, p: cute.Tensor) -> cute.Tensor:
+        return mma.as_a_operand(p)
 
     @cute.jit
     def masked_tiles(self, ctx, n_blocks: Int32):
@@ -387,8 +442,8 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
         k_state = pipeline.release(k_pipe, k_state)
         correction = self.softmax_tile(ctx, acc_s, n_block, scale_log2, masked)
         self.rescale_o(ctx, correction)
-        p = cute.make_rmem_tensor_like(acc_s, self.dtype)
-        p.store(acc_s.load().to(self.dtype))
+        p = self.new_p(ctx, acc_s)
+        self.convert_p(p, acc_s)
         self.wait_turn(wg)
         self.issue_pv(ctx, p, v_pipe, v_state)
         warpgroup.wait_group(0)
@@ -406,8 +461,8 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
         warpgroup.wait_group(0)
         k_state = pipeline.release(k_pipe, k_state)
         self.softmax_tile(ctx, acc_s, n_max - 1, scale_log2, True)
-        p = cute.make_rmem_tensor_like(acc_s, self.dtype)
-        p.store(acc_s.load().to(self.dtype))
+        p = self.new_p(ctx, acc_s)
+        self.convert_p(p, acc_s)
         unmasked_from = cutlass.max(n_masked, 1)
         for j in cutlass.range(1, unmasked_from, unroll=1):
             k_state, v_state = self.overlapped_step(ctx, k_pipe, v_pipe, k_state, v_state, p,
@@ -442,6 +497,6 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
         k_state = pipeline.release(k_pipe, k_state)
         warpgroup.wait_group(0)  # P_{j-1} V_{j-1} is done: P's registers and V's stage are free
         v_state = pipeline.release(v_pipe, v_state)
-        p.store(acc_s.load().to(self.dtype))
+        self.convert_p(p, acc_s)
         self.rescale_o(ctx, correction)
         return k_state, v_state

@@ -178,6 +178,26 @@ def test_deterministic_is_bitwise_repeatable(kernel):
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("kernel", BWD_RUNGS)
+def test_attention_backward_function_matches_autograd(kernel):
+    """fa3.attention_backward on the forward's (out, lse): the autograd gradients, bitwise
+    (deterministic); on strided views (q's second half, as the ring passes it) too."""
+    q, k, v, dout = _inputs(2, 514, 300, 4, 2, 128)
+    for causal in (True, False):
+        call = dict(causal=causal, backward_kernel=kernel, deterministic=True)
+        ref = _grads(lambda q, k, v: fa3.attention(q, k, v, **call), q, k, v, dout)
+        out, lse = fa3.attention(q, k, v, causal=causal, return_lse=True)
+        _poison_allocator()
+        got = fa3.attention_backward(dout, q, k, v, out, lse, **call)
+        for a, b in zip(got, ref[1:]):
+            assert torch.equal(a, b)
+        half = q.shape[1] // 2  # views: what the ring passes (a fresh contiguous copy is the reference)
+        views = (dout[:, half:], q[:, half:], k[:, :150], v[:, :150], out[:, half:], lse[:, :, half:])
+        copies = [t.contiguous() for t in views]
+        for a, b in zip(fa3.attention_backward(*views, **call), fa3.attention_backward(*copies, **call)):
+            assert torch.equal(a, b)
+
+
 def test_long_sequence_against_sdpa():
     """32k keys: too large for a float64 reference; compare with SDPA's flash backward instead."""
     from torch.nn.attention import SDPBackend, sdpa_kernel

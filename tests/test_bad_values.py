@@ -60,6 +60,34 @@ def test_good_values_pass():
     _check(_lengths())  # an empty batch
 
 
+def test_unchanged_values_are_not_copied_again(monkeypatch):
+    """The layers of a decode step pass the same tensors: only the first call copies them. Any
+    in-place change (torch's version counter), another tensor or other bounds copies again."""
+    copies = []
+    start_host_copy = index_checks.start_host_copy
+    monkeypatch.setattr(index_checks, "start_host_copy", lambda ts: copies.append(1) or start_host_copy(ts))
+    seqlens, table = _lengths(64, 65), _table([0, 1, 2, 3], [4, 5, 6, 7])
+    for _ in range(3):
+        _check(seqlens, table)
+    assert len(copies) == 1
+    _check(seqlens, table, appended=1)  # other bounds
+    assert len(copies) == 2
+    table[1, 1] = 100000  # in place, used by sequence 1: refused even though the object is the same
+    _bad(["block_table[1, 1] = 100000"], seqlens, table)
+    _bad(["block_table[1, 1] = 100000"], seqlens, table)  # a failed check is never remembered
+    table[1, 1] = 5
+    _check(seqlens, table)
+    seqlens[0] = -3
+    _bad(["cache_seqlens[0] = -3"], seqlens, table)
+    _check(_lengths(64, 65), _table([0, 1, 2, 3], [4, 5, 6, 7]))  # new tensors: copied, checked
+    with torch.inference_mode():  # no version counter: copied every time
+        seqlens, table = _lengths(64, 65), _table([0, 1, 2, 3], [4, 5, 6, 7])
+    before = len(copies)
+    _check(seqlens, table)
+    _check(seqlens, table)
+    assert len(copies) == before + 2
+
+
 def test_bad_cache_seqlens():
     _bad(["cache_seqlens[0] = 100000", "capacity of 256", "k_cache.shape[1] = 256", "[0, 256]"],
          _lengths(100000, 3))

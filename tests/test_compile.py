@@ -69,6 +69,8 @@ def test_backward_deterministic_variant_compiles(name):
     ("k5.5", dict(head_dim=128, causal=True, varlen=True), ("vote.sync.ballot",)),  # tile search
     ("k5.5", dict(head_dim=128, causal=False, softcap=True), ("tanh.approx.f32",)),
     ("k5.5", dict(head_dim=64, causal=False, local=True), ("wgmma.mma_async",)),
+    ("f1", dict(head_dim=128, causal=False, softcap=True), ("tanh.approx.f32", ".e4m3.e4m3")),
+    ("f1", dict(head_dim=64, causal=True, local=True), (".e4m3.e4m3",)),
     ("s1", dict(head_dim=128, causal=True, paged=True, local=True, softcap=True), ("tanh.approx.f32",)),
     ("b2", dict(head_dim=128, causal=False, local=True, softcap=True), ("tanh.approx.f32", "lg2.approx")),
     ("b1", dict(head_dim=128, causal=False, local=True, softcap=True), ("tanh.approx.f32", "lg2.approx")),

@@ -143,6 +143,23 @@ def test_sinks_gradient_shapes_on_meta(meta_ok):
     assert sinks.grad.shape == (8,)
 
 
+def test_attention_backward_function_with_sinks_traced(meta_ok):
+    """fa3.attention_backward (traced: the op's fake on meta tensors): (dq, dk, dv) without sinks,
+    and d sinks fourth with them (the op's fourth output, shaped like sinks)."""
+    q, k = _meta(2, 33, 8, 64), _meta(2, 17, 2, 64)
+    out, lse = _meta(2, 33, 8, 64), torch.empty(2, 8, 33, device="meta")
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def grads(sinks):
+        return fa3.attention_backward(q, q, k, k, out, lse, causal=True, sinks=sinks)
+
+    assert [tuple(g.shape) for g in grads(None)] == [(2, 33, 8, 64), (2, 17, 2, 64), (2, 17, 2, 64)]
+    with_sinks = grads(torch.zeros(8, device="meta"))
+    assert len(with_sinks) == 4 and with_sinks[3].shape == (8,) and with_sinks[3].dtype == torch.float32
+    raises_with(fa3.attention_backward, ValueError, "sinks", "(heads_q=8,)", dout=q, q=q, k=k, v=k,
+                out=out, lse=lse, sinks=torch.zeros(4, device="meta"))
+
+
 # ----------------------------------------------------------------------------- GPU
 def _gpu_inputs(batch, sq, sk, hq, hkv, d, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -198,6 +215,21 @@ def test_sinks_forward_backward_match_reference(head_dim, causal, window, shape)
     assert torch.allclose(lse.double(), ref_lse, atol=1e-2, rtol=1e-3)  # finite everywhere: sinks
     # eager (no grad) takes the direct path: the same kernel, the same numbers
     assert torch.equal(fa3.attention(q, k, v, sinks=sinks, **kw), out.detach())
+
+
+@gpu
+def test_attention_backward_function_with_sinks_matches_autograd():
+    """fa3.attention_backward(..., sinks=) on the forward's (out, lse): autograd's dq, dk, dv and
+    d sinks, bitwise (deterministic)."""
+    q, k, v, dout = _gpu_inputs(2, 300, 200, 8, 2, 128, seed=5)
+    sinks = _sinks(8, device="cuda")
+    qg, kg, vg, sg = (t.clone().requires_grad_() for t in (q, k, v, sinks))
+    fa3.attention(qg, kg, vg, causal=True, sinks=sg, deterministic=True).backward(dout)
+    out, lse = fa3.attention(q, k, v, causal=True, sinks=sinks, return_lse=True)
+    _poison()
+    got = fa3.attention_backward(dout, q, k, v, out, lse, causal=True, sinks=sinks, deterministic=True)
+    for name, a, b in zip(("dq", "dk", "dv", "dsinks"), got, (qg.grad, kg.grad, vg.grad, sg.grad)):
+        assert torch.equal(a, b), name
 
 
 @gpu

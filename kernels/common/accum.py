@@ -23,11 +23,17 @@ def elem_ptr(t: cute.Tensor, i):
 
 
 @cute.jit
+def add_element(gX: cute.Tensor, i, value: Float32):
+    """gX[i] += value, an FP32 atomic the L2 performs (fire and forget)."""
+    cute.arch.red(elem_ptr(gX, i), value, op="add", dtype=Float32, sem="relaxed", scope="gpu")
+
+
+@cute.jit
 def add_fragment(acc: cute.Tensor, gX: cute.Tensor):
     """gX[i] += acc[i] for every element of this thread's fragment; gX is the global tile
     partitioned the same way as acc (tiled_mma thread slice .partition_C)."""
     for i in cutlass.range(cute.size(acc), unroll_full=True):
-        cute.arch.red(elem_ptr(gX, i), acc[i], op="add", dtype=Float32, sem="relaxed", scope="gpu")
+        add_element(gX, i, acc[i])
 
 
 @cute.jit

@@ -101,6 +101,40 @@ def as_a_operand(p: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(p.iterator, frg)
 
 
+# FP8 (e4m3) P as the A operand of P V. Per k32 block a thread's FP32 accumulator holds, for each of
+# its 2 rows, columns 8g + 2t + {0, 1} (g < 4 groups of 8, t = lane % 4); the m64k32 e4m3 A fragment
+# holds 4 bytes a register, k = 16h + 4t + {0..3} (h < 2) per row: 8 values a row either way, not
+# the same columns. fp8_a_order reads a thread's own accumulator in A's order, A byte 16h + 4t + j
+# taking column 8(2h + j // 2) + 2t + j % 2: a fixed permutation of the columns (keys) inside each
+# 16, which the B operand's keys must follow (the FP8 rung's V^T is permuted so on the host).
+
+
+def fp8_a_shape(acc: cute.Tensor):
+    """The A fragment of P V for accumulator `acc` ((2, 2, N/8), MMA_M, MMA_N) of S: (4 bytes,
+    2 rows, 2 halves of k32), MMA_M, (N/32 k blocks, MMA_N)."""
+    (_, _, groups), mma_m, mma_n = acc.shape
+    return ((4, 2, 2), mma_m, (groups // 4, mma_n))
+
+
+def fp8_a_view(p: cute.Tensor) -> cute.Tensor:
+    """A compact fp8_a_shape tensor with its 4 bytes split as (2 columns of a pair, 2 groups of 8),
+    the shape fp8_a_order gives."""
+    (_, rows, halves), mma_m, k_blocks = p.shape
+    return cute.make_tensor(p.iterator, cute.make_layout((((2, 2), rows, halves), mma_m, k_blocks)))
+
+
+def fp8_a_order(acc: cute.Tensor) -> cute.Tensor:
+    """The FP32 accumulator of S seen in the FP8 A operand's element order (no data movement):
+    (((pair, group), row, half), MMA_M, (k block, MMA_N)), group/half/k block being groups of 8
+    columns 1/2/4 apart."""
+    (_, _, groups), mma_m, mma_n = acc.shape
+    compact = cute.make_layout(acc.shape).stride  # ((1, 2, 4), ...): column pair, row, group
+    (s_col, s_row, s_grp), s_m, s_n = compact
+    order = cute.make_layout((((2, 2), 2, 2), mma_m, (groups // 4, mma_n)),
+                             stride=(((s_col, s_grp), s_row, 2 * s_grp), s_m, (4 * s_grp, s_n)))
+    return cute.make_tensor(acc.iterator, cute.composition(acc.layout, order))
+
+
 def transpose_view(s: cute.Tensor) -> cute.Tensor:
     """(rows, cols, ...) SMEM tensor seen as (cols, rows, ...): V (tile_n, d) as the MN-major
     B operand (d, tile_n) of P V, with no data movement."""

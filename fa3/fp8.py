@@ -1,0 +1,131 @@
+"""The FP8 forward: fa3.attention on torch.float8_e4m3fn q, k, v with descales (rung family
+"attention_fp8", kernels/k5_fp8.py).
+
+    out = fa3.attention(q8, k8, v8, q_descale=sq, k_descale=sk, v_descale=sv, causal=True)
+
+computes attention of the dequantized inputs, q8 * q_descale etc. (flash-attn's FA3 interface):
+descales are float32 shaped (batch, heads_kv), or one element for the whole tensor, or None (1);
+q_descale is per KV head (one scale for the query heads of a group). The output is bf16 (or out='s
+dtype, bf16 or fp16); causal, GQA, the LSE, sliding windows and softcap are as in bf16. Forward
+only: q, k or v that require grad are refused. fa3.quantize_fp8 makes the inputs and scales.
+
+The kernel's V is V^T, (batch, heads_kv, d, keys padded to 16) with the keys permuted inside each
+16 (transpose_v: the order in which each thread packs P into the FP8 A operand, kernels/k5_fp8.py):
+one pass over V on the host per call (1 byte an element), which FA3's C++ kernel does in SMEM.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import _checks, _compile, _dispatch, _launch, masking, registry
+
+# transpose_v: key 16b + 8a + 2t + c goes to position 16b + 4t + 2a + c (mma.fp8_a_order)
+KEY_BLOCK = 16
+
+
+def transpose_v(v: torch.Tensor) -> torch.Tensor:
+    """V (batch, seqlen_k, heads_kv, d) e4m3 -> the kernel's V^T: a (batch, d, heads_kv, keys) view
+    of a contiguous (batch, heads_kv, d, keys) tensor, keys = seqlen_k rounded up to 16 (zeros past
+    seqlen_k), each 16 keys in the order the FP8 P operand packs them."""
+    batch, seqlen, heads, d = v.shape
+    keys = -(-seqlen // KEY_BLOCK) * KEY_BLOCK
+    u = v.view(torch.uint8)  # FP8 has few torch kernels; bytes copy the same (0x00 is +0.0)
+    if keys != seqlen:
+        padded = u.new_zeros(batch, keys, heads, d)
+        padded[:, :seqlen] = u
+        u = padded
+    # (b, blocks, a, t, c, h, d) -> (b, h, d, blocks, t, a, c): key 16b + 8a + 2t + c at 16b + 4t + 2a + c
+    blocks = u.reshape(batch, keys // KEY_BLOCK, 2, 4, 2, heads, d)
+    vt = blocks.permute(0, 5, 6, 1, 3, 2, 4).reshape(batch, heads, d, keys)
+    return vt.view(v.dtype).permute(0, 2, 1, 3)
+
+
+def is_fp8_call(q, q_descale, k_descale, v_descale) -> bool:
+    """Whether fa3.attention's call belongs to the FP8 forward: FP8 q, or any descale given."""
+    return (isinstance(q, torch.Tensor) and q.dtype in _checks.FP8_LIKE) or \
+        q_descale is not None or k_descale is not None or v_descale is not None
+
+
+def check_attention_fp8(q, k, v, q_descale, k_descale, v_descale, kernel, out=None, sinks=None):
+    """fa3.attention's FP8 arguments; returns (spec, (q_descale, k_descale, v_descale)) with the
+    descales as the kernel takes them (float32, (batch, heads_kv), contiguous)."""
+    if isinstance(q, torch.Tensor) and q.dtype not in _checks.FP8_LIKE:
+        raise ValueError(f"q_descale, k_descale and v_descale apply to FP8 inputs; q has dtype "
+                         f"{q.dtype}: quantize q, k and v with fa3.quantize_fp8, or drop the descales")
+    if sinks is not None:
+        raise ValueError("sinks are not supported with FP8 inputs (the FP8 rungs do not compile "
+                         "them): pass bfloat16 or float16 q, k, v (fa3.dequantize_fp8) to use "
+                         "sinks, or drop sinks")
+    q_shape, k_shape = _checks.check_qkv(q, k, v, "(batch, seqlen_k, heads_kv, head_dim)",
+                                         dtypes=_checks.FP8_DTYPES)
+    if k_shape[0] != q_shape[0]:
+        raise ValueError(f"q has batch {q_shape[0]} but k and v have batch {k_shape[0]}")
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        raise ValueError("FP8 attention is forward-only (as FlashAttention-3's): q, k or v requires "
+                         "grad; pass tensors that do not (x.detach()), or train in bfloat16")
+    spec = _dispatch.memo_rung(fp8_rung, kernel, q_shape[3])
+    if v.shape[3] != q_shape[3]:
+        _dispatch.check_value_head_dim(spec, q_shape[3], v.shape[3], "kernel")
+    _checks.check_hopper(q.device, "q")
+    batch, heads_kv = q_shape[0], k_shape[2]
+    descales = tuple(_checks.check_descale(t, name, batch, heads_kv, q.device) for t, name in
+                     ((q_descale, "q_descale"), (k_descale, "k_descale"), (v_descale, "v_descale")))
+    if out is not None:
+        if not isinstance(out, torch.Tensor) or out.dtype not in _checks.SUPPORTED_DTYPES:
+            raise TypeError(f"out must be a torch.bfloat16 or torch.float16 tensor for FP8 inputs (the "
+                            f"output's type), got {getattr(out, 'dtype', type(out).__name__)}")
+        _checks.check_output(out, "out", _Like(q.shape, out.dtype, q.device))
+    return spec, descales
+
+
+class _Like:
+    """What check_output compares `out` with: q's shape and device, the output dtype."""
+
+    def __init__(self, shape, dtype, device):
+        self.shape, self.dtype, self.device = shape, dtype, device
+
+
+def fp8_rung(kernel, head_dim):
+    """The FP8 forward rung `kernel` (None: the fastest for head_dim), checked to support it."""
+    return _dispatch.family_rung(registry.ATTENTION_FP8, kernel, head_dim, "q, k and v")
+
+
+def attention_fp8(q, k, v, q_descale, k_descale, v_descale, *, causal, softmax_scale, window,
+                  softcap, return_lse, kernel, out, sinks=None):
+    """fa3.attention's FP8 branch (the public docstring is fa3.attention's)."""
+    spec, descales = check_attention_fp8(q, k, v, q_descale, k_descale, v_descale, kernel, out,
+                                         sinks)
+    scale = 1.0 / math.sqrt(q.shape[3]) if softmax_scale is None else float(softmax_scale)
+    causal, window = bool(causal), tuple(window)
+    mask = masking.masking(causal, window, softcap, scale)
+    _dispatch.check_variants(spec, mask, "kernel")
+    out_dtype = torch.bfloat16 if out is None else out.dtype
+    if _dispatch.direct_call_ok(q, k, v, *descales):
+        result, lse = launch_attention_fp8(spec, q, k, v, descales, mask, out_dtype, out)
+    else:
+        result, lse = torch.ops.fa3.attention_fp8(q, k, v, *descales, causal, scale, spec.name,
+                                                  window[0], window[1], float(softcap), out_dtype)
+        result = result if out is None else out.copy_(result)
+    return (result, lse) if return_lse else result
+
+
+def launch_attention_fp8(spec, q, k, v, descales, mask: masking.Masking, out_dtype, out=None):
+    """Allocate (unless `out`) and launch: (out, lse). Arguments are validated already."""
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    device = q.device
+    if out is None:
+        out = torch.empty(q.shape, dtype=out_dtype, device=device)
+    lse = torch.empty(batch, heads_q, seqlen_q, dtype=torch.float32, device=device)
+    if out.numel() == 0 or k.shape[1] == 0:  # nothing to compute, or no keys: O = 0, LSE = -inf
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+    fn = _compile.get_attention_fp8(spec, out_dtype, head_dim, mask.causal, mask.local, mask.softcap)
+    stand_in = _launch.stand_in(device)
+    fn(_launch.tma_ready(q), _launch.tma_ready(k), transpose_v(v), out, lse, mask.scale_log2,
+       _checks.HOPPER_SMS[device], _launch.tile_counter(spec, mask.causal, device), stand_in, stand_in,
+       mask.left, mask.right, mask.softcap_scale, *descales)
+    return out, lse
