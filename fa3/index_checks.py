@@ -168,19 +168,24 @@ def _unchanged_signature(tensors, bounds):
     return tuple((id(t), t._version) for t in tensors) + bounds, [weakref.ref(t) for t in tensors]
 
 
-def _checked_before(tensors, bounds):
-    """Whether the last passing check of this thread saw exactly these values (see
-    _unchanged_signature): a model's layers pass the same cache_seqlens and block_table, and
-    only the first of them needs the copy."""
+def _start_check(tensors, bounds, check):
+    """Copy `tensors` to the host and return `wait`, which waits for the copy and calls
+    check(host views); a check that passes is remembered, and a later call of this thread with
+    the same tensors, unmodified (see _unchanged_signature), and the same `bounds` skips the copy
+    and the check: a model's layers pass the same cache_seqlens and block_table, and only the
+    first of them needs them. The signature is taken here, when the copy is enqueued."""
     signature = _unchanged_signature(tensors, bounds)
     last = getattr(_PER_THREAD, "checked", None)
-    if signature is None or last is None or last[0] != signature[0]:
-        return False
-    return all(ref() is t for ref, t in zip(last[1], tensors))
+    if signature is not None and last is not None and last[0] == signature[0] \
+            and all(ref() is t for ref, t in zip(last[1], tensors)):
+        return lambda: None
+    host, copied = start_host_copy(tensors)
 
-
-def _remember_checked(tensors, bounds):
-    _PER_THREAD.checked = _unchanged_signature(tensors, bounds)
+    def wait():
+        copied()
+        check(host)
+        _PER_THREAD.checked = signature
+    return wait
 
 
 def start_cache_check(cache_seqlens: torch.Tensor, block_table, capacity: int, appended: int,
@@ -190,7 +195,7 @@ def start_cache_check(cache_seqlens: torch.Tensor, block_table, capacity: int, a
 
     The caller launches its kernel before `wait` (the kernels clamp; see _Staging). A call that
     passes the same tensors as the last passing check, unmodified, skips the copy
-    (_checked_before: the layers of one decode step). On the host, the whole table's
+    (_start_check: the layers of one decode step). On the host, the whole table's
     min and max decide in one step; only a table with an entry outside [0, num_pages) is searched
     for a bad entry among those the sequences use (serving engines leave the rest stale or -1)."""
     batch = cache_seqlens.shape[0]
@@ -198,13 +203,8 @@ def start_cache_check(cache_seqlens: torch.Tensor, block_table, capacity: int, a
         return lambda: None
     paged = block_table is not None and block_table.shape[1] > 0
     tensors = [cache_seqlens] + ([block_table] if paged else [])
-    bounds = (capacity, appended, page_size, num_pages)
-    if _checked_before(tensors, bounds):
-        return lambda: None
-    host, copied = start_host_copy(tensors)
 
-    def wait():
-        copied()
+    def check(host):
         lengths = host[0].tolist()
         check_cache_lengths(lengths, capacity, appended, block_table, page_size)
         if paged:
@@ -212,5 +212,4 @@ def start_cache_check(cache_seqlens: torch.Tensor, block_table, capacity: int, a
             low, high = torch.aminmax(table)
             if not (0 <= int(low) and int(high) < num_pages):
                 check_block_table(lengths, table, appended, page_size, num_pages)
-        _remember_checked(tensors, bounds)
-    return wait
+    return _start_check(tensors, (capacity, appended, page_size, num_pages), check)

@@ -51,6 +51,29 @@ def compute_sanitizer():
         (p for p in ("/usr/local/cuda/bin/compute-sanitizer",) if os.path.exists(p)), None)
 
 
+# Python source for the subprocess scripts of the bad-index-value tests (test_bad_values.py,
+# test_sanitizer.py), after `import torch`: the small problems whose index tensors they corrupt.
+INDEX_PROBLEMS = r'''
+g = torch.Generator(device="cuda").manual_seed(0)
+rand = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g)
+i32 = lambda *values: torch.tensor(values, dtype=torch.int32, device="cuda")
+
+
+def index_problem(entry):
+    """((q, k, v), args): a packed batch of two sequences (entry "varlen"), or one query token
+    against a dense or a paged KV cache ("dense", "paged", k and v being the caches); `args`
+    holds the index tensors by argument name."""
+    if entry == "varlen":
+        return ((rand(300, 4, 128), rand(300, 2, 128), rand(300, 2, 128)),
+                {"cu_seqlens_q": i32(0, 100, 300), "cu_seqlens_k": i32(0, 100, 300)})
+    paged = entry == "paged"
+    k_cache = rand(8, 64, 2, 128) if paged else rand(2, 256, 2, 128)
+    table = torch.arange(8, dtype=torch.int32, device="cuda").view(2, 4) if paged else None
+    return ((rand(2, 1, 8, 128), k_cache, rand(*k_cache.shape)),
+            {"cache_seqlens": i32(10, 192), "block_table": table})
+'''
+
+
 def run_script(tmp_path, script: str, *args, sanitizer=None, timeout=900) -> str:
     """Run `script` (Python source) in a fresh process with `args`, under compute-sanitizer with the
     options `sanitizer` (a list, e.g. ["--tool", "racecheck"]; None: plainly), with this checkout's

@@ -19,7 +19,7 @@ import torch
 import fa3
 from fa3 import _checks, index_checks, kvcache
 
-from conftest import compute_sanitizer, raises_with, run_script
+from conftest import INDEX_PROBLEMS, compute_sanitizer, raises_with, run_script
 
 BF16 = torch.bfloat16
 CAPACITY, PAGE, PAGES = 256, 64, 8  # two sequences; paged: 4 pages of 64 each, 8 in the pool
@@ -185,30 +185,20 @@ GPU_SCRIPT = r'''
 import json, sys
 import torch
 import fa3
-
+''' + INDEX_PROBLEMS + r'''
 entry, argument, index, value, new, words = json.loads(sys.argv[1])
 index = tuple(index) if isinstance(index, list) else index
-g = torch.Generator(device="cuda").manual_seed(0)
-rand = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g)
-i32 = lambda *values: torch.tensor(values, dtype=torch.int32, device="cuda")
+(q, k, v), args = index_problem(entry)
 if entry == "varlen":
-    q, k, v = rand(300, 4, 128), rand(300, 2, 128), rand(300, 2, 128)
-    args = {"cu_seqlens_q": i32(0, 100, 300), "cu_seqlens_k": i32(0, 100, 300)}
     call = lambda: fa3.attention_varlen(q, k, v, args["cu_seqlens_q"], args["cu_seqlens_k"], causal=True)
     caches = []
 else:
-    q = rand(2, 1, 8, 128)
-    paged = entry == "paged"
-    k_cache = rand(8, 64, 2, 128) if paged else rand(2, 256, 2, 128)
-    v_cache = torch.randn_like(k_cache)
-    args = {"cache_seqlens": i32(10, 192),
-            "block_table": torch.arange(8, dtype=torch.int32, device="cuda").view(2, 4) if paged else None}
     k_new = rand(2, new, 2, 128) if new else None
     v_new = rand(2, new, 2, 128) if new else None
-    call = lambda: fa3.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, causal=True,
+    call = lambda: fa3.attention_with_kvcache(q, k, v, k_new, v_new, causal=True,
                                               cache_seqlens=args["cache_seqlens"],
                                               block_table=args["block_table"])
-    caches = [k_cache, v_cache]
+    caches = [k, v]
 good = args[argument].clone()
 expected = call()  # compiles, with good values
 torch.cuda.synchronize()

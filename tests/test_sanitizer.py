@@ -24,7 +24,7 @@ import torch
 
 import fa3
 
-from conftest import compute_sanitizer, rel_err, run_script
+from conftest import INDEX_PROBLEMS, compute_sanitizer, rel_err, run_script
 
 pytestmark = pytest.mark.gpu
 
@@ -115,28 +115,18 @@ import fa3
 from fa3 import index_checks
 
 index_checks.values_checkable = lambda device: False  # as under capture: no host check
+''' + INDEX_PROBLEMS + r'''
 entry, argument, index, value = json.loads(sys.argv[1])
 index = tuple(index) if isinstance(index, list) else index
-g = torch.Generator(device="cuda").manual_seed(0)
-rand = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g)
-i32 = lambda *values: torch.tensor(values, dtype=torch.int32, device="cuda")
+(q, k, v), args = index_problem(entry)
+args[argument][index] = value
 if entry == "varlen":
-    q, k, v = rand(300, 4, 128), rand(300, 2, 128), rand(300, 2, 128)
-    args = {"cu_seqlens_q": i32(0, 100, 300), "cu_seqlens_k": i32(0, 100, 300)}
-    args[argument][index] = value
     for causal in (True, False):
         fa3.attention_varlen(q, k, v, args["cu_seqlens_q"], args["cu_seqlens_k"], causal=causal,
                              kernel="k5.5")
 else:
-    paged = entry == "paged"
-    q = rand(2, 1, 8, 128)
-    k_cache = rand(8, 64, 2, 128) if paged else rand(2, 256, 2, 128)
-    v_cache = rand(*k_cache.shape)
-    args = {"cache_seqlens": i32(10, 192),
-            "block_table": torch.arange(8, dtype=torch.int32, device="cuda").view(2, 4) if paged else None}
-    args[argument][index] = value
     for splits in (1, 0):
-        fa3.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=args["cache_seqlens"],
+        fa3.attention_with_kvcache(q, k, v, cache_seqlens=args["cache_seqlens"],
                                    block_table=args["block_table"], causal=True, num_splits=splits)
 torch.cuda.synchronize()
 print("done")
