@@ -9,7 +9,7 @@ and flash-attn 4's CuTe-DSL kernel (fa4: flash_attn.cute.flash_attn_func) when i
 
     python benchmarks/bench_attention.py [--kernels all|k1,k2,...] [--head-dims 64,128,256]
         [--seqlens 512,1024,...] [--causal both|true|false] [--peers sdpa-flash,sdpa-cudnn,fa4]
-        [--json FILE] [--plot FILE.png] [--backward [--deterministic]] [--fp8]
+        [--json FILE] [--plot FILE.png] [--backward [--deterministic]] [--sinks] [--fp8]
     python benchmarks/bench_attention.py --plot-from FILE.json --plot FILE.png   (no GPU needed)
 
 --plot draws TFLOP/s against seqlen, one panel per (head dim, causal) (matplotlib, optional).
@@ -18,6 +18,10 @@ and flash-attn 4's CuTe-DSL kernel (fa4: flash_attn.cute.flash_attn_func) when i
 for every runner alike): TFLOP/s = 2.5 x the forward's FLOPs / t (five GEMMs against the forward's
 two), --kernels then names backward rungs (b1, ...), and --deterministic adds each rung with
 deterministic=True as a column of its own ("b1+det").
+
+--sinks adds each fa3 rung that takes attention sinks (and fa4, as `learnable_sink`) called with
+one random float32 sink per query head, as a column of its own ("k5.5+sinks"): what sinks cost
+against the same call without them (forward, or with --backward the backward, d sinks included).
 
 --fp8 adds the FP8 forward rungs (family attention_fp8, e.g. f1) as columns of their own: the same
 randn inputs quantized to e4m3 per (batch, kv head) with fa3.quantize_fp8 (outside the timing), bf16
@@ -84,7 +88,11 @@ def unsupported_head_dim(spec, head_dim):
     return None
 
 
-def rung_runner(name: str) -> Runner:
+def _sinks(heads):
+    return torch.randn(heads, device="cuda", dtype=torch.float32)
+
+
+def rung_runner(name: str, sinks: bool = False) -> Runner:
     spec = registry.get(name)
 
     def skip(batch, seqlen, heads, head_dim):
@@ -98,9 +106,10 @@ def rung_runner(name: str) -> Runner:
 
     def make(q, k, v, causal):
         out = torch.empty_like(q)
-        return lambda: fa3.attention(q, k, v, causal=causal, kernel=name, out=out)
+        s = _sinks(q.shape[2]) if sinks else None
+        return lambda: fa3.attention(q, k, v, causal=causal, kernel=name, out=out, sinks=s)
 
-    return Runner(name, True, make, skip=skip)
+    return Runner(name + ("+sinks" if sinks else ""), True, make, skip=skip)
 
 
 FP8_NOTE = ("fp8: peers stay bf16 (flash-attn 4 has no FP8 forward on SM90; SDPA's cuDNN and flash "
@@ -122,17 +131,19 @@ def fp8_runner(name: str) -> Runner:
     return Runner(name, False, make, skip=lambda b, s, h, d: unsupported_head_dim(spec, d), fp8=True)
 
 
-def backward_rung_runner(name: str, deterministic: bool = False) -> Runner:
+def backward_rung_runner(name: str, deterministic: bool = False, sinks: bool = False) -> Runner:
     spec = registry.get(name)
 
     def skip(batch, seqlen, heads, head_dim):
         return unsupported_head_dim(spec, head_dim)
 
     def make(q, k, v, causal):
+        s = _sinks(q.shape[2]).requires_grad_() if sinks else None
         return lambda: fa3.attention(q, k, v, causal=causal, backward_kernel=name,
-                                     deterministic=deterministic)
+                                     deterministic=deterministic, sinks=s)
 
-    return Runner(name + ("+det" if deterministic else ""), True, make, skip=skip)
+    return Runner(name + ("+det" if deterministic else "") + ("+sinks" if sinks else ""), True, make,
+                  skip=skip)
 
 
 def as_backward(runner: Runner) -> Runner:
@@ -160,16 +171,19 @@ def sdpa_runner(name: str, backend) -> Runner:
     return Runner(name, False, make, context=lambda: sdpa_kernel(backend))
 
 
-def fa4_runner() -> Runner:
+def fa4_runner(sinks: bool = False) -> Runner:
     from flash_attn.cute import flash_attn_func
 
     def make(q, k, v, causal):
+        if sinks:
+            s = _sinks(q.shape[2]).to(q.dtype)
+            return lambda: flash_attn_func(q, k, v, causal=causal, learnable_sink=s)
         return lambda: flash_attn_func(q, k, v, causal=causal)
 
-    return Runner("fa4", False, make)
+    return Runner("fa4+sinks" if sinks else "fa4", False, make)
 
 
-def peer_runners(names) -> tuple[list[Runner], list[str]]:
+def peer_runners(names, sinks: bool = False) -> tuple[list[Runner], list[str]]:
     """The requested peers that can run here, and a note for each that cannot."""
     from torch.nn.attention import SDPBackend
 
@@ -182,6 +196,8 @@ def peer_runners(names) -> tuple[list[Runner], list[str]]:
         elif name == "fa4":
             try:
                 runners.append(fa4_runner())
+                if sinks:
+                    runners.append(fa4_runner(sinks=True))
             except Exception as exc:  # not installed, or fails to import here
                 notes.append(f"fa4 skipped: flash_attn.cute is not importable ({exc})")
     return runners, notes
@@ -282,6 +298,8 @@ def parse_args(argv=None):
     p.add_argument("--backward", action="store_true", help="time the backward (2.5x the FLOPs)")
     p.add_argument("--deterministic", action="store_true",
                    help="with --backward: also each rung with deterministic=True")
+    p.add_argument("--sinks", action="store_true",
+                   help="also each rung (and fa4) with attention sinks, as a column '+sinks'")
     p.add_argument("--fp8", action="store_true",
                    help="also the FP8 forward rungs (" + ",".join(registry.available_kernels(
                        registry.ATTENTION_FP8)) + ") on the inputs quantized to e4m3")
@@ -319,7 +337,7 @@ def main(argv=None) -> int:
         return 2
     progress(f"{torch.cuda.get_device_name()}; {TOTAL_TOKENS} tokens, hidden {HIDDEN}, bf16; "
              f"{'backward ' if args.backward else ''}TFLOP/s (median of CUDA-event times)")
-    peers, notes = peer_runners(args.peers)
+    peers, notes = peer_runners(args.peers, args.sinks)
     for note in notes:
         progress(note)
     if args.backward and args.fp8:
@@ -329,9 +347,14 @@ def main(argv=None) -> int:
         rungs = [backward_rung_runner(n) for n in args.kernels]
         if args.deterministic:
             rungs += [backward_rung_runner(n, deterministic=True) for n in args.kernels]
+        if args.sinks:
+            rungs += [backward_rung_runner(n, sinks=True) for n in args.kernels]
         runners = [as_backward(r) for r in rungs + peers]
     else:
         runners = [rung_runner(n) for n in args.kernels] + peers
+        if args.sinks:
+            runners += [rung_runner(n, sinks=True) for n in args.kernels
+                        if registry.SINKS in registry.get(n).variants]
         if args.fp8:
             runners += [fp8_runner(n) for n in registry.available_kernels(registry.ATTENTION_FP8)]
             notes.append(FP8_NOTE)

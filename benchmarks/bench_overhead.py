@@ -136,8 +136,8 @@ def breakdown(calls: int) -> list[dict]:
     args = [q, k, v, out, lse, head_dim ** -0.5 * masking.LOG2E]
     if spec.persistent:
         args += [_checks.HOPPER_SMS[q.device], _launch.tile_counter(spec, causal, q.device)]
-    if spec.variants:  # (_launch.run_attention's order) cu_seqlens stand-ins, window, softcap
-        args += [_launch.stand_in(q.device)] * 2 + [0, 0, 1.0]
+    if spec.variants:  # (_launch.run_attention's order) cu_seqlens stand-ins, window, softcap, sinks
+        args += [_launch.stand_in(q.device)] * 2 + [0, 0, 1.0, _launch.stand_in(q.device, torch.float32)]
     pieces = [
         ("fa3.attention, all of it", lambda: fa3.attention(q, k, v, causal=causal)),
         ("validation (check_attention)", lambda: interface.check_attention(q, k, v, None)),

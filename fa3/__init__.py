@@ -2,21 +2,22 @@
 
     fa3.attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
                   return_lse=False, kernel=None, out=None, deterministic=False,
-                  backward_kernel=None)               differentiable in q, k, v
+                  backward_kernel=None, sinks=None)   differentiable in q, k, v (and sinks)
     fa3.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                          causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
                          return_lse=False, kernel=None, deterministic=False,
                          backward_kernel=None, block_table=None, seqused_k=None, out=None,
-                         num_splits=0, scheduler_metadata=None)
+                         num_splits=0, scheduler_metadata=None, sinks=None)
                                 packed variable-length batches (differentiable), or packed
                                 queries over a (paged) KV cache (block_table/seqused_k)
     fa3.attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=..,
                                block_table=None, cu_seqlens_q=None, max_seqlen_q=None,
                                causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-                               num_splits=0, return_lse=False)     decode against a (paged) KV cache
+                               num_splits=0, return_lse=False, sinks=None)
+                                decode against a (paged) KV cache
     fa3.get_scheduler_metadata(...)     the split plan of a cache call ahead of time
     fa3.attention_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, ...)
-                                            (dq, dk, dv) for a given forward result (out, lse)
+                                            (dq, dk, dv[, dsinks]) for a given forward result
     fa3.context_parallel_attention(q, k, v, group=None, causal=True, softmax_scale=None,
                                    deterministic=False, return_lse=False)
                                             ring attention over a torch.distributed group, each
@@ -24,9 +25,13 @@
     fa3.gemm(a, b, out=None, kernel=None)              any 2-D pair a @ b takes; differentiable
     fa3.flash_attn_func, fa3.flash_attn_varlen_func, fa3.flash_attn_with_kvcache
                                             flash-attn's names and signatures (fa3.flash_compat)
-    fa3.available_kernels(family=None)      "attention", "backward", "kvcache" or "gemm"
+    fa3.available_kernels(family=None, head_dim=None)   "attention", "attention_fp8", "backward",
+                                                        "kvcache" or "gemm"
     fa3.quantize_fp8(x, granularity="tensor"|"head"|"block", hadamard=False) -> (x_fp8, descale)
     fa3.dequantize_fp8(x_fp8, descale), fa3.hadamard_rotate(x, seed=0)   FP8 helpers (fa3.quantize)
+
+head_dim 64, 96, 128, 192 or 256 (q, k and v alike; FP8: 64, 128 or 256); sinks: gpt-oss's
+attention sinks, one float32 logit per query head (16-bit inputs).
 """
 
 import os as _os

@@ -288,7 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--kernel", required=True, choices=registry.available_kernels() + ["all"],
                       metavar="NAME", help="a rung (" + ", ".join(registry.available_kernels())
                       + ") or 'all'")
-    comp.add_argument("--head-dim", type=int, default=128, help="attention rungs (default 128)")
+    comp.add_argument("--head-dim", type=int, default=128,
+                      help=f"attention, backward and KV-cache rungs (default 128; the default rungs take "
+                           f"{', '.join(map(str, registry.HEAD_DIMS))})")
     comp.add_argument("--causal", action="store_true", help="attention rungs: causal mask")
     comp.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     comp.add_argument("--out", help="folder for NAME.ptx and NAME.cubin")

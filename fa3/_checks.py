@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import functools
 
+from types import SimpleNamespace
+
 import torch
 
 from . import _dispatch
@@ -91,21 +93,31 @@ def check_output(out, name: str, like) -> None:
                          "torch.empty_like(..., memory_format=torch.contiguous_format)")
 
 
+def output_like(q, v):
+    """What an output must look like: q's shape with v's head dim (its last dimension), q's dtype
+    and device (for check_output)."""
+    if v.shape[-1] == q.shape[-1]:
+        return q
+    return SimpleNamespace(shape=torch.Size((*q.shape[:-1], v.shape[-1])), dtype=q.dtype, device=q.device)
+
+
 def check_qkv(q, k, v, kv_layout: str, dtypes=SUPPORTED_DTYPES):
     """What every q, k, v entry point needs, for any leading dimensions: types, ranks, dtypes (of
-    `dtypes`), k and v alike (`kv_layout` names their dimensions), one head_dim, heads_q a multiple
-    of heads_kv, one device. Returns (q.shape, k.shape)."""
+    `dtypes`), k and v alike but for v's head_dim (`kv_layout` names their dimensions), q's
+    head_dim = k's, heads_q a multiple of heads_kv, one device. Returns (q.shape, k.shape); whether
+    v's head_dim may differ is the rung's to say (fa3._dispatch.check_value_head_dim)."""
     ndim = kv_layout.count(",") + 1
     check_tensor(q, "q", ndim, dtypes=dtypes)
     check_tensor(k, "k", ndim, q.dtype, dtypes=dtypes)
     check_tensor(v, "v", ndim, q.dtype, dtypes=dtypes)
-    q_shape, k_shape = q.shape, k.shape  # (each .shape builds a new torch.Size: read it once)
-    if k_shape != v.shape:
-        raise ValueError(f"k {tuple(k_shape)} and v {tuple(v.shape)} must have the same shape {kv_layout}")
+    q_shape, k_shape, v_shape = q.shape, k.shape, v.shape  # (each .shape builds a new torch.Size)
+    if k_shape[:-1] != v_shape[:-1]:
+        raise ValueError(f"k {tuple(k_shape)} and v {tuple(v_shape)} must have the same shape {kv_layout} "
+                         "(v's head_dim aside)")
     head_dim, heads_q, heads_kv = q_shape[-1], q_shape[-2], k_shape[-2]
     if k_shape[-1] != head_dim:
-        raise ValueError(f"q has head_dim {head_dim} but k and v have head_dim {k_shape[-1]}; "
-                         "fa3 needs the same head_dim for q, k and v")
+        raise ValueError(f"q has head_dim {head_dim} but k has head_dim {k_shape[-1]}; "
+                         "fa3 needs the same head_dim for q and k")
     if heads_kv == 0 or heads_q % heads_kv != 0:
         raise ValueError(f"heads_q={heads_q} must be a multiple of heads_kv={heads_kv} "
                          "(GQA/MQA share each k/v head among heads_q // heads_kv query heads)")
@@ -114,6 +126,22 @@ def check_qkv(q, k, v, kv_layout: str, dtypes=SUPPORTED_DTYPES):
         name, t = ("k", k) if k.device != device else ("v", v)
         raise ValueError(f"{name} is on {t.device} but q is on {device}; put them on one GPU")
     return q_shape, k_shape
+
+
+def check_sinks(sinks, heads_q: int, device) -> None:
+    """Attention sinks: one float32 logit per query head, (heads_q,), on the inputs' device."""
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be a torch.Tensor of shape (heads_q={heads_q},), got "
+                        f"{type(sinks).__name__}")
+    if sinks.dtype != torch.float32:
+        raise TypeError(f"sinks has dtype {sinks.dtype}; it must be torch.float32 (one logit per query "
+                        "head): pass sinks.float()")
+    if sinks.shape != (heads_q,):
+        raise ValueError(f"sinks must have shape (heads_q={heads_q},), one logit per query head, got "
+                         f"{tuple(sinks.shape)}")
+    if sinks.device != device:
+        raise ValueError(f"sinks is on {sinks.device} but q is on {device}; move it with "
+                         "sinks.to(q.device)")
 
 
 def check_descale(t, name: str, batch: int, heads_kv: int, device) -> torch.Tensor:

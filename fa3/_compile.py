@@ -46,14 +46,16 @@ def _unit_last(cute, dtype, *shape, tma=False, align=4):
     return _fake_tensor(cute, dtype, shape, (*(cute.sym_int64() for _ in shape[:-1]), 1), align=align)
 
 
-def _attention_fake_args(spec, dtype, head_dim):
-    """Fake (q, k, v, o, lse[, scores]) in flash-attn's (batch, seqlen, heads, head_dim) layout."""
+def _attention_fake_args(spec, dtype, head_dim, head_dim_v=None):
+    """Fake (q, k, v, o, lse[, scores]) in flash-attn's (batch, seqlen, heads, head_dim) layout;
+    v and o have head_dim_v (default head_dim)."""
     cutlass, cute = _dsl.import_cute()
     dt = cute_dtype(dtype)
     b, sq, sk, hq, hkv = (cute.sym_int64() for _ in range(5))
+    dv = head_dim_v or head_dim
 
-    q, o = _unit_last(cute, dt, b, sq, hq, head_dim, tma=True), _unit_last(cute, dt, b, sq, hq, head_dim, tma=True)
-    k, v = _unit_last(cute, dt, b, sk, hkv, head_dim, tma=True), _unit_last(cute, dt, b, sk, hkv, head_dim, tma=True)
+    q, o = _unit_last(cute, dt, b, sq, hq, head_dim, tma=True), _unit_last(cute, dt, b, sq, hq, dv, tma=True)
+    k, v = _unit_last(cute, dt, b, sk, hkv, head_dim, tma=True), _unit_last(cute, dt, b, sk, hkv, dv, tma=True)
     lse = _unit_last(cute, cutlass.Float32, b, hq, sq)
     args = [q, k, v, o, lse]
     if spec.needs_scores_workspace:
@@ -63,16 +65,19 @@ def _attention_fake_args(spec, dtype, head_dim):
         args.append(cutlass.Int32(132))  # SM count, a runtime argument
         args.append(_fake_tensor(cute, cutlass.Int32, (1,), (1,), align=4))  # the tile counter
     if spec.variants:  # cu_seqlens_q/k (own extents: 1-element stand-ins when not varlen), window
-        # edges, softcap scale
+        # edges, softcap scale, the sinks (heads_q,) FP32 (a 1-element stand-in without them)
         args += [_fake_tensor(cute, cutlass.Int32, (cute.sym_int64(),), (1,), align=4) for _ in range(2)]
         args += [cutlass.Int32(0), cutlass.Int32(0), cutlass.Float32(1.0)]
+        args.append(_fake_tensor(cute, cutlass.Float32, (cute.sym_int64(),), (1,), align=4))
     return args
 
 
-def attention_key(spec, dtype, head_dim, causal, varlen=False, local=False, softcap=False) -> tuple:
-    cfg = spec.config_for(head_dim)
-    variant = (bool(varlen), bool(local), bool(softcap))
-    return (spec.name, str(dtype), head_dim, bool(causal), *((variant,) if any(variant) else ()),
+def attention_key(spec, dtype, head_dim, causal, varlen=False, local=False, softcap=False,
+                  sinks=False, head_dim_v=None) -> tuple:
+    cfg = spec.config_for(head_dim, head_dim_v)
+    variant = (bool(varlen), bool(local), bool(softcap), bool(sinks))
+    dims = head_dim if head_dim_v in (None, head_dim) else (head_dim, head_dim_v)
+    return (spec.name, str(dtype), dims, bool(causal), *((variant,) if any(variant) else ()),
             tuple(sorted(cfg.items())), _dsl.TARGET_ARCH, _dsl.version())
 
 
@@ -88,11 +93,13 @@ def _compile_kernel(kernel, fake_args, extra_options):
 
 
 def _build_attention(spec, dtype, head_dim, causal, varlen=False, local=False, softcap=False,
-                     extra_options=""):
-    variant = dict(varlen=varlen, local=local, softcap=softcap) if spec.variants else {}
+                     sinks=False, head_dim_v=None, extra_options=""):
+    variant = dict(varlen=varlen, local=local, softcap=softcap, sinks=sinks) if spec.variants else {}
+    if head_dim_v not in (None, head_dim):
+        variant["head_dim_v"] = head_dim_v
     kernel = spec.load_class()(dtype=cute_dtype(dtype), head_dim=head_dim, causal=causal,
-                               **variant, **spec.config_for(head_dim))
-    return _compile_kernel(kernel, _attention_fake_args(spec, dtype, head_dim), extra_options)
+                               **variant, **spec.config_for(head_dim, head_dim_v))
+    return _compile_kernel(kernel, _attention_fake_args(spec, dtype, head_dim, head_dim_v), extra_options)
 
 
 # ----------------------------------------------------------------------------- FP8 forward (F1)
@@ -161,16 +168,19 @@ def _load_or_build(key, build):
 _FAST: dict[tuple, object] = {}  # (rung, dtype, head_dim, causal) -> compiled: the per-call lookup
 
 
-def get_attention(spec, dtype, head_dim, causal, varlen=False, local=False, softcap=False):
+def get_attention(spec, dtype, head_dim, causal, varlen=False, local=False, softcap=False, sinks=False,
+                  head_dim_v=None):
     """The compiled kernel for this static configuration (compiled on first use). The per-call
     path is one dict lookup; the full key (config, arch, DSL version) is built only on a miss.
-    varlen/local/softcap: the variants of rungs that list them (registry `variants`)."""
-    fast_key = (spec.name, dtype, head_dim, causal, varlen, local, softcap)
+    varlen/local/softcap/sinks: the variants of rungs that list them (registry `variants`);
+    head_dim_v: V's head dim where it differs (registry `value_head_dims`)."""
+    fast_key = (spec.name, dtype, head_dim, causal, varlen, local, softcap, sinks, head_dim_v)
     fn = _FAST.get(fast_key)
     if fn is None:
         fn = _FAST[fast_key] = _cached(
-            attention_key(spec, dtype, head_dim, causal, varlen, local, softcap),
-            lambda: _build_attention(spec, dtype, head_dim, causal, varlen, local, softcap))
+            attention_key(spec, dtype, head_dim, causal, varlen, local, softcap, sinks, head_dim_v),
+            lambda: _build_attention(spec, dtype, head_dim, causal, varlen, local, softcap, sinks,
+                                     head_dim_v))
     return fn
 
 
@@ -313,10 +323,10 @@ def get_gemm(spec, dtype, a_layout, b_layout, tiles: tuple = ()):
 # ----------------------------------------------------------------------------- KV cache (S1)
 def _kvcache_fake_args(dtype, head_dim):
     """Fake (q, k_cache, v_cache, cache_seqlens, block_table, out, lse, out_partial, lse_partial,
-    scale_log2, appended, window edges, softcap scale, cu_seqlens_q, max_seqlen_q, cache_leftpad): see
-    kernels/decode.py. The cache is (planes, rows, heads_kv, d), planes being batch entries (dense)
-    or pages (paged); every extent is dynamic (packed queries: q is (1, total_q, heads_q, d) and
-    cache_seqlens has its own extent)."""
+    scale_log2, appended, window edges, softcap scale, cu_seqlens_q, max_seqlen_q, cache_leftpad,
+    sinks): see kernels/decode.py. The cache is (planes, rows, heads_kv, d), planes being batch
+    entries (dense) or pages (paged); every extent is dynamic (packed queries: q is (1, total_q,
+    heads_q, d) and cache_seqlens has its own extent)."""
     cutlass, cute = _dsl.import_cute()
     dt, f32, i32 = cute_dtype(dtype), cutlass.Float32, cutlass.Int32
     b, sq, hq, hkv, rows, planes, pages, splits = (cute.sym_int64() for _ in range(8))
@@ -331,12 +341,13 @@ def _kvcache_fake_args(dtype, head_dim):
             _unit_last(cute, f32, splits, b_part, hq_part, sq_part), f32(1.0), i32(0),
             i32(0), i32(0), f32(1.0),  # (appended,) window edges, softcap scale
             _fake_tensor(cute, i32, (b_cu,), (1,), align=4), i32(1),  # cu_seqlens_q, max_seqlen_q
-            _fake_tensor(cute, i32, (b_pad,), (1,), align=4)]  # cache_leftpad
+            _fake_tensor(cute, i32, (b_pad,), (1,), align=4),  # cache_leftpad
+            _fake_tensor(cute, f32, (cute.sym_int64(),), (1,), align=4)]  # sinks (or a stand-in)
 
 
 def kvcache_key(spec, dtype, head_dim, causal, paged=False, local=False, softcap=False, gather=False,
-                varlen=False, leftpad=False) -> tuple:
-    variant = (bool(local), bool(softcap))
+                varlen=False, leftpad=False, sinks=False) -> tuple:
+    variant = (bool(local), bool(softcap), bool(sinks))
     layout = (bool(gather), bool(varlen), bool(leftpad))  # row gathers, packed queries, left padding
     return (spec.name, str(dtype), head_dim, bool(causal), bool(paged), *((variant,) if any(variant) else ()),
             *((("gather_varlen_leftpad",) + layout,) if any(layout) else ()),
@@ -344,45 +355,48 @@ def kvcache_key(spec, dtype, head_dim, causal, paged=False, local=False, softcap
 
 
 def _build_kvcache(spec, dtype, head_dim, causal, paged=False, local=False, softcap=False, gather=False,
-                   varlen=False, leftpad=False, extra_options=""):
+                   varlen=False, leftpad=False, sinks=False, extra_options=""):
     kernel = spec.load_class()(dtype=cute_dtype(dtype), head_dim=head_dim, causal=causal, paged=paged,
                                local=local, softcap=softcap, gather=gather, varlen=varlen, leftpad=leftpad,
-                               **spec.config_for(head_dim))
+                               sinks=sinks, **spec.config_for(head_dim))
     return _compile_kernel(kernel, _kvcache_fake_args(dtype, head_dim), extra_options)
 
 
 def get_kvcache(spec, dtype, head_dim, causal, paged, local=False, softcap=False, gather=False,
-                varlen=False, leftpad=False):
+                varlen=False, leftpad=False, sinks=False):
     """The compiled KV-cache kernel: paged (gather: pages that do not hold whole key blocks) or
-    dense (leftpad: keys from cache_leftpad on), packed queries (varlen) or (batch, seqlen_q) ones."""
-    fast_key = ("kvcache", spec.name, dtype, head_dim, causal, paged, local, softcap, gather, varlen, leftpad)
+    dense (leftpad: keys from cache_leftpad on), packed queries (varlen) or (batch, seqlen_q) ones,
+    with or without attention sinks."""
+    fast_key = ("kvcache", spec.name, dtype, head_dim, causal, paged, local, softcap, gather, varlen, leftpad,
+                sinks)
     fn = _FAST.get(fast_key)
     if fn is None:
         fn = _FAST[fast_key] = _cached(
-            kvcache_key(spec, dtype, head_dim, causal, paged, local, softcap, gather, varlen, leftpad),
+            kvcache_key(spec, dtype, head_dim, causal, paged, local, softcap, gather, varlen, leftpad, sinks),
             lambda: _build_kvcache(spec, dtype, head_dim, causal, paged, local, softcap, gather, varlen,
-                                   leftpad))
+                                   leftpad, sinks))
     return fn
 
 
-def _build_combine(dtype, head_dim, extra_options=""):
+def _build_combine(dtype, head_dim, sinks=False, extra_options=""):
     cutlass, cute = _dsl.import_cute()
     from .kernels.decode import SplitKVCombine
 
     dt, f32 = cute_dtype(dtype), cutlass.Float32
     b, sq, hq, splits = (cute.sym_int64() for _ in range(4))
     args = [_unit_last(cute, f32, splits, b, sq, hq, head_dim), _unit_last(cute, f32, splits, b, hq, sq),
-            _unit_last(cute, dt, b, sq, hq, head_dim, align=2), _unit_last(cute, f32, b, hq, sq)]
-    return _compile_kernel(SplitKVCombine(dt, head_dim), args, extra_options)
+            _unit_last(cute, dt, b, sq, hq, head_dim, align=2), _unit_last(cute, f32, b, hq, sq),
+            _fake_tensor(cute, f32, (cute.sym_int64(),), (1,), align=4)]
+    return _compile_kernel(SplitKVCombine(dt, head_dim, sinks), args, extra_options)
 
 
-def get_combine(dtype, head_dim):
-    """The split-KV combine kernel: FP32 partial O and LSE -> O, LSE."""
-    fast_key = ("combine", dtype, head_dim)
+def get_combine(dtype, head_dim, sinks=False):
+    """The split-KV combine kernel: FP32 partial O and LSE (and the sinks) -> O, LSE."""
+    fast_key = ("combine", dtype, head_dim, sinks)
     fn = _FAST.get(fast_key)
     if fn is None:
-        key = ("combine", str(dtype), head_dim, _dsl.TARGET_ARCH, _dsl.version())
-        fn = _FAST[fast_key] = _cached(key, lambda: _build_combine(dtype, head_dim))
+        key = ("combine", str(dtype), head_dim, bool(sinks), _dsl.TARGET_ARCH, _dsl.version())
+        fn = _FAST[fast_key] = _cached(key, lambda: _build_combine(dtype, head_dim, sinks))
     return fn
 
 

@@ -84,7 +84,7 @@ def backward_rung(kernel, head_dim):
     """The backward rung `kernel` (None: the fastest for head_dim), checked to support head_dim."""
     if kernel is None:
         # (a plain int even where torch.compile made head_dim symbolic; the forward checked it)
-        head_dim = next(d for d in (64, 128, 256) if d == head_dim)
+        head_dim = next(d for d in registry.HEAD_DIMS if d == head_dim)
         return registry.get(fastest_rung(registry.BACKWARD, head_dim))
     spec = registry.get(kernel)
     if spec.family != registry.BACKWARD:
@@ -107,4 +107,27 @@ def check_variants(spec, mask: masking.Masking, argument: str) -> None:
     if not mask.plain and not spec.variants:
         raise ValueError(f"{argument}={spec.name!r} supports neither window_size nor softcap; "
                          f"rungs that do: {[n for n in registry.available_kernels(spec.family) if registry.get(n).variants]}"
+                         f" (or {argument}=None)")
+
+
+def check_value_head_dim(spec, head_dim, head_dim_v, argument: str, backward: bool = False) -> None:
+    """v's head dim may differ from q's and k's only in the pairs the rung lists (registry
+    `value_head_dims`), and only forward (`backward`: the call needs gradients)."""
+    if head_dim_v == head_dim:
+        return
+    if (head_dim, head_dim_v) not in spec.value_head_dims or backward:
+        pairs = ", ".join(map(str, registry.VALUE_HEAD_DIMS))
+        what = ("the backward (gradients) does" if backward and (head_dim, head_dim_v) in spec.value_head_dims
+                else f"{argument}={spec.name!r} does")
+        raise ValueError(f"v has head_dim {head_dim_v} but q and k have {head_dim}, which {what} not take: "
+                         f"v's head dim may differ only as (q/k, v) in {pairs}, forward only "
+                         f"(fa3.attention, fa3.attention_varlen with the k5 rungs); else pad v to "
+                         f"{head_dim} and slice the output")
+
+
+def check_sinks(spec, argument: str) -> None:
+    """Attention sinks need a rung that compiles them (registry `variants`)."""
+    if registry.SINKS not in spec.variants:
+        raise ValueError(f"{argument}={spec.name!r} does not support sinks; rungs that do: "
+                         f"{[n for n in registry.available_kernels(spec.family) if registry.SINKS in registry.get(n).variants]}"
                          f" (or {argument}=None)")

@@ -29,14 +29,26 @@ def tma_ready(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
+def sinks_ready(sinks: torch.Tensor) -> torch.Tensor:
+    """The (heads_q,) FP32 sinks as the kernels take them: detached, unit stride."""
+    return sinks.detach().contiguous()
+
+
+def no_keys(lse: torch.Tensor, sinks) -> torch.Tensor:
+    """The LSE of rows that see no key, (..., heads_q, rows): -inf, or each head's sink."""
+    if sinks is None:
+        return lse.fill_(float("-inf"))
+    return lse.copy_(sinks.detach()[:, None].expand_as(lse))
+
+
 _STAND_IN: dict = {}
 
 
-def stand_in(device) -> torch.Tensor:
-    """One int32 zero per device: what a kernel gets for a tensor argument it does not read."""
-    t = _STAND_IN.get(device)
+def stand_in(device, dtype=torch.int32) -> torch.Tensor:
+    """One zero per device and dtype: what a kernel gets for a tensor argument it does not read."""
+    t = _STAND_IN.get((device, dtype))
     if t is None:
-        t = _STAND_IN[device] = torch.zeros(1, dtype=torch.int32, device=device)
+        t = _STAND_IN[(device, dtype)] = torch.zeros(1, dtype=dtype, device=device)
     return t
 
 
@@ -49,16 +61,18 @@ def tile_counter(spec, causal: bool, device) -> torch.Tensor:
 
 
 def run_attention(spec, dtype, head_dim: int, mask: masking.Masking, args: list, device,
-                  cu_seqlens=None):
+                  cu_seqlens=None, sinks=None, head_dim_v=None):
     """Append the runtime arguments after (q, k, v, o, lse[, scores]) and launch: the scale, the
-    persistent ones, and the variants' (cu_seqlens_q/k when varlen, window edges, softcap scale)."""
+    persistent ones, and the variants' (cu_seqlens_q/k when varlen, window edges, softcap scale,
+    the sinks (heads_q,) FP32). head_dim_v: V's head dim where it differs from head_dim."""
     fn = _compile.get_attention(spec, dtype, head_dim, mask.causal, cu_seqlens is not None,
-                                mask.local, mask.softcap)
+                                mask.local, mask.softcap, sinks is not None, head_dim_v)
     args.append(mask.scale_log2)
     if spec.persistent:
         args.append(_checks.HOPPER_SMS[device])
         args.append(tile_counter(spec, mask.causal, device))
     if spec.variants:
         cu_q, cu_k = cu_seqlens if cu_seqlens is not None else (stand_in(device),) * 2
-        args += [cu_q, cu_k, mask.left, mask.right, mask.softcap_scale]
+        args += [cu_q, cu_k, mask.left, mask.right, mask.softcap_scale,
+                 stand_in(device, torch.float32) if sinks is None else sinks]
     fn(*args)

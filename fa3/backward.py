@@ -3,6 +3,12 @@
     preprocess (D = rowsum(dO * O), LSE * log2 e)  ->  main kernel (dK, dV; dQ summed in FP32)
     ->  postprocess (dQ * softmax_scale -> dtype; GQA: dK and dV summed over each group)
 
+Attention sinks need nothing of the kernels: the forward's LSE includes each head's sink, so
+P = exp(S - LSE) are the probabilities of the keys, and dS = P (dP - D) holds as it is (the sink
+adds no value, so D = rowsum(dO * O) is still sum_j P_j dP_j). The sink's own gradient is
+d sinks_h = -sum over the rows of head h of exp(sinks_h - LSE) * D (sink_grad), from the
+preprocess's D.
+
 `attention_backward` runs the three for a given forward result (out, lse): what a caller that
 merges several attention calls needs (fa3.context_parallel_attention differentiates each ring step
 with the merged out and lse). The autograd registration that calls it is in fa3.ops; the rung
@@ -18,7 +24,7 @@ import torch
 from . import _checks, _compile, _dispatch, _launch, interface, masking, varlen
 
 
-def check_backward(dout, q, k, v, out, lse, kernel, cu_seqlens=None):
+def check_backward(dout, q, k, v, out, lse, kernel, cu_seqlens=None, sinks=None):
     """The backward op's arguments: the forward's (checked again: the op can be called directly)
     plus dout and out shaped like q and the forward's FP32 lse: (batch, heads_q, seqlen_q), or
     (heads_q, total_q) for a packed batch (`cu_seqlens`: its (cu_seqlens_q, cu_seqlens_k))."""
@@ -31,6 +37,8 @@ def check_backward(dout, q, k, v, out, lse, kernel, cu_seqlens=None):
         total_q, heads_q, head_dim = q.shape
         lse_shape, lse_layout = (heads_q, total_q), "(heads_q, total_q)"
     spec = _dispatch.memo_rung(_dispatch.backward_rung, kernel, head_dim)
+    if v.shape[-1] != head_dim:
+        _dispatch.check_value_head_dim(spec, head_dim, v.shape[-1], "backward_kernel", backward=True)
     if cu_seqlens is not None:
         varlen.check_varlen_rung(spec, "backward_kernel")
     for name, t in (("dout", dout), ("out", out)):
@@ -42,12 +50,29 @@ def check_backward(dout, q, k, v, out, lse, kernel, cu_seqlens=None):
             or lse.dtype != torch.float32 or lse.device != q.device:
         raise ValueError(f"lse must be the forward's {lse_layout} = {lse_shape} float32 "
                          f"log-sum-exp on {q.device}")
+    if sinks is not None:
+        _checks.check_sinks(sinks, heads_q, q.device)
     return spec
+
+
+def sink_grad(sinks, lse, dsum, rows: int):
+    """d sinks_h = -sum_{batch, rows} exp(sinks_h - LSE) * D: lse (batch, heads_q, >= rows) with
+    the sinks included, dsum the preprocess's D (batch, heads_q, >= rows); (heads_q,) FP32. (A sink
+    of -inf in a row with no key: exp(nan) is taken as 0, the sink's probability.)"""
+    p_sink = torch.exp(sinks.detach()[None, :, None] - lse[..., :rows]).nan_to_num_(0.0)
+    return -(p_sink * dsum[..., :rows]).sum(dim=(0, 2))
+
+
+def _no_sink_grad(sinks, q):
+    """dsinks when the kernels do not run: zeros, or (0,) without sinks."""
+    if sinks is None:
+        return torch.empty(0, dtype=torch.float32, device=q.device)
+    return torch.zeros_like(sinks, memory_format=torch.contiguous_format)
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False,
                        softmax_scale: float | None = None, window_size=(-1, -1), softcap: float = 0.0,
-                       deterministic: bool = False, backward_kernel: str | None = None):
+                       deterministic: bool = False, backward_kernel: str | None = None, sinks=None):
     """(dq, dk, dv) of fa3.attention(q, k, v, ...) for the upstream gradient `dout`, given the
     forward's `out` (shaped like q) and FP32 `lse` (batch, heads_q, seqlen_q), with the forward's
     causal, softmax_scale, window_size and softcap.
@@ -56,60 +81,71 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False,
     larger key set (merged from blocks, as ring attention does), the result is this key block's
     share of the gradient: dq summed over blocks, and this block's dk and dv, are exact. GQA: dk
     and dv are summed over each group. Not differentiable itself (a plain function, not autograd).
-    deterministic and backward_kernel: as in fa3.attention."""
-    spec = check_backward(dout, q, k, v, out, lse, backward_kernel)
+    deterministic and backward_kernel: as in fa3.attention.
+    sinks: the forward's attention sinks, (heads_q,) float32: then (dq, dk, dv, dsinks). (dq, dk and
+    dv need only the lse, which includes the sinks; dsinks depends on out, lse and dout alone, so
+    it is the same for every key block of a merged result: take it once.)"""
+    spec = check_backward(dout, q, k, v, out, lse, backward_kernel, sinks=sinks)
     scale = 1.0 / math.sqrt(q.shape[3]) if softmax_scale is None else float(softmax_scale)
     window, causal, softcap = tuple(window_size), bool(causal), float(softcap)
     _dispatch.check_variants(spec, masking.masking(causal, window, softcap, scale), "backward_kernel")
-    if _dispatch.direct_call_ok(dout, q, k, v, out, lse):
-        return launch_attention_backward(spec, dout, q, k, v, out, lse, causal, scale,
-                                         bool(deterministic), window, softcap)
-    return torch.ops.fa3.attention_backward(dout, q, k, v, out, lse, causal, scale, spec.name,
-                                            bool(deterministic), window[0], window[1], softcap)
+    if _dispatch.direct_call_ok(dout, q, k, v, out, lse) and (sinks is None or _dispatch.direct_call_ok(sinks)):
+        grads = launch_attention_backward(spec, dout, q, k, v, out, lse, causal, scale,
+                                          bool(deterministic), window, softcap, sinks)
+    else:
+        grads = torch.ops.fa3.attention_backward(dout, q, k, v, out, lse, causal, scale, spec.name,
+                                                 bool(deterministic), window[0], window[1], softcap,
+                                                 sinks)
+    return tuple(grads) if sinks is not None else tuple(grads[:3])
 
 
 _NO_LOCK: dict[torch.device, torch.Tensor] = {}  # a stand-in for the counters when not deterministic
 
 
 def launch_attention_backward(spec, dout, q, k, v, out, lse, causal: bool, scale: float,
-                              deterministic: bool, window=(-1, -1), softcap: float = 0.0):
-    """(dq, dk, dv) for rung `spec`: preprocess (D, LSE * log2 e), the main kernel (dK, dV per
-    query head; dQ summed in FP32), postprocess (dQ * scale -> dtype; GQA: dK/dV from the FP32 sums the kernel added, or,
-    deterministic, summed over each group from one FP32 slice per query head).
+                              deterministic: bool, window=(-1, -1), softcap: float = 0.0, sinks=None):
+    """(dq, dk, dv, dsinks) for rung `spec`: preprocess (D, LSE * log2 e), the main kernel (dK, dV
+    per query head; dQ summed in FP32), postprocess (dQ * scale -> dtype; GQA: dK/dV from the FP32
+    sums the kernel added, or, deterministic, summed over each group from one FP32 slice per query
+    head); dsinks: sink_grad, or (0,) without sinks.
     The body of the fa3::attention_backward op: arguments are validated already."""
     dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     if dq.numel() == 0 or k.shape[1] == 0:  # nothing to differentiate, or no key: all gradients 0
-        return dq.zero_(), dk.zero_(), dv.zero_()
+        return dq.zero_(), dk.zero_(), dv.zero_(), _no_sink_grad(sinks, q)
     tile_m = spec.config_for(q.shape[3])["tile_m"]
     q_tiles = -(-q.shape[1] // tile_m)
     # statistics and dQ padded to whole Q tiles: the kernel reads and adds them unchecked
-    _run(spec, dout, q, k, v, out, lse, dq, dk, dv, causal, scale, deterministic, window, softcap,
-         stat_rows=q_tiles * tile_m, dq_rows=q_tiles * tile_m, lock_tiles=q_tiles)
-    return dq, dk, dv
+    dsinks = _run(spec, dout, q, k, v, out, lse, dq, dk, dv, causal, scale, deterministic, window,
+                  softcap, stat_rows=q_tiles * tile_m, dq_rows=q_tiles * tile_m, lock_tiles=q_tiles,
+                  sinks=sinks)
+    return dq, dk, dv, dsinks
 
 
 def launch_varlen_backward(spec, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal: bool,
-                           scale: float, deterministic: bool, window=(-1, -1), softcap: float = 0.0):
-    """(dq, dk, dv) of a packed batch (fa3.attention_varlen's layouts; lse (heads_q, total_q)):
+                           scale: float, deterministic: bool, window=(-1, -1), softcap: float = 0.0,
+                           sinks=None):
+    """(dq, dk, dv, dsinks) of a packed batch (fa3.attention_varlen's layouts; lse (heads_q, total_q)):
     the same three steps with one batch entry holding every sequence (kernels/bwd.py, varlen)."""
     dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     if dq.numel() == 0 or k.shape[0] == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
+        return dq.zero_(), dk.zero_(), dv.zero_(), _no_sink_grad(sinks, q)
     total_q, entries = q.shape[0], cu_seqlens_q.shape[0] - 1
     tile_m = spec.config_for(q.shape[2])["tile_m"]
     # packed statistics (rows past an entry are read as LSE = +inf); a last Q tile may add its
     # (zero) rows past the packed end: tile_m rows of slack; counters: see AttentionBackward
-    _run(spec, *(t.unsqueeze(0) for t in (dout, q, k, v, out, lse, dq, dk, dv)), causal, scale,
-         deterministic, window, softcap, stat_rows=total_q, dq_rows=total_q + tile_m,
-         lock_tiles=total_q // tile_m + entries + 1, cu_seqlens=(cu_seqlens_q, cu_seqlens_k))
-    return dq, dk, dv
+    dsinks = _run(spec, *(t.unsqueeze(0) for t in (dout, q, k, v, out, lse, dq, dk, dv)), causal, scale,
+                  deterministic, window, softcap, stat_rows=total_q, dq_rows=total_q + tile_m,
+                  lock_tiles=total_q // tile_m + entries + 1, cu_seqlens=(cu_seqlens_q, cu_seqlens_k),
+                  sinks=sinks)
+    return dq, dk, dv, dsinks
 
 
 def _run(spec, dout, q, k, v, out, lse, dq, dk, dv, causal, scale, deterministic, window, softcap,
-         stat_rows: int, dq_rows: int, lock_tiles: int, cu_seqlens=None):
+         stat_rows: int, dq_rows: int, lock_tiles: int, cu_seqlens=None, sinks=None):
     """Preprocess, main kernel and postprocess into dq, dk, dv, all in the 4-D (batch, seqlen,
     heads, d) layout; `stat_rows`, `dq_rows`, `lock_tiles`: the extents of the FP32 statistics, the
-    dQ accumulator and the deterministic counters per (batch, head)."""
+    dQ accumulator and the deterministic counters per (batch, head). Returns dsinks (sink_grad),
+    or a (0,) tensor without sinks."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     device, dtype = q.device, q.dtype
@@ -121,6 +157,7 @@ def _run(spec, dout, q, k, v, out, lse, dq, dk, dv, causal, scale, deterministic
     lse2 = torch.empty(batch, heads_q, stat_rows, dtype=torch.float32, device=device)
     dsum = torch.empty_like(lse2)
     _compile.get_backward_preprocess(dtype, head_dim)(out, dout, lse, lse2, dsum)
+    dsinks = _no_sink_grad(None, q) if sinks is None else sink_grad(sinks, lse, dsum, seqlen_q)
     dq_acc = torch.zeros(batch, dq_rows, heads_q, head_dim, dtype=torch.float32, device=device)
     gqa = heads_q != heads_kv
     if gqa and not deterministic:  # the kernel adds each query head's share with FP32 atomics
@@ -151,3 +188,4 @@ def _run(spec, dout, q, k, v, out, lse, dq, dk, dv, causal, scale, deterministic
         group = heads_q // heads_kv
         torch.sum(dk_h.view(batch, seqlen_k, heads_kv, group, head_dim), dim=3, out=dk)
         torch.sum(dv_h.view(batch, seqlen_k, heads_kv, group, head_dim), dim=3, out=dv)
+    return dsinks

@@ -97,6 +97,9 @@ def fa3_local(scale: float, deterministic: bool = False, kernel: str | None = No
 def check_context_parallel(q, k, v, causal: bool) -> None:
     """What the ring needs beyond fa3.attention's checks: causal shards are zig-zag halves."""
     q_shape, k_shape = _checks.check_qkv(q, k, v, "(batch, seqlen_k, heads_kv, head_dim)")
+    if v.shape[3] != q_shape[3]:  # k and v travel the ring as one stacked message
+        raise ValueError(f"v has head_dim {v.shape[3]} but q and k have {q_shape[3]}; context "
+                         "parallelism needs one head_dim for q, k and v (pad v and slice the output)")
     if causal and (q_shape[1] != k_shape[1] or q_shape[1] % 2):
         raise ValueError(f"causal context parallelism takes zig-zag shards of one sequence: q, k and v "
                          f"must have the same even seqlen per rank, got q {q_shape[1]} and k {k_shape[1]}; "

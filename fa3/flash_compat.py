@@ -35,12 +35,28 @@ def _check_common(dropout_p, alibi_slopes, return_attn_probs):
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                    learnable_sink=None):
     """flash_attn.flash_attn_func: q (batch, seqlen_q, heads_q, d), k and v (batch, seqlen_k,
-    heads_kv, d) -> out shaped like q. Differentiable (window and softcap included)."""
+    heads_kv, d) -> out shaped like q. Differentiable (window and softcap included).
+    learnable_sink: flash-attn-4's name for attention sinks (fa3.attention's `sinks`: float32
+    (heads_q,); a 16-bit one is cast)."""
     _check_common(dropout_p, alibi_slopes, return_attn_probs)
     return attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                     softcap=softcap, deterministic=deterministic)
+                     softcap=softcap, deterministic=deterministic, sinks=_sinks(learnable_sink=learnable_sink))
+
+
+def _sinks(**named):
+    """Attention sinks under whichever name the caller uses (flash-attn-4's learnable_sink, vLLM's
+    s_aux, SGLang's sinks; at most one): fa3's float32 `sinks`, 16-bit ones cast differentiably
+    (flash-attn-4 and the models keep them in the model's dtype)."""
+    given = {name: t for name, t in named.items() if t is not None}
+    if len(given) > 1:
+        raise ValueError(f"attention sinks given twice ({' and '.join(given)}); pass one of them")
+    sinks = next(iter(given.values()), None)
+    if sinks is not None and getattr(sinks, "dtype", None) in (torch.bfloat16, torch.float16):
+        return sinks.float()
+    return sinks
 
 
 def _check_descales(*descales):
@@ -56,7 +72,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
                            alibi_slopes=None, deterministic=False, return_attn_probs=False,
                            block_table=None, *, seqused_k=None, return_softmax_lse=False, out=None,
                            scheduler_metadata=None, num_splits=0, q_descale=None, k_descale=None,
-                           v_descale=None, fa_version=None, s_aux=None):
+                           v_descale=None, fa_version=None, s_aux=None, learnable_sink=None):
     """flash_attn.flash_attn_varlen_func: q (total_q, heads_q, d), k and v (total_k, heads_kv, d),
     int32 cumulative offsets -> out shaped like q; differentiable (as fa3.attention_varlen).
 
@@ -65,19 +81,17 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
     sequence's keys, cu_seqlens_k None, out= a preallocated output, num_splits (0: planned from
     shapes), scheduler_metadata (fa3.get_scheduler_metadata), return_softmax_lse -> (out, lse).
     FP8 descales are accepted and not read (fa3's inputs are 16-bit, where flash-attn ignores them
-    too); s_aux (attention sinks) is refused."""
+    too); s_aux (vLLM's name) or learnable_sink (flash-attn-4's): attention sinks, fa3's `sinks`."""
     _check_common(dropout_p, alibi_slopes, return_attn_probs)
     _check_descales(q_descale, k_descale, v_descale)
-    if s_aux is not None:
-        raise NotImplementedError("s_aux (attention sinks) is not supported by fa3; leave it at None")
     _refuse("fa_version", fa_version, None if fa_version is None else 3, "fa3 is FlashAttention-3")
     window_size = (-1, -1) if window_size is None else window_size  # (flash-attn 3's default)
-    result = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
-                              softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-                              deterministic=deterministic, block_table=block_table, seqused_k=seqused_k,
-                              out=out, num_splits=num_splits, scheduler_metadata=scheduler_metadata,
-                              return_lse=return_softmax_lse)
-    return result
+    return attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                            softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                            deterministic=deterministic, block_table=block_table, seqused_k=seqused_k,
+                            out=out, num_splits=num_splits, scheduler_metadata=scheduler_metadata,
+                            return_lse=return_softmax_lse,
+                            sinks=_sinks(s_aux=s_aux, learnable_sink=learnable_sink))
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
@@ -86,12 +100,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
                             return_softmax_lse=False, *, page_table=None, cu_seqlens_q=None,
                             max_seqlen_q=None, cu_seqlens_k_new=None, scheduler_metadata=None,
-                            q_descale=None, k_descale=None, v_descale=None):
+                            q_descale=None, k_descale=None, v_descale=None, sinks=None, learnable_sink=None):
     """flash_attn.flash_attn_with_kvcache: new k/v (if given) are written into the cache in place at
     cache_seqlens, then q attends to each sequence's cache -> out, or (out, softmax_lse).
     cache_leftpad: where each sequence's keys start in a left-padded dense cache. flash-attn 3's
     keywords too (SGLang's call): page_table (= block_table), cu_seqlens_q and max_seqlen_q (packed
-    queries, several per sequence), scheduler_metadata, FP8 descales (accepted, not read)."""
+    queries, several per sequence), scheduler_metadata, FP8 descales (accepted, not read), sinks
+    (SGLang's name) or learnable_sink (flash-attn-4's): attention sinks, fa3's `sinks`."""
     for name, value in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
                         ("cache_batch_idx", cache_batch_idx), ("alibi_slopes", alibi_slopes),
                         ("cu_seqlens_k_new", cu_seqlens_k_new)):
@@ -113,4 +128,4 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                   max_seqlen_q=max_seqlen_q, cache_leftpad=cache_leftpad, causal=causal,
                                   softmax_scale=softmax_scale,
                                   window_size=window_size, softcap=softcap, num_splits=num_splits,
-                                  return_lse=return_softmax_lse)
+                                  return_lse=return_softmax_lse, sinks=_sinks(sinks=sinks, learnable_sink=learnable_sink))

@@ -49,12 +49,16 @@ def is_fp8_call(q, q_descale, k_descale, v_descale) -> bool:
         q_descale is not None or k_descale is not None or v_descale is not None
 
 
-def check_attention_fp8(q, k, v, q_descale, k_descale, v_descale, kernel, out=None):
+def check_attention_fp8(q, k, v, q_descale, k_descale, v_descale, kernel, out=None, sinks=None):
     """fa3.attention's FP8 arguments; returns (spec, (q_descale, k_descale, v_descale)) with the
     descales as the kernel takes them (float32, (batch, heads_kv), contiguous)."""
     if isinstance(q, torch.Tensor) and q.dtype not in _checks.FP8_LIKE:
         raise ValueError(f"q_descale, k_descale and v_descale apply to FP8 inputs; q has dtype "
                          f"{q.dtype}: quantize q, k and v with fa3.quantize_fp8, or drop the descales")
+    if sinks is not None:
+        raise ValueError("sinks are not supported with FP8 inputs (the FP8 rungs do not compile "
+                         "them): pass bfloat16 or float16 q, k, v (fa3.dequantize_fp8) to use "
+                         "sinks, or drop sinks")
     q_shape, k_shape = _checks.check_qkv(q, k, v, "(batch, seqlen_k, heads_kv, head_dim)",
                                          dtypes=_checks.FP8_DTYPES)
     if k_shape[0] != q_shape[0]:
@@ -63,6 +67,8 @@ def check_attention_fp8(q, k, v, q_descale, k_descale, v_descale, kernel, out=No
         raise ValueError("FP8 attention is forward-only (as FlashAttention-3's): q, k or v requires "
                          "grad; pass tensors that do not (x.detach()), or train in bfloat16")
     spec = _dispatch.memo_rung(fp8_rung, kernel, q_shape[3])
+    if v.shape[3] != q_shape[3]:
+        _dispatch.check_value_head_dim(spec, q_shape[3], v.shape[3], "kernel")
     _checks.check_hopper(q.device, "q")
     batch, heads_kv = q_shape[0], k_shape[2]
     descales = tuple(_checks.check_descale(t, name, batch, heads_kv, q.device) for t, name in
@@ -88,9 +94,10 @@ def fp8_rung(kernel, head_dim):
 
 
 def attention_fp8(q, k, v, q_descale, k_descale, v_descale, *, causal, softmax_scale, window,
-                  softcap, return_lse, kernel, out):
+                  softcap, return_lse, kernel, out, sinks=None):
     """fa3.attention's FP8 branch (the public docstring is fa3.attention's)."""
-    spec, descales = check_attention_fp8(q, k, v, q_descale, k_descale, v_descale, kernel, out)
+    spec, descales = check_attention_fp8(q, k, v, q_descale, k_descale, v_descale, kernel, out,
+                                         sinks)
     scale = 1.0 / math.sqrt(q.shape[3]) if softmax_scale is None else float(softmax_scale)
     causal, window = bool(causal), tuple(window)
     mask = masking.masking(causal, window, softcap, scale)

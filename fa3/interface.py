@@ -21,6 +21,9 @@ def check_attention(q, k, v, kernel):
     if k_shape[0] != q_shape[0]:
         raise ValueError(f"q has batch {q_shape[0]} but k and v have batch {k_shape[0]}")
     spec = _dispatch.memo_rung(_dispatch.attention_rung, kernel, q_shape[3])
+    head_dim_v = v.shape[3]
+    if head_dim_v != q_shape[3]:
+        _dispatch.check_value_head_dim(spec, q_shape[3], head_dim_v, "kernel")
     _checks.check_hopper(q.device, "q")
     return spec
 
@@ -28,12 +31,14 @@ def check_attention(q, k, v, kernel):
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
               window_size=(-1, -1), softcap: float = 0.0,
               return_lse: bool = False, kernel: str | None = None, out=None,
-              deterministic: bool = False, backward_kernel: str | None = None,
+              deterministic: bool = False, backward_kernel: str | None = None, sinks=None,
               q_descale=None, k_descale=None, v_descale=None):
     """Exact softmax attention, softmax(q k^T * softmax_scale) v, as flash-attn computes it.
 
     q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim); bf16 or
-    fp16 on a Hopper GPU; heads_q a multiple of heads_kv (GQA/MQA). head_dim 64, 128 or 256.
+    fp16 on a Hopper GPU; heads_q a multiple of heads_kv (GQA/MQA). head_dim 64, 96, 128, 192 or
+    256. v's head dim may differ from q's and k's as (q/k, v) = (192, 128) (DeepSeek's MLA prefill)
+    or (128, 64), forward only: out then has v's head dim.
     causal: mask aligned to the bottom right when seqlen_q != seqlen_k (query i sees keys
     j <= i + seqlen_k - seqlen_q), as in flash-attn >= 2.1; rows that see no key give 0.
     softmax_scale: defaults to 1/sqrt(head_dim).
@@ -47,15 +52,19 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     deterministic: make the backward bitwise reproducible (dQ's FP32 partial sums are added in a
         fixed order; measured cost in worklog/backward.md). The forward is deterministic anyway.
     backward_kernel: a rung of fa3.available_kernels("backward"); None picks the fastest.
+    sinks: optional attention sinks (gpt-oss), a float32 (heads_q,) tensor of finite logits: head
+        h's sink joins the denominator of each of its rows, taking probability mass but adding no
+        value: out_i = sum_j exp(s_ij) v_j / (sum_j exp(s_ij) + exp(sinks[h])), and lse includes
+        it (a row that sees no key gives 0 and lse = sinks[h]). Differentiable.
     Returns out shaped like q (and lse).
 
     FP8: q, k, v in torch.float8_e4m3fn (fa3.quantize_fp8) with q_descale, k_descale, v_descale:
     float32 (batch, heads_kv), or one element per tensor, or None (1); attention of the dequantized
     inputs (x * x_descale), output bf16 (or out='s dtype, bf16 or fp16). Causal, GQA, lse,
-    window_size and softcap as above; `kernel` names an "attention_fp8" rung. Forward only (inputs
-    that require grad are refused). See fa3.fp8.
+    window_size and softcap as above; head_dim 64, 128 or 256 (v's as q's); no sinks; `kernel`
+    names an "attention_fp8" rung. Forward only (inputs that require grad are refused). See fa3.fp8.
 
-    Differentiable in q, k and v (whichever require grad), through torch.autograd, torch.compile
+    Differentiable in q, k, v and sinks (whichever require grad), through torch.autograd, torch.compile
     and torch.utils.checkpoint; lse is returned as a non-differentiable output. GQA gradients of k
     and v are summed over the query heads that share them.
 
@@ -67,12 +76,12 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     if fp8.is_fp8_call(q, q_descale, k_descale, v_descale):
         return fp8.attention_fp8(q, k, v, q_descale, k_descale, v_descale, causal=causal,
                                  softmax_scale=softmax_scale, window=window_size, softcap=softcap,
-                                 return_lse=return_lse, kernel=kernel, out=out)
+                                 return_lse=return_lse, kernel=kernel, out=out, sinks=sinks)
     spec = check_attention(q, k, v, kernel)
     scale = 1.0 / math.sqrt(q.shape[3]) if softmax_scale is None else float(softmax_scale)
     causal = bool(causal)
     if out is not None:
-        _checks.check_output(out, "out", q)
+        _checks.check_output(out, "out", _checks.output_like(q, v))
     window = tuple(window_size)
     if window != (-1, -1) or softcap:
         mask = masking.masking(causal, window, softcap, scale)
@@ -80,35 +89,48 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             backward_spec = _dispatch.memo_rung(_dispatch.backward_rung, backward_kernel, q.shape[3])
             _dispatch.check_variants(backward_spec, mask, "backward_kernel")
-    if _dispatch.direct_call_ok(q, k, v):
-        out, lse = launch_attention(spec, q, k, v, causal, scale, out, window, softcap)
+    if sinks is not None:
+        _checks.check_sinks(sinks, q.shape[2], q.device)
+        _dispatch.check_sinks(spec, "kernel")
+    if v.shape[3] != q.shape[3] and torch.is_grad_enabled() and (
+            q.requires_grad or k.requires_grad or v.requires_grad or getattr(sinks, "requires_grad", False)):
+        _dispatch.check_value_head_dim(spec, q.shape[3], v.shape[3], "kernel", backward=True)
+    if _dispatch.direct_call_ok(q, k, v) and (sinks is None or _dispatch.direct_call_ok(sinks)):
+        out, lse = launch_attention(spec, q, k, v, causal, scale, out, window, softcap, sinks)
     else:
         bwd = _dispatch.memo_rung(_dispatch.backward_rung, backward_kernel, q.shape[3]).name
         result, lse = torch.ops.fa3.attention(q, k, v, causal, scale, spec.name, bool(deterministic), bwd,
-                                              window[0], window[1], float(softcap))
+                                              window[0], window[1], float(softcap), sinks)
         out = result if out is None else out.copy_(result)  # the op is functional
     return (out, lse) if return_lse else out
 
 
 def launch_attention(spec, q, k, v, causal: bool, scale: float, out=None, window=(-1, -1),
-                     softcap: float = 0.0):
+                     softcap: float = 0.0, sinks=None):
     """Allocate the outputs (`out` unless given) and launch rung `spec` on torch's current stream;
     returns (out, lse). The body of the fa3::attention op: arguments are validated already."""
     batch, seqlen_q, heads_q, head_dim = q.shape
+    head_dim_v = v.shape[3]
     device = q.device
     if out is None:  # (torch.empty parses a shape tuple ~1.5 us slower than this or separate ints)
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        out = torch.empty_like(q, memory_format=torch.contiguous_format) if head_dim_v == head_dim \
+            else q.new_empty((batch, seqlen_q, heads_q, head_dim_v))
     lse = torch.empty(batch, heads_q, seqlen_q, dtype=torch.float32, device=device)
     seqlen_k = k.shape[1]
     if out.numel() == 0 or seqlen_k == 0:  # nothing to compute, or no keys: O = 0, LSE = -inf
         out.zero_()
-        lse.fill_(float("-inf"))
+        _launch.no_keys(lse, sinks)
         return out, lse
     if q.requires_grad or k.requires_grad or v.requires_grad:
         q, k, v = _launch.detached(q, k, v)
+    if sinks is not None:
+        sinks = _launch.sinks_ready(sinks)
     mask = masking.masking(causal, window, softcap, scale)
     args = [_launch.tma_ready(q), _launch.tma_ready(k), _launch.tma_ready(v), out, lse]
     if spec.needs_scores_workspace:
         args.append(torch.empty(batch, heads_q, seqlen_q, seqlen_k, dtype=torch.float32, device=device))
-    _launch.run_attention(spec, q.dtype, head_dim, mask, args, device)
+    _launch.run_attention(spec, q.dtype, head_dim, mask, args, device, sinks=sinks,
+                          head_dim_v=None if head_dim_v == head_dim else head_dim_v)
     return out, lse
+
+

@@ -202,7 +202,7 @@ def plan_splits(spec, batch: int, max_seqlen_q: int, heads_q: int, heads_kv: int
 def launch_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, capacity: int, appended: int,
                    causal: bool, scale: float, num_splits: int, window=(-1, -1), softcap: float = 0.0,
                    cu_seqlens_q=None, max_seqlen_q: int = 0, max_seqlen_k: int = -1, out=None,
-                   cache_leftpad=None):
+                   cache_leftpad=None, sinks=None):
     """(out, lse) of rung `spec`; arguments are validated (`capacity`: keys a sequence can hold, from
     `check_kvcache`) and the new tokens already appended. Packed queries (cu_seqlens_q): q and out
     are (total_q, heads_q, d), lse (heads_q, total_q), and the kernel sees them as a batch of one
@@ -242,21 +242,22 @@ def launch_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, capaci
         lse_partial = torch.empty(num_splits, planes, heads_q, rows_q, dtype=torch.float32, device=device)
     else:
         o_partial, lse_partial = _dummy("o_partial", device, head_dim), _dummy("lse_partial", device)
-    leftpad = cache_leftpad is not None
+    leftpad, has_sinks = cache_leftpad is not None, sinks is not None
+    sinks = _launch.sinks_ready(sinks) if has_sinks else _launch.stand_in(device, torch.float32)
     fn = _compile.get_kvcache(spec, q.dtype, head_dim, mask.causal, paged, mask.local, mask.softcap,
-                              gather, packed, leftpad)
+                              gather, packed, leftpad, has_sinks)
     table = block_table if paged else _dummy("table", device)
     fn(q4, k_cache, v_cache, cache_seqlens, table, out4, lse3, o_partial, lse_partial, mask.scale_log2,
        appended, mask.left, mask.right, mask.softcap_scale, cu, seqlen_q,
-       cache_leftpad if leftpad else _launch.stand_in(device))
+       cache_leftpad if leftpad else _launch.stand_in(device), sinks)
     if num_splits > 1:
-        _compile.get_combine(q.dtype, head_dim)(o_partial, lse_partial, out4, lse3)
+        _compile.get_combine(q.dtype, head_dim, has_sinks)(o_partial, lse_partial, out4, lse3, sinks)
     return out, lse
 
 
 def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, softmax_scale, window_size,
                     softcap, num_splits, kernel, cu_seqlens_q=None, max_seqlen_q=None, max_seqlen_k=None,
-                    out=None, lengths_name="cache_seqlens", cache_leftpad=None):
+                    out=None, lengths_name="cache_seqlens", cache_leftpad=None, sinks=None):
     """The body of every call against a KV cache: check, check the index values (eager), append,
     launch (directly, or through torch.ops.fa3.attention_kvcache), return (out, lse)."""
     spec, seqlens, capacity, appended, max_q = check_kvcache(
@@ -264,6 +265,10 @@ def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, sof
         max_seqlen_q, lengths_name, cache_leftpad)
     if out is not None:
         _checks.check_output(out, "out", q)
+    if sinks is not None:
+        _checks.check_sinks(sinks, q.shape[-2], q.device)
+        _dispatch.check_sinks(spec, "kernel")
+        sinks = sinks.detach()  # inference: no gradient flows through a cache call
     window = tuple(window_size)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     max_seqlen_k = -1 if max_seqlen_k is None else int(max_seqlen_k)
@@ -283,15 +288,15 @@ def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, sof
         wait = None
     if k is not None:
         append_to_cache(k_cache, v_cache, k, v, seqlens, block_table, capacity)
-    if _dispatch.direct_call_ok(q, k_cache, v_cache):
+    if _dispatch.direct_call_ok(q, k_cache, v_cache) and (sinks is None or _dispatch.direct_call_ok(sinks)):
         out, lse = launch_kvcache(spec, q, k_cache, v_cache, seqlens, block_table, capacity, appended,
                                   bool(causal), scale, int(num_splits), window, softcap, cu_seqlens_q, max_q,
-                                  max_seqlen_k, out, cache_leftpad)
+                                  max_seqlen_k, out, cache_leftpad, sinks)
     else:
         result, lse = torch.ops.fa3.attention_kvcache(q, k_cache, v_cache, seqlens, block_table, appended,
                                                       bool(causal), scale, int(num_splits), spec.name,
                                                       window[0], window[1], float(softcap), cu_seqlens_q,
-                                                      max_q, max_seqlen_k, cache_leftpad)
+                                                      max_q, max_seqlen_k, cache_leftpad, sinks)
         out = result if out is None else out.copy_(result)  # the op is functional
     if wait is not None:  # after the launch (the kernel clamps): the GPU stays busy while the host waits
         wait()
@@ -302,11 +307,11 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
                            cu_seqlens_q=None, max_seqlen_q=None, cache_leftpad=None,
                            causal: bool = False, softmax_scale: float | None = None,
                            window_size=(-1, -1), softcap: float = 0.0, num_splits: int = 0,
-                           return_lse: bool = False, kernel: str | None = None):
+                           return_lse: bool = False, kernel: str | None = None, sinks=None):
     """softmax(q K^T * softmax_scale) V over each sequence's cached keys, as flash-attn's
     flash_attn_with_kvcache.
 
-    q: (batch, seqlen_q, heads_q, d), bf16/fp16, d in 64/128/256, heads_q a multiple of heads_kv;
+    q: (batch, seqlen_q, heads_q, d), bf16/fp16, d in 64/96/128/192/256, heads_q a multiple of heads_kv;
         or, with cu_seqlens_q, (total_q, heads_q, d): entry b's queries are rows
         [cu_seqlens_q[b], cu_seqlens_q[b + 1]) (several tokens per sequence: speculative verify,
         chunked prefill), max_seqlen_q their longest (None: total_q; it sizes the grid).
@@ -327,6 +332,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     window_size, softcap: sliding window and capped scores, as fa3.attention (the window is
         aligned the same way, to each sequence's own length).
     num_splits: how many CTAs share each sequence's keys; 0 picks from the shapes and SM count.
+    sinks: optional attention sinks, a float32 (heads_q,) tensor, as fa3.attention (not
+        differentiated here).
     Returns out shaped like q (and the fp32 lse: (batch, heads_q, seqlen_q), or (heads_q, total_q)
     with cu_seqlens_q). Not differentiable (inference). Runs on torch's current stream, so a
     decode step can be captured in a CUDA graph.
@@ -347,7 +354,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     """
     out, lse = cache_attention(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale,
                                window_size, softcap, num_splits, kernel, cu_seqlens_q, max_seqlen_q,
-                               cache_leftpad=cache_leftpad)
+                               cache_leftpad=cache_leftpad, sinks=sinks)
     return (out, lse) if return_lse else out
 
 

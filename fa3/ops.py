@@ -1,25 +1,30 @@
 """fa3's kernels as torch custom ops (`torch.ops.fa3.*`).
 
     torch.ops.fa3.attention(q, k, v, causal, softmax_scale, kernel, deterministic=False,
-                            backward_kernel=None, window_left=-1, window_right=-1, softcap=0.0)
-                            -> (out, lse)               differentiable in q, k, v
+                            backward_kernel=None, window_left=-1, window_right=-1, softcap=0.0,
+                            sinks=None) -> (out, lse)   differentiable in q, k, v, sinks
     torch.ops.fa3.attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, kernel,
-                                     deterministic, window_left=-1, window_right=-1, softcap=0.0)
-                                     -> (dq, dk, dv)
+                                     deterministic, window_left=-1, window_right=-1, softcap=0.0,
+                                     sinks=None) -> (dq, dk, dv, dsinks)
     torch.ops.fa3.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale,
                                    window_left, window_right, softcap, kernel, deterministic=False,
-                                   backward_kernel=None) -> (out, lse)   differentiable in q, k, v
+                                   backward_kernel=None, sinks=None) -> (out, lse)
+                                   differentiable in q, k, v, sinks
     torch.ops.fa3.attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                                             causal, softmax_scale, kernel, deterministic,
-                                            window_left, window_right, softcap) -> (dq, dk, dv)
+                                            window_left, window_right, softcap, sinks=None)
+                                            -> (dq, dk, dv, dsinks)
     torch.ops.fa3.attention_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, appended,
                                     causal, softmax_scale, num_splits, kernel, window_left=-1,
-                                    window_right=-1, softcap=0.0, cu_seqlens_q=None,
-                                    max_seqlen_q=0, max_seqlen_k=-1, cache_leftpad=None) -> (out, lse)
+                                    window_right=-1, softcap=0.0, cu_seqlens_q=None, max_seqlen_q=0,
+                                    max_seqlen_k=-1, cache_leftpad=None, sinks=None) -> (out, lse)
     torch.ops.fa3.attention_fp8(q, k, v, q_descale, k_descale, v_descale, causal, softmax_scale,
                                 kernel, window_left, window_right, softcap, out_dtype)
                                 -> (out, lse)               forward only (FP8 e4m3 q, k, v)
     torch.ops.fa3.gemm(a, b, kernel) -> out
+
+`sinks`: optional (heads_q,) float32 attention-sink logits (16-bit inputs; the FP8 op takes none);
+the backward ops return their gradient dsinks (a (0,) tensor when there are none).
 
 All are functional (they allocate their outputs; nothing is mutated), so torch.compile and
 torch.export trace them as single graph nodes, and their fake implementations give output shapes
@@ -36,69 +41,90 @@ from __future__ import annotations
 
 import torch
 
-from . import _dispatch, backward, fp8, interface, kvcache, masking, matmul, varlen
+from . import _checks, _dispatch, backward, fp8, interface, kvcache, masking, matmul, varlen
 
 _ATTENTION_SCHEMA = ("(Tensor q, Tensor k, Tensor v, bool causal, float softmax_scale, str kernel, "
                      "bool deterministic=False, str? backward_kernel=None, int window_left=-1, "
-                     "int window_right=-1, float softcap=0.0) -> (Tensor, Tensor)")
+                     "int window_right=-1, float softcap=0.0, Tensor? sinks=None) -> (Tensor, Tensor)")
 _BACKWARD_SCHEMA = ("(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, "
                     "float softmax_scale, str kernel, bool deterministic, int window_left=-1, "
-                    "int window_right=-1, float softcap=0.0) -> (Tensor, Tensor, Tensor)")
+                    "int window_right=-1, float softcap=0.0, Tensor? sinks=None) "
+                    "-> (Tensor, Tensor, Tensor, Tensor)")
 
 
 @torch.library.custom_op("fa3::attention", mutates_args=(), schema=_ATTENTION_SCHEMA)
 def attention(q, k, v, causal, softmax_scale, kernel, deterministic=False, backward_kernel=None,
-              window_left=-1, window_right=-1, softcap=0.0):
+              window_left=-1, window_right=-1, softcap=0.0, sinks=None):
     """(out, lse) of rung `kernel`: out shaped like q (contiguous), lse (batch, heads_q, seqlen_q) fp32.
     `deterministic` and `backward_kernel` are for the backward (None: the fastest rung)."""
     spec = interface.check_attention(q, k, v, kernel)
     window = (window_left, window_right)
     _dispatch.check_variants(spec, masking.masking(causal, window, softcap, softmax_scale), "kernel")
-    return interface.launch_attention(spec, q, k, v, causal, softmax_scale, None, window, softcap)
+    _check_sinks(spec, sinks, q.shape[-2], q.device)
+    return interface.launch_attention(spec, q, k, v, causal, softmax_scale, None, window, softcap, sinks)
+
+
+def _check_sinks(spec, sinks, heads_q, device):
+    if sinks is not None:
+        _checks.check_sinks(sinks, heads_q, device)
+        _dispatch.check_sinks(spec, "kernel")
+
+
+def _sinks_grad_like(sinks, q):
+    """The fake dsinks: shaped like sinks, or (0,) when there are none."""
+    return q.new_empty((0,), dtype=torch.float32) if sinks is None else torch.empty_like(sinks)
 
 
 @attention.register_fake
 def _attention_fake(q, k, v, causal, softmax_scale, kernel, deterministic=False, backward_kernel=None,
-                    window_left=-1, window_right=-1, softcap=0.0):
+                    window_left=-1, window_right=-1, softcap=0.0, sinks=None):
     batch, seqlen_q, heads_q, _ = q.shape
-    return (torch.empty_like(q, memory_format=torch.contiguous_format),
-            q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32))
+    return _out_fake(q, v), q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
+
+
+def _out_fake(q, v):
+    """The output: q's shape with v's head dim, contiguous."""
+    if v.shape[-1] == q.shape[-1]:
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 
 @torch.library.custom_op("fa3::attention_backward", mutates_args=(), schema=_BACKWARD_SCHEMA)
 def attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, kernel, deterministic,
-                       window_left=-1, window_right=-1, softcap=0.0):
-    """(dq, dk, dv), each contiguous and shaped like its input, with backward rung `kernel`."""
-    spec = backward.check_backward(dout, q, k, v, out, lse, kernel)
+                       window_left=-1, window_right=-1, softcap=0.0, sinks=None):
+    """(dq, dk, dv, dsinks), each contiguous and shaped like its input, with backward rung
+    `kernel` (dsinks: (0,) without sinks)."""
+    spec = backward.check_backward(dout, q, k, v, out, lse, kernel, sinks=sinks)
     window = (window_left, window_right)
     _dispatch.check_variants(spec, masking.masking(causal, window, softcap, softmax_scale), "backward_kernel")
     return backward.launch_attention_backward(spec, dout, q, k, v, out, lse, causal, softmax_scale,
-                                               deterministic, window, softcap)
+                                               deterministic, window, softcap, sinks)
 
 
 @attention_backward.register_fake
 def _attention_backward_fake(dout, q, k, v, out, lse, causal, softmax_scale, kernel, deterministic,
-                             window_left=-1, window_right=-1, softcap=0.0):
-    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+                             window_left=-1, window_right=-1, softcap=0.0, sinks=None):
+    return (*(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v)),
+            _sinks_grad_like(sinks, q))
 
 
 def _save_for_backward(ctx, inputs, output):
-    q, k, v, causal, softmax_scale, _, deterministic, backward_kernel, left, right, softcap = inputs
+    q, k, v, causal, softmax_scale, _, deterministic, backward_kernel, left, right, softcap, sinks = inputs
     out, lse = output
     ctx.window, ctx.softcap = (left, right), softcap
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, sinks)
     ctx.causal, ctx.softmax_scale = causal, softmax_scale
     ctx.deterministic, ctx.backward_kernel = deterministic, backward_kernel
     ctx.mark_non_differentiable(lse)
 
 
 def _attention_grads(ctx, dout, _dlse):
-    q, k, v, out, lse = ctx.saved_tensors
+    q, k, v, out, lse, sinks = ctx.saved_tensors
     kernel = ctx.backward_kernel or _dispatch.backward_rung(None, q.shape[3]).name
-    dq, dk, dv = torch.ops.fa3.attention_backward(dout, q, k, v, out, lse, ctx.causal,
-                                                  ctx.softmax_scale, kernel, ctx.deterministic,
-                                                  ctx.window[0], ctx.window[1], ctx.softcap)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+    dq, dk, dv, dsinks = torch.ops.fa3.attention_backward(dout, q, k, v, out, lse, ctx.causal,
+                                                          ctx.softmax_scale, kernel, ctx.deterministic,
+                                                          ctx.window[0], ctx.window[1], ctx.softcap, sinks)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, (dsinks if sinks is not None else None)
 
 
 attention.register_autograd(_attention_grads, setup_context=_save_for_backward)
@@ -133,64 +159,68 @@ gemm.register_autograd(_gemm_grads, setup_context=_gemm_save)
 
 _VARLEN_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, bool causal, "
                   "float softmax_scale, int window_left, int window_right, float softcap, str kernel, "
-                  "bool deterministic=False, str? backward_kernel=None) -> (Tensor, Tensor)")
+                  "bool deterministic=False, str? backward_kernel=None, Tensor? sinks=None) "
+                  "-> (Tensor, Tensor)")
 _VARLEN_BACKWARD_SCHEMA = ("(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
                            "Tensor cu_seqlens_q, Tensor cu_seqlens_k, bool causal, float softmax_scale, "
                            "str kernel, bool deterministic, int window_left, int window_right, "
-                           "float softcap) -> (Tensor, Tensor, Tensor)")
+                           "float softcap, Tensor? sinks=None) -> (Tensor, Tensor, Tensor, Tensor)")
 
 
 @torch.library.custom_op("fa3::attention_varlen", mutates_args=(), schema=_VARLEN_SCHEMA)
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, window_left,
-                     window_right, softcap, kernel, deterministic=False, backward_kernel=None):
+                     window_right, softcap, kernel, deterministic=False, backward_kernel=None, sinks=None):
     """(out (total_q, heads_q, d), lse (heads_q, total_q)) of a packed variable-length batch."""
     spec = varlen.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, None, None, kernel)
+    _check_sinks(spec, sinks, q.shape[1], q.device)
     return varlen.launch_varlen(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale,
-                                (window_left, window_right), softcap)
+                                (window_left, window_right), softcap, sinks)
 
 
 @attention_varlen.register_fake
 def _attention_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, window_left,
-                           window_right, softcap, kernel, deterministic=False, backward_kernel=None):
+                           window_right, softcap, kernel, deterministic=False, backward_kernel=None,
+                           sinks=None):
     total_q, heads_q, _ = q.shape
-    return (torch.empty_like(q, memory_format=torch.contiguous_format),
-            q.new_empty((heads_q, total_q), dtype=torch.float32))
+    return _out_fake(q, v), q.new_empty((heads_q, total_q), dtype=torch.float32)
 
 
 @torch.library.custom_op("fa3::attention_varlen_backward", mutates_args=(), schema=_VARLEN_BACKWARD_SCHEMA)
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale,
-                              kernel, deterministic, window_left, window_right, softcap):
-    """(dq, dk, dv) of a packed batch, each contiguous and shaped like its input."""
-    spec = backward.check_backward(dout, q, k, v, out, lse, kernel, (cu_seqlens_q, cu_seqlens_k))
+                              kernel, deterministic, window_left, window_right, softcap, sinks=None):
+    """(dq, dk, dv, dsinks) of a packed batch, each contiguous and shaped like its input."""
+    spec = backward.check_backward(dout, q, k, v, out, lse, kernel, (cu_seqlens_q, cu_seqlens_k), sinks)
     window = (window_left, window_right)
     _dispatch.check_variants(spec, masking.masking(causal, window, softcap, softmax_scale), "backward_kernel")
     return backward.launch_varlen_backward(spec, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                                           causal, softmax_scale, deterministic, window, softcap)
+                                           causal, softmax_scale, deterministic, window, softcap, sinks)
 
 
 @attention_varlen_backward.register_fake
 def _attention_varlen_backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal,
                                     softmax_scale, kernel, deterministic, window_left, window_right,
-                                    softcap):
-    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+                                    softcap, sinks=None):
+    return (*(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v)),
+            _sinks_grad_like(sinks, q))
 
 
 def _varlen_save_for_backward(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, causal, softmax_scale, left, right, softcap, _, deterministic, backward_kernel = inputs
+    (q, k, v, cu_q, cu_k, causal, softmax_scale, left, right, softcap, _, deterministic, backward_kernel,
+     sinks) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, sinks)
     ctx.causal, ctx.softmax_scale, ctx.window, ctx.softcap = causal, softmax_scale, (left, right), softcap
     ctx.deterministic, ctx.backward_kernel = deterministic, backward_kernel
     ctx.mark_non_differentiable(lse)
 
 
 def _varlen_grads(ctx, dout, _dlse):
-    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    q, k, v, out, lse, cu_q, cu_k, sinks = ctx.saved_tensors
     kernel = ctx.backward_kernel or _dispatch.backward_rung(None, q.shape[2]).name
-    dq, dk, dv = torch.ops.fa3.attention_varlen_backward(
+    dq, dk, dv, dsinks = torch.ops.fa3.attention_varlen_backward(
         dout, q, k, v, out, lse, cu_q, cu_k, ctx.causal, ctx.softmax_scale, kernel, ctx.deterministic,
-        ctx.window[0], ctx.window[1], ctx.softcap)
-    return (dq, dk, dv) + (None,) * 10
+        ctx.window[0], ctx.window[1], ctx.softcap, sinks)
+    return (dq, dk, dv) + (None,) * 10 + (dsinks if sinks is not None else None,)
 
 
 attention_varlen.register_autograd(_varlen_grads, setup_context=_varlen_save_for_backward)
@@ -199,13 +229,14 @@ attention_varlen.register_autograd(_varlen_grads, setup_context=_varlen_save_for
 _KVCACHE_SCHEMA = ("(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor? block_table, "
                    "int appended, bool causal, float softmax_scale, int num_splits, str kernel, "
                    "int window_left=-1, int window_right=-1, float softcap=0.0, Tensor? cu_seqlens_q=None, "
-                   "int max_seqlen_q=0, int max_seqlen_k=-1, Tensor? cache_leftpad=None) -> (Tensor, Tensor)")
+                   "int max_seqlen_q=0, int max_seqlen_k=-1, Tensor? cache_leftpad=None, Tensor? sinks=None) "
+                   "-> (Tensor, Tensor)")
 
 
 @torch.library.custom_op("fa3::attention_kvcache", mutates_args=(), schema=_KVCACHE_SCHEMA)
 def attention_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, appended, causal, softmax_scale,
                       num_splits, kernel, window_left=-1, window_right=-1, softcap=0.0, cu_seqlens_q=None,
-                      max_seqlen_q=0, max_seqlen_k=-1, cache_leftpad=None):
+                      max_seqlen_q=0, max_seqlen_k=-1, cache_leftpad=None, sinks=None):
     """(out, lse) against the cache, whose last `appended` tokens per sequence are already written
     (fa3.attention_with_kvcache appends them before calling). Packed queries (cu_seqlens_q): q and
     out (total_q, heads_q, d), lse (heads_q, total_q)."""
@@ -214,15 +245,17 @@ def attention_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, appended,
     spec, seqlens, capacity, _, max_q = kvcache.check_kvcache(
         q, k_cache, v_cache, None, None, cache_seqlens, block_table, kernel, window, softcap, cu_seqlens_q,
         max_seqlen_q if packed else None, cache_leftpad=cache_leftpad)
+    _check_sinks(spec, sinks, q.shape[-2], q.device)
     return kvcache.launch_kvcache(spec, q, k_cache, v_cache, seqlens, block_table, capacity, appended,
                                   causal, softmax_scale, num_splits, window, softcap, cu_seqlens_q, max_q,
-                                  max_seqlen_k, None, cache_leftpad)
+                                  max_seqlen_k, None, cache_leftpad, sinks)
 
 
 @attention_kvcache.register_fake
 def _attention_kvcache_fake(q, k_cache, v_cache, cache_seqlens, block_table, appended, causal,
                             softmax_scale, num_splits, kernel, window_left=-1, window_right=-1,
-                            softcap=0.0, cu_seqlens_q=None, max_seqlen_q=0, max_seqlen_k=-1, cache_leftpad=None):
+                            softcap=0.0, cu_seqlens_q=None, max_seqlen_q=0, max_seqlen_k=-1, cache_leftpad=None,
+                            sinks=None):
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if cu_seqlens_q is not None:
         total_q, heads_q, _ = q.shape

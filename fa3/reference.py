@@ -1,8 +1,9 @@
 """Float reference attention: the definition every kernel is checked against.
 
 Same conventions as fa3.attention: (batch, seqlen, heads, head_dim) layout, GQA by head groups,
-causal and sliding windows aligned to the bottom right, softcap as Gemma 2, rows with no visible
-key give O = 0 and LSE = -inf.
+causal and sliding windows aligned to the bottom right, softcap as Gemma 2, attention sinks as
+gpt-oss (one logit per query head in every row's denominator, with no value), rows with no visible
+key give O = 0 and LSE = -inf (with sinks: the head's sink).
 """
 
 import math
@@ -31,9 +32,10 @@ def window_mask(seqlen_q: int, seqlen_k: int, left: int, right: int, device=None
 
 
 def attention_reference(q, k, v, causal=False, softmax_scale=None, dtype=torch.float32,
-                        window_size=(-1, -1), softcap=0.0):
+                        window_size=(-1, -1), softcap=0.0, sinks=None):
     """Returns (out, lse) computed in `dtype` (float32 or float64); out is cast back to q.dtype's
-    shape but kept in `dtype`. lse is (batch, heads_q, seqlen_q)."""
+    shape but kept in `dtype`. lse is (batch, heads_q, seqlen_q). `sinks` (heads_q,): differentiable
+    here (autograd of this function is the reference for the kernels' d sinks)."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
@@ -50,6 +52,8 @@ def attention_reference(q, k, v, causal=False, softmax_scale=None, dtype=torch.f
     if (left, right) != (-1, -1):
         scores = scores.masked_fill(~window_mask(seqlen_q, seqlen_k, left, right, q.device), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
+    if sinks is not None:  # the sink joins each row's denominator: log(sum_j e^s_j + e^sink)
+        lse = torch.logaddexp(lse, sinks.to(dtype)[None, :, None].expand_as(lse))
     probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
     out = torch.matmul(probs, vf).transpose(1, 2)
     return out, lse

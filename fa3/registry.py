@@ -29,9 +29,12 @@ class KernelSpec:
     cls: str
     summary: str
     config: dict = field(default_factory=dict)
-    # head_dim -> overrides of `config` (tiles and stages that fit SMEM and registers)
+    # head_dim (or (head_dim, head_dim_v)) -> overrides of `config` (tiles and stages that fit
+    # SMEM and registers)
     per_head_dim: dict = field(default_factory=dict)
-    head_dims: tuple = (64, 128, 256)
+    head_dims: tuple = (64, 128, 256)  # the scalar rungs; the WGMMA rungs that serve calls: HEAD_DIMS
+    # (head_dim, head_dim_v) pairs with V's head dim different from Q's and K's (forward only)
+    value_head_dims: tuple = ()
     ptx_promises: tuple = ()  # substrings the sm_90a PTX must contain
     ptx_forbids: tuple = ()  # substrings it must not contain
     # Higher is faster; `kernel=None` picks the fastest rung that supports the call.
@@ -40,21 +43,32 @@ class KernelSpec:
     needs_scores_workspace: bool = False
     # A persistent grid (one CTA per SM): the kernel takes the SM count as its last argument.
     persistent: bool = False
-    # Static variants the class compiles on demand (of VARIANTS); a rung with any takes their
-    # runtime arguments (cu_seqlens, window edges, softcap scale) after the persistent ones.
+    # Static variants the class compiles on demand (of VARIANTS, "sinks"); a rung with any takes
+    # their runtime arguments (cu_seqlens, window edges, softcap scale; an attention rung also the
+    # sinks) after the persistent ones.
     variants: tuple = ()
 
-    def config_for(self, head_dim: int | None = None) -> dict:
+    def config_for(self, head_dim: int | None = None, head_dim_v: int | None = None) -> dict:
         cfg = dict(self.config)
         if head_dim is not None:
             cfg.update(self.per_head_dim.get(head_dim, {}))
+            if head_dim_v not in (None, head_dim):
+                cfg.update(self.per_head_dim.get((head_dim, head_dim_v), {}))
         return cfg
 
     def load_class(self):
         return getattr(importlib.import_module(f"fa3.kernels.{self.module}"), self.cls)
 
 
+# every head dim the default rungs serve (forward, backward, KV cache), each on tiles of its own
+HEAD_DIMS = (64, 96, 128, 192, 256)
+# (q/k head dim, v head dim) pairs the forward takes besides equal ones: DeepSeek-style MLA prefill
+# (192, 128), and (128, 64)
+VALUE_HEAD_DIMS = ((192, 128), (128, 64))
 VARIANTS = ("varlen", "local", "softcap")  # packed batches, sliding window, capped scores
+# forward rungs also fold attention sinks (one logit per query head in each row's denominator)
+# into their softmax; the backward needs no variant for them (the LSE includes the sink)
+SINKS = "sinks"
 _SCALAR_PTX = ("ld.global", "ex2.approx")
 # a K tile's WGMMAs left running while the next is issued (the PTX spells it with a tab)
 _MMA_IN_FLIGHT = "wgmma.wait_group.sync.aligned \t1;"
@@ -114,18 +128,24 @@ KERNELS: dict[str, KernelSpec] = {
                 # one Q buffer: a second measured no faster (and 2.3x slower causal at s=2k)
                 config={"tile_m": 128, "tile_n": 128, "kv_stages": 2, "q_stages": 1, **flags},
                 # d=64: softmax-bound, a third K/V stage measured +2-7% (and from k5.4 a third
-                # consumer warpgroup on 192-row tiles, 160 registers each; d128/d256 need the
-                # 240-register budget of two); d=256: a 64-wide K/V tile fits in 227 KB and keeps
-                # S small beside the 128-register O accumulator
+                # consumer warpgroup on 192-row tiles, 160 registers each; d96-d256 need the
+                # 240-register budget of two: d96 on 192-row tiles spills 480 bytes); d=96: d128's
+                # tiles (64-byte swizzle, smem.py); d=192: two stages of 128-wide K/V tiles need
+                # 258 KB, 96-wide ones fit (FA3 C++ takes 96 for its paged/local d192 too);
+                # d=256: a 64-wide K/V tile fits in 227 KB and keeps S small beside the
+                # 128-register O accumulator
+                # (192, 128), DeepSeek's MLA prefill: V's 128-wide rows leave room for 128-wide
+                # K/V tiles again (216 KB)
                 per_head_dim={64: {"kv_stages": 3, **({"tile_m": 192} if i >= 4 else {})},
-                              256: {"tile_n": 64}},
+                              192: {"tile_n": 96}, 256: {"tile_n": 64}, (192, 128): {"tile_n": 128}},
+                head_dims=HEAD_DIMS, value_head_dims=VALUE_HEAD_DIMS,
                 ptx_promises=("wgmma.mma_async", "setmaxnreg", "cp.async.bulk.tensor", "bar.arrive"
                               if flags["pingpong"] else "mbarrier.try_wait"),
                 # no 16-bit operand is read from SMEM into registers; k5.5's consumers read the
                 # next tile's index from SMEM (ld.shared.b32), so only 16-bit loads are forbidden there
                 ptx_forbids=("cvt.f32.bf16", "ld.shared.u16", "ld.shared.b16", "ld.shared.v2.u16")
                 if flags.get("dynamic_schedule") else ("cvt.f32.bf16", "ld.shared"),
-                speed_rank=7 + i, persistent=True, variants=VARIANTS,
+                speed_rank=7 + i, persistent=True, variants=VARIANTS + (SINKS,),
             )
             for i, summary, flags in (
                 (1, "warp specialization: TMA producer warp, two consumer warpgroups, setmaxnreg",
@@ -162,8 +182,8 @@ KERNELS: dict[str, KernelSpec] = {
             "backward: five WGMMAs per Q tile against one K/V tile, P and dS through SMEM, "
             "dQ by FP32 atomics, each GEMM waited for",
             config={"tile_m": 64, "tile_n": 128, "q_stages": 2},
-            # d=256: dK and dV alone take 128 registers a thread; a 64-row K/V tile halves them
-            per_head_dim={256: {"tile_n": 64}},
+            # d=192/256: dK and dV alone take 96/128 registers a thread; a 64-row K/V tile halves them
+            per_head_dim={192: {"tile_n": 64}, 256: {"tile_n": 64}}, head_dims=HEAD_DIMS,
             ptx_promises=("wgmma.mma_async", "cp.async.bulk.tensor", "global.add.f32", "stmatrix"),
             ptx_forbids=("setmaxnreg",),
             speed_rank=1, variants=VARIANTS,
@@ -173,8 +193,11 @@ KERNELS: dict[str, KernelSpec] = {
             "+ warp specialization (loader warp, dQ-writer warp, two consumer warpgroups, "
             "setmaxnreg), S/dP and dQ/dV/dK in flight together, dQ by one TMA reduce-add per tile",
             config={"tile_m": 64, "tile_n": 128, "q_stages": 2},
-            # d=256: the FP32 dQ buffer (64 KB) leaves room for one Q/dO stage
-            per_head_dim={64: {"tile_m": 128}, 256: {"tile_n": 64, "q_stages": 1}},
+            # d=192: 64-row K/V tiles as d256 (dK, dV: 96 registers a thread; a multiple of 64
+            # rows: P and dS fill whole swizzle atoms), two Q/dO stages still fit; d=256: the
+            # FP32 dQ buffer (64 KB) leaves room for one Q/dO stage. d=96 takes d128's tiles.
+            per_head_dim={64: {"tile_m": 128}, 192: {"tile_n": 64}, 256: {"tile_n": 64, "q_stages": 1}},
+            head_dims=HEAD_DIMS,
             ptx_promises=("wgmma.mma_async", "setmaxnreg", "cp.reduce.async.bulk.tensor", "stmatrix"),
             ptx_forbids=("red.global", "red.relaxed"),
             speed_rank=2, variants=VARIANTS,
@@ -200,9 +223,9 @@ KERNELS: dict[str, KernelSpec] = {
             # page sizes are gathered row by row with cp.async (the `gather` layout); the ring is as
             # deep as SMEM allows (memory-bound: bytes in flight are what matter). Queries may be
             # packed by cu_seqlens_q (varlen).
-            config={"tile_m": 64, "tile_n": 64, "max_kv_stages": 8},
+            config={"tile_m": 64, "tile_n": 64, "max_kv_stages": 8}, head_dims=HEAD_DIMS,
             ptx_promises=("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait", "ex2.approx"),
-            speed_rank=1, variants=("local", "softcap", "varlen"),
+            speed_rank=1, variants=("local", "softcap", "varlen", SINKS),
         ),
         *[
             KernelSpec(
@@ -246,13 +269,15 @@ def get(name: str) -> KernelSpec:
                          "(fa3.available_kernels() lists them)") from None
 
 
-def available_kernels(family: str | None = None) -> list[str]:
+def available_kernels(family: str | None = None, head_dim: int | None = None) -> list[str]:
     """Names of every rung, slowest first (`family`: "attention", "attention_fp8", "backward",
-    "kvcache" or "gemm" to filter; any other family is refused)."""
+    "kvcache" or "gemm" to filter; any other family is refused; `head_dim`: only the rungs that
+    compile it, e.g. available_kernels("attention", head_dim=96))."""
     if family is not None and family not in FAMILIES:
         raise ValueError(f"family={family!r} is not a kernel family; choose one of "
                          f"{', '.join(map(repr, FAMILIES))} (or None for every rung)")
-    return [n for n, s in KERNELS.items() if family is None or s.family == family]
+    return [n for n, s in KERNELS.items() if (family is None or s.family == family)
+            and (head_dim is None or head_dim in s.head_dims)]
 
 
 def fastest(family: str, head_dim: int | None = None) -> KernelSpec:

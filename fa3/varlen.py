@@ -18,26 +18,32 @@ from . import _checks, _dispatch, _launch, index_checks, kvcache, masking, regis
 
 def packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                      window_size, softcap, kernel, check_values=True, deterministic=False,
-                     backward_kernel=None, out=None):
+                     backward_kernel=None, out=None, sinks=None):
     """attention_varlen's body: (out, lse) of a packed batch. check_values=False: for callers that
     built the offsets themselves from a mask (correct by construction), skipping the host copy
     that checks them (fa3.integrations.transformers)."""
     spec = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kernel, check_values)
     if out is not None:
-        _checks.check_output(out, "out", q)
+        _checks.check_output(out, "out", _checks.output_like(q, v))
     scale = 1.0 / math.sqrt(q.shape[2]) if softmax_scale is None else float(softmax_scale)
     window = tuple(window_size)
     masking.check_window(window, softcap)
-    if _dispatch.direct_call_ok(q, k, v):
+    if sinks is not None:
+        _checks.check_sinks(sinks, q.shape[1], q.device)
+        _dispatch.check_sinks(spec, "kernel")
+    if _dispatch.direct_call_ok(q, k, v) and (sinks is None or _dispatch.direct_call_ok(sinks)):
         return launch_varlen(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, bool(causal), scale, window, softcap,
-                             out)
+                             out, sinks)
     bwd = _dispatch.memo_rung(_dispatch.backward_rung, backward_kernel, q.shape[2])
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                    or getattr(sinks, "requires_grad", False)):
         check_varlen_rung(bwd, "backward_kernel")
+        if v.shape[2] != q.shape[2]:
+            _dispatch.check_value_head_dim(spec, q.shape[2], v.shape[2], "kernel", backward=True)
         _dispatch.check_variants(bwd, masking.masking(bool(causal), window, softcap, scale), "backward_kernel")
     result, lse = torch.ops.fa3.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, bool(causal), scale,
                                                  window[0], window[1], float(softcap), spec.name,
-                                                 bool(deterministic), bwd.name)
+                                                 bool(deterministic), bwd.name, sinks)
     return (result if out is None else out.copy_(result)), lse  # (the op is functional)
 
 
@@ -56,6 +62,8 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     _checks.check_offsets(cu_seqlens_q, "cu_seqlens_q", device)
     _checks.check_offsets(cu_seqlens_k, "cu_seqlens_k", device, batch=cu_seqlens_q.shape[0] - 1)
     spec = _dispatch.memo_rung(_varlen_rung, kernel, head_dim)
+    if v.shape[2] != head_dim:
+        _dispatch.check_value_head_dim(spec, head_dim, v.shape[2], "kernel")
     _checks.check_hopper(device, "q")
     if check_values and index_checks.values_checkable(device):
         index_checks.check_offset_values(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q,
@@ -85,24 +93,29 @@ def _varlen_rungs(family: str = registry.ATTENTION):
 
 
 def launch_varlen(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale: float,
-                  window=(-1, -1), softcap: float = 0.0, out=None):
-    """(out (total_q, heads_q, d), lse (heads_q, total_q) fp32); arguments validated (`out`: a
+                  window=(-1, -1), softcap: float = 0.0, out=None, sinks=None):
+    """(out (total_q, heads_q, d_v), lse (heads_q, total_q) fp32); arguments validated (`out`: a
     checked preallocated output, or None)."""
     total_q, heads_q, head_dim = q.shape
+    head_dim_v = v.shape[2]
     if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        out = torch.empty_like(q, memory_format=torch.contiguous_format) if head_dim_v == head_dim \
+            else q.new_empty((total_q, heads_q, head_dim_v))
     lse = torch.empty(heads_q, total_q, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
-    if k.shape[0] == 0:  # no keys anywhere: O = 0, LSE = -inf
-        return out.zero_(), lse.fill_(float("-inf"))
+    if k.shape[0] == 0:  # no keys anywhere: O = 0, LSE = -inf (or the sinks)
+        return out.zero_(), _launch.no_keys(lse, sinks)
     if q.requires_grad or k.requires_grad or v.requires_grad:
         q, k, v = _launch.detached(q, k, v)
+    if sinks is not None:
+        sinks = _launch.sinks_ready(sinks)
     # the kernel takes flash-attn's 4-D layout with one batch entry holding every sequence
     q4, k4, v4 = (_launch.tma_ready(t.unsqueeze(0)) for t in (q, k, v))
     args = [q4, k4, v4, out.unsqueeze(0), lse.unsqueeze(0)]
     _launch.run_attention(spec, q.dtype, head_dim, masking.masking(causal, window, softcap, scale),
-                          args, q.device, cu_seqlens=(cu_seqlens_q, cu_seqlens_k))
+                          args, q.device, cu_seqlens=(cu_seqlens_q, cu_seqlens_k), sinks=sinks,
+                          head_dim_v=None if head_dim_v == head_dim else head_dim_v)
     return out, lse
 
 
@@ -111,17 +124,18 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None
                      softcap: float = 0.0, return_lse: bool = False, kernel: str | None = None,
                      deterministic: bool = False, backward_kernel: str | None = None,
                      block_table=None, seqused_k=None, out=None, num_splits: int = 0,
-                     scheduler_metadata=None):
+                     scheduler_metadata=None, sinks=None):
     """Attention over a packed batch of variable-length sequences, as flash_attn_varlen_func.
 
     q: (total_q, heads_q, d); k, v: (total_k, heads_kv, d); bf16/fp16 on a Hopper GPU, d in
-    64/128/256, heads_q a multiple of heads_kv. cu_seqlens_q/k: int32 (batch + 1,) offsets,
+    64/96/128/192/256 (v's may differ as fa3.attention's), heads_q a multiple of heads_kv. cu_seqlens_q/k: int32 (batch + 1,) offsets,
     starting at 0, non-decreasing, ending at total_q/total_k; sequences may be empty.
     max_seqlen_q/k: accepted for flash-attn's signature and checked; the kernel does not need them.
     causal, window_size, softcap, softmax_scale: as fa3.attention, per sequence (bottom-right
     aligned to each sequence's own lengths).
-    deterministic, backward_kernel: as fa3.attention (the backward's dQ order; its rung).
-    out: optional preallocated output (total_q, heads_q, d), contiguous; it is returned.
+    deterministic, backward_kernel, sinks: as fa3.attention (the backward's dQ order; its rung;
+        attention sinks, one float32 logit per query head).
+    out: optional preallocated output (total_q, heads_q, d_v), contiguous; it is returned.
     Returns out (total_q, heads_q, d) (and lse (heads_q, total_q) fp32, flash-attn's varlen layout).
 
     Over a KV cache (what serving engines call once per layer and step, vLLM's call): k and v are
@@ -151,7 +165,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None
         kvcache.check_scheduler_metadata(scheduler_metadata, q)
         out, lse = kvcache.cache_attention(q, k, v, None, None, seqused_k, block_table, causal, softmax_scale,
                                            window_size, softcap, num_splits, kernel, cu_seqlens_q,
-                                           max_seqlen_q, max_seqlen_k, out, lengths_name="seqused_k")
+                                           max_seqlen_q, max_seqlen_k, out, lengths_name="seqused_k", sinks=sinks)
         return (out, lse) if return_lse else out
     if cu_seqlens_k is None:
         raise ValueError("cu_seqlens_k is required (int32 (batch + 1,) offsets of k and v), unless k and v "
@@ -159,5 +173,5 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None
     kvcache.check_scheduler_metadata(scheduler_metadata, q)  # (no split plan without a cache)
     out, lse = packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                 softmax_scale, window_size, softcap, kernel, deterministic=deterministic,
-                                backward_kernel=backward_kernel, out=out)
+                                backward_kernel=backward_kernel, out=out, sinks=sinks)
     return (out, lse) if return_lse else out

@@ -34,7 +34,7 @@ its entry's last row reads the next entry's rows: their LSE is taken as +inf (P 
 they add exact zeros to dQ and nothing to dK and dV, and the dQ accumulator needs no padding
 between entries (only tile_m rows of slack at the end).
 
-Constraints: head_dim 64/128/256; tile_m and tile_n multiples of 64 (WGMMA's 64-row atom; P and dS
+Constraints: head_dim 64/96/128/192/256; tile_m and tile_n multiples of 64 (WGMMA's 64-row atom; P and dS
 rows fill a 128-byte swizzle atom). Where a GEMM's M is 64 the two warpgroups split its N.
 """
 
@@ -64,9 +64,13 @@ class AttentionBackward:
 
     # ---------------------------------------------------------------- host side
     def smem_layouts(self):
-        """Q and dO share one staged layout; K and V one stage each; P and dS one tile each."""
-        return (smem.tile_layout(self.dtype, self.tile_m, self.head_dim, self.q_stages),
-                smem.tile_layout(self.dtype, self.tile_n, self.head_dim, 1),
+        """Q and dO share one staged layout; K and V one stage each; P and dS one tile each. Q and
+        dO are the MN-major B of dK and dV, K that of dQ: where those MMAs split head_dim among
+        the warpgroups, the swizzle fits a warpgroup's share (smem.py)."""
+        wgs, d = self.mma_warpgroups, self.head_dim
+        return (smem.tile_layout(self.dtype, self.tile_m, d, self.q_stages,
+                                 share=mma.n_share(self.tile_n, d, wgs)),
+                smem.tile_layout(self.dtype, self.tile_n, d, 1, share=mma.n_share(self.tile_m, d, wgs)),
                 smem.tile_layout(self.dtype, self.tile_m, self.tile_n, 1))
 
     def make_loads(self, mQ, mdO, mK, mV, sQ_layout, sKV_layout):

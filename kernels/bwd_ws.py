@@ -49,8 +49,10 @@ class WarpSpecializedBackward(AttentionBackward):
         return cute.cosize(self.sdq_layout())
 
     def sdq_layout(self):
-        """The FP32 dQ_i share: a swizzled (tile_m, d) tile, the box of the TMA reduce-add."""
-        return smem.tile_layout(Float32, self.tile_m, self.head_dim, 1)
+        """The FP32 dQ_i share: a swizzled (tile_m, d) tile, the box of the TMA reduce-add (its
+        swizzle fits each warpgroup's columns of dQ, smem.py)."""
+        return smem.tile_layout(Float32, self.tile_m, self.head_dim, 1,
+                                share=mma.n_share(self.tile_m, self.head_dim, self.mma_warpgroups))
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,

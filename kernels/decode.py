@@ -11,6 +11,9 @@ is reading K and V once, at memory speed. Two ideas make that possible on 132 SM
   takes an equal share of the key blocks and writes an FP32 partial O and its LSE; a combine kernel
   (`SplitKVCombine`) merges the partials: LSE = log sum_i exp(lse_i), O = sum_i exp(lse_i - LSE) O_i.
   With one split the kernel writes O and LSE directly.
+* **Sinks** (a compile-time variant): each query head's sink logit joins the row's denominator
+  once: in the epilogue's softmax.finalize with one split, else in the combine, as one more
+  partial with LSE = sink and O = 0.
 
 Grid (num_splits, heads_kv * q_tiles, batch), one warpgroup per CTA (tile_m = 64; packed queries:
 below). K/V tiles come
@@ -58,9 +61,10 @@ from .common import mask, mma, paged, pipeline, scheduler, seqlen, smem, softmax
 class SplitKVAttention:
     def __init__(self, dtype, head_dim: int, causal: bool, paged: bool = False, tile_m: int = 64,
                  tile_n: int = 64, max_kv_stages: int = 8, local: bool = False, softcap: bool = False,
-                 gather: bool = False, varlen: bool = False, leftpad: bool = False):
+                 gather: bool = False, varlen: bool = False, leftpad: bool = False, sinks: bool = False):
         self.dtype, self.head_dim, self.causal, self.paged = dtype, head_dim, causal, paged
-        self.local, self.softcap = local, softcap  # a sliding window (mask.py), capped scores
+        # a sliding window (mask.py), capped scores, attention sinks (softmax.finalize)
+        self.local, self.softcap, self.sinks = local, softcap, sinks
         # pages that do not hold whole key blocks: cp.async row gathers (common/paged.py)
         self.gather = paged and gather
         # queries packed by cu_seqlens_q (total_q, heads_q, d), keys from the cache
@@ -79,14 +83,14 @@ class SplitKVAttention:
                  mBlockTable: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mOacc: cute.Tensor,
                  mLSEacc: cute.Tensor, scale_log2: Float32, appended: Int32, window_left: Int32,
                  window_right: Int32, softcap_scale: Float32, mCuSeqlensQ: cute.Tensor,
-                 max_seqlen_q: Int32, mLeftpad: cute.Tensor, stream):
+                 max_seqlen_q: Int32, mLeftpad: cute.Tensor, mSinks: cute.Tensor, stream):
         """mQ (batch, seqlen_q, heads_q, d); mK/mV the cache; mO/mLSE the result when there is one
         split, else mOacc (splits, batch, seqlen_q, heads_q, d) and mLSEacc (splits, batch,
-        heads_q, seqlen_q) in FP32: the number of splits is mOacc.shape[0]. The window edges and
-        softcap_scale are read only by the variants that use them. Varlen: batch 1, the queries of
-        entry b at rows [cu[b], cu[b + 1]) of mCuSeqlensQ (batch + 1,), max_seqlen_q their longest
-        (it sizes the grid); otherwise both are unread. mLeftpad (batch,): where each entry's keys
-        start in a dense cache (the leftpad variant; unread otherwise)."""
+        heads_q, seqlen_q) in FP32: the number of splits is mOacc.shape[0]. The window edges,
+        softcap_scale and mSinks (heads_q,) are read only by the variants that use them. Varlen:
+        batch 1, the queries of entry b at rows [cu[b], cu[b + 1]) of mCuSeqlensQ (batch + 1,),
+        max_seqlen_q their longest (it sizes the grid); otherwise both are unread. mLeftpad (batch,):
+        where each entry's keys start in a dense cache (the leftpad variant; unread otherwise)."""
         batch, seqlen_q, heads_q, _ = mQ.shape
         heads_kv = mK.shape[2]
         group = heads_q // heads_kv
@@ -119,7 +123,7 @@ class SplitKVAttention:
                           f"S1 with kv_stages={self.kv_stages}, tile_n={self.tile_n}, d={self.head_dim}")
         self.kernel(mQ, tma_k, tK, tma_v, tV, mCacheSeqlens, mBlockTable, mO, mLSE, mOacc, mLSEacc,
                     scale_log2, appended, window_left, window_right, softcap_scale, mCuSeqlensQ,
-                    mLeftpad, sQ_layout, sKV_layout, SharedStorage).launch(
+                    mLeftpad, mSinks, sQ_layout, sKV_layout, SharedStorage).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------- device side
@@ -129,8 +133,9 @@ class SplitKVAttention:
                mV: cute.Tensor, mCacheSeqlens: cute.Tensor, mBlockTable: cute.Tensor, mO: cute.Tensor,
                mLSE: cute.Tensor, mOacc: cute.Tensor, mLSEacc: cute.Tensor, scale_log2: Float32,
                appended: Int32, window_left: Int32, window_right: Int32, softcap_scale: Float32,
-               mCuSeqlensQ: cute.Tensor, mLeftpad: cute.Tensor, sQ_layout: cute.ComposedLayout,
-               sKV_layout: cute.ComposedLayout, SharedStorage: cutlass.Constexpr):
+               mCuSeqlensQ: cute.Tensor, mLeftpad: cute.Tensor, mSinks: cute.Tensor,
+               sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
+               SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         num_splits = mOacc.shape[0]
@@ -213,8 +218,8 @@ class SplitKVAttention:
                 kv_producer = self.load_kv(kv_producer, last - kv_producer.count, *loads)
         if self.is_kv_producer(warp_idx):
             pipeline.tail(kv_pipe, kv_producer)
-        self.store(ctx, mO, mLSE, mOacc, mLSEacc, split, num_splits, row0, head_kv, group, q_plane,
-                   seq, scale_log2)
+        self.store(ctx, mO, mLSE, mOacc, mLSEacc, mSinks, split, num_splits, row0, head_kv, group,
+                   q_plane, seq, scale_log2)
 
     def is_kv_producer(self, warp_idx):
         """Warp 0 issues the TMA loads; every thread takes its share of a gather."""
@@ -318,15 +323,21 @@ class SplitKVAttention:
 
     # ---------------------------------------------------------------- epilogue
     @cute.jit
-    def store(self, ctx, mO, mLSE, mOacc, mLSEacc, split: Int32, num_splits: Int32, row0: Int32,
+    def store(self, ctx, mO, mLSE, mOacc, mLSEacc, mSinks, split: Int32, num_splits: Int32, row0: Int32,
               head_kv: Int32, group: Int32, q_plane: Int32, seq, scale_log2: Float32):
         """O and LSE of each real row (direct stores: a decode tile has few), unpacked to (query,
-        head) at the entry's rows of plane q_plane; with several splits the FP32 partials instead."""
+        head) at the entry's rows of plane q_plane; with several splits the FP32 partials instead
+        (the combine adds the sinks)."""
         o_mn = mma.rows_cols(ctx.acc_o)
         for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
-            inv_sum, lse = softmax.finalize(ctx.row_max[r], ctx.row_sum[r], scale_log2, 4)
             packed = row0 + ctx.o_coords[r, 0][0]
             query, head = packed // group, head_kv * group + packed % group
+            sink_log2 = None
+            if cutlass.const_expr(self.sinks):
+                sink_log2 = -Float32.inf  # (no sink in a partial)
+                if num_splits == 1:
+                    sink_log2 = mSinks[head] * Float32(softmax.LOG2E)
+            inv_sum, lse = softmax.finalize(ctx.row_max[r], ctx.row_sum[r], scale_log2, 4, sink_log2)
             if query < seq.seqlen_q:
                 row = seq.offset_q + query
                 if num_splits == 1:
@@ -345,23 +356,25 @@ class SplitKVCombine:
     """O and LSE from the splits' FP32 partials: one warp per (batch, query, head) row.
 
     LSE = m + log(sum_i exp(lse_i - m)) with m = max_i lse_i; O = sum_i exp(lse_i - LSE) O_i. Splits
-    that saw no key carry lse = -inf and weigh 0; a row no split saw keeps O = 0, LSE = -inf."""
+    that saw no key carry lse = -inf and weigh 0; a row no split saw keeps O = 0, LSE = -inf.
+    `sinks`: the head's sink is one more term of the sum, with no O (mSinks (heads_q,) FP32)."""
 
     warps = 4
 
-    def __init__(self, dtype, head_dim: int):
-        self.dtype, self.head_dim = dtype, head_dim
+    def __init__(self, dtype, head_dim: int, sinks: bool = False):
+        self.dtype, self.head_dim, self.sinks = dtype, head_dim, sinks
 
     @cute.jit
     def __call__(self, mOacc: cute.Tensor, mLSEacc: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-                 stream):
+                 mSinks: cute.Tensor, stream):
         _, batch, seqlen_q, heads_q, _ = mOacc.shape
         rows = batch * seqlen_q * heads_q
-        self.kernel(mOacc, mLSEacc, mO, mLSE).launch(
+        self.kernel(mOacc, mLSEacc, mO, mLSE, mSinks).launch(
             grid=[cute.ceil_div(rows, self.warps), 1, 1], block=[32 * self.warps, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(self, mOacc: cute.Tensor, mLSEacc: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor):
+    def kernel(self, mOacc: cute.Tensor, mLSEacc: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+               mSinks: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         block, _, _ = cute.arch.block_idx()
         lane = cute.arch.lane_idx()
@@ -375,6 +388,10 @@ class SplitKVCombine:
             for s in cutlass.range(lane, splits, 32, unroll=1):
                 top = cute.arch.fmax(top, mLSEacc[s, batch, head, query])
             top = cute.arch.warp_reduction_max(top, threads_in_group=32)
+            sink = -Float32.inf
+            if cutlass.const_expr(self.sinks):
+                sink = mSinks[head]
+                top = cute.arch.fmax(top, sink)
             offset = top
             if top == -Float32.inf:
                 offset = Float32(0.0)
@@ -382,6 +399,8 @@ class SplitKVCombine:
             for s in cutlass.range(lane, splits, 32, unroll=1):
                 total += cute.math.exp(mLSEacc[s, batch, head, query] - offset, fastmath=True)
             total = cute.arch.warp_reduction_sum(total, threads_in_group=32)
+            if cutlass.const_expr(self.sinks):
+                total += cute.math.exp(sink - offset, fastmath=True)
             lse = -Float32.inf
             if total > Float32(0.0):
                 lse = offset + cute.math.log(total, fastmath=True)

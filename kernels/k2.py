@@ -32,6 +32,7 @@ class FusedTiledAttention:
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 64, tile_n: int = 64):
         self.dtype = dtype
         self.head_dim = head_dim
+        self.head_dim_v = head_dim  # V's and O's (K5 takes another)
         self.causal = causal
         self.tile_m = tile_m
         self.tile_n = tile_n

@@ -66,8 +66,12 @@ class TmaRingAttention(FusedTiledAttention):
         sKV_layout = smem.tile_layout(self.dtype, self.tile_n, self.head_dim, self.kv_stages)
         loads = (*tma.make_load(tma.seq_major(mQ), sQ_layout, (self.tile_m, self.head_dim)),
                  *tma.make_load(tma.seq_major(mK), sKV_layout, (self.tile_n, self.head_dim)),
-                 *tma.make_load(tma.seq_major(mV), sKV_layout, (self.tile_n, self.head_dim)))
+                 *tma.make_load(tma.seq_major(mV), self.v_layout(), (self.tile_n, self.head_dim_v)))
         return sQ_layout, sKV_layout, loads
+
+    def v_layout(self):
+        """V's ring: (tile_n, head_dim_v) tiles, K's layout unless V's head dim differs (K5)."""
+        return smem.tile_layout(self.dtype, self.tile_n, self.head_dim_v, self.kv_stages)
 
     def p_smem_elems(self) -> int:
         """P goes through SMEM (fp32, rows padded by one word) for the scalar P V."""

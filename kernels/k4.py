@@ -62,14 +62,15 @@ class WgmmaAttention(TmaRingAttention):
         if cutlass.const_expr(not self.pv_on_wgmma):
             ctx.k3 = super().compute_setup(sQ, sK, sV, sP, tidx, m_block, seqlen_q, seqlen_k)
             return ctx
-        ctx.pv = mma.tiled_mma(self.dtype, self.tile_m, self.head_dim, b_major=self.v_major, a_in_regs=True)
+        ctx.pv = mma.tiled_mma(self.dtype, self.tile_m, self.head_dim_v, b_major=self.v_major, a_in_regs=True)
         thr_pv = ctx.pv.get_slice(tidx)
         sVt = mma.transpose_view(sV) if self.v_major == "MN" else sV
         ctx.tOrVt = mma.fragment_B(mma.warpgroup_slice(ctx.pv, mma_tidx), sVt)
-        ctx.acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((self.tile_m, self.head_dim)), Float32)
+        ctx.acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((self.tile_m, self.head_dim_v)), Float32)
         ctx.acc_o.fill(0.0)
-        ctx.o_coords = mma.rows_cols(thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim))))
+        ctx.o_coords = mma.rows_cols(thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v))))
         ctx.row_max, ctx.row_sum = softmax.row_state(cute.size(ctx.s_coords, mode=[0]))
+        ctx.sink_log2 = None  # an attention sink in the exp2 domain (K5's sinks variant sets it)
         return ctx
 
     @cute.jit
@@ -137,7 +138,7 @@ class WgmmaAttention(TmaRingAttention):
         varlen sequence's offset, else 0)."""
         o_mn = mma.rows_cols(ctx.acc_o)
         for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
-            inv_sum, lse = softmax.finalize(ctx.row_max[r], ctx.row_sum[r], scale_log2, 4)
+            inv_sum, lse = softmax.finalize(ctx.row_max[r], ctx.row_sum[r], scale_log2, 4, ctx.sink_log2)
             row = ctx.m_block * self.tile_m + ctx.o_coords[r, 0][0]
             if row < ctx.seqlen_q:
                 for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):

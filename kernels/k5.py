@@ -20,13 +20,16 @@ Substages (flags and tiles; all five are one class):
           1 -> 2 -> 3 -> 1.
     K5.5  + dynamic schedule (causal): after tile blockIdx, a CTA takes whichever tile a GMEM
           counter hands out next, so CTAs that drew short tiles take more (common/scheduler.py).
-Epilogue: O (scaled by 1/l) and LSE are written once from registers.
+Epilogue: O (scaled by 1/l) and LSE are written once from registers; with attention sinks (a
+compile-time variant) each query head's sink logit joins l and the LSE there (softmax.finalize),
+and nowhere else: the mainloop is unchanged.
 
-Constraints: head_dim 64/128/256 (tiles per head dim in the registry); the register split is
+Constraints: head_dim 64/96/128/192/256 (tiles per head dim in the registry); the register split is
 24 / 240 (producer / two consumer warpgroups) or 32 / 160 (three), sum <= 64K registers per SM.
 """
 
 from types import SimpleNamespace
+from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -53,15 +56,23 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 128, tile_n: int = 128,
                  kv_stages: int = 2, q_stages: int = 1, pingpong: bool = True,
                  intra_wg_overlap: bool = True, dynamic_schedule: bool = False,
-                 varlen: bool = False, local: bool = False, softcap: bool = False):
+                 varlen: bool = False, local: bool = False, softcap: bool = False,
+                 sinks: bool = False, head_dim_v: int | None = None):
         if local and tile_m == 192:
             # three 160-register warpgroups have no room for the window's state (680 bytes of
             # spills at d64): a windowed kernel takes two warpgroups on 128-row tiles
             tile_m = 128
+        if varlen and head_dim == 192 and head_dim_v in (None, 192) and tile_n > 80:
+            # likewise a packed batch's offsets and bounds beside 96-wide S tiles at d192 (36
+            # bytes of spills): 80-wide K/V tiles
+            tile_n = 80
         super().__init__(dtype, head_dim, causal, tile_m, tile_n, kv_stages, pv_on_wgmma=True)
+        # V's (and O's) head dim, where it differs from Q's and K's (DeepSeek's (192, 128)): only
+        # V's ring, P V and the epilogue see it
+        self.head_dim_v = head_dim_v or head_dim
         # variants (static, each compiled on demand): packed variable-length batches, a sliding
-        # window (mask.py), tanh-capped scores (softmax.py)
-        self.varlen, self.local, self.softcap = varlen, local, softcap
+        # window (mask.py), tanh-capped scores, attention sinks in the denominator (softmax.py)
+        self.varlen, self.local, self.softcap, self.sinks = varlen, local, softcap, sinks
         self.consumer_wgs = tile_m // 64
         self.num_threads = 128 * (1 + self.consumer_wgs)
         self.producer_regs, self.consumer_regs = REGISTER_SPLIT[self.consumer_wgs]
@@ -76,18 +87,20 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mLSE: cute.Tensor, scale_log2: Float32, sm_count: Int32, mTileCounter: cute.Tensor,
                  mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, window_left: Int32,
-                 window_right: Int32, softcap_scale: Float32, stream):
+                 window_right: Int32, softcap_scale: Float32, mSinks: cute.Tensor, stream):
         """mQ/mK/mV/mO (batch, seqlen, heads, d), mLSE (batch, heads_q, seqlen_q). Varlen: batch 1,
         the sequences packed along seqlen at the int32 offsets mCuSeqlensQ/K (batch + 1,); otherwise
-        those are unread stand-ins, as are the window edges (mask.py) and softcap_scale
-        (softmax.softcap) when their variant is off."""
+        those are unread stand-ins, as are the window edges (mask.py), softcap_scale
+        (softmax.softcap) and mSinks (heads_q,) FP32 (softmax.finalize) when their variant is off
+        (the kernel then takes None in mSinks' place: no parameter)."""
         self.launch(mQ, mK, mV, mO, mLSE, scale_log2, sm_count, mTileCounter, mCuSeqlensQ,
-                    mCuSeqlensK, window_left, window_right, softcap_scale, (), stream)
+                    mCuSeqlensK, window_left, window_right, softcap_scale,
+                    (mSinks if cutlass.const_expr(self.sinks) else None,), stream)
 
     def make_stage_loads(self, mQ, mK, mV):
-        """SMEM layouts of Q, K and V and their TMA atoms: K3's, V staged like K."""
+        """SMEM layouts of Q, K and V and their TMA atoms: K3's, V's ring on V's head dim."""
         sQ_layout, sKV_layout, loads = self.make_loads(mQ, mK, mV)
-        return sQ_layout, sKV_layout, sKV_layout, loads
+        return sQ_layout, sKV_layout, self.v_layout(), loads
 
     @cute.jit
     def launch(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
@@ -95,7 +108,7 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
                mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, window_left: Int32,
                window_right: Int32, softcap_scale: Float32, extra: tuple, stream):
         """SMEM, TMA atoms and the persistent launch; `extra` (tensors) go to `kernel` after
-        softcap_scale (a subclass's kernel takes them)."""
+        softcap_scale (K5's: the sinks or None; a subclass's kernel takes its own)."""
         batch, seqlen_q, heads_q, _ = mQ.shape
         sQ_layout, sKV_layout, sV_layout, loads = self.make_stage_loads(mQ, mK, mV)
         epi_tile = epilogue.subtile(self.tile_m, self.consumer_wgs)
@@ -128,21 +141,22 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
                tma_v: cute.CopyAtom, mV: cute.Tensor, tma_o: cute.CopyAtom, mO: cute.Tensor,
                mO_rows: cute.Tensor, mLSE: cute.Tensor, scale_log2: Float32, mTileCounter: cute.Tensor,
                mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, window_left: Int32,
-               window_right: Int32, softcap_scale: Float32, sQ_layout: cute.ComposedLayout,
-               sKV_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
-               sO_layout: cute.ComposedLayout, epi_tile: cutlass.Constexpr,
-               SharedStorage: cutlass.Constexpr):
+               window_right: Int32, softcap_scale: Float32, mSinks: Optional[cute.Tensor],
+               sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
+               sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
+               epi_tile: cutlass.Constexpr, SharedStorage: cutlass.Constexpr):
         self.roles(tma_q, mQ, tma_k, mK, tma_v, mV, tma_o, mO, mO_rows, mLSE, scale_log2, mTileCounter,
-                   mCuSeqlensQ, mCuSeqlensK, window_left, window_right, softcap_scale, None, sQ_layout,
-                   sKV_layout, sV_layout, sO_layout, epi_tile, SharedStorage)
+                   mCuSeqlensQ, mCuSeqlensK, window_left, window_right, softcap_scale, mSinks, None,
+                   sQ_layout, sKV_layout, sV_layout, sO_layout, epi_tile, SharedStorage)
 
     @cute.jit
     def roles(self, tma_q, mQ, tma_k, mK, tma_v, mV, tma_o, mO, mO_rows, mLSE, scale_log2: Float32,
               mTileCounter, mCuSeqlensQ, mCuSeqlensK, window_left: Int32, window_right: Int32,
-              softcap_scale: Float32, descales, sQ_layout, sKV_layout, sV_layout, sO_layout,
+              softcap_scale: Float32, sinks, descales, sQ_layout, sKV_layout, sV_layout, sO_layout,
               epi_tile: cutlass.Constexpr, SharedStorage: cutlass.Constexpr):
-        """The kernel's body: barriers, SMEM, then the producer and consumer roles. `descales`:
-        None, or FP8's (q, k, v) descale tensors (batch, heads_kv)."""
+        """The kernel's body: barriers, SMEM, then the producer and consumer roles. `sinks`: None,
+        or the (heads_q,) FP32 sink logits (the sinks variant); `descales`: None, or FP8's (q, k, v)
+        descale tensors (batch, heads_kv)."""
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -174,7 +188,8 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
         rows_q, rows_k = (mO_rows.shape[1], mK.shape[0]) if varlen else (None, None)
         params = SimpleNamespace(
             cu_q=mCuSeqlensQ, cu_k=mCuSeqlensK, o_rows=mO_rows, softcap_scale=softcap_scale,
-            rows_q=rows_q, rows_k=rows_k, descales=descales, group=mQ.shape[2] // mK.shape[2],
+            rows_q=rows_q, rows_k=rows_k, sinks=sinks, descales=descales,
+            group=mQ.shape[2] // mK.shape[2],
             window=(window_left, window_right) if cutlass.const_expr(self.local) else None,
             q_blocks=scheduler.varlen_blocks(mCuSeqlensQ, self.tile_m, rows_q) if varlen else None)
 
@@ -212,8 +227,8 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
             pipeline.tail(pipe, state)
 
     def v_tiles(self, gV: cute.Tensor) -> cute.Tensor:
-        """One head's V rows, (seqlen_k, d), as (tile_n, d) tiles indexed by the last mode."""
-        return cute.local_tile(gV, (self.tile_n, self.head_dim), (None, 0))
+        """One head's V rows, (seqlen_k, d_v), as (tile_n, d_v) tiles indexed by the last mode."""
+        return cute.local_tile(gV, (self.tile_n, self.head_dim_v), (None, 0))
 
     def tiles_done_parity(self, q_state, producer: bool):
         """The number of tiles this role has finished, mod 2, read off its Q ring state (one Q
@@ -284,6 +299,8 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
         ctx = self.compute_setup(sQ[None, None, q_state.index], sK, sV, None, ctidx, m_block,
                                  seq.seqlen_q, seq.seqlen_k)
         ctx.window, ctx.softcap_scale, ctx.n_max = params.window, params.softcap_scale, n_max
+        if cutlass.const_expr(self.sinks):  # read now, used by the epilogue: its latency is hidden
+            ctx.sink_log2 = params.sinks[head] * Float32(softmax.LOG2E)
         scale_log2 = self.tile_scales(ctx, scale_log2, batch, head, params)
         pipeline.consume_wait(q_pipe, q_state)
         if n_blocks > 0:
@@ -315,7 +332,7 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
         o_mn = mma.rows_cols(ctx.acc_o)
         for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
             inv_sum, lse = softmax.finalize(ctx.row_max[r], ctx.row_sum[r], scale_log2, 4,
-                                            self.p_offset_log2)
+                                            ctx.sink_log2, self.p_offset_log2)
             if cutlass.const_expr(ctx.o_scale is not None):
                 inv_sum = inv_sum * ctx.o_scale
             for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
@@ -323,7 +340,7 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
             row = ctx.m_block * self.tile_m + ctx.o_coords[r, 0][0]
             if ctidx % 4 == 0 and row < ctx.seqlen_q:
                 mLSE[batch, head, row] = lse
-        gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.head_dim), (ctx.m_block, 0))
+        gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.head_dim_v), (ctx.m_block, 0))
         epilogue.store_tile(ctx.acc_o, ctx.pv, ctidx, sO, tma_o, gO, epi_tile,
                             dsl_pipeline.NamedBarrier(barrier_id=EPILOGUE_BARRIER,
                                                       num_threads=128 * self.consumer_wgs),

@@ -85,7 +85,7 @@ class Fp8Attention(WarpSpecializedAttention):
                sO_layout: cute.ComposedLayout, epi_tile: cutlass.Constexpr,
                SharedStorage: cutlass.Constexpr):
         self.roles(tma_q, mQ, tma_k, mK, tma_v, mV, tma_o, mO, mO_rows, mLSE, scale_log2, mTileCounter,
-                   mCuSeqlensQ, mCuSeqlensK, window_left, window_right, softcap_scale,
+                   mCuSeqlensQ, mCuSeqlensK, window_left, window_right, softcap_scale, None,
                    (mQDescale, mKDescale, mVDescale), sQ_layout, sKV_layout, sV_layout, sO_layout,
                    epi_tile, SharedStorage)
 

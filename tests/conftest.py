@@ -14,6 +14,11 @@ if not torch.cuda.is_available():
 
 HAS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
+from fa3.registry import HEAD_DIMS  # noqa: E402  (every head dim the default rungs serve)
+
+# @HEAD_DIM_PARAM on a test: once per head dim, with ids d64 ... d256 (`-k d96` picks one)
+HEAD_DIM_PARAM = pytest.mark.parametrize("head_dim", HEAD_DIMS, ids=lambda d: f"d{d}")
+
 
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a Hopper (sm_90) GPU")

@@ -13,7 +13,7 @@ import fa3
 from fa3 import _compile, registry
 from fa3.reference import attention_reference
 
-from conftest import rel_err
+from conftest import HEAD_DIM_PARAM, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -51,7 +51,7 @@ def _check(kernel, shape, head_dim, causal, dtype=torch.bfloat16, seed=0):
 
 
 @pytest.mark.parametrize("kernel", RUNGS)
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@HEAD_DIM_PARAM
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_matches_reference(kernel, head_dim, causal, shape):

@@ -14,7 +14,7 @@ import fa3
 from fa3 import registry
 from fa3.reference import attention_reference
 
-from conftest import compute_sanitizer, rel_err, run_script
+from conftest import HEAD_DIM_PARAM, compute_sanitizer, rel_err, run_script
 
 pytestmark = pytest.mark.gpu
 BWD_RUNGS = registry.available_kernels(registry.BACKWARD)
@@ -98,7 +98,7 @@ def check_grads(q, k, v, dout, causal, scale=None, kernel=None, deterministic=Fa
 
 @pytest.mark.parametrize("kernel", BWD_RUNGS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@HEAD_DIM_PARAM
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_gradients(shape, head_dim, causal, kernel):
     q, k, v, dout = _inputs(*shape, head_dim, seed=hash((shape, head_dim, causal)) % 1000)
@@ -116,7 +116,7 @@ VARIANT_CASES = {
 
 
 @pytest.mark.parametrize("kernel", BWD_RUNGS)
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@HEAD_DIM_PARAM
 @pytest.mark.parametrize("case", VARIANT_CASES)
 @pytest.mark.parametrize("shape", [(2, 300, 300, 4, 2), (1, 333, 130, 2, 2)],
                          ids=lambda s: "x".join(map(str, s)))
@@ -353,7 +353,7 @@ def check_varlen_grads(q, k, v, dout, cu_q, cu_k, causal, kernel=None, determini
 
 @pytest.mark.parametrize("kernel", BWD_RUNGS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@HEAD_DIM_PARAM
 @pytest.mark.parametrize("case", VARLEN_CASES)
 def test_varlen_gradients(case, head_dim, causal, kernel):
     """Packed batches: every entry's gradients against its own float64 reference; rows of an

@@ -1,8 +1,8 @@
 """CPU tests: every rung of the registry compiles for sm_90a and emits the PTX it promises.
 
 No GPU is needed: the DSL compiles against fake tensors with symbolic shapes. Attention rungs are
-compiled at head_dim 128 causal, and at 64 and 256 non-causal where the rung supports them; GEMM
-rungs with their family's defaults. ptxas' registers and spills are printed for each.
+compiled at head_dim 128 causal, and at 64 and 256 non-causal where the rung supports them, and
+each family's default rung at 96 (causal) and 192; GEMM rungs with their family's defaults. ptxas' registers and spills are printed for each.
 """
 
 import dataclasses
@@ -31,6 +31,10 @@ def compile_cases():
         for d in (64, 256):
             if d in spec.head_dims and d != main:
                 yield pytest.param(name, d, False, id=f"{name}-d{d}")
+        # d96 (64-byte swizzle) and d192 (tiles of their own): the rung each family defaults to
+        for d in (96, 192):
+            if d in spec.head_dims and registry.fastest(spec.family, d).name == name:
+                yield pytest.param(name, d, d == 96, id=f"{name}-d{d}{'-causal' if d == 96 else ''}")
 
 
 @pytest.mark.parametrize("name, head_dim, causal", list(compile_cases()))
@@ -47,7 +51,7 @@ def test_compiles_with_promised_ptx(name, head_dim, causal, capsys):
         assert promise in ptx, f"{name}: promised {promise!r} is not in the PTX"
     for forbidden in spec.ptx_forbids:
         assert forbidden not in ptx, f"{name}: forbidden {forbidden!r} is in the PTX"
-    if spec.family == registry.BACKWARD:  # five accumulators live at once: a spill is a regression
+    if spec.family == registry.BACKWARD or head_dim in (96, 192):  # (backward: five accumulators)
         assert result.report.spill_bytes == 0, f"{name}: ptxas spills ({result.resources()})"
 
 
@@ -83,6 +87,20 @@ def test_backward_deterministic_variant_compiles(name):
     ("b3", dict(head_dim=128, causal=True, varlen=True, deterministic=True), ("vote.sync.ballot",)),
     ("b3", dict(head_dim=128, causal=False, local=True, gqa=True), ("shfl.sync.idx",)),
     ("b1", dict(head_dim=64, causal=True, varlen=True, gqa=True), ("vote.sync.ballot",)),
+    # attention sinks: one more exp2 and a max per row in the epilogue, nothing in the mainloop
+    ("k5.5", dict(head_dim=128, causal=True, sinks=True), ("lg2.approx",)),
+    ("k5.5", dict(head_dim=64, causal=False, varlen=True, local=True, sinks=True), ("vote.sync.ballot",)),
+    ("s1", dict(head_dim=128, causal=True, paged=True, sinks=True), ("lg2.approx",)),
+    # a serving engine's call on gpt-oss-like and d96/d192 models: packed queries, row gathers, sinks
+    *[("s1", dict(head_dim=d, causal=True, paged=True, gather=True, varlen=True, sinks=True),
+       ("cp.async.mbarrier.arrive.noinc", "lg2.approx")) for d in (64, 96, 192)],
+    # d192 packed batches (80-wide K/V tiles: 96 spill); d96 deterministic GQA backward (dQ's
+    # 48-column warpgroup shares on a 32-byte swizzle, smem.py)
+    ("k5.5", dict(head_dim=192, causal=True, varlen=True, sinks=True), ("vote.sync.ballot",)),
+    ("b2", dict(head_dim=96, causal=True, deterministic=True, gqa=True), ("cp.reduce.async.bulk.tensor",)),
+    # v's head dim other than q/k's: (192, 128) on 128-wide K/V tiles, (128, 64)
+    ("k5.5", dict(head_dim=192, head_dim_v=128, causal=True), ("wgmma.mma_async",)),
+    ("k5.5", dict(head_dim=128, head_dim_v=64, causal=False, varlen=True), ("vote.sync.ballot",)),
 ])
 def test_variants_compile(name, static, promises):
     """The variants (varlen, sliding window, softcap; forward and backward) compile for sm_90a
@@ -105,6 +123,28 @@ def test_persistent_gemm_tile_shapes_compile(tile_m, tile_n, a_rows):
     for promise in spec.ptx_promises:
         assert promise in report.ptx, f"{tile_m}x{tile_n}: {promise!r} missing"
     assert report.spill_bytes == 0, f"{tile_m}x{tile_n} spills"
+
+
+def test_sinks_combine_compiles():
+    """The split-KV combine with the sinks as one more term compiles without spilling."""
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stderr(buf), contextlib.redirect_stdout(buf):
+        fn = _compile._build_combine(torch.bfloat16, 128, sinks=True,
+                                     extra_options="--keep-ptx --keep-cubin remarks{ptx}")
+    report = _compile.CompileReport(fn.artifacts.PTX, fn.artifacts.CUBIN, buf.getvalue())
+    assert "ex2.approx" in report.ptx and report.registers and report.spill_bytes == 0
+
+
+def test_sinks_are_in_the_compile_keys():
+    spec = registry.get("k5.5")
+    assert _compile.attention_key(spec, torch.bfloat16, 128, True) != \
+        _compile.attention_key(spec, torch.bfloat16, 128, True, sinks=True)
+    s1 = registry.get("s1")
+    assert _compile.kvcache_key(s1, torch.bfloat16, 128, True) != \
+        _compile.kvcache_key(s1, torch.bfloat16, 128, True, sinks=True)
 
 
 def test_attention_key_covers_static_configuration():

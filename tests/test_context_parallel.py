@@ -184,6 +184,8 @@ def test_validation_messages():
                 q=q[:, :5], k=q[:, :5], v=q[:, :5])
     raises_with(fa3.context_parallel_attention, ValueError, "same even seqlen", q=q, k=q[:, :4], v=q[:, :4])
     raises_with(fa3.context_parallel_attention, TypeError, "q must be a torch.Tensor", q=None, k=q, v=q)
+    raises_with(fa3.context_parallel_attention, ValueError, "v has head_dim 32", "one head_dim",
+                q=q, k=q, v=q[..., :32])
     raises_with(fa3.context_parallel_attention, ValueError, "CUDA GPU", q=q, k=q, v=q)
     raises_with(context_parallel.shard, RuntimeError, "init_process_group", x=q)
 

@@ -34,18 +34,22 @@ FLASH_ATTN_3_KEYWORDS = {
     "flash_attn_varlen_func": {"seqused_k", "return_softmax_lse", "out", "scheduler_metadata", "num_splits",
                                "q_descale", "k_descale", "v_descale", "fa_version", "s_aux"},
     "flash_attn_with_kvcache": {"page_table", "cu_seqlens_q", "max_seqlen_q", "cu_seqlens_k_new",
-                                "scheduler_metadata", "q_descale", "k_descale", "v_descale"},
+                                "scheduler_metadata", "q_descale", "k_descale", "v_descale", "sinks"},
 }
 
 
 @pytest.mark.parametrize("name", FLASH_ATTN)
 def test_signatures_match_flash_attn(name):
+    """flash-attn 2's positional parameters in order, then keyword-only: flash-attn 3's serving
+    keywords and the attention sinks under flash-attn-4's name (learnable_sink)."""
     params = inspect.signature(getattr(fa3, name)).parameters.values()
     positional = [p for p in params if p.kind != inspect.Parameter.KEYWORD_ONLY]
     got = ", ".join(p.name if p.default is inspect.Parameter.empty else f"{p.name}={p.default!r}"
                     for p in positional)
     assert got == FLASH_ATTN[name] and name in fa3.__all__
-    assert {p.name for p in params if p.kind == inspect.Parameter.KEYWORD_ONLY} == FLASH_ATTN_3_KEYWORDS[name]
+    keywords = {p.name: p.default for p in params if p.kind == inspect.Parameter.KEYWORD_ONLY}
+    assert set(keywords) == FLASH_ATTN_3_KEYWORDS[name] | {"learnable_sink"}
+    assert all(default is None for k, default in keywords.items() if k in ("learnable_sink", "s_aux", "sinks"))
 
 
 def _qkv(batch=1, seqlen=16, heads=2, d=64):

@@ -72,6 +72,19 @@ def test_bf16_rung_is_not_an_fp8_kernel():
     raises(ValueError, "kernel='k5.5'", "attention_fp8", RUNG, q=q, k=k, v=v, kernel="k5.5")
 
 
+def test_sinks_refused():
+    """Sinks are a 16-bit feature: FP8 inputs with sinks are refused by name, before the device."""
+    q, k, v = fp8_qkv()
+    raises(ValueError, "sinks", "FP8", "fa3.dequantize_fp8", q=q, k=k, v=v, sinks=torch.zeros(4))
+
+
+def test_value_head_dim_refused():
+    """v's head dim must be q's on the FP8 rungs (the (192, 128)-style pairs are 16-bit only)."""
+    q, k, _ = fp8_qkv(head_dim=128)
+    v = fp8_qkv(head_dim=64)[2]
+    raises(ValueError, "v has head_dim 64", "128", f"kernel={RUNG!r}", q=q, k=k, v=v)
+
+
 def test_unsupported_head_dim():
     q, k, v = fp8_qkv(head_dim=96)
     msg = raises(ValueError, "head_dim=96", q=q, k=k, v=v)

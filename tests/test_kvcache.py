@@ -11,7 +11,7 @@ import fa3
 from fa3 import kvcache
 from fa3.reference import attention_reference
 
-from conftest import HAS_HOPPER, raises_with, rel_err
+from conftest import HEAD_DIM_PARAM, HAS_HOPPER, raises_with, rel_err
 
 TOL = 1.5e-2
 gpu = pytest.mark.gpu
@@ -57,7 +57,7 @@ CASES = [  # (batch, seqlen_q, heads_q, heads_kv, capacity, lens, new_tokens)
 
 
 @gpu
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@HEAD_DIM_PARAM
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("page_size", [None, 64, 256])
 @pytest.mark.parametrize("case", range(len(CASES)))
@@ -185,9 +185,9 @@ def test_kvcache_validation_messages():
            v=torch.randn(2, 1, 4, 128, dtype=torch.bfloat16))
     raises(ValueError, "do not fit", k=torch.randn(2, 300, 2, 128, dtype=torch.bfloat16),
            v=torch.randn(2, 300, 2, 128, dtype=torch.bfloat16))
-    raises(ValueError, "head_dim=96", q=torch.randn(2, 1, 8, 96, dtype=torch.bfloat16),
-           k_cache=torch.randn(2, 256, 2, 96, dtype=torch.bfloat16),
-           v_cache=torch.randn(2, 256, 2, 96, dtype=torch.bfloat16))
+    raises(ValueError, "head_dim=80", q=torch.randn(2, 1, 8, 80, dtype=torch.bfloat16),
+           k_cache=torch.randn(2, 256, 2, 80, dtype=torch.bfloat16),
+           v_cache=torch.randn(2, 256, 2, 80, dtype=torch.bfloat16))
     raises(ValueError, "window_size", ">= 0", window_size=(-2, 0))
     raises(ValueError, "softcap", softcap=-1.0)
     raises(TypeError, "k_cache", "dtype", k_cache=torch.randn(2, 256, 2, 128))

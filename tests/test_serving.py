@@ -175,6 +175,47 @@ def test_varlen_over_paged_cache(page_size, case, causal):
 
 
 @gpu
+@pytest.mark.parametrize("splits", [1, 3])
+def test_varlen_over_paged_cache_with_sinks(splits):
+    """gpt-oss served by vLLM: flash_attn_varlen_func(..., s_aux=sinks) over 16-token pages. A sink
+    joins each row's denominator once: out = O * exp(lse) / (exp(lse) + exp(sink)), lse' =
+    logaddexp(lse, sink); with several splits the combine adds it."""
+    lens_q, lens_k = [1, 20, 0, 1], [300, 20, 0, 1]
+    gen = torch.Generator(device="cuda").manual_seed(40 + splits)
+    heads_q, heads_kv, d = 8, 2, 64
+    k_seqs, v_seqs, k_cache, v_cache, table = _paged_cache(lens_k, heads_kv, d, 16, gen)
+    q = torch.randn(sum(lens_q), heads_q, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    sinks = (torch.randn(heads_q, device="cuda", generator=gen) * 2).bfloat16()  # the model's dtype
+    ref = []
+    for o, lse in _reference(list(torch.split(q, lens_q)), k_seqs, v_seqs, True):
+        total = torch.logaddexp(lse, sinks.double()[:, None])  # (heads, len_q)
+        ref.append((o * torch.exp(lse - total).t()[..., None], total))
+    out = torch.full_like(q, float("nan"))
+    _, lse = fa3.flash_attn_varlen_func(q, k_cache, v_cache, _cu(lens_q), None, max(lens_q), max(lens_k),
+                                        causal=True, block_table=table, out=out, num_splits=splits,
+                                        seqused_k=torch.tensor(lens_k, dtype=torch.int32, device="cuda"),
+                                        return_softmax_lse=True, s_aux=sinks)
+    _check(out, lse, ref, f"sinks, splits {splits}")
+
+
+@gpu
+@pytest.mark.parametrize("head_dim", [96, 192])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_varlen_over_small_pages_head_dims_96_192(head_dim, splits):
+    """d96/d192 rows are 12/24 16-byte chunks: the row gather runs on 96 of the 128 threads."""
+    lens_q, lens_k = [1, 33, 1], [257, 40, 3]
+    gen = torch.Generator(device="cuda").manual_seed(head_dim + splits)
+    k_seqs, v_seqs, k_cache, v_cache, table = _paged_cache(lens_k, 2, head_dim, 16, gen)
+    q = torch.randn(sum(lens_q), 4, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    ref = _reference(list(torch.split(q, lens_q)), k_seqs, v_seqs, True)
+    out = torch.full_like(q, float("nan"))
+    _, lse = fa3.attention_varlen(q, k_cache, v_cache, _cu(lens_q), None, max(lens_q), max(lens_k),
+                                  block_table=table, seqused_k=torch.tensor(lens_k, dtype=torch.int32, device="cuda"),
+                                  causal=True, out=out, num_splits=splits, return_lse=True)
+    _check(out, lse, ref, f"d{head_dim}, splits {splits}")
+
+
+@gpu
 def test_varlen_over_cache_window_softcap_and_max_seqlen_q_default():
     lens_q, lens_k = [1, 50, 1], [700, 300, 1]
     gen = torch.Generator(device="cuda").manual_seed(3)
@@ -333,8 +374,8 @@ def test_varlen_over_cache_argument_checks():
                 **_cpu_call(block_table=None, k=torch.randn(3, 16, 2, 128, dtype=torch.bfloat16),
                             v=torch.randn(3, 16, 2, 128, dtype=torch.bfloat16)))
     raises_with(call, ValueError, "cu_seqlens_k is required", **_cpu_call(block_table=None, seqused_k=None))
-    raises_with(fa3.flash_attn_varlen_func, NotImplementedError, "s_aux", **_cpu_call(),
-                s_aux=torch.zeros(8))
+    raises_with(fa3.flash_attn_varlen_func, ValueError, "s_aux and learnable_sink", **_cpu_call(),
+                s_aux=torch.zeros(8), learnable_sink=torch.zeros(8))
     raises_with(fa3.flash_attn_varlen_func, NotImplementedError, "fa_version=2", **_cpu_call(), fa_version=2)
     raises_with(fa3.attention_with_kvcache, NotImplementedError, "cu_seqlens_q",
                 q=torch.randn(5, 8, 128, dtype=torch.bfloat16), k_cache=torch.randn(6, 16, 2, 128, dtype=torch.bfloat16),

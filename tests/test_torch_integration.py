@@ -118,7 +118,7 @@ def test_direct_calls_match_the_ops():
     out = fa3.attention(q.requires_grad_(), k, v, causal=True)
     assert torch.equal(out.detach(), op_out)
     out.sum().backward()
-    dq, _, _ = torch.ops.fa3.attention_backward(torch.ones_like(out), q.detach(), k, v, op_out, op_lse,
+    dq, _, _, _ = torch.ops.fa3.attention_backward(torch.ones_like(out), q.detach(), k, v, op_out, op_lse,
                                                 True, 64 ** -0.5, registry.fastest(registry.BACKWARD, 64).name,
                                                 True)
     assert torch.isfinite(q.grad).all() and rel_err(q.grad, dq) < 1e-5

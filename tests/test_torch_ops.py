@@ -153,8 +153,12 @@ def test_backward_fake_shapes():
     q = meta(3, 33, 8, 64)
     k = meta(3, 17, 2, 64)
     out, lse = meta(3, 33, 8, 64), meta(3, 8, 33, dtype=torch.float32)
-    dq, dk, dv = torch.ops.fa3.attention_backward(out, q, k, k, out, lse, False, 0.1, BACKWARD_64, False)
-    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, k.shape)
+    dq, dk, dv, dsinks = torch.ops.fa3.attention_backward(out, q, k, k, out, lse, False, 0.1, BACKWARD_64, False)
+    assert (dq.shape, dk.shape, dv.shape, dsinks.shape) == (q.shape, k.shape, k.shape, (0,))
+    sinks = torch.empty(8, device="meta")
+    *_, dsinks = torch.ops.fa3.attention_backward(out, q, k, k, out, lse, False, 0.1, BACKWARD_64, False,
+                                                  sinks=sinks)
+    assert dsinks.shape == (8,) and dsinks.dtype == torch.float32
     assert dq.is_contiguous() and dk.dtype == BF16
 
 
@@ -196,6 +200,6 @@ def test_varlen_backward_on_meta_tensors(meta_ok):
     assert out.requires_grad and not lse.requires_grad and lse.shape == (4, 50)
     out.sum().backward()
     assert q.grad.shape == q.shape and k.grad.shape == k.shape and q.grad.dtype == BF16
-    dq, dk, dv = torch.ops.fa3.attention_varlen_backward(out.detach(), q, k, k, out.detach(), lse, cu_q, cu_k,
+    dq, dk, dv, _ = torch.ops.fa3.attention_varlen_backward(out.detach(), q, k, k, out.detach(), lse, cu_q, cu_k,
                                                          True, 0.125, BACKWARD_64, False, -1, -1, 0.0)
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, k.shape)

@@ -3,7 +3,8 @@
 CPU (CI): with fa3's kernels swapped for the float reference, small Llama / Mistral / Gemma-2
 models from configs (random weights, no download) give the logits of transformers' own "eager"
 attention, unpadded and right- or left-padded: this checks the mapping itself (layouts, GQA,
-scaling, causal, sliding window, softcap, unpadding into varlen). The module imports without
+scaling, causal, sliding window, softcap, gpt-oss's attention sinks, unpadding into varlen). The
+module imports without
 transformers. GPU: the same models on fa3's kernels against "sdpa"/"eager" in bf16 (logits,
 gradients, greedy generation through transformers' cache)."""
 
@@ -27,13 +28,21 @@ def _configs():
         "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM,
                    dict(common, sliding_window=16, attn_logit_softcapping=20.0, final_logit_softcapping=None,
                         query_pre_attn_scalar=128)),
+        # attention sinks (s_aux), alternating sliding and full layers
+        "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM,
+                    dict(common, sliding_window=16, num_local_experts=4, num_experts_per_tok=2)),
     }
 
 
 def make_model(kind, device, dtype):
     config_cls, model_cls, kwargs = _configs()[kind]
     torch.manual_seed(0)
-    return model_cls(config_cls(**kwargs)).to(device=device, dtype=dtype).eval()
+    model = model_cls(config_cls(**kwargs)).to(device=device, dtype=dtype).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if hasattr(layer.self_attn, "sinks"):
+                layer.self_attn.sinks.normal_(0.0, 2.0)  # sinks that matter
+    return model
 
 
 def batch(device, padding):
@@ -58,22 +67,25 @@ def logits_of(model, impl, ids, mask, padding):
 
 
 # ----------------------------------------------------------------------------- CPU: the mapping
-def _reference_attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0):
-    return attention_reference(q, k, v, causal, softmax_scale, torch.float32, window_size, softcap)[0].to(q.dtype)
+def _reference_attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                         sinks=None):
+    assert sinks is None or sinks.dtype == torch.float32  # fa3's sinks are float32
+    return attention_reference(q, k, v, causal, softmax_scale, torch.float32, window_size, softcap,
+                               sinks)[0].to(q.dtype)
 
 
 def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, window_size, softcap,
-                      kernel, check_values=True):
+                      kernel, check_values=True, sinks=None):
     outs = []
     for i in range(len(cu_q) - 1):
         sq, sk = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
         outs.append(_reference_attention(q[None, sq], k[None, sk], v[None, sk], causal, softmax_scale,
-                                         window_size, softcap)[0])
+                                         window_size, softcap, sinks)[0])
     return torch.cat(outs), None
 
 
 @pytest.mark.parametrize("padding", ["none", "right", "left"])
-@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2", "gpt_oss"])
 def test_mapping_matches_eager_on_cpu(kind, padding, monkeypatch):
     monkeypatch.setattr(fa3_hf, "attention", _reference_attention)
     monkeypatch.setattr(fa3_hf, "packed_attention", _reference_varlen)
@@ -95,10 +107,12 @@ def parameter_grads(model, impl, ids, mask, padding):
 
 
 @pytest.mark.parametrize("padding", ["right", "left"])
-def test_padded_training_mapping_on_cpu(padding, monkeypatch):
-    """Gradients flow through the unpad gather and the scatter back (padded rows get none)."""
+@pytest.mark.parametrize("kind", ["mistral", "gpt_oss"])
+def test_padded_training_mapping_on_cpu(kind, padding, monkeypatch):
+    """Gradients flow through the unpad gather and the scatter back (padded rows get none), and
+    into gpt-oss's sinks."""
     monkeypatch.setattr(fa3_hf, "packed_attention", _reference_varlen)
-    model = make_model("mistral", "cpu", torch.float32).train()
+    model = make_model(kind, "cpu", torch.float32).train()
     ids, mask = batch("cpu", padding)
     got, want = (parameter_grads(model, impl, ids, mask, padding) for impl in ("fa3", "eager"))
     assert rel_err(got, want) < 1e-4
@@ -132,20 +146,20 @@ def test_refusals():
 # ----------------------------------------------------------------------------- GPU: the kernels
 @pytest.mark.gpu
 @pytest.mark.parametrize("padding", ["none", "right", "left"])
-@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2", "gpt_oss"])
 def test_logits_match(kind, padding):
     model = make_model(kind, "cuda", torch.bfloat16)
     ids, mask = batch("cuda", padding)
-    peer = "eager" if kind == "gemma2" else "sdpa"  # sdpa ignores Gemma 2's softcap
+    peer = "eager" if kind in ("gemma2", "gpt_oss") else "sdpa"  # sdpa knows no softcap nor sinks
     got, want = logits_of(model, "fa3", ids, mask, padding), logits_of(model, peer, ids, mask, padding)
     assert torch.isfinite(got).all() and rel_err(got, want) < 2e-2
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("padding", ["none", "right", "left"])
-@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2", "gpt_oss"])
 def test_gradients_match(kind, padding):
-    """A training step, padded batches through the varlen backward."""
+    """A training step, padded batches through the varlen backward (gpt-oss: its sinks' too)."""
     model = make_model(kind, "cuda", torch.bfloat16).train()
     ids, mask = batch("cuda", padding)
     got, want = (parameter_grads(model, impl, ids, mask, padding) for impl in ("fa3", "eager"))

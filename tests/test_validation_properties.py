@@ -28,7 +28,7 @@ SETTINGS = settings(max_examples=100, deadline=None, derandomize=True, database=
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 FLOATS = [torch.float16, torch.float32, torch.int32]  # besides the call's own dtype
 INDEX_DTYPES = [torch.int64, torch.float32]  # besides int32
-HEAD_DIMS = [64, 128, 256, 96, 8, 0]
+HEAD_DIMS = [64, 128, 256, 96, 192, 80, 8, 0]
 LAYOUTS = ["strided", "transposed", "expanded", "misaligned"]  # besides contiguous
 MODES = ["as is", "checked", "unchecked"]
 RUNGS = [None, None, "bogus"] + registry.available_kernels()

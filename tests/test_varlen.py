@@ -12,7 +12,7 @@ import fa3
 from fa3 import _dispatch, index_checks, registry
 from fa3.reference import attention_reference
 
-from conftest import HAS_HOPPER, raises_with, rel_err
+from conftest import HEAD_DIM_PARAM, HAS_HOPPER, raises_with, rel_err
 
 gpu = pytest.mark.gpu
 TOL = 1.5e-2
@@ -47,7 +47,7 @@ LENS = [  # (lens_q, lens_k)
 
 
 @gpu
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@HEAD_DIM_PARAM
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("case", range(len(LENS)))
 def test_varlen_matches_reference(head_dim, causal, case):
@@ -129,7 +129,7 @@ def test_varlen_validation_messages():
     raises(ValueError, "q must have 3 dimensions", q=q[None])
     raises(ValueError, "heads_q=4", "heads_kv=3", k=q[:, :3], v=q[:, :3])
     raises(ValueError, "head_dim", k=q[:, :2, :64], v=q[:, :2, :64])
-    raises(ValueError, "head_dim=96", "pad", q=q[..., :96], k=q[:, :2, :96], v=q[:, :2, :96])
+    raises(ValueError, "head_dim=80", "pad", q=q[..., :80], k=q[:, :2, :80], v=q[:, :2, :80])
     if not HAS_HOPPER:
         raises((ValueError, RuntimeError), "GPU")
 

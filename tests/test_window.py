@@ -13,7 +13,7 @@ import fa3
 from fa3 import masking
 from fa3.reference import attention_reference
 
-from conftest import raises_with, rel_err
+from conftest import HEAD_DIM_PARAM, raises_with, rel_err
 
 gpu = pytest.mark.gpu
 TOL = 1.5e-2
@@ -49,7 +49,7 @@ def _check(shape, head_dim, window_size, causal, softcap, seed):
 
 
 @gpu
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@HEAD_DIM_PARAM
 @pytest.mark.parametrize("case", range(len(CASES)), ids=lambda i: f"w{CASES[i][0]}-c{int(CASES[i][1])}-s{CASES[i][2]:g}")
 def test_window_and_softcap_match_reference(head_dim, case):
     window_size, causal, softcap = CASES[case]

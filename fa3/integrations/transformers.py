@@ -7,7 +7,9 @@
 What a layer passes is mapped onto fa3's entry points: (batch, heads, seqlen, head_dim) tensors as
 (batch, seqlen, heads, head_dim) views (no copies), GQA as it is, `scaling` as softmax_scale,
 causal from the module (`is_causal`), `sliding_window` W as flash-attn's window (W - 1, W - 1) (with
-causal: the W most recent keys, as transformers' own masks), `softcap` as Gemma 2's cap. The mask
+causal: the W most recent keys, as transformers' own masks), `softcap` as Gemma 2's cap, `s_aux`
+(gpt-oss's per-head attention sinks, a parameter in the model's dtype) as fa3's float32 `sinks`
+(differentiable: training updates them). The mask
 is flash-attention's (transformers' `flash_attention_mask`): None when nothing is padded, else the
 2-D (batch, keys) padding mask, and then the batch is unpadded into fa3.attention_varlen (right- or
 left-padded prompts, padded training batches, and decode steps over padded caches). Generation uses
@@ -69,7 +71,7 @@ class _UnpadPlan:
 _PLAN = _UnpadPlan()
 
 
-def _unpadded(q, k, v, mask, causal, scaling, window, softcap):
+def _unpadded(q, k, v, mask, causal, scaling, window, softcap, sinks=None):
     """Padded (batch, seqlen, heads, d) q/k/v and a (batch, keys) padding mask -> fa3.attention_varlen
     on the real tokens -> the padded layout again (padded query rows are 0)."""
     batch, seqlen_q = q.shape[:2]
@@ -79,7 +81,8 @@ def _unpadded(q, k, v, mask, causal, scaling, window, softcap):
     q_packed = q.flatten(0, 1) if all_queries else q.flatten(0, 1)[q_index]
     # the offsets come from the mask: no host copy to check them (the op still runs the kernel)
     out, _ = packed_attention(q_packed, k.flatten(0, 1)[k_index], v.flatten(0, 1)[k_index], cu_q, cu_k,
-                              None, None, causal, scaling, window, softcap, None, check_values=False)
+                              None, None, causal, scaling, window, softcap, None, check_values=False,
+                              sinks=sinks)
     if all_queries:
         return out.view(q.shape)
     padded = q.new_zeros(batch * seqlen_q, *q.shape[2:])
@@ -101,14 +104,18 @@ def fa3_attention_forward(module, query, key, value, attention_mask, dropout=0.0
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (batch, seqlen, heads, d) views
     window = _window(sliding_window, k.shape[1])
     softcap = float(softcap or 0.0)
+    sinks = kwargs.get("s_aux")
+    if sinks is not None:  # (a differentiable cast: the model keeps its sinks in its own dtype)
+        sinks = sinks.float()
     if attention_mask is None:
-        out = attention(q, k, v, causal=causal, softmax_scale=scaling, window_size=window, softcap=softcap)
+        out = attention(q, k, v, causal=causal, softmax_scale=scaling, window_size=window, softcap=softcap,
+                        sinks=sinks)
         return out, None
     if attention_mask.dim() != 2 or attention_mask.dtype.is_floating_point:
         raise ValueError(f"fa3 takes transformers' 2-D padding mask (flash-attention's format), got "
                          f"{attention_mask.dtype} of shape {tuple(attention_mask.shape)}: an arbitrary "
                          "additive mask cannot be expressed; use attn_implementation='sdpa'")
-    return _unpadded(q, k, v, attention_mask, causal, scaling, window, softcap), None
+    return _unpadded(q, k, v, attention_mask, causal, scaling, window, softcap, sinks), None
 
 
 def register() -> bool:

@@ -36,6 +36,12 @@ def tiled_mma(dtype, tile_m: int, tile_n: int, a_major="K", b_major="K", a_in_re
         a_source=warpgroup.OperandSource.RMEM if a_in_regs else warpgroup.OperandSource.SMEM)
 
 
+def n_share(tile_m: int, tile_n: int, warpgroups: int) -> int:
+    """The columns of a (tile_m, tile_n) accumulator each warpgroup computes (tiled_mma's split)."""
+    wg_m = min(warpgroups, tile_m // 64)
+    return tile_n // (warpgroups // wg_m)
+
+
 def warpgroup_slice(tiled: cute.TiledMma, thread_idx):
     """The slice of `tiled` for thread_idx's warpgroup, from a warp-uniform index: SMEM operands
     are per warpgroup (every thread of it passes the same descriptors), and a provably uniform

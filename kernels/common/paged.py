@@ -48,15 +48,17 @@ def block_page(mBlockTable: cute.Tensor, batch: Int32, n_block: Int32, tile_n: c
 
 
 class RowGather:
-    """cp.async copies of a (tile_n, head_dim) key block from scattered cache rows, by `threads`
-    threads: thread t copies 16-byte chunk t % chunks of rows t // chunks + i * (threads // chunks)."""
+    """cp.async copies of a (tile_n, head_dim) key block from scattered cache rows, by the first
+    `active` of `threads` threads: thread t copies 16-byte chunk t % chunks of rows t // chunks +
+    i * rows_per_pass. `active` is the most threads that cover whole rows and divide the block:
+    all of them for d 64/128/256, 96 of 128 for d96 (12 chunks a row) and d192 (24)."""
 
     def __init__(self, dtype, tile_n: int, head_dim: int, threads: int):
         self.dtype, self.tile_n, self.head_dim, self.threads = dtype, tile_n, head_dim, threads
         self.elems = CHUNK_BYTES * 8 // dtype.width
         self.chunks = head_dim // self.elems  # per row
-        assert threads % self.chunks == 0 and tile_n % (threads // self.chunks) == 0
-        self.rows_per_pass = threads // self.chunks
+        self.rows_per_pass = max(r for r in range(1, threads // self.chunks + 1) if tile_n % r == 0)
+        self.active = self.rows_per_pass * self.chunks
 
     def thread_copy(self, tidx: Int32):
         """This thread's slice of the tiled cp.async copy (16 bytes per copy, L2 only: each row is
@@ -65,7 +67,7 @@ class RowGather:
                                    self.dtype, num_bits_per_copy=CHUNK_BYTES * 8)
         threads = cute.make_ordered_layout((self.rows_per_pass, self.chunks), order=(1, 0))
         tiled = cute.make_tiled_copy_tv(atom, threads, cute.make_layout((1, self.elems)))
-        return tiled, tiled.get_slice(tidx)
+        return tiled, tiled.get_slice(tidx % self.active)  # (threads past `active` copy nothing)
 
     @cute.jit
     def locate(self, tidx: Int32, mBlockTable: cute.Tensor, batch: Int32, n_block: Int32,
@@ -74,10 +76,13 @@ class RowGather:
         issued before the stage is free so that their latency hides behind the wait. Rows past the
         sequence read its last key's entry (always one of its pages) and are not copied."""
         rows = []
+        limit = seqlen_k
+        if cutlass.const_expr(self.active < self.threads):  # idle threads: no row is theirs
+            limit = seqlen_k * (1 - cutlass.min(cutlass.max(tidx - (self.active - 1), 0), 1))
         for i in cutlass.range_constexpr(self.tile_n // self.rows_per_pass):
             key = n_block * self.tile_n + tidx // self.chunks + i * self.rows_per_pass
             page, row = key_location(mBlockTable, batch, cutlass.min(key, seqlen_k - 1), page_size, num_pages)
-            rows.append((key < seqlen_k, page, row))
+            rows.append((key < limit, page, row))
         return rows
 
     @cute.jit

@@ -1,9 +1,15 @@
 """SMEM layouts and the per-CTA budget.
 
 Every staged tile (Q, K, V, GEMM A/B) uses the layout WGMMA reads: rows of `cols` 16-bit elements
-in 128-byte swizzle atoms (K-major), tiled to (rows, cols[, stages]). TMA atoms are built from the
-same layout, so the copy engine writes exactly the swizzle the tensor cores (K4 on) expect; the
-scalar rungs index it logically through the composed layout and never see the swizzle.
+in swizzle atoms (K-major), tiled to (rows, cols[, stages]). TMA atoms are built from the same
+layout, so the copy engine writes exactly the swizzle the tensor cores (K4 on) expect; the scalar
+rungs index it logically through the composed layout and never see the swizzle.
+
+The swizzle is the widest whose atom row (128, 64 or 32 bytes) tiles a row: 128 bytes at head
+dims 64/128/192/256, 64 bytes at d96 (192-byte rows). An MMA that splits the columns among
+warpgroups (`share`: the columns one reads, e.g. the backward's dQ = dS K at d96, 48 per
+warpgroup) must not cut an atom: the swizzle is then chosen for the share (32 bytes at d96, 64 at
+d192), one choice per (head dim, split), here.
 """
 
 import cutlass.cute as cute
@@ -14,11 +20,21 @@ from cutlass.utils import hopper_helpers as sm90
 SMEM_CAPACITY = 232448  # bytes a CTA may use on sm_90 (227 KB)
 
 
-def tile_layout(dtype, rows: int, cols: int, stages: int = 1, rows_contiguous: bool = False):
+def atom_elems(dtype, major: int) -> int:
+    """Elements in one row of the swizzle atom chosen for a contiguous extent of `major`."""
+    bits = major * dtype.width
+    return next(b for b in (1024, 512, 256, 128) if bits % b == 0) // dtype.width
+
+
+def tile_layout(dtype, rows: int, cols: int, stages: int = 1, rows_contiguous: bool = False,
+                share: int | None = None):
     """(rows, cols, stages) swizzled layout. `cols` is the contiguous dimension (K-major), unless
     `rows_contiguous` (an MN-major operand, e.g. a column-major GEMM A or a row-major GEMM B seen
-    as (N, K)): then the swizzle atom runs along the rows."""
+    as (N, K)): then the swizzle atom runs along the rows. `share`: the contiguous extent one
+    warpgroup's MMA reads where an MMA splits it among warpgroups (the swizzle must not cut it)."""
     kind, major = (LayoutEnum.COL_MAJOR, rows) if rows_contiguous else (LayoutEnum.ROW_MAJOR, cols)
+    if share is not None and share % atom_elems(dtype, major) and atom_elems(dtype, major) % share:
+        major = share
     atom = warpgroup.make_smem_layout_atom(sm90.get_smem_layout_atom(kind, dtype, major), dtype)
     return cute.tile_to_shape(atom, (rows, cols, stages), order=(1, 0, 2) if rows_contiguous else (0, 1, 2))
 
