@@ -174,7 +174,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale,
     spec = varlen.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, None, None, kernel)
     _check_sinks(spec, sinks, q.shape[1], q.device)
     return varlen.launch_varlen(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale,
-                                (window_left, window_right), softcap, sinks)
+                                (window_left, window_right), softcap, sinks=sinks)
 
 
 @attention_varlen.register_fake
