@@ -138,16 +138,42 @@ def _seqlens_tensor(cache_seqlens, batch, device, capacity, appended, block_tabl
     return cache_seqlens.contiguous()
 
 
-def num_splits_for(batch, heads_kv, q_tiles, capacity, sm_count, tile_n=64) -> int:
-    """Splits of the key range so that batch x heads_kv x q_tiles x splits CTAs fill the SMs (one
-    CTA per SM: the TMA ring takes most of the SMEM), each split keeping at least
-    MIN_BLOCKS_PER_SPLIT key blocks of the cache's capacity. From shapes only: no host sync."""
-    ctas = batch * heads_kv * q_tiles
-    if ctas >= 0.8 * sm_count:
+def num_splits_for(batch, heads_kv, q_tiles, capacity, sm_count, tile_n=64, ctas_per_sm=1) -> int:
+    """Splits of the key range so that batch x heads_kv x q_tiles x splits CTAs fill the SMs'
+    CTA slots (ctas_per_sm each: one for the TMA ring, which takes most of the SMEM), each split
+    keeping at least MIN_BLOCKS_PER_SPLIT key blocks of the cache's capacity. From shapes only: no
+    host sync."""
+    ctas, slots = batch * heads_kv * q_tiles, sm_count * ctas_per_sm
+    if ctas >= 0.8 * slots:
         return 1
     blocks = -(-capacity // tile_n)
-    # round down: one CTA past the SM count would run alone in a second wave
-    return max(1, min(MAX_SPLITS, sm_count // ctas, blocks // MIN_BLOCKS_PER_SPLIT))
+    # round down: one CTA past the slots would run alone in a second wave
+    return max(1, min(MAX_SPLITS, slots // ctas, blocks // MIN_BLOCKS_PER_SPLIT))
+
+
+SM_SMEM_BYTES = 233472  # shared memory of one sm_90 SM (228 KB); each resident CTA also reserves 1 KB
+CTA_SMEM_BYTES = 232448  # the most one CTA may use (227 KB; kernels/common/smem.py's SMEM_CAPACITY)
+
+
+def kv_stages(spec, head_dim: int, gather: bool) -> int:
+    """The K+V ring depth s1 compiles (kernels/decode.py; a CPU test holds the two equal): as deep
+    as SMEM allows beside a Q tile and 1 KB of barriers, up to max_kv_stages; a gather keeps
+    gather_kv_stages."""
+    cfg = spec.config_for(head_dim)
+    q_bytes, kv_bytes = cfg["tile_m"] * head_dim * 2, 2 * cfg["tile_n"] * head_dim * 2
+    stages = min(cfg["max_kv_stages"], (CTA_SMEM_BYTES - q_bytes - 1024) // kv_bytes)
+    return min(stages, cfg["gather_kv_stages"]) if gather else stages
+
+
+def ctas_per_sm(spec, head_dim: int, gather: bool) -> int:
+    """How many s1 CTAs share an SM: the TMA ring fills one SM's SMEM (1); a row gather's short
+    ring leaves room for more (2 at d128), so that one CTA's copies, issued by its only
+    warpgroup, overlap another's math."""
+    if not gather:
+        return 1
+    cfg = spec.config_for(head_dim)
+    q_bytes, kv_bytes = cfg["tile_m"] * head_dim * 2, 2 * cfg["tile_n"] * head_dim * 2
+    return max(1, SM_SMEM_BYTES // (q_bytes + 1024 + kv_stages(spec, head_dim, True) * kv_bytes + 1024))
 
 
 def append_to_cache(k_cache, v_cache, k, v, cache_seqlens, block_table, capacity: int):
@@ -188,15 +214,17 @@ def _dummy(kind, device, head_dim=None):
 
 
 def plan_splits(spec, batch: int, max_seqlen_q: int, heads_q: int, heads_kv: int, keys: int, mask,
-                sm_count: int) -> int:
+                sm_count: int, head_dim: int, gather: bool) -> int:
     """How many CTAs share each sequence's keys (num_splits=0), from host integers only: the
     batch, the longest query run, the heads, the most keys a sequence holds (`keys`: the capacity,
-    or max_seqlen_k where the caller knows it) and the SM count. A window bounds the keys a query
+    or max_seqlen_k where the caller knows it), the SM count and how many CTAs an SM holds (head_dim;
+    gather: pages that are not a multiple of the key block). A window bounds the keys a query
     sees, whatever the cache holds. This is the whole split plan: a captured graph replays it."""
     q_tiles = -(-max(max_seqlen_q, 1) * (heads_q // heads_kv) // spec.config["tile_m"])
     if mask.local:
         keys = min(keys, mask.left + mask.right + max(max_seqlen_q, 1))
-    return num_splits_for(batch, heads_kv, q_tiles, keys, sm_count, spec.config["tile_n"])
+    return num_splits_for(batch, heads_kv, q_tiles, keys, sm_count, spec.config["tile_n"],
+                          ctas_per_sm(spec, head_dim, gather))
 
 
 def launch_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, capacity: int, appended: int,
@@ -234,7 +262,7 @@ def launch_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, capaci
     if num_splits <= 0:
         keys = capacity if max_seqlen_k < 0 else min(capacity, max_seqlen_k)
         num_splits = plan_splits(spec, batch, seqlen_q, heads_q, heads_kv, keys, mask,
-                                 _checks.sm_count(device.index))
+                                 _checks.sm_count(device.index), head_dim, gather)
     planes = 1 if packed else batch
     if num_splits > 1:
         o_partial = torch.empty(num_splits, planes, rows_q, heads_q, head_dim, dtype=torch.float32,
@@ -386,8 +414,9 @@ def get_scheduler_metadata(batch_size: int, max_seqlen_q: int, max_seqlen_k: int
     if num_splits <= 0:
         mask = masking.masking(bool(causal), tuple(window_size), 1.0 if has_softcap else 0.0, 1.0)
         sms = max(1, _checks.sm_count(device.index if device.index is not None else 0) - sm_margin)
+        gather = page_size is not None and page_size % spec.config["tile_n"] != 0
         num_splits = plan_splits(spec, batch_size, max_seqlen_q, num_heads_q, num_heads_kv, max_seqlen_k,
-                                 mask, sms)
+                                 mask, sms, headdim, gather)
     return torch.full((1,), num_splits, dtype=torch.int32, device=device)
 
 

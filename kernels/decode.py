@@ -61,7 +61,8 @@ from .common import mask, mma, paged, pipeline, scheduler, seqlen, smem, softmax
 class SplitKVAttention:
     def __init__(self, dtype, head_dim: int, causal: bool, paged: bool = False, tile_m: int = 64,
                  tile_n: int = 64, max_kv_stages: int = 8, local: bool = False, softcap: bool = False,
-                 gather: bool = False, varlen: bool = False, leftpad: bool = False, sinks: bool = False):
+                 gather: bool = False, varlen: bool = False, leftpad: bool = False, sinks: bool = False,
+                 gather_kv_stages: int = 3):
         self.dtype, self.head_dim, self.causal, self.paged = dtype, head_dim, causal, paged
         # a sliding window (mask.py), capped scores, attention sinks (softmax.finalize)
         self.local, self.softcap, self.sinks = local, softcap, sinks
@@ -76,6 +77,8 @@ class SplitKVAttention:
         q_bytes = tile_m * head_dim * 2
         kv_bytes = 2 * tile_n * head_dim * 2  # a K and a V tile per stage
         self.kv_stages = min(max_kv_stages, smem.stages_that_fit(kv_bytes, q_bytes + 1024))
+        if self.gather:  # a short ring, so that CTAs share an SM (fa3.kvcache.ctas_per_sm)
+            self.kv_stages = min(self.kv_stages, gather_kv_stages)
 
     # ---------------------------------------------------------------- host side
     @cute.jit

@@ -438,12 +438,33 @@ def test_split_plan_from_shapes():
     spec = fa3.registry.get("s1")
     mask = fa3.masking.masking(True, (-1, -1), 0.0, 1.0)
     # decode of one long sequence: split to fill the SMs; a wide batch: one split
-    assert kvcache.plan_splits(spec, 1, 1, 32, 8, 32768, mask, 132) == 16
-    assert kvcache.plan_splits(spec, 64, 1, 32, 8, 4096, mask, 132) == 1
+    assert kvcache.plan_splits(spec, 1, 1, 32, 8, 32768, mask, 132, 128, False) == 16
+    assert kvcache.plan_splits(spec, 64, 1, 32, 8, 4096, mask, 132, 128, False) == 1
     # query heads of a KV head share a tile (16 x 4 = one 64-row tile); more queries make more
     # Q tiles, so fewer splits
-    assert kvcache.plan_splits(spec, 1, 16, 32, 8, 32768, mask, 132) == 16
-    assert kvcache.plan_splits(spec, 1, 64, 32, 8, 32768, mask, 132) == 4
+    assert kvcache.plan_splits(spec, 1, 16, 32, 8, 32768, mask, 132, 128, False) == 16
+    assert kvcache.plan_splits(spec, 1, 64, 32, 8, 32768, mask, 132, 128, False) == 4
+    # row gathers (pages of 16): two d128 CTAs share an SM, so twice the CTAs fill it
+    assert kvcache.plan_splits(spec, 16, 1, 32, 8, 8192, mask, 132, 128, True) == 2
+    assert kvcache.plan_splits(spec, 1, 1, 32, 8, 32768, mask, 132, 128, True) == 33
+    assert kvcache.plan_splits(spec, 64, 1, 32, 8, 4096, mask, 132, 128, True) == 1
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
+def test_split_plan_knows_the_kernels_ring(head_dim):
+    """The host's plan (kvcache.kv_stages / ctas_per_sm) reads the ring depth the kernel compiles."""
+    pytest.importorskip("cutlass")
+    import cutlass
+
+    from fa3.kernels.decode import SplitKVAttention
+
+    spec = fa3.registry.get("s1")
+    for gather in (False, True):
+        kernel = SplitKVAttention(cutlass.BFloat16, head_dim, True, paged=True, gather=gather,
+                                  **spec.config_for(head_dim))
+        assert kernel.kv_stages == kvcache.kv_stages(spec, head_dim, gather), (head_dim, gather)
+    assert kvcache.ctas_per_sm(spec, head_dim, False) == 1
+    assert kvcache.ctas_per_sm(spec, head_dim, True) == {64: 3, 96: 2, 128: 2, 192: 1, 256: 1}[head_dim]
 
 
 def test_packed_cache_op_fake_shapes():
