@@ -14,6 +14,11 @@ and flash-attn 4's CuTe-DSL kernel (fa4: flash_attn.cute.flash_attn_func) when i
 
 --plot draws TFLOP/s against seqlen, one panel per (head dim, causal) (matplotlib, optional).
 
+--rounds N times every shape's runners N times in turn, the order reversed every other round, each
+keeping its median: a column timed right after a long one runs on a hotter GPU (at s8k a backward
+column read 10-12% slower than its twin, fa3 and flash-attn-4 alike), so ratios between columns
+want --rounds 2 or more.
+
 --backward times the backward instead (torch.autograd.grad of q, k, v from a forward run once,
 for every runner alike): TFLOP/s = 2.5 x the forward's FLOPs / t (five GEMMs against the forward's
 two), --kernels then names backward rungs (b1, ...), and --deterministic adds each rung with
@@ -215,7 +220,11 @@ def _short(exc: BaseException) -> str:
 
 
 def sweep(runners, head_dims, causals, seqlens, *, warmup, repeats, max_call_s,
-          flops_factor: float = 1.0) -> list[dict]:
+          flops_factor: float = 1.0, rounds: int = 1) -> list[dict]:
+    """Every runner at every shape. With rounds > 1 the runners of a shape are timed `rounds`
+    times, in turn, the order reversed every other round, and each keeps the median of its rounds:
+    a runner timed right after a long one runs on a hotter (lower-clocked) GPU, which in one run
+    made a backward column 10-12% slower than its twin at s8k."""
     guard = SizeGuard(max_call_s)
     rows = []
     for head_dim in head_dims:
@@ -226,29 +235,40 @@ def sweep(runners, head_dims, causals, seqlens, *, warmup, repeats, max_call_s,
                 label = (f"d{head_dim} {'causal' if causal else 'full  '} s{seqlen:<5} "
                          f"b{batch:<2} h{heads:<2}")
                 q, k, v = make_inputs(batch, seqlen, heads, head_dim)
-                results = {}
-                for r in runners:
-                    key = (r.name, head_dim, causal)
-                    reason = r.skip(batch, seqlen, heads, head_dim) or guard.skip_reason(key, flops)
-                    if reason is None:
-                        try:
-                            ms = run_one(r, q, k, v, causal, warmup=warmup, repeats=repeats,
-                                         max_call_s=max_call_s)
-                        except TooSlow as slow:
-                            guard.record(key, flops, slow.args[0])
-                            reason = f"one call took {slow.args[0] / 1e3:.1f} s > {max_call_s:g} s"
-                        except Exception as exc:  # a peer without a kernel for this shape, OOM, ...
-                            reason = _short(exc)
-                            torch.cuda.empty_cache()
-                        else:
-                            guard.record(key, flops, ms)
-                            results[r.name] = {"ms": ms, "tflops": tflops(flops, ms)}
-                            progress(f"{label}  {r.name:<10} {ms:10.3f} ms {tflops(flops, ms):7.1f} TFLOP/s")
+                results, times = {}, {}
+                for rnd in range(rounds):
+                    for r in (runners if rnd % 2 == 0 else runners[::-1]):
+                        if r.name in results:  # skipped in an earlier round
                             continue
-                    results[r.name] = {"skipped": reason}
-                    progress(f"{label}  {r.name:<10} skipped: {reason}")
+                        key = (r.name, head_dim, causal)
+                        reason = r.skip(batch, seqlen, heads, head_dim) or (
+                            guard.skip_reason(key, flops) if rnd == 0 else None)
+                        if reason is None:
+                            try:
+                                ms = run_one(r, q, k, v, causal, warmup=warmup, repeats=repeats,
+                                             max_call_s=max_call_s)
+                            except TooSlow as slow:
+                                guard.record(key, flops, slow.args[0])
+                                reason = f"one call took {slow.args[0] / 1e3:.1f} s > {max_call_s:g} s"
+                            except Exception as exc:  # a peer without a kernel for this shape, OOM, ...
+                                reason = _short(exc)
+                                torch.cuda.empty_cache()
+                            else:
+                                guard.record(key, flops, ms)
+                                times.setdefault(r.name, []).append(ms)
+                                progress(f"{label}  {r.name:<10} {ms:10.3f} ms {tflops(flops, ms):7.1f} TFLOP/s"
+                                         + (f"  (round {rnd + 1}/{rounds})" if rounds > 1 else ""))
+                                continue
+                        results[r.name] = {"skipped": reason}
+                        times.pop(r.name, None)
+                        progress(f"{label}  {r.name:<10} skipped: {reason}")
+                for r in runners:
+                    if r.name in times:
+                        ms = sorted(times[r.name])[(len(times[r.name]) - 1) // 2]  # (of two: the faster)
+                        results[r.name] = {"ms": ms, "tflops": tflops(flops, ms)}
                 rows.append(dict(head_dim=head_dim, causal=causal, seqlen=seqlen, batch=batch,
-                                 heads=heads, results=results))
+                                 heads=heads, results={r.name: results[r.name] for r in runners
+                                                       if r.name in results}))
                 del q, k, v
     return rows
 
@@ -305,6 +325,10 @@ def parse_args(argv=None):
                        registry.ATTENTION_FP8)) + ") on the inputs quantized to e4m3")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time each shape's runners this many times in turn (order reversed every other "
+                        "round) and keep each runner's median: columns compared within a run then do not "
+                        "depend on their order")
     p.add_argument("--max-call-s", type=float, default=MAX_CALL_S,
                    help="skip a size (and larger ones) when one call takes longer (default 5)")
     args = p.parse_args(argv)
@@ -359,7 +383,7 @@ def main(argv=None) -> int:
             runners += [fp8_runner(n) for n in registry.available_kernels(registry.ATTENTION_FP8)]
             notes.append(FP8_NOTE)
     rows = sweep(runners, args.head_dims, args.causals, args.seqlens, warmup=args.warmup,
-                 repeats=args.repeats, max_call_s=args.max_call_s,
+                 repeats=args.repeats, max_call_s=args.max_call_s, rounds=args.rounds,
                  flops_factor=2.5 if args.backward else 1.0)
     print()
     print(table(rows, runners))
