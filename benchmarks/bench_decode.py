@@ -229,8 +229,10 @@ def decode_rows(peers, gen):
                         got = got.transpose(1, 2)
                     err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
                     us = measure(fn) * 1e3
-                except Exception as exc:  # a peer that cannot run this case
-                    print(f"  {name} failed: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+                except Exception as exc:  # a peer that cannot run this case: the reason goes into the JSON too
+                    reason = f"{type(exc).__name__}: {str(exc)[:200]}"
+                    print(f"  {name} failed: {reason}", flush=True)
+                    records.append(dict(batch=batch, keys=keys, page_size=page_size, runner=name, error=reason))
                     continue
                 gbs = kv_bytes / (us * 1e-6) / 1e9
                 case = f"b{batch} x {keys // 1024}k " + ("dense" if page_size is None else f"page {page_size}")
