@@ -144,6 +144,14 @@ def check_sinks(sinks, heads_q: int, device) -> None:
                          "sinks.to(q.device)")
 
 
+def check_rung_sinks(spec, sinks, heads_q: int, device) -> None:
+    """A forward call's sinks (None: nothing to check): check_sinks, and a rung (`kernel`) that
+    compiles them."""
+    if sinks is not None:
+        check_sinks(sinks, heads_q, device)
+        _dispatch.check_sinks(spec, "kernel")
+
+
 def check_descale(t, name: str, batch: int, heads_kv: int, device) -> torch.Tensor:
     """An FP8 descale as the kernel takes it: float32 (batch, heads_kv) contiguous on `device`, from
     None (1), a 0-d or one-element tensor (broadcast), or a (batch, heads_kv) tensor (flash-attn's

@@ -16,6 +16,14 @@ def detached(*tensors):
     return tuple(t.detach() if t.requires_grad else t for t in tensors)
 
 
+def empty_output(q, v) -> torch.Tensor:
+    """An attention call's output: q's shape with v's head dim (its last dimension), contiguous.
+    (torch.empty parses a shape tuple ~1.5 us slower than empty_like, the common case.)"""
+    if v.shape[-1] == q.shape[-1]:
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+
 def tma_ready(t: torch.Tensor) -> torch.Tensor:
     """Kernels assume 16-byte aligned base and strides (TMA's rule). Views that already satisfy it,
     such as q/k/v sliced from one packed qkv tensor, pass through without a copy; others are

@@ -5,9 +5,10 @@
 Arguments mean what they mean in flash-attn 2 (positional order included) and the results come
 back as flash-attn returns them. What fa3 does not implement is refused with a message naming the
 argument, never ignored: dropout_p > 0, alibi_slopes, return_attn_probs (the probability matrix is
-never formed), attention sinks (s_aux), and the KV-cache options rotary_cos/sin, cache_batch_idx
-and cu_seqlens_k_new. flash-attn 3's serving keywords (seqused_k, block_table or
-page_table, out, num_splits, scheduler_metadata, cu_seqlens_q on the cache call) are taken.
+never formed), and the KV-cache options rotary_cos/sin, cache_batch_idx and cu_seqlens_k_new.
+flash-attn 3's serving keywords (seqused_k, block_table or page_table, out, num_splits,
+scheduler_metadata, cu_seqlens_q on the cache call) are taken, and attention sinks under the
+names callers use (learnable_sink, s_aux, sinks).
 Everything else is validated by the fa3 function each one calls.
 """
 

@@ -59,16 +59,17 @@ def _capacity_source(block_table, page_size: int) -> str:
 
 
 def check_cache_lengths(lengths, capacity: int, appended: int, block_table, page_size: int,
-                        indexed: bool = True) -> None:
+                        indexed: bool = True, lengths_name: str = "cache_seqlens") -> None:
     """Host lengths (a list: cache_seqlens per batch entry, or [the int] when `indexed` is False):
     each in [0, capacity], and within it after the append of `appended` new tokens.
-    `page_size` is k_cache.shape[1] (the dense capacity when block_table is None)."""
+    `page_size` is k_cache.shape[1] (the dense capacity when block_table is None); the messages
+    name the lengths `lengths_name` (attention_varlen's are seqused_k)."""
     if min(lengths, default=0) >= 0 and max(lengths, default=0) + appended <= capacity:
         return
     for b, n in enumerate(lengths):
         if 0 <= n and n + appended <= capacity:
             continue
-        name = f"cache_seqlens[{b}]" if indexed else "cache_seqlens"
+        name = f"{lengths_name}[{b}]" if indexed else lengths_name
         source = _capacity_source(block_table, page_size)
         bound = f"the cache's capacity of {capacity} tokens per sequence ({source})"
         if n < 0:
@@ -79,7 +80,7 @@ def check_cache_lengths(lengths, capacity: int, appended: int, block_table, page
             raise ValueError(f"{name} = {n} exceeds {bound}: it must be in [0, {capacity}]; pass each "
                              "sequence's length, or allocate a larger cache")
         raise ValueError(f"{name} = {n} plus the {appended} new tokens of k/v is {n + appended}, past "
-                         f"{bound}: keep cache_seqlens + new_tokens <= {capacity}, or allocate a larger "
+                         f"{bound}: keep {lengths_name} + new_tokens <= {capacity}, or allocate a larger "
                          "cache (more pages per sequence)")
 
 
@@ -95,7 +96,8 @@ def _first_bad_page(lengths, table, appended: int, page_size: int, num_pages: in
     return b, j, int(table[b, j])
 
 
-def check_block_table(lengths, table, appended: int, page_size: int, num_pages: int) -> None:
+def check_block_table(lengths, table, appended: int, page_size: int, num_pages: int,
+                      lengths_name: str = "cache_seqlens") -> None:
     """Host values (lengths: a list; table: a CPU tensor or nested lists): the entries each
     sequence uses, the first ceil((cache_seqlens[b] + new_tokens) / page_size) of its row, are
     pages of k_cache; entries past them are not read (serving engines leave them stale or -1)."""
@@ -104,7 +106,7 @@ def check_block_table(lengths, table, appended: int, page_size: int, num_pages: 
         b, j, page = bad
         raise ValueError(f"block_table[{b}, {j}] = {page} is not a page of k_cache, which has "
                          f"num_pages = k_cache.shape[0] = {num_pages}; the entries sequence {b} uses (the "
-                         f"first ceil((cache_seqlens[{b}] + new_tokens) / page_size)) must be in "
+                         f"first ceil(({lengths_name}[{b}] + new_tokens) / page_size)) must be in "
                          f"[0, {num_pages}): fix the table, or allocate the pages it names")
 
 
@@ -209,31 +211,20 @@ def start_cache_check(cache_seqlens: torch.Tensor, block_table, capacity: int, a
 
 
 def _check_cache_values(lengths, table, block_table, capacity: int, appended: int, page_size: int,
-                        num_pages: int) -> None:
+                        num_pages: int, lengths_name: str = "cache_seqlens") -> None:
     """The host copies of the cache lengths and (paged; else None) the table: the lengths as
     check_cache_lengths; the whole table's min and max decide in one step, and only a table with
     an entry outside [0, num_pages) is searched for a bad entry the sequences use."""
     lengths = lengths.tolist()
-    check_cache_lengths(lengths, capacity, appended, block_table, page_size)
+    check_cache_lengths(lengths, capacity, appended, block_table, page_size, lengths_name=lengths_name)
     if table is not None:
         low, high = torch.aminmax(table)
         if not (0 <= int(low) and int(high) < num_pages):
-            check_block_table(lengths, table, appended, page_size, num_pages)
+            check_block_table(lengths, table, appended, page_size, num_pages, lengths_name)
 
 
 # ----------------------------------------------------------------------------- packed queries over a KV cache
 _NO_KEYS = torch.zeros(1, dtype=torch.int32)  # offsets [0]: a packed call over a cache has no cu_seqlens_k
-
-
-def _renamed(check, lengths_name: str):
-    """Run `check`, its messages naming the cache lengths `lengths_name` (attention_varlen's
-    seqused_k) instead of cache_seqlens."""
-    try:
-        check()
-    except ValueError as exc:
-        if lengths_name == "cache_seqlens":
-            raise
-        raise ValueError(str(exc).replace("cache_seqlens", lengths_name)) from None
 
 
 def start_packed_cache_check(cu_seqlens_q: torch.Tensor, total_q: int, max_seqlen_q: int,
@@ -251,8 +242,8 @@ def start_packed_cache_check(cu_seqlens_q: torch.Tensor, total_q: int, max_seqle
 
     def check(host):
         check_offset_values(host[0], _NO_KEYS, total_q, 0, max_seqlen_q, None)
-        _renamed(lambda: _check_cache_values(host[1], host[2] if paged else None, block_table, capacity,
-                                             0, page_size, num_pages), lengths_name)
+        _check_cache_values(host[1], host[2] if paged else None, block_table, capacity, 0, page_size,
+                            num_pages, lengths_name)
     return _start_check(tensors, bounds, check)
 
 

@@ -89,9 +89,7 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             backward_spec = _dispatch.memo_rung(_dispatch.backward_rung, backward_kernel, q.shape[3])
             _dispatch.check_variants(backward_spec, mask, "backward_kernel")
-    if sinks is not None:
-        _checks.check_sinks(sinks, q.shape[2], q.device)
-        _dispatch.check_sinks(spec, "kernel")
+    _checks.check_rung_sinks(spec, sinks, q.shape[2], q.device)
     if v.shape[3] != q.shape[3] and torch.is_grad_enabled() and (
             q.requires_grad or k.requires_grad or v.requires_grad or getattr(sinks, "requires_grad", False)):
         _dispatch.check_value_head_dim(spec, q.shape[3], v.shape[3], "kernel", backward=True)
@@ -112,9 +110,8 @@ def launch_attention(spec, q, k, v, causal: bool, scale: float, out=None, window
     batch, seqlen_q, heads_q, head_dim = q.shape
     head_dim_v = v.shape[3]
     device = q.device
-    if out is None:  # (torch.empty parses a shape tuple ~1.5 us slower than this or separate ints)
-        out = torch.empty_like(q, memory_format=torch.contiguous_format) if head_dim_v == head_dim \
-            else q.new_empty((batch, seqlen_q, heads_q, head_dim_v))
+    if out is None:
+        out = _launch.empty_output(q, v)
     lse = torch.empty(batch, heads_q, seqlen_q, dtype=torch.float32, device=device)
     seqlen_k = k.shape[1]
     if out.numel() == 0 or seqlen_k == 0:  # nothing to compute, or no keys: O = 0, LSE = -inf

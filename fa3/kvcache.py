@@ -126,7 +126,7 @@ def _seqlens_tensor(cache_seqlens, batch, device, capacity, appended, block_tabl
                          "the cache")
     if isinstance(cache_seqlens, int):  # a host value: checked in every call
         index_checks.check_cache_lengths([cache_seqlens], capacity, appended, block_table, page_size,
-                                         indexed=False)
+                                         indexed=False, lengths_name=name)
         return torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
     if not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.dtype != torch.int32 \
             or cache_seqlens.shape != (batch,):
@@ -155,14 +155,25 @@ SM_SMEM_BYTES = 233472  # shared memory of one sm_90 SM (228 KB); each resident 
 CTA_SMEM_BYTES = 232448  # the most one CTA may use (227 KB; kernels/common/smem.py's SMEM_CAPACITY)
 
 
-def kv_stages(spec, head_dim: int, gather: bool) -> int:
-    """The K+V ring depth s1 compiles (kernels/decode.py; a CPU test holds the two equal): as deep
-    as SMEM allows beside a Q tile and 1 KB of barriers, up to max_kv_stages; a gather keeps
-    gather_kv_stages."""
+def reads_by_gather(spec, page_size: int) -> bool:
+    """Pages that do not hold whole key blocks (tile_n rows) are read by cp.async row gathers, the
+    others by TMA, one box per block."""
+    return page_size % spec.config["tile_n"] != 0
+
+
+def _smem_plan(spec, head_dim: int, gather: bool) -> tuple[int, int, int]:
+    """(Q tile bytes, K+V bytes per stage, stages) of s1's SMEM (kernels/decode.py; a CPU test
+    holds the stages equal to the kernel's): the ring as deep as SMEM allows beside the Q tile and
+    1 KB of barriers, up to max_kv_stages; a gather keeps gather_kv_stages."""
     cfg = spec.config_for(head_dim)
     q_bytes, kv_bytes = cfg["tile_m"] * head_dim * 2, 2 * cfg["tile_n"] * head_dim * 2
     stages = min(cfg["max_kv_stages"], (CTA_SMEM_BYTES - q_bytes - 1024) // kv_bytes)
-    return min(stages, cfg["gather_kv_stages"]) if gather else stages
+    return q_bytes, kv_bytes, min(stages, cfg["gather_kv_stages"]) if gather else stages
+
+
+def kv_stages(spec, head_dim: int, gather: bool) -> int:
+    """The K+V ring depth s1 compiles."""
+    return _smem_plan(spec, head_dim, gather)[2]
 
 
 def ctas_per_sm(spec, head_dim: int, gather: bool) -> int:
@@ -171,9 +182,8 @@ def ctas_per_sm(spec, head_dim: int, gather: bool) -> int:
     warpgroup, overlap another's math."""
     if not gather:
         return 1
-    cfg = spec.config_for(head_dim)
-    q_bytes, kv_bytes = cfg["tile_m"] * head_dim * 2, 2 * cfg["tile_n"] * head_dim * 2
-    return max(1, SM_SMEM_BYTES // (q_bytes + 1024 + kv_stages(spec, head_dim, True) * kv_bytes + 1024))
+    q_bytes, kv_bytes, stages = _smem_plan(spec, head_dim, True)
+    return max(1, SM_SMEM_BYTES // (q_bytes + 1024 + stages * kv_bytes + 1024))
 
 
 def append_to_cache(k_cache, v_cache, k, v, cache_seqlens, block_table, capacity: int):
@@ -257,7 +267,7 @@ def launch_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, capaci
         return out.zero_(), lse.fill_(float("-inf"))
     heads_kv = k_cache.shape[2]
     paged = block_table is not None
-    gather = paged and k_cache.shape[1] % spec.config["tile_n"] != 0
+    gather = paged and reads_by_gather(spec, k_cache.shape[1])
     mask = masking.masking(causal, window, softcap, scale)
     if num_splits <= 0:
         keys = capacity if max_seqlen_k < 0 else min(capacity, max_seqlen_k)
@@ -293,9 +303,8 @@ def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, sof
         max_seqlen_q, lengths_name, cache_leftpad)
     if out is not None:
         _checks.check_output(out, "out", q)
+    _checks.check_rung_sinks(spec, sinks, q.shape[-2], q.device)
     if sinks is not None:
-        _checks.check_sinks(sinks, q.shape[-2], q.device)
-        _dispatch.check_sinks(spec, "kernel")
         sinks = sinks.detach()  # inference: no gradient flows through a cache call
     window = tuple(window_size)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
@@ -414,7 +423,7 @@ def get_scheduler_metadata(batch_size: int, max_seqlen_q: int, max_seqlen_k: int
     if num_splits <= 0:
         mask = masking.masking(bool(causal), tuple(window_size), 1.0 if has_softcap else 0.0, 1.0)
         sms = max(1, _checks.sm_count(device.index if device.index is not None else 0) - sm_margin)
-        gather = page_size is not None and page_size % spec.config["tile_n"] != 0
+        gather = page_size is not None and reads_by_gather(spec, page_size)
         num_splits = plan_splits(spec, batch_size, max_seqlen_q, num_heads_q, num_heads_kv, max_seqlen_k,
                                  mask, sms, headdim, gather)
     return torch.full((1,), num_splits, dtype=torch.int32, device=device)

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks, _dispatch, backward, fp8, interface, kvcache, masking, matmul, varlen
+from . import _checks, _dispatch, _launch, backward, fp8, interface, kvcache, masking, matmul, varlen
 
 _ATTENTION_SCHEMA = ("(Tensor q, Tensor k, Tensor v, bool causal, float softmax_scale, str kernel, "
                      "bool deterministic=False, str? backward_kernel=None, int window_left=-1, "
@@ -60,14 +60,8 @@ def attention(q, k, v, causal, softmax_scale, kernel, deterministic=False, backw
     spec = interface.check_attention(q, k, v, kernel)
     window = (window_left, window_right)
     _dispatch.check_variants(spec, masking.masking(causal, window, softcap, softmax_scale), "kernel")
-    _check_sinks(spec, sinks, q.shape[-2], q.device)
+    _checks.check_rung_sinks(spec, sinks, q.shape[-2], q.device)
     return interface.launch_attention(spec, q, k, v, causal, softmax_scale, None, window, softcap, sinks)
-
-
-def _check_sinks(spec, sinks, heads_q, device):
-    if sinks is not None:
-        _checks.check_sinks(sinks, heads_q, device)
-        _dispatch.check_sinks(spec, "kernel")
 
 
 def _sinks_grad_like(sinks, q):
@@ -79,14 +73,7 @@ def _sinks_grad_like(sinks, q):
 def _attention_fake(q, k, v, causal, softmax_scale, kernel, deterministic=False, backward_kernel=None,
                     window_left=-1, window_right=-1, softcap=0.0, sinks=None):
     batch, seqlen_q, heads_q, _ = q.shape
-    return _out_fake(q, v), q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
-
-
-def _out_fake(q, v):
-    """The output: q's shape with v's head dim, contiguous."""
-    if v.shape[-1] == q.shape[-1]:
-        return torch.empty_like(q, memory_format=torch.contiguous_format)
-    return q.new_empty((*q.shape[:-1], v.shape[-1]))
+    return _launch.empty_output(q, v), q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
 
 
 @torch.library.custom_op("fa3::attention_backward", mutates_args=(), schema=_BACKWARD_SCHEMA)
@@ -172,7 +159,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale,
                      window_right, softcap, kernel, deterministic=False, backward_kernel=None, sinks=None):
     """(out (total_q, heads_q, d), lse (heads_q, total_q)) of a packed variable-length batch."""
     spec = varlen.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, None, None, kernel)
-    _check_sinks(spec, sinks, q.shape[1], q.device)
+    _checks.check_rung_sinks(spec, sinks, q.shape[1], q.device)
     return varlen.launch_varlen(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale,
                                 (window_left, window_right), softcap, sinks=sinks)
 
@@ -182,7 +169,7 @@ def _attention_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_
                            window_right, softcap, kernel, deterministic=False, backward_kernel=None,
                            sinks=None):
     total_q, heads_q, _ = q.shape
-    return _out_fake(q, v), q.new_empty((heads_q, total_q), dtype=torch.float32)
+    return _launch.empty_output(q, v), q.new_empty((heads_q, total_q), dtype=torch.float32)
 
 
 @torch.library.custom_op("fa3::attention_varlen_backward", mutates_args=(), schema=_VARLEN_BACKWARD_SCHEMA)
@@ -245,7 +232,7 @@ def attention_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, appended,
     spec, seqlens, capacity, _, max_q = kvcache.check_kvcache(
         q, k_cache, v_cache, None, None, cache_seqlens, block_table, kernel, window, softcap, cu_seqlens_q,
         max_seqlen_q if packed else None, cache_leftpad=cache_leftpad)
-    _check_sinks(spec, sinks, q.shape[-2], q.device)
+    _checks.check_rung_sinks(spec, sinks, q.shape[-2], q.device)
     return kvcache.launch_kvcache(spec, q, k_cache, v_cache, seqlens, block_table, capacity, appended,
                                   causal, softmax_scale, num_splits, window, softcap, cu_seqlens_q, max_q,
                                   max_seqlen_k, None, cache_leftpad, sinks)

@@ -28,9 +28,7 @@ def packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     scale = 1.0 / math.sqrt(q.shape[2]) if softmax_scale is None else float(softmax_scale)
     window = tuple(window_size)
     masking.check_window(window, softcap)
-    if sinks is not None:
-        _checks.check_sinks(sinks, q.shape[1], q.device)
-        _dispatch.check_sinks(spec, "kernel")
+    _checks.check_rung_sinks(spec, sinks, q.shape[1], q.device)
     if _dispatch.direct_call_ok(q, k, v) and (sinks is None or _dispatch.direct_call_ok(sinks)):
         return launch_varlen(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, bool(causal), scale, window, softcap,
                              out, sinks)
@@ -99,8 +97,7 @@ def launch_varlen(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale
     total_q, heads_q, head_dim = q.shape
     head_dim_v = v.shape[2]
     if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format) if head_dim_v == head_dim \
-            else q.new_empty((total_q, heads_q, head_dim_v))
+        out = _launch.empty_output(q, v)
     lse = torch.empty(heads_q, total_q, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
