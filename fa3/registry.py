@@ -216,6 +216,17 @@ KERNELS: dict[str, KernelSpec] = {
             speed_rank=3, variants=VARIANTS,
         ),
         KernelSpec(
+            "b4", BACKWARD, "bwd_split_dq", "SplitDqBackward",
+            "+ the dQ share handed to the writer per warpgroup (each half its own TMA reduce-add "
+            "and barriers) through two buffers returned a tile late",
+            config={"tile_m": 64, "tile_n": 128, "q_stages": 2},
+            head_dims=(128,),  # b3's
+            ptx_promises=("wgmma.mma_async", "setmaxnreg", "cp.reduce.async.bulk.tensor", "stmatrix",
+                          "shfl.sync.idx"),
+            ptx_forbids=("red.global", "red.relaxed"),
+            speed_rank=4, variants=VARIANTS,
+        ),
+        KernelSpec(
             "s1", KVCACHE, "decode", "SplitKVAttention",
             "KV-cache attention (dense or paged): query heads of a KV head packed into one 64-row "
             "tile, the key range split across CTAs, FP32 partials merged by a combine kernel",

@@ -158,6 +158,6 @@ class SwappedBackward(WarpSpecializedBackward):
         mma.gemm(ctx.dq, acc_dq, ctx.tdQrdS[None, None, None, stage], ctx.tdQrKt[None, None, None, 0],
                  zero_init=True, wait=-1)
         mma.gemm(ctx.dkv, ctx.acc_dk, mma.as_a_operand(ds), ctx.tdKrQt[None, None, None, stage], wait=1)
-        self.hand_off_dq(ctx, s, acc_dq)  # dV and dQ are done, dK may run
+        self.hand_off_dq(ctx, s, acc_dq, stage)  # dV and dQ are done, dK may run
         warpgroup.wait_group(0)
         return pipeline.release(q_pipe, q_state)

@@ -54,6 +54,10 @@ class WarpSpecializedBackward(AttentionBackward):
         return smem.tile_layout(Float32, self.tile_m, self.head_dim, 1,
                                 share=mma.n_share(self.tile_m, self.head_dim, self.mma_warpgroups))
 
+    def dq_box(self):
+        """The box of one TMA reduce-add into the dQ accumulator: the whole (tile_m, d) share."""
+        return self.tile_m, self.head_dim
+
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                  mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor,
@@ -63,8 +67,7 @@ class WarpSpecializedBackward(AttentionBackward):
         """Arguments as B1's."""
         sQ_layout, sKV_layout, sPdS_layout = self.smem_layouts()
         loads = self.make_loads(mQ, mdO, mK, mV, sQ_layout, sKV_layout)
-        tma_dq, tdQ = tma.make_reduce_add(tma.seq_major(mdQacc), self.sdq_layout(),
-                                          (self.tile_m, self.head_dim))
+        tma_dq, tdQ = tma.make_reduce_add(tma.seq_major(mdQacc), self.sdq_layout(), self.dq_box())
         storage_cls = self.shared_storage(sQ_layout, sKV_layout, sPdS_layout)
         self.kernel(*loads, tma_dq, tdQ, mLSE2, mD, mdK, mdV, mLock, scale_log2, softmax_scale,
                     window_left, window_right, softcap_scale, mCuSeqlensQ, mCuSeqlensK, sQ_layout,
@@ -199,9 +202,9 @@ class WarpSpecializedBackward(AttentionBackward):
         return lse2, dsum
 
     @cute.jit
-    def hand_off_dq(self, ctx, s, acc_dq: cute.Tensor):
+    def hand_off_dq(self, ctx, s, acc_dq: cute.Tensor, buffer: Int32 = 0):
         """Wait for the writer to free the SMEM dQ tile, fill it (pairs of adjacent columns in
-        one vector store), tell the writer."""
+        one vector store), tell the writer. (`buffer`: B2 and B3 have one.)"""
         handoff = self.consumer_threads + 32
         cute.arch.barrier(barrier_id=DQ_EMPTY, number_of_threads=handoff)
         cute.autovec_copy(acc_dq, ctx.thr_dq.partition_C(s.sdQ[None, None, 0]))

@@ -1,0 +1,104 @@
+"""B4: B3 with the dQ share handed to the writer per warpgroup, through two buffers.
+
+In B3 the two consumer warpgroups fill one FP32 (tile_m, d) dQ tile together and meet the writer
+warp at two named barriers of 256 + 32 threads: each warpgroup waits for the slower one, and both
+wait until the copy engine has read the previous tile's buffer (the TMA reduce-add must be
+accepted by L2 before the buffer is free). The dQ MMA already splits d between the warpgroups
+(each owns d / 2 columns), so each half can travel on its own:
+
+    consumer warpgroup w, Q tile i (buffer b = i % 2):
+        wait EMPTY[w, b]; store its (tile_m, d / 2) share; fence; arrive FULL[w, b]
+    writer warp, Q tile i:
+        for w: wait FULL[w, b]; TMA reduce-add of half w (box (tile_m, d / 2)); commit
+        then hand back tile i - 1's buffers (EMPTY[w, b ^ 1]) once the copy engine has read them
+
+A warpgroup meets only the writer (128 + 32 threads), never the other warpgroup, at the hand-off;
+and the writer returns a buffer one tile late, so a slow reduce-add delays nobody unless it takes
+a whole Q tile. Deterministic: the writer keeps B2's order (the counter of the Q tile, both halves
+landed before it is bumped) and returns the buffers at once.
+
+SMEM (bf16, d = 128): B3's 192 KB with 32 KB of dQ, plus the second dQ buffer: 224 KB. Each half
+is its own (tile_m, d / 2) FP32 tile with a 128-byte swizzle: the four halves are stages of one
+layout, stage = 2 b + w. Constraints: B3's (head_dim 128, two Q stages: the buffer follows the Q
+stage index, as the dS buffers do).
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from .bwd_swap import SwappedBackward
+from .common import accum, mma, seqlen, smem, tma
+
+DQ_BUFFERS = 2
+FIRST_DQ_BARRIER = 2  # EMPTY[w, b] = 2 + 2 (2 b + w), FULL = the next id (1 is the consumers')
+
+
+class SplitDqBackward(SwappedBackward):
+    # ---------------------------------------------------------------- host side
+    def sdq_layout(self):
+        """(tile_m, d / 2, halves x buffers) FP32: stage 2 b + w is warpgroup w's half of buffer b."""
+        wgs = self.mma_warpgroups
+        return smem.tile_layout(Float32, self.tile_m, self.head_dim // wgs, wgs * DQ_BUFFERS)
+
+    def dq_box(self):
+        return self.tile_m, self.head_dim // self.mma_warpgroups
+
+    # ---------------------------------------------------------------- device side
+    @staticmethod
+    def dq_barriers(slot: Int32):
+        """(EMPTY, FULL) named-barrier ids of dQ slot 2 b + w."""
+        return FIRST_DQ_BARRIER + 2 * slot, FIRST_DQ_BARRIER + 2 * slot + 1
+
+    @cute.jit
+    def write_dq(self, tma_dq, mdQacc, sdQ, mLock, n_block: Int32, head: Int32, batch: Int32,
+                 m_first: Int32, m_end: Int32, seq, window, lane: Int32):
+        """dQ writer warp: per Q tile, one TMA reduce-add per warpgroup half, as each half arrives."""
+        wgs = self.mma_warpgroups
+        gdQ = cute.local_tile(seqlen.rows(mdQacc, head, batch, seq.offset_q, self.varlen),
+                              self.dq_box(), (None, None))
+        tdQsdQ, tdQgdQ = tma.partition(tma_dq, gdQ, sdQ)
+        handoff = 128 + 32
+        for slot in cutlass.range_constexpr(wgs * DQ_BUFFERS):  # every buffer starts free
+            cute.arch.barrier_arrive(barrier_id=self.dq_barriers(slot)[0], number_of_threads=handoff)
+        for i in cutlass.range(m_end - m_first, unroll=1):
+            m_block = self.m_block_at(i, n_block, m_first, m_end)
+            buffer = i % DQ_BUFFERS
+            if cutlass.const_expr(self.deterministic):
+                counter = self.dq_counter(mLock, seq, m_block, head, batch)
+                turn = self.dq_turn(m_block, n_block, seq.seqlen_q, seq.seqlen_k, window)
+                accum.ordered_begin(counter, turn, lane, cute.arch.sync_warp)
+            for w in cutlass.range_constexpr(wgs):
+                slot = wgs * buffer + w
+                cute.arch.barrier(barrier_id=self.dq_barriers(slot)[1], number_of_threads=handoff)
+                cute.copy(tma_dq, tdQsdQ[None, slot], tdQgdQ[None, m_block, w])
+                cute.arch.cp_async_bulk_commit_group()
+            if cutlass.const_expr(self.deterministic):
+                cute.arch.cp_async_bulk_wait_group(0, read=False)  # the sums have landed
+                accum.ordered_end(counter, lane, cute.arch.sync_warp)
+                self.free_dq_buffer(buffer, handoff)
+            else:
+                if i > 0:  # the previous tile's halves have been read: its buffer is free
+                    cute.arch.cp_async_bulk_wait_group(wgs, read=True)
+                    self.free_dq_buffer((i - 1) % DQ_BUFFERS, handoff)
+        cute.arch.cp_async_bulk_wait_group(0, read=False)
+
+    @cute.jit
+    def free_dq_buffer(self, buffer: Int32, handoff: cutlass.Constexpr):
+        for w in cutlass.range_constexpr(self.mma_warpgroups):
+            slot = self.mma_warpgroups * buffer + w
+            cute.arch.barrier_arrive(barrier_id=self.dq_barriers(slot)[0], number_of_threads=handoff)
+
+    @cute.jit
+    def hand_off_dq(self, ctx, s, acc_dq: cute.Tensor, buffer: Int32 = 0):
+        """This warpgroup's half of dQ_i into its slot of `buffer` (the Q stage's index), met by
+        the writer alone."""
+        warpgroup_idx = cute.arch.make_warp_uniform(ctx.tidx // 128)
+        empty, full = self.dq_barriers(self.mma_warpgroups * buffer + warpgroup_idx)
+        half = mma.tiled_mma(self.dtype, self.tile_m, self.head_dim // self.mma_warpgroups,
+                             a_major="MN", b_major="MN", warpgroups=1)  # one warpgroup's dQ MMA
+        cute.arch.barrier(barrier_id=empty, number_of_threads=128 + 32)
+        sdQ = s.sdQ[None, None, self.mma_warpgroups * buffer + warpgroup_idx]
+        cute.autovec_copy(acc_dq, half.get_slice(ctx.tidx % 128).partition_C(sdQ))
+        cute.arch.fence_view_async_shared()  # generic-proxy writes, read by the bulk copy
+        cute.arch.barrier_arrive(barrier_id=full, number_of_threads=128 + 32)
