@@ -169,6 +169,7 @@ class AttentionBackward:
 
         ctx = self.mma_setup(s, tidx)
         ctx.window, ctx.softcap_scale, ctx.seq = window, softcap_scale, seq
+        ctx.lse_rows, ctx.d_rows = self.stat_rows(mLSE2, head, batch, seq), self.stat_rows(mD, head, batch, seq)
         pipeline.consume_wait(kv_pipe, pipeline.consumer_state(1))
         q_consumer = pipeline.consumer_state(self.q_stages)
         for m_block in cutlass.range(m_first, m_end, unroll=1):
@@ -198,8 +199,28 @@ class AttentionBackward:
             if blocks == 0:
                 seqlen_q, seqlen_k = Int32(0), Int32(0)
             seq.seqlen_q, seq.seqlen_k = seqlen_q, seqlen_k
-            return n_block, head, batch, seq
-        return block, head, batch, seqlen.fixed(mQ.shape[0], mK.shape[0])  # (seqlen, d, heads, batch)
+            return self.kv_order(n_block, blocks), head, batch, seq
+        kv_tiles = (mK.shape[0] + self.tile_n - 1) // self.tile_n  # (seqlen, d, heads, batch)
+        return self.kv_order(block, kv_tiles), head, batch, seqlen.fixed(mQ.shape[0], mK.shape[0])
+
+    @property
+    def kv_reversed(self) -> bool:
+        """Deterministic causal or windowed: each Q tile's K/V tiles add in descending order."""
+        return self.deterministic and (self.causal or self.local)
+
+    @cute.jit
+    def kv_order(self, block: Int32, kv_tiles: Int32) -> Int32:
+        """The K/V tile of the entry's block-th CTA: block itself, or, reversed (`kv_reversed`), the
+        last tile first. Deterministic adds to Q tile m go in the order of its K/V tiles' CTAs.
+        Under a causal mask the highest of them (the diagonal's) starts its walk at m, and a lower
+        one reaches m later in its walk (it starts further up): adding from the top down, no CTA
+        waits on another in steady state, and the ones waited on are launched first. Ascending,
+        K/V tile n could add to its first Q tile only after n - 1 had walked down to it, a
+        wavefront across the head."""
+        n_block = block
+        if cutlass.const_expr(self.kv_reversed):
+            n_block = cutlass.max(kv_tiles - 1 - block, 0)  # 0 for a varlen CTA past the last tile
+        return n_block
 
     def make_pipelines(self, storage, sQ_layout, sKV_layout, consumer_warps):
         """(Q/dO ring, K/V single stage): each stage's Q and dO (K and V) land on one barrier."""
@@ -293,10 +314,16 @@ class AttentionBackward:
             end = cutlass.max(first, end)
         return first, end
 
+    def stat_rows(self, mX: cute.Tensor, head: Int32, batch: Int32, seq) -> cute.Tensor:
+        """One head's rows of a per-row statistic (LSE * log2 e or D), from the entry's first row:
+        sliced once before the walk, so a Q tile's loads cost one address add each."""
+        if cutlass.const_expr(self.varlen):
+            return cute.domain_offset((seq.offset_q,), mX[0, head, None])
+        return mX[batch, head, None]
+
     @cute.jit
-    def row_stats(self, ctx, mX: cute.Tensor, m_block: Int32, head: Int32, batch: Int32,
-                  past_end: cutlass.Constexpr):
-        """This thread's rows of a per-row statistic (LSE * log2 e or D) of Q tile m_block, into
+    def row_stats(self, ctx, rows: cute.Tensor, m_block: Int32, past_end: cutlass.Constexpr):
+        """This thread's rows of a per-row statistic (`stat_rows`) of Q tile m_block, into
         registers: loaded before the GEMMs are issued, the loads' latency hides under them.
         Varlen: the packed rows carry no padding, so rows past the entry read `past_end` instead
         (+inf for LSE: P = 0 there)."""
@@ -306,9 +333,9 @@ class AttentionBackward:
             if cutlass.const_expr(self.varlen):
                 vals[r] = Float32(past_end)
                 if row < ctx.seq.seqlen_q:
-                    vals[r] = mX[0, head, ctx.seq.offset_q + row]
+                    vals[r] = rows[row]
             else:
-                vals[r] = mX[batch, head, row]
+                vals[r] = rows[row]
         return vals
 
     @cute.jit
@@ -371,8 +398,8 @@ class AttentionBackward:
     def add_dq(self, ctx, acc_dq, mdQacc: cute.Tensor, mLock: cute.Tensor, m_block: Int32,
                n_block: Int32, head: Int32, batch: Int32, barrier_fn):
         """dQacc[m_block] += acc_dq (FP32 atomics). Deterministic: K/V tiles add in the order of
-        n_block; the Q tiles a K/V tile n sees are those with n < n_block_max(m), so tile m's
-        contributors are n = 0, 1, ... and the counter for tile m reads n when n's turn comes."""
+        n_block (descending when `kv_reversed`); the counter of tile m reads a K/V tile's
+        `dq_turn` when that tile's turn comes."""
         gdQ = cute.local_tile(seqlen.rows(tma.seq_major(mdQacc), head, batch, ctx.seq.offset_q, self.varlen),
                               (self.tile_m, self.head_dim), (m_block, 0))
         if cutlass.const_expr(self.deterministic):
@@ -393,18 +420,24 @@ class AttentionBackward:
     @cute.jit
     def dq_turn(self, m_block: Int32, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32, window) -> Int32:
         """Deterministic dQ: this K/V tile's place among Q tile m_block's contributors, which are
-        n_block_min(m) .. n_block_max(m) - 1 (a window's first is not 0)."""
-        first = Int32(0)
-        if cutlass.const_expr(window is not None):
-            first = mask.n_block_min(m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, window=window)
-        return n_block - first
+        n_block_min(m) .. n_block_max(m) - 1 (a window's first is not 0), counted from the last
+        when `kv_reversed`."""
+        turn = n_block
+        if cutlass.const_expr(self.kv_reversed):
+            last = mask.n_block_max(m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.causal,
+                                    window=window) - 1
+            turn = last - n_block
+        elif cutlass.const_expr(window is not None):
+            turn = n_block - mask.n_block_min(m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k,
+                                              window=window)
+        return turn
 
     @cute.jit
     def compute_step(self, ctx, s, stage, m_block: Int32, n_block: Int32, head: Int32, batch: Int32,
                      mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor, mLock: cute.Tensor,
                      scale_log2: Float32):
         """One Q tile against this CTA's K/V tile: the five GEMMs, each waited for."""
-        lse2, dsum = self.stats(ctx, mLSE2, mD, m_block, head, batch)
+        lse2, dsum = self.stats(ctx, m_block)
         acc_s, acc_dp = self.scores_and_dp(ctx, stage, 0)
         self.probabilities(ctx, acc_s, lse2, m_block, n_block, ctx.seq.seqlen_q, ctx.seq.seqlen_k, scale_log2)
         self.score_grads(acc_s, acc_dp, dsum, lse2, scale_log2)
@@ -427,10 +460,11 @@ class AttentionBackward:
         return ctx.s_coords[r, 0][0]
 
     @cute.jit
-    def stats(self, ctx, mLSE2: cute.Tensor, mD: cute.Tensor, m_block: Int32, head: Int32, batch: Int32):
-        """(LSE * log2 e, D) for this thread's rows of Q tile m_block."""
-        return (self.row_stats(ctx, mLSE2, m_block, head, batch, float("inf")),
-                self.row_stats(ctx, mD, m_block, head, batch, 0.0))
+    def stats(self, ctx, m_block: Int32):
+        """(LSE * log2 e, D) for this thread's rows of Q tile m_block (ctx.lse_rows, ctx.d_rows:
+        `stat_rows`)."""
+        return (self.row_stats(ctx, ctx.lse_rows, m_block, float("inf")),
+                self.row_stats(ctx, ctx.d_rows, m_block, 0.0))
 
     @cute.jit
     def store_dkv(self, ctx, mdK: cute.Tensor, mdV: cute.Tensor, n_block: Int32, head: Int32,

@@ -52,7 +52,7 @@ class SplitDqBackward(SwappedBackward):
 
     @cute.jit
     def write_dq(self, tma_dq, mdQacc, sdQ, mLock, n_block: Int32, head: Int32, batch: Int32,
-                 m_first: Int32, m_end: Int32, seq, window, lane: Int32):
+                 start: Int32, m_first: Int32, m_end: Int32, seq, window, lane: Int32):
         """dQ writer warp: per Q tile, one TMA reduce-add per warpgroup half, as each half arrives."""
         wgs = self.mma_warpgroups
         gdQ = cute.local_tile(seqlen.rows(mdQacc, head, batch, seq.offset_q, self.varlen),
@@ -62,7 +62,7 @@ class SplitDqBackward(SwappedBackward):
         for slot in cutlass.range_constexpr(wgs * DQ_BUFFERS):  # every buffer starts free
             cute.arch.barrier_arrive(barrier_id=self.dq_barriers(slot)[0], number_of_threads=handoff)
         for i in cutlass.range(m_end - m_first, unroll=1):
-            m_block = self.m_block_at(i, n_block, m_first, m_end)
+            m_block = self.m_block_at(i, start, m_first, m_end)
             buffer = i % DQ_BUFFERS
             if cutlass.const_expr(self.deterministic):
                 counter = self.dq_counter(mLock, seq, m_block, head, batch)

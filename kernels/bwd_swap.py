@@ -136,12 +136,11 @@ class SwappedBackward(WarpSpecializedBackward):
                 dp_mn[r, c] = self.score_grad(p_mn[r, c], dp_mn[r, c], d, lse, inv_scale)
 
     @cute.jit
-    def consume_step(self, ctx, s, q_pipe, q_state, m_block: Int32, n_block: Int32, head: Int32,
-                     batch: Int32, mLSE2: cute.Tensor, mD: cute.Tensor, scale_log2: Float32):
+    def consume_step(self, ctx, s, q_pipe, q_state, m_block: Int32, n_block: Int32, scale_log2: Float32):
         """One Q tile: S^T and dP^T in flight together; dV issued from P^T's registers under dP^T;
         dK from dS^T's registers; dS^T to SMEM, one barrier, dQ; dQ handed off under dK."""
         consumers = self.consumer_threads
-        lse2, dsum = self.step_stats(ctx, s, q_pipe, q_state, mLSE2, mD, m_block, head, batch)
+        lse2, dsum = self.step_stats(ctx, q_pipe, q_state, m_block)
         stage = q_state.index
         acc_s, acc_dp = self.scores_and_dp(ctx, stage, 1)  # S^T has landed, dP^T may still run
         self.probabilities(ctx, acc_s, lse2, m_block, n_block, ctx.seq.seqlen_q, ctx.seq.seqlen_k, scale_log2)

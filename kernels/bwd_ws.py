@@ -16,7 +16,7 @@ back; it starts with one credit) and DQ_FULL (the consumers filled it). Determin
 waits for this Q tile's counter to reach n_block before its reduce-add, waits for the reduction to
 complete, then bumps the counter (common/accum.py).
 
-Not deterministic, each CTA starts its walk over the Q tiles at a different tile (`m_block_at`).
+Not deterministic, each CTA starts its walk over the Q tiles at a different tile (`walk_start`).
 
 Packed batches (varlen) and constraints: as B1. SMEM (bf16): d=128: Q/dO 2 x 32 KB, K/V 64 KB, P/dS 32 KB, dQ 32 KB = 192 KB;
 d=256 takes one Q/dO stage (64 KB), K/V 64 KB, P/dS 16 KB, dQ 64 KB = 208 KB.
@@ -97,52 +97,64 @@ class WarpSpecializedBackward(AttentionBackward):
         s.sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
         window = (window_left, window_right) if cutlass.const_expr(self.local) else None
         m_first, m_end = self.q_tile_range(n_block, seq.seqlen_q, seq.seqlen_k, window)
+        start = self.walk_start(n_block, m_first, m_end)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp_idx == 0:
                 q_copies, kv_copies = self.tma_copies(tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV,
                                                       s, head, batch, seq)
-                self.load(q_pipe, kv_pipe, q_copies, kv_copies, n_block, m_first, m_end)
+                self.load(q_pipe, kv_pipe, q_copies, kv_copies, n_block, start, m_first, m_end)
             if warp_idx == 1:
-                self.write_dq(tma_dq, mdQacc, s.sdQ, mLock, n_block, head, batch, m_first, m_end,
+                self.write_dq(tma_dq, mdQacc, s.sdQ, mLock, n_block, head, batch, start, m_first, m_end,
                               seq, window, tidx % 32)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             ctidx = tidx - 128
             ctx = self.mma_setup(s, ctidx)
             ctx.window, ctx.softcap_scale, ctx.seq = window, softcap_scale, seq
+            ctx.lse_rows, ctx.d_rows = self.stat_rows(mLSE2, head, batch, seq), self.stat_rows(mD, head, batch, seq)
             pipeline.consume_wait(kv_pipe, pipeline.consumer_state(1))
             q_consumer = pipeline.consumer_state(self.q_stages)
             for i in cutlass.range(m_end - m_first, unroll=1):
                 q_consumer = self.consume_step(ctx, s, q_pipe, q_consumer,
-                                               self.m_block_at(i, n_block, m_first, m_end), n_block,
-                                               head, batch, mLSE2, mD, scale_log2)
+                                               self.m_block_at(i, start, m_first, m_end), n_block,
+                                               scale_log2)
             self.store_dkv(ctx, mdK, mdV, n_block, head, batch, softmax_scale, mLSE2.shape[1])
 
     @cute.jit
-    def m_block_at(self, i: Int32, n_block: Int32, m_first: Int32, m_end: Int32) -> Int32:
-        """The i-th Q tile this CTA visits. Not deterministic: each K/V tile starts its walk at a
+    def walk_start(self, n_block: Int32, m_first: Int32, m_end: Int32) -> Int32:
+        """The first Q tile this CTA visits. Not deterministic: each K/V tile starts its walk at a
         different Q tile (rotated by n_block), so the CTAs of one head do not all reduce into the
         same dQ tile at once. Deterministic: in order (the counters hand each tile from n to n+1)."""
-        m_block = m_first + i
+        start = m_first
         if cutlass.const_expr(not self.deterministic):
-            count = m_end - m_first
-            m_block = m_first + (i + n_block) % count
+            start = m_first + n_block % cutlass.max(m_end - m_first, 1)
+        return start
+
+    @cute.jit
+    def m_block_at(self, i: Int32, start: Int32, m_first: Int32, m_end: Int32) -> Int32:
+        """The i-th Q tile of the walk from `start`, wrapping past the last to m_first (a compare
+        per tile: the walk's division is done once, in walk_start)."""
+        m_block = start + i
+        if cutlass.const_expr(not self.deterministic):
+            if m_block >= m_end:
+                m_block -= m_end - m_first
         return m_block
 
     @cute.jit
-    def load(self, q_pipe, kv_pipe, q_copies, kv_copies, n_block: Int32, m_first: Int32, m_end: Int32):
+    def load(self, q_pipe, kv_pipe, q_copies, kv_copies, n_block: Int32, start: Int32, m_first: Int32,
+             m_end: Int32):
         """Loader warp: K/V once, then Q_i and dO_i for every Q tile, as stages free up."""
         pipeline.produce(kv_pipe, pipeline.producer_state(1), n_block, kv_copies)
         q_state = pipeline.producer_state(self.q_stages)
         for i in cutlass.range(m_end - m_first, unroll=1):
-            q_state = pipeline.produce(q_pipe, q_state, self.m_block_at(i, n_block, m_first, m_end), q_copies)
+            q_state = pipeline.produce(q_pipe, q_state, self.m_block_at(i, start, m_first, m_end), q_copies)
         pipeline.tail(q_pipe, q_state)
 
     @cute.jit
     def write_dq(self, tma_dq, mdQacc, sdQ, mLock, n_block: Int32, head: Int32, batch: Int32,
-                 m_first: Int32, m_end: Int32, seq, window, lane: Int32):
+                 start: Int32, m_first: Int32, m_end: Int32, seq, window, lane: Int32):
         """dQ writer warp: per Q tile, one TMA reduce-add of the consumers' FP32 share."""
         gdQ = cute.local_tile(seqlen.rows(mdQacc, head, batch, seq.offset_q, self.varlen),
                               (self.tile_m, self.head_dim), (None, 0))
@@ -150,7 +162,7 @@ class WarpSpecializedBackward(AttentionBackward):
         handoff = self.consumer_threads + 32
         cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=handoff)  # the first credit
         for i in cutlass.range(m_end - m_first, unroll=1):
-            m_block = self.m_block_at(i, n_block, m_first, m_end)
+            m_block = self.m_block_at(i, start, m_first, m_end)
             cute.arch.barrier(barrier_id=DQ_FULL, number_of_threads=handoff)
             if cutlass.const_expr(self.deterministic):
                 counter = self.dq_counter(mLock, seq, m_block, head, batch)
@@ -167,11 +179,10 @@ class WarpSpecializedBackward(AttentionBackward):
         cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     @cute.jit
-    def consume_step(self, ctx, s, q_pipe, q_state, m_block: Int32, n_block: Int32, head: Int32,
-                     batch: Int32, mLSE2: cute.Tensor, mD: cute.Tensor, scale_log2: Float32):
+    def consume_step(self, ctx, s, q_pipe, q_state, m_block: Int32, n_block: Int32, scale_log2: Float32):
         """One Q tile: S and dP in flight together, P under dP; dQ handed off under dV and dK."""
         consumers = self.consumer_threads
-        lse2, dsum = self.step_stats(ctx, s, q_pipe, q_state, mLSE2, mD, m_block, head, batch)
+        lse2, dsum = self.step_stats(ctx, q_pipe, q_state, m_block)
         stage = q_state.index
         acc_s, acc_dp = self.scores_and_dp(ctx, stage, 1)  # S has landed, dP may still run
         self.probabilities(ctx, acc_s, lse2, m_block, n_block, ctx.seq.seqlen_q, ctx.seq.seqlen_k, scale_log2)
@@ -193,11 +204,10 @@ class WarpSpecializedBackward(AttentionBackward):
         return pipeline.release(q_pipe, q_state)
 
     @cute.jit
-    def step_stats(self, ctx, s, q_pipe, q_state, mLSE2: cute.Tensor, mD: cute.Tensor, m_block: Int32,
-                   head: Int32, batch: Int32):
+    def step_stats(self, ctx, q_pipe, q_state, m_block: Int32):
         """This thread's (LSE * log2 e, D) of Q tile m_block, loaded from global memory before
         waiting for the tile's stage (their latency hides under the wait and the first GEMM)."""
-        lse2, dsum = self.stats(ctx, mLSE2, mD, m_block, head, batch)
+        lse2, dsum = self.stats(ctx, m_block)
         pipeline.consume_wait(q_pipe, q_state)
         return lse2, dsum
 
