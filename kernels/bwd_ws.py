@@ -13,8 +13,8 @@ Roles (block = 384 threads):
         scalar FP32 atomics of B1 per Q tile become one bulk reduction the consumers do not wait for.
 Named barriers (consumer threads + the writer warp): DQ_EMPTY (the writer gives the SMEM buffer
 back; it starts with one credit) and DQ_FULL (the consumers filled it). Deterministic: the writer
-waits for this Q tile's counter to reach n_block before its reduce-add, waits for the reduction to
-complete, then bumps the counter (common/accum.py).
+waits for this Q tile's counter to reach this K/V tile's turn (`dq_turn`) before its reduce-add,
+waits for the reduction to complete, then bumps the counter (common/accum.py).
 
 Not deterministic, each CTA starts its walk over the Q tiles at a different tile (`walk_start`).
 
