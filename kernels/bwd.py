@@ -167,9 +167,7 @@ class AttentionBackward:
             for _ in cutlass.range(cutlass.min(self.q_stages, m_end - m_first), unroll=1):
                 q_producer = pipeline.produce(q_pipe, q_producer, m_first + q_producer.count, q_copies)
 
-        ctx = self.mma_setup(s, tidx)
-        ctx.window, ctx.softcap_scale, ctx.seq = window, softcap_scale, seq
-        ctx.lse_rows, ctx.d_rows = self.stat_rows(mLSE2, head, batch, seq), self.stat_rows(mD, head, batch, seq)
+        ctx = self.consumer_setup(s, tidx, seq, window, softcap_scale, mLSE2, mD, head, batch)
         pipeline.consume_wait(kv_pipe, pipeline.consumer_state(1))
         q_consumer = pipeline.consumer_state(self.q_stages)
         for m_block in cutlass.range(m_first, m_end, unroll=1):
@@ -253,6 +251,14 @@ class AttentionBackward:
                  copy(tma_do, mdO, head, seq.offset_q, tile_q, s.sdO)],
                 [copy(tma_k, mK, head_kv, seq.offset_k, tile_kv, s.sK),
                  copy(tma_v, mV, head_kv, seq.offset_k, tile_kv, s.sV)])
+
+    def consumer_setup(self, s, tidx, seq, window, softcap_scale, mLSE2, mD, head, batch):
+        """`mma_setup`'s context plus what the walk reads: the entry's lengths and offsets (seq),
+        the window edges, the softcap scale, and this head's LSE * log2 e and D rows."""
+        ctx = self.mma_setup(s, tidx)
+        ctx.window, ctx.softcap_scale, ctx.seq = window, softcap_scale, seq
+        ctx.lse_rows, ctx.d_rows = self.stat_rows(mLSE2, head, batch, seq), self.stat_rows(mD, head, batch, seq)
+        return ctx
 
     def mma_setup(self, s, tidx):
         """The three tiled MMAs, every operand fragment (SMEM descriptors, transposed views where
@@ -403,9 +409,8 @@ class AttentionBackward:
         gdQ = cute.local_tile(seqlen.rows(tma.seq_major(mdQacc), head, batch, ctx.seq.offset_q, self.varlen),
                               (self.tile_m, self.head_dim), (m_block, 0))
         if cutlass.const_expr(self.deterministic):
-            counter = self.dq_counter(mLock, ctx.seq, m_block, head, batch)
-            turn = self.dq_turn(m_block, n_block, ctx.seq.seqlen_q, ctx.seq.seqlen_k, ctx.window)
-            accum.ordered_begin(counter, turn, ctx.tidx, barrier_fn)
+            counter = self.wait_dq_turn(mLock, ctx.seq, m_block, n_block, head, batch, ctx.window,
+                                        ctx.tidx, barrier_fn)
         accum.add_fragment(acc_dq, ctx.thr_dq.partition_C(gdQ))
         if cutlass.const_expr(self.deterministic):
             accum.ordered_end(counter, ctx.tidx, barrier_fn)
@@ -416,6 +421,16 @@ class AttentionBackward:
         if cutlass.const_expr(self.varlen):
             return accum.elem_ptr(mLock, (0, head, seq.offset_q // self.tile_m + batch + m_block))
         return accum.elem_ptr(mLock, (batch, head, m_block))
+
+    @cute.jit
+    def wait_dq_turn(self, mLock: cute.Tensor, seq, m_block: Int32, n_block: Int32, head: Int32,
+                     batch: Int32, window, thread: Int32, barrier_fn):
+        """Deterministic dQ: wait until Q tile m_block's counter reaches this K/V tile's turn;
+        returns the counter, for accum.ordered_end once the adds are visible."""
+        counter = self.dq_counter(mLock, seq, m_block, head, batch)
+        turn = self.dq_turn(m_block, n_block, seq.seqlen_q, seq.seqlen_k, window)
+        accum.ordered_begin(counter, turn, thread, barrier_fn)
+        return counter
 
     @cute.jit
     def dq_turn(self, m_block: Int32, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32, window) -> Int32:

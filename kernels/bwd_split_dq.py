@@ -65,9 +65,8 @@ class SplitDqBackward(SwappedBackward):
             m_block = self.m_block_at(i, start, m_first, m_end)
             buffer = i % DQ_BUFFERS
             if cutlass.const_expr(self.deterministic):
-                counter = self.dq_counter(mLock, seq, m_block, head, batch)
-                turn = self.dq_turn(m_block, n_block, seq.seqlen_q, seq.seqlen_k, window)
-                accum.ordered_begin(counter, turn, lane, cute.arch.sync_warp)
+                counter = self.wait_dq_turn(mLock, seq, m_block, n_block, head, batch, window, lane,
+                                            cute.arch.sync_warp)
             for w in cutlass.range_constexpr(wgs):
                 slot = wgs * buffer + w
                 cute.arch.barrier(barrier_id=self.dq_barriers(slot)[1], number_of_threads=handoff)

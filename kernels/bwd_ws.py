@@ -111,9 +111,7 @@ class WarpSpecializedBackward(AttentionBackward):
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             ctidx = tidx - 128
-            ctx = self.mma_setup(s, ctidx)
-            ctx.window, ctx.softcap_scale, ctx.seq = window, softcap_scale, seq
-            ctx.lse_rows, ctx.d_rows = self.stat_rows(mLSE2, head, batch, seq), self.stat_rows(mD, head, batch, seq)
+            ctx = self.consumer_setup(s, ctidx, seq, window, softcap_scale, mLSE2, mD, head, batch)
             pipeline.consume_wait(kv_pipe, pipeline.consumer_state(1))
             q_consumer = pipeline.consumer_state(self.q_stages)
             for i in cutlass.range(m_end - m_first, unroll=1):
@@ -165,9 +163,8 @@ class WarpSpecializedBackward(AttentionBackward):
             m_block = self.m_block_at(i, start, m_first, m_end)
             cute.arch.barrier(barrier_id=DQ_FULL, number_of_threads=handoff)
             if cutlass.const_expr(self.deterministic):
-                counter = self.dq_counter(mLock, seq, m_block, head, batch)
-                turn = self.dq_turn(m_block, n_block, seq.seqlen_q, seq.seqlen_k, window)
-                accum.ordered_begin(counter, turn, lane, cute.arch.sync_warp)
+                counter = self.wait_dq_turn(mLock, seq, m_block, n_block, head, batch, window, lane,
+                                            cute.arch.sync_warp)
             cute.copy(tma_dq, tdQsdQ[None, 0], tdQgdQ[None, m_block])
             cute.arch.cp_async_bulk_commit_group()
             if cutlass.const_expr(self.deterministic):
