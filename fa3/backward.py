@@ -168,7 +168,7 @@ def _run(spec, dout, q, k, v, out, lse, dq, dk, dv, causal, scale, deterministic
         dv_h = torch.empty_like(dk_h)
     else:
         dk_h, dv_h = dk, dv
-    if deterministic:
+    if deterministic or spec.config_for(head_dim).get("ordered_dq", False):  # the dQ turn counters
         lock = torch.zeros(batch, heads_q, lock_tiles, dtype=torch.int32, device=device)
     else:
         lock = _NO_LOCK.get(device)

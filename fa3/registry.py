@@ -196,7 +196,9 @@ KERNELS: dict[str, KernelSpec] = {
             # d=192: 64-row K/V tiles as d256 (dK, dV: 96 registers a thread; a multiple of 64
             # rows: P and dS fill whole swizzle atoms), two Q/dO stages still fit; d=256: the
             # FP32 dQ buffer (64 KB) leaves room for one Q/dO stage. d=96 takes d128's tiles.
-            per_head_dim={64: {"tile_m": 128}, 192: {"tile_n": 64}, 256: {"tile_n": 64, "q_stages": 1}},
+            # d=256 also adds dQ in the deterministic order (ordered_dq): measured faster there.
+            per_head_dim={64: {"tile_m": 128}, 192: {"tile_n": 64},
+                          256: {"tile_n": 64, "q_stages": 1, "ordered_dq": True}},
             head_dims=HEAD_DIMS,
             ptx_promises=("wgmma.mma_async", "setmaxnreg", "cp.reduce.async.bulk.tensor", "stmatrix"),
             ptx_forbids=("red.global", "red.relaxed"),

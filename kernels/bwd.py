@@ -53,13 +53,16 @@ class AttentionBackward:
 
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 64, tile_n: int = 128,
                  q_stages: int = 2, deterministic: bool = False, local: bool = False,
-                 softcap: bool = False, varlen: bool = False):
+                 softcap: bool = False, varlen: bool = False, ordered_dq: bool = False):
         assert tile_m % 64 == 0 and tile_n % 64 == 0, "64-row WGMMA atoms; P and dS rows fill a 128-byte swizzle atom"
         self.dtype, self.head_dim, self.causal = dtype, head_dim, causal
         # static variants, as the forward's: the window's predicates (mask.py) and capped scores
         self.local, self.softcap, self.varlen = local, softcap, varlen
         self.tile_m, self.tile_n, self.q_stages = tile_m, tile_n, q_stages
         self.deterministic = deterministic
+        # dQ added in a fixed K/V order (counters): deterministic, or chosen for speed (`ordered_dq`
+        # in the registry: at d=256 the ordered walk ran 1.27x faster, see worklog/backward.md)
+        self.ordered_dq = deterministic or ordered_dq
         self.num_threads = 128 * self.mma_warpgroups
 
     # ---------------------------------------------------------------- host side
@@ -115,7 +118,7 @@ class AttentionBackward:
         mdQacc: (batch, same rows, heads_q, d) FP32, zeroed; mdK, mdV: (batch, seqlen_k, heads_q,
         d), one slice per query head, or under GQA FP32: zeroed (batch, seqlen_k, heads_kv, d) that
         the kernel adds into, or, deterministic, per-query-head slices summed afterwards; mLock: (batch, heads_q,
-        Q tiles) int32 zeros, read only when deterministic. The window edges and softcap_scale
+        Q tiles) int32 zeros, read only when dQ is ordered (`ordered_dq`). The window edges and softcap_scale
         are read only by the local and softcap variants (as the forward's), cu_seqlens_q/k only by
         the varlen one. Varlen: batch = 1 holding every entry; mLSE2, mD have total_q rows, mdQacc
         total_q + tile_m, mLock total_q // tile_m + entries + 1 counters per head."""
@@ -204,7 +207,7 @@ class AttentionBackward:
     @property
     def kv_reversed(self) -> bool:
         """Deterministic causal or windowed: each Q tile's K/V tiles add in descending order."""
-        return self.deterministic and (self.causal or self.local)
+        return self.ordered_dq and (self.causal or self.local)
 
     @cute.jit
     def kv_order(self, block: Int32, kv_tiles: Int32) -> Int32:
@@ -408,11 +411,11 @@ class AttentionBackward:
         `dq_turn` when that tile's turn comes."""
         gdQ = cute.local_tile(seqlen.rows(tma.seq_major(mdQacc), head, batch, ctx.seq.offset_q, self.varlen),
                               (self.tile_m, self.head_dim), (m_block, 0))
-        if cutlass.const_expr(self.deterministic):
+        if cutlass.const_expr(self.ordered_dq):
             counter = self.wait_dq_turn(mLock, ctx.seq, m_block, n_block, head, batch, ctx.window,
                                         ctx.tidx, barrier_fn)
         accum.add_fragment(acc_dq, ctx.thr_dq.partition_C(gdQ))
-        if cutlass.const_expr(self.deterministic):
+        if cutlass.const_expr(self.ordered_dq):
             accum.ordered_end(counter, ctx.tidx, barrier_fn)
 
     def dq_counter(self, mLock: cute.Tensor, seq, m_block: Int32, head: Int32, batch: Int32):

@@ -64,7 +64,7 @@ class SplitDqBackward(SwappedBackward):
         for i in cutlass.range(m_end - m_first, unroll=1):
             m_block = self.m_block_at(i, start, m_first, m_end)
             buffer = i % DQ_BUFFERS
-            if cutlass.const_expr(self.deterministic):
+            if cutlass.const_expr(self.ordered_dq):
                 counter = self.wait_dq_turn(mLock, seq, m_block, n_block, head, batch, window, lane,
                                             cute.arch.sync_warp)
             for w in cutlass.range_constexpr(wgs):
@@ -72,7 +72,7 @@ class SplitDqBackward(SwappedBackward):
                 cute.arch.barrier(barrier_id=self.dq_barriers(slot)[1], number_of_threads=handoff)
                 cute.copy(tma_dq, tdQsdQ[None, slot], tdQgdQ[None, m_block, w])
                 cute.arch.cp_async_bulk_commit_group()
-            if cutlass.const_expr(self.deterministic):
+            if cutlass.const_expr(self.ordered_dq):
                 cute.arch.cp_async_bulk_wait_group(0, read=False)  # the sums have landed
                 accum.ordered_end(counter, lane, cute.arch.sync_warp)
                 self.free_dq_buffer(buffer, handoff)

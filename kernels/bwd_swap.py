@@ -47,11 +47,11 @@ class SwappedBackward(WarpSpecializedBackward):
 
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 64, tile_n: int = 128,
                  q_stages: int = 2, deterministic: bool = False, local: bool = False,
-                 softcap: bool = False, varlen: bool = False):
+                 softcap: bool = False, varlen: bool = False, ordered_dq: bool = False):
         assert q_stages == 2, "the two dS buffers follow the Q stage index"
         assert tile_n == 128, "each of the two consumer warpgroups owns 64 keys"
         super().__init__(dtype, head_dim, causal, tile_m, tile_n, q_stages, deterministic, local,
-                         softcap, varlen)
+                         softcap, varlen, ordered_dq)
 
     # ---------------------------------------------------------------- host side
     def smem_layouts(self):

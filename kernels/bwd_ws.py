@@ -16,7 +16,8 @@ back; it starts with one credit) and DQ_FULL (the consumers filled it). Determin
 waits for this Q tile's counter to reach this K/V tile's turn (`dq_turn`) before its reduce-add,
 waits for the reduction to complete, then bumps the counter (common/accum.py).
 
-Not deterministic, each CTA starts its walk over the Q tiles at a different tile (`walk_start`).
+Unordered (neither deterministic nor `ordered_dq`), each CTA starts its walk over the Q tiles at a
+different tile (`walk_start`).
 
 Packed batches (varlen) and constraints: as B1. SMEM (bf16): d=128: Q/dO 2 x 32 KB, K/V 64 KB, P/dS 32 KB, dQ 32 KB = 192 KB;
 d=256 takes one Q/dO stage (64 KB), K/V 64 KB, P/dS 16 KB, dQ 64 KB = 208 KB.
@@ -38,9 +39,9 @@ DQ_EMPTY, DQ_FULL = 2, 3  # consumers + the dQ writer warp
 class WarpSpecializedBackward(AttentionBackward):
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 64, tile_n: int = 128,
                  q_stages: int = 2, deterministic: bool = False, local: bool = False,
-                 softcap: bool = False, varlen: bool = False):
+                 softcap: bool = False, varlen: bool = False, ordered_dq: bool = False):
         super().__init__(dtype, head_dim, causal, tile_m, tile_n, q_stages, deterministic, local,
-                         softcap, varlen)
+                         softcap, varlen, ordered_dq)
         self.consumer_threads = 128 * self.mma_warpgroups
         self.num_threads = 128 + self.consumer_threads
 
@@ -122,11 +123,11 @@ class WarpSpecializedBackward(AttentionBackward):
 
     @cute.jit
     def walk_start(self, n_block: Int32, m_first: Int32, m_end: Int32) -> Int32:
-        """The first Q tile this CTA visits. Not deterministic: each K/V tile starts its walk at a
+        """The first Q tile this CTA visits. Unordered: each K/V tile starts its walk at a
         different Q tile (rotated by n_block), so the CTAs of one head do not all reduce into the
-        same dQ tile at once. Deterministic: in order (the counters hand each tile from n to n+1)."""
+        same dQ tile at once. Ordered: in order (the counters hand each tile from n to n+1)."""
         start = m_first
-        if cutlass.const_expr(not self.deterministic):
+        if cutlass.const_expr(not self.ordered_dq):
             start = m_first + n_block % cutlass.max(m_end - m_first, 1)
         return start
 
@@ -135,7 +136,7 @@ class WarpSpecializedBackward(AttentionBackward):
         """The i-th Q tile of the walk from `start`, wrapping past the last to m_first (a compare
         per tile: the walk's division is done once, in walk_start)."""
         m_block = start + i
-        if cutlass.const_expr(not self.deterministic):
+        if cutlass.const_expr(not self.ordered_dq):
             if m_block >= m_end:
                 m_block -= m_end - m_first
         return m_block
@@ -162,12 +163,12 @@ class WarpSpecializedBackward(AttentionBackward):
         for i in cutlass.range(m_end - m_first, unroll=1):
             m_block = self.m_block_at(i, start, m_first, m_end)
             cute.arch.barrier(barrier_id=DQ_FULL, number_of_threads=handoff)
-            if cutlass.const_expr(self.deterministic):
+            if cutlass.const_expr(self.ordered_dq):
                 counter = self.wait_dq_turn(mLock, seq, m_block, n_block, head, batch, window, lane,
                                             cute.arch.sync_warp)
             cute.copy(tma_dq, tdQsdQ[None, 0], tdQgdQ[None, m_block])
             cute.arch.cp_async_bulk_commit_group()
-            if cutlass.const_expr(self.deterministic):
+            if cutlass.const_expr(self.ordered_dq):
                 cute.arch.cp_async_bulk_wait_group(0, read=False)  # the sums have landed
                 accum.ordered_end(counter, lane, cute.arch.sync_warp)
             else:
