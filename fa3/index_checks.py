@@ -161,37 +161,51 @@ def start_host_copy(tensors):
     return staging.copy(tensors), staging.copied.synchronize
 
 
-def _unchanged_signature(tensors, bounds):
-    """A key that matches a later call's only if it passes the same tensor objects, alive and not
-    modified in place since (torch's version counter), with the same bounds; None where that
-    cannot be told (inference tensors keep no version counter)."""
-    if any(t.is_inference() for t in tensors):
+def _unchanged_key(tensors, bounds):
+    """A key that matches a later call's only if it passes the same tensor objects, not modified
+    in place since (torch's version counter), with the same bounds; None where that cannot be told
+    (inference tensors keep no version counter). The caller also checks that the objects are alive
+    (an id can be reused)."""
+    try:
+        return tuple([(id(t), t._version) for t in tensors]) + bounds
+    except RuntimeError:  # an inference tensor
         return None
-    return tuple((id(t), t._version) for t in tensors) + bounds, [weakref.ref(t) for t in tensors]
 
 
-def _start_check(tensors, bounds, check):
+def _nothing():
+    pass
+
+
+def _start_check(tensors, bounds, check, checkable=None):
     """Copy `tensors` to the host and return `wait`, which waits for the copy and calls
     check(host views); a check that passes is remembered, and a later call of this thread with
-    the same tensors, unmodified (see _unchanged_signature), and the same `bounds` skips the copy
+    the same tensors, unmodified (see _unchanged_key), and the same `bounds` skips the copy
     and the check: a model's layers pass the same cache_seqlens and block_table, and only the
-    first of them needs them. The signature is taken here, when the copy is enqueued."""
-    signature = _unchanged_signature(tensors, bounds)
+    first of them needs them. The key is taken here, when the copy is enqueued.
+    `checkable` (the callers' values_checkable, asked only when the memo misses: it costs more
+    host time than the memo itself): False returns a `wait` that does nothing."""
+    key = _unchanged_key(tensors, bounds)
     last = getattr(_PER_THREAD, "checked", None)
-    if signature is not None and last is not None and last[0] == signature[0] \
-            and all(ref() is t for ref, t in zip(last[1], tensors)):
-        return lambda: None
+    if key is not None and last is not None and last[0] == key:
+        for ref, t in zip(last[1], tensors):
+            if ref() is not t:
+                break
+        else:
+            return _nothing
+    if checkable is not None and not checkable():
+        return _nothing
     host, copied = start_host_copy(tensors)
+    refs = [weakref.ref(t) for t in tensors] if key is not None else None
 
     def wait():
         copied()
         check(host)
-        _PER_THREAD.checked = signature
+        _PER_THREAD.checked = (key, refs) if key is not None else None
     return wait
 
 
 def start_cache_check(cache_seqlens: torch.Tensor, block_table, capacity: int, appended: int,
-                      page_size: int, num_pages: int):
+                      page_size: int, num_pages: int, checkable=None):
     """Start copying cache_seqlens (and block_table, paged) to the host and return `wait`, which
     waits for the copy (the one host sync) and raises ValueError for bad values.
 
@@ -202,12 +216,13 @@ def start_cache_check(cache_seqlens: torch.Tensor, block_table, capacity: int, a
     for a bad entry among those the sequences use (serving engines leave the rest stale or -1)."""
     batch = cache_seqlens.shape[0]
     if batch == 0:
-        return lambda: None
+        return _nothing
     paged = block_table is not None and block_table.shape[1] > 0
     tensors = [cache_seqlens] + ([block_table] if paged else [])
     return _start_check(tensors, (capacity, appended, page_size, num_pages),
                         lambda host: _check_cache_values(host[0], host[1] if paged else None, block_table,
-                                                         capacity, appended, page_size, num_pages))
+                                                         capacity, appended, page_size, num_pages),
+                        checkable)
 
 
 def _check_cache_values(lengths, table, block_table, capacity: int, appended: int, page_size: int,
@@ -229,13 +244,13 @@ _NO_KEYS = torch.zeros(1, dtype=torch.int32)  # offsets [0]: a packed call over 
 
 def start_packed_cache_check(cu_seqlens_q: torch.Tensor, total_q: int, max_seqlen_q: int,
                              seqused_k: torch.Tensor, block_table, capacity: int, page_size: int,
-                             num_pages: int, lengths_name: str = "cache_seqlens"):
+                             num_pages: int, lengths_name: str = "cache_seqlens", checkable=None):
     """start_cache_check for packed queries over a KV cache (nothing appended), plus the values of
     cu_seqlens_q (check_offset_values' rules: start at 0, never decrease, end at total_q, no entry
     longer than max_seqlen_q): one copy of the three tensors, remembered as start_cache_check's.
     The cache checks' messages name the lengths `lengths_name` (seqused_k in attention_varlen)."""
     if seqused_k.shape[0] == 0:
-        return lambda: None
+        return _nothing
     paged = block_table is not None and block_table.shape[1] > 0
     tensors = [cu_seqlens_q, seqused_k] + ([block_table] if paged else [])
     bounds = ("packed", total_q, max_seqlen_q, capacity, page_size, num_pages)
@@ -244,15 +259,15 @@ def start_packed_cache_check(cu_seqlens_q: torch.Tensor, total_q: int, max_seqle
         check_offset_values(host[0], _NO_KEYS, total_q, 0, max_seqlen_q, None)
         _check_cache_values(host[1], host[2] if paged else None, block_table, capacity, 0, page_size,
                             num_pages, lengths_name)
-    return _start_check(tensors, bounds, check)
+    return _start_check(tensors, bounds, check, checkable)
 
 
 def start_leftpad_check(cache_leftpad: torch.Tensor, cache_seqlens: torch.Tensor, capacity: int,
-                        appended: int, page_size: int):
+                        appended: int, page_size: int, checkable=None):
     """start_cache_check for a left-padded dense cache (flash-attn's cache_leftpad): the lengths,
     and each sequence's first position in [0, cache_seqlens[b]]; one copy of both tensors."""
     if cache_seqlens.shape[0] == 0:
-        return lambda: None
+        return _nothing
     tensors = [cache_seqlens, cache_leftpad]
     bounds = ("leftpad", capacity, appended, page_size)
 
@@ -264,4 +279,4 @@ def start_leftpad_check(cache_leftpad: torch.Tensor, cache_seqlens: torch.Tensor
                 raise ValueError(f"cache_leftpad[{b}] = {pad} is outside [0, cache_seqlens[{b}] = {n}]: it is "
                                  "the cache position where sequence b's keys start (the rows before it are "
                                  "padding); pass each sequence's first position")
-    return _start_check(tensors, bounds, check)
+    return _start_check(tensors, bounds, check, checkable)

@@ -309,20 +309,22 @@ def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, sof
     window = tuple(window_size)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     max_seqlen_k = -1 if max_seqlen_k is None else int(max_seqlen_k)
-    wait = None
-    if index_checks.values_checkable(q.device):
-        if cu_seqlens_q is not None:
-            wait = index_checks.start_packed_cache_check(cu_seqlens_q, q.shape[0], max_q, seqlens, block_table,
-                                                         capacity, k_cache.shape[1], k_cache.shape[0],
-                                                         lengths_name)
-        elif cache_leftpad is not None:
-            wait = index_checks.start_leftpad_check(cache_leftpad, seqlens, capacity, appended, k_cache.shape[1])
-        else:
-            wait = index_checks.start_cache_check(seqlens, block_table, capacity, appended, k_cache.shape[1],
-                                                  k_cache.shape[0])
-    if wait is not None and (k is not None or out is not None):  # refuse before anything is written
+    # eager: the index values are checked on the host, unless this thread checked these very
+    # tensors, unmodified, last (the memo is asked before values_checkable: it is cheaper)
+    checkable = lambda: index_checks.values_checkable(q.device)  # noqa: E731
+    if cu_seqlens_q is not None:
+        wait = index_checks.start_packed_cache_check(cu_seqlens_q, q.shape[0], max_q, seqlens, block_table,
+                                                     capacity, k_cache.shape[1], k_cache.shape[0],
+                                                     lengths_name, checkable)
+    elif cache_leftpad is not None:
+        wait = index_checks.start_leftpad_check(cache_leftpad, seqlens, capacity, appended, k_cache.shape[1],
+                                                checkable)
+    else:
+        wait = index_checks.start_cache_check(seqlens, block_table, capacity, appended, k_cache.shape[1],
+                                              k_cache.shape[0], checkable)
+    refuse_first = k is not None or out is not None  # refuse before anything is written
+    if refuse_first:
         wait()
-        wait = None
     if k is not None:
         append_to_cache(k_cache, v_cache, k, v, seqlens, block_table, capacity)
     if _dispatch.direct_call_ok(q, k_cache, v_cache) and (sinks is None or _dispatch.direct_call_ok(sinks)):
@@ -335,7 +337,7 @@ def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, sof
                                                       window[0], window[1], float(softcap), cu_seqlens_q,
                                                       max_q, max_seqlen_k, cache_leftpad, sinks)
         out = result if out is None else out.copy_(result)  # the op is functional
-    if wait is not None:  # after the launch (the kernel clamps): the GPU stays busy while the host waits
+    if not refuse_first:  # after the launch (the kernel clamps): the GPU stays busy while the host waits
         wait()
     return out, lse
 

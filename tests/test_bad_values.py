@@ -88,6 +88,26 @@ def test_unchanged_values_are_not_copied_again(monkeypatch):
     assert len(copies) == before + 2
 
 
+def test_remembered_check_asks_nothing_else():
+    """A call that passes the remembered tensors, unmodified, reuses the check without asking
+    whether values may be read now (that question costs an eager decode call more host time than
+    the memo); a miss asks, and a no (as under CUDA-graph capture) copies and checks nothing."""
+    seqlens, table = _lengths(64, 65), _table([0, 1, 2, 3], [4, 5, 6, 7])
+    asked = []
+    yes = lambda: asked.append(1) or True  # noqa: E731
+
+    def start(lengths, tbl, checkable):
+        return index_checks.start_cache_check(lengths, tbl, 4 * PAGE, 0, PAGE, PAGES, checkable)
+    start(seqlens, table, yes)()
+    start(seqlens, table, yes)()
+    assert len(asked) == 1
+    bad = _table([0, 1, 2, 3], [4, 100000, 6, 7])  # sequence 1 uses its first two pages
+    start(seqlens, bad, lambda: False)()  # not readable now: no copy, no error (the kernel clamps)
+    with pytest.raises(ValueError, match="block_table"):
+        start(seqlens, bad, yes)()
+    assert len(asked) == 2
+
+
 def test_bad_cache_seqlens():
     _bad(["cache_seqlens[0] = 100000", "capacity of 256", "k_cache.shape[1] = 256", "[0, 256]"],
          _lengths(100000, 3))
