@@ -2,6 +2,7 @@
 prefill (fa3.attention_varlen), beside cuDNN, SDPA flash and flash-attn-4.
 
     python benchmarks/bench_decode.py [--json FILE] [--only decode|varlen] [--peers ...]
+    python benchmarks/bench_decode.py --host     # the eager index checks' host cost (host_cost_rows)
 
 fa3 is timed both eager and replayed from a CUDA graph (what engines do; the difference is host
 overhead). The eager host checks of the index values copy cache_seqlens and block_table once and
@@ -27,6 +28,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import time
 
 import torch
 import torch.nn.functional as F
@@ -192,15 +195,20 @@ def main(argv=None) -> int:
     ap.add_argument("--peers", default="sdpa-cudnn,sdpa-flash,fa4")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--only", choices=("decode", "varlen"), help="one of the two tables")
+    ap.add_argument("--host", action="store_true",
+                    help="instead: the eager index checks' host cost (interleaved wall-clock rounds)")
     args = ap.parse_args(argv)
     peers = args.peers.split(",")
     gen = torch.Generator(device="cuda").manual_seed(0)
     records = []
+    if args.host:
+        records += host_cost_rows(gen)
+        args.only = "none"
     # decode first: right after the varlen section one run measured b16 x 8k dense 17% slower (212.9
     # vs 180-181 us for the same code timed alone, old and new, four times each)
-    if args.only != "varlen":
+    if args.only not in ("varlen", "none"):
         records += decode_rows(peers, gen)
-    if args.only != "decode":
+    if args.only not in ("decode", "none"):
         torch.cuda.empty_cache()
         print(f"varlen prefill: {VARLEN_PROMPTS} prompts of {VARLEN_MIN}-{VARLEN_MAX} tokens, causal", flush=True)
         vrows, vrecords = varlen_rows(peers, gen)
@@ -210,6 +218,43 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=1)
     return 0
+
+
+HOST_CALLS, HOST_ROUNDS = 500, 7
+
+
+def host_cost_rows(gen):
+    """What the eager index checks cost a call, where it shows: b1 x 32k is host-bound (the host
+    takes longer than the kernel), so wall time per call is host time. The per-call CUDA events of
+    the decode table move by 15-45 us there between runs; here each mode runs HOST_CALLS calls per
+    round, the modes take turns over HOST_ROUNDS rounds (rotating which goes first), and each
+    mode's median round counts."""
+    rows, records = [], []
+    for batch, keys in ((1, 32768), (16, 8192)):
+        for page_size in (None, 16, 64, 256):
+            q, k, v, seqlens, table = make_case(batch, keys, page_size, gen)
+            call = lambda: fa3.attention_with_kvcache(q, k, v, cache_seqlens=seqlens, block_table=table)
+            modes = {"checks": call, "no checks": without_index_checks(call), "graph": graphed(call)}
+            for fn in modes.values():
+                for _ in range(50):
+                    fn()
+            per_call = {m: [] for m in modes}
+            for r in range(HOST_ROUNDS):
+                for m in list(modes)[r % 3:] + list(modes)[:r % 3]:
+                    torch.cuda.synchronize()
+                    start = time.perf_counter()
+                    for _ in range(HOST_CALLS):
+                        modes[m]()
+                    torch.cuda.synchronize()
+                    per_call[m].append((time.perf_counter() - start) / HOST_CALLS * 1e6)
+            us = {m: statistics.median(t) for m, t in per_call.items()}
+            case = f"b{batch} x {keys // 1024}k " + ("dense" if page_size is None else f"page {page_size}")
+            row = [case] + [f"{us[m]:.1f}" for m in modes] + [f"{us['checks'] / us['no checks']:.3f}"]
+            print("  ".join(row), flush=True)
+            rows.append(row)
+            records.append(dict(batch=batch, keys=keys, page_size=page_size, host_us=us))
+    print(format_table(["case", "checks us", "no checks us", "graph us", "checks / no checks"], rows))
+    return records
 
 
 def decode_rows(peers, gen):
