@@ -1,0 +1,47 @@
+"""CPU tests of the benchmark folder's profile tools (benchmarks/sass_stalls.py)."""
+
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import sass_stalls  # noqa: E402
+
+EXPORT = '''"Kernel Name","bwd_a"
+"# Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed"
+"0x00","@!P0 STS.64 [R2], R4","120","4,096"
+"0x10","HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], R24","900","8192"
+"0x20","BAR.SYNC.DEFER_BLOCKING 0x1","2000","512"
+"0x30","STS.128 [R6], R8","80","1024"
+
+"Kernel Name","bwd_b"
+"# Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed"
+"0x10","LDS.64 R2, [R4]","50","1024"
+'''
+
+
+def test_opcode_drops_predicate_and_modifiers():
+    assert sass_stalls.opcode("@!P0 STS.64 [R2], R4") == "STS"
+    assert sass_stalls.opcode("HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], R24") == "HGMMA"
+    assert sass_stalls.opcode("  ") == ""
+
+
+def test_tables_split_per_kernel_and_sum_per_opcode(tmp_path, capsys):
+    path = tmp_path / "export.csv"
+    path.write_text(EXPORT)
+    assert sass_stalls.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    first, second = out.split("bwd_b")
+    assert "bwd_a: 4 instructions" in first and "1 instructions" in second
+    sts = next(line for line in first.splitlines() if line.startswith("STS"))
+    assert "200" in sts and "5120" in sts  # 120 + 80 samples, 4096 + 1024 instructions
+    bar = next(line for line in first.splitlines() if line.startswith("BAR"))
+    assert bar.endswith("64.5%")  # 2000 of 3100 samples
+
+
+def test_an_export_without_a_source_table_is_reported(tmp_path, capsys):
+    path = tmp_path / "raw.csv"
+    path.write_text('"ID","Metric Name","Metric Value"\n"0","duration","3.06"\n')
+    assert sass_stalls.main([str(path)]) == 1
+    assert "no table" in capsys.readouterr().out
