@@ -176,14 +176,15 @@ def _nothing():
     pass
 
 
-def _start_check(tensors, bounds, check, checkable=None):
+def _start_check(tensors, bounds, check, device=None):
     """Copy `tensors` to the host and return `wait`, which waits for the copy and calls
     check(host views); a check that passes is remembered, and a later call of this thread with
     the same tensors, unmodified (see _unchanged_key), and the same `bounds` skips the copy
     and the check: a model's layers pass the same cache_seqlens and block_table, and only the
     first of them needs them. The key is taken here, when the copy is enqueued.
-    `checkable` (the callers' values_checkable, asked only when the memo misses: it costs more
-    host time than the memo itself): False returns a `wait` that does nothing."""
+    `device`: the call's; where values_checkable(device) says no, `wait` does nothing. It is asked
+    only when the memo misses (it costs an eager decode call more host time than the memo). None
+    (the tests' CPU tensors): always checked."""
     key = _unchanged_key(tensors, bounds)
     last = getattr(_PER_THREAD, "checked", None)
     if key is not None and last is not None and last[0] == key:
@@ -192,7 +193,7 @@ def _start_check(tensors, bounds, check, checkable=None):
                 break
         else:
             return _nothing
-    if checkable is not None and not checkable():
+    if device is not None and not values_checkable(device):
         return _nothing
     host, copied = start_host_copy(tensors)
     refs = [weakref.ref(t) for t in tensors] if key is not None else None
@@ -205,7 +206,7 @@ def _start_check(tensors, bounds, check, checkable=None):
 
 
 def start_cache_check(cache_seqlens: torch.Tensor, block_table, capacity: int, appended: int,
-                      page_size: int, num_pages: int, checkable=None):
+                      page_size: int, num_pages: int, device=None):
     """Start copying cache_seqlens (and block_table, paged) to the host and return `wait`, which
     waits for the copy (the one host sync) and raises ValueError for bad values.
 
@@ -222,7 +223,7 @@ def start_cache_check(cache_seqlens: torch.Tensor, block_table, capacity: int, a
     return _start_check(tensors, (capacity, appended, page_size, num_pages),
                         lambda host: _check_cache_values(host[0], host[1] if paged else None, block_table,
                                                          capacity, appended, page_size, num_pages),
-                        checkable)
+                        device)
 
 
 def _check_cache_values(lengths, table, block_table, capacity: int, appended: int, page_size: int,
@@ -244,7 +245,7 @@ _NO_KEYS = torch.zeros(1, dtype=torch.int32)  # offsets [0]: a packed call over 
 
 def start_packed_cache_check(cu_seqlens_q: torch.Tensor, total_q: int, max_seqlen_q: int,
                              seqused_k: torch.Tensor, block_table, capacity: int, page_size: int,
-                             num_pages: int, lengths_name: str = "cache_seqlens", checkable=None):
+                             num_pages: int, lengths_name: str = "cache_seqlens", device=None):
     """start_cache_check for packed queries over a KV cache (nothing appended), plus the values of
     cu_seqlens_q (check_offset_values' rules: start at 0, never decrease, end at total_q, no entry
     longer than max_seqlen_q): one copy of the three tensors, remembered as start_cache_check's.
@@ -259,11 +260,11 @@ def start_packed_cache_check(cu_seqlens_q: torch.Tensor, total_q: int, max_seqle
         check_offset_values(host[0], _NO_KEYS, total_q, 0, max_seqlen_q, None)
         _check_cache_values(host[1], host[2] if paged else None, block_table, capacity, 0, page_size,
                             num_pages, lengths_name)
-    return _start_check(tensors, bounds, check, checkable)
+    return _start_check(tensors, bounds, check, device)
 
 
 def start_leftpad_check(cache_leftpad: torch.Tensor, cache_seqlens: torch.Tensor, capacity: int,
-                        appended: int, page_size: int, checkable=None):
+                        appended: int, page_size: int, device=None):
     """start_cache_check for a left-padded dense cache (flash-attn's cache_leftpad): the lengths,
     and each sequence's first position in [0, cache_seqlens[b]]; one copy of both tensors."""
     if cache_seqlens.shape[0] == 0:
@@ -279,4 +280,4 @@ def start_leftpad_check(cache_leftpad: torch.Tensor, cache_seqlens: torch.Tensor
                 raise ValueError(f"cache_leftpad[{b}] = {pad} is outside [0, cache_seqlens[{b}] = {n}]: it is "
                                  "the cache position where sequence b's keys start (the rows before it are "
                                  "padding); pass each sequence's first position")
-    return _start_check(tensors, bounds, check, checkable)
+    return _start_check(tensors, bounds, check, device)

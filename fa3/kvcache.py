@@ -309,19 +309,18 @@ def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, sof
     window = tuple(window_size)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     max_seqlen_k = -1 if max_seqlen_k is None else int(max_seqlen_k)
-    # eager: the index values are checked on the host, unless this thread checked these very
-    # tensors, unmodified, last (the memo is asked before values_checkable: it is cheaper)
-    checkable = lambda: index_checks.values_checkable(q.device)  # noqa: E731
+    # eager: the index values are checked on the host (where values_checkable(q.device)), unless
+    # this thread checked these very tensors, unmodified, last
     if cu_seqlens_q is not None:
         wait = index_checks.start_packed_cache_check(cu_seqlens_q, q.shape[0], max_q, seqlens, block_table,
                                                      capacity, k_cache.shape[1], k_cache.shape[0],
-                                                     lengths_name, checkable)
+                                                     lengths_name, q.device)
     elif cache_leftpad is not None:
         wait = index_checks.start_leftpad_check(cache_leftpad, seqlens, capacity, appended, k_cache.shape[1],
-                                                checkable)
+                                                q.device)
     else:
         wait = index_checks.start_cache_check(seqlens, block_table, capacity, appended, k_cache.shape[1],
-                                              k_cache.shape[0], checkable)
+                                              k_cache.shape[0], q.device)
     refuse_first = k is not None or out is not None  # refuse before anything is written
     if refuse_first:
         wait()

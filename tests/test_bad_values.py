@@ -88,24 +88,26 @@ def test_unchanged_values_are_not_copied_again(monkeypatch):
     assert len(copies) == before + 2
 
 
-def test_remembered_check_asks_nothing_else():
+def test_remembered_check_asks_nothing_else(monkeypatch):
     """A call that passes the remembered tensors, unmodified, reuses the check without asking
     whether values may be read now (that question costs an eager decode call more host time than
     the memo); a miss asks, and a no (as under CUDA-graph capture) copies and checks nothing."""
     seqlens, table = _lengths(64, 65), _table([0, 1, 2, 3], [4, 5, 6, 7])
-    asked = []
-    yes = lambda: asked.append(1) or True  # noqa: E731
+    asked, readable = [], [True]
+    monkeypatch.setattr(index_checks, "values_checkable", lambda device: asked.append(device) or readable[0])
 
-    def start(lengths, tbl, checkable):
-        return index_checks.start_cache_check(lengths, tbl, 4 * PAGE, 0, PAGE, PAGES, checkable)
-    start(seqlens, table, yes)()
-    start(seqlens, table, yes)()
+    def start(lengths, tbl):
+        return index_checks.start_cache_check(lengths, tbl, 4 * PAGE, 0, PAGE, PAGES, torch.device("cpu"))
+    start(seqlens, table)()
+    start(seqlens, table)()
     assert len(asked) == 1
     bad = _table([0, 1, 2, 3], [4, 100000, 6, 7])  # sequence 1 uses its first two pages
-    start(seqlens, bad, lambda: False)()  # not readable now: no copy, no error (the kernel clamps)
+    readable[0] = False
+    start(seqlens, bad)()  # not readable now: no copy, no error (the kernel clamps)
+    readable[0] = True
     with pytest.raises(ValueError, match="block_table"):
-        start(seqlens, bad, yes)()
-    assert len(asked) == 2
+        start(seqlens, bad)()
+    assert len(asked) == 3
 
 
 def test_bad_cache_seqlens():
