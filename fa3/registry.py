@@ -210,8 +210,9 @@ KERNELS: dict[str, KernelSpec] = {
             "written once (for dQ) into one of two buffers, one consumer barrier per Q tile",
             config={"tile_m": 64, "tile_n": 128, "q_stages": 2},
             # d=64: 128-row Q tiles spill (two 64 x 128 accumulators a thread) and 64-row ones
-            # lose to b2's 128-row tiles; d=256: dK and dV leave no registers. b2 serves both.
-            head_dims=(128,),
+            # lose to b2's 128-row tiles; d=192/256: dK and dV leave no registers. b2 serves them.
+            # d=96 as flash-attn-4 runs it (64 x 128, S^T): no spills.
+            head_dims=(96, 128),
             ptx_promises=("wgmma.mma_async", "setmaxnreg", "cp.reduce.async.bulk.tensor", "stmatrix",
                           "shfl.sync.idx"),
             ptx_forbids=("red.global", "red.relaxed"),
@@ -222,7 +223,7 @@ KERNELS: dict[str, KernelSpec] = {
             "+ the dQ share handed to the writer per warpgroup (each half its own TMA reduce-add "
             "and barriers) through two buffers returned a tile late",
             config={"tile_m": 64, "tile_n": 128, "q_stages": 2},
-            head_dims=(128,),  # b3's
+            head_dims=(96, 128),  # b3's
             ptx_promises=("wgmma.mma_async", "setmaxnreg", "cp.reduce.async.bulk.tensor", "stmatrix",
                           "shfl.sync.idx"),
             ptx_forbids=("red.global", "red.relaxed"),

@@ -18,9 +18,9 @@ a whole Q tile. Deterministic: the writer keeps B2's order (the counter of the Q
 landed before it is bumped) and returns the buffers at once.
 
 SMEM (bf16, d = 128): B3's 192 KB with 32 KB of dQ, plus the second dQ buffer: 224 KB. Each half
-is its own (tile_m, d / 2) FP32 tile with a 128-byte swizzle: the four halves are stages of one
-layout, stage = 2 b + w. Constraints: B3's (head_dim 128, two Q stages: the buffer follows the Q
-stage index, as the dS buffers do).
+is its own (tile_m, d / 2) FP32 tile, swizzled (128-byte atoms at d = 128, 64-byte at d = 96): the
+four halves are stages of one layout, stage = 2 b + w. Constraints: B3's (head_dim 96 or 128, two Q
+stages: the buffer follows the Q stage index, as the dS buffers do).
 """
 
 import cutlass

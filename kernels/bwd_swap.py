@@ -27,7 +27,7 @@ hold them all beside five accumulators. Each lane loads the 2 tile_m / 64 values
 column when used (the lane holding column 8j + ... is 4 (j % 8) + lane % 4).
 
 The loader, the dQ writer warp, the deterministic order and the packed-batch handling are B2's.
-Constraints: head_dim 128 (64 x 128 tiles; at d = 64, 128-row Q tiles spill and 64-row ones lose
+Constraints: head_dim 96 or 128 (64 x 128 tiles; at d = 64, 128-row Q tiles spill and 64-row ones lose
 to B2's 128-row tiles; at d = 256 the dK and dV accumulators leave no room: B2 serves both); two
 Q stages (the dS buffers follow the Q stage index). SMEM (bf16, d = 128): Q/dO 2 x 32 KB, K/V 64 KB, dS
 2 x 16 KB, dQ 32 KB = 192 KB.
