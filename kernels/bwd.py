@@ -50,11 +50,13 @@ from .common import accum, mask, mma, pipeline, scheduler, seqlen, smem, softmax
 class AttentionBackward:
     mma_warpgroups = 2
     p_in_smem = True  # P goes through SMEM for dV (B3 keeps it in registers)
+    q_tile_multiple = 64  # Q tiles are M of S and dQ: whole 64-row WGMMA atoms (B6: N of both)
 
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 64, tile_n: int = 128,
                  q_stages: int = 2, deterministic: bool = False, local: bool = False,
                  softcap: bool = False, varlen: bool = False, ordered_dq: bool = False):
-        assert tile_m % 64 == 0 and tile_n % 64 == 0, "64-row WGMMA atoms; P and dS rows fill a 128-byte swizzle atom"
+        assert tile_m % self.q_tile_multiple == 0 and tile_n % 64 == 0, \
+            "64-row WGMMA atoms; P and dS rows fill a 128-byte swizzle atom"
         self.dtype, self.head_dim, self.causal = dtype, head_dim, causal
         # static variants, as the forward's: the window's predicates (mask.py) and capped scores
         self.local, self.softcap, self.varlen = local, softcap, varlen

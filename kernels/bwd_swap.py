@@ -45,6 +45,10 @@ from .common import mask, mma, pipeline, smem, softmax
 class SwappedBackward(WarpSpecializedBackward):
     p_in_smem = False
 
+    # dV issued from P^T's registers while dP^T is still in flight (its scores then wait for the
+    # register operand); B6 issues it after dS^T, when S^T's and dP^T's FP32 registers are free
+    dv_under_dp = True
+
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 64, tile_n: int = 128,
                  q_stages: int = 2, deterministic: bool = False, local: bool = False,
                  softcap: bool = False, varlen: bool = False, ordered_dq: bool = False):
@@ -78,7 +82,12 @@ class SwappedBackward(WarpSpecializedBackward):
             tSrK=mma.fragment_A(wg_sdp, s.sK), tSrQ=mma.fragment_B(wg_sdp, s.sQ),
             tdPrV=mma.fragment_A(wg_sdp, s.sV), tdPrdO=mma.fragment_B(wg_sdp, s.sdO),
             tdVrdOt=mma.fragment_B(wg_dkv, t(s.sdO)), tdKrQt=mma.fragment_B(wg_dkv, t(s.sQ)),
-            tdQrdS=mma.fragment_A(wg_dq, t(s.sdS)), tdQrKt=mma.fragment_B(wg_dq, t(s.sK)))
+            **self.dq_fragments(s, wg_dq))
+
+    def dq_fragments(self, s, wg_dq) -> dict:
+        """dQ = dS K: dS (the transposed view of sdS^T) is A, K^T is B."""
+        t = mma.transpose_view
+        return dict(tdQrdS=mma.fragment_A(wg_dq, t(s.sdS)), tdQrKt=mma.fragment_B(wg_dq, t(s.sK)))
 
     @cute.jit
     def scores_and_dp(self, ctx, stage, wait_s: cutlass.Constexpr):
@@ -95,7 +104,7 @@ class SwappedBackward(WarpSpecializedBackward):
     def stat_count(self, ctx) -> int:
         """A lane's share of a per-query statistic (B1's row_stats loads it; `col_stat` fetches
         the other columns from the lanes that hold them)."""
-        return 2 * (self.tile_m // 64)
+        return 2 * (-(-self.tile_m // 64))  # a partial 64-column block still takes its 2
 
     def stat_index(self, ctx, r: int):
         """Value r = 2 k + i is column 64 k + 8 (lane / 4) + 2 (lane % 4) + i."""
@@ -136,6 +145,14 @@ class SwappedBackward(WarpSpecializedBackward):
                 dp_mn[r, c] = self.score_grad(p_mn[r, c], dp_mn[r, c], d, lse, inv_scale)
 
     @cute.jit
+    def dq_gemm(self, ctx, stage):
+        """Issue dQ_i = dS K from dS^T's SMEM buffer `stage` (no wait); returns the accumulator."""
+        acc_dq = cute.make_rmem_tensor(ctx.thr_dq.partition_shape_C((self.tile_m, self.head_dim)), Float32)
+        mma.gemm(ctx.dq, acc_dq, ctx.tdQrdS[None, None, None, stage], ctx.tdQrKt[None, None, None, 0],
+                 zero_init=True, wait=-1)
+        return acc_dq
+
+    @cute.jit
     def consume_step(self, ctx, s, q_pipe, q_state, m_block: Int32, n_block: Int32, scale_log2: Float32):
         """One Q tile: S^T and dP^T in flight together; dV issued from P^T's registers under dP^T;
         dK from dS^T's registers; dS^T to SMEM, one barrier, dQ; dQ handed off under dK."""
@@ -144,18 +161,22 @@ class SwappedBackward(WarpSpecializedBackward):
         stage = q_state.index
         acc_s, acc_dp = self.scores_and_dp(ctx, stage, 1)  # S^T has landed, dP^T may still run
         self.probabilities(ctx, acc_s, lse2, m_block, n_block, ctx.seq.seqlen_q, ctx.seq.seqlen_k, scale_log2)
-        p = mma.to_dtype(acc_s, self.dtype)
-        mma.gemm(ctx.dkv, ctx.acc_dv, mma.as_a_operand(p), ctx.tdVrdOt[None, None, None, stage], wait=1)
+        if cutlass.const_expr(self.dv_under_dp):
+            p = mma.to_dtype(acc_s, self.dtype)
+            mma.gemm(ctx.dkv, ctx.acc_dv, mma.as_a_operand(p), ctx.tdVrdOt[None, None, None, stage], wait=1)
+        else:
+            warpgroup.wait_group(0)
         self.score_grads_t(ctx, acc_s, acc_dp, dsum, lse2, scale_log2)  # dP^T has landed
+        if cutlass.const_expr(not self.dv_under_dp):  # S^T's and dP^T's FP32 registers are free now
+            p = mma.to_dtype(acc_s, self.dtype)
+            mma.gemm(ctx.dkv, ctx.acc_dv, mma.as_a_operand(p), ctx.tdVrdOt[None, None, None, stage], wait=-1)
         ds = mma.to_dtype(acc_dp, self.dtype)
         mma.store_to_smem(ds, ctx.sdp, ctx.tidx, s.sdS[None, None, stage])
         cute.arch.fence_view_async_shared()
         # both warpgroups' keys of dS^T are in SMEM; the buffer's last reader (tile i - 2's dQ)
         # was waited for before the barrier of tile i - 1
         cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=consumers)
-        acc_dq = cute.make_rmem_tensor(ctx.thr_dq.partition_shape_C((self.tile_m, self.head_dim)), Float32)
-        mma.gemm(ctx.dq, acc_dq, ctx.tdQrdS[None, None, None, stage], ctx.tdQrKt[None, None, None, 0],
-                 zero_init=True, wait=-1)
+        acc_dq = self.dq_gemm(ctx, stage)
         mma.gemm(ctx.dkv, ctx.acc_dk, mma.as_a_operand(ds), ctx.tdKrQt[None, None, None, stage], wait=1)
         self.hand_off_dq(ctx, s, acc_dq, stage)  # dV and dQ are done, dK may run
         warpgroup.wait_group(0)

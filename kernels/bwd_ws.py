@@ -156,7 +156,7 @@ class WarpSpecializedBackward(AttentionBackward):
                  start: Int32, m_first: Int32, m_end: Int32, seq, window, lane: Int32):
         """dQ writer warp: per Q tile, one TMA reduce-add of the consumers' FP32 share."""
         gdQ = cute.local_tile(seqlen.rows(mdQacc, head, batch, seq.offset_q, self.varlen),
-                              (self.tile_m, self.head_dim), (None, 0))
+                              self.dq_box(), (None, 0))
         tdQsdQ, tdQgdQ = tma.partition(tma_dq, gdQ, sdQ)
         handoff = self.consumer_threads + 32
         cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=handoff)  # the first credit
@@ -166,7 +166,7 @@ class WarpSpecializedBackward(AttentionBackward):
             if cutlass.const_expr(self.ordered_dq):
                 counter = self.wait_dq_turn(mLock, seq, m_block, n_block, head, batch, window, lane,
                                             cute.arch.sync_warp)
-            cute.copy(tma_dq, tdQsdQ[None, 0], tdQgdQ[None, m_block])
+            self.reduce_dq(tma_dq, tdQsdQ, tdQgdQ, m_block)
             cute.arch.cp_async_bulk_commit_group()
             if cutlass.const_expr(self.ordered_dq):
                 cute.arch.cp_async_bulk_wait_group(0, read=False)  # the sums have landed
@@ -175,6 +175,11 @@ class WarpSpecializedBackward(AttentionBackward):
                 cute.arch.cp_async_bulk_wait_group(0, read=True)  # the buffer has been read
             cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=handoff)
         cute.arch.cp_async_bulk_wait_group(0, read=False)
+
+    @cute.jit
+    def reduce_dq(self, tma_dq, tdQsdQ, tdQgdQ, m_block: Int32):
+        """The TMA reduce-add of Q tile m_block's share: one box (B6 splits it)."""
+        cute.copy(tma_dq, tdQsdQ[None, 0], tdQgdQ[None, m_block])
 
     @cute.jit
     def consume_step(self, ctx, s, q_pipe, q_state, m_block: Int32, n_block: Int32, scale_log2: Float32):

@@ -1,0 +1,90 @@
+"""B6: B3 with 80-row Q tiles where nothing is masked, dQ computed transposed.
+
+B3 computes S^T = K Q^T, so the Q tile is the N of S^T and dP^T and the K of dV += P^T dO and
+dK += dS^T Q: any multiple of 16 serves them. Only dQ_i = dS K has the Q tile as its M, which
+WGMMA takes in 64-row atoms. B6 computes it transposed instead,
+
+    dQ_i^T = K^T dS^T             (d, tile_m)       A = K^T  (MN-major, sK),  B = dS (MN-major, sdS^T)
+
+with each warpgroup owning 64 of the d rows. It writes its share into the FP32 (tile_m, d) SMEM
+tile the TMA reduce-adds read, transposed on the way: the tile's 128-byte swizzle makes those
+scattered 4-byte stores conflict-free. The tile is tile_m / 16 blocks of (16, d), one reduce-add
+box each: this DSL version cannot build an FP32 TMA box of 80 (or 48, 112) swizzled rows (the
+builder aborts; 16, 32, 64, 96 and 160 work). Everything else is B3's.
+
+Why 80 rows: per K/V tile, the walk's fixed cost per Q tile (barriers, the dQ hand-off and its
+reduce-add, the statistics, the loop) is spread over 25% more rows. FlashAttention-3's C++ backward
+and flash-attn-4 choose 64 x 128 tiles when a mask applies and 80 x 128 when none does. So does B6:
+the registry row's `tile_m` 80 for plain calls, its `masked_tile_m` 64 with a causal mask or a
+window (fa3._compile.backward_config resolves it; the class takes the one `tile_m`).
+
+Constraints: head_dim 128, two Q stages. SMEM (bf16, 80 rows): Q/dO 2 x 40 KB, K/V 64 KB,
+dS^T 2 x 20 KB, dQ 40 KB = 224 KB. Registers a consumer thread: S^T and dP^T 40 each, dV and dK
+64 each, dQ^T 40.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from .bwd_swap import SwappedBackward
+from .bwd_ws import DQ_EMPTY, DQ_FULL
+from .common import mma, smem
+
+DQ_BOX_ROWS = 16  # rows of one dQ reduce-add box (see the module docstring)
+
+
+class TransposedDqBackward(SwappedBackward):
+    q_tile_multiple = 16  # N of S^T and dP^T, K of dV and dK; dQ^T takes it as its N
+    dv_under_dp = False  # 80-row tiles: P^T in bf16 beside S^T, dP^T, dV and dK would spill
+
+    # ---------------------------------------------------------------- host side
+    def sdq_layout(self):
+        """The FP32 (tile_m, d) dQ tile as tile_m / 16 stages of (16, d) swizzled blocks."""
+        return smem.tile_layout(Float32, DQ_BOX_ROWS, self.head_dim, self.tile_m // DQ_BOX_ROWS)
+
+    def dq_box(self):
+        return DQ_BOX_ROWS, self.head_dim
+
+    # ---------------------------------------------------------------- device side
+    def tiled_mmas(self):
+        """B3's S^T/dP^T and dV/dK MMAs; dQ^T = K^T dS^T with the warpgroups stacked along d."""
+        sdp, dkv, _ = super().tiled_mmas()
+        return sdp, dkv, mma.tiled_mma(self.dtype, self.head_dim, self.tile_m, a_major="MN", b_major="MN",
+                                       warpgroups=self.mma_warpgroups)
+
+    def dq_fragments(self, s, wg_dq) -> dict:
+        """dQ^T = K^T dS^T: K^T is A, dS (the transposed view of sdS^T) is B."""
+        t = mma.transpose_view
+        return dict(tdQrKt=mma.fragment_A(wg_dq, t(s.sK)), tdQrdS=mma.fragment_B(wg_dq, t(s.sdS)))
+
+    @cute.jit
+    def dq_gemm(self, ctx, stage):
+        """Issue dQ_i^T = K^T dS^T (no wait); returns the (d, tile_m) accumulator."""
+        acc_dqt = cute.make_rmem_tensor(ctx.thr_dq.partition_shape_C((self.head_dim, self.tile_m)), Float32)
+        mma.gemm(ctx.dq, acc_dqt, ctx.tdQrKt[None, None, None, 0], ctx.tdQrdS[None, None, None, stage],
+                 zero_init=True, wait=-1)
+        return acc_dqt
+
+    @cute.jit
+    def reduce_dq(self, tma_dq, tdQsdQ, tdQgdQ, m_block: Int32):
+        """Q tile m_block's share: one reduce-add per 16-row block."""
+        blocks = self.tile_m // DQ_BOX_ROWS
+        for b in cutlass.range_constexpr(blocks):
+            cute.copy(tma_dq, tdQsdQ[None, b], tdQgdQ[None, m_block * blocks + b])
+
+    def dq_view_t(self, sdQ: cute.Tensor) -> cute.Tensor:
+        """The (16, d, blocks) dQ tile as the (d, tile_m) tensor dQ^T's accumulator is written to:
+        column q is row q % 16 of block q // 16."""
+        rows, d = DQ_BOX_ROWS, self.head_dim
+        return cute.composition(sdQ, cute.make_layout((d, (rows, self.tile_m // rows)),
+                                                      stride=(rows, (1, rows * d))))
+
+    @cute.jit
+    def hand_off_dq(self, ctx, s, acc_dqt: cute.Tensor, buffer: Int32 = 0):
+        """B2's hand-off of the (tile_m, d) SMEM tile, written through its transposed view."""
+        handoff = self.consumer_threads + 32
+        cute.arch.barrier(barrier_id=DQ_EMPTY, number_of_threads=handoff)
+        cute.autovec_copy(acc_dqt, ctx.thr_dq.partition_C(self.dq_view_t(s.sdQ)))
+        cute.arch.fence_view_async_shared()  # generic-proxy writes, read by the bulk copy
+        cute.arch.barrier_arrive(barrier_id=DQ_FULL, number_of_threads=handoff)
