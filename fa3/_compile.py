@@ -217,20 +217,9 @@ def _backward_fake_args(dtype, head_dim, gqa, deterministic):
             *(_fake_tensor(cute, cutlass.Int32, (cute.sym_int64(),), (1,), align=4) for _ in range(2))]
 
 
-def backward_config(spec, head_dim: int, causal: bool, local: bool) -> dict:
-    """The backward rung's static configuration for this call: the registry row's, with
-    `masked_tile_m` (a rung whose Q tile shrinks under a causal mask or a window, b6) resolved into
-    `tile_m`. The launch sizes its buffers from the same dict."""
-    cfg = spec.config_for(head_dim)
-    masked_tile_m = cfg.pop("masked_tile_m", None)
-    if masked_tile_m is not None and (causal or local):
-        cfg["tile_m"] = masked_tile_m
-    return cfg
-
-
 def backward_key(spec, dtype, head_dim, causal, deterministic=False, gqa=False, local=False,
                  softcap=False, varlen=False) -> tuple:
-    cfg = backward_config(spec, head_dim, causal, local)
+    cfg = spec.config_for(head_dim)
     return (spec.name, str(dtype), head_dim, bool(causal), bool(deterministic), bool(gqa),
             bool(local), bool(softcap), bool(varlen), tuple(sorted(cfg.items())), _dsl.TARGET_ARCH,
             _dsl.version())
@@ -240,7 +229,7 @@ def _build_backward(spec, dtype, head_dim, causal, deterministic=False, gqa=Fals
                     softcap=False, varlen=False, extra_options=""):
     kernel = spec.load_class()(dtype=cute_dtype(dtype), head_dim=head_dim, causal=causal,
                                deterministic=deterministic, local=local, softcap=softcap,
-                               varlen=varlen, **backward_config(spec, head_dim, causal, local))
+                               varlen=varlen, **spec.config_for(head_dim))
     return _compile_kernel(kernel, _backward_fake_args(dtype, head_dim, gqa, deterministic), extra_options)
 
 

@@ -113,7 +113,7 @@ def launch_attention_backward(spec, dout, q, k, v, out, lse, causal: bool, scale
     if dq.numel() == 0 or k.shape[1] == 0:  # nothing to differentiate, or no key: all gradients 0
         return dq.zero_(), dk.zero_(), dv.zero_(), _no_sink_grad(sinks, q)
     mask = masking.masking(causal, window, softcap, scale)  # as the forward saw the scores
-    cfg = _compile.backward_config(spec, q.shape[3], mask.causal, mask.local)
+    cfg = spec.config_for(q.shape[3])
     tile_m = cfg["tile_m"]
     q_tiles = -(-q.shape[1] // tile_m)
     # statistics and dQ padded to whole Q tiles: the kernel reads and adds them unchecked (a Q
@@ -134,7 +134,7 @@ def launch_varlen_backward(spec, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqle
         return dq.zero_(), dk.zero_(), dv.zero_(), _no_sink_grad(sinks, q)
     total_q, entries = q.shape[0], cu_seqlens_q.shape[0] - 1
     mask = masking.masking(causal, window, softcap, scale)
-    cfg = _compile.backward_config(spec, q.shape[2], mask.causal, mask.local)
+    cfg = spec.config_for(q.shape[2])
     tile_m = cfg["tile_m"]
     # packed statistics (rows past an entry are read as LSE = +inf); a last Q tile may add its
     # (zero) rows past the packed end: tile_m rows of slack; counters: see AttentionBackward
@@ -148,7 +148,7 @@ def launch_varlen_backward(spec, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqle
 def _run(spec, cfg, dout, q, k, v, out, lse, dq, dk, dv, mask, scale, deterministic,
          stat_rows: int, dq_rows: int, lock_tiles: int, cu_seqlens=None, sinks=None):
     """Preprocess, main kernel and postprocess into dq, dk, dv, all in the 4-D (batch, seqlen,
-    heads, d) layout; `cfg`: the rung's configuration for this call (_compile.backward_config);
+    heads, d) layout; `cfg`: the rung's configuration at this head dim (the registry row's);
     `mask`: masking.Masking; `stat_rows`, `dq_rows`, `lock_tiles`: the extents of the FP32
     statistics, the dQ accumulator and the deterministic counters per (batch, head). Returns
     dsinks (sink_grad), or a (0,) tensor without sinks."""

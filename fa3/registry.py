@@ -231,15 +231,16 @@ KERNELS: dict[str, KernelSpec] = {
         ),
         KernelSpec(
             "b6", BACKWARD, "bwd_dq_t", "TransposedDqBackward",
-            "+ 80-row Q tiles where no mask applies (64 under a causal mask or a window), dQ "
-            "computed transposed (dQ^T = K^T dS^T: the Q tile is no WGMMA's M)",
-            # FlashAttention-3's and flash-attn-4's d128 tiles; one dQ buffer (B3's hand-off) to fit
-            config={"tile_m": 80, "masked_tile_m": 64, "tile_n": 128, "q_stages": 2},
+            "+ dQ computed transposed (dQ^T = K^T dS^T: the Q tile is no WGMMA's M), dV issued after "
+            "dS^T",
+            # 64-row Q tiles: 80 (FlashAttention-3's and flash-attn-4's non-causal d128 tile) ran
+            # 4-10% slower here (worklog/backward.md)
+            config={"tile_m": 64, "tile_n": 128, "q_stages": 2},
             head_dims=(128,),
             ptx_promises=("wgmma.mma_async", "setmaxnreg", "cp.reduce.async.bulk.tensor", "stmatrix",
                           "shfl.sync.idx"),
             ptx_forbids=("red.global", "red.relaxed"),
-            speed_rank=0, variants=VARIANTS,  # not measured yet: never the default
+            speed_rank=5, variants=VARIANTS,
         ),
         KernelSpec(
             "s1", KVCACHE, "decode", "SplitKVAttention",

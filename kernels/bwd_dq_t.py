@@ -1,28 +1,29 @@
-"""B6: B3 with 80-row Q tiles where nothing is masked, dQ computed transposed.
+"""B6: B3 with dQ computed transposed, and dV issued after dS^T.
 
 B3 computes S^T = K Q^T, so the Q tile is the N of S^T and dP^T and the K of dV += P^T dO and
-dK += dS^T Q: any multiple of 16 serves them. Only dQ_i = dS K has the Q tile as its M, which
-WGMMA takes in 64-row atoms. B6 computes it transposed instead,
+dK += dS^T Q. Only dQ_i = dS K has the Q tile as its M. B6 computes it transposed,
 
     dQ_i^T = K^T dS^T             (d, tile_m)       A = K^T  (MN-major, sK),  B = dS (MN-major, sdS^T)
 
 with each warpgroup owning 64 of the d rows. It writes its share into the FP32 (tile_m, d) SMEM
 tile the TMA reduce-adds read, transposed on the way: the tile's 128-byte swizzle makes those
 scattered 4-byte stores conflict-free. The tile is tile_m / 16 blocks of (16, d), one reduce-add
-box each: this DSL version cannot build an FP32 TMA box of 80 (or 48, 112) swizzled rows (the
-builder aborts; 16, 32, 64, 96 and 160 work). Everything else is B3's.
+box each. And B6 issues dV += P^T dO after dS^T, when S^T's and dP^T's FP32 registers are free,
+where B3 issues it under dP^T.
 
-Why 80 rows: per K/V tile, the walk's fixed cost per Q tile (barriers, the dQ hand-off and its
-reduce-add, the statistics, the loop) is spread over 25% more rows. FlashAttention-3's C++ backward
-and flash-attn-4 choose 64 x 128 tiles when a mask applies and 80 x 128 when none does. So does B6:
-the registry row's `tile_m` 80 for plain calls, its `masked_tile_m` 64 with a causal mask or a
-window (fa3._compile.backward_config resolves it; the class takes the one `tile_m`).
+Measured on an H100 (d128, 2k-16k, causal and not): 1.01-1.07x B4 in every cell of a
+three-round run, 0.99-1.08x over three runs. Taken apart (one run): dV after dS^T alone, on B4,
+0.97-1.06x; B6 with dV under dP^T, 0.95-1.02x of B6.
 
-Constraints: head_dim 128, two Q stages. SMEM (bf16, 80 rows): Q/dO 2 x 40 KB, K/V 64 KB,
-dS^T 2 x 20 KB, dQ 40 KB = 224 KB. Registers a consumer thread: S^T and dP^T 40 each, dV and dK
-64 each, dQ^T 40.
+The Q tile only has to be a multiple of 16 here (dQ^T takes it as its N). 80-row tiles, as
+FlashAttention-3's C++ backward and flash-attn-4 run d128 without a mask, compile (48 B of spills)
+and ran 4-10% slower than 64: the registry row takes 64. This DSL version cannot build a swizzled
+FP32 TMA box of 80 (or 48, 112) rows (the builder aborts; 16, 32, 64, 96 and 160 work), hence the
+16-row boxes.
+
+Constraints: head_dim 128, two Q stages. SMEM (bf16, 64 rows): B3's 192 KB. Registers a consumer
+thread: S^T and dP^T 32 each, dV and dK 64 each, dQ^T 32.
 """
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
@@ -36,7 +37,7 @@ DQ_BOX_ROWS = 16  # rows of one dQ reduce-add box (see the module docstring)
 
 class TransposedDqBackward(SwappedBackward):
     q_tile_multiple = 16  # N of S^T and dP^T, K of dV and dK; dQ^T takes it as its N
-    dv_under_dp = False  # 80-row tiles: P^T in bf16 beside S^T, dP^T, dV and dK would spill
+    dv_under_dp = False  # under dP^T: 0.95-1.02x (and 148 B of spills at 80 rows)
 
     # ---------------------------------------------------------------- host side
     def sdq_layout(self):
