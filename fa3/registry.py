@@ -70,6 +70,10 @@ VARIANTS = ("varlen", "local", "softcap")  # packed batches, sliding window, cap
 # into their softmax; the backward needs no variant for them (the LSE includes the sink)
 SINKS = "sinks"
 _SCALAR_PTX = ("ld.global", "ex2.approx")
+# the warp-specialized backward rungs (b2 on): dQ by TMA reduce-adds, never by scalar atomics
+_BWD_WS_PTX = ("wgmma.mma_async", "setmaxnreg", "cp.reduce.async.bulk.tensor", "stmatrix")
+_BWD_WS_FORBIDS = ("red.global", "red.relaxed")
+_BWD_SWAPPED_PTX = _BWD_WS_PTX + ("shfl.sync.idx",)  # S^T: each column's statistics by shuffles
 # a K tile's WGMMAs left running while the next is issued (the PTX spells it with a tab)
 _MMA_IN_FLIGHT = "wgmma.wait_group.sync.aligned \t1;"
 
@@ -200,8 +204,7 @@ KERNELS: dict[str, KernelSpec] = {
             per_head_dim={64: {"tile_m": 128}, 192: {"tile_n": 64},
                           256: {"tile_n": 64, "q_stages": 1, "ordered_dq": True}},
             head_dims=HEAD_DIMS,
-            ptx_promises=("wgmma.mma_async", "setmaxnreg", "cp.reduce.async.bulk.tensor", "stmatrix"),
-            ptx_forbids=("red.global", "red.relaxed"),
+            ptx_promises=_BWD_WS_PTX, ptx_forbids=_BWD_WS_FORBIDS,
             speed_rank=2, variants=VARIANTS,
         ),
         KernelSpec(
@@ -213,9 +216,7 @@ KERNELS: dict[str, KernelSpec] = {
             # lose to b2's 128-row tiles; d=192/256: dK and dV leave no registers. b2 serves them.
             # d=96 as flash-attn-4 runs it (64 x 128, S^T): no spills.
             head_dims=(96, 128),
-            ptx_promises=("wgmma.mma_async", "setmaxnreg", "cp.reduce.async.bulk.tensor", "stmatrix",
-                          "shfl.sync.idx"),
-            ptx_forbids=("red.global", "red.relaxed"),
+            ptx_promises=_BWD_SWAPPED_PTX, ptx_forbids=_BWD_WS_FORBIDS,
             speed_rank=3, variants=VARIANTS,
         ),
         KernelSpec(
@@ -224,22 +225,18 @@ KERNELS: dict[str, KernelSpec] = {
             "and barriers) through two buffers returned a tile late",
             config={"tile_m": 64, "tile_n": 128, "q_stages": 2},
             head_dims=(96, 128),  # b3's
-            ptx_promises=("wgmma.mma_async", "setmaxnreg", "cp.reduce.async.bulk.tensor", "stmatrix",
-                          "shfl.sync.idx"),
-            ptx_forbids=("red.global", "red.relaxed"),
+            ptx_promises=_BWD_SWAPPED_PTX, ptx_forbids=_BWD_WS_FORBIDS,
             speed_rank=4, variants=VARIANTS,
         ),
         KernelSpec(
             "b6", BACKWARD, "bwd_dq_t", "TransposedDqBackward",
-            "+ dQ computed transposed (dQ^T = K^T dS^T: the Q tile is no WGMMA's M), dV issued after "
-            "dS^T",
+            "b3 + dQ computed transposed (dQ^T = K^T dS^T: the Q tile is no WGMMA's M), dV issued "
+            "after dS^T",
             # 64-row Q tiles: 80 (FlashAttention-3's and flash-attn-4's non-causal d128 tile) ran
             # 4-10% slower here (worklog/backward.md)
             config={"tile_m": 64, "tile_n": 128, "q_stages": 2},
             head_dims=(128,),
-            ptx_promises=("wgmma.mma_async", "setmaxnreg", "cp.reduce.async.bulk.tensor", "stmatrix",
-                          "shfl.sync.idx"),
-            ptx_forbids=("red.global", "red.relaxed"),
+            ptx_promises=_BWD_SWAPPED_PTX, ptx_forbids=_BWD_WS_FORBIDS,
             speed_rank=5, variants=VARIANTS,
         ),
         KernelSpec(
