@@ -56,7 +56,7 @@ class AttentionBackward:
                  q_stages: int = 2, deterministic: bool = False, local: bool = False,
                  softcap: bool = False, varlen: bool = False, ordered_dq: bool = False):
         assert tile_m % self.q_tile_multiple == 0 and tile_n % 64 == 0, \
-            "64-row WGMMA atoms; P and dS rows fill a 128-byte swizzle atom"
+            f"Q tiles of a multiple of {self.q_tile_multiple} rows (WGMMA atoms), K/V tiles of 64 (P and dS rows fill a 128-byte swizzle atom)"
         self.dtype, self.head_dim, self.causal = dtype, head_dim, causal
         # static variants, as the forward's: the window's predicates (mask.py) and capped scores
         self.local, self.softcap, self.varlen = local, softcap, varlen
