@@ -112,14 +112,13 @@ def launch_attention_backward(spec, dout, q, k, v, out, lse, causal: bool, scale
     dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     if dq.numel() == 0 or k.shape[1] == 0:  # nothing to differentiate, or no key: all gradients 0
         return dq.zero_(), dk.zero_(), dv.zero_(), _no_sink_grad(sinks, q)
-    mask = masking.masking(causal, window, softcap, scale)  # as the forward saw the scores
     cfg = spec.config_for(q.shape[3])
     tile_m = cfg["tile_m"]
     q_tiles = -(-q.shape[1] // tile_m)
     # statistics and dQ padded to whole Q tiles: the kernel reads and adds them unchecked (a Q
     # tile that is not a multiple of 64 reads its statistics in 64-row blocks: up to 63 rows more)
-    dsinks = _run(spec, cfg, dout, q, k, v, out, lse, dq, dk, dv, mask, scale, deterministic,
-                  stat_rows=q_tiles * tile_m + (-tile_m) % 64, dq_rows=q_tiles * tile_m,
+    dsinks = _run(spec, cfg, dout, q, k, v, out, lse, dq, dk, dv, causal, scale, deterministic, window,
+                  softcap, stat_rows=q_tiles * tile_m + (-tile_m) % 64, dq_rows=q_tiles * tile_m,
                   lock_tiles=q_tiles, sinks=sinks)
     return dq, dk, dv, dsinks
 
@@ -133,25 +132,24 @@ def launch_varlen_backward(spec, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqle
     if dq.numel() == 0 or k.shape[0] == 0:
         return dq.zero_(), dk.zero_(), dv.zero_(), _no_sink_grad(sinks, q)
     total_q, entries = q.shape[0], cu_seqlens_q.shape[0] - 1
-    mask = masking.masking(causal, window, softcap, scale)
     cfg = spec.config_for(q.shape[2])
     tile_m = cfg["tile_m"]
     # packed statistics (rows past an entry are read as LSE = +inf); a last Q tile may add its
     # (zero) rows past the packed end: tile_m rows of slack; counters: see AttentionBackward
-    dsinks = _run(spec, cfg, *(t.unsqueeze(0) for t in (dout, q, k, v, out, lse, dq, dk, dv)), mask, scale,
-                  deterministic, stat_rows=total_q, dq_rows=total_q + tile_m,
+    dsinks = _run(spec, cfg, *(t.unsqueeze(0) for t in (dout, q, k, v, out, lse, dq, dk, dv)), causal,
+                  scale, deterministic, window, softcap, stat_rows=total_q, dq_rows=total_q + tile_m,
                   lock_tiles=total_q // tile_m + entries + 1, cu_seqlens=(cu_seqlens_q, cu_seqlens_k),
                   sinks=sinks)
     return dq, dk, dv, dsinks
 
 
-def _run(spec, cfg, dout, q, k, v, out, lse, dq, dk, dv, mask, scale, deterministic,
+def _run(spec, cfg, dout, q, k, v, out, lse, dq, dk, dv, causal, scale, deterministic, window, softcap,
          stat_rows: int, dq_rows: int, lock_tiles: int, cu_seqlens=None, sinks=None):
     """Preprocess, main kernel and postprocess into dq, dk, dv, all in the 4-D (batch, seqlen,
     heads, d) layout; `cfg`: the rung's configuration at this head dim (the registry row's);
-    `mask`: masking.Masking; `stat_rows`, `dq_rows`, `lock_tiles`: the extents of the FP32
-    statistics, the dQ accumulator and the deterministic counters per (batch, head). Returns
-    dsinks (sink_grad), or a (0,) tensor without sinks."""
+    `stat_rows`, `dq_rows`, `lock_tiles`: the extents of the FP32 statistics, the dQ accumulator
+    and the deterministic counters per (batch, head). Returns dsinks (sink_grad), or a (0,) tensor
+    without sinks."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     device, dtype = q.device, q.dtype
@@ -181,6 +179,7 @@ def _run(spec, cfg, dout, q, k, v, out, lse, dq, dk, dv, mask, scale, determinis
         if lock is None:
             lock = _NO_LOCK[device] = torch.zeros(1, 1, 1, dtype=torch.int32, device=device)
     cu_q, cu_k = cu_seqlens if cu_seqlens is not None else (_launch.stand_in(device),) * 2
+    mask = masking.masking(causal, window, softcap, scale)  # as the forward saw the scores
     fn = _compile.get_backward(spec, dtype, head_dim, mask.causal, bool(deterministic), gqa, mask.local,
                                mask.softcap, cu_seqlens is not None)
     fn(q, k, v, dout, lse2, dsum, dq_acc, dk_h, dv_h, lock, mask.scale_log2, scale, mask.left,

@@ -29,7 +29,6 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from .bwd_swap import SwappedBackward
-from .bwd_ws import DQ_EMPTY, DQ_FULL
 from .common import mma, smem
 
 DQ_BOX_ROWS = 16  # rows of one dQ reduce-add box (see the module docstring)
@@ -74,18 +73,9 @@ class TransposedDqBackward(SwappedBackward):
         for b in cutlass.range_constexpr(blocks):
             cute.copy(tma_dq, tdQsdQ[None, b], tdQgdQ[None, m_block * blocks + b])
 
-    def dq_view_t(self, sdQ: cute.Tensor) -> cute.Tensor:
-        """The (16, d, blocks) dQ tile as the (d, tile_m) tensor dQ^T's accumulator is written to:
-        column q is row q % 16 of block q // 16."""
+    def dq_tile(self, sdQ: cute.Tensor) -> cute.Tensor:
+        """The (16, d, blocks) dQ tile as the (d, tile_m) tensor dQ^T's accumulator is written to
+        (column q is row q % 16 of block q // 16): B2's hand-off writes through it."""
         rows, d = DQ_BOX_ROWS, self.head_dim
         return cute.composition(sdQ, cute.make_layout((d, (rows, self.tile_m // rows)),
                                                       stride=(rows, (1, rows * d))))
-
-    @cute.jit
-    def hand_off_dq(self, ctx, s, acc_dqt: cute.Tensor, buffer: Int32 = 0):
-        """B2's hand-off of the (tile_m, d) SMEM tile, written through its transposed view."""
-        handoff = self.consumer_threads + 32
-        cute.arch.barrier(barrier_id=DQ_EMPTY, number_of_threads=handoff)
-        cute.autovec_copy(acc_dqt, ctx.thr_dq.partition_C(self.dq_view_t(s.sdQ)))
-        cute.arch.fence_view_async_shared()  # generic-proxy writes, read by the bulk copy
-        cute.arch.barrier_arrive(barrier_id=DQ_FULL, number_of_threads=handoff)

@@ -145,6 +145,12 @@ class SwappedBackward(WarpSpecializedBackward):
                 dp_mn[r, c] = self.score_grad(p_mn[r, c], dp_mn[r, c], d, lse, inv_scale)
 
     @cute.jit
+    def dv_gemm(self, ctx, acc_p, stage, wait: cutlass.Constexpr):
+        """dV += P^T dO with P^T from registers (rounded from `acc_p`); wait until `wait` remain."""
+        p = mma.to_dtype(acc_p, self.dtype)
+        mma.gemm(ctx.dkv, ctx.acc_dv, mma.as_a_operand(p), ctx.tdVrdOt[None, None, None, stage], wait=wait)
+
+    @cute.jit
     def dq_gemm(self, ctx, stage):
         """Issue dQ_i = dS K from dS^T's SMEM buffer `stage` (no wait); returns the accumulator."""
         acc_dq = cute.make_rmem_tensor(ctx.thr_dq.partition_shape_C((self.tile_m, self.head_dim)), Float32)
@@ -162,14 +168,12 @@ class SwappedBackward(WarpSpecializedBackward):
         acc_s, acc_dp = self.scores_and_dp(ctx, stage, 1)  # S^T has landed, dP^T may still run
         self.probabilities(ctx, acc_s, lse2, m_block, n_block, ctx.seq.seqlen_q, ctx.seq.seqlen_k, scale_log2)
         if cutlass.const_expr(self.dv_under_dp):
-            p = mma.to_dtype(acc_s, self.dtype)
-            mma.gemm(ctx.dkv, ctx.acc_dv, mma.as_a_operand(p), ctx.tdVrdOt[None, None, None, stage], wait=1)
+            self.dv_gemm(ctx, acc_s, stage, 1)
         else:
             warpgroup.wait_group(0)
         self.score_grads_t(ctx, acc_s, acc_dp, dsum, lse2, scale_log2)  # dP^T has landed
         if cutlass.const_expr(not self.dv_under_dp):  # S^T's and dP^T's FP32 registers are free now
-            p = mma.to_dtype(acc_s, self.dtype)
-            mma.gemm(ctx.dkv, ctx.acc_dv, mma.as_a_operand(p), ctx.tdVrdOt[None, None, None, stage], wait=-1)
+            self.dv_gemm(ctx, acc_s, stage, -1)
         ds = mma.to_dtype(acc_dp, self.dtype)
         mma.store_to_smem(ds, ctx.sdp, ctx.tidx, s.sdS[None, None, stage])
         cute.arch.fence_view_async_shared()

@@ -214,12 +214,16 @@ class WarpSpecializedBackward(AttentionBackward):
         pipeline.consume_wait(q_pipe, q_state)
         return lse2, dsum
 
+    def dq_tile(self, sdQ: cute.Tensor) -> cute.Tensor:
+        """The SMEM dQ tile as the dQ accumulator's shape: the (tile_m, d) share (B6: transposed)."""
+        return sdQ[None, None, 0]
+
     @cute.jit
     def hand_off_dq(self, ctx, s, acc_dq: cute.Tensor, buffer: Int32 = 0):
         """Wait for the writer to free the SMEM dQ tile, fill it (pairs of adjacent columns in
-        one vector store), tell the writer. (`buffer`: B2 and B3 have one.)"""
+        one vector store), tell the writer. (`buffer`: B2, B3 and B6 have one.)"""
         handoff = self.consumer_threads + 32
         cute.arch.barrier(barrier_id=DQ_EMPTY, number_of_threads=handoff)
-        cute.autovec_copy(acc_dq, ctx.thr_dq.partition_C(s.sdQ[None, None, 0]))
+        cute.autovec_copy(acc_dq, ctx.thr_dq.partition_C(self.dq_tile(s.sdQ)))
         cute.arch.fence_view_async_shared()  # generic-proxy writes, read by the bulk copy
         cute.arch.barrier_arrive(barrier_id=DQ_FULL, number_of_threads=handoff)
