@@ -240,6 +240,15 @@ KERNELS: dict[str, KernelSpec] = {
             speed_rank=5, variants=VARIANTS,
         ),
         KernelSpec(
+            "b7", BACKWARD, "bwd_split_dq_t", "SplitTransposedDqBackward",
+            "b6 + b4's dQ hand-off: each warpgroup's transposed dQ share through its own two "
+            "buffers, met by the writer alone",
+            config={"tile_m": 64, "tile_n": 128, "q_stages": 2},
+            head_dims=(128,),  # b6's: dQ^T stacks d over the warpgroups in 64-row WGMMA atoms
+            ptx_promises=_BWD_SWAPPED_PTX, ptx_forbids=_BWD_WS_FORBIDS,
+            speed_rank=6, variants=VARIANTS,
+        ),
+        KernelSpec(
             "s1", KVCACHE, "decode", "SplitKVAttention",
             "KV-cache attention (dense or paged): query heads of a KV head packed into one 64-row "
             "tile, the key range split across CTAs, FP32 partials merged by a combine kernel",

@@ -88,16 +88,20 @@ class SplitDqBackward(SwappedBackward):
             slot = self.mma_warpgroups * buffer + w
             cute.arch.barrier_arrive(barrier_id=self.dq_barriers(slot)[0], number_of_threads=handoff)
 
+    def dq_half(self, sdQ_half: cute.Tensor):
+        """One warpgroup's dQ MMA and its (tile_m, d / 2) SMEM half in that MMA's C shape (B7:
+        both transposed)."""
+        return mma.tiled_mma(self.dtype, self.tile_m, self.head_dim // self.mma_warpgroups,
+                             a_major="MN", b_major="MN", warpgroups=1), sdQ_half
+
     @cute.jit
     def hand_off_dq(self, ctx, s, acc_dq: cute.Tensor, buffer: Int32 = 0):
         """This warpgroup's half of dQ_i into its slot of `buffer` (the Q stage's index), met by
         the writer alone."""
         warpgroup_idx = cute.arch.make_warp_uniform(ctx.tidx // 128)
         empty, full = self.dq_barriers(self.mma_warpgroups * buffer + warpgroup_idx)
-        half = mma.tiled_mma(self.dtype, self.tile_m, self.head_dim // self.mma_warpgroups,
-                             a_major="MN", b_major="MN", warpgroups=1)  # one warpgroup's dQ MMA
+        half, sdQ = self.dq_half(s.sdQ[None, None, self.mma_warpgroups * buffer + warpgroup_idx])
         cute.arch.barrier(barrier_id=empty, number_of_threads=128 + 32)
-        sdQ = s.sdQ[None, None, self.mma_warpgroups * buffer + warpgroup_idx]
         cute.autovec_copy(acc_dq, half.get_slice(ctx.tidx % 128).partition_C(sdQ))
         cute.arch.fence_view_async_shared()  # generic-proxy writes, read by the bulk copy
         cute.arch.barrier_arrive(barrier_id=full, number_of_threads=128 + 32)

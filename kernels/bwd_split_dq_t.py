@@ -1,0 +1,32 @@
+"""B7: B6 with B4's dQ hand-off (each warpgroup's half through its own two buffers).
+
+B6 computes dQ_i^T = K^T dS^T with the warpgroups stacked along d, so warpgroup w holds the
+transposed share of dQ_i's columns 64 w .. 64 w + 63: exactly B4's half. B6 hands the whole tile
+to the writer at barriers of 256 + 32 threads, through one buffer, as B3 does; B7 hands each half
+over on its own, through two buffers returned a tile late, as B4 does:
+
+    consumer warpgroup w, Q tile i (buffer b = i % 2):
+        dQ_i^T's share (64 of d, tile_m) -> wait EMPTY[w, b] -> stored transposed into the
+        (tile_m, d / 2) FP32 half (128-byte swizzle: the scattered 4-byte stores of a warp land in
+        32 banks) -> arrive FULL[w, b]
+    writer warp: B4's, one (tile_m, d / 2) TMA reduce-add per half
+
+Everything else is B6 (S^T, dP^T, P^T and dS^T from registers for dV and dK, dV after dS^T).
+
+Constraints: B4's (head_dim 128, two Q stages, tile_m a multiple of 64). SMEM (bf16, 64 rows): B4's
+224 KB. Registers a consumer thread: B6's.
+"""
+from .bwd_dq_t import TransposedDqBackward
+from .bwd_split_dq import SplitDqBackward
+from .common import mma
+
+
+class SplitTransposedDqBackward(SplitDqBackward, TransposedDqBackward):
+    """B4's SMEM halves, barriers, writer and hand-off (first in the MRO); B6's dQ^T MMA,
+    fragments and GEMM, and its dV order."""
+    q_tile_multiple = 64  # B4's (tile_m, d / 2) reduce-add box
+
+    def dq_half(self, sdQ_half):
+        """The (d / 2, tile_m) warpgroup MMA of dQ^T, and the half seen transposed to match it."""
+        return mma.tiled_mma(self.dtype, self.head_dim // self.mma_warpgroups, self.tile_m,
+                             a_major="MN", b_major="MN", warpgroups=1), mma.transpose_view(sdQ_half)
