@@ -312,9 +312,14 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
                                                  n_blocks, wg, scale_log2)
         q_state = pipeline.release(q_pipe, q_state)  # every Q K^T of this tile has retired
         if cutlass.const_expr(self.varlen):
-            # not TMA: its store clips at the tensor's edge, not the sequence's, and would
-            # overwrite the next sequence's rows
-            self.store_o_registers(ctx, params.o_rows, mLSE, 0, head, scale_log2, seq.offset_q)
+            # TMA clips at the tensor's edge, not the sequence's: a tile that runs past its
+            # sequence's end would overwrite the next one's rows, so only that tile (the
+            # sequence's last, when its length is not a multiple of tile_m) stores from registers
+            if (m_block + 1) * self.tile_m <= seq.seqlen_q:
+                self.store_o(ctx, tma_o, mO, sO, mLSE, 0, head, scale_log2, store_pipe, ctidx,
+                             epi_tile, seq.offset_q)  # the packed plane (batch 0) from the offset
+            else:
+                self.store_o_registers(ctx, params.o_rows, mLSE, 0, head, scale_log2, seq.offset_q)
         else:
             self.store_o(ctx, tma_o, mO, sO, mLSE, batch, head, scale_log2, store_pipe, ctidx, epi_tile)
         return q_state, k_state, v_state
@@ -327,8 +332,9 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
 
     @cute.jit
     def store_o(self, ctx, tma_o, mO, sO, mLSE, batch: Int32, head: Int32, scale_log2: Float32,
-                store_pipe, ctidx: Int32, epi_tile: cutlass.Constexpr):
-        """O / l through SMEM (stmatrix) and a TMA store that clips the ragged edge; LSE direct."""
+                store_pipe, ctidx: Int32, epi_tile: cutlass.Constexpr, row_offset=0):
+        """O / l through SMEM (stmatrix) and a TMA store that clips the ragged edge; LSE direct.
+        Varlen: the entry's rows start at row_offset of the packed plane (batch 0)."""
         o_mn = mma.rows_cols(ctx.acc_o)
         for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
             inv_sum, lse = softmax.finalize(ctx.row_max[r], ctx.row_sum[r], scale_log2, 4,
@@ -339,8 +345,9 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
                 o_mn[r, c] = o_mn[r, c] * inv_sum
             row = ctx.m_block * self.tile_m + ctx.o_coords[r, 0][0]
             if ctidx % 4 == 0 and row < ctx.seqlen_q:
-                mLSE[batch, head, row] = lse
-        gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.head_dim_v), (ctx.m_block, 0))
+                mLSE[batch, head, row_offset + row] = lse
+        gO = cute.local_tile(seqlen.rows(mO, head, batch, row_offset, self.varlen),
+                             (self.tile_m, self.head_dim_v), (ctx.m_block, 0))
         epilogue.store_tile(ctx.acc_o, ctx.pv, ctidx, sO, tma_o, gO, epi_tile,
                             dsl_pipeline.NamedBarrier(barrier_id=EPILOGUE_BARRIER,
                                                       num_threads=128 * self.consumer_wgs),
