@@ -93,10 +93,13 @@ class Llama(torch.nn.Module):
         self.head = torch.nn.Linear(width, vocab, bias=False, **kw)
         self.head_dim = width // heads
 
-    def forward(self, tokens, attention):
-        s = tokens.shape[1]
+    def forward(self, tokens, attention, positions=None):
+        """positions: each token's place in the sequence (default 0, 1, ...): a shard of a longer
+        sequence (context parallelism) passes its tokens' global positions for the rotary angles."""
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
         inv = 10000.0 ** (-torch.arange(0, self.head_dim, 2, device=tokens.device).float() / self.head_dim)
-        angles = torch.arange(s, device=tokens.device).float()[:, None] * inv[None, :]
+        angles = positions.float()[:, None] * inv[None, :]
         cos, sin = (f(angles)[None, :, None, :].to(self.embed.weight.dtype) for f in (torch.cos, torch.sin))
         x = self.embed(tokens)
         for layer in self.layers:

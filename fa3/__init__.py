@@ -18,10 +18,14 @@
     fa3.get_scheduler_metadata(...)     the split plan of a cache call ahead of time
     fa3.attention_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, ...)
                                             (dq, dk, dv[, dsinks]) for a given forward result
+    fa3.attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, ...)
+                                            the same for a packed batch
     fa3.context_parallel_attention(q, k, v, group=None, causal=True, softmax_scale=None,
-                                   deterministic=False, return_lse=False)
+                                   deterministic=False, return_lse=False, cu_seqlens=None,
+                                   zigzag=True)
                                             ring attention over a torch.distributed group, each
-                                            rank holding a shard (fa3.context_parallel.shard)
+                                            rank holding a shard (fa3.context_parallel.shard),
+                                            optionally of packed documents (cu_seqlens)
     fa3.gemm(a, b, out=None, kernel=None)              any 2-D pair a @ b takes; differentiable
     fa3.flash_attn_func, fa3.flash_attn_varlen_func, fa3.flash_attn_with_kvcache
                                             flash-attn's names and signatures (fa3.flash_compat)
@@ -49,7 +53,7 @@ from .kvcache import attention_with_kvcache, get_scheduler_metadata  # noqa: E40
 from .matmul import gemm  # noqa: E402
 from .flash_compat import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache  # noqa: E402
 from .varlen import attention_varlen  # noqa: E402
-from .backward import attention_backward  # noqa: E402
+from .backward import attention_backward, attention_varlen_backward  # noqa: E402
 from .context_parallel import context_parallel_attention  # noqa: E402
 from . import ops  # noqa: E402,F401  (registers torch.ops.fa3.attention and torch.ops.fa3.gemm)
 from .registry import available_kernels  # noqa: E402
@@ -57,6 +61,6 @@ from .quantize import dequantize_fp8, hadamard_rotate, quantize_fp8  # noqa: E40
 
 __version__ = "0.1.0"
 __all__ = ["attention", "attention_varlen", "attention_with_kvcache", "get_scheduler_metadata", "gemm", "available_kernels",
-           "attention_backward", "context_parallel_attention",
+           "attention_backward", "attention_varlen_backward", "context_parallel_attention",
            "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "quantize_fp8",
            "dequantize_fp8", "hadamard_rotate", "__version__"]

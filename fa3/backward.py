@@ -9,8 +9,8 @@ adds no value, so D = rowsum(dO * O) is still sum_j P_j dP_j). The sink's own gr
 d sinks_h = -sum over the rows of head h of exp(sinks_h - LSE) * D (sink_grad), from the
 preprocess's D.
 
-`attention_backward` runs the three for a given forward result (out, lse): what a caller that
-merges several attention calls needs (fa3.context_parallel_attention differentiates each ring step
+`attention_backward` (and `attention_varlen_backward`, for packed batches) runs the three for a
+given forward result (out, lse): what a caller that merges several attention calls needs (fa3.context_parallel_attention differentiates each ring step
 with the merged out and lse). The autograd registration that calls it is in fa3.ops; the rung
 choice in fa3._dispatch.
 """
@@ -86,16 +86,41 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False,
     dv need only the lse, which includes the sinks; dsinks depends on out, lse and dout alone, so
     it is the same for every key block of a merged result: take it once.)"""
     spec = check_backward(dout, q, k, v, out, lse, backward_kernel, sinks=sinks)
-    scale = 1.0 / math.sqrt(q.shape[3]) if softmax_scale is None else float(softmax_scale)
-    window, causal, softcap = tuple(window_size), bool(causal), float(softcap)
+    return _backward(spec, (dout, q, k, v, out, lse), None, causal, softmax_scale, window_size, softcap,
+                     deterministic, sinks)
+
+
+def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, causal: bool = False,
+                              softmax_scale: float | None = None, window_size=(-1, -1), softcap: float = 0.0,
+                              deterministic: bool = False, backward_kernel: str | None = None, sinks=None):
+    """attention_backward for a packed batch (fa3.attention_varlen's layouts: q (total_q, heads_q, d),
+    out like q, lse (heads_q, total_q) FP32, int32 offsets cu_seqlens_q/k on q's device): the
+    gradient of a given forward result, e.g. one key block's share of a merged one. Sequences may
+    be empty; a query row whose sequence has no key gets dq = 0."""
+    spec = check_backward(dout, q, k, v, out, lse, backward_kernel, (cu_seqlens_q, cu_seqlens_k), sinks)
+    return _backward(spec, (dout, q, k, v, out, lse), (cu_seqlens_q, cu_seqlens_k), causal, softmax_scale,
+                     window_size, softcap, deterministic, sinks)
+
+
+def _backward(spec, tensors, cu_seqlens, causal, softmax_scale, window_size, softcap, deterministic, sinks):
+    """The body both public backward calls share: the masking's check, then the launch directly
+    or through the op (traced, under modes)."""
+    q = tensors[1]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    window, causal, softcap, deterministic = tuple(window_size), bool(causal), float(softcap), bool(deterministic)
     _dispatch.check_variants(spec, masking.masking(causal, window, softcap, scale), "backward_kernel")
-    if _dispatch.direct_call_ok(dout, q, k, v, out, lse) and (sinks is None or _dispatch.direct_call_ok(sinks)):
-        grads = launch_attention_backward(spec, dout, q, k, v, out, lse, causal, scale,
-                                          bool(deterministic), window, softcap, sinks)
+    direct = _dispatch.direct_call_ok(*tensors) and (sinks is None or _dispatch.direct_call_ok(sinks))
+    if cu_seqlens is None and direct:
+        grads = launch_attention_backward(spec, *tensors, causal, scale, deterministic, window, softcap, sinks)
+    elif cu_seqlens is None:
+        grads = torch.ops.fa3.attention_backward(*tensors, causal, scale, spec.name, deterministic, window[0],
+                                                 window[1], softcap, sinks)
+    elif direct:
+        grads = launch_varlen_backward(spec, *tensors, *cu_seqlens, causal, scale, deterministic, window,
+                                       softcap, sinks)
     else:
-        grads = torch.ops.fa3.attention_backward(dout, q, k, v, out, lse, causal, scale, spec.name,
-                                                 bool(deterministic), window[0], window[1], softcap,
-                                                 sinks)
+        grads = torch.ops.fa3.attention_varlen_backward(*tensors, *cu_seqlens, causal, scale, spec.name,
+                                                        deterministic, window[0], window[1], softcap, sinks)
     return tuple(grads) if sinks is not None else tuple(grads[:3])
 
 

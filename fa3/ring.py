@@ -21,6 +21,16 @@ balancer). Then each step is one of three equal-cost calls (`plan`): the diagona
 all queries against the first half of the block (the block came from a lower rank), or the second
 half of the queries against the whole block (a higher rank). Without causal any layout works.
 
+Packed documents (`Documents`): the sequence may hold several documents back to back (global
+offsets cu_seqlens, as attention_varlen's), each attending only to itself. The shards are cut from
+the packed sequence as before, so every step's query rows and key rows are runs of global positions
+in increasing order, and each document's share of them is one contiguous run on each side: the
+step becomes one packed (varlen) call whose entries are the documents, with their per-step
+(cu_seqlens_q, cu_seqlens_k). The zig-zag plan keeps its meaning: off the diagonal every key of a
+step precedes every query, so those entries are unmasked; on the diagonal each document's queries
+and keys are the same run, so causal is causal within the document. A step that shares no
+document with its block computes nothing (its messages still travel).
+
 The local attention is a parameter (`LocalAttention`: forward -> (out, lse), backward with given
 out and lse -> (dq, dk, dv)), and so is the transport (`Ring`, or `Loopback`: no communication, the
 compute-only timing): the schedule, the merge and the gradient bookkeeping run on CPU with gloo
@@ -42,9 +52,11 @@ import torch.distributed as dist
 class LocalAttention(NamedTuple):
     """The attention of one block, in fa3's (batch, seqlen, heads, head_dim) layout, scale bound in.
 
-    forward(q, k, v, causal) -> (out, lse (batch, heads_q, seqlen_q) FP32)
-    backward(dout, q, k, v, out, lse, causal) -> (dq, dk, dv): the gradients of this block's share,
-        given the *merged* out and lse of q's rows (dk, dv summed over each GQA group)."""
+    forward(q, k, v, causal, offsets) -> (out, lse (batch, heads_q, seqlen_q) FP32)
+    backward(dout, q, k, v, out, lse, causal, offsets) -> (dq, dk, dv): the gradients of this
+        block's share, given the *merged* out and lse of q's rows (dk, dv summed over each GQA group).
+    offsets: None, or (cu_seqlens_q, cu_seqlens_k) int32 for batch 1 holding packed documents
+        (`Documents`): attention within each entry only, causal per entry."""
 
     forward: Callable
     backward: Callable
@@ -119,6 +131,53 @@ def plan(step: int, rank: int, causal: bool, half: int):
     return slice(half, None), ALL, False
 
 
+class Documents:
+    """The packed documents of the sequence a ring splits, seen from one rank: for every step, the
+    per-document (cu_seqlens_q, cu_seqlens_k) of the step's query rows and key rows (`plan`), all
+    built on the host once per call and copied to the device in one transfer.
+
+    cu_seqlens: the global offsets of the documents in the whole sequence (a list, or a tensor read
+    once on the host), from 0 to size * seqlen; seqlen: the tokens of each shard; zigzag: the
+    shards' layout (fa3.context_parallel.shard's)."""
+
+    def __init__(self, cu_seqlens, rank: int, size: int, seqlen: int, causal: bool, zigzag: bool, device):
+        cu = torch.as_tensor(cu_seqlens, dtype=torch.int64, device="cpu")
+        parts = 2 * size if zigzag else size
+        chunk = size * seqlen // parts
+
+        def runs(owner: int, part: slice):  # global position runs of `owner`'s shard rows `part`
+            chunks = (owner, parts - 1 - owner) if zigzag else (owner,)
+            runs = [(c * chunk, (c + 1) * chunk) for c in chunks]
+            return runs[len(runs) // 2:] if part.start else runs[:1] if part.stop else runs
+
+        def lengths(ranges):  # each document's rows among the runs
+            n = 0
+            for a, b in ranges:
+                clamped = cu.clamp(a, b)
+                n = n + (clamped[1:] - clamped[:-1])
+            return n
+
+        steps, flat = [], []
+        for step in range(size):
+            rows, keys, _ = plan(step, rank, causal, seqlen // 2)
+            len_q, len_k = lengths(runs(rank, rows)), lengths(runs((rank - step) % size, keys))
+            if not bool(((len_q > 0) & (len_k > 0)).any()):
+                steps.append(None)  # no document on both sides: nothing to attend
+                continue
+            kept = (len_q > 0) | (len_k > 0)  # the entries cover every row and key of the step
+            zero = torch.zeros(1, dtype=torch.int64)
+            offsets = [torch.cat((zero, n[kept].cumsum(0))) for n in (len_q, len_k)]
+            steps.append((sum(len(o) for o in flat), len(offsets[0])))
+            flat += offsets
+        packed = torch.cat(flat).to(torch.int32).to(device) if flat else None
+        self.offsets = [None if s is None else (packed[s[0]:s[0] + s[1]], packed[s[0] + s[1]:s[0] + 2 * s[1]])
+                        for s in steps]
+
+    def at(self, step: int):
+        """(cu_seqlens_q, cu_seqlens_k) of step `step`, or None when it computes nothing."""
+        return self.offsets[step]
+
+
 def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor):
     """In place: out (batch, seqlen, heads, d) and lse (batch, heads, seqlen), FP32, become the
     softmax over both key sets. Rows that no key has seen yet (LSE = -inf) stay 0."""
@@ -130,25 +189,30 @@ def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_l
     lse.copy_(new)
 
 
-def ring_forward(local: LocalAttention, q, k, v, ring, causal: bool):
-    """(out in q's dtype, lse FP32) of this rank's queries against every rank's keys."""
+def ring_forward(local: LocalAttention, q, k, v, ring, causal: bool, documents: Documents | None = None):
+    """(out in q's dtype, lse FP32) of this rank's queries against every rank's keys (within each
+    document of `documents`, if given: then batch is 1)."""
     kv = torch.stack((k, v))  # one message per step
     half = q.shape[1] // 2
     out = lse = None
     for step in range(ring.size):
         pending = ring.send_recv(kv) if step + 1 < ring.size else None
         rows, keys, block_causal = plan(step, ring.rank, causal, half)
-        block_out, block_lse = local.forward(q[:, rows], kv[0][:, keys], kv[1][:, keys], block_causal)
-        if out is None:  # step 0 covers every row
-            out, lse = block_out.to(accumulator_dtype(q.dtype)), block_lse
-        else:
-            merge(out[:, rows], lse[:, :, rows], block_out, block_lse)
+        offsets = documents.at(step) if documents is not None else None
+        if documents is None or offsets is not None:
+            block_out, block_lse = local.forward(q[:, rows], kv[0][:, keys], kv[1][:, keys], block_causal,
+                                                 offsets)
+            if out is None:  # step 0 (the rank's own block) covers every row
+                out, lse = block_out.to(accumulator_dtype(q.dtype)), block_lse
+            else:
+                merge(out[:, rows], lse[:, :, rows], block_out, block_lse)
         if pending is not None:
             kv = pending.wait()
     return out.to(q.dtype), lse
 
 
-def ring_backward(local: LocalAttention, dout, q, k, v, out, lse, ring, causal: bool):
+def ring_backward(local: LocalAttention, dout, q, k, v, out, lse, ring, causal: bool,
+                  documents: Documents | None = None):
     """(dq, dk, dv) of this rank's shard: dq summed here, each block's dK/dV summed as it travels."""
     kv = torch.stack((k, v))
     half = q.shape[1] // 2
@@ -157,18 +221,24 @@ def ring_backward(local: LocalAttention, dout, q, k, v, out, lse, ring, causal: 
     for step in range(ring.size):
         pending_kv = ring.send_recv(kv) if step + 1 < ring.size else None
         rows, keys, block_causal = plan(step, ring.rank, causal, half)
-        bdq, bdk, bdv = local.backward(dout[:, rows], q[:, rows], kv[0][:, keys], kv[1][:, keys],
-                                       out[:, rows], lse[:, :, rows], block_causal)
-        if step == 0:  # the diagonal block covers every row and key: the sums start from it
+        offsets = documents.at(step) if documents is not None else None
+        grads = None
+        if documents is None or offsets is not None:
+            grads = local.backward(dout[:, rows], q[:, rows], kv[0][:, keys], kv[1][:, keys],
+                                   out[:, rows], lse[:, :, rows], block_causal, offsets)
+        if step == 0:  # the rank's own block covers every row and key: the sums start from it
+            bdq, bdk, bdv = grads
             dq = bdq.to(acc)
             dkv = torch.empty(kv.shape, dtype=acc, device=q.device)
             dkv[0].copy_(bdk)
             dkv[1].copy_(bdv)
         else:  # this block's accumulator arrives from the previous rank
-            dq[:, rows] += bdq
             dkv = pending_dkv.wait()
-            dkv[0][:, keys] += bdk
-            dkv[1][:, keys] += bdv
+            if grads is not None:
+                bdq, bdk, bdv = grads
+                dq[:, rows] += bdq
+                dkv[0][:, keys] += bdk
+                dkv[1][:, keys] += bdv
         pending_dkv = ring.send_recv(dkv)
         if pending_kv is not None:
             kv = pending_kv.wait()
@@ -180,20 +250,20 @@ class RingAttention(torch.autograd.Function):
     """ring_forward / ring_backward as one differentiable call; lse is not differentiable."""
 
     @staticmethod
-    def forward(ctx, q, k, v, local, ring, causal):
-        out, lse = ring_forward(local, q, k, v, ring, causal)
+    def forward(ctx, q, k, v, local, ring, causal, documents):
+        out, lse = ring_forward(local, q, k, v, ring, causal, documents)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.local, ctx.ring, ctx.causal = local, ring, causal
+        ctx.local, ctx.ring, ctx.causal, ctx.documents = local, ring, causal, documents
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(ctx.local, dout, q, k, v, out, lse, ctx.ring, ctx.causal)
-        return dq, dk, dv, None, None, None
+        dq, dk, dv = ring_backward(ctx.local, dout, q, k, v, out, lse, ctx.ring, ctx.causal, ctx.documents)
+        return dq, dk, dv, None, None, None, None
 
 
-def ring_attention(q, k, v, local: LocalAttention, ring, causal: bool):
+def ring_attention(q, k, v, local: LocalAttention, ring, causal: bool, documents: Documents | None = None):
     """(out, lse) of this rank's shard, differentiable in q, k, v (RingAttention)."""
-    return RingAttention.apply(q, k, v, local, ring, causal)
+    return RingAttention.apply(q, k, v, local, ring, causal, documents)

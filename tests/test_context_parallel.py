@@ -29,17 +29,61 @@ from conftest import HAS_HOPPER, raises_with, rel_err
 CPU_CASES = [(3, 2, 2, 8), (5, 4, 2, 8)]
 
 
+def _entries(offsets):
+    """(query rows, key rows) of each entry of a packed step's (cu_seqlens_q, cu_seqlens_k)."""
+    cu_q, cu_k = (o.tolist() for o in offsets)
+    return [(slice(a, b), slice(c, d)) for a, b, c, d in zip(cu_q, cu_q[1:], cu_k, cu_k[1:])]
+
+
 def _reference_local(scale):
-    """The float64 reference as the ring's local attention (the kernels' stand-in)."""
+    """The float64 reference as the ring's local attention (the kernels' stand-in); a packed step
+    (offsets) entry by entry, rows of an entry without keys 0 with LSE -inf."""
 
-    def forward(q, k, v, causal):
-        out, lse = attention_reference(q, k, v, causal=causal, softmax_scale=scale, dtype=torch.float64)
-        return out.contiguous(), lse
+    def forward(q, k, v, causal, offsets=None):
+        if offsets is None:
+            out, lse = attention_reference(q, k, v, causal=causal, softmax_scale=scale, dtype=torch.float64)
+            return out.contiguous(), lse
+        out = torch.zeros_like(q)
+        lse = torch.full((1, q.shape[2], q.shape[1]), float("-inf"), dtype=torch.float64)
+        for rows, keys in _entries(offsets):
+            if rows.stop > rows.start and keys.stop > keys.start:
+                out[:, rows], lse[:, :, rows] = attention_reference(
+                    q[:, rows], k[:, keys], v[:, keys], causal=causal, softmax_scale=scale, dtype=torch.float64)
+        return out, lse
 
-    def backward(dout, q, k, v, out, lse, causal):
-        return attention_backward_reference(dout, q, k, v, out, lse, causal, scale)
+    def backward(dout, q, k, v, out, lse, causal, offsets=None):
+        if offsets is None:
+            return attention_backward_reference(dout, q, k, v, out, lse, causal, scale)
+        grads = [torch.zeros_like(t) for t in (q, k, v)]
+        for rows, keys in _entries(offsets):
+            if rows.stop > rows.start and keys.stop > keys.start:
+                dq, dk, dv = attention_backward_reference(dout[:, rows], q[:, rows], k[:, keys], v[:, keys],
+                                                          out[:, rows], lse[:, :, rows], causal, scale)
+                grads[0][:, rows] += dq
+                grads[1][:, keys] += dk
+                grads[2][:, keys] += dv
+        return tuple(grads)
 
     return ring.LocalAttention(forward, backward)
+
+
+def _documents_reference(q, k, v, cu_seqlens, causal, scale):
+    """Attention within each document of a packed batch-1 sequence, differentiable: (out, lse)."""
+    outs, lses = [], []
+    for a, b in zip(cu_seqlens, cu_seqlens[1:]):
+        if b > a:
+            out, lse = attention_reference(q[:, a:b], k[:, a:b], v[:, a:b], causal=causal, softmax_scale=scale,
+                                           dtype=q.dtype if q.dtype == torch.float64 else torch.float32)
+            outs.append(out)
+            lses.append(lse)
+    return torch.cat(outs, 1), torch.cat(lses, 2)
+
+
+def _documents(seqlen: int, seed: int) -> list[int]:
+    """Random document offsets over `seqlen` tokens, with an empty document and a one-token one."""
+    g = torch.Generator().manual_seed(seed)
+    cuts = sorted(torch.randint(1, seqlen, (4,), generator=g).tolist())
+    return [0, cuts[0], cuts[0], cuts[0] + 1] + [c for c in cuts[1:] if c > cuts[0] + 1] + [seqlen]
 
 
 def _global_inputs(seqlen, heads_q, heads_kv, head_dim, seed, device="cpu", dtype=torch.float64):
@@ -72,6 +116,8 @@ def _cpu_ranks(rank, world_size, init_method):
                 for causal in (True, False):
                     _check_cpu_case(group, 2 * len(members) * chunk, heads_q, heads_kv, head_dim, causal,
                                     seed=10 * i + causal)
+                    _check_cpu_documents(group, 2 * len(members) * chunk, heads_q, heads_kv, head_dim, causal,
+                                         seed=10 * i + causal)
             _check_unshard(group, len(members))
     finally:
         dist.destroy_process_group()
@@ -99,6 +145,29 @@ def _check_cpu_case(group, seqlen, heads_q, heads_kv, head_dim, causal, seed):
         assert rel_err(a, b) < 1e-12, f"{case}: {name} rel err {rel_err(a, b):.2e}"
 
 
+def _check_cpu_documents(group, seqlen, heads_q, heads_kv, head_dim, causal, seed):
+    """Packed documents through the ring (ring.Documents), against attention within each document."""
+    scale = 0.6 / head_dim ** 0.5
+    q, k, v, dout = (t[:1] for t in _global_inputs(seqlen, heads_q, heads_kv, head_dim, seed + 100))
+    cu = _documents(seqlen, seed)
+    zigzag = causal or seed % 2 == 0
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    local = [context_parallel.shard(t, group, zigzag=zigzag).requires_grad_() for t in (q, k, v)]
+    documents = ring.Documents(cu, rank, size, seqlen // size, causal, zigzag, "cpu")
+    out, lse = ring.ring_attention(*local, _reference_local(scale), ring.Ring(group), causal, documents)
+    out.backward(context_parallel.shard(dout, group, zigzag=zigzag))
+    got = [context_parallel.unshard(t, group, zigzag=zigzag) for t in (out, lse.transpose(1, 2))]
+    got += [context_parallel.unshard(t.grad, group, zigzag=zigzag) for t in local]
+    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse = _documents_reference(*ref_in, cu, causal, scale)
+    ref_out.backward(dout)
+    expected = [ref_out, ref_lse.transpose(1, 2)] + [t.grad for t in ref_in]
+    case = f"{size} ranks, documents {cu} heads={heads_q}/{heads_kv} causal={causal} zigzag={zigzag}"
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, expected):
+        assert torch.isfinite(a).all(), f"{case}: {name} has NaN/inf"
+        assert rel_err(a, b) < 1e-12, f"{case}: {name} rel err {rel_err(a, b):.2e}"
+
+
 def _check_unshard(group, world_size):
     x = torch.arange(2 * 4 * world_size * 3, dtype=torch.float64).view(2, 4 * world_size, 3)
     for zigzag in (True, False):
@@ -110,7 +179,8 @@ def _check_unshard(group, world_size):
 
 def test_ring_matches_single_process():
     """3 gloo ranks, float64 local attention: out, lse, dq, dk, dv of a 3-rank ring and of a ring
-    of global ranks 1 and 2 (a subgroup) equal single-process attention."""
+    of global ranks 1 and 2 (a subgroup) equal single-process attention, also over packed
+    documents (attention within each)."""
     _spawn(_cpu_ranks, 3)
 
 
@@ -188,6 +258,17 @@ def test_validation_messages():
                 q=q, k=q, v=q[..., :32])
     raises_with(fa3.context_parallel_attention, ValueError, "CUDA GPU", q=q, k=q, v=q)
     raises_with(context_parallel.shard, RuntimeError, "init_process_group", x=q)
+    raises_with(fa3.context_parallel_attention, ValueError, "same seqlen per rank", "packed documents",
+                q=q[0], k=q[0, :4], v=q[0, :4], causal=False, cu_seqlens=[0, 12])
+    check = context_parallel.check_documents
+    raises_with(check, ValueError, "from 0 to the whole sequence's 12 tokens", cu_seqlens=[0, 5, 10],
+                tokens=12, causal=True, zigzag=True)
+    raises_with(check, ValueError, "non-decreasing", "entry 2 is 3 after 5", cu_seqlens=[0, 5, 3, 12],
+                tokens=12, causal=True, zigzag=True)
+    raises_with(check, ValueError, "1-D integer tensor", cu_seqlens=torch.tensor([0.0, 12.0]), tokens=12,
+                causal=True, zigzag=True)
+    raises_with(check, ValueError, "zigzag=True", cu_seqlens=[0, 12], tokens=12, causal=True, zigzag=False)
+    assert check(torch.tensor([0, 4, 12], dtype=torch.int32), 12, False, False) == [0, 4, 12]
 
 
 class ThreadRing:
@@ -298,12 +379,58 @@ def test_ring_with_fa3_kernels_on_one_gpu(world, chunk, heads_q, heads_kv, head_
     exact_out.backward(dout.double())
     single = [single_out] + [t.grad for t in single_in]
     exact = [exact_out] + [t.grad for t in exact_in]
-    for i, name in enumerate(("out", "dq", "dk", "dv")):
-        g = torch.cat([res[i] for res in got], 1)
-        s, e = single[i][:, order], exact[i][:, order]
-        assert g.shape == s.shape and g.dtype == s.dtype and torch.isfinite(g).all(), name
+    _assert_near(f"{world} ranks, causal={causal}", ("out", "dq", "dk", "dv"),
+                 [torch.cat([res[i] for res in got], 1) for i in range(4)],
+                 [t[:, order] for t in single], [t[:, order] for t in exact])
+
+
+def _assert_near(case, names, got, single, exact):
+    """Each result's error against float64 within 2x single-GPU fa3's (plus 1e-3), finite."""
+    for name, g, s, e in zip(names, got, single, exact):
+        assert g.shape == s.shape and g.dtype == s.dtype, f"{case}: {name} {g.shape} {g.dtype}"
+        assert torch.isfinite(g).all(), f"{case}: {name} has NaN/inf"
         err, base = rel_err(g, e), rel_err(s, e)
-        assert err <= 2 * base + 1e-3, f"{name}: rel err {err:.2e}, single GPU {base:.2e}"
+        assert err <= 2 * base + 1e-3, f"{case}: {name} rel err {err:.2e}, single GPU {base:.2e}"
+
+
+def _packed_single_and_exact(q, k, v, dout, cu, causal):
+    """(out, dq, dk, dv) of single-GPU fa3.attention_varlen over documents `cu` of packed q, k, v
+    (tokens, heads, d), and the same in float64."""
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=q.device)
+    single_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    single_out = fa3.attention_varlen(*single_in, cu_t, cu_t, causal=causal)
+    single_out.backward(dout)
+    exact_in = [t.double().unsqueeze(0).requires_grad_() for t in (q, k, v)]
+    exact_out, _ = _documents_reference(*exact_in, cu, causal, 1.0 / q.shape[-1] ** 0.5)
+    exact_out.backward(dout.double().unsqueeze(0))
+    return [single_out] + [t.grad for t in single_in], [exact_out[0]] + [t.grad[0] for t in exact_in]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world, chunk, heads_q, heads_kv, head_dim, causal", GPU_THREAD_CASES[:3])
+def test_ring_over_documents_with_fa3_kernels_on_one_gpu(world, chunk, heads_q, heads_kv, head_dim, causal):
+    """Packed documents through the ring with fa3's varlen kernels on every step (ranks as threads
+    on one GPU): against single-GPU fa3.attention_varlen over the same documents."""
+    seqlen = 2 * world * chunk
+    q, k, v, dout = (t[0] for t in _global_inputs(seqlen, heads_q, heads_kv, head_dim, 1, "cuda", torch.bfloat16))
+    cu = _documents(seqlen, seed=world + chunk)
+    single, exact = _packed_single_and_exact(q, k, v, dout, cu, causal)  # (compiles outside the threads)
+    local = context_parallel.fa3_local(1.0 / head_dim ** 0.5)
+    torch.empty(1 << 26, device="cuda").fill_(float("nan"))
+
+    def work(rank, r):
+        pos = context_parallel.positions(seqlen, rank, world).cuda()
+        shard = [t[pos].unsqueeze(0) for t in (q, k, v, dout)]
+        documents = ring.Documents(cu, rank, world, seqlen // world, causal, True, q.device)
+        out, lse = ring.ring_forward(local, *shard[:3], r, causal, documents)
+        grads = ring.ring_backward(local, shard[3], *shard[:3], out, lse, r, causal, documents)
+        return [t[0] for t in (out, *grads)]
+
+    got = _thread_ranks(world, work)
+    order = torch.cat([context_parallel.positions(seqlen, r, world) for r in range(world)]).cuda()
+    _assert_near(f"{world} ranks, documents {cu}, causal={causal}", ("out", "dq", "dk", "dv"),
+                 [torch.cat([res[i] for res in got]) for i in range(4)],
+                 [t[order] for t in single], [t[order] for t in exact])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,6 +452,9 @@ def _gpu_ranks(rank, world_size, init_method, deterministic):
     try:
         for i, case in enumerate(GPU_CASES):
             _check_gpu_case(*case, seed=i, deterministic=deterministic)
+        for i, (seqlen, heads_q, heads_kv, head_dim, causal) in enumerate(GPU_CASES[:4]):
+            _check_gpu_documents(seqlen, heads_q, heads_kv, head_dim, causal, seed=i,
+                                 deterministic=deterministic)
     finally:
         dist.destroy_process_group()
 
@@ -348,15 +478,33 @@ def _check_gpu_case(seqlen, heads_q, heads_kv, head_dim, causal, seed, determini
     exact_out, exact_lse = attention_reference(*exact_in, causal=causal, dtype=torch.float64)
     exact_out.backward(dout.double())
     exact = [exact_out, exact_lse.transpose(1, 2)] + [t.grad for t in exact_in]
-    for name, g, s, e in zip(("out", "lse", "dq", "dk", "dv"), got, single, exact):
-        assert g.shape == s.shape and g.dtype == s.dtype, f"{case}: {name} {g.shape} {g.dtype}"
-        assert torch.isfinite(g).all(), f"{case}: {name} has NaN/inf"
-        err, base = rel_err(g, e), rel_err(s, e)
-        assert err <= 2 * base + 1e-3, f"{case}: {name} rel err {err:.2e}, single GPU {base:.2e}"
+    _assert_near(case, ("out", "lse", "dq", "dk", "dv"), got, single, exact)
     if deterministic:  # bitwise repeatable
         again = [t.detach().clone().requires_grad_() for t in local]
         fa3.context_parallel_attention(*again, causal=causal, deterministic=True).backward(
             context_parallel.shard(dout))
+        for t, u in zip(local, again):
+            assert torch.equal(t.grad, u.grad), f"{case}: deterministic grads differ between runs"
+
+
+def _check_gpu_documents(seqlen, heads_q, heads_kv, head_dim, causal, seed, deterministic):
+    """fa3.context_parallel_attention over packed documents (cu_seqlens, (tokens, heads, d) shards)
+    against single-GPU fa3.attention_varlen."""
+    q, k, v, dout = (t[0] for t in _global_inputs(seqlen, heads_q, heads_kv, head_dim, seed + 50, "cuda",
+                                                   torch.bfloat16))
+    cu = _documents(seqlen, seed)
+    case = f"documents {cu} heads={heads_q}/{heads_kv} d={head_dim} causal={causal}"
+    local = [context_parallel.shard(t, dim=0).requires_grad_() for t in (q, k, v)]
+    cu_cpu = torch.tensor(cu, dtype=torch.int32)
+    out = fa3.context_parallel_attention(*local, causal=causal, cu_seqlens=cu_cpu, deterministic=deterministic)
+    torch.empty(1 << 26, device="cuda").fill_(float("nan"))
+    out.backward(context_parallel.shard(dout, dim=0))
+    got = [context_parallel.unshard(t, dim=0) for t in (out, *(t.grad for t in local))]
+    _assert_near(case, ("out", "dq", "dk", "dv"), got, *_packed_single_and_exact(q, k, v, dout, cu, causal))
+    if deterministic:
+        again = [t.detach().clone().requires_grad_() for t in local]
+        fa3.context_parallel_attention(*again, causal=causal, cu_seqlens=cu_cpu, deterministic=True).backward(
+            context_parallel.shard(dout, dim=0))
         for t, u in zip(local, again):
             assert torch.equal(t.grad, u.grad), f"{case}: deterministic grads differ between runs"
 
