@@ -1,8 +1,10 @@
 """Host checks of the values of index arguments: cu_seqlens_q/k, cache_seqlens and block_table.
 
 Kernels read these on the GPU, and a bad value would send a load or a store outside its tensor.
-Eager calls copy what the checks need to the host (one small copy and one sync a call) and refuse
-bad values with a ValueError naming the argument, the entry, the value, the bound and the fix.
+Eager calls copy what the checks need to the host (one small copy and one sync) and refuse bad
+values with a ValueError naming the argument, the entry, the value, the bound and the fix. A call
+that passes the tensors the last passing check saw, unmodified, skips the copy (_start_check): the
+layers of a model pass the same offsets and cache lengths, and only the first one syncs.
 Nothing may synchronize while a CUDA graph is captured or torch.compile traces, so there (and in
 direct calls of the torch.ops.fa3 ops) the values are not read on the host; the kernels clamp
 instead: lengths to [0, capacity], page indices to [0, num_pages), and an append's first position
@@ -49,6 +51,15 @@ def check_offset_values(cu_q, cu_k, total_q, total_k, max_seqlen_q, max_seqlen_k
                              "the packed length")
         if lengths and max_len is not None and max(lengths) > max_len:
             raise ValueError(f"{max_name}={max_len} but a sequence has {max(lengths)} tokens")
+
+
+def start_offsets_check(cu_q, cu_k, total_q, total_k, max_seqlen_q, max_seqlen_k, device=None):
+    """check_offset_values through _start_check: the copy and the sync only when these offsets
+    were not the last ones checked (a packed model's layers, and its backward, pass the same
+    cu_seqlens: only the first call pays). Returns `wait`, which checks (raising ValueError)."""
+    return _start_check([cu_q, cu_k], ("offsets", total_q, total_k, max_seqlen_q, max_seqlen_k),
+                        lambda host: check_offset_values(host[0], host[1], total_q, total_k, max_seqlen_q,
+                                                         max_seqlen_k), device)
 
 
 # ----------------------------------------------------------------------------- KV caches

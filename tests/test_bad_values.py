@@ -88,6 +88,25 @@ def test_unchanged_values_are_not_copied_again(monkeypatch):
     assert len(copies) == before + 2
 
 
+def test_unchanged_offsets_are_not_copied_again(monkeypatch):
+    """attention_varlen's offsets through the same memo: a packed model's layers pass the same
+    cu_seqlens, so only the first call syncs; an in-place change or other bounds checks again."""
+    copies = []
+    start_host_copy = index_checks.start_host_copy
+    monkeypatch.setattr(index_checks, "start_host_copy", lambda ts: copies.append(1) or start_host_copy(ts))
+    cu_q, cu_k = (torch.tensor(v, dtype=torch.int32) for v in ([0, 3, 7], [0, 5, 9]))
+    for _ in range(3):
+        index_checks.start_offsets_check(cu_q, cu_k, 7, 9, None, None)()
+    assert len(copies) == 1
+    index_checks.start_offsets_check(cu_q, cu_k, 7, 9, 4, None)()  # other bounds
+    assert len(copies) == 2
+    cu_k[1] = 10  # in place: refused although the objects are the same
+    for _ in range(2):  # a failed check is never remembered
+        with pytest.raises(ValueError, match=r"cu_seqlens_k decreases at entry 2 \(10 -> 9\)"):
+            index_checks.start_offsets_check(cu_q, cu_k, 7, 9, 4, None)()
+    assert len(copies) == 4
+
+
 def test_remembered_check_asks_nothing_else(monkeypatch):
     """A call that passes the remembered tensors, unmodified, reuses the check without asking
     whether values may be read now (that question costs an eager decode call more host time than

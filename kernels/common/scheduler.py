@@ -227,9 +227,11 @@ class AttentionTileSchedule:
         """(m_block, head, batch, seq) of linear tile `tile`: `seq` (common/seqlen.py) holds the
         entry's lengths and, varlen, its row offsets; mQ is (seqlen_q, d, heads, batch)."""
         if cutlass.const_expr(self.varlen):
-            # one head's Q tiles of every sequence in a row (they share nothing, but the CTAs
-            # running together then share each sequence's K/V in L2), longest first if causal
-            head, block = tile // params.q_blocks, tile % params.q_blocks
+            # every query head of one Q tile in a row, the entry's Q tiles longest first if causal,
+            # entry after entry: the CTAs running together share one entry's K/V in L2, GQA
+            # groups included (one head's tiles of every entry in a row, the order before, ran
+            # 2-7% slower, 5% on the ragged benchmark batch)
+            head, block = tile % mQ.shape[2], tile // mQ.shape[2]
             batch, m_block, blocks = varlen_tile(block, params.cu_q, self.tile_m, params.rows_q)
             if cutlass.const_expr(self.causal):
                 m_block = blocks - 1 - m_block
