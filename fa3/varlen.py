@@ -63,9 +63,9 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     if v.shape[2] != head_dim:
         _dispatch.check_value_head_dim(spec, head_dim, v.shape[2], "kernel")
     _checks.check_hopper(device, "q")
-    if check_values:  # (skipped where the host may not read them, and for offsets just checked)
+    if check_values and index_checks.values_checkable(device):  # (the memo skips offsets just checked)
         index_checks.start_offsets_check(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q,
-                                         max_seqlen_k, device)()
+                                         max_seqlen_k)()
     return spec
 
 
