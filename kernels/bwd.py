@@ -51,6 +51,9 @@ class AttentionBackward:
     mma_warpgroups = 2
     p_in_smem = True  # P goes through SMEM for dV (B3 keeps it in registers)
     q_tile_multiple = 64  # Q tiles are M of S and dQ: whole 64-row WGMMA atoms (B6: N of both)
+    # the per-query statistics (LSE * log2 e, D) of each Q tile land in SMEM with its Q/dO TMA
+    # (B8; fixed-length batches: a packed batch's statistic rows need not be 16-byte aligned)
+    stats_in_smem = False
 
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 64, tile_n: int = 128,
                  q_stages: int = 2, deterministic: bool = False, local: bool = False,
@@ -100,6 +103,8 @@ class AttentionBackward:
             sP: cute.struct.Align[cute.struct.MemRange[self.dtype, p_elems], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPdS_layout)], 1024]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, self.dq_smem_elems()], 1024]
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, self.stat_smem_elems()], 128]
+            sD: cute.struct.Align[cute.struct.MemRange[Float32, self.stat_smem_elems()], 128]
 
         smem.check_budget(SharedStorage.size_in_bytes(),
                           f"{type(self).__name__} with q_stages={self.q_stages}, tile_m={self.tile_m}, "
@@ -225,10 +230,39 @@ class AttentionBackward:
             n_block = cutlass.max(kv_tiles - 1 - block, 0)  # 0 for a varlen CTA past the last tile
         return n_block
 
+    @property
+    def smem_stats(self) -> bool:
+        """Whether this kernel reads the statistics from SMEM: `stats_in_smem`, fixed lengths, and
+        not in the ordered dQ walk (B7's deterministic variant spills 24 B with them)."""
+        return self.stats_in_smem and not self.varlen and not self.ordered_dq
+
+    def stat_smem_elems(self) -> int:
+        return self.tile_m * self.q_stages if self.smem_stats else 4  # 4 keeps the fields valid
+
+    def stat_layout(self):
+        """A statistic's SMEM ring: (tile_m, 1, stages), the shape of Q's stages with d = 1."""
+        return cute.make_layout((self.tile_m, 1, self.q_stages), stride=(1, self.tile_m, self.tile_m))
+
+    def stat_major(self, mX: cute.Tensor) -> cute.Tensor:
+        """(batch, heads, rows) FP32 -> a (rows, 1, heads, batch) view, tiled as tma.seq_major's
+        (the unit mode takes the heads' stride: a TMA stride must be a multiple of 16 bytes)."""
+        rows_stride, heads_stride, batch_stride = mX.layout.stride[2], mX.layout.stride[1], mX.layout.stride[0]
+        return cute.make_tensor(mX.iterator, cute.make_layout(
+            (mX.shape[2], 1, mX.shape[1], mX.shape[0]), stride=(rows_stride, heads_stride, heads_stride, batch_stride)))
+
+    def make_stat_loads(self, mLSE2, mD):
+        """(atom, TMA tensor) of LSE * log2 e and of D, Q tile by Q tile (None where unused)."""
+        if not self.smem_stats:
+            return None, None, None, None
+        return (*tma.make_load(self.stat_major(mLSE2), self.stat_layout(), (self.tile_m, 1)),
+                *tma.make_load(self.stat_major(mD), self.stat_layout(), (self.tile_m, 1)))
+
     def make_pipelines(self, storage, sQ_layout, sKV_layout, consumer_warps):
-        """(Q/dO ring, K/V single stage): each stage's Q and dO (K and V) land on one barrier."""
+        """(Q/dO ring, K/V single stage): each stage's Q and dO (K and V) land on one barrier (with
+        the stage's statistics, `stats_in_smem`)."""
+        stat_bytes = 2 * self.tile_m * 4 if self.smem_stats else 0
         q_pipe = pipeline.create(storage.q_barriers.data_ptr(), self.q_stages, consumer_warps,
-                                 2 * smem.stage_bytes(self.dtype, sQ_layout))
+                                 2 * smem.stage_bytes(self.dtype, sQ_layout) + stat_bytes)
         kv_pipe = pipeline.create(storage.kv_barriers.data_ptr(), 1, consumer_warps,
                                   2 * smem.stage_bytes(self.dtype, sKV_layout))
         return q_pipe, kv_pipe
@@ -237,13 +271,16 @@ class AttentionBackward:
         def get(field, layout):
             return field.get_tensor(layout.outer, swizzle=layout.inner)
 
+        stats = dict(sLSE=storage.sLSE.get_tensor(self.stat_layout()),
+                     sD=storage.sD.get_tensor(self.stat_layout())) if self.smem_stats else {}
         return SimpleNamespace(sQ=get(storage.sQ, sQ_layout), sdO=get(storage.sdO, sQ_layout),
                                sK=get(storage.sK, sKV_layout), sV=get(storage.sV, sKV_layout),
                                sP=get(storage.sP, sPdS_layout) if self.p_in_smem else None,
-                               sdS=get(storage.sdS, sPdS_layout))
+                               sdS=get(storage.sdS, sPdS_layout), **stats)
 
-    def tma_copies(self, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, s, head, batch, seq):
-        """([(atom, gmem tiles, smem stages)] for Q and dO, the same for K and V)."""
+    def tma_copies(self, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, s, head, batch, seq, stat_loads=None):
+        """([(atom, gmem tiles, smem stages)] for Q and dO (and the statistics, `stat_loads`: the
+        atoms and TMA tensors of make_stat_loads), the same for K and V)."""
         head_kv = head // (mQ.shape[2] // mK.shape[2])
         tile_q, tile_kv = (self.tile_m, self.head_dim), (self.tile_n, self.head_dim)
 
@@ -252,8 +289,14 @@ class AttentionBackward:
             tXsX, tXgX = tma.partition(atom, cute.local_tile(gX, tile, (None, 0)), sX)
             return atom, tXgX, tXsX
 
+        stat_copies = []
+        if cutlass.const_expr(self.smem_stats):
+            tma_lse, mLSE2, tma_d, mD = stat_loads
+            stat_copies = [copy(tma_lse, mLSE2, head, seq.offset_q, (self.tile_m, 1), s.sLSE),
+                           copy(tma_d, mD, head, seq.offset_q, (self.tile_m, 1), s.sD)]
+
         return ([copy(tma_q, mQ, head, seq.offset_q, tile_q, s.sQ),
-                 copy(tma_do, mdO, head, seq.offset_q, tile_q, s.sdO)],
+                 copy(tma_do, mdO, head, seq.offset_q, tile_q, s.sdO)] + stat_copies,
                 [copy(tma_k, mK, head_kv, seq.offset_k, tile_kv, s.sK),
                  copy(tma_v, mV, head_kv, seq.offset_k, tile_kv, s.sV)])
 
@@ -263,6 +306,8 @@ class AttentionBackward:
         ctx = self.mma_setup(s, tidx)
         ctx.window, ctx.softcap_scale, ctx.seq = window, softcap_scale, seq
         ctx.lse_rows, ctx.d_rows = self.stat_rows(mLSE2, head, batch, seq), self.stat_rows(mD, head, batch, seq)
+        if self.smem_stats:
+            ctx.sLSE, ctx.sD = s.sLSE, s.sD
         return ctx
 
     def mma_setup(self, s, tidx):

@@ -115,6 +115,8 @@ class SwappedBackward(WarpSpecializedBackward):
         """The statistic of this thread's c-th column (of the (rows, cols) accumulator view):
         column 8 j + 2 (lane % 4) + i with c = 2 j + i, held by lane 4 (j % 8) + lane % 4."""
         j, i = c // 2, c % 2
+        if cutlass.const_expr(self.smem_stats):  # `vals` is the stage's SMEM statistic
+            return vals[8 * j + 2 * (ctx.lane % 4) + i]
         return cute.arch.shuffle_sync(vals[i + 2 * (j // 8)], 4 * (j % 8) + ctx.lane % 4)
 
     @cute.jit

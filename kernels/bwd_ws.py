@@ -23,6 +23,8 @@ Packed batches (varlen) and constraints: as B1. SMEM (bf16): d=128: Q/dO 2 x 32 
 d=256 takes one Q/dO stage (64 KB), K/V 64 KB, P/dS 16 KB, dQ 64 KB = 208 KB.
 """
 
+from typing import Optional
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
@@ -70,7 +72,7 @@ class WarpSpecializedBackward(AttentionBackward):
         loads = self.make_loads(mQ, mdO, mK, mV, sQ_layout, sKV_layout)
         tma_dq, tdQ = tma.make_reduce_add(tma.seq_major(mdQacc), self.sdq_layout(), self.dq_box())
         storage_cls = self.shared_storage(sQ_layout, sKV_layout, sPdS_layout)
-        self.kernel(*loads, tma_dq, tdQ, mLSE2, mD, mdK, mdV, mLock, scale_log2, softmax_scale,
+        self.kernel(*loads, tma_dq, tdQ, *self.make_stat_loads(mLSE2, mD), mLSE2, mD, mdK, mdV, mLock, scale_log2, softmax_scale,
                     window_left, window_right, softcap_scale, mCuSeqlensQ, mCuSeqlensK, sQ_layout,
                     sKV_layout, sPdS_layout, self.sdq_layout(), storage_cls).launch(
             grid=self.grid(mQ, mK, mCuSeqlensK),
@@ -80,7 +82,9 @@ class WarpSpecializedBackward(AttentionBackward):
     @cute.kernel
     def kernel(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_do: cute.CopyAtom, mdO: cute.Tensor,
                tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom, mV: cute.Tensor,
-               tma_dq: cute.CopyAtom, mdQacc: cute.Tensor, mLSE2: cute.Tensor, mD: cute.Tensor,
+               tma_dq: cute.CopyAtom, mdQacc: cute.Tensor, tma_lse: Optional[cute.CopyAtom],
+               mLSE2_tiles: Optional[cute.Tensor], tma_d: Optional[cute.CopyAtom],
+               mD_tiles: Optional[cute.Tensor], mLSE2: cute.Tensor, mD: cute.Tensor,
                mdK: cute.Tensor, mdV: cute.Tensor, mLock: cute.Tensor, scale_log2: Float32,
                softmax_scale: Float32, window_left: Int32, window_right: Int32, softcap_scale: Float32,
                mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, sQ_layout: cute.ComposedLayout,
@@ -91,6 +95,8 @@ class WarpSpecializedBackward(AttentionBackward):
         n_block, head, batch, seq = self.kv_tile_work(mQ, mK, mCuSeqlensQ, mCuSeqlensK)
         if warp_idx == 0:
             tma.prefetch(tma_q, tma_do, tma_k, tma_v, tma_dq)
+            if cutlass.const_expr(self.smem_stats):
+                tma.prefetch(tma_lse, tma_d)
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         q_pipe, kv_pipe = self.make_pipelines(storage, sQ_layout, sKV_layout, self.consumer_threads // 32)
         pipeline.init_done()
@@ -104,7 +110,7 @@ class WarpSpecializedBackward(AttentionBackward):
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp_idx == 0:
                 q_copies, kv_copies = self.tma_copies(tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV,
-                                                      s, head, batch, seq)
+                                                      s, head, batch, seq, (tma_lse, mLSE2_tiles, tma_d, mD_tiles))
                 self.load(q_pipe, kv_pipe, q_copies, kv_copies, n_block, start, m_first, m_end)
             if warp_idx == 1:
                 self.write_dq(tma_dq, mdQacc, s.sdQ, mLock, n_block, head, batch, start, m_first, m_end,
@@ -209,7 +215,11 @@ class WarpSpecializedBackward(AttentionBackward):
     @cute.jit
     def step_stats(self, ctx, q_pipe, q_state, m_block: Int32):
         """This thread's (LSE * log2 e, D) of Q tile m_block, loaded from global memory before
-        waiting for the tile's stage (their latency hides under the wait and the first GEMM)."""
+        waiting for the tile's stage (their latency hides under the wait and the first GEMM); with
+        `smem_stats`, the stage's SMEM statistics (`col_stat` reads each where it is used)."""
+        if cutlass.const_expr(self.smem_stats):
+            pipeline.consume_wait(q_pipe, q_state)
+            return ctx.sLSE[None, 0, q_state.index], ctx.sD[None, 0, q_state.index]
         lse2, dsum = self.stats(ctx, m_block)
         pipeline.consume_wait(q_pipe, q_state)
         return lse2, dsum
