@@ -45,15 +45,13 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
 from .common import accum, mask, mma, pipeline, scheduler, seqlen, smem, softmax, tma
+from .common.statistics import QueryStatistics
 
 
-class AttentionBackward:
+class AttentionBackward(QueryStatistics):
     mma_warpgroups = 2
     p_in_smem = True  # P goes through SMEM for dV (B3 keeps it in registers)
     q_tile_multiple = 64  # Q tiles are M of S and dQ: whole 64-row WGMMA atoms (B6: N of both)
-    # the per-query statistics (LSE * log2 e, D) of each Q tile land in SMEM with its Q/dO TMA
-    # (B8; fixed-length batches: a packed batch's statistic rows need not be 16-byte aligned)
-    stats_in_smem = False
 
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 64, tile_n: int = 128,
                  q_stages: int = 2, deterministic: bool = False, local: bool = False,
@@ -230,33 +228,6 @@ class AttentionBackward:
             n_block = cutlass.max(kv_tiles - 1 - block, 0)  # 0 for a varlen CTA past the last tile
         return n_block
 
-    @property
-    def smem_stats(self) -> bool:
-        """Whether this kernel reads the statistics from SMEM: `stats_in_smem`, fixed lengths, and
-        not in the ordered dQ walk (B7's deterministic variant spills 24 B with them)."""
-        return self.stats_in_smem and not self.varlen and not self.ordered_dq
-
-    def stat_smem_elems(self) -> int:
-        return self.tile_m * self.q_stages if self.smem_stats else 4  # 4 keeps the fields valid
-
-    def stat_layout(self):
-        """A statistic's SMEM ring: (tile_m, 1, stages), the shape of Q's stages with d = 1."""
-        return cute.make_layout((self.tile_m, 1, self.q_stages), stride=(1, self.tile_m, self.tile_m))
-
-    def stat_major(self, mX: cute.Tensor) -> cute.Tensor:
-        """(batch, heads, rows) FP32 -> a (rows, 1, heads, batch) view, tiled as tma.seq_major's
-        (the unit mode takes the heads' stride: a TMA stride must be a multiple of 16 bytes)."""
-        rows_stride, heads_stride, batch_stride = mX.layout.stride[2], mX.layout.stride[1], mX.layout.stride[0]
-        return cute.make_tensor(mX.iterator, cute.make_layout(
-            (mX.shape[2], 1, mX.shape[1], mX.shape[0]), stride=(rows_stride, heads_stride, heads_stride, batch_stride)))
-
-    def make_stat_loads(self, mLSE2, mD):
-        """(atom, TMA tensor) of LSE * log2 e and of D, Q tile by Q tile (None where unused)."""
-        if not self.smem_stats:
-            return None, None, None, None
-        return (*tma.make_load(self.stat_major(mLSE2), self.stat_layout(), (self.tile_m, 1)),
-                *tma.make_load(self.stat_major(mD), self.stat_layout(), (self.tile_m, 1)))
-
     def make_pipelines(self, storage, sQ_layout, sKV_layout, consumer_warps):
         """(Q/dO ring, K/V single stage): each stage's Q and dO (K and V) land on one barrier (with
         the stage's statistics, `stats_in_smem`)."""
@@ -369,30 +340,6 @@ class AttentionBackward:
         if cutlass.const_expr(window is not None):  # a window may leave this K/V tile no Q tile
             end = cutlass.max(first, end)
         return first, end
-
-    def stat_rows(self, mX: cute.Tensor, head: Int32, batch: Int32, seq) -> cute.Tensor:
-        """One head's rows of a per-row statistic (LSE * log2 e or D), from the entry's first row:
-        sliced once before the walk, so a Q tile's loads cost one address add each."""
-        if cutlass.const_expr(self.varlen):
-            return cute.domain_offset((seq.offset_q,), mX[0, head, None])
-        return mX[batch, head, None]
-
-    @cute.jit
-    def row_stats(self, ctx, rows: cute.Tensor, m_block: Int32, past_end: cutlass.Constexpr):
-        """This thread's rows of a per-row statistic (`stat_rows`) of Q tile m_block, into
-        registers: loaded before the GEMMs are issued, the loads' latency hides under them.
-        Varlen: the packed rows carry no padding, so rows past the entry read `past_end` instead
-        (+inf for LSE: P = 0 there)."""
-        vals = cute.make_rmem_tensor((self.stat_count(ctx),), Float32)
-        for r in cutlass.range_constexpr(self.stat_count(ctx)):
-            row = m_block * self.tile_m + self.stat_index(ctx, r)
-            if cutlass.const_expr(self.varlen):
-                vals[r] = Float32(past_end)
-                if row < ctx.seq.seqlen_q:
-                    vals[r] = rows[row]
-            else:
-                vals[r] = rows[row]
-        return vals
 
     @cute.jit
     def probabilities(self, ctx, acc_s, lse2: cute.Tensor, m_block: Int32, n_block: Int32,
@@ -515,21 +462,6 @@ class AttentionBackward:
         self.issue_dkv(ctx, s, stage)
         acc_dq = self.issue_dq(ctx, 0)
         self.add_dq(ctx, acc_dq, mdQacc, mLock, m_block, n_block, head, batch, cute.arch.sync_threads)
-
-    def stat_count(self, ctx) -> int:
-        """Values of a per-row statistic a thread holds for one Q tile (its rows)."""
-        return cute.size(ctx.s_coords, mode=[0])
-
-    def stat_index(self, ctx, r: int):
-        """The row of the Q tile whose statistic is this thread's r-th value."""
-        return ctx.s_coords[r, 0][0]
-
-    @cute.jit
-    def stats(self, ctx, m_block: Int32):
-        """(LSE * log2 e, D) for this thread's rows of Q tile m_block (ctx.lse_rows, ctx.d_rows:
-        `stat_rows`)."""
-        return (self.row_stats(ctx, ctx.lse_rows, m_block, float("inf")),
-                self.row_stats(ctx, ctx.d_rows, m_block, 0.0))
 
     @cute.jit
     def store_dkv(self, ctx, mdK: cute.Tensor, mdV: cute.Tensor, n_block: Int32, head: Int32,
