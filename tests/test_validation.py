@@ -268,3 +268,20 @@ def test_backward_op_checks_its_arguments(no_device_check):
                 lse=lse.to(BF16), causal=False, softmax_scale=0.1, kernel=name, deterministic=False)
     raises_with(op, ValueError, "backward rungs", dout=out, q=q, k=k, v=v, out=out, lse=lse,
                 causal=False, softmax_scale=0.1, kernel="g3", deterministic=False)
+
+
+def test_varlen_backward_function_checks_its_arguments(no_device_check):
+    """fa3.attention_varlen_backward (the packed backward of a given out, lse): the packed layouts'
+    checks, each naming the argument."""
+    q, k, v = (t[0] for t in qkv(heads_kv=4))  # (total, heads, d)
+    cu = torch.tensor([0, 5, q.shape[0]], dtype=torch.int32)
+    out, lse = torch.empty_like(q), torch.empty(q.shape[1], q.shape[0])
+    call = fa3.attention_varlen_backward
+    raises_with(call, ValueError, "lse", "(heads_q, total_q)", dout=out, q=q, k=k, v=v, out=out,
+                lse=lse.t(), cu_seqlens_q=cu, cu_seqlens_k=cu)
+    raises_with(call, ValueError, "dout", "shaped like q", dout=out[:3], q=q, k=k, v=v, out=out, lse=lse,
+                cu_seqlens_q=cu, cu_seqlens_k=cu)
+    raises_with(call, ValueError, "cu_seqlens_k", "int32", dout=out, q=q, k=k, v=v, out=out, lse=lse,
+                cu_seqlens_q=cu, cu_seqlens_k=cu.long())
+    raises_with(call, ValueError, "backward rungs", dout=out, q=q, k=k, v=v, out=out, lse=lse,
+                cu_seqlens_q=cu, cu_seqlens_k=cu, backward_kernel="k5.5")
