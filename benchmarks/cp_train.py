@@ -107,13 +107,20 @@ def rel_err(x, ref):
     return ((x - ref).norm() / ref.norm()).item()
 
 
+def sdpa_backends() -> dict:
+    """The SDPA backends torch's context parallel runs as peers, by their --peers names."""
+    from torch.nn.attention import SDPBackend
+
+    return {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION}
+
+
 def torch_cp_rows(args, q, k, v, dout, reference_shard, mesh):
     """torch's context_parallel over SDPA, one row per backend that runs."""
     from torch.distributed.tensor.experimental import context_parallel as torch_cp
     from torch.distributed.tensor.experimental._context_parallel import _cp_options
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import sdpa_kernel
 
-    backends = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION}
+    backends = sdpa_backends()
     group = args.heads // args.kv_heads
     rows = []
     for name in [p for p in args.peers.split(",") if p]:
@@ -172,7 +179,6 @@ def train_model(args, mesh):
     """--model: (name, GPUs, median step ms, losses) rows of one GPU, fa3's ring and torch's CP."""
     from torch.distributed.tensor.experimental import context_parallel as torch_cp
     from torch.distributed.tensor.experimental._context_parallel import _cp_options
-    from torch.nn.attention import SDPBackend
 
     from train_step import Llama
 
@@ -228,7 +234,7 @@ def train_model(args, mesh):
     rows.append(run(f"fa3 ring ({world} GPUs)", lambda m: cross_entropy_share(
         m(shards[0], lambda q, k, v: fa3.context_parallel_attention(q, k, v, causal=True), shards[2]),
         shards[1]), world))
-    backends = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION}
+    backends = sdpa_backends()
     for name in [p for p in args.peers.split(",") if p in backends]:
         buffers = [t.clone() for t in (inputs, labels, positions)]  # sharded in place by torch
         _cp_options.enable_load_balance = True

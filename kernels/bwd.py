@@ -276,9 +276,10 @@ class AttentionBackward(QueryStatistics):
         the window edges, the softcap scale, and this head's LSE * log2 e and D rows."""
         ctx = self.mma_setup(s, tidx)
         ctx.window, ctx.softcap_scale, ctx.seq = window, softcap_scale, seq
-        ctx.lse_rows, ctx.d_rows = self.stat_rows(mLSE2, head, batch, seq), self.stat_rows(mD, head, batch, seq)
-        if self.smem_stats:
+        if self.smem_stats:  # (common/statistics.py: registers or SMEM)
             ctx.sLSE, ctx.sD = s.sLSE, s.sD
+        else:
+            ctx.lse_rows, ctx.d_rows = self.stat_rows(mLSE2, head, batch, seq), self.stat_rows(mD, head, batch, seq)
         return ctx
 
     def mma_setup(self, s, tidx):

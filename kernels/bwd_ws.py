@@ -72,9 +72,9 @@ class WarpSpecializedBackward(AttentionBackward):
         loads = self.make_loads(mQ, mdO, mK, mV, sQ_layout, sKV_layout)
         tma_dq, tdQ = tma.make_reduce_add(tma.seq_major(mdQacc), self.sdq_layout(), self.dq_box())
         storage_cls = self.shared_storage(sQ_layout, sKV_layout, sPdS_layout)
-        self.kernel(*loads, tma_dq, tdQ, *self.make_stat_loads(mLSE2, mD), mLSE2, mD, mdK, mdV, mLock, scale_log2, softmax_scale,
-                    window_left, window_right, softcap_scale, mCuSeqlensQ, mCuSeqlensK, sQ_layout,
-                    sKV_layout, sPdS_layout, self.sdq_layout(), storage_cls).launch(
+        self.kernel(*loads, tma_dq, tdQ, *self.make_stat_loads(mLSE2, mD), mLSE2, mD, mdK, mdV, mLock,
+                    scale_log2, softmax_scale, window_left, window_right, softcap_scale, mCuSeqlensQ,
+                    mCuSeqlensK, sQ_layout, sKV_layout, sPdS_layout, self.sdq_layout(), storage_cls).launch(
             grid=self.grid(mQ, mK, mCuSeqlensK),
             block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
