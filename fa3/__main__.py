@@ -91,7 +91,8 @@ class RungCompile:
 
     def resources(self) -> str:
         regs = "/".join(str(r) for r in self.report.registers) or "?"
-        return f"registers {regs}, spills {self.report.spill_bytes} B"
+        serialized = ", WGMMAs serialized (C7512)" if self.report.serialized_wgmma else ""
+        return f"registers {regs}, spills {self.report.spill_bytes} B{serialized}"
 
     def verdict(self) -> str:
         if self.ok:

@@ -415,6 +415,12 @@ class CompileReport:
         return sum(int(a) + int(b) for a, b in
                    re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", self.ptxas_log))
 
+    @property
+    def serialized_wgmma(self) -> bool:
+        """ptxas' C7512: it serialized the wgmma.mma_async instructions for lack of registers (each
+        waits for the previous one: the asynchrony the kernel is built around is gone)."""
+        return "C7512" in self.ptxas_log or "wgmma.mma_async instructions are serialized" in self.ptxas_log
+
     def summary(self) -> str:
         lines = [line.split("info    :")[-1].strip() for line in self.ptxas_log.splitlines()
                  if "registers" in line or "spill" in line]

@@ -125,6 +125,7 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
             sO: cute.struct.Align[cute.struct.MemRange[mO.element_type, cute.cosize(sO_layout)], 1024]
             next_tile: cute.struct.MemRange[Int32, 1]
+            q_blocks: cute.struct.MemRange[Int32, 1]  # varlen: the packed batch's Q tiles
 
         smem.check_budget(SharedStorage.size_in_bytes(),
                           f"K5 with kv_stages={self.kv_stages}, tile_n={self.tile_n}, d={self.head_dim}")
@@ -175,23 +176,32 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
         handoff = None
         if cutlass.const_expr(self.dynamic):
             handoff = scheduler.tile_handoff(storage.tile_barriers.data_ptr(), 128 * self.consumer_wgs)
+        # Varlen: every entry's rows are clamped into the packed tensors' rows (rows_q/rows_k), so
+        # offsets that no host check saw (a replayed CUDA graph) never store O or LSE outside them.
+        varlen = cutlass.const_expr(self.varlen)
+        rows_q, rows_k = (mO_rows.shape[1], mK.shape[0]) if varlen else (None, None)
+        q_blocks = storage.q_blocks.get_tensor(cute.make_layout(1))
+        if cutlass.const_expr(varlen):
+            # warp 0 counts the packed batch's Q tiles for everyone (SMEM, before the sync below):
+            # counted by the consumers themselves, their loop over the entries made ptxas
+            # serialize the d192 kernel's WGMMAs (C7520)
+            if warp_idx == 0:
+                count = scheduler.varlen_blocks(mCuSeqlensQ, self.tile_m, rows_q)
+                if tidx == 0:
+                    q_blocks[0] = count
         pipeline.init_done()
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         next_tile = storage.next_tile.get_tensor(cute.make_layout(1))
-        # what varies per call beyond the tensors: sequence offsets, window edges, the softcap.
-        # Varlen: every entry's rows are clamped into the packed tensors' rows (rows_q/rows_k), so
-        # offsets that no host check saw (a replayed CUDA graph) never store O or LSE outside them.
-        varlen = cutlass.const_expr(self.varlen)
-        rows_q, rows_k = (mO_rows.shape[1], mK.shape[0]) if varlen else (None, None)
+        # what varies per call beyond the tensors: sequence offsets, window edges, the softcap
         params = SimpleNamespace(
             cu_q=mCuSeqlensQ, cu_k=mCuSeqlensK, o_rows=mO_rows, softcap_scale=softcap_scale,
             rows_q=rows_q, rows_k=rows_k, sinks=sinks, descales=descales,
             group=mQ.shape[2] // mK.shape[2],
             window=(window_left, window_right) if cutlass.const_expr(self.local) else None,
-            q_blocks=scheduler.varlen_blocks(mCuSeqlensQ, self.tile_m, rows_q) if varlen else None)
+            q_blocks=q_blocks[0] if varlen else None)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)

@@ -53,6 +53,7 @@ def test_compiles_with_promised_ptx(name, head_dim, causal, capsys):
         assert forbidden not in ptx, f"{name}: forbidden {forbidden!r} is in the PTX"
     if spec.family == registry.BACKWARD or head_dim in (96, 192):  # (backward: five accumulators)
         assert result.report.spill_bytes == 0, f"{name}: ptxas spills ({result.resources()})"
+    assert not result.report.serialized_wgmma, f"{name}: ptxas serialized the WGMMAs (C7512: registers)"
 
 
 @pytest.mark.parametrize("name", registry.available_kernels(registry.BACKWARD))
@@ -63,7 +64,7 @@ def test_backward_deterministic_variant_compiles(name):
     report = _compile.compile_report(spec, torch.bfloat16, head_dim=head_dim, causal=True,
                                      deterministic=True, gqa=True)
     assert "ld.acquire.gpu.global" in report.ptx and "atom.global.release" in report.ptx
-    assert report.spill_bytes == 0
+    assert report.spill_bytes == 0 and not report.serialized_wgmma
 
 
 @pytest.mark.parametrize("name, static, promises", [
@@ -110,6 +111,7 @@ def test_variants_compile(name, static, promises):
     for promise in promises:
         assert promise in report.ptx, f"{name} {static}: {promise!r} missing"
     assert report.spill_bytes == 0, f"{name} {static} spills"
+    assert not report.serialized_wgmma, f"{name} {static}: ptxas serialized the WGMMAs (C7512)"
 
 
 @pytest.mark.parametrize("tile_m, tile_n, a_rows", [(*tiles, ()) for tiles in matmul.PERSISTENT_TILES[1:]]
