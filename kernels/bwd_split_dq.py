@@ -35,6 +35,7 @@ FIRST_DQ_BARRIER = 2  # EMPTY[w, b] = 2 + 2 (2 b + w), FULL = the next id (1 is 
 
 
 class SplitDqBackward(SwappedBackward):
+    stats_in_smem = True  # (branch: not measured on a GPU yet)
     # ---------------------------------------------------------------- host side
     def sdq_layout(self):
         """(tile_m, d / 2, halves x buffers) FP32: stage 2 b + w is warpgroup w's half of buffer b."""
