@@ -272,6 +272,28 @@ def get_backward_preprocess(dtype, head_dim):
     return fn
 
 
+def _build_value_transpose(head_dim):
+    cutlass, cute = _dsl.import_cute()
+    from .kernels.fp8_transpose import ValueTranspose
+
+    b, s, h, k4 = (cute.sym_int64() for _ in range(4))
+    k4 = cute.sym_int64(divisibility=4)  # keys / 4: keys are a multiple of 16
+    v = _unit_last(cute, cutlass.Int32, b, s, h, head_dim // 4, tma=True)  # tma_ready's strides
+    vt = _fake_tensor(cute, cutlass.Int32, (b, h, head_dim, k4),
+                      (cute.sym_int64(divisibility=4), cute.sym_int64(divisibility=4), k4, 1))
+    return _compile_kernel(ValueTranspose(head_dim), [v, vt], "")
+
+
+def get_value_transpose(head_dim):
+    """The FP8 forward's V^T in the P operand's key order (kernels/fp8_transpose.py)."""
+    fast_key = ("fp8_vt", head_dim)
+    fn = _FAST.get(fast_key)
+    if fn is None:
+        key = ("fp8_vt", head_dim, _dsl.TARGET_ARCH, _dsl.version())
+        fn = _FAST[fast_key] = _cached(key, lambda: _build_value_transpose(head_dim))
+    return fn
+
+
 # GEMM operand layouts, as torch strides show them: "row" = unit stride along the last dimension
 # (a contiguous tensor), "col" = unit stride along the first (a .t() view). Static in the kernel.
 GEMM_LAYOUTS = ("row", "col")

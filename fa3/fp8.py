@@ -11,7 +11,8 @@ only: q, k or v that require grad are refused. fa3.quantize_fp8 makes the inputs
 
 The kernel's V is V^T, (batch, heads_kv, d, keys padded to 16) with the keys permuted inside each
 16 (transpose_v: the order in which each thread packs P into the FP8 A operand, kernels/k5_fp8.py):
-one pass over V on the host per call (1 byte an element), which FA3's C++ kernel does in SMEM.
+one pass over V per call (kernels/fp8_transpose.py, 1 byte an element), which FA3's C++ kernel does
+in SMEM.
 """
 
 from __future__ import annotations
@@ -29,7 +30,21 @@ KEY_BLOCK = 16
 def transpose_v(v: torch.Tensor) -> torch.Tensor:
     """V (batch, seqlen_k, heads_kv, d) e4m3 -> the kernel's V^T: a (batch, d, heads_kv, keys) view
     of a contiguous (batch, heads_kv, d, keys) tensor, keys = seqlen_k rounded up to 16 (zeros past
-    seqlen_k), each 16 keys in the order the FP8 P operand packs them."""
+    seqlen_k), each 16 keys in the order the FP8 P operand packs them. On the GPU: one pass of
+    kernels/fp8_transpose.py (32-bit words: V viewed as int32); `transpose_v_reference` is the same
+    map in torch ops."""
+    if v.device.type != "cuda":
+        return transpose_v_reference(v)
+    batch, seqlen, heads, d = v.shape
+    keys = -(-seqlen // KEY_BLOCK) * KEY_BLOCK
+    vt = torch.empty(batch, heads, d, keys, dtype=v.dtype, device=v.device)
+    if vt.numel():
+        _compile.get_value_transpose(d)(_launch.tma_ready(v).view(torch.int32), vt.view(torch.int32))
+    return vt.permute(0, 2, 1, 3)
+
+
+def transpose_v_reference(v: torch.Tensor) -> torch.Tensor:
+    """transpose_v in torch ops (a byte gather: about 10x slower than the kernel on an H100)."""
     batch, seqlen, heads, d = v.shape
     keys = -(-seqlen // KEY_BLOCK) * KEY_BLOCK
     u = v.view(torch.uint8)  # FP8 has few torch kernels; bytes copy the same (0x00 is +0.0)

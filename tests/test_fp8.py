@@ -164,6 +164,22 @@ def test_transpose_v_shape_padding_and_order():
         assert (rows[..., p] == expected).all(), f"position {p}: expected key {key}"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("seqlen", [1, 37, 64, 1000])
+def test_transpose_v_kernel_matches_reference(d, seqlen):
+    """The GPU transpose (kernels/fp8_transpose.py) writes the reference's bytes exactly, padding
+    included, from random bytes, for a V sliced out of a packed kv tensor (strided rows)."""
+    batch, heads = 3, 2
+    kv = torch.randint(0, 256, (batch, seqlen, 2, heads, d), dtype=torch.uint8, device="cuda").view(FP8)
+    v = kv[:, :, 1]
+    vt = fp8.transpose_v(v)
+    torch.cuda.synchronize()
+    expected = fp8.transpose_v_reference(v.cpu())
+    assert vt.shape == expected.shape
+    assert torch.equal(vt.cpu().view(torch.uint8), expected.view(torch.uint8))
+
+
 def test_p_operand_order_matches_transpose_v():
     """For every consumer thread and every byte of its FP8 A fragment (P of a 128 x 64 tile), the
     accumulator element mma.fp8_a_order reads sits in the same row as the A element, and its key
