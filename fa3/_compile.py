@@ -272,7 +272,7 @@ def get_backward_preprocess(dtype, head_dim):
     return fn
 
 
-def _build_value_transpose(head_dim):
+def _build_value_transpose(head_dim, extra_options=""):
     cutlass, cute = _dsl.import_cute()
     from .kernels.fp8_transpose import ValueTranspose
 
@@ -281,7 +281,7 @@ def _build_value_transpose(head_dim):
     v = _unit_last(cute, cutlass.Int32, b, s, h, head_dim // 4, tma=True)  # tma_ready's strides
     vt = _fake_tensor(cute, cutlass.Int32, (b, h, head_dim, k4),
                       (cute.sym_int64(divisibility=4), cute.sym_int64(divisibility=4), k4, 1))
-    return _compile_kernel(ValueTranspose(head_dim), [v, vt], "")
+    return _compile_kernel(ValueTranspose(head_dim), [v, vt], extra_options)
 
 
 def get_value_transpose(head_dim):

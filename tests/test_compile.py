@@ -141,6 +141,20 @@ def test_sinks_combine_compiles():
     assert "ex2.approx" in report.ptx and report.registers and report.spill_bytes == 0
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_fp8_value_transpose_compiles(head_dim):
+    """The FP8 forward's V^T kernel: 16-byte stores (st.global.v4), 32-bit loads, no spills."""
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stderr(buf), contextlib.redirect_stdout(buf):
+        fn = _compile._build_value_transpose(head_dim, extra_options="--keep-ptx --keep-cubin remarks{ptx}")
+    report = _compile.CompileReport(fn.artifacts.PTX, fn.artifacts.CUBIN, buf.getvalue())
+    assert report.ptx.count("st.global.v4") == 4 and "ld.global.u8" not in report.ptx
+    assert report.registers and report.spill_bytes == 0
+
+
 def test_sinks_are_in_the_compile_keys():
     spec = registry.get("k5.5")
     assert _compile.attention_key(spec, torch.bfloat16, 128, True) != \
