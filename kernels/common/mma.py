@@ -16,7 +16,9 @@ must not be released while an MMA that reads it is in flight.
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.cute.nvgpu import OperandMajorMode, warp, warpgroup
 from cutlass.utils import hopper_helpers as sm90
 
@@ -167,3 +169,23 @@ def to_dtype(acc: cute.Tensor, dtype) -> cute.Tensor:
     out = cute.make_rmem_tensor_like(acc, dtype)
     out.store(acc.load().to(dtype))
     return out
+
+
+@dsl_user_op
+def pack_16bit_pair(lo: Float32, hi: Float32, dtype, *, loc=None, ip=None) -> Int32:
+    """Two FP32 values rounded to bf16/fp16 and packed into one 32-bit register (lo in the low
+    half): one cvt.rn.{bf16x2,f16x2}.f32."""
+    kind = "bf16x2" if dtype is cutlass.BFloat16 else "f16x2"
+    return Int32(llvm.inline_asm(
+        T.i32(), [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
+        f"cvt.rn.{kind}.f32 $0, $1, $2;", "=r,f,f",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@cute.jit
+def to_dtype_packed(acc: cute.Tensor, out: cute.Tensor):
+    """out = acc rounded to out's 16-bit type, written as 32-bit pairs: the WGMMA A operand reads
+    32-bit registers, so 16-bit halves converted one at a time get repacked before each WGMMA."""
+    out32 = cute.recast_tensor(out, Int32)
+    for i in cutlass.range_constexpr(cute.size(out32)):
+        out32[i] = pack_16bit_pair(acc[2 * i], acc[2 * i + 1], out.element_type)
