@@ -4,9 +4,9 @@ What changes against K5 (roles, pipelines, ping-pong, intra-warpgroup overlap, d
 epilogue are K5's, unchanged):
   * Q, K and V are float8_e4m3fn; both GEMMs run `wgmma.mma_async ... k32 .e4m3.e4m3` (32 deep,
     twice the 16-bit rate); S and O accumulate in FP32; O is written in mO's type (bf16 or fp16).
-  * FP8 WGMMA reads B K-major only: P V needs V^T, (d, tile_n) with the keys contiguous. The host
-    hands V over already transposed, (batch, heads_kv, d, keys padded to 16) (fa3.fp8.transpose_v),
-    so the producer's TMA loads V^T tiles like any other; FA3's C++ kernel instead transposes V in
+  * FP8 WGMMA reads B K-major only: P V needs V^T, (d, tile_n) with the keys contiguous. A separate
+    kernel (kernels/fp8_transpose.py, launched by fa3.fp8.transpose_v) hands V over transposed,
+    (batch, heads_kv, d, keys padded to 16), so the producer's TMA loads V^T tiles like any other; FA3's C++ kernel instead transposes V in
     SMEM in its producer warpgroup (LDSM.T / STSM), which saves that pass over V.
   * P = exp(S - max), computed times 2^8 (softmax.online_update's p_offset_log2: small
     probabilities stay out of e4m3's subnormals; 256 < 448, e4m3's largest), is rounded to e4m3 in
@@ -16,7 +16,7 @@ epilogue are K5's, unchanged):
     bytes across the quad (FA3's permute of the registers), each thread packs its own values
     (mma.fp8_a_order): A position 16h + 4t + j takes key 8(2h + j // 2) + 2t + j % 2. That is a
     fixed permutation of the keys inside each 16, and V^T's key order is permuted the same way when
-    it is transposed on the host (transpose_v), so P V sums the same products.
+    it is transposed (transpose_v), so P V sums the same products.
   * Descales (float32, (batch, heads_kv)): q_descale * k_descale of the tile's KV head is folded
     into the exp2 scale (or, with softcap, into the tanh's scale), v_descale into 1/l at the end.
 
