@@ -168,7 +168,7 @@ KERNELS: dict[str, KernelSpec] = {
         ],
         KernelSpec(
             "f1", ATTENTION_FP8, "k5_fp8", "Fp8Attention",
-            "k5.5 on FP8 e4m3 q/k/v: e4m3 WGMMA (k32) for both GEMMs, V^T from the host, P rounded "
+            "k5.5 on FP8 e4m3 q/k/v: e4m3 WGMMA (k32) for both GEMMs, V^T from a transpose kernel, P rounded "
             "to e4m3 in registers in the A operand's order, descales folded into the scales",
             config={"tile_m": 128, "tile_n": 128, "kv_stages": 2, "q_stages": 1, "pingpong": True,
                     "intra_wg_overlap": True, "dynamic_schedule": True},
