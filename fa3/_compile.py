@@ -276,7 +276,7 @@ def _build_value_transpose(head_dim, extra_options=""):
     cutlass, cute = _dsl.import_cute()
     from .kernels.fp8_transpose import ValueTranspose
 
-    b, s, h, k4 = (cute.sym_int64() for _ in range(4))
+    b, s, h = (cute.sym_int64() for _ in range(3))
     k4 = cute.sym_int64(divisibility=4)  # keys / 4: keys are a multiple of 16
     v = _unit_last(cute, cutlass.Int32, b, s, h, head_dim // 4, tma=True)  # tma_ready's strides
     vt = _fake_tensor(cute, cutlass.Int32, (b, h, head_dim, k4),

@@ -27,6 +27,11 @@ from . import _checks, _compile, _dispatch, _launch, masking, registry
 KEY_BLOCK = 16
 
 
+def padded_keys(seqlen: int) -> int:
+    """V^T's key count: seqlen_k rounded up to whole 16-key blocks."""
+    return -(-seqlen // KEY_BLOCK) * KEY_BLOCK
+
+
 def transpose_v(v: torch.Tensor) -> torch.Tensor:
     """V (batch, seqlen_k, heads_kv, d) e4m3 -> the kernel's V^T: a (batch, d, heads_kv, keys) view
     of a contiguous (batch, heads_kv, d, keys) tensor, keys = seqlen_k rounded up to 16 (zeros past
@@ -36,7 +41,7 @@ def transpose_v(v: torch.Tensor) -> torch.Tensor:
     if v.device.type != "cuda":
         return transpose_v_reference(v)
     batch, seqlen, heads, d = v.shape
-    keys = -(-seqlen // KEY_BLOCK) * KEY_BLOCK
+    keys = padded_keys(seqlen)
     vt = torch.empty(batch, heads, d, keys, dtype=v.dtype, device=v.device)
     if vt.numel():
         _compile.get_value_transpose(d)(_launch.tma_ready(v).view(torch.int32), vt.view(torch.int32))
@@ -46,7 +51,7 @@ def transpose_v(v: torch.Tensor) -> torch.Tensor:
 def transpose_v_reference(v: torch.Tensor) -> torch.Tensor:
     """transpose_v in torch ops (a byte gather: about 10x slower than the kernel on an H100)."""
     batch, seqlen, heads, d = v.shape
-    keys = -(-seqlen // KEY_BLOCK) * KEY_BLOCK
+    keys = padded_keys(seqlen)
     u = v.view(torch.uint8)  # FP8 has few torch kernels; bytes copy the same (0x00 is +0.0)
     if keys != seqlen:
         padded = u.new_zeros(batch, keys, heads, d)

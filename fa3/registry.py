@@ -77,6 +77,17 @@ _BWD_SWAPPED_PTX = _BWD_WS_PTX + ("shfl.sync.idx",)  # S^T: each column's statis
 # a K tile's WGMMAs left running while the next is issued (the PTX spells it with a tab)
 _MMA_IN_FLIGHT = "wgmma.wait_group.sync.aligned \t1;"
 
+
+def _swapped_backward(name: str, module: str, cls: str, summary: str, *, head_dims: tuple,
+                      speed_rank: int) -> KernelSpec:
+    """A rung of the S^T backward line (b3 on): 64-row Q tiles against 128-row K/V tiles, two Q
+    stages, dQ by TMA reduce-adds, each column's statistics by shuffles (or from SMEM)."""
+    return KernelSpec(name, BACKWARD, module, cls, summary,
+                      config={"tile_m": 64, "tile_n": 128, "q_stages": 2}, head_dims=head_dims,
+                      ptx_promises=_BWD_SWAPPED_PTX, ptx_forbids=_BWD_WS_FORBIDS,
+                      speed_rank=speed_rank, variants=VARIANTS)
+
+
 KERNELS: dict[str, KernelSpec] = {
     s.name: s
     for s in [
@@ -209,47 +220,32 @@ KERNELS: dict[str, KernelSpec] = {
             ptx_promises=_BWD_WS_PTX, ptx_forbids=_BWD_WS_FORBIDS,
             speed_rank=2, variants=VARIANTS,
         ),
-        KernelSpec(
-            "b3", BACKWARD, "bwd_swap", "SwappedBackward",
+        # d=64: 128-row Q tiles spill (two 64 x 128 accumulators a thread) and 64-row ones lose
+        # to b2's 128-row tiles; d=192/256: dK and dV leave no registers. b2 serves them. d=96 as
+        # flash-attn-4 runs it (64 x 128, S^T): no spills.
+        _swapped_backward(
+            "b3", "bwd_swap", "SwappedBackward",
             "+ S^T = K Q^T: P^T and dS^T stay in registers as the A operands of dV and dK, dS "
             "written once (for dQ) into one of two buffers, one consumer barrier per Q tile",
-            config={"tile_m": 64, "tile_n": 128, "q_stages": 2},
-            # d=64: 128-row Q tiles spill (two 64 x 128 accumulators a thread) and 64-row ones
-            # lose to b2's 128-row tiles; d=192/256: dK and dV leave no registers. b2 serves them.
-            # d=96 as flash-attn-4 runs it (64 x 128, S^T): no spills.
-            head_dims=(96, 128),
-            ptx_promises=_BWD_SWAPPED_PTX, ptx_forbids=_BWD_WS_FORBIDS,
-            speed_rank=3, variants=VARIANTS,
-        ),
-        KernelSpec(
-            "b4", BACKWARD, "bwd_split_dq", "SplitDqBackward",
+            head_dims=(96, 128), speed_rank=3),
+        _swapped_backward(
+            "b4", "bwd_split_dq", "SplitDqBackward",
             "+ the dQ share handed to the writer per warpgroup (each half its own TMA reduce-add "
             "and barriers) through two buffers returned a tile late",
-            config={"tile_m": 64, "tile_n": 128, "q_stages": 2},
-            head_dims=(96, 128),  # b3's
-            ptx_promises=_BWD_SWAPPED_PTX, ptx_forbids=_BWD_WS_FORBIDS,
-            speed_rank=4, variants=VARIANTS,
-        ),
-        KernelSpec(
-            "b6", BACKWARD, "bwd_dq_t", "TransposedDqBackward",
+            head_dims=(96, 128), speed_rank=4),  # b3's head dims
+        # 64-row Q tiles: 80 (FlashAttention-3's and flash-attn-4's non-causal d128 tile) ran 4-10%
+        # slower here (worklog/backward.md)
+        _swapped_backward(
+            "b6", "bwd_dq_t", "TransposedDqBackward",
             "b3 + dQ computed transposed (dQ^T = K^T dS^T: the Q tile is no WGMMA's M), dV issued "
             "after dS^T",
-            # 64-row Q tiles: 80 (FlashAttention-3's and flash-attn-4's non-causal d128 tile) ran
-            # 4-10% slower here (worklog/backward.md)
-            config={"tile_m": 64, "tile_n": 128, "q_stages": 2},
-            head_dims=(128,),
-            ptx_promises=_BWD_SWAPPED_PTX, ptx_forbids=_BWD_WS_FORBIDS,
-            speed_rank=5, variants=VARIANTS,
-        ),
-        KernelSpec(
-            "b7", BACKWARD, "bwd_split_dq_t", "SplitTransposedDqBackward",
+            head_dims=(128,), speed_rank=5),
+        _swapped_backward(
+            "b7", "bwd_split_dq_t", "SplitTransposedDqBackward",
             "b6 + b4's dQ hand-off: each warpgroup's transposed dQ share through its own two "
             "buffers, met by the writer alone",
-            config={"tile_m": 64, "tile_n": 128, "q_stages": 2},
-            head_dims=(128,),  # b6's: dQ^T stacks d over the warpgroups in 64-row WGMMA atoms
-            ptx_promises=_BWD_SWAPPED_PTX, ptx_forbids=_BWD_WS_FORBIDS,
-            speed_rank=6, variants=VARIANTS,
-        ),
+            # b6's head dims: dQ^T stacks d over the warpgroups in 64-row WGMMA atoms
+            head_dims=(128,), speed_rank=6),
         KernelSpec(
             "s1", KVCACHE, "decode", "SplitKVAttention",
             "KV-cache attention (dense or paged): query heads of a KV head packed into one 64-row "
