@@ -101,6 +101,11 @@ def output_like(q, v):
     return SimpleNamespace(shape=torch.Size((*q.shape[:-1], v.shape[-1])), dtype=q.dtype, device=q.device)
 
 
+# k and v's dimensions, as messages name them: a fixed-shape batch, a packed (varlen) one
+KV_LAYOUT = "(batch, seqlen_k, heads_kv, head_dim)"
+PACKED_KV_LAYOUT = "(total_k, heads_kv, head_dim)"
+
+
 def check_qkv(q, k, v, kv_layout: str, dtypes=SUPPORTED_DTYPES):
     """What every q, k, v entry point needs, for any leading dimensions: types, ranks, dtypes (of
     `dtypes`), k and v alike but for v's head_dim (`kv_layout` names their dimensions), q's

@@ -122,25 +122,26 @@ def _attention_fp8_fake_args(spec, out_dtype, head_dim):
     return args
 
 
-def _build_attention_fp8(spec, dtype, head_dim, causal, local=False, softcap=False, extra_options=""):
+def _build_attention_fp8(spec, dtype, head_dim, causal, varlen=False, local=False, softcap=False,
+                         extra_options=""):
     """`dtype`: the output's (q, k, v are e4m3)."""
-    kernel = spec.load_class()(dtype=cute_dtype(dtype), head_dim=head_dim, causal=causal, local=local,
-                               softcap=softcap, **spec.config_for(head_dim))
+    kernel = spec.load_class()(dtype=cute_dtype(dtype), head_dim=head_dim, causal=causal, varlen=varlen,
+                               local=local, softcap=softcap, **spec.config_for(head_dim))
     return _compile_kernel(kernel, _attention_fp8_fake_args(spec, dtype, head_dim), extra_options)
 
 
-def attention_fp8_key(spec, dtype, head_dim, causal, local=False, softcap=False) -> tuple:
-    return attention_key(spec, dtype, head_dim, causal, False, local, softcap)
+def attention_fp8_key(spec, dtype, head_dim, causal, varlen=False, local=False, softcap=False) -> tuple:
+    return attention_key(spec, dtype, head_dim, causal, varlen, local, softcap)
 
 
-def get_attention_fp8(spec, out_dtype, head_dim, causal, local=False, softcap=False):
+def get_attention_fp8(spec, out_dtype, head_dim, causal, varlen=False, local=False, softcap=False):
     """The compiled FP8 forward for this static configuration (`out_dtype`: O's)."""
-    fast_key = ("fp8", spec.name, out_dtype, head_dim, causal, local, softcap)
+    fast_key = ("fp8", spec.name, out_dtype, head_dim, causal, varlen, local, softcap)
     fn = _FAST.get(fast_key)
     if fn is None:
         fn = _FAST[fast_key] = _cached(
-            attention_fp8_key(spec, out_dtype, head_dim, causal, local, softcap),
-            lambda: _build_attention_fp8(spec, out_dtype, head_dim, causal, local, softcap))
+            attention_fp8_key(spec, out_dtype, head_dim, causal, varlen, local, softcap),
+            lambda: _build_attention_fp8(spec, out_dtype, head_dim, causal, varlen, local, softcap))
     return fn
 
 

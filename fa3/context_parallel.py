@@ -109,7 +109,7 @@ def fa3_local(scale: float, deterministic: bool = False, kernel: str | None = No
 def check_context_parallel(q, k, v, causal: bool, packed: bool = False) -> None:
     """What the ring needs beyond fa3.attention's checks: causal shards are zig-zag halves
     (`packed`: q, k, v of one shard of packed documents, (tokens, heads, head_dim))."""
-    layout = "(tokens, heads_kv, head_dim)" if packed else "(batch, seqlen_k, heads_kv, head_dim)"
+    layout = "(tokens, heads_kv, head_dim)" if packed else _checks.KV_LAYOUT
     q_shape, k_shape = _checks.check_qkv(q, k, v, layout)
     if v.shape[-1] != q_shape[-1]:  # k and v travel the ring as one stacked message
         raise ValueError(f"v has head_dim {v.shape[-1]} but q and k have {q_shape[-1]}; context "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from . import _checks
 from .interface import attention
 from .kvcache import attention_with_kvcache, check_scheduler_metadata
 from .varlen import attention_varlen
@@ -37,14 +38,16 @@ def _check_common(dropout_p, alibi_slopes, return_attn_probs):
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                     softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                    learnable_sink=None):
+                    learnable_sink=None, q_descale=None, k_descale=None, v_descale=None):
     """flash_attn.flash_attn_func: q (batch, seqlen_q, heads_q, d), k and v (batch, seqlen_k,
     heads_kv, d) -> out shaped like q. Differentiable (window and softcap included).
     learnable_sink: flash-attn-4's name for attention sinks (fa3.attention's `sinks`: float32
-    (heads_q,); a 16-bit one is cast)."""
+    (heads_q,); a 16-bit one is cast). q/k/v_descale (flash-attn 3's): with float8_e4m3fn q, k, v,
+    fa3's FP8 forward; with 16-bit inputs they are not read, as in flash-attn."""
     _check_common(dropout_p, alibi_slopes, return_attn_probs)
     return attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                     softcap=softcap, deterministic=deterministic, sinks=_sinks(learnable_sink=learnable_sink))
+                     softcap=softcap, deterministic=deterministic, sinks=_sinks(learnable_sink=learnable_sink),
+                     **_descales(q, q_descale, k_descale, v_descale))
 
 
 def _sinks(**named):
@@ -60,12 +63,16 @@ def _sinks(**named):
     return sinks
 
 
-def _check_descales(*descales):
-    """FP8 descale factors: flash-attn applies them to FP8 inputs only; fa3 takes 16-bit inputs,
-    for which they mean nothing (as in flash-attn), so they are accepted and not read."""
-    for name, t in zip(("q_descale", "k_descale", "v_descale"), descales):
+def _descales(q, q_descale, k_descale, v_descale) -> dict:
+    """FP8 descale factors as fa3's keywords: flash-attn applies them to FP8 inputs only, and so
+    does this (for 16-bit inputs they are checked to be tensors, and not read)."""
+    named = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
+    if getattr(q, "dtype", None) in _checks.FP8_LIKE:
+        return named
+    for name, t in named.items():
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a tensor or None, got {type(t).__name__}")
+    return {}
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
@@ -81,10 +88,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
     cache (paged with block_table, any page size, or dense), seqused_k int32 (batch,) each
     sequence's keys, cu_seqlens_k None, out= a preallocated output, num_splits (0: planned from
     shapes), scheduler_metadata (fa3.get_scheduler_metadata), return_softmax_lse -> (out, lse).
-    FP8 descales are accepted and not read (fa3's inputs are 16-bit, where flash-attn ignores them
-    too); s_aux (vLLM's name) or learnable_sink (flash-attn-4's): attention sinks, fa3's `sinks`."""
+    FP8 descales: with float8_e4m3fn q, k, v (packed, no cache), fa3's FP8 forward; with 16-bit
+    inputs they are not read, as in flash-attn; s_aux (vLLM's name) or learnable_sink (flash-attn-4's): attention sinks, fa3's `sinks`."""
     _check_common(dropout_p, alibi_slopes, return_attn_probs)
-    _check_descales(q_descale, k_descale, v_descale)
+    descales = _descales(q, q_descale, k_descale, v_descale)
     _refuse("fa_version", fa_version, None if fa_version is None else 3, "fa3 is FlashAttention-3")
     window_size = (-1, -1) if window_size is None else window_size  # (flash-attn 3's default)
     return attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
@@ -92,7 +99,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
                             deterministic=deterministic, block_table=block_table, seqused_k=seqused_k,
                             out=out, num_splits=num_splits, scheduler_metadata=scheduler_metadata,
                             return_lse=return_softmax_lse,
-                            sinks=_sinks(s_aux=s_aux, learnable_sink=learnable_sink))
+                            sinks=_sinks(s_aux=s_aux, learnable_sink=learnable_sink), **descales)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
@@ -106,7 +113,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     cache_seqlens, then q attends to each sequence's cache -> out, or (out, softmax_lse).
     cache_leftpad: where each sequence's keys start in a left-padded dense cache. flash-attn 3's
     keywords too (SGLang's call): page_table (= block_table), cu_seqlens_q and max_seqlen_q (packed
-    queries, several per sequence), scheduler_metadata, FP8 descales (accepted, not read), sinks
+    queries, several per sequence), scheduler_metadata, FP8 descales (not read with 16-bit inputs;
+    FP8 caches are refused), sinks
     (SGLang's name) or learnable_sink (flash-attn-4's): attention sinks, fa3's `sinks`."""
     for name, value in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
                         ("cache_batch_idx", cache_batch_idx), ("alibi_slopes", alibi_slopes),
@@ -115,7 +123,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             raise NotImplementedError(f"{name} is not supported by fa3's flash_attn_with_kvcache; leave it "
                                       f"at None (apply rotary embeddings to q and k before the call)")
     del rotary_interleaved  # only meaningful with rotary_cos/sin
-    _check_descales(q_descale, k_descale, v_descale)
+    if _descales(q, q_descale, k_descale, v_descale):
+        raise NotImplementedError("FP8 KV caches are not supported yet by fa3's flash_attn_with_kvcache: "
+                                  "keep the cache, q, k and v in bfloat16 or float16")
     if page_table is not None:
         if block_table is not None:
             raise ValueError("pass block_table or page_table (the same argument), not both")

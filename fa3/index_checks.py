@@ -19,7 +19,7 @@ import weakref
 
 import torch
 
-from . import _dispatch
+from . import _checks, _dispatch
 
 
 def values_checkable(device: torch.device) -> bool:
@@ -60,6 +60,16 @@ def start_offsets_check(cu_q, cu_k, total_q, total_k, max_seqlen_q, max_seqlen_k
     return _start_check([cu_q, cu_k], ("offsets", total_q, total_k, max_seqlen_q, max_seqlen_k),
                         lambda host: check_offset_values(host[0], host[1], total_q, total_k, max_seqlen_q,
                                                          max_seqlen_k), device)
+
+
+def check_packed_offsets(cu_q, cu_k, device, total_q, total_k, max_seqlen_q, max_seqlen_k,
+                         check_values=True) -> None:
+    """A packed batch's offsets (attention_varlen, bf16 and FP8): int32 (batch + 1,) on `device`,
+    and (check_values, where values_checkable) their values."""
+    _checks.check_offsets(cu_q, "cu_seqlens_q", device)
+    _checks.check_offsets(cu_k, "cu_seqlens_k", device, batch=cu_q.shape[0] - 1)
+    if check_values and values_checkable(device):  # (the memo skips offsets just checked)
+        start_offsets_check(cu_q, cu_k, total_q, total_k, max_seqlen_q, max_seqlen_k)()
 
 
 # ----------------------------------------------------------------------------- KV caches

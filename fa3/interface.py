@@ -17,7 +17,7 @@ from . import _checks, _dispatch, _launch, fp8, masking
 
 def check_attention(q, k, v, kernel):
     """fa3.attention's q, k, v (batch, seqlen, heads, head_dim) and rung; returns the rung's spec."""
-    q_shape, k_shape = _checks.check_qkv(q, k, v, "(batch, seqlen_k, heads_kv, head_dim)")
+    q_shape, k_shape = _checks.check_qkv(q, k, v, _checks.KV_LAYOUT)
     if k_shape[0] != q_shape[0]:
         raise ValueError(f"q has batch {q_shape[0]} but k and v have batch {k_shape[0]}")
     spec = _dispatch.memo_rung(_dispatch.attention_rung, kernel, q_shape[3])

@@ -19,7 +19,8 @@
                                     window_right=-1, softcap=0.0, cu_seqlens_q=None, max_seqlen_q=0,
                                     max_seqlen_k=-1, cache_leftpad=None, sinks=None) -> (out, lse)
     torch.ops.fa3.attention_fp8(q, k, v, q_descale, k_descale, v_descale, causal, softmax_scale,
-                                kernel, window_left, window_right, softcap, out_dtype)
+                                kernel, window_left, window_right, softcap, out_dtype,
+                                cu_seqlens_q=None, cu_seqlens_k=None)
                                 -> (out, lse)               forward only (FP8 e4m3 q, k, v)
     torch.ops.fa3.gemm(a, b, kernel) -> out
 
@@ -253,23 +254,28 @@ def _attention_kvcache_fake(q, k_cache, v_cache, cache_seqlens, block_table, app
 
 _FP8_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor q_descale, Tensor k_descale, Tensor v_descale, "
                "bool causal, float softmax_scale, str kernel, int window_left, int window_right, "
-               "float softcap, ScalarType out_dtype) -> (Tensor, Tensor)")
+               "float softcap, ScalarType out_dtype, Tensor? cu_seqlens_q=None, "
+               "Tensor? cu_seqlens_k=None) -> (Tensor, Tensor)")
 
 
 @torch.library.custom_op("fa3::attention_fp8", mutates_args=(), schema=_FP8_SCHEMA)
 def attention_fp8(q, k, v, q_descale, k_descale, v_descale, causal, softmax_scale, kernel, window_left,
-                  window_right, softcap, out_dtype):
-    """(out in out_dtype, lse) of FP8 rung `kernel` on e4m3 q, k, v and their descales. No autograd:
-    FP8 attention is forward-only (fa3.attention refuses inputs that require grad)."""
-    spec, descales = fp8.check_attention_fp8(q, k, v, q_descale, k_descale, v_descale, kernel)
+                  window_right, softcap, out_dtype, cu_seqlens_q=None, cu_seqlens_k=None):
+    """(out in out_dtype, lse) of FP8 rung `kernel` on e4m3 q, k, v and their descales; with
+    cu_seqlens_q/k a packed batch (attention_varlen's layouts). No autograd: FP8 attention is
+    forward-only (fa3.attention refuses inputs that require grad)."""
+    cu_seqlens = None if cu_seqlens_q is None else (cu_seqlens_q, cu_seqlens_k)
+    spec, descales = fp8.check_attention_fp8(q, k, v, q_descale, k_descale, v_descale, kernel,
+                                             cu_seqlens=cu_seqlens)
     mask = masking.masking(causal, (window_left, window_right), softcap, softmax_scale)
     _dispatch.check_variants(spec, mask, "kernel")
-    return fp8.launch_attention_fp8(spec, q, k, v, descales, mask, out_dtype)
+    return fp8.launch_attention_fp8(spec, q, k, v, descales, mask, out_dtype, None, cu_seqlens)
 
 
 @attention_fp8.register_fake
 def _attention_fp8_fake(q, k, v, q_descale, k_descale, v_descale, causal, softmax_scale, kernel,
-                        window_left, window_right, softcap, out_dtype):
-    batch, seqlen_q, heads_q, _ = q.shape
+                        window_left, window_right, softcap, out_dtype, cu_seqlens_q=None,
+                        cu_seqlens_k=None):
+    heads_q = q.shape[-2]
     return (q.new_empty(q.shape, dtype=out_dtype),
-            q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32))
+            q.new_empty((*q.shape[:-3], heads_q, q.shape[-3]), dtype=torch.float32))

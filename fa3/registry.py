@@ -192,7 +192,7 @@ KERNELS: dict[str, KernelSpec] = {
             # no operand is read from SMEM into registers, and nothing is rounded to 16 bits but O
             ptx_forbids=("cvt.f32.bf16", "ld.shared.u8", "ld.shared.b8", "ld.shared.u16",
                          "ld.shared.b16"),
-            speed_rank=1, persistent=True, variants=("local", "softcap"),
+            speed_rank=1, persistent=True, variants=VARIANTS,
         ),
         KernelSpec(
             "b1", BACKWARD, "bwd", "AttentionBackward",

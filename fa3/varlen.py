@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from . import _checks, _dispatch, _launch, index_checks, kvcache, masking, registry
+from . import _checks, _dispatch, _launch, fp8, index_checks, kvcache, masking, registry
 
 
 def packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
@@ -55,17 +55,13 @@ def check_varlen_rung(spec, argument: str) -> None:
 def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kernel, check_values=True):
     """attention_varlen's arguments (the offsets' values too, where check_values and the call allow
     a host copy: fa3.index_checks); returns the rung's spec."""
-    (total_q, _, head_dim), (total_k, _, _) = _checks.check_qkv(q, k, v, "(total_k, heads_kv, head_dim)")
-    device = q.device
-    _checks.check_offsets(cu_seqlens_q, "cu_seqlens_q", device)
-    _checks.check_offsets(cu_seqlens_k, "cu_seqlens_k", device, batch=cu_seqlens_q.shape[0] - 1)
+    (total_q, _, head_dim), (total_k, _, _) = _checks.check_qkv(q, k, v, _checks.PACKED_KV_LAYOUT)
+    index_checks.check_packed_offsets(cu_seqlens_q, cu_seqlens_k, q.device, total_q, total_k,
+                                      max_seqlen_q, max_seqlen_k, check_values)
     spec = _dispatch.memo_rung(_varlen_rung, kernel, head_dim)
     if v.shape[2] != head_dim:
         _dispatch.check_value_head_dim(spec, head_dim, v.shape[2], "kernel")
-    _checks.check_hopper(device, "q")
-    if check_values and index_checks.values_checkable(device):  # (the memo skips offsets just checked)
-        index_checks.start_offsets_check(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q,
-                                         max_seqlen_k)()
+    _checks.check_hopper(q.device, "q")
     return spec
 
 
@@ -121,7 +117,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None
                      softcap: float = 0.0, return_lse: bool = False, kernel: str | None = None,
                      deterministic: bool = False, backward_kernel: str | None = None,
                      block_table=None, seqused_k=None, out=None, num_splits: int = 0,
-                     scheduler_metadata=None, sinks=None):
+                     scheduler_metadata=None, sinks=None, q_descale=None, k_descale=None,
+                     v_descale=None):
     """Attention over a packed batch of variable-length sequences, as flash_attn_varlen_func.
 
     q: (total_q, heads_q, d); k, v: (total_k, heads_kv, d); bf16/fp16 on a Hopper GPU, d in
@@ -148,10 +145,26 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None
     capture and torch.compile, where the kernel clamps), so the call captures in a CUDA graph at
     fixed shapes. Inference only.
 
+    FP8: float8_e4m3fn q, k, v with q/k/v_descale float32 (batch, heads_kv) (or one element), as
+    fa3.attention's FP8 forward (forward only; output bf16 or out='s dtype; no KV cache yet).
+
     Without a cache: differentiable in q, k and v, as fa3.attention (the backward rungs compile
     packed batches too). The offsets are checked on the host (one small copy) except while a CUDA
     graph is captured or torch.compile traces; the kernels themselves need no host sync.
     """
+    if fp8.is_fp8_call(q, q_descale, k_descale, v_descale):
+        if block_table is not None or seqused_k is not None:
+            raise NotImplementedError("FP8 inputs over a KV cache (block_table/seqused_k) are not supported "
+                                      "yet: keep the cache in bfloat16 (fa3.dequantize_fp8), or pass "
+                                      "packed FP8 k and v with cu_seqlens_k")
+        if cu_seqlens_k is None:
+            raise ValueError("cu_seqlens_k is required (int32 (batch + 1,) offsets of k and v)")
+        kvcache.check_scheduler_metadata(scheduler_metadata, q)
+        return fp8.attention_fp8(q, k, v, q_descale, k_descale, v_descale, causal=causal,
+                                 softmax_scale=softmax_scale, window=window_size, softcap=softcap,
+                                 return_lse=return_lse, kernel=kernel, out=out, sinks=sinks,
+                                 cu_seqlens=(cu_seqlens_q, cu_seqlens_k),
+                                 max_seqlens=(max_seqlen_q, max_seqlen_k))
     if block_table is not None or seqused_k is not None:
         if cu_seqlens_k is not None:
             raise ValueError("cu_seqlens_k must be None with block_table/seqused_k: the keys of entry b "

@@ -236,6 +236,10 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
         for pipe, state in zip((q_pipe, k_pipe, v_pipe), states):
             pipeline.tail(pipe, state)
 
+    def v_rows(self, mV: cute.Tensor, head_kv: Int32, batch: Int32, seq) -> cute.Tensor:
+        """The entry's V for one KV head: its rows, (seqlen_k, d_v), as K's."""
+        return seqlen.rows(mV, head_kv, batch, seq.offset_k, self.varlen)
+
     def v_tiles(self, gV: cute.Tensor) -> cute.Tensor:
         """One head's V rows, (seqlen_k, d_v), as (tile_n, d_v) tiles indexed by the last mode."""
         return cute.local_tile(gV, (self.tile_n, self.head_dim_v), (None, 0))
@@ -258,7 +262,7 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
         head_kv = head // (mQ.shape[2] // mK.shape[2])
         gQ = seqlen.rows(mQ, head, batch, seq.offset_q, self.varlen)
         gK = seqlen.rows(mK, head_kv, batch, seq.offset_k, self.varlen)
-        gV = seqlen.rows(mV, head_kv, batch, seq.offset_k, self.varlen)
+        gV = self.v_rows(mV, head_kv, batch, seq)
         tQsQ, tQgQ = tma.partition(tma_q, cute.local_tile(gQ, tile_q, (None, 0)), sQ)
         tKsK, tKgK = tma.partition(tma_k, cute.local_tile(gK, tile_kv, (None, 0)), sK)
         tVsV, tVgV = tma.partition(tma_v, self.v_tiles(gV), sV)

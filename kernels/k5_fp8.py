@@ -20,8 +20,13 @@ epilogue are K5's, unchanged):
   * Descales (float32, (batch, heads_kv)): q_descale * k_descale of the tile's KV head is folded
     into the exp2 scale (or, with softcap, into the tanh's scale), v_descale into 1/l at the end.
 
-Constraints: head_dim 64/128/256, tile_n a multiple of 32 (the WGMMA's k); no packed (varlen)
-batches; forward only. Tiles as K5.5's (registry).
+  * Packed (varlen) batches: the 16-key permutation is counted from each entry's first key, so V^T
+    gives every entry its own 16-aligned run of columns, starting at 16 * ceil(cu_k[b] / 16) + 16 b
+    (fa3.fp8.transpose_v_packed; the runs cannot overlap: entry b's ends at most 16 columns past
+    where entry b + 1's starts without the + 16 b).
+
+Constraints: head_dim 64/128/256, tile_n a multiple of 32 (the WGMMA's k); forward only. Tiles as
+K5.5's (registry).
 """
 
 import cutlass
@@ -44,7 +49,10 @@ class Fp8Attention(WarpSpecializedAttention):
                  intra_wg_overlap: bool = True, dynamic_schedule: bool = False,
                  varlen: bool = False, local: bool = False, softcap: bool = False):
         """`dtype` is the output's (bf16 or fp16); q, k and v are e4m3."""
-        assert not varlen, "F1 does not take packed (varlen) batches"
+        if local and head_dim == 256 and tile_n > 64:
+            # the window's state beside 128-wide S tiles at d256 spills (408-484 bytes): K5.5's
+            # 64-wide tiles
+            tile_n = 64
         assert tile_n % 32 == 0, "FP8 WGMMA is 32 keys deep: tile_n must be a multiple of 32"
         super().__init__(cutlass.Float8E4M3FN, head_dim, causal, tile_m, tile_n, kv_stages, q_stages,
                          pingpong, intra_wg_overlap, dynamic_schedule, varlen, local, softcap)
@@ -88,6 +96,13 @@ class Fp8Attention(WarpSpecializedAttention):
                    mCuSeqlensQ, mCuSeqlensK, window_left, window_right, softcap_scale, None,
                    (mQDescale, mKDescale, mVDescale), sQ_layout, sKV_layout, sV_layout, sO_layout,
                    epi_tile, SharedStorage)
+
+    def v_rows(self, mVt: cute.Tensor, head_kv: Int32, batch: Int32, seq) -> cute.Tensor:
+        """The entry's V^T for one KV head, (d, keys); packed: from its own 16-aligned column."""
+        if cutlass.const_expr(self.varlen):
+            first = (seq.offset_k + 15) // 16 * 16 + 16 * batch
+            return cute.domain_offset((0, first), mVt[None, None, head_kv, 0])
+        return mVt[None, None, head_kv, batch]
 
     def v_tiles(self, gVt: cute.Tensor) -> cute.Tensor:
         """One head's V^T, (d, keys), as (d, tile_n) tiles indexed by the last mode."""

@@ -103,6 +103,9 @@ def test_backward_deterministic_variant_compiles(name):
     # v's head dim other than q/k's: (192, 128) on 128-wide K/V tiles, (128, 64)
     ("k5.5", dict(head_dim=192, head_dim_v=128, causal=True), ("wgmma.mma_async",)),
     ("k5.5", dict(head_dim=128, head_dim_v=64, causal=False, varlen=True), ("vote.sync.ballot",)),
+    # FP8 packed batches (V^T read from each entry's own 16-aligned column)
+    ("f1", dict(head_dim=128, causal=True, varlen=True), (".e4m3.e4m3", "vote.sync.ballot")),
+    ("f1", dict(head_dim=256, causal=False, varlen=True, local=True), (".e4m3.e4m3", "vote.sync.ballot")),
 ])
 def test_variants_compile(name, static, promises):
     """The variants (varlen, sliding window, softcap; forward and backward) compile for sm_90a

@@ -30,7 +30,7 @@ FLASH_ATTN = {
 }
 # flash-attn 3's serving keywords (keyword-only after flash-attn 2's parameters), as vLLM and SGLang pass them
 FLASH_ATTN_3_KEYWORDS = {
-    "flash_attn_func": set(),
+    "flash_attn_func": {"q_descale", "k_descale", "v_descale"},
     "flash_attn_varlen_func": {"seqused_k", "return_softmax_lse", "out", "scheduler_metadata", "num_splits",
                                "q_descale", "k_descale", "v_descale", "fa_version", "s_aux"},
     "flash_attn_with_kvcache": {"page_table", "cu_seqlens_q", "max_seqlen_q", "cu_seqlens_k_new",

@@ -146,6 +146,78 @@ def test_traced_call_reaches_the_op(no_device_check):
     assert out.shape == q.shape and out.dtype == torch.bfloat16 and lse.shape == (2, 4, 16)
 
 
+def packed_fp8(lengths_q, lengths_k, heads_q=4, heads_kv=2, head_dim=128, device="cpu"):
+    """Packed FP8 q (total_q, heads_q, d), k, v (total_k, heads_kv, d) and int32 offsets."""
+    gen = torch.Generator().manual_seed(sum(lengths_q) + 7 * sum(lengths_k))
+    q = torch.randn(sum(lengths_q), heads_q, head_dim, generator=gen)
+    k, v = (torch.randn(sum(lengths_k), heads_kv, head_dim, generator=gen) for _ in range(2))
+    cu = [torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device=device)
+          for n in (lengths_q, lengths_k)]
+    return (*(t.to(device=device, dtype=FP8) for t in (q, k, v)), *cu)
+
+
+def test_varlen_fake_shapes(no_device_check):
+    """The op with cu_seqlens on meta tensors: O shaped like q, LSE (heads_q, total_q)."""
+    q, k, v, cu_q, cu_k = (t.to("meta") for t in packed_fp8([3, 5], [4, 9]))
+    d = torch.ones(2, 2, device="meta")
+    out, lse = torch.ops.fa3.attention_fp8(q, k, v, d, d, d, True, 0.1, RUNG, -1, -1, 0.0,
+                                           torch.bfloat16, cu_q, cu_k)
+    assert out.shape == q.shape and out.dtype == torch.bfloat16 and lse.shape == (4, 8)
+
+
+def test_varlen_checks(no_device_check):
+    """attention_varlen's FP8 branch: descales are (sequences, heads_kv); a KV cache is refused;
+    16-bit k with FP8 q names k."""
+    q, k, v, cu_q, cu_k = packed_fp8([3, 5, 2], [4, 9, 1])
+    call = dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    raises_with(fa3.attention_varlen, ValueError, "q_descale", "(3, 2)", **call,
+                q_descale=torch.ones(2, 2))
+    raises_with(fa3.attention_varlen, NotImplementedError, "FP8", "KV cache", **{**call, "cu_seqlens_k": None},
+                seqused_k=torch.ones(3, dtype=torch.int32))
+    raises_with(fa3.attention_varlen, TypeError, "k", "torch.bfloat16", "float8_e4m3fn",
+                **{**call, "k": k.to(torch.bfloat16)})
+
+
+def test_flash_attn_names_route_fp8():
+    """flash-attn's names hand FP8 inputs and their descales to the FP8 forward (here: its device
+    check, on CPU tensors), read no descales with 16-bit inputs (flash-attn's rule; here: the
+    16-bit device check), and refuse an FP8 KV cache by name."""
+    q, k, v = fp8_qkv()
+    s = torch.ones(2, 2)
+    raises_with(fa3.flash_attn_func, ValueError, "q", "cpu", q=q, k=k, v=v, q_descale=s)
+    raises_with(fa3.flash_attn_func, ValueError, "q", "cpu", q=q.to(torch.bfloat16), k=k.to(torch.bfloat16),
+                v=v.to(torch.bfloat16), q_descale=s)
+    pq, pk, pv, cu_q, cu_k = packed_fp8([3, 5], [4, 9])
+    raises_with(fa3.flash_attn_varlen_func, ValueError, "q", "cpu", q=pq, k=pk, v=pv, cu_seqlens_q=cu_q,
+                cu_seqlens_k=cu_k, max_seqlen_q=5, max_seqlen_k=9, k_descale=s)
+    raises_with(fa3.flash_attn_with_kvcache, NotImplementedError, "FP8", q=q, k_cache=k, v_cache=v,
+                cache_seqlens=4, q_descale=s)
+
+
+def test_transpose_v_packed_columns():
+    """A packed V^T gives entry b its keys from column 16 ceil(cu_k[b] / 16) + 16 b on, in
+    transpose_v's order of the entry alone (zeros between entries); empty entries included."""
+    lengths = [5, 0, 37, 16, 1, 20]
+    heads, d = 2, 64
+    total = sum(lengths)
+    v = (torch.arange(total).view(total, 1, 1) % 250 + 1).expand(total, heads, d).to(torch.uint8)
+    v = v.contiguous().view(FP8)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    vt = fp8.transpose_v_packed(v, cu)
+    columns = fp8.padded_keys(total) + 16 * len(lengths)
+    assert vt.shape == (1, d, heads, columns)
+    got = vt[0].view(torch.uint8)
+    used = torch.zeros(columns, dtype=torch.bool)
+    for b, n in enumerate(lengths):
+        start = int(cu[b])
+        first = -(-start // 16) * 16 + 16 * b
+        alone = fp8.transpose_v_reference(v[start:start + n].unsqueeze(0))[0].view(torch.uint8)
+        width = alone.shape[-1]
+        assert torch.equal(got[..., first:first + width], alone), f"entry {b}"
+        used[first:first + width] = True
+    assert (got[..., ~used] == 0).all()
+
+
 # ----------------------------------------------------------------------------- V^T's key order
 def test_transpose_v_shape_padding_and_order():
     """V^T holds key 16b + 8a + 2t + c at position 16b + 4t + 2a + c of each head's row of keys;
@@ -329,3 +401,56 @@ def test_hadamard_lowers_attention_error_on_outliers():
     print(f"\n  outliers: plain {errs[False]:.3e}, Hadamard {errs[True]:.3e} "
           f"({errs[False] / errs[True]:.2f}x lower)", end="")
     assert errs[True] < errs[False] / 1.2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_varlen_accuracy(d, causal):
+    """A packed batch (lengths 0, 1, ragged, longer than a tile; GQA 6/2) quantized per sequence
+    and KV head, against the float64 reference of each sequence alone; out= poisoned with NaN."""
+    lengths_q, lengths_k = [1, 300, 0, 129, 777, 64], [70, 300, 5, 1, 1000, 64]
+    heads_q, heads_kv = 6, 2
+    gen = torch.Generator(device="cuda").manual_seed(d + causal)
+    parts, scales, deq = {"q": [], "k": [], "v": []}, {"q": [], "k": [], "v": []}, []
+    for n_q, n_k in zip(lengths_q, lengths_k):
+        entry = {}
+        for name, n, h in (("q", n_q, heads_q), ("k", n_k, heads_kv), ("v", n_k, heads_kv)):
+            x = torch.randn(1, n, h, d, generator=gen, device="cuda")
+            if n:
+                x8, sx = fa3.quantize_fp8(x, "head", num_heads_kv=heads_kv if name == "q" else None)
+            else:
+                x8, sx = x.to(FP8), torch.ones(1, heads_kv, device="cuda")
+            parts[name].append(x8[0])
+            scales[name].append(sx)
+            entry[name] = fa3.dequantize_fp8(x8, sx, dtype=torch.float64)
+        deq.append(entry)
+    q8, k8, v8 = (torch.cat(parts[n]) for n in "qkv")
+    sq, sk, sv = (torch.cat(scales[n]) for n in "qkv")
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+                  for n in (lengths_q, lengths_k))
+    out = torch.full(q8.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    got, lse = fa3.attention_varlen(q8, k8, v8, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=causal,
+                                    q_descale=sq, k_descale=sk, v_descale=sv, out=out, return_lse=True)
+    assert got is out and lse.shape == (heads_q, q8.shape[0])
+    ref_out = torch.zeros(q8.shape, dtype=torch.float64, device="cuda")
+    ref_lse = torch.full((heads_q, q8.shape[0]), float("-inf"), dtype=torch.float64, device="cuda")
+    for b, entry in enumerate(deq):
+        rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        if lengths_q[b] == 0 or lengths_k[b] == 0:  # no rows, or O = 0 and LSE = -inf as set
+            continue
+        o, o_lse = attention_reference(entry["q"], entry["k"], entry["v"], causal=causal, dtype=torch.float64)
+        ref_out[rows], ref_lse[:, rows] = o[0], o_lse[0]
+    check(out, lse, ref_out, ref_lse, f"varlen d{d} {'causal' if causal else 'full'}")
+    # flash-attn's name gives the same bits
+    again = fa3.flash_attn_varlen_func(q8, k8, v8, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=causal,
+                                       q_descale=sq, k_descale=sk, v_descale=sv)
+    assert torch.equal(again, out)
+
+
+@pytest.mark.gpu
+def test_flash_attn_func_fp8_matches_attention():
+    (q8, k8, v8), (sq, sk, sv), _ = quantized(2, 300, 500, 4, 2, 128, seed=11)
+    want = fa3.attention(q8, k8, v8, q_descale=sq, k_descale=sk, v_descale=sv, causal=True)
+    got = fa3.flash_attn_func(q8, k8, v8, causal=True, q_descale=sq, k_descale=sk, v_descale=sv)
+    assert torch.equal(got, want)
