@@ -9,9 +9,15 @@ runner is timed --rounds times per shape in rotating order and its median round 
 ratio to cuBLAS per shape.
 
     python benchmarks/bench_gemm.py [--kernels all|g1,g2,g3] [--shapes 4096x4096x4096,...]
-        [--dtype bf16|fp16] [--rounds 3] [--eager] [--json FILE]
+        [--dtype bf16|fp16|fp8] [--rounds 3] [--eager] [--json FILE]
     python benchmarks/bench_gemm.py --shapes models     the model shape set (MODEL_SHAPES)
     python benchmarks/bench_gemm.py --sweep [--shapes ...]
+
+--dtype fp8: A and B quantized per tensor to e4m3 (fa3.quantize_fp8), B column-major (the
+transpose of a row-major (N, K) weight, as torch._scaled_mm needs), C bf16 = scale_a * scale_b *
+(A B); the peers are torch._scaled_mm with the same scales, as it defaults (scaled_mm) and with
+use_fast_accum=True (scaled_mm_fast: no periodic promotion of the FP32 partial sums, as fa3's
+kernel), and the ratios are taken to the faster of the two.
 
 Shapes are M x N x K. --sweep times g3's kernel at every tile M x N x K-depth x stages of SWEEP
 (stages 0: as many as fit) on each shape and prints one table: the SMEM each takes, µs per call,
@@ -39,22 +45,52 @@ MODEL_SHAPES = tuple((m, n, k) for m in (1, 16, 64, 128, 512, 2048, 8192, 16384)
                      for n, k in ((4096, 4096), (14336, 4096), (4096, 14336), (128256, 4096),
                                   (28672, 8192), (8192, 28672))) + ((4096, 4096, 4096), (8192, 8192, 8192))
 CUBLAS = "cublas"
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+FP8 = torch.float8_e4m3fn
+SCALED_MM, SCALED_MM_FAST = "scaled_mm", "scaled_mm_fast"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": FP8}
+
+
+def peers(dtype) -> list[str]:
+    """The cuBLAS runners of a dtype: the ratios are taken to the fastest of them per shape."""
+    return [SCALED_MM, SCALED_MM_FAST] if dtype == FP8 else [CUBLAS]
+
+
+def operands(m, n, k, dtype):
+    """(a, b, out, scales) from torch.randn: FP8 quantized per tensor, B column-major, C bf16."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    if dtype != FP8:
+        a = torch.randn(m, k, device="cuda", dtype=dtype, generator=gen)
+        b = torch.randn(k, n, device="cuda", dtype=dtype, generator=gen)
+        return a, b, torch.empty(m, n, device="cuda", dtype=dtype), (None, None)
+    (a, scale_a), (w, scale_b) = (fa3.quantize_fp8(torch.randn(rows, k, device="cuda", generator=gen))
+                                  for rows in (m, n))
+    return a, w.t(), torch.empty(m, n, device="cuda", dtype=torch.bfloat16), (scale_a, scale_b)
 
 
 def rung_call(name):
-    def make(a, b, out):
-        return lambda: fa3.gemm(a, b, out=out, kernel=name)
+    def make(a, b, out, scales):
+        if scales[0] is None:
+            return lambda: fa3.gemm(a, b, out=out, kernel=name)
+        return lambda: fa3.gemm(a, b, out=out, kernel=name, scale_a=scales[0], scale_b=scales[1])
     return make
 
 
-def cublas_call(a, b, out):
+def cublas_call(a, b, out, scales):
     return lambda: torch.matmul(a, b, out=out)
 
 
-def runners(kernels):
-    """name -> make(a, b, out), which returns the call to time."""
-    return {**{name: rung_call(name) for name in kernels}, CUBLAS: cublas_call}
+def scaled_mm_call(fast: bool):
+    def make(a, b, out, scales):
+        return lambda: torch._scaled_mm(a, b, scale_a=scales[0], scale_b=scales[1], out_dtype=out.dtype,
+                                        use_fast_accum=fast, out=out)
+    return make
+
+
+def runners(kernels, dtype):
+    """name -> make(a, b, out, scales), which returns the call to time."""
+    cublas = {SCALED_MM: scaled_mm_call(False), SCALED_MM_FAST: scaled_mm_call(True)} if dtype == FP8 \
+        else {CUBLAS: cublas_call}
+    return {**{name: rung_call(name) for name in kernels}, **cublas}
 
 
 def sweep(shapes, kernels, dtype, *, rounds, warmup, repeats, max_call_s, timer=measure_gpu) -> list[dict]:
@@ -62,12 +98,9 @@ def sweep(shapes, kernels, dtype, *, rounds, warmup, repeats, max_call_s, timer=
     to round (so clock and thermal drift hit each alike); a runner's result is its median round."""
     rows = []
     for m, n, k in shapes:
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        a = torch.randn(m, k, device="cuda", dtype=dtype, generator=gen)
-        b = torch.randn(k, n, device="cuda", dtype=dtype, generator=gen)
-        out = torch.empty(m, n, device="cuda", dtype=dtype)
+        a, b, out, scales = operands(m, n, k, dtype)
         flops, label = 2.0 * m * n * k, f"{m}x{n}x{k}"
-        calls = runners(kernels)
+        calls = runners(kernels, dtype)
         times = {name: [] for name in calls}
         skipped = {}
         for r in range(rounds):
@@ -76,7 +109,7 @@ def sweep(shapes, kernels, dtype, *, rounds, warmup, repeats, max_call_s, timer=
                 if name in skipped:
                     continue
                 try:
-                    ms = timer(calls[name](a, b, out), warmup=warmup, repeats=repeats,
+                    ms = timer(calls[name](a, b, out, scales), warmup=warmup, repeats=repeats,
                                  max_call_s=max_call_s)
                 except TooSlow as slow:
                     skipped[name] = f"one call took {slow.args[0] / 1e3:.1f} s"
@@ -118,14 +151,12 @@ def sweep_tiles(shapes, dtype, *, warmup, repeats, max_call_s) -> tuple[list, li
     spec = registry.get("g3")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     counters, no_workspace = matmul.SPLIT_BUFFERS.get(torch.device("cuda", 0), sms)  # no split-K here
-    operands = []
-    for m, n, k in shapes:
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        operands.append((torch.randn(m, k, device="cuda", dtype=dtype, generator=gen),
-                         torch.randn(k, n, device="cuda", dtype=dtype, generator=gen),
-                         torch.empty(m, n, device="cuda", dtype=dtype)))
-    cublas = [measure_gpu(cublas_call(a, b, c), warmup=warmup, repeats=repeats, max_call_s=max_call_s)
-              for a, b, c in operands]
+    if dtype == FP8:
+        raise SystemExit("--sweep times the 16-bit kernel: pass --dtype bf16 or fp16")
+    inputs = [operands(m, n, k, dtype)[:3] for m, n, k in shapes]
+    stand_in = torch.ones(1, device="cuda")
+    cublas = [measure_gpu(cublas_call(a, b, c, None), warmup=warmup, repeats=repeats, max_call_s=max_call_s)
+              for a, b, c in inputs]
     rows = []
     for point in SWEEP:
         tiles = tile_config(*point)
@@ -134,8 +165,9 @@ def sweep_tiles(shapes, dtype, *, warmup, repeats, max_call_s) -> tuple[list, li
         smem_kb = model.stages * (point[0] + point[1]) * point[2] * 2 / 1024
         fn = _compile.get_gemm(spec, dtype, "row", "row", tiles)
         rates = []
-        for (m, n, k), (a, b, c), base in zip(shapes, operands, cublas):
-            ms = measure_gpu(lambda: fn(a, b, c, sms, no_workspace, counters, 1), warmup=warmup, repeats=repeats, max_call_s=max_call_s)
+        for (m, n, k), (a, b, c), base in zip(shapes, inputs, cublas):
+            ms = measure_gpu(lambda: fn(a, b, c, sms, no_workspace, counters, 1, stand_in, stand_in),
+                             warmup=warmup, repeats=repeats, max_call_s=max_call_s)
             rates.append(f"{ms * 1e3:.1f} ({base / ms:.2f})")
         progress(f"{point}: {model.stages} stages, {smem_kb:.0f} KB ring: {'  '.join(rates)}")
         rows.append([f"{point[0]}x{point[1]}x{point[2]}", model.stages, f"{smem_kb:.0f}", *rates])
@@ -144,23 +176,29 @@ def sweep_tiles(shapes, dtype, *, warmup, repeats, max_call_s) -> tuple[list, li
     return headers, rows
 
 
-def table(rows, kernels) -> str:
-    headers = ["M x N x K", *kernels, CUBLAS, *(f"{k}/cuBLAS" for k in kernels)]
+def _best_peer(row, cublas) -> float | None:
+    rates = [row["results"].get(p, {}).get("tflops") for p in cublas]
+    return max((r for r in rates if r), default=None)
+
+
+def table(rows, kernels, cublas=(CUBLAS,)) -> str:
+    headers = ["M x N x K", *kernels, *cublas, *(f"{k}/cuBLAS" for k in kernels)]
     body = []
     for row in rows:
-        rate = {name: row["results"].get(name, {}).get("tflops") for name in [*kernels, CUBLAS]}
-        ratios = [f"{rate[k] / rate[CUBLAS]:.2f}" if rate[k] and rate[CUBLAS] else None for k in kernels]
-        body.append([f"{row['m']}x{row['n']}x{row['k']}", *(rate[k] for k in kernels), rate[CUBLAS], *ratios])
+        rate = {name: row["results"].get(name, {}).get("tflops") for name in [*kernels, *cublas]}
+        best = _best_peer(row, cublas)
+        ratios = [f"{rate[k] / best:.2f}" if rate[k] and best else None for k in kernels]
+        body.append([f"{row['m']}x{row['n']}x{row['k']}", *(rate[k] for k in [*kernels, *cublas]), *ratios])
     return format_table(headers, body)
 
 
-def summary(rows, kernels) -> str:
-    """Each rung's geometric mean and minimum ratio to cuBLAS over the shapes both ran."""
+def summary(rows, kernels, cublas=(CUBLAS,)) -> str:
+    """Each rung's geometric mean and minimum ratio to cuBLAS (the fastest of `cublas` per shape)
+    over the shapes both ran."""
     lines = []
     for name in kernels:
-        ratios = {f"{row['m']}x{row['n']}x{row['k']}": row["results"][name]["tflops"] / row["results"][CUBLAS]["tflops"]
-                  for row in rows if "tflops" in row["results"].get(name, {})
-                  and "tflops" in row["results"].get(CUBLAS, {})}
+        ratios = {f"{row['m']}x{row['n']}x{row['k']}": row["results"][name]["tflops"] / _best_peer(row, cublas)
+                  for row in rows if "tflops" in row["results"].get(name, {}) and _best_peer(row, cublas)}
         if ratios:
             geomean = math.exp(sum(math.log(r) for r in ratios.values()) / len(ratios))
             worst = min(ratios, key=ratios.get)
@@ -220,8 +258,8 @@ def main(argv=None) -> int:
     rows = sweep(args.shapes, args.kernels, DTYPES[args.dtype], rounds=args.rounds, warmup=args.warmup,
                  repeats=args.repeats, max_call_s=args.max_call_s, timer=measure if args.eager else measure_gpu)
     print()
-    print(table(rows, args.kernels))
-    print(summary(rows, args.kernels))
+    print(table(rows, args.kernels, peers(DTYPES[args.dtype])))
+    print(summary(rows, args.kernels, peers(DTYPES[args.dtype])))
     if args.json:
         write_json(args.json, {"setting": {"dtype": args.dtype, "layout": "row-major A and B"},
                                "rows": rows})

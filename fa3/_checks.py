@@ -68,8 +68,8 @@ def check_tensor(t, name: str, ndim: int, dtype=None, unit_stride_last: bool = T
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
     if t.dtype not in dtypes:
         if dtypes is FP8_DTYPES:
-            raise TypeError(f"{name} has dtype {t.dtype}; fa3's FP8 attention takes torch.float8_e4m3fn "
-                            f"q, k and v (e5m2 is not supported): quantize with fa3.quantize_fp8({name})")
+            raise TypeError(f"{name} has dtype {t.dtype}; fa3's FP8 kernels take torch.float8_e4m3fn "
+                            f"inputs (e5m2 is not supported): quantize with fa3.quantize_fp8({name})")
         raise TypeError(f"{name} has dtype {t.dtype}; fa3 supports torch.bfloat16 and torch.float16: "
                         f"convert with {name}.to(torch.bfloat16)")
     if dtype is not None and t.dtype != dtype:

@@ -300,46 +300,51 @@ def get_value_transpose(head_dim):
 GEMM_LAYOUTS = ("row", "col")
 
 
-def _gemm_fake_args(dtype, a_layout, b_layout):
-    """Fake a (M, K), b (K, N), c (M, N) row-major, the SM count, and split-K's FP32 workspace,
-    int32 counters and split count. Shapes are dynamic and shared (the call checks that a, b and c
-    agree); the non-unit stride is dynamic and 16-byte aligned."""
+def _gemm_fake_args(dtype, a_layout, b_layout, out_dtype=None):
+    """Fake a (M, K), b (K, N), c (M, N) row-major (in out_dtype, default dtype), the SM count,
+    split-K's FP32 workspace, int32 counters and split count, and FP8's scale_a/scale_b (FP32).
+    Shapes are dynamic and shared (the call checks that a, b and c agree); the non-unit stride is
+    dynamic and 16-byte aligned."""
     cutlass, cute = _dsl.import_cute()
-    dt = cute_dtype(dtype)
-    m, n, k = (cute.sym_int64() for _ in range(3))
 
-    def matrix(rows, cols, layout):
-        lead = cute.sym_int64(divisibility=8)
+    def matrix(dt, rows, cols, layout):
+        lead = cute.sym_int64(divisibility=128 // dt.width)
         return _fake_tensor(cute, dt, (rows, cols), (lead, 1) if layout == "row" else (1, lead))
 
+    dt, out = cute_dtype(dtype), cute_dtype(out_dtype or dtype)
+    m, n, k = (cute.sym_int64() for _ in range(3))
     workspace = _fake_tensor(cute, cutlass.Float32, (cute.sym_int64(),), (1,))
     counters = _fake_tensor(cute, cutlass.Int32, (cute.sym_int64(),), (1,))
-    return [matrix(m, k, a_layout), matrix(k, n, b_layout), matrix(m, n, "row"), cutlass.Int32(132),
-            workspace, counters, cutlass.Int32(1)]
+    scales = [_fake_tensor(cute, cutlass.Float32, (cute.sym_int64(),), (1,), align=4) for _ in range(2)]
+    return [matrix(dt, m, k, a_layout), matrix(dt, k, n, b_layout), matrix(out, m, n, "row"),
+            cutlass.Int32(132), workspace, counters, cutlass.Int32(1), *scales]
 
 
-def gemm_key(spec, dtype, a_layout, b_layout) -> tuple:
-    return (spec.name, str(dtype), a_layout, b_layout, tuple(sorted(spec.config.items())),
+def gemm_key(spec, dtype, a_layout, b_layout, out_dtype=None) -> tuple:
+    dtypes = str(dtype) if out_dtype in (None, dtype) else (str(dtype), str(out_dtype))
+    return (spec.name, dtypes, a_layout, b_layout, tuple(sorted(spec.config.items())),
             _dsl.TARGET_ARCH, _dsl.version())
 
 
-def _build_gemm(spec, dtype, a_layout="row", b_layout="row", extra_options=""):
-    kernel = spec.load_class()(dtype=cute_dtype(dtype), **spec.config)
-    return _compile_kernel(kernel, _gemm_fake_args(dtype, a_layout, b_layout), extra_options)
+def _build_gemm(spec, dtype, a_layout="row", b_layout="row", out_dtype=None, extra_options=""):
+    """`dtype`: A's and B's (e4m3: the scaled FP8 GEMM, C in `out_dtype`)."""
+    kernel = spec.load_class()(dtype=cute_dtype(dtype), out_dtype=cute_dtype(out_dtype or dtype),
+                               **spec.config)
+    return _compile_kernel(kernel, _gemm_fake_args(dtype, a_layout, b_layout, out_dtype), extra_options)
 
 
-def get_gemm(spec, dtype, a_layout, b_layout, tiles: tuple = ()):
-    """The compiled GEMM for this rung, dtype and operand layouts (compiled on first use); call it
-    as fn(a, b, c, sm_count, workspace, counters, splits). `tiles`: ((key, value), ...) overrides
-    of the rung's config (the tile shape the GEMM heuristic picks per problem). Like get_attention,
-    a hit is one dict lookup."""
-    fast_key = ("gemm", spec.name, dtype, a_layout, b_layout, tiles)
+def get_gemm(spec, dtype, a_layout, b_layout, tiles: tuple = (), out_dtype=None):
+    """The compiled GEMM for this rung, dtypes and operand layouts (compiled on first use); call it
+    as fn(a, b, c, sm_count, workspace, counters, splits, scale_a, scale_b). `tiles`: ((key,
+    value), ...) overrides of the rung's config (the tile shape the GEMM heuristic picks per
+    problem). Like get_attention, a hit is one dict lookup."""
+    fast_key = ("gemm", spec.name, dtype, a_layout, b_layout, tiles, out_dtype)
     fn = _FAST.get(fast_key)
     if fn is None:
         if tiles:
             spec = dataclasses.replace(spec, config={**spec.config, **dict(tiles)})
-        fn = _FAST[fast_key] = _cached(gemm_key(spec, dtype, a_layout, b_layout),
-                                       lambda: _build_gemm(spec, dtype, a_layout, b_layout))
+        fn = _FAST[fast_key] = _cached(gemm_key(spec, dtype, a_layout, b_layout, out_dtype),
+                                       lambda: _build_gemm(spec, dtype, a_layout, b_layout, out_dtype))
     return fn
 
 

@@ -12,7 +12,8 @@ import torch
 
 from . import _checks, _compile, _dispatch, _launch, registry
 
-_TMA_ELEMS = 8  # 16 bytes of a 16-bit type: TMA's alignment for row strides and base addresses
+_TMA_BYTES = 16  # TMA's alignment for row strides and base addresses
+K_TILE_BYTES = 128  # a K tile's row, as kernels/gemm.py sizes it: 64 16-bit or 128 FP8 elements
 
 # Output tiles (tile_m, tile_n) of the persistent rung, largest first: a problem takes the first
 # whose tile count fills ~90% of the SMs (fewer tiles leave SMs idle, which costs more than smaller
@@ -31,8 +32,13 @@ class _OutputSpec(NamedTuple):  # what _checks.check_output compares `out` again
     device: torch.device
 
 
-def _round_up(x: int, to: int = _TMA_ELEMS) -> int:
+def _round_up(x: int, to: int) -> int:
     return -(-x // to) * to
+
+
+def _tma_elems(t: torch.Tensor) -> int:
+    """Elements in TMA's 16 bytes: 8 of a 16-bit type, 16 FP8."""
+    return _TMA_BYTES // t.element_size()
 
 
 def _aligned_view(t: torch.Tensor):
@@ -41,23 +47,25 @@ def _aligned_view(t: torch.Tensor):
     stride a multiple of 8 elements (16 bytes) and at least the unit-stride extent (no overlapping
     rows). A length-1 dimension's stride is meaningless, so it is set to an aligned value (a view)."""
     rows, cols = t.shape
-    if not _dispatch.tracing() and t.data_ptr() % 16:
+    if not _dispatch.tracing() and t.data_ptr() % _TMA_BYTES:
         return None
+    elems = _tma_elems(t)
     for layout, unit, extent, other, lead in (("row", t.stride(1), cols, rows, t.stride(0)),
                                                ("col", t.stride(0), rows, cols, t.stride(1))):
         if unit != 1 and extent != 1:
             continue
         if other == 1:
-            lead = _round_up(extent)
-        if lead % _TMA_ELEMS == 0 and lead >= extent:
+            lead = _round_up(extent, elems)
+        if lead % elems == 0 and lead >= extent:
             strides = (lead, 1) if layout == "row" else (1, lead)
             return (t if strides == t.stride() else t.as_strided(t.shape, strides)), layout
     return None
 
 
 def _padded(rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
-    """A (rows, cols) view of a fresh (rows, cols rounded up to 8) buffer: rows 16-byte aligned."""
-    return torch.empty(rows, _round_up(cols), dtype=like.dtype, device=like.device)[:, :cols]
+    """A (rows, cols) view of a fresh (rows, cols rounded up to 16 bytes) buffer: rows 16-byte
+    aligned."""
+    return torch.empty(rows, _round_up(cols, _tma_elems(like)), dtype=like.dtype, device=like.device)[:, :cols]
 
 
 def tma_operand(t: torch.Tensor):
@@ -172,8 +180,12 @@ def check_gemm(a, b, out, kernel):
     return spec
 
 
-def gemm(a, b, *, out=None, kernel: str | None = None):
+def gemm(a, b, *, out=None, kernel: str | None = None, scale_a=None, scale_b=None, out_dtype=None):
     """a @ b for 2-D bf16/fp16 tensors on a Hopper GPU: FP32 accumulation, output in the input dtype.
+    FP8: float8_e4m3fn a and b give scale_a * scale_b * (a @ b) in out_dtype (bf16 by default, or
+    fp16), as torch._scaled_mm: scales are one-element float32 tensors (or None: 1), read on the
+    GPU; forward only. FP8 WGMMA reads K-major operands: a row-major and b column-major (b =
+    w.t() of a row-major (N, K) w) are read in place, other layouts are copied first.
 
     a: (M, K), b: (K, N), one dtype, any strides. Row-major (contiguous) and column-major (.t()
     views) operands with 16-byte aligned rows are read in place; anything else TMA cannot read
@@ -189,6 +201,9 @@ def gemm(a, b, *, out=None, kernel: str | None = None):
     wrapper: it traces under torch.compile and torch.export, can be captured in CUDA graphs, and
     is differentiable (dA = dC B^T and dB = A^T dC on the same kernels, through transposed views).
     """
+    if (isinstance(a, torch.Tensor) and a.dtype in _checks.FP8_LIKE) or scale_a is not None \
+            or scale_b is not None or out_dtype is not None:
+        return gemm_fp8(a, b, scale_a, scale_b, out, out_dtype, kernel)
     spec = check_gemm(a, b, out, kernel)
     if _dispatch.direct_call_ok(a, b):
         return launch_gemm(spec, a, b, out)
@@ -196,20 +211,28 @@ def gemm(a, b, *, out=None, kernel: str | None = None):
     return result if out is None else out.copy_(result)  # the op is functional
 
 
-def launch_gemm(spec, a, b, out=None):
+def launch_gemm(spec, a, b, out=None, scales=None, out_dtype=None):
     """Allocate `out` unless given and launch rung `spec` on torch's current stream; the body of
-    the fa3::gemm op. a and b are checked operands, in any layout."""
+    the fa3::gemm op (and of fa3::gemm_fp8: `scales` = (scale_a, scale_b), one-element FP32
+    tensors, C in `out_dtype`). a and b are checked operands, in any layout (FP8's are made
+    K-major first)."""
     m, k, n = a.shape[0], a.shape[1], b.shape[1]
+    out_dtype = out_dtype or a.dtype
     if out is None:
-        out = torch.empty(m, n, dtype=a.dtype, device=a.device)
+        out = torch.empty(m, n, dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return out
     if k == 0:
         return out.zero_()
     if a.requires_grad or b.requires_grad:
         a, b = _launch.detached(a, b)
-    a, a_layout = tma_operand(a)
-    b, b_layout = tma_operand(b)
+    if scales is None:
+        a, a_layout = tma_operand(a)
+        b, b_layout = tma_operand(b)
+        scales = (_launch.stand_in(a.device, torch.float32),) * 2
+    else:  # FP8 WGMMA reads K-major operands only: A row-major, B column-major
+        a, a_layout = k_major(a), "row"
+        b, b_layout = k_major(b.t()).t(), "col"
     sm_count = _checks.HOPPER_SMS[a.device]
     tiles, splits = (), 1
     counters, workspace = SPLIT_BUFFERS.get(a.device, sm_count)
@@ -217,12 +240,88 @@ def launch_gemm(spec, a, b, out=None):
         tile_m, tile_n = _tile_shape(m, n, sm_count)
         tiles = tile_overrides(tile_m, tile_n) + a_box_rows(m, a_layout)
         output_tiles = _tiles(m, n, tile_m, tile_n)
-        splits = _split_count(output_tiles, k, sm_count, spec.config.get("tile_k", 64))
+        splits = _split_count(output_tiles, k, sm_count, K_TILE_BYTES // a.element_size())
         if splits > 1:
             workspace = torch.empty(output_tiles * splits * tile_m * tile_n, dtype=torch.float32,
                                     device=a.device)
-    fn = _compile.get_gemm(spec, a.dtype, a_layout, b_layout, tiles)
+    fn = _compile.get_gemm(spec, a.dtype, a_layout, b_layout, tiles,
+                           None if out_dtype == a.dtype else out_dtype)
     # TMA stores 16-byte aligned rows: a ragged N goes through a padded buffer
-    c = out if n % _TMA_ELEMS == 0 and out.data_ptr() % 16 == 0 else _padded(m, n, out)
-    fn(a, b, c, sm_count, workspace, counters, splits)
+    c = out if n % _tma_elems(out) == 0 and out.data_ptr() % _TMA_BYTES == 0 else _padded(m, n, out)
+    fn(a, b, c, sm_count, workspace, counters, splits, *scales)
     return out if c is out else out.copy_(c)
+
+
+def k_major(t: torch.Tensor) -> torch.Tensor:
+    """`t` (rows, K) as TMA reads a K-major operand: itself if it is one, else a row-major copy."""
+    ready = _aligned_view(t)
+    if ready is not None and ready[1] == "row":
+        return ready[0]
+    copy = _padded(*t.shape, t)
+    copy.copy_(t)
+    return copy
+
+
+# ----------------------------------------------------------------------------- FP8
+def check_gemm_fp8(a, b, scale_a, scale_b, out, out_dtype, kernel):
+    """fa3.gemm's FP8 arguments; returns (spec, (scale_a, scale_b) as one-element FP32 tensors,
+    out_dtype)."""
+    if isinstance(a, torch.Tensor) and a.dtype not in _checks.FP8_LIKE:
+        raise ValueError(f"scale_a and scale_b apply to FP8 operands; a has dtype {a.dtype}: quantize a "
+                         "and b with fa3.quantize_fp8, or drop the scales")
+    _checks.check_tensor(a, "a", 2, unit_stride_last=False, dtypes=_checks.FP8_DTYPES)
+    _checks.check_tensor(b, "b", 2, a.dtype, unit_stride_last=False, dtypes=_checks.FP8_DTYPES)
+    (m, k), n = a.shape, b.shape[1]
+    if b.shape[0] != k:
+        raise ValueError(f"a is {tuple(a.shape)} and b is {tuple(b.shape)}: a's columns (K = {k}) must "
+                         f"equal b's rows ({b.shape[0]}) for a @ b")
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+        raise ValueError("the FP8 GEMM is forward-only: a or b requires grad; pass tensors that do not "
+                         "(x.detach())")
+    spec = _dispatch.memo_rung(_gemm_rung, kernel)
+    if b.device != a.device:
+        raise ValueError(f"b is on {b.device} but a is on {a.device}; put them on one GPU")
+    out_dtype = out_dtype or (out.dtype if isinstance(out, torch.Tensor) else torch.bfloat16)
+    if out_dtype not in _checks.SUPPORTED_DTYPES:
+        raise TypeError(f"out_dtype={out_dtype} is not supported for FP8 operands: torch.bfloat16 or "
+                        "torch.float16")
+    if out is not None:
+        _checks.check_output(out, "out", _OutputSpec(torch.Size((m, n)), out_dtype, a.device))
+    _checks.check_hopper(a.device, "a")
+    scales = tuple(_scale(t, name, a.device) for t, name in ((scale_a, "scale_a"), (scale_b, "scale_b")))
+    return spec, scales, out_dtype
+
+
+def _scale(t, name: str, device) -> torch.Tensor:
+    """A per-tensor scale: None (1) or a one-element float32 tensor on `device`."""
+    if t is None:
+        return _ones(device)
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a one-element torch.float32 tensor or None, got {type(t).__name__}")
+    if t.dtype != torch.float32:
+        raise TypeError(f"{name} has dtype {t.dtype}; scales are torch.float32: {name}.float()")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but a is on {device}; put it on a's device")
+    if t.numel() != 1:
+        raise ValueError(f"{name} has shape {tuple(t.shape)}; fa3's FP8 GEMM takes per-tensor scales "
+                         "(one element): row- or column-wise scales are not supported")
+    return t.reshape(1)
+
+
+_ONES: dict = {}
+
+
+def _ones(device) -> torch.Tensor:
+    t = _ONES.get(device)
+    if t is None:
+        t = _ONES[device] = torch.ones(1, dtype=torch.float32, device=device)
+    return t
+
+
+def gemm_fp8(a, b, scale_a, scale_b, out, out_dtype, kernel):
+    """fa3.gemm's FP8 branch (the public docstring is fa3.gemm's)."""
+    spec, scales, out_dtype = check_gemm_fp8(a, b, scale_a, scale_b, out, out_dtype, kernel)
+    if _dispatch.direct_call_ok(a, b, *scales):
+        return launch_gemm(spec, a, b, out, scales, out_dtype)
+    result = torch.ops.fa3.gemm_fp8(a, b, *scales, spec.name, out_dtype)
+    return result if out is None else out.copy_(result)

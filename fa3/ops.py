@@ -23,6 +23,7 @@
                                 cu_seqlens_q=None, cu_seqlens_k=None)
                                 -> (out, lse)               forward only (FP8 e4m3 q, k, v)
     torch.ops.fa3.gemm(a, b, kernel) -> out
+    torch.ops.fa3.gemm_fp8(a, b, scale_a, scale_b, kernel, out_dtype) -> out   forward only
 
 `sinks`: optional (heads_q,) float32 attention-sink logits (16-bit inputs; the FP8 op takes none);
 the backward ops return their gradient dsinks (a (0,) tensor when there are none).
@@ -143,6 +144,21 @@ def _gemm_grads(ctx, dc):
 
 
 gemm.register_autograd(_gemm_grads, setup_context=_gemm_save)
+
+
+@torch.library.custom_op("fa3::gemm_fp8", mutates_args=(),
+                         schema="(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, str kernel, "
+                                "ScalarType out_dtype) -> Tensor")
+def gemm_fp8(a, b, scale_a, scale_b, kernel, out_dtype):
+    """scale_a * scale_b * (a @ b) on e4m3 a, b with rung `kernel`: a new (M, N) tensor in
+    out_dtype. No autograd: the FP8 GEMM is forward-only."""
+    spec, scales, out_dtype = matmul.check_gemm_fp8(a, b, scale_a, scale_b, None, out_dtype, kernel)
+    return matmul.launch_gemm(spec, a, b, None, scales, out_dtype)
+
+
+@gemm_fp8.register_fake
+def _gemm_fp8_fake(a, b, scale_a, scale_b, kernel, out_dtype):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 
 
 _VARLEN_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, bool causal, "

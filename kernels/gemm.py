@@ -6,8 +6,13 @@ A may be row- or column-major and B too (a.t(), b.t() views, no copies): the MMA
 (N, K), and whichever dimension has unit stride (static in the compiled kernel) picks the
 K-major or MN-major SMEM layout and WGMMA operand mode. M, N, K are dynamic; TMA zero-fills
 loads past the edges (so a ragged last K tile adds zeros) and clips stores.
-Constraints: 16-bit types; the non-unit stride of A and B, and N (C's row stride), multiples of
-8 elements (TMA's 16-byte rule); K > 0 (the interface handles K = 0 and empty outputs).
+FP8 (e4m3 A and B, the scaled GEMM of torch._scaled_mm): the same rungs with `dtype` e4m3 and
+C in `out_dtype` (bf16/fp16); WGMMA k32 on 128-deep K tiles (128 bytes a row, as 16-bit's 64);
+both operands K-major (FP8 WGMMA reads no MN-major operand); C = scale_a * scale_b * (A B), the
+per-tensor scales (1-element FP32 tensors, read on the GPU) applied to the FP32 accumulator in
+the epilogue, after split-K's sum.
+Constraints: 16-bit types or e4m3 (K-major); the non-unit stride of A and B, and N (C's row
+stride), multiples of 16 bytes (TMA's rule); K > 0 (the interface handles K = 0 and empty outputs).
 """
 
 import cutlass
@@ -20,6 +25,7 @@ from .common import accum, epilogue, mma, pipeline, scheduler, smem, tma
 
 EPI_STAGES = 4  # SMEM buffers for the stored subtiles (fewer if a tile has fewer subtiles)
 _BARRIER_BYTES = 1024  # pipeline barriers and alignment slack in the SMEM budget
+K_TILE_BYTES = 128  # a K tile's row: the 128-byte swizzle's width
 
 
 def _mn_major(t: cute.Tensor) -> bool:
@@ -34,10 +40,14 @@ class GemmBase:
     producer_warpgroups = 0  # warpgroups that only load (G3)
     cluster_m = 1  # CTAs per cluster along M, sharing (multicasting) each B tile (G4: 2)
 
-    def __init__(self, dtype, tile_m: int = 128, tile_n: int = 128, tile_k: int = 64,
-                 mma_warpgroups: int = 1, stages: int = 1, mmas_in_flight: int = 0, a_rows: int = 0):
-        self.dtype = dtype
-        self.tile_m, self.tile_n, self.tile_k = tile_m, tile_n, tile_k
+    def __init__(self, dtype, tile_m: int = 128, tile_n: int = 128, tile_k: int = 0,
+                 mma_warpgroups: int = 1, stages: int = 1, mmas_in_flight: int = 0, a_rows: int = 0,
+                 out_dtype=None):
+        self.dtype = dtype  # A's and B's
+        self.out_dtype = out_dtype or dtype  # C's
+        self.scaled = dtype.width == 8  # FP8: C = scale_a * scale_b * (A B)
+        # tile_k=0: 128 bytes of each row (the 128-byte swizzle): 64 16-bit or 128 FP8 elements
+        self.tile_m, self.tile_n, self.tile_k = tile_m, tile_n, tile_k or K_TILE_BYTES * 8 // dtype.width
         # a_rows < tile_m (M <= a_rows, row-major A only): TMA loads just the top a_rows rows of
         # each A tile. Out-of-bounds rows of a TMA box cost time (a 1-row A in a 64-row box took
         # 1.6x as long as a full one); the rows below hold stale SMEM, which only reaches output
@@ -53,9 +63,8 @@ class GemmBase:
         # buffers restart at 0 on each tile (persistent kernels): whole rounds per tile
         self.epi_stages = min(EPI_STAGES, subtiles)
         assert subtiles % self.epi_stages == 0, f"{subtiles} epilogue subtiles per tile"
-        elem_bytes = dtype.width // 8
-        epi_bytes = self.epi_tile[0] * self.epi_tile[1] * self.epi_stages * elem_bytes
-        stage_bytes = (tile_m + tile_n) * tile_k * elem_bytes
+        epi_bytes = self.epi_tile[0] * self.epi_tile[1] * self.epi_stages * self.out_dtype.width // 8
+        stage_bytes = (tile_m + tile_n) * self.tile_k * dtype.width // 8
         # stages=0: as many as fit beside the epilogue buffers
         self.stages = stages or smem.stages_that_fit(stage_bytes, epi_bytes + _BARRIER_BYTES)
 
@@ -65,16 +74,19 @@ class GemmBase:
     # ---------------------------------------------------------------- host side
     @cute.jit
     def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, sm_count: Int32,
-                 mWorkspace: cute.Tensor, mCounters: cute.Tensor, splits: Int32, stream):
+                 mWorkspace: cute.Tensor, mCounters: cute.Tensor, splits: Int32,
+                 mScaleA: cute.Tensor, mScaleB: cute.Tensor, stream):
         """mWorkspace (FP32), mCounters (int32, zero) and splits: split-K (PersistentGemm; the
-        staged rungs take splits = 1 and ignore the buffers)."""
+        staged rungs take splits = 1 and ignore the buffers). mScaleA/B: FP8's per-tensor scales
+        (FP32, element 0 read); 16-bit rungs ignore them."""
         mB = tma.transpose(mB)  # (K, N) -> (N, K)
         a_mn, b_mn = _mn_major(mA), _mn_major(mB)
+        assert not (self.scaled and (a_mn or b_mn)), "FP8 WGMMA reads K-major operands only"
         tiled_mma = mma.tiled_mma(self.dtype, self.tile_m, self.tile_n, a_major="MN" if a_mn else "K",
                                   b_major="MN" if b_mn else "K", warpgroups=self.mma_warpgroups)
         sA_layout = smem.tile_layout(self.dtype, self.tile_m, self.tile_k, self.stages, rows_contiguous=a_mn)
         sB_layout = smem.tile_layout(self.dtype, self.tile_n, self.tile_k, self.stages, rows_contiguous=b_mn)
-        sC_layout = epilogue.smem_layout(self.dtype, self.epi_tile, self.epi_stages)
+        sC_layout = epilogue.smem_layout(self.out_dtype, self.epi_tile, self.epi_stages)
         if cutlass.const_expr(self.a_rows < self.tile_m):
             assert not a_mn, "a_rows needs a row-major (K-major) A"
             sA_box = smem.tile_layout(self.dtype, self.a_rows, self.tile_k, self.stages)
@@ -93,14 +105,14 @@ class GemmBase:
             last_split: cute.struct.MemRange[Int32, 1]  # split-K: whether this CTA sums the tile
             sA: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sA_layout)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sB_layout)], 1024]
-            sC: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sC_layout)], 1024]
+            sC: cute.struct.Align[cute.struct.MemRange[self.out_dtype, cute.cosize(sC_layout)], 1024]
 
         smem.check_budget(SharedStorage.size_in_bytes(),
                           f"GEMM {self.tile_m}x{self.tile_n}x{self.tile_k} with {self.stages} stages")
         tiles_m = Int32(cute.ceil_div(mC.shape[0], self.tile_m))
         tiles_n = Int32(cute.ceil_div(mC.shape[1], self.tile_n))
-        self.kernel(tma_a, tA, tma_b, tB, tma_c, tC, mWorkspace, mCounters, splits, tiled_mma,
-                    sA_layout, sB_layout, sC_layout,
+        self.kernel(tma_a, tA, tma_b, tB, tma_c, tC, mWorkspace, mCounters, splits, mScaleA, mScaleB,
+                    tiled_mma, sA_layout, sB_layout, sC_layout,
                     SharedStorage).launch(grid=self.grid(tiles_m, tiles_n, sm_count, splits),
                                           block=[self.num_threads, 1, 1], stream=stream,
                                           **({"cluster": [self.cluster_m, 1, 1]} if self.cluster_m > 1 else {}),
@@ -169,10 +181,14 @@ class GemmBase:
             released = pipeline.release(ring, released)
         return released
 
-    def store_acc(self, acc, tiled_mma, mma_tidx, sC, tma_c, gC, is_store_warp, store_pipe):
+    def store_acc(self, acc, tiled_mma, mma_tidx, sC, tma_c, gC, is_store_warp, store_pipe, scales):
+        """The tile's accumulator to C (FP8: times scale_a * scale_b; `scales` = (mScaleA, mScaleB))."""
         barrier = dsl_pipeline.NamedBarrier(barrier_id=1, num_threads=self.mma_threads)
+        scale = None
+        if cutlass.const_expr(self.scaled):
+            scale = scales[0][0] * scales[1][0]
         epilogue.store_tile(acc, tiled_mma, mma_tidx, sC, tma_c, gC, self.epi_tile, barrier,
-                            is_store_warp, store_pipe)
+                            is_store_warp, store_pipe, scale)
 
 
 class StagedGemm(GemmBase):
@@ -197,7 +213,7 @@ class StagedGemm(GemmBase):
     @cute.kernel
     def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
                tma_c: cute.CopyAtom, mC: cute.Tensor, mWorkspace: cute.Tensor, mCounters: cute.Tensor,
-               splits: Int32, tiled_mma: cute.TiledMma,
+               splits: Int32, mScaleA: cute.Tensor, mScaleB: cute.Tensor, tiled_mma: cute.TiledMma,
                sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout,
                sC_layout: cute.ComposedLayout, SharedStorage: cutlass.Constexpr):
         m_tile, n_tile, _ = cute.arch.block_idx()
@@ -226,7 +242,7 @@ class StagedGemm(GemmBase):
 
         store_pipe = epilogue.store_pipeline(self.epi_stages, self.mma_threads)
         gC = cute.local_tile(mC, (self.tile_m, self.tile_n), (m_tile, n_tile))
-        self.store_acc(acc, tiled_mma, tidx, sC, tma_c, gC, warp_idx == 0, store_pipe)
+        self.store_acc(acc, tiled_mma, tidx, sC, tma_c, gC, warp_idx == 0, store_pipe, (mScaleA, mScaleB))
         if warp_idx == 0:
             store_pipe.producer_tail()
 
@@ -254,10 +270,12 @@ class PersistentGemm(GemmBase):
 
     producer_warpgroups = 1
 
-    def __init__(self, dtype, tile_m: int = 128, tile_n: int = 256, tile_k: int = 64,
+    def __init__(self, dtype, tile_m: int = 128, tile_n: int = 256, tile_k: int = 0,
                  mma_warpgroups: int = 2, stages: int = 0, mmas_in_flight: int = 1,
-                 group_m: int = 16, producer_regs: int = 40, mma_regs: int = 232, a_rows: int = 0):
-        super().__init__(dtype, tile_m, tile_n, tile_k, mma_warpgroups, stages, mmas_in_flight, a_rows)
+                 group_m: int = 16, producer_regs: int = 40, mma_regs: int = 232, a_rows: int = 0,
+                 out_dtype=None):
+        super().__init__(dtype, tile_m, tile_n, tile_k, mma_warpgroups, stages, mmas_in_flight, a_rows,
+                         out_dtype)
         self.group_m = group_m
         self.producer_regs, self.mma_regs = producer_regs, mma_regs
         assert 128 * producer_regs + self.mma_threads * mma_regs <= 65536, "register file overcommitted"
@@ -286,7 +304,7 @@ class PersistentGemm(GemmBase):
     @cute.kernel
     def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
                tma_c: cute.CopyAtom, mC: cute.Tensor, mWorkspace: cute.Tensor, mCounters: cute.Tensor,
-               splits: Int32, tiled_mma: cute.TiledMma,
+               splits: Int32, mScaleA: cute.Tensor, mScaleB: cute.Tensor, tiled_mma: cute.TiledMma,
                sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout,
                sC_layout: cute.ComposedLayout, SharedStorage: cutlass.Constexpr):
         tidx, warp_idx, ring, storage, sA, sB, sC, tAsA, tAgA, tBsB, tBgB = self.prologue(
@@ -332,7 +350,7 @@ class PersistentGemm(GemmBase):
                                                consumers.arrive_and_wait)
                 if store:
                     self.store_acc(acc, tiled_mma, mma_tidx, sC, tma_c, gC_tiles[None, None, m_tile, n_tile],
-                                   is_store_warp, store_pipe)
+                                   is_store_warp, store_pipe, (mScaleA, mScaleB))
             if is_store_warp:
                 store_pipe.producer_tail()
 

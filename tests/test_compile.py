@@ -131,6 +131,16 @@ def test_persistent_gemm_tile_shapes_compile(tile_m, tile_n, a_rows):
     assert report.spill_bytes == 0, f"{tile_m}x{tile_n} spills"
 
 
+@pytest.mark.parametrize("name", registry.available_kernels(registry.GEMM))
+def test_fp8_gemm_compiles(name):
+    """Every GEMM rung on e4m3 operands (K-major, bf16 C): FP8 WGMMA in the PTX, the scales'
+    multiply, no spills, no serialized WGMMAs."""
+    report = _compile.compile_report(registry.get(name), torch.float8_e4m3fn, a_layout="row", b_layout="col",
+                                     out_dtype=torch.bfloat16)
+    assert "wgmma.mma_async" in report.ptx and ".e4m3.e4m3" in report.ptx
+    assert report.spill_bytes == 0 and not report.serialized_wgmma
+
+
 def test_sinks_combine_compiles():
     """The split-KV combine with the sinks as one more term compiles without spilling."""
     import contextlib

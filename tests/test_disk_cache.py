@@ -280,7 +280,8 @@ def test_real_kernel_exports_and_loads(cache_dir, monkeypatch, route):
     assert loaded is not fn and type(loaded).__name__ == "Function"
     a = torch.zeros(128, 64, dtype=BF16)
     with pytest.raises(Exception, match="cuda"):
-        loaded(a, a.t(), torch.zeros(128, 128, dtype=BF16), 132, torch.zeros(1), torch.zeros(1, dtype=torch.int32), 1)
+        loaded(a, a.t(), torch.zeros(128, 128, dtype=BF16), 132, torch.zeros(1), torch.zeros(1, dtype=torch.int32), 1,
+               torch.ones(1), torch.ones(1))
     if route == "shared library":  # and a fresh interpreter loads it without importing cutlass
         code = ("import sys, torch; from fa3 import _compile, registry; "
                 "fn = _compile.get_gemm(registry.get('g1'), torch.bfloat16, 'row', 'col'); "

@@ -204,3 +204,74 @@ def test_small_m_a_box(m):
         a, b = operands(m, n, k, torch.bfloat16, seed=9)
         check(None, a, b)
         check(None, odd(a, "col"), b)  # column-major A keeps the full box
+
+
+# ----------------------------------------------------------------------------- FP8
+FP8_SHAPES = [(1000, 3000, 520), (129, 136, 72), (1, 4096, 4096), (2048, 4096, 264), (8, 1024, 14336)]
+
+
+def fp8_operands(m, n, k, b_layout="col", seed=0):
+    """a (m, k) and b (k, n) quantized per tensor (fa3.quantize_fp8): b column-major (a weight's
+    .t()) unless b_layout is "row"; and their dequantized float64 values."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    a, sa = fa3.quantize_fp8(torch.randn(m, k, device="cuda", generator=gen) * 3)
+    if b_layout == "col":
+        w, sb = fa3.quantize_fp8(torch.randn(n, k, device="cuda", generator=gen) / 2)
+        b = w.t()
+    else:
+        b, sb = fa3.quantize_fp8(torch.randn(k, n, device="cuda", generator=gen) / 2)
+    ref = (a.double() * sa.double()) @ (b.double() * sb.double())
+    return a, b, sa, sb, ref
+
+
+@pytest.mark.parametrize("m, n, k", FP8_SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in FP8_SHAPES])
+@pytest.mark.parametrize("kernel", RUNGS)
+def test_fp8_matches_dequantized_product(kernel, m, n, k):
+    """scale_a * scale_b * (a @ b) in bf16 against the float64 product of the dequantized inputs;
+    the output poisoned with NaN; torch._scaled_mm within the same error."""
+    a, b, sa, sb, ref = fp8_operands(m, n, k, seed=m + n)
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    got = fa3.gemm(a, b, scale_a=sa, scale_b=sb, out=out, kernel=kernel)
+    assert got is out and torch.isfinite(out).all(), f"{kernel}: unwritten (NaN) outputs"
+    err = rel_err(out, ref)
+    peer = rel_err(torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16), ref)
+    print(f"\n  {kernel} {m}x{n}x{k}: rel err {err:.2e} (torch._scaled_mm {peer:.2e})", end="")
+    assert err < 1e-2 and err < 2 * peer + 1e-3
+
+
+@pytest.mark.parametrize("case", ["row-major b", "col-major a", "fp16 out", "no scales", "ragged n"])
+def test_fp8_layouts_and_outputs(case):
+    """Layouts FP8 WGMMA cannot read (row-major b, column-major a) are copied K-major; out_dtype
+    fp16; scales None (1); N not a multiple of 16 (a padded output)."""
+    m, n, k = 300, 520 if case != "ragged n" else 517, 256
+    a, b, sa, sb, ref = fp8_operands(m, n, k, b_layout="row" if case == "row-major b" else "col", seed=3)
+    if case == "col-major a":
+        a = a.t().contiguous().t()
+    kwargs = dict(scale_a=sa, scale_b=sb)
+    if case == "no scales":
+        kwargs = {}
+        ref = a.double() @ b.double()
+    if case == "fp16 out":
+        kwargs["out_dtype"] = torch.float16
+    got = fa3.gemm(a, b, **kwargs)
+    assert got.dtype == (torch.float16 if case == "fp16 out" else torch.bfloat16) and got.shape == (m, n)
+    assert rel_err(got, ref) < 1e-2
+
+
+def test_fp8_under_compile_and_graphs():
+    """torch.compile reaches the fa3::gemm_fp8 op; a CUDA graph replays it with new values."""
+    a, b, sa, sb, ref = fp8_operands(256, 512, 1024, seed=5)
+    compiled = torch.compile(lambda a, b, sa, sb: fa3.gemm(a, b, scale_a=sa, scale_b=sb), fullgraph=True)
+    assert rel_err(compiled(a, b, sa, sb), ref) < 1e-2
+    out = torch.empty(256, 512, device="cuda", dtype=torch.bfloat16)
+    fa3.gemm(a, b, scale_a=sa, scale_b=sb, out=out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fa3.gemm(a, b, scale_a=sa, scale_b=sb, out=out)
+    a2, b2, sa2, sb2, ref2 = fp8_operands(256, 512, 1024, seed=6)
+    a.copy_(a2)
+    b.copy_(b2)
+    sa.copy_(sa2)
+    sb.copy_(sb2)
+    graph.replay()
+    assert rel_err(out, ref2) < 1e-2

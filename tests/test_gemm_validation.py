@@ -184,3 +184,49 @@ def test_gemm_key_covers_layouts_and_dtype(a_layout, b_layout):
               _compile.gemm_key(g3, BF16, a_layout, b_layout),
               _compile.gemm_key(g1, BF16, "col" if a_layout == "row" else "row", b_layout)]
     assert len({key, *others}) == 4
+
+
+# ----------------------------------------------------------------------------- FP8
+FP8 = torch.float8_e4m3fn
+
+
+def fp8_mats(m=16, k=32, n=24):
+    a, b = mats(m, k, n, torch.float32)
+    return a.to(FP8), b.t().contiguous().t().to(FP8)
+
+
+@pytest.mark.parametrize("bad, exc, words", [
+    (torch.ones(2), ValueError, ("scale_a", "(2,)", "per-tensor")),
+    (torch.ones(1, dtype=torch.float16), TypeError, ("scale_a", "float16", "float32")),
+    (torch.ones(1, device="meta"), ValueError, ("scale_a", "meta")),
+    (2.0, TypeError, ("scale_a", "float")),
+])
+def test_fp8_bad_scale(monkeypatch, bad, exc, words):
+    monkeypatch.setattr(fa3._checks, "check_hopper", lambda device, name: None)
+    a, b = fp8_mats()
+    raises(exc, *words, a=a, b=b, scale_a=bad)
+
+
+def test_fp8_checks():
+    a, b = fp8_mats()
+    raises(TypeError, "b", "torch.bfloat16", "float8_e4m3fn", a=a, b=b.to(BF16))
+    raises(TypeError, "a", "float8_e5m2", "e5m2 is not supported", a=a.to(torch.float8_e5m2),
+           b=b.to(torch.float8_e5m2))
+    raises(ValueError, "scale_a", "FP8 operands", "bfloat16", a=a.to(BF16), b=b.to(BF16), scale_a=torch.ones(1))
+    raises(TypeError, "out_dtype", "float32", a=a, b=b, out_dtype=torch.float32)
+    raises(ValueError, "a", "cpu", "a.cuda()", a=a, b=b)
+    raises(ValueError, "out", "(16, 24)", "bfloat16", a=a, b=b, out=torch.empty(16, 24, dtype=torch.float16),
+           out_dtype=BF16)
+
+
+def test_fp8_fake_shapes():
+    a, b = (t.to("meta") for t in fp8_mats(33, 64, 48))
+    s = torch.ones(1, device="meta")
+    out = torch.ops.fa3.gemm_fp8(a, b, s, s, "g3", torch.float16)
+    assert out.shape == (33, 48) and out.dtype == torch.float16
+
+
+def test_gemm_key_covers_fp8_output():
+    g3 = registry.get("g3")
+    assert _compile.gemm_key(g3, FP8, "row", "col", BF16) != _compile.gemm_key(g3, FP8, "row", "col", torch.float16)
+    assert _compile.gemm_key(g3, BF16, "row", "col") == _compile.gemm_key(g3, BF16, "row", "col", BF16)

@@ -41,8 +41,9 @@ def store_pipeline(stages: int, threads: int):
 @cute.jit
 def store_tile(acc: cute.Tensor, tiled_mma: cute.TiledMma, thread_idx, sC: cute.Tensor,
                tma_atom: cute.CopyAtom, gC: cute.Tensor, epi_tile: cutlass.Constexpr,
-               barrier: pipeline.NamedBarrier, is_store_warp, store_pipe):
-    """Write the (tile_m, tile_n) accumulator `acc` to the gmem tile gC (a TMA tensor tile).
+               barrier: pipeline.NamedBarrier, is_store_warp, store_pipe, scale=None):
+    """Write the (tile_m, tile_n) accumulator `acc` to the gmem tile gC (a TMA tensor tile), times
+    `scale` (an FP32 value) unless it is None.
 
     thread_idx: index among the threads that hold `acc` (all meet on `barrier`);
     is_store_warp: true in exactly one warp, which issues the bulk stores."""
@@ -64,7 +65,10 @@ def store_tile(acc: cute.Tensor, tiled_mma: cute.TiledMma, thread_idx, sC: cute.
     stages = cute.size(tRS_sC, mode=[3])
     for sub in cutlass.range_constexpr(cute.size(grid)):
         for v in cutlass.range_constexpr(per_subtile):
-            frag_f32[v] = tRS_acc[sub * per_subtile + v]
+            if cutlass.const_expr(scale is None):
+                frag_f32[v] = tRS_acc[sub * per_subtile + v]
+            else:
+                frag_f32[v] = tRS_acc[sub * per_subtile + v] * scale
         frag_out.store(frag_f32.load().to(dtype))
         buf = sub % stages
         cute.copy(r2s, frag_out, tRS_sC[None, None, None, buf])
