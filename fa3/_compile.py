@@ -106,7 +106,8 @@ def _build_attention(spec, dtype, head_dim, causal, varlen=False, local=False, s
 def _attention_fp8_fake_args(spec, out_dtype, head_dim):
     """Fake (q, k, vt, o, lse, scale_log2, SM count, tile counter, cu_seqlens stand-ins, window
     edges, softcap scale, q/k/v descales): q, k e4m3 (batch, seqlen, heads, d); vt e4m3 (batch, d,
-    heads_kv, keys padded to 16); o in out_dtype; descales float32 (batch, heads_kv)."""
+    heads_kv, keys padded to 16); o in out_dtype; descales float32 (batch, heads_kv), or (sequences,
+    heads_kv) for a packed batch (whose tensors have batch 1)."""
     cutlass, cute = _dsl.import_cute()
     f8, f32 = cutlass.Float8E4M3FN, cutlass.Float32
     b, sq, sk, skt, hq, hkv = (cute.sym_int64() for _ in range(6))
@@ -118,7 +119,8 @@ def _attention_fp8_fake_args(spec, out_dtype, head_dim):
             _fake_tensor(cute, cutlass.Int32, (1,), (1,), align=4)]
     args += [_fake_tensor(cute, cutlass.Int32, (cute.sym_int64(),), (1,), align=4) for _ in range(2)]
     args += [cutlass.Int32(0), cutlass.Int32(0), f32(1.0)]
-    args += [_unit_last(cute, f32, b, hkv) for _ in range(3)]
+    entries = cute.sym_int64()  # the descales' rows: batch, or a packed batch's sequences
+    args += [_unit_last(cute, f32, entries, hkv) for _ in range(3)]
     return args
 
 

@@ -228,15 +228,18 @@ def fp8_operands(m, n, k, b_layout="col", seed=0):
 @pytest.mark.parametrize("kernel", RUNGS)
 def test_fp8_matches_dequantized_product(kernel, m, n, k):
     """scale_a * scale_b * (a @ b) in bf16 against the float64 product of the dequantized inputs;
-    the output poisoned with NaN; torch._scaled_mm within the same error."""
+    the output poisoned with NaN; torch._scaled_mm within the same error where it takes the shape
+    (K and N multiples of 16; fa3.gemm takes any)."""
     a, b, sa, sb, ref = fp8_operands(m, n, k, seed=m + n)
     out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
     got = fa3.gemm(a, b, scale_a=sa, scale_b=sb, out=out, kernel=kernel)
     assert got is out and torch.isfinite(out).all(), f"{kernel}: unwritten (NaN) outputs"
     err = rel_err(out, ref)
-    peer = rel_err(torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16), ref)
-    print(f"\n  {kernel} {m}x{n}x{k}: rel err {err:.2e} (torch._scaled_mm {peer:.2e})", end="")
-    assert err < 1e-2 and err < 2 * peer + 1e-3
+    assert err < 1e-2, f"{kernel}: relative error {err:.2e}"
+    if k % 16 == 0 and n % 16 == 0:  # (what torch._scaled_mm takes)
+        peer = rel_err(torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16), ref)
+        print(f"\n  {kernel} {m}x{n}x{k}: rel err {err:.2e} (torch._scaled_mm {peer:.2e})", end="")
+        assert err < 2 * peer + 1e-3
 
 
 @pytest.mark.parametrize("case", ["row-major b", "col-major a", "fp16 out", "no scales", "ragged n"])
