@@ -275,7 +275,7 @@ def get_backward_preprocess(dtype, head_dim):
     return fn
 
 
-def _build_value_transpose(head_dim, extra_options=""):
+def _build_value_transpose(head_dim, packed=False, extra_options=""):
     cutlass, cute = _dsl.import_cute()
     from .kernels.fp8_transpose import ValueTranspose
 
@@ -284,16 +284,18 @@ def _build_value_transpose(head_dim, extra_options=""):
     v = _unit_last(cute, cutlass.Int32, b, s, h, head_dim // 4, tma=True)  # tma_ready's strides
     vt = _fake_tensor(cute, cutlass.Int32, (b, h, head_dim, k4),
                       (cute.sym_int64(divisibility=4), cute.sym_int64(divisibility=4), k4, 1))
-    return _compile_kernel(ValueTranspose(head_dim), [v, vt], extra_options)
+    cu = _fake_tensor(cute, cutlass.Int32, (cute.sym_int64(),), (1,), align=4)
+    return _compile_kernel(ValueTranspose(head_dim, packed), [v, vt, cu], extra_options)
 
 
-def get_value_transpose(head_dim):
-    """The FP8 forward's V^T in the P operand's key order (kernels/fp8_transpose.py)."""
-    fast_key = ("fp8_vt", head_dim)
+def get_value_transpose(head_dim, packed=False):
+    """The FP8 forward's V^T in the P operand's key order (kernels/fp8_transpose.py); `packed`: a
+    packed batch's, each sequence in its own 16-aligned run of columns."""
+    fast_key = ("fp8_vt", head_dim, packed)
     fn = _FAST.get(fast_key)
     if fn is None:
-        key = ("fp8_vt", head_dim, _dsl.TARGET_ARCH, _dsl.version())
-        fn = _FAST[fast_key] = _cached(key, lambda: _build_value_transpose(head_dim))
+        key = ("fp8_vt", head_dim, *(("packed",) if packed else ()), _dsl.TARGET_ARCH, _dsl.version())
+        fn = _FAST[fast_key] = _cached(key, lambda: _build_value_transpose(head_dim, packed))
     return fn
 
 

@@ -46,7 +46,8 @@ def transpose_v(v: torch.Tensor) -> torch.Tensor:
     keys = padded_keys(seqlen)
     vt = torch.empty(batch, heads, d, keys, dtype=v.dtype, device=v.device)
     if vt.numel():
-        _compile.get_value_transpose(d)(_launch.tma_ready(v).view(torch.int32), vt.view(torch.int32))
+        _compile.get_value_transpose(d)(_launch.tma_ready(v).view(torch.int32), vt.view(torch.int32),
+                                        _launch.stand_in(v.device))
     return vt.permute(0, 2, 1, 3)
 
 
@@ -54,11 +55,25 @@ def transpose_v_packed(v: torch.Tensor, cu_seqlens_k: torch.Tensor) -> torch.Ten
     """A packed batch's V (total_k, heads_kv, d) -> V^T as transpose_v's for one batch entry,
     (1, d, heads_kv, columns), each sequence's keys in their own run of 16-aligned columns: entry b
     starts at column 16 * ceil(cu_seqlens_k[b] / 16) + 16 b (kernels/k5_fp8.py reads it there),
-    so that the 16-key permutation counts from its first key. Offsets are not read on the host
-    (values no check saw place keys wrongly, never outside the tensor)."""
+    so that the 16-key permutation counts from its first key; zeros between runs. One pass of
+    kernels/fp8_transpose.py (its packed variant); offsets are not read on the host (values no
+    check saw place keys wrongly, never outside the tensors)."""
     total_k, heads, d = v.shape
     batch = cu_seqlens_k.shape[0] - 1
     columns = padded_keys(total_k) + KEY_BLOCK * batch
+    if v.device.type != "cuda":
+        return _transpose_v_packed_reference(v, cu_seqlens_k, columns)
+    vt = torch.empty(1, heads, d, columns, dtype=v.dtype, device=v.device)
+    if vt.numel():
+        _compile.get_value_transpose(d, packed=True)(_launch.tma_ready(v.unsqueeze(0)).view(torch.int32),
+                                                     vt.view(torch.int32), cu_seqlens_k)
+    return vt.permute(0, 2, 1, 3)
+
+
+def _transpose_v_packed_reference(v, cu_seqlens_k, columns):
+    """transpose_v_packed in torch ops: each sequence spread to its run, then transpose_v."""
+    total_k, heads, d = v.shape
+    batch = cu_seqlens_k.shape[0] - 1
     keys = torch.arange(total_k, dtype=cu_seqlens_k.dtype, device=v.device)
     entry = (torch.searchsorted(cu_seqlens_k, keys, right=True) - 1).clamp_(0, max(batch - 1, 0))
     starts = cu_seqlens_k.long()
@@ -67,7 +82,7 @@ def transpose_v_packed(v: torch.Tensor, cu_seqlens_k: torch.Tensor) -> torch.Ten
     column = (keys + shift[entry]).clamp_(0, columns - 1)
     spread = v.view(torch.uint8).new_zeros(columns, heads, d)
     spread.index_copy_(0, column, v.view(torch.uint8))
-    return transpose_v(spread.view(v.dtype).unsqueeze(0))
+    return transpose_v_reference(spread.view(v.dtype).unsqueeze(0))
 
 
 def transpose_v_reference(v: torch.Tensor) -> torch.Tensor:

@@ -154,15 +154,18 @@ def test_sinks_combine_compiles():
     assert "ex2.approx" in report.ptx and report.registers and report.spill_bytes == 0
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_fp8_value_transpose_compiles(head_dim):
-    """The FP8 forward's V^T kernel: 16-byte stores (st.global.v4), 32-bit loads, no spills."""
+def test_fp8_value_transpose_compiles(head_dim, packed):
+    """The FP8 forward's V^T kernel (and its packed-batch variant): 16-byte stores (st.global.v4),
+    32-bit loads, no spills."""
     import contextlib
     import io
 
     buf = io.StringIO()
     with contextlib.redirect_stderr(buf), contextlib.redirect_stdout(buf):
-        fn = _compile._build_value_transpose(head_dim, extra_options="--keep-ptx --keep-cubin remarks{ptx}")
+        fn = _compile._build_value_transpose(head_dim, packed,
+                                             extra_options="--keep-ptx --keep-cubin remarks{ptx}")
     report = _compile.CompileReport(fn.artifacts.PTX, fn.artifacts.CUBIN, buf.getvalue())
     assert report.ptx.count("st.global.v4") == 4 and "ld.global.u8" not in report.ptx
     assert report.registers and report.spill_bytes == 0

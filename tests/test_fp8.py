@@ -252,6 +252,22 @@ def test_transpose_v_kernel_matches_reference(d, seqlen):
     assert torch.equal(vt.cpu().view(torch.uint8), expected.view(torch.uint8))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("lengths", [[1000], [5, 0, 37, 16, 1, 20], [300, 0, 0, 1, 129, 64, 700]])
+def test_transpose_v_packed_kernel_matches_reference(d, lengths):
+    """The packed V^T kernel (a binary search per block over cu_seqlens_k) writes the torch
+    reference's bytes exactly, gaps and empty sequences included, from a strided V."""
+    total, heads = sum(lengths), 2
+    kv = torch.randint(0, 256, (total, 2, heads, d), dtype=torch.uint8, device="cuda").view(FP8)
+    v = kv[:, 1]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    vt = fp8.transpose_v_packed(v, cu)
+    expected = fp8.transpose_v_packed(v.cpu(), cu.cpu())
+    assert vt.shape == expected.shape
+    assert torch.equal(vt.cpu().view(torch.uint8), expected.view(torch.uint8))
+
+
 def test_p_operand_order_matches_transpose_v():
     """For every consumer thread and every byte of its FP8 A fragment (P of a 128 x 64 tile), the
     accumulator element mma.fp8_a_order reads sits in the same row as the A element, and its key
