@@ -5,7 +5,8 @@ k5.5's next-tile hand-off (producer warp -> consumer warpgroups, common/schedule
 times per CTA: causal fixed-shape calls (the dynamic schedule; d128 with two consumer warpgroups,
 d64 with three), non-causal ones (the static schedule), packed batches both ways, the KV-cache
 kernel (dense and paged, split and not, with an append; pages of 16 through the cp.async row
-gathers, decodes and packed queries) and every GEMM rung.
+gathers, decodes and packed queries), every GEMM rung, and the FP8 forward (fixed and packed, with
+its V^T kernels) and FP8 GEMM.
 
 memcheck: index values no host check saw (as inside a CUDA-graph capture: the check is switched
 off) never make a kernel touch memory outside its tensors: offsets past the packed rows, negative
@@ -78,6 +79,20 @@ elif case == "gemm":  # 512 tiles of 128 x 256
     a, b = rand(4096, 256), rand(256, 4096)
     for kernel in fa3.available_kernels("gemm"):
         outs.append(fa3.gemm(a, b, kernel=kernel))
+elif case == "fp8":  # the FP8 forward as "forward" and "varlen", and both V^T transposes
+    f8 = lambda t: t.to(torch.float8_e4m3fn)
+    q, k, v = f8(rand(1, 4096, 8, 128)), f8(rand(1, 4096, 2, 128)), f8(rand(1, 4096, 2, 128))
+    for causal in (True, False):
+        outs.append(fa3.attention(q, k, v, causal=causal))
+    lens = [1000, 1, 2100, 64, 931]
+    cu = i32([0] + torch.tensor(lens).cumsum(0).tolist())
+    for causal in (True, False):
+        outs.append(fa3.attention_varlen(q[0], k[0], v[0], cu, cu, causal=causal))
+elif case == "fp8-gemm":  # 512 tiles of 128 x 256, per-tensor scales
+    a, b = rand(4096, 256).to(torch.float8_e4m3fn), rand(4096, 256).to(torch.float8_e4m3fn).t()
+    scale = torch.full((1,), 0.5, device="cuda")
+    for kernel in fa3.available_kernels("gemm"):
+        outs.append(fa3.gemm(a, b, scale_a=scale, scale_b=scale, kernel=kernel))
 else:
     raise SystemExit(f"FAIL: unknown case {case}")
 torch.cuda.synchronize()
@@ -85,7 +100,8 @@ assert all(torch.isfinite(o).all() for o in outs), "FAIL: non-finite output"
 print("done")
 '''
 
-RACE_CASES = ["forward-causal", "forward-causal-d64", "forward", "varlen", "kvcache", "kvcache-gather", "gemm"]
+RACE_CASES = ["forward-causal", "forward-causal-d64", "forward", "varlen", "kvcache", "kvcache-gather", "gemm",
+              "fp8", "fp8-gemm"]
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -129,12 +145,15 @@ index_checks.values_checkable = lambda device: False  # as under capture: no hos
 ''' + INDEX_PROBLEMS + r'''
 entry, argument, index, value = json.loads(sys.argv[1])
 index = tuple(index) if isinstance(index, list) else index
-(q, k, v), args = index_problem(entry)
+fp8 = entry.startswith("fp8")  # the FP8 forward's packed batch (its V^T kernel included)
+(q, k, v), args = index_problem(entry.removeprefix("fp8"))
 args[argument][index] = value
-if entry == "varlen":
+if fp8:
+    q, k, v = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
+if entry in ("varlen", "fp8varlen"):
     for causal in (True, False):
         fa3.attention_varlen(q, k, v, args["cu_seqlens_q"], args["cu_seqlens_k"], causal=causal,
-                             kernel="k5.5")
+                             kernel=None if fp8 else "k5.5")
 else:
     for splits in (1, 0):
         fa3.attention_with_kvcache(q, k, v, cache_seqlens=args["cache_seqlens"],
@@ -151,6 +170,10 @@ MEM_CASES = {
     "varlen-cu-q-huge": ("varlen", "cu_seqlens_q", 2, 2**31 - 1),
     "varlen-cu-k-past-total": ("varlen", "cu_seqlens_k", 2, 100000),
     "varlen-cu-k-negative": ("varlen", "cu_seqlens_k", 1, -100000),
+    "fp8-varlen-cu-q-past-total": ("fp8varlen", "cu_seqlens_q", 2, 400),
+    "fp8-varlen-cu-k-past-total": ("fp8varlen", "cu_seqlens_k", 2, 100000),
+    "fp8-varlen-cu-k-negative": ("fp8varlen", "cu_seqlens_k", 1, -100000),
+    "fp8-varlen-cu-k-decreasing": ("fp8varlen", "cu_seqlens_k", 1, 299),
     "dense-seqlens-past-capacity": ("dense", "cache_seqlens", 0, 100000),
     "dense-seqlens-negative": ("dense", "cache_seqlens", 1, -7),
     "paged-seqlens-past-capacity": ("paged", "cache_seqlens", 1, 100000),
