@@ -173,7 +173,7 @@ MEM_CASES = {
     "fp8-varlen-cu-q-past-total": ("fp8varlen", "cu_seqlens_q", 2, 400),
     "fp8-varlen-cu-k-past-total": ("fp8varlen", "cu_seqlens_k", 2, 100000),
     "fp8-varlen-cu-k-negative": ("fp8varlen", "cu_seqlens_k", 1, -100000),
-    "fp8-varlen-cu-k-decreasing": ("fp8varlen", "cu_seqlens_k", 1, 299),
+    "fp8-varlen-cu-k-decreasing": ("fp8varlen", "cu_seqlens_k", 2, 50),
     "dense-seqlens-past-capacity": ("dense", "cache_seqlens", 0, 100000),
     "dense-seqlens-negative": ("dense", "cache_seqlens", 1, -7),
     "paged-seqlens-past-capacity": ("paged", "cache_seqlens", 1, 100000),
