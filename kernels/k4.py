@@ -71,7 +71,20 @@ class WgmmaAttention(TmaRingAttention):
         ctx.o_coords = mma.rows_cols(thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v))))
         ctx.row_max, ctx.row_sum = softmax.row_state(cute.size(ctx.s_coords, mode=[0]))
         ctx.sink_log2 = None  # an attention sink in the exp2 domain (K5's sinks variant sets it)
+        ctx.o_scale = None  # O's scale beyond 1/l (K5's FP8 subclass: v_descale)
         return ctx
+
+    # P is computed as 2^p_offset_log2 times the probabilities (finalize undoes it; FP8: 8)
+    p_offset_log2 = 0
+
+    def row_output(self, ctx, r, scale_log2: Float32):
+        """(O's scale, LSE) of accumulator row r: 1/l (times ctx.o_scale) and the natural-log LSE,
+        the sink and P's offset accounted for: every epilogue's one formula."""
+        inv_sum, lse = softmax.finalize(ctx.row_max[r], ctx.row_sum[r], scale_log2, 4, ctx.sink_log2,
+                                        self.p_offset_log2)
+        if cutlass.const_expr(ctx.o_scale is not None):
+            inv_sum = inv_sum * ctx.o_scale
+        return inv_sum, lse
 
     @cute.jit
     def scores_wgmma(self, qk, thr_qk, tSrQ, tSrK, stage):
@@ -138,10 +151,11 @@ class WgmmaAttention(TmaRingAttention):
         varlen sequence's offset, else 0)."""
         o_mn = mma.rows_cols(ctx.acc_o)
         for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
-            inv_sum, lse = softmax.finalize(ctx.row_max[r], ctx.row_sum[r], scale_log2, 4, ctx.sink_log2)
+            inv_sum, lse = self.row_output(ctx, r, scale_log2)
             row = ctx.m_block * self.tile_m + ctx.o_coords[r, 0][0]
             if row < ctx.seqlen_q:
                 for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
-                    mO[batch, row_offset + row, head, ctx.o_coords[r, c][1]] = (o_mn[r, c] * inv_sum).to(self.dtype)
+                    mO[batch, row_offset + row, head, ctx.o_coords[r, c][1]] = \
+                        (o_mn[r, c] * inv_sum).to(mO.element_type)
                 if ctx.tidx % 4 == 0:
                     mLSE[batch, head, row_offset + row] = lse

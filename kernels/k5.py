@@ -339,9 +339,8 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
         return q_state, k_state, v_state
 
     def tile_scales(self, ctx, scale_log2: Float32, batch: Int32, head: Int32, params):
-        """The tile's exp2-domain score scale; sets ctx.o_scale (None: O is only divided by the row
-        sums). FP8 folds its descales in here."""
-        ctx.o_scale = None
+        """The tile's exp2-domain score scale (and ctx.o_scale, None from compute_setup: O is
+        only divided by the row sums). FP8 folds its descales in here."""
         return scale_log2
 
     @cute.jit
@@ -351,10 +350,7 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
         Varlen: the entry's rows start at row_offset of the packed plane (batch 0)."""
         o_mn = mma.rows_cols(ctx.acc_o)
         for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
-            inv_sum, lse = softmax.finalize(ctx.row_max[r], ctx.row_sum[r], scale_log2, 4,
-                                            ctx.sink_log2, self.p_offset_log2)
-            if cutlass.const_expr(ctx.o_scale is not None):
-                inv_sum = inv_sum * ctx.o_scale
+            inv_sum, lse = self.row_output(ctx, r, scale_log2)
             for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
                 o_mn[r, c] = o_mn[r, c] * inv_sum
             row = ctx.m_block * self.tile_m + ctx.o_coords[r, 0][0]
@@ -395,7 +391,6 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
 
     # P = exp(S - max) in registers, rounded to the operand type of P V and used as its A operand
     # (16-bit: the accumulator's own layout, regrouped); FP8 replaces these three.
-    p_offset_log2 = 0  # P is computed as 2^p_offset_log2 times the probabilities (finalize undoes it)
 
     def new_p(self, ctx, acc_s: cute.Tensor) -> cute.Tensor:
         return cute.make_rmem_tensor_like(acc_s, self.dtype)
