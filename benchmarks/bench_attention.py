@@ -401,7 +401,8 @@ def main(argv=None) -> int:
 
 
 def _plot_title(setting) -> str:
-    return (f"attention {setting['direction']}, {setting['dtype']}, {setting['total_tokens']} tokens, "
+    dtype = setting["dtype"] + (f" (FP8 rungs: {setting['fp8']})" if setting.get("fp8") else "")
+    return (f"attention {setting['direction']}, {dtype}, {setting['total_tokens']} tokens, "
             f"hidden {setting['hidden']}")
 
 

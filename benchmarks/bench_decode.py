@@ -21,8 +21,9 @@ runs its varlen entry with seqused_k (and page_table for the paged rows).
 Varlen prefill (causal, same heads): 32 prompts of 100-4000 tokens (seeded), packed, against the
 same prompts padded to the longest (fa3.attention and cuDNN on the padded batch: what a user without
 varlen runs), flash-attn-4's varlen, and fa3.attention on a fixed-length batch with the same total
-tokens ("dense, equal tokens"). Each row gives TFLOP/s of the real (unpadded) causal work, except
-the equal-tokens row, which counts its own.
+tokens ("dense, equal tokens"), and fa3's FP8 varlen on the same prompts quantized per tensor (its
+"rel err" column: the FP8 error against fa3's bf16). Each row gives TFLOP/s of the real (unpadded)
+causal work, except the equal-tokens row, which counts its own.
 """
 
 from __future__ import annotations
@@ -148,8 +149,11 @@ def varlen_rows(peers, gen):
     qe, ke, ve = (mk(total - total % VARLEN_PROMPTS, h).view(VARLEN_PROMPTS, mean, h, D)
                   for h in (HEADS_Q, HEADS_KV, HEADS_KV))
     work = causal_flops(lengths)
+    (q8, sq), (k8, sk), (v8, sv) = (fa3.quantize_fp8(x) for x in (q, k, v))  # per tensor
     runs = {
         "fa3 varlen": (lambda: fa3.attention_varlen(q, k, v, cu, cu, longest, longest, causal=True), work),
+        "fa3 varlen FP8": (lambda: fa3.attention_varlen(q8, k8, v8, cu, cu, longest, longest, causal=True,
+                                                        q_descale=sq, k_descale=sk, v_descale=sv), work),
         "fa3 padded": (lambda: fa3.attention(qp, kp, vp, causal=True), work),
         f"fa3 dense, equal tokens ({VARLEN_PROMPTS} x {mean})":
             (lambda: fa3.attention(qe, ke, ve, causal=True), causal_flops([mean] * VARLEN_PROMPTS)),
