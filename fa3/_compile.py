@@ -1,7 +1,8 @@
 """Compile once per static configuration; keep batch, seqlens and heads dynamic.
 
 Kernels are compiled against *fake* tensors whose batch, seqlen, heads and strides are symbolic
-(`cute.sym_int64`), with the TVM-FFI calling convention: the compiled object is then called with
+(`cute.sym_int64`; each family's list: fa3._signatures), with the TVM-FFI calling convention: the
+compiled object is then called with
 plain torch tensors, checks them in compiled code, and launches on torch's current stream. A new
 shape never recompiles; a new dtype, head dim, causal flag or rung does (it is in the key).
 
@@ -21,55 +22,10 @@ from dataclasses import dataclass
 import torch
 
 from . import _disk_cache, _dsl, registry
+from . import _signatures as sig
 
 _LOCK = threading.Lock()
 _CACHE: dict[tuple, object] = {}
-
-
-def cute_dtype(torch_dtype):
-    cutlass, _ = _dsl.import_cute()
-    return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
-            torch.float8_e4m3fn: cutlass.Float8E4M3FN}[torch_dtype]
-
-
-def _fake_tensor(cute, dtype, shape, strides, align=16):
-    return cute.runtime.make_fake_tensor(dtype, shape, stride=strides, assumed_align=align)
-
-
-def _unit_last(cute, dtype, *shape, tma=False, align=4):
-    """A fake tensor whose last stride is 1 and other strides dynamic; `tma`: base and strides
-    16-byte aligned (what TMA needs), else the base aligned to `align` bytes."""
-    if tma:
-        per_16_bytes = 128 // dtype.width  # elements
-        return _fake_tensor(cute, dtype, shape,
-                            (*(cute.sym_int64(divisibility=per_16_bytes) for _ in shape[:-1]), 1))
-    return _fake_tensor(cute, dtype, shape, (*(cute.sym_int64() for _ in shape[:-1]), 1), align=align)
-
-
-def _attention_fake_args(spec, dtype, head_dim, head_dim_v=None):
-    """Fake (q, k, v, o, lse[, scores]) in flash-attn's (batch, seqlen, heads, head_dim) layout;
-    v and o have head_dim_v (default head_dim)."""
-    cutlass, cute = _dsl.import_cute()
-    dt = cute_dtype(dtype)
-    b, sq, sk, hq, hkv = (cute.sym_int64() for _ in range(5))
-    dv = head_dim_v or head_dim
-
-    q, o = _unit_last(cute, dt, b, sq, hq, head_dim, tma=True), _unit_last(cute, dt, b, sq, hq, dv, tma=True)
-    k, v = _unit_last(cute, dt, b, sk, hkv, head_dim, tma=True), _unit_last(cute, dt, b, sk, hkv, dv, tma=True)
-    lse = _unit_last(cute, cutlass.Float32, b, hq, sq)
-    args = [q, k, v, o, lse]
-    if spec.needs_scores_workspace:
-        args.append(_unit_last(cute, cutlass.Float32, b, hq, sq, sk))
-    args.append(cutlass.Float32(1.0))  # scale_log2
-    if spec.persistent:
-        args.append(cutlass.Int32(132))  # SM count, a runtime argument
-        args.append(_fake_tensor(cute, cutlass.Int32, (1,), (1,), align=4))  # the tile counter
-    if spec.variants:  # cu_seqlens_q/k (own extents: 1-element stand-ins when not varlen), window
-        # edges, softcap scale, the sinks (heads_q,) FP32 (a 1-element stand-in without them)
-        args += [_fake_tensor(cute, cutlass.Int32, (cute.sym_int64(),), (1,), align=4) for _ in range(2)]
-        args += [cutlass.Int32(0), cutlass.Int32(0), cutlass.Float32(1.0)]
-        args.append(_fake_tensor(cute, cutlass.Float32, (cute.sym_int64(),), (1,), align=4))
-    return args
 
 
 def attention_key(spec, dtype, head_dim, causal, varlen=False, local=False, softcap=False,
@@ -97,39 +53,18 @@ def _build_attention(spec, dtype, head_dim, causal, varlen=False, local=False, s
     variant = dict(varlen=varlen, local=local, softcap=softcap, sinks=sinks) if spec.variants else {}
     if head_dim_v not in (None, head_dim):
         variant["head_dim_v"] = head_dim_v
-    kernel = spec.load_class()(dtype=cute_dtype(dtype), head_dim=head_dim, causal=causal,
+    kernel = spec.load_class()(dtype=sig.cute_dtype(dtype), head_dim=head_dim, causal=causal,
                                **variant, **spec.config_for(head_dim, head_dim_v))
-    return _compile_kernel(kernel, _attention_fake_args(spec, dtype, head_dim, head_dim_v), extra_options)
+    return _compile_kernel(kernel, sig.attention_args(spec, dtype, head_dim, head_dim_v), extra_options)
 
 
 # ----------------------------------------------------------------------------- FP8 forward (F1)
-def _attention_fp8_fake_args(spec, out_dtype, head_dim):
-    """Fake (q, k, vt, o, lse, scale_log2, SM count, tile counter, cu_seqlens stand-ins, window
-    edges, softcap scale, q/k/v descales): q, k e4m3 (batch, seqlen, heads, d); vt e4m3 (batch, d,
-    heads_kv, keys padded to 16); o in out_dtype; descales float32 (batch, heads_kv), or (sequences,
-    heads_kv) for a packed batch (whose tensors have batch 1)."""
-    cutlass, cute = _dsl.import_cute()
-    f8, f32 = cutlass.Float8E4M3FN, cutlass.Float32
-    b, sq, sk, skt, hq, hkv = (cute.sym_int64() for _ in range(6))
-    args = [_unit_last(cute, f8, b, sq, hq, head_dim, tma=True),
-            _unit_last(cute, f8, b, sk, hkv, head_dim, tma=True),
-            _unit_last(cute, f8, b, head_dim, hkv, skt, tma=True),
-            _unit_last(cute, cute_dtype(out_dtype), b, sq, hq, head_dim, tma=True),
-            _unit_last(cute, f32, b, hq, sq), f32(1.0), cutlass.Int32(132),
-            _fake_tensor(cute, cutlass.Int32, (1,), (1,), align=4)]
-    args += [_fake_tensor(cute, cutlass.Int32, (cute.sym_int64(),), (1,), align=4) for _ in range(2)]
-    args += [cutlass.Int32(0), cutlass.Int32(0), f32(1.0)]
-    entries = cute.sym_int64()  # the descales' rows: batch, or a packed batch's sequences
-    args += [_unit_last(cute, f32, entries, hkv) for _ in range(3)]
-    return args
-
-
 def _build_attention_fp8(spec, dtype, head_dim, causal, varlen=False, local=False, softcap=False,
                          extra_options=""):
     """`dtype`: the output's (q, k, v are e4m3)."""
-    kernel = spec.load_class()(dtype=cute_dtype(dtype), head_dim=head_dim, causal=causal, varlen=varlen,
+    kernel = spec.load_class()(dtype=sig.cute_dtype(dtype), head_dim=head_dim, causal=causal, varlen=varlen,
                                local=local, softcap=softcap, **spec.config_for(head_dim))
-    return _compile_kernel(kernel, _attention_fp8_fake_args(spec, dtype, head_dim), extra_options)
+    return _compile_kernel(kernel, sig.attention_fp8_args(spec, dtype, head_dim), extra_options)
 
 
 def attention_fp8_key(spec, dtype, head_dim, causal, varlen=False, local=False, softcap=False) -> tuple:
@@ -188,38 +123,6 @@ def get_attention(spec, dtype, head_dim, causal, varlen=False, local=False, soft
 
 
 # ----------------------------------------------------------------------------- backward
-def _backward_fake_args(dtype, head_dim, gqa, deterministic):
-    """Fake (q, k, v, dO, lse2, D, dQacc, dK, dV, lock, scale_log2, softmax_scale, window_left,
-    window_right, softcap_scale, cu_seqlens_q, cu_seqlens_k): see
-    kernels/bwd.py. `rows` is seqlen_q rounded up to the Q tile (varlen: total_q; dQacc then has
-    tile_m rows more); dK/dV: (batch, seqlen_k, heads_q, d) in the inputs' dtype without GQA; under
-    GQA FP32, (batch, seqlen_k, heads_kv, d) that the kernel adds into with atomics, or, when
-    deterministic, one slice per query head summed over each group afterwards."""
-    cutlass, cute = _dsl.import_cute()
-    dt = cute_dtype(dtype)
-    b, sq, sk, hq, hkv, rows, dq_rows = (cute.sym_int64() for _ in range(7))
-
-    f32, dkv_dt = cutlass.Float32, (cutlass.Float32 if gqa else dt)
-    dkv_heads = hkv if gqa and not deterministic else hq
-
-    def tma_operand(*shape):
-        return _unit_last(cute, dt, *shape, tma=True)
-
-    return [tma_operand(b, sq, hq, head_dim), tma_operand(b, sk, hkv, head_dim),
-            tma_operand(b, sk, hkv, head_dim), tma_operand(b, sq, hq, head_dim),
-            _unit_last(cute, f32, b, hq, rows), _unit_last(cute, f32, b, hq, rows),
-            _unit_last(cute, f32, b, dq_rows, hq, head_dim),
-            _unit_last(cute, dkv_dt, b, sk, dkv_heads, head_dim),
-            _unit_last(cute, dkv_dt, b, sk, dkv_heads, head_dim),
-            # the counters have shapes of their own: a 1-element stand-in when not deterministic
-            _unit_last(cute, cutlass.Int32, *(cute.sym_int64() for _ in range(3))),
-            cutlass.Float32(1.0), cutlass.Float32(1.0),
-            # window edges and softcap_scale: read only by the local / softcap variants
-            cutlass.Int32(0), cutlass.Int32(0), cutlass.Float32(1.0),
-            # cu_seqlens_q/k: read only by the varlen variant (1-element stand-ins otherwise)
-            *(_fake_tensor(cute, cutlass.Int32, (cute.sym_int64(),), (1,), align=4) for _ in range(2))]
-
-
 def backward_key(spec, dtype, head_dim, causal, deterministic=False, gqa=False, local=False,
                  softcap=False, varlen=False) -> tuple:
     cfg = spec.config_for(head_dim)
@@ -230,10 +133,10 @@ def backward_key(spec, dtype, head_dim, causal, deterministic=False, gqa=False, 
 
 def _build_backward(spec, dtype, head_dim, causal, deterministic=False, gqa=False, local=False,
                     softcap=False, varlen=False, extra_options=""):
-    kernel = spec.load_class()(dtype=cute_dtype(dtype), head_dim=head_dim, causal=causal,
+    kernel = spec.load_class()(dtype=sig.cute_dtype(dtype), head_dim=head_dim, causal=causal,
                                deterministic=deterministic, local=local, softcap=softcap,
                                varlen=varlen, **spec.config_for(head_dim))
-    return _compile_kernel(kernel, _backward_fake_args(dtype, head_dim, gqa, deterministic), extra_options)
+    return _compile_kernel(kernel, sig.backward_args(dtype, head_dim, gqa, deterministic), extra_options)
 
 
 def get_backward(spec, dtype, head_dim, causal, deterministic, gqa, local=False, softcap=False,
@@ -253,11 +156,11 @@ def _build_preprocess(dtype, head_dim):
     cutlass, cute = _dsl.import_cute()
     from .kernels.bwd_pre import BackwardPreprocess
 
-    dt = cute_dtype(dtype)
+    dt = sig.cute_dtype(dtype)
     b, sq, h, rows = (cute.sym_int64() for _ in range(4))
 
     def tensor(elem, *shape):
-        return _unit_last(cute, elem, *shape, align=2)
+        return sig.unit_last(cute, elem, *shape, align=2)
 
     args = [tensor(dt, b, sq, h, head_dim), tensor(dt, b, sq, h, head_dim),
             tensor(cutlass.Float32, b, h, sq), tensor(cutlass.Float32, b, h, rows),
@@ -281,10 +184,10 @@ def _build_value_transpose(head_dim, packed=False, extra_options=""):
 
     b, s, h = (cute.sym_int64() for _ in range(3))
     k4 = cute.sym_int64(divisibility=4)  # keys / 4: keys are a multiple of 16
-    v = _unit_last(cute, cutlass.Int32, b, s, h, head_dim // 4, tma=True)  # tma_ready's strides
-    vt = _fake_tensor(cute, cutlass.Int32, (b, h, head_dim, k4),
+    v = sig.unit_last(cute, cutlass.Int32, b, s, h, head_dim // 4, tma=True)  # tma_ready's strides
+    vt = sig.fake_tensor(cute, cutlass.Int32, (b, h, head_dim, k4),
                       (cute.sym_int64(divisibility=4), cute.sym_int64(divisibility=4), k4, 1))
-    cu = _fake_tensor(cute, cutlass.Int32, (cute.sym_int64(),), (1,), align=4)
+    cu = sig.fake_tensor(cute, cutlass.Int32, (cute.sym_int64(),), (1,), align=4)
     return _compile_kernel(ValueTranspose(head_dim, packed), [v, vt, cu], extra_options)
 
 
@@ -304,26 +207,6 @@ def get_value_transpose(head_dim, packed=False):
 GEMM_LAYOUTS = ("row", "col")
 
 
-def _gemm_fake_args(dtype, a_layout, b_layout, out_dtype=None):
-    """Fake a (M, K), b (K, N), c (M, N) row-major (in out_dtype, default dtype), the SM count,
-    split-K's FP32 workspace, int32 counters and split count, and FP8's scale_a/scale_b (FP32).
-    Shapes are dynamic and shared (the call checks that a, b and c agree); the non-unit stride is
-    dynamic and 16-byte aligned."""
-    cutlass, cute = _dsl.import_cute()
-
-    def matrix(dt, rows, cols, layout):
-        lead = cute.sym_int64(divisibility=128 // dt.width)
-        return _fake_tensor(cute, dt, (rows, cols), (lead, 1) if layout == "row" else (1, lead))
-
-    dt, out = cute_dtype(dtype), cute_dtype(out_dtype or dtype)
-    m, n, k = (cute.sym_int64() for _ in range(3))
-    workspace = _fake_tensor(cute, cutlass.Float32, (cute.sym_int64(),), (1,))
-    counters = _fake_tensor(cute, cutlass.Int32, (cute.sym_int64(),), (1,))
-    scales = [_fake_tensor(cute, cutlass.Float32, (cute.sym_int64(),), (1,), align=4) for _ in range(2)]
-    return [matrix(dt, m, k, a_layout), matrix(dt, k, n, b_layout), matrix(out, m, n, "row"),
-            cutlass.Int32(132), workspace, counters, cutlass.Int32(1), *scales]
-
-
 def gemm_key(spec, dtype, a_layout, b_layout, out_dtype=None) -> tuple:
     dtypes = str(dtype) if out_dtype in (None, dtype) else (str(dtype), str(out_dtype))
     return (spec.name, dtypes, a_layout, b_layout, tuple(sorted(spec.config.items())),
@@ -332,9 +215,9 @@ def gemm_key(spec, dtype, a_layout, b_layout, out_dtype=None) -> tuple:
 
 def _build_gemm(spec, dtype, a_layout="row", b_layout="row", out_dtype=None, extra_options=""):
     """`dtype`: A's and B's (e4m3: the scaled FP8 GEMM, C in `out_dtype`)."""
-    kernel = spec.load_class()(dtype=cute_dtype(dtype), out_dtype=cute_dtype(out_dtype or dtype),
+    kernel = spec.load_class()(dtype=sig.cute_dtype(dtype), out_dtype=sig.cute_dtype(out_dtype or dtype),
                                **spec.config)
-    return _compile_kernel(kernel, _gemm_fake_args(dtype, a_layout, b_layout, out_dtype), extra_options)
+    return _compile_kernel(kernel, sig.gemm_args(dtype, a_layout, b_layout, out_dtype), extra_options)
 
 
 def get_gemm(spec, dtype, a_layout, b_layout, tiles: tuple = (), out_dtype=None):
@@ -353,30 +236,6 @@ def get_gemm(spec, dtype, a_layout, b_layout, tiles: tuple = (), out_dtype=None)
 
 
 # ----------------------------------------------------------------------------- KV cache (S1)
-def _kvcache_fake_args(dtype, head_dim):
-    """Fake (q, k_cache, v_cache, cache_seqlens, block_table, out, lse, out_partial, lse_partial,
-    scale_log2, appended, window edges, softcap scale, cu_seqlens_q, max_seqlen_q, cache_leftpad,
-    sinks): see kernels/decode.py. The cache is (planes, rows, heads_kv, d), planes being batch
-    entries (dense) or pages (paged); every extent is dynamic (packed queries: q is (1, total_q,
-    heads_q, d) and cache_seqlens has its own extent)."""
-    cutlass, cute = _dsl.import_cute()
-    dt, f32, i32 = cute_dtype(dtype), cutlass.Float32, cutlass.Int32
-    b, sq, hq, hkv, rows, planes, pages, splits = (cute.sym_int64() for _ in range(8))
-    # the block table, the partials, the lengths and the query offsets have extents of their own:
-    # 1-element stand-ins when unused
-    b_table, b_part, sq_part, hq_part, b_lens, b_cu, b_pad = (cute.sym_int64() for _ in range(7))
-    cache = lambda: _unit_last(cute, dt, planes, rows, hkv, head_dim, tma=True)
-    return [_unit_last(cute, dt, b, sq, hq, head_dim, align=2), cache(), cache(),
-            _fake_tensor(cute, i32, (b_lens,), (1,), align=4), _unit_last(cute, i32, b_table, pages),
-            _unit_last(cute, dt, b, sq, hq, head_dim, align=2), _unit_last(cute, f32, b, hq, sq),
-            _unit_last(cute, f32, splits, b_part, sq_part, hq_part, head_dim),
-            _unit_last(cute, f32, splits, b_part, hq_part, sq_part), f32(1.0), i32(0),
-            i32(0), i32(0), f32(1.0),  # (appended,) window edges, softcap scale
-            _fake_tensor(cute, i32, (b_cu,), (1,), align=4), i32(1),  # cu_seqlens_q, max_seqlen_q
-            _fake_tensor(cute, i32, (b_pad,), (1,), align=4),  # cache_leftpad
-            _fake_tensor(cute, f32, (cute.sym_int64(),), (1,), align=4)]  # sinks (or a stand-in)
-
-
 def kvcache_key(spec, dtype, head_dim, causal, paged=False, local=False, softcap=False, gather=False,
                 varlen=False, leftpad=False, sinks=False) -> tuple:
     variant = (bool(local), bool(softcap), bool(sinks))
@@ -388,10 +247,10 @@ def kvcache_key(spec, dtype, head_dim, causal, paged=False, local=False, softcap
 
 def _build_kvcache(spec, dtype, head_dim, causal, paged=False, local=False, softcap=False, gather=False,
                    varlen=False, leftpad=False, sinks=False, extra_options=""):
-    kernel = spec.load_class()(dtype=cute_dtype(dtype), head_dim=head_dim, causal=causal, paged=paged,
+    kernel = spec.load_class()(dtype=sig.cute_dtype(dtype), head_dim=head_dim, causal=causal, paged=paged,
                                local=local, softcap=softcap, gather=gather, varlen=varlen, leftpad=leftpad,
                                sinks=sinks, **spec.config_for(head_dim))
-    return _compile_kernel(kernel, _kvcache_fake_args(dtype, head_dim), extra_options)
+    return _compile_kernel(kernel, sig.kvcache_args(dtype, head_dim), extra_options)
 
 
 def get_kvcache(spec, dtype, head_dim, causal, paged, local=False, softcap=False, gather=False,
@@ -414,11 +273,11 @@ def _build_combine(dtype, head_dim, sinks=False, extra_options=""):
     cutlass, cute = _dsl.import_cute()
     from .kernels.decode import SplitKVCombine
 
-    dt, f32 = cute_dtype(dtype), cutlass.Float32
+    dt, f32 = sig.cute_dtype(dtype), cutlass.Float32
     b, sq, hq, splits = (cute.sym_int64() for _ in range(4))
-    args = [_unit_last(cute, f32, splits, b, sq, hq, head_dim), _unit_last(cute, f32, splits, b, hq, sq),
-            _unit_last(cute, dt, b, sq, hq, head_dim, align=2), _unit_last(cute, f32, b, hq, sq),
-            _fake_tensor(cute, f32, (cute.sym_int64(),), (1,), align=4)]
+    args = [sig.unit_last(cute, f32, splits, b, sq, hq, head_dim), sig.unit_last(cute, f32, splits, b, hq, sq),
+            sig.unit_last(cute, dt, b, sq, hq, head_dim, align=2), sig.unit_last(cute, f32, b, hq, sq),
+            sig.fake_tensor(cute, f32, (cute.sym_int64(),), (1,), align=4)]
     return _compile_kernel(SplitKVCombine(dt, head_dim, sinks), args, extra_options)
 
 
