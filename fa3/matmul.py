@@ -44,8 +44,9 @@ def _tma_elems(t: torch.Tensor) -> int:
 def _aligned_view(t: torch.Tensor):
     """(view, layout) of a 2-D operand that TMA can read as it is (no copy), else None: layout "row"
     if the second dimension has unit stride, "col" if the first does (a .t() view), and the other
-    stride a multiple of 8 elements (16 bytes) and at least the unit-stride extent (no overlapping
-    rows). A length-1 dimension's stride is meaningless, so it is set to an aligned value (a view)."""
+    stride a multiple of 16 bytes (8 16-bit or 16 FP8 elements) and at least the unit-stride
+    extent (no overlapping rows). A length-1 dimension's stride is meaningless, so it is set to an
+    aligned value (a view)."""
     rows, cols = t.shape
     if not _dispatch.tracing() and t.data_ptr() % _TMA_BYTES:
         return None

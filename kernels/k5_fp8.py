@@ -34,6 +34,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from .common import mma, smem, tma
+from .fp8_transpose import KEY_BLOCK
 from .k5 import WarpSpecializedAttention
 
 # softmax.online_update's p_offset_log2: P in (0, 256]
@@ -100,7 +101,7 @@ class Fp8Attention(WarpSpecializedAttention):
     def v_rows(self, mVt: cute.Tensor, head_kv: Int32, batch: Int32, seq) -> cute.Tensor:
         """The entry's V^T for one KV head, (d, keys); packed: from its own 16-aligned column."""
         if cutlass.const_expr(self.varlen):
-            first = (seq.offset_k + 15) // 16 * 16 + 16 * batch
+            first = (seq.offset_k + KEY_BLOCK - 1) // KEY_BLOCK * KEY_BLOCK + KEY_BLOCK * batch
             return cute.domain_offset((0, first), mVt[None, None, head_kv, 0])
         return mVt[None, None, head_kv, batch]
 
