@@ -207,31 +207,34 @@ def get_value_transpose(head_dim, packed=False):
 GEMM_LAYOUTS = ("row", "col")
 
 
-def gemm_key(spec, dtype, a_layout, b_layout, out_dtype=None) -> tuple:
+def gemm_key(spec, dtype, a_layout, b_layout, out_dtype=None, row_scales=False) -> tuple:
     dtypes = str(dtype) if out_dtype in (None, dtype) else (str(dtype), str(out_dtype))
-    return (spec.name, dtypes, a_layout, b_layout, tuple(sorted(spec.config.items())),
-            _dsl.TARGET_ARCH, _dsl.version())
+    return (spec.name, dtypes, a_layout, b_layout, *(("row_scales",) if row_scales else ()),
+            tuple(sorted(spec.config.items())), _dsl.TARGET_ARCH, _dsl.version())
 
 
-def _build_gemm(spec, dtype, a_layout="row", b_layout="row", out_dtype=None, extra_options=""):
-    """`dtype`: A's and B's (e4m3: the scaled FP8 GEMM, C in `out_dtype`)."""
+def _build_gemm(spec, dtype, a_layout="row", b_layout="row", out_dtype=None, row_scales=False,
+                extra_options=""):
+    """`dtype`: A's and B's (e4m3: the scaled FP8 GEMM, C in `out_dtype`, per-tensor scales or
+    `row_scales`)."""
     kernel = spec.load_class()(dtype=sig.cute_dtype(dtype), out_dtype=sig.cute_dtype(out_dtype or dtype),
-                               **spec.config)
+                               row_scales=row_scales, **spec.config)
     return _compile_kernel(kernel, sig.gemm_args(dtype, a_layout, b_layout, out_dtype), extra_options)
 
 
-def get_gemm(spec, dtype, a_layout, b_layout, tiles: tuple = (), out_dtype=None):
+def get_gemm(spec, dtype, a_layout, b_layout, tiles: tuple = (), out_dtype=None, row_scales=False):
     """The compiled GEMM for this rung, dtypes and operand layouts (compiled on first use); call it
     as fn(a, b, c, sm_count, workspace, counters, splits, scale_a, scale_b). `tiles`: ((key,
     value), ...) overrides of the rung's config (the tile shape the GEMM heuristic picks per
     problem). Like get_attention, a hit is one dict lookup."""
-    fast_key = ("gemm", spec.name, dtype, a_layout, b_layout, tiles, out_dtype)
+    fast_key = ("gemm", spec.name, dtype, a_layout, b_layout, tiles, out_dtype, row_scales)
     fn = _FAST.get(fast_key)
     if fn is None:
         if tiles:
             spec = dataclasses.replace(spec, config={**spec.config, **dict(tiles)})
-        fn = _FAST[fast_key] = _cached(gemm_key(spec, dtype, a_layout, b_layout, out_dtype),
-                                       lambda: _build_gemm(spec, dtype, a_layout, b_layout, out_dtype))
+        fn = _FAST[fast_key] = _cached(gemm_key(spec, dtype, a_layout, b_layout, out_dtype, row_scales),
+                                       lambda: _build_gemm(spec, dtype, a_layout, b_layout, out_dtype,
+                                                           row_scales))
     return fn
 
 

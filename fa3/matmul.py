@@ -184,8 +184,8 @@ def check_gemm(a, b, out, kernel):
 def gemm(a, b, *, out=None, kernel: str | None = None, scale_a=None, scale_b=None, out_dtype=None):
     """a @ b for 2-D bf16/fp16 tensors on a Hopper GPU: FP32 accumulation, output in the input dtype.
     FP8: float8_e4m3fn a and b give scale_a * scale_b * (a @ b) in out_dtype (bf16 by default, or
-    fp16), as torch._scaled_mm: scales are one-element float32 tensors (or None: 1), read on the
-    GPU; forward only. FP8 WGMMA reads K-major operands: a row-major and b column-major (b =
+    fp16), as torch._scaled_mm: scales are one-element float32 tensors (or None: 1), or row-wise
+    (scale_a (M, 1) per row of a, scale_b (1, N) per column of b), read on the GPU; forward only. FP8 WGMMA reads K-major operands: a row-major and b column-major (b =
     w.t() of a row-major (N, K) w) are read in place, other layouts are copied first.
 
     a: (M, K), b: (K, N), one dtype, any strides. Row-major (contiguous) and column-major (.t()
@@ -245,8 +245,9 @@ def launch_gemm(spec, a, b, out=None, scales=None, out_dtype=None):
         if splits > 1:
             workspace = torch.empty(output_tiles * splits * tile_m * tile_n, dtype=torch.float32,
                                     device=a.device)
+    row_scales = max(s.numel() for s in scales) > 1
     fn = _compile.get_gemm(spec, a.dtype, a_layout, b_layout, tiles,
-                           None if out_dtype == a.dtype else out_dtype)
+                           None if out_dtype == a.dtype else out_dtype, row_scales)
     # TMA stores 16-byte aligned rows: a ragged N goes through a padded buffer
     c = out if n % _tma_elems(out) == 0 and out.data_ptr() % _TMA_BYTES == 0 else _padded(m, n, out)
     fn(a, b, c, sm_count, workspace, counters, splits, *scales)
@@ -289,24 +290,32 @@ def check_gemm_fp8(a, b, scale_a, scale_b, out, out_dtype, kernel):
     if out is not None:
         _checks.check_output(out, "out", _OutputSpec(torch.Size((m, n)), out_dtype, a.device))
     _checks.check_hopper(a.device, "a")
-    scales = tuple(_scale(t, name, a.device) for t, name in ((scale_a, "scale_a"), (scale_b, "scale_b")))
+    scales = (_scale(scale_a, "scale_a", m, (m, 1), a.device), _scale(scale_b, "scale_b", n, (1, n), a.device))
+    if scales[0].numel() != scales[1].numel() and min(scales[0].numel(), scales[1].numel()) == 1:
+        # one of them per tensor, the other per row/column: the kernel takes both as vectors
+        scales = (scales[0].expand(m).contiguous(), scales[1].expand(n).contiguous())
     return spec, scales, out_dtype
 
 
-def _scale(t, name: str, device) -> torch.Tensor:
-    """A per-tensor scale: None (1) or a one-element float32 tensor on `device`."""
+def _scale(t, name: str, extent: int, shape: tuple, device) -> torch.Tensor:
+    """A scale as the kernel takes it: None (1) or a one-element float32 tensor (per tensor) -> (1,);
+    `shape` (scale_a (M, 1) per row of a, scale_b (1, N) per column of b, as torch._scaled_mm's
+    row-wise scaling; 1-D (extent,) too) -> (extent,) contiguous."""
     if t is None:
         return _ones(device)
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a one-element torch.float32 tensor or None, got {type(t).__name__}")
+        raise TypeError(f"{name} must be a torch.float32 tensor of one element or of shape {shape}, or "
+                        f"None, got {type(t).__name__}")
     if t.dtype != torch.float32:
         raise TypeError(f"{name} has dtype {t.dtype}; scales are torch.float32: {name}.float()")
     if t.device != device:
         raise ValueError(f"{name} is on {t.device} but a is on {device}; put it on a's device")
-    if t.numel() != 1:
-        raise ValueError(f"{name} has shape {tuple(t.shape)}; fa3's FP8 GEMM takes per-tensor scales "
-                         "(one element): row- or column-wise scales are not supported")
-    return t.reshape(1)
+    if t.numel() == 1 and t.dim() <= 2:
+        return t.reshape(1)
+    if tuple(t.shape) not in (shape, (extent,)):
+        raise ValueError(f"{name} has shape {tuple(t.shape)}; fa3's FP8 GEMM takes one element (per "
+                         f"tensor) or {shape} (row-wise, as torch._scaled_mm)")
+    return t.reshape(extent).contiguous()
 
 
 _ONES: dict = {}

@@ -9,8 +9,8 @@ loads past the edges (so a ragged last K tile adds zeros) and clips stores.
 FP8 (e4m3 A and B, the scaled GEMM of torch._scaled_mm): the same rungs with `dtype` e4m3 and
 C in `out_dtype` (bf16/fp16); WGMMA k32 on 128-deep K tiles (128 bytes a row, as 16-bit's 64);
 both operands K-major (FP8 WGMMA reads no MN-major operand); C = scale_a * scale_b * (A B), the
-per-tensor scales (1-element FP32 tensors, read on the GPU) applied to the FP32 accumulator in
-the epilogue, after split-K's sum.
+scales (FP32, read on the GPU) applied to the FP32 accumulator in the epilogue, after split-K's
+sum: one each (per tensor), or (`row_scales`) scale_a per row of A and scale_b per column of B.
 Constraints: 16-bit types or e4m3 (K-major); the non-unit stride of A and B, and N (C's row
 stride), multiples of 16 bytes (TMA's rule); K > 0 (the interface handles K = 0 and empty outputs).
 """
@@ -42,10 +42,14 @@ class GemmBase:
 
     def __init__(self, dtype, tile_m: int = 128, tile_n: int = 128, tile_k: int = 0,
                  mma_warpgroups: int = 1, stages: int = 1, mmas_in_flight: int = 0, a_rows: int = 0,
-                 out_dtype=None):
+                 out_dtype=None, row_scales: bool = False):
         self.dtype = dtype  # A's and B's
         self.out_dtype = out_dtype or dtype  # C's
         self.scaled = dtype.width == 8  # FP8: C = scale_a * scale_b * (A B)
+        # FP8 with scale_a per row of A (M,) and scale_b per column of B (N,), as torch._scaled_mm's
+        # row-wise scaling; else one scale each
+        self.row_scales = row_scales
+        assert self.scaled or not row_scales
         # tile_k=0: 128 bytes of each row (the 128-byte swizzle): 64 16-bit or 128 FP8 elements
         self.tile_m, self.tile_n, self.tile_k = tile_m, tile_n, tile_k or K_TILE_BYTES * 8 // dtype.width
         # a_rows < tile_m (M <= a_rows, row-major A only): TMA loads just the top a_rows rows of
@@ -181,14 +185,39 @@ class GemmBase:
             released = pipeline.release(ring, released)
         return released
 
-    def store_acc(self, acc, tiled_mma, mma_tidx, sC, tma_c, gC, is_store_warp, store_pipe, scales):
-        """The tile's accumulator to C (FP8: times scale_a * scale_b; `scales` = (mScaleA, mScaleB))."""
+    def store_acc(self, acc, tiled_mma, mma_tidx, sC, tma_c, gC, is_store_warp, store_pipe, scales,
+                  tile_mn):
+        """Output tile `tile_mn` = (m_tile, n_tile) of the accumulator to C (FP8: times scale_a *
+        scale_b, per tensor or per row and column; `scales` = (mScaleA, mScaleB))."""
         barrier = dsl_pipeline.NamedBarrier(barrier_id=1, num_threads=self.mma_threads)
         scale = None
-        if cutlass.const_expr(self.scaled):
+        if cutlass.const_expr(self.row_scales):
+            self.scale_rows_cols(acc, tiled_mma, mma_tidx, scales, tile_mn)
+        elif cutlass.const_expr(self.scaled):
             scale = scales[0][0] * scales[1][0]
         epilogue.store_tile(acc, tiled_mma, mma_tidx, sC, tma_c, gC, self.epi_tile, barrier,
                             is_store_warp, store_pipe, scale)
+
+
+    @cute.jit
+    def scale_rows_cols(self, acc, tiled_mma, mma_tidx, scales, tile_mn):
+        """acc[r, c] *= scale_a[row] * scale_b[col] in the accumulator's own layout: this thread's
+        2 rows per 64-row atom read scale_a once, each of its columns scale_b once (L1-cached).
+        Rows and columns past M and N (clipped by the store) read the last scale."""
+        mScaleA, mScaleB = scales
+        coords = mma.rows_cols(tiled_mma.get_slice(mma_tidx).partition_C(
+            cute.make_identity_tensor((self.tile_m, self.tile_n))))
+        acc_mn = mma.rows_cols(acc)
+        rows, cols = cute.size(acc_mn, mode=[0]), cute.size(acc_mn, mode=[1])
+        row_scale = cute.make_rmem_tensor((rows,), Float32)
+        for r in cutlass.range_constexpr(rows):
+            row = tile_mn[0] * self.tile_m + coords[r, 0][0]
+            row_scale[r] = mScaleA[cutlass.min(row, mScaleA.shape[0] - 1)]
+        for c in cutlass.range_constexpr(cols):
+            col = tile_mn[1] * self.tile_n + coords[0, c][1]
+            col_scale = mScaleB[cutlass.min(col, mScaleB.shape[0] - 1)]
+            for r in cutlass.range_constexpr(rows):
+                acc_mn[r, c] = acc_mn[r, c] * row_scale[r] * col_scale
 
 
 class StagedGemm(GemmBase):
@@ -242,7 +271,8 @@ class StagedGemm(GemmBase):
 
         store_pipe = epilogue.store_pipeline(self.epi_stages, self.mma_threads)
         gC = cute.local_tile(mC, (self.tile_m, self.tile_n), (m_tile, n_tile))
-        self.store_acc(acc, tiled_mma, tidx, sC, tma_c, gC, warp_idx == 0, store_pipe, (mScaleA, mScaleB))
+        self.store_acc(acc, tiled_mma, tidx, sC, tma_c, gC, warp_idx == 0, store_pipe, (mScaleA, mScaleB),
+                       (m_tile, n_tile))
         if warp_idx == 0:
             store_pipe.producer_tail()
 
@@ -273,9 +303,9 @@ class PersistentGemm(GemmBase):
     def __init__(self, dtype, tile_m: int = 128, tile_n: int = 256, tile_k: int = 0,
                  mma_warpgroups: int = 2, stages: int = 0, mmas_in_flight: int = 1,
                  group_m: int = 16, producer_regs: int = 40, mma_regs: int = 232, a_rows: int = 0,
-                 out_dtype=None):
+                 out_dtype=None, row_scales: bool = False):
         super().__init__(dtype, tile_m, tile_n, tile_k, mma_warpgroups, stages, mmas_in_flight, a_rows,
-                         out_dtype)
+                         out_dtype, row_scales)
         self.group_m = group_m
         self.producer_regs, self.mma_regs = producer_regs, mma_regs
         assert 128 * producer_regs + self.mma_threads * mma_regs <= 65536, "register file overcommitted"
@@ -350,7 +380,7 @@ class PersistentGemm(GemmBase):
                                                consumers.arrive_and_wait)
                 if store:
                     self.store_acc(acc, tiled_mma, mma_tidx, sC, tma_c, gC_tiles[None, None, m_tile, n_tile],
-                                   is_store_warp, store_pipe, (mScaleA, mScaleB))
+                                   is_store_warp, store_pipe, (mScaleA, mScaleB), (m_tile, n_tile))
             if is_store_warp:
                 store_pipe.producer_tail()
 

@@ -131,12 +131,13 @@ def test_persistent_gemm_tile_shapes_compile(tile_m, tile_n, a_rows):
     assert report.spill_bytes == 0, f"{tile_m}x{tile_n} spills"
 
 
-@pytest.mark.parametrize("name", registry.available_kernels(registry.GEMM))
-def test_fp8_gemm_compiles(name):
-    """Every GEMM rung on e4m3 operands (K-major, bf16 C): FP8 WGMMA in the PTX, the scales'
-    multiply, no spills, no serialized WGMMAs."""
+@pytest.mark.parametrize("name, row_scales", [(n, False) for n in registry.available_kernels(registry.GEMM)]
+                         + [("g3", True)])
+def test_fp8_gemm_compiles(name, row_scales):
+    """Every GEMM rung on e4m3 operands (K-major, bf16 C), and the default's row-wise scales: FP8
+    WGMMA in the PTX, no spills, no serialized WGMMAs."""
     report = _compile.compile_report(registry.get(name), torch.float8_e4m3fn, a_layout="row", b_layout="col",
-                                     out_dtype=torch.bfloat16)
+                                     out_dtype=torch.bfloat16, row_scales=row_scales)
     assert "wgmma.mma_async" in report.ptx and ".e4m3.e4m3" in report.ptx
     assert report.spill_bytes == 0 and not report.serialized_wgmma
 

@@ -261,6 +261,33 @@ def test_fp8_layouts_and_outputs(case):
     assert rel_err(got, ref) < 1e-2
 
 
+@pytest.mark.parametrize("m, n, k", [(1024, 3072, 512), (129, 136, 72), (1, 4096, 4096), (2048, 4096, 264)])
+@pytest.mark.parametrize("form", ["rows and columns", "rows only", "columns only"])
+def test_fp8_row_wise_scales(m, n, k, form):
+    """scale_a (M, 1) per row of a and scale_b (1, N) per column of b (torch._scaled_mm's row-wise
+    scaling), or one of them per tensor, against the float64 product; torch._scaled_mm's own
+    row-wise result within the same error where it takes the shape; output poisoned."""
+    gen = torch.Generator(device="cuda").manual_seed(m + k)
+    x, w = torch.randn(m, k, device="cuda", generator=gen), torch.randn(n, k, device="cuda", generator=gen)
+    x[: m // 2] *= 40  # rows of very different ranges: one scale would crush the small ones
+    sa = x.abs().amax(1, keepdim=True).clamp(min=1e-6) / 448
+    sb = (w.abs().amax(1, keepdim=True).clamp(min=1e-6) / 448).t()
+    if form == "rows only":
+        sb = torch.ones(1, device="cuda")
+    if form == "columns only":
+        sa = torch.ones(1, device="cuda")
+    a = (x / sa).to(torch.float8_e4m3fn)
+    b = (w.t() / sb).to(torch.float8_e4m3fn) if form != "rows only" else w.t().to(torch.float8_e4m3fn)
+    ref = (a.double() * sa.double()) @ (b.double() * sb.double())
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    fa3.gemm(a, b, scale_a=sa, scale_b=sb, out=out)
+    err = rel_err(out, ref)
+    assert torch.isfinite(out).all() and err < 1e-2, f"{form}: rel err {err:.2e}"
+    if form == "rows and columns" and m % 16 == 0 and n % 16 == 0 and k % 16 == 0:
+        peer = rel_err(torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16), ref)
+        assert err < 2 * peer + 1e-3, f"rel err {err:.2e}, torch._scaled_mm {peer:.2e}"
+
+
 def test_fp8_under_compile_and_graphs():
     """torch.compile reaches the fa3::gemm_fp8 op; a CUDA graph replays it with new values."""
     a, b, sa, sb, ref = fp8_operands(256, 512, 1024, seed=5)

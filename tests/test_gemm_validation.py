@@ -196,7 +196,8 @@ def fp8_mats(m=16, k=32, n=24):
 
 
 @pytest.mark.parametrize("bad, exc, words", [
-    (torch.ones(2), ValueError, ("scale_a", "(2,)", "per-tensor")),
+    (torch.ones(2), ValueError, ("scale_a", "(2,)", "(16, 1)", "row-wise")),
+    (torch.ones(16, 2), ValueError, ("scale_a", "(16, 2)", "(16, 1)")),
     (torch.ones(1, dtype=torch.float16), TypeError, ("scale_a", "float16", "float32")),
     (torch.ones(1, device="meta"), ValueError, ("scale_a", "meta")),
     (2.0, TypeError, ("scale_a", "float")),
@@ -228,5 +229,6 @@ def test_fp8_fake_shapes():
 
 def test_gemm_key_covers_fp8_output():
     g3 = registry.get("g3")
+    assert _compile.gemm_key(g3, FP8, "row", "col", BF16) != _compile.gemm_key(g3, FP8, "row", "col", BF16, True)
     assert _compile.gemm_key(g3, FP8, "row", "col", BF16) != _compile.gemm_key(g3, FP8, "row", "col", torch.float16)
     assert _compile.gemm_key(g3, BF16, "row", "col") == _compile.gemm_key(g3, BF16, "row", "col", BF16)
