@@ -9,7 +9,7 @@ runner is timed --rounds times per shape in rotating order and its median round 
 ratio to cuBLAS per shape.
 
     python benchmarks/bench_gemm.py [--kernels all|g1,g2,g3] [--shapes 4096x4096x4096,...]
-        [--dtype bf16|fp16|fp8] [--rounds 3] [--eager] [--json FILE]
+        [--dtype bf16|fp16|fp8] [--scales tensor|row] [--rounds 3] [--eager] [--json FILE]
     python benchmarks/bench_gemm.py --shapes models     the model shape set (MODEL_SHAPES)
     python benchmarks/bench_gemm.py --sweep [--shapes ...]
 
@@ -55,15 +55,21 @@ def peers(dtype) -> list[str]:
     return [SCALED_MM, SCALED_MM_FAST] if dtype == FP8 else [CUBLAS]
 
 
-def operands(m, n, k, dtype):
-    """(a, b, out, scales) from torch.randn: FP8 quantized per tensor, B column-major, C bf16."""
+def operands(m, n, k, dtype, row_scales=False):
+    """(a, b, out, scales) from torch.randn: FP8 quantized per tensor (row_scales: per row of A
+    and per column of B, torch._scaled_mm's row-wise form), B column-major, C bf16."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     if dtype != FP8:
         a = torch.randn(m, k, device="cuda", dtype=dtype, generator=gen)
         b = torch.randn(k, n, device="cuda", dtype=dtype, generator=gen)
         return a, b, torch.empty(m, n, device="cuda", dtype=dtype), (None, None)
-    (a, scale_a), (w, scale_b) = (fa3.quantize_fp8(torch.randn(rows, k, device="cuda", generator=gen))
-                                  for rows in (m, n))
+    x, w = (torch.randn(rows, k, device="cuda", generator=gen) for rows in (m, n))
+    if row_scales:
+        scale_a, scale_b = (t.abs().amax(1, keepdim=True).clamp(min=1e-6) / 448 for t in (x, w))
+        a, w = (x / scale_a).to(FP8), (w / scale_b).to(FP8)
+        scale_b = scale_b.t()
+    else:
+        (a, scale_a), (w, scale_b) = fa3.quantize_fp8(x), fa3.quantize_fp8(w)
     return a, w.t(), torch.empty(m, n, device="cuda", dtype=torch.bfloat16), (scale_a, scale_b)
 
 
@@ -93,12 +99,13 @@ def runners(kernels, dtype):
     return {**{name: rung_call(name) for name in kernels}, **cublas}
 
 
-def sweep(shapes, kernels, dtype, *, rounds, warmup, repeats, max_call_s, timer=measure_gpu) -> list[dict]:
+def sweep(shapes, kernels, dtype, *, rounds, warmup, repeats, max_call_s, timer=measure_gpu,
+          row_scales=False) -> list[dict]:
     """Each shape is timed `rounds` times for every runner, the runners' order rotating from round
     to round (so clock and thermal drift hit each alike); a runner's result is its median round."""
     rows = []
     for m, n, k in shapes:
-        a, b, out, scales = operands(m, n, k, dtype)
+        a, b, out, scales = operands(m, n, k, dtype, row_scales)
         flops, label = 2.0 * m * n * k, f"{m}x{n}x{k}"
         calls = runners(kernels, dtype)
         times = {name: [] for name in calls}
@@ -220,6 +227,8 @@ def parse_args(argv=None):
                    [_shape(x) for x in s.split(",") if x],
                    default=list(DEFAULT_SHAPES), help="comma list of MxNxK, or 'models' (MODEL_SHAPES)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--scales", choices=("tensor", "row"), default="tensor",
+                   help="fp8: one scale per operand, or per row of A and column of B (row-wise)")
     p.add_argument("--json", metavar="FILE", help="also write every measurement here")
     p.add_argument("--rounds", type=int, default=3, help="timings per runner and shape, order rotated")
     p.add_argument("--warmup", type=int, default=10)
@@ -256,12 +265,14 @@ def main(argv=None) -> int:
                                    "rows": rows})
         return 0
     rows = sweep(args.shapes, args.kernels, DTYPES[args.dtype], rounds=args.rounds, warmup=args.warmup,
-                 repeats=args.repeats, max_call_s=args.max_call_s, timer=measure if args.eager else measure_gpu)
+                 repeats=args.repeats, max_call_s=args.max_call_s, timer=measure if args.eager else measure_gpu,
+                 row_scales=args.scales == "row")
     print()
     print(table(rows, args.kernels, peers(DTYPES[args.dtype])))
     print(summary(rows, args.kernels, peers(DTYPES[args.dtype])))
     if args.json:
-        write_json(args.json, {"setting": {"dtype": args.dtype, "layout": "row-major A and B"},
+        layout = "row-major A, column-major B" if args.dtype == "fp8" else "row-major A and B"
+        write_json(args.json, {"setting": {"dtype": args.dtype, "layout": layout, "scales": args.scales},
                                "rows": rows})
     return 0
 
