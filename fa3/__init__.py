@@ -7,9 +7,11 @@
                          causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
                          return_lse=False, kernel=None, deterministic=False,
                          backward_kernel=None, block_table=None, seqused_k=None, out=None,
-                         num_splits=0, scheduler_metadata=None, sinks=None)
-                                packed variable-length batches (differentiable), or packed
-                                queries over a (paged) KV cache (block_table/seqused_k)
+                         num_splits=0, scheduler_metadata=None, sinks=None, q_descale=None,
+                         k_descale=None, v_descale=None)
+                                packed variable-length batches (differentiable; FP8 with
+                                descales), or packed queries over a (paged) KV cache
+                                (block_table/seqused_k)
     fa3.attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=..,
                                block_table=None, cu_seqlens_q=None, max_seqlen_q=None,
                                causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
@@ -27,6 +29,8 @@
                                             rank holding a shard (fa3.context_parallel.shard),
                                             optionally of packed documents (cu_seqlens)
     fa3.gemm(a, b, out=None, kernel=None)              any 2-D pair a @ b takes; differentiable
+    fa3.gemm(a8, b8, scale_a=, scale_b=, out_dtype=)   FP8 e4m3, as torch._scaled_mm (per tensor
+                                                        or row-wise scales; forward only)
     fa3.flash_attn_func, fa3.flash_attn_varlen_func, fa3.flash_attn_with_kvcache
                                             flash-attn's names and signatures (fa3.flash_compat)
     fa3.available_kernels(family=None, head_dim=None)   "attention", "attention_fp8", "backward",
