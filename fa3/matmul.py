@@ -22,6 +22,11 @@ K_TILE_BYTES = 128  # a K tile's row, as kernels/gemm.py sizes it: 64 16-bit or 
 # and 39.7 us with 128x256; 512x4096x4096 28.0 us with 64x256 and 41.0 us with 128x256.
 PERSISTENT_TILES = ((128, 256), (64, 256), (64, 128), (64, 64))
 _FILL = 0.9
+# FP8 splits K only below a quarter of the SMs: with half the bytes per tile, the partials' round
+# trip costs more than idle SMs do. H100, graph replays, 64 tiles of 64x64 (48% of the SMs):
+# unsplit 5.9 / 5.9 / 6.3 / 24.3 us at 1x4096x4096, 16x4096x4096, 64x4096x4096, 64x4096x14336,
+# split in 2 7.5 / 7.3 / 8.0 / 26.4 (torch._scaled_mm 6.2 / 5.9 / 6.9 / 24.0). Fewer tiles: untimed.
+_FP8_SPLIT_FILL = 0.25
 MAX_SPLITS = 8
 MIN_SPLIT_K_TILES = 4
 
@@ -116,18 +121,19 @@ def a_box_rows(m: int, a_layout: str) -> tuple:
     return (("a_rows", 8 if m <= 8 else 16 if m <= 16 else 32),)
 
 
-def k_splits(m: int, n: int, k: int, sm_count: int, tile_k: int = 64) -> int:
+def k_splits(m: int, n: int, k: int, sm_count: int, tile_k: int = 64, fp8: bool = False) -> int:
     """Split-K count of the persistent rung: when even its smallest tiles leave SMs idle (a short
     wide output: decode-time projections, M = 1..64 against N = 4096), the K range is split so that
     tiles x splits fills them, each split keeping >= MIN_SPLIT_K_TILES K tiles (the partials'
-    round trip through L2 must stay small beside the split's loads). No split is empty."""
-    return _split_count(_tiles(m, n, *_tile_shape(m, n, sm_count)), k, sm_count, tile_k)
+    round trip through L2 must stay small beside the split's loads). No split is empty. FP8 splits
+    only below a quarter of the SMs (_FP8_SPLIT_FILL)."""
+    return _split_count(_tiles(m, n, *_tile_shape(m, n, sm_count)), k, sm_count, tile_k, fp8)
 
 
-def _split_count(tiles: int, k: int, sm_count: int, tile_k: int) -> int:
+def _split_count(tiles: int, k: int, sm_count: int, tile_k: int, fp8: bool = False) -> int:
     """k_splits for an output of `tiles` tiles (the host path has them already)."""
     k_tiles = -(-k // tile_k)
-    if tiles >= _FILL * sm_count:
+    if tiles >= (_FP8_SPLIT_FILL if fp8 else _FILL) * sm_count:
         return 1
     splits = max(1, min(sm_count // tiles, k_tiles // MIN_SPLIT_K_TILES, MAX_SPLITS))
     per_split = -(-k_tiles // splits)
@@ -241,7 +247,8 @@ def launch_gemm(spec, a, b, out=None, scales=None, out_dtype=None):
         tile_m, tile_n = _tile_shape(m, n, sm_count)
         tiles = tile_overrides(tile_m, tile_n) + a_box_rows(m, a_layout)
         output_tiles = _tiles(m, n, tile_m, tile_n)
-        splits = _split_count(output_tiles, k, sm_count, K_TILE_BYTES // a.element_size())
+        splits = _split_count(output_tiles, k, sm_count, K_TILE_BYTES // a.element_size(),
+                              fp8=a.element_size() == 1)
         if splits > 1:
             workspace = torch.empty(output_tiles * splits * tile_m * tile_n, dtype=torch.float32,
                                     device=a.device)
