@@ -81,8 +81,8 @@ class GemmBase:
                  mWorkspace: cute.Tensor, mCounters: cute.Tensor, splits: Int32,
                  mScaleA: cute.Tensor, mScaleB: cute.Tensor, stream):
         """mWorkspace (FP32), mCounters (int32, zero) and splits: split-K (PersistentGemm; the
-        staged rungs take splits = 1 and ignore the buffers). mScaleA/B: FP8's per-tensor scales
-        (FP32, element 0 read); 16-bit rungs ignore them."""
+        staged rungs take splits = 1 and ignore the buffers). mScaleA/B: FP8's scales (FP32:
+        element 0, or per row of A / column of B with `row_scales`); 16-bit rungs ignore them."""
         mB = tma.transpose(mB)  # (K, N) -> (N, K)
         a_mn, b_mn = _mn_major(mA), _mn_major(mB)
         assert not (self.scaled and (a_mn or b_mn)), "FP8 WGMMA reads K-major operands only"
@@ -197,7 +197,6 @@ class GemmBase:
             scale = scales[0][0] * scales[1][0]
         epilogue.store_tile(acc, tiled_mma, mma_tidx, sC, tma_c, gC, self.epi_tile, barrier,
                             is_store_warp, store_pipe, scale)
-
 
     @cute.jit
     def scale_rows_cols(self, acc, tiled_mma, mma_tidx, scales, tile_mn):
