@@ -5,9 +5,12 @@
         prints ptxas' registers and spills and which of the rung's promised PTX instructions appear.
         FP8 rungs (f1) take e4m3 q/k/v; --dtype is then their output's type.
     python -m fa3 compile --warm-cache --kernel NAME|all [--head-dim 128] [--causal] [--dtype bf16]
+                          [--fp8]
         Compiles into the disk compile cache instead (FA3_CACHE_DIR, default ~/.cache/fa3; no GPU
         needed), skipping what is there, so that a deployment's first calls load in milliseconds.
-        GEMM rungs are compiled for every operand layout.
+        GEMM rungs are compiled for every operand layout (--fp8: the FP8 GEMM, C in --dtype); the
+        KV-cache rung dense, paged and with row gathers, each also for packed queries; FP8
+        attention also for packed batches (cache_configs).
     python -m fa3 demo
         On a Hopper GPU: fa3.attention (fastest rung) on batch 2, seqlen 4096, 16 heads, head_dim 128,
         bf16, causal and not; error against torch SDPA and TFLOP/s. Without one: compiles every
@@ -62,9 +65,10 @@ def static_args(spec: registry.KernelSpec, head_dim: int, causal: bool) -> dict:
     return {}
 
 
-def describe(spec: registry.KernelSpec, dtype: torch.dtype, head_dim: int, causal: bool) -> str:
+def describe(spec: registry.KernelSpec, dtype: torch.dtype, head_dim: int, causal: bool,
+             fp8: bool = False) -> str:
     dt = next(k for k, v in DTYPES.items() if v == dtype)
-    if spec.family == registry.ATTENTION_FP8:  # q, k, v e4m3; dtype is the output's
+    if fp8 or spec.family == registry.ATTENTION_FP8:  # e4m3 inputs; dtype is the output's
         dt = f"e4m3->{dt}"
     if spec.family in HEAD_DIM_FAMILIES:
         return f"{spec.name} d{head_dim} {'causal' if causal else 'non-causal'} {dt}"
@@ -174,15 +178,26 @@ def cmd_compile(args) -> int:
     return 1 if failures else 0
 
 
-def cache_configs(spec: registry.KernelSpec, head_dim: int, causal: bool) -> list[dict]:
+def cache_configs(spec: registry.KernelSpec, head_dim: int, causal: bool, fp8: bool = False,
+                  dtype: torch.dtype = torch.bfloat16) -> list[dict]:
     """The static configurations --warm-cache compiles for a rung: attention at --head-dim and
-    --causal (the backward also in its deterministic and GQA variants); GEMM with every operand
-    layout (row-major and transposed a and b)."""
-    if spec.family in (registry.ATTENTION, registry.ATTENTION_FP8):
+    --causal (FP8 also packed, the serving prefill; the backward also in its deterministic and GQA
+    variants); the KV-cache rung dense and paged, with row gathers (pages of 16 or 1), each with
+    (batch, seqlen_q) and packed queries; GEMM with every operand layout (row-major and transposed
+    a and b), or (`fp8`) e4m3 K-major operands with C in `dtype`, per-tensor and row-wise scales."""
+    if spec.family == registry.ATTENTION:
         return [{"head_dim": head_dim, "causal": causal}]
+    if spec.family == registry.ATTENTION_FP8:
+        return [{"head_dim": head_dim, "causal": causal, "varlen": varlen} for varlen in (False, True)]
     if spec.family == registry.BACKWARD:
         return [{"head_dim": head_dim, "causal": causal, "deterministic": det, "gqa": gqa}
                 for det in (False, True) for gqa in (False, True)]
+    if spec.family == registry.KVCACHE:
+        return [{"head_dim": head_dim, "causal": causal, "paged": paged, "gather": gather, "varlen": varlen}
+                for paged, gather in ((False, False), (True, False), (True, True)) for varlen in (False, True)]
+    if fp8:
+        return [{"a_layout": "row", "b_layout": "col", "out_dtype": dtype, "row_scales": rows}
+                for rows in (False, True)]
     return [{"a_layout": a, "b_layout": b} for a in _compile.GEMM_LAYOUTS for b in _compile.GEMM_LAYOUTS]
 
 
@@ -200,13 +215,18 @@ def cmd_warm_cache(args) -> int:
     print(f"compile cache: {root} ({_dsl.TARGET_ARCH})", flush=True)
     failures = 0
     for spec in specs:
-        for static in cache_configs(spec, args.head_dim, args.causal):
-            label = describe(spec, dtype, args.head_dim, args.causal)
+        fp8_gemm = args.fp8 and spec.family == registry.GEMM
+        for static in cache_configs(spec, args.head_dim, args.causal, args.fp8, dtype):
+            label = describe(spec, dtype, args.head_dim, args.causal, fp8_gemm)
             if spec.family == registry.GEMM:
                 label += f" a {static['a_layout']} b {static['b_layout']}"
+                label += " row-wise" if static.get("row_scales") else ""
+            else:
+                label += "".join(f" {k}" for k in ("varlen", "paged", "gather") if static.get(k))
             start = time.perf_counter()
             try:
-                path, compiled = _compile.fill_disk_cache(spec, dtype, **static)
+                path, compiled = _compile.fill_disk_cache(spec, torch.float8_e4m3fn if fp8_gemm else dtype,
+                                                          **static)
             except Exception as exc:  # report and go on
                 print(f"{label}: compile FAILED: {type(exc).__name__}: {exc}", flush=True)
                 failures += 1
@@ -294,6 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
                            f"{', '.join(map(str, registry.HEAD_DIMS))})")
     comp.add_argument("--causal", action="store_true", help="attention rungs: causal mask")
     comp.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    comp.add_argument("--fp8", action="store_true",
+                      help="with --warm-cache, GEMM rungs: the FP8 GEMM (e4m3 operands, C in --dtype)")
     comp.add_argument("--out", help="folder for NAME.ptx and NAME.cubin")
     comp.add_argument("--warm-cache", action="store_true",
                       help="compile into the disk compile cache (FA3_CACHE_DIR, default ~/.cache/fa3) "

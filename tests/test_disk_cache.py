@@ -306,3 +306,27 @@ def test_cli_warm_cache(cache_dir, capsys):
 def test_cli_compile_needs_out_or_warm_cache(capsys):
     assert cli.main(["compile", "--kernel", "k1"]) == 2
     assert "--out" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_warm_cache_configs_fit_every_family(fp8):
+    """Every static configuration --warm-cache asks for is one the family's key and builder take
+    (the KV-cache rung once got the GEMM's operand layouts), without compiling."""
+    import inspect
+
+    for name in registry.available_kernels():
+        spec = registry.get(name)
+        head_dim = 128 if 128 in spec.head_dims or not spec.head_dims else spec.head_dims[0]
+        dtype = torch.float8_e4m3fn if fp8 and spec.family == registry.GEMM else BF16
+        configs = cli.cache_configs(spec, head_dim, True, fp8, BF16)
+        assert configs, name
+        for static in configs:
+            _compile.KEYS[spec.family](spec, dtype, **static)
+            inspect.signature(_compile.BUILDERS[spec.family]).bind(spec, dtype, **static)
+
+
+def test_cli_warm_cache_kvcache_rung(cache_dir, capsys):
+    """The KV-cache rung warms dense, paged and gathered kernels, with and without packed queries."""
+    assert cli.main(["compile", "--warm-cache", "--kernel", "s1", "--head-dim", "64"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("compiled in") == 6 and "FAILED" not in out
