@@ -157,19 +157,25 @@ def check_rung_sinks(spec, sinks, heads_q: int, device) -> None:
         _dispatch.check_sinks(spec, "kernel")
 
 
+def check_scale_tensor(t, name: str, forms: str, device, owner: str) -> None:
+    """An FP8 scale or descale argument given (not None): a float32 tensor on `owner`'s `device`;
+    `forms` names the shapes it may take, for the message."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor (float32, {forms}) or None, got {type(t).__name__}")
+    if t.dtype != torch.float32:
+        raise TypeError(f"{name} has dtype {t.dtype}; scales and descales are torch.float32: {name}.float()")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but {owner} is on {device}; put it on {owner}'s device")
+
+
 def check_descale(t, name: str, batch: int, heads_kv: int, device) -> torch.Tensor:
     """An FP8 descale as the kernel takes it: float32 (batch, heads_kv) contiguous on `device`, from
     None (1), a 0-d or one-element tensor (broadcast), or a (batch, heads_kv) tensor (flash-attn's
     FA3 interface)."""
     if t is None:
         return torch.ones(batch, heads_kv, dtype=torch.float32, device=device)
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor (float32, shape (batch, heads_kv) = "
-                        f"({batch}, {heads_kv}), or one element) or None, got {type(t).__name__}")
-    if t.dtype != torch.float32:
-        raise TypeError(f"{name} has dtype {t.dtype}; descales are torch.float32: {name}.float()")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device} but q is on {device}; put it on q's device")
+    check_scale_tensor(t, name, f"shape (batch, heads_kv) = ({batch}, {heads_kv}), or one element",
+                       device, "q")
     if t.numel() == 1 and t.dim() <= 2:
         return t.reshape(1, 1).expand(batch, heads_kv).contiguous()
     if tuple(t.shape) != (batch, heads_kv):

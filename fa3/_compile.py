@@ -2,9 +2,9 @@
 
 Kernels are compiled against *fake* tensors whose batch, seqlen, heads and strides are symbolic
 (`cute.sym_int64`; each family's list: fa3._signatures), with the TVM-FFI calling convention: the
-compiled object is then called with
-plain torch tensors, checks them in compiled code, and launches on torch's current stream. A new
-shape never recompiles; a new dtype, head dim, causal flag or rung does (it is in the key).
+compiled object is then called with plain torch tensors, checks them in compiled code, and
+launches on torch's current stream. A new shape never recompiles; a new dtype, head dim, causal
+flag or rung does (it is in the key).
 
 Without a GPU (CI), compiles target sm_90a: the DSL is imported through fa3._dsl, which pins the
 architecture first (nothing in fa3 imports cutlass at module import time).

@@ -89,7 +89,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
     sequence's keys, cu_seqlens_k None, out= a preallocated output, num_splits (0: planned from
     shapes), scheduler_metadata (fa3.get_scheduler_metadata), return_softmax_lse -> (out, lse).
     FP8 descales: with float8_e4m3fn q, k, v (packed, no cache), fa3's FP8 forward; with 16-bit
-    inputs they are not read, as in flash-attn; s_aux (vLLM's name) or learnable_sink (flash-attn-4's): attention sinks, fa3's `sinks`."""
+    inputs they are not read, as in flash-attn. s_aux (vLLM's name) or learnable_sink
+    (flash-attn-4's): attention sinks, fa3's `sinks`."""
     _check_common(dropout_p, alibi_slopes, return_attn_probs)
     descales = _descales(q, q_descale, k_descale, v_descale)
     _refuse("fa_version", fa_version, None if fa_version is None else 3, "fa3 is FlashAttention-3")

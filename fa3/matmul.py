@@ -310,13 +310,7 @@ def _scale(t, name: str, extent: int, shape: tuple, device) -> torch.Tensor:
     row-wise scaling; 1-D (extent,) too) -> (extent,) contiguous."""
     if t is None:
         return _ones(device)
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.float32 tensor of one element or of shape {shape}, or "
-                        f"None, got {type(t).__name__}")
-    if t.dtype != torch.float32:
-        raise TypeError(f"{name} has dtype {t.dtype}; scales are torch.float32: {name}.float()")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device} but a is on {device}; put it on a's device")
+    _checks.check_scale_tensor(t, name, f"one element or shape {shape}", device, "a")
     if t.numel() == 1 and t.dim() <= 2:
         return t.reshape(1)
     if tuple(t.shape) not in (shape, (extent,)):

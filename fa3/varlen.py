@@ -145,27 +145,19 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None
     capture and torch.compile, where the kernel clamps), so the call captures in a CUDA graph at
     fixed shapes. Inference only.
 
-    FP8: float8_e4m3fn q, k, v with q/k/v_descale float32 (batch, heads_kv) (or one element), as
-    fa3.attention's FP8 forward (forward only; output bf16 or out='s dtype; no KV cache yet).
+    FP8: float8_e4m3fn q, k, v with q/k/v_descale float32 (sequences, heads_kv) (or one element),
+    as fa3.attention's FP8 forward (forward only; output bf16 or out='s dtype; no KV cache yet).
 
     Without a cache: differentiable in q, k and v, as fa3.attention (the backward rungs compile
     packed batches too). The offsets are checked on the host (one small copy) except while a CUDA
     graph is captured or torch.compile traces; the kernels themselves need no host sync.
     """
-    if fp8.is_fp8_call(q, q_descale, k_descale, v_descale):
-        if block_table is not None or seqused_k is not None:
+    fp8_call = fp8.is_fp8_call(q, q_descale, k_descale, v_descale)
+    if block_table is not None or seqused_k is not None:
+        if fp8_call:
             raise NotImplementedError("FP8 inputs over a KV cache (block_table/seqused_k) are not supported "
                                       "yet: keep the cache in bfloat16 (fa3.dequantize_fp8), or pass "
                                       "packed FP8 k and v with cu_seqlens_k")
-        if cu_seqlens_k is None:
-            raise ValueError("cu_seqlens_k is required (int32 (batch + 1,) offsets of k and v)")
-        kvcache.check_scheduler_metadata(scheduler_metadata, q)
-        return fp8.attention_fp8(q, k, v, q_descale, k_descale, v_descale, causal=causal,
-                                 softmax_scale=softmax_scale, window=window_size, softcap=softcap,
-                                 return_lse=return_lse, kernel=kernel, out=out, sinks=sinks,
-                                 cu_seqlens=(cu_seqlens_q, cu_seqlens_k),
-                                 max_seqlens=(max_seqlen_q, max_seqlen_k))
-    if block_table is not None or seqused_k is not None:
         if cu_seqlens_k is not None:
             raise ValueError("cu_seqlens_k must be None with block_table/seqused_k: the keys of entry b "
                              "are the first seqused_k[b] positions of its cache (flash-attn's convention)")
@@ -181,6 +173,12 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None
         raise ValueError("cu_seqlens_k is required (int32 (batch + 1,) offsets of k and v), unless k and v "
                          "are a KV cache read through seqused_k (and block_table)")
     kvcache.check_scheduler_metadata(scheduler_metadata, q)  # (no split plan without a cache)
+    if fp8_call:
+        return fp8.attention_fp8(q, k, v, q_descale, k_descale, v_descale, causal=causal,
+                                 softmax_scale=softmax_scale, window=window_size, softcap=softcap,
+                                 return_lse=return_lse, kernel=kernel, out=out, sinks=sinks,
+                                 cu_seqlens=(cu_seqlens_q, cu_seqlens_k),
+                                 max_seqlens=(max_seqlen_q, max_seqlen_k))
     out, lse = packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                 softmax_scale, window_size, softcap, kernel, deterministic=deterministic,
                                 backward_kernel=backward_kernel, out=out, sinks=sinks)
