@@ -9,8 +9,8 @@
         Compiles into the disk compile cache instead (FA3_CACHE_DIR, default ~/.cache/fa3; no GPU
         needed), skipping what is there, so that a deployment's first calls load in milliseconds.
         GEMM rungs are compiled for every operand layout (--fp8: the FP8 GEMM, C in --dtype); the
-        KV-cache rung dense, paged and with row gathers, each also for packed queries; FP8
-        attention also for packed batches (cache_configs).
+        KV-cache rung dense, paged and with row gathers, each also for packed queries (--fp8: on
+        an FP8 cache, O in --dtype); FP8 attention also for packed batches (cache_configs).
     python -m fa3 demo
         On a Hopper GPU: fa3.attention (fastest rung) on batch 2, seqlen 4096, 16 heads, head_dim 128,
         bf16, causal and not; error against torch SDPA and TFLOP/s. Without one: compiles every
@@ -183,8 +183,9 @@ def cache_configs(spec: registry.KernelSpec, head_dim: int, causal: bool, fp8: b
     """The static configurations --warm-cache compiles for a rung: attention at --head-dim and
     --causal (FP8 also packed, the serving prefill; the backward also in its deterministic and GQA
     variants); the KV-cache rung dense and paged, with row gathers (pages of 16 or 1), each with
-    (batch, seqlen_q) and packed queries; GEMM with every operand layout (row-major and transposed
-    a and b), or (`fp8`) e4m3 K-major operands with C in `dtype`, per-tensor and row-wise scales."""
+    (batch, seqlen_q) and packed queries (`fp8`: on an FP8 cache, O in `dtype`); GEMM with every
+    operand layout (row-major and transposed a and b), or (`fp8`) e4m3 K-major operands with C in
+    `dtype`, per-tensor and row-wise scales."""
     if spec.family == registry.ATTENTION:
         return [{"head_dim": head_dim, "causal": causal}]
     if spec.family == registry.ATTENTION_FP8:
@@ -193,7 +194,8 @@ def cache_configs(spec: registry.KernelSpec, head_dim: int, causal: bool, fp8: b
         return [{"head_dim": head_dim, "causal": causal, "deterministic": det, "gqa": gqa}
                 for det in (False, True) for gqa in (False, True)]
     if spec.family == registry.KVCACHE:
-        return [{"head_dim": head_dim, "causal": causal, "paged": paged, "gather": gather, "varlen": varlen}
+        out = {"out_dtype": dtype} if fp8 else {}
+        return [{"head_dim": head_dim, "causal": causal, "paged": paged, "gather": gather, "varlen": varlen, **out}
                 for paged, gather in ((False, False), (True, False), (True, True)) for varlen in (False, True)]
     if fp8:
         return [{"a_layout": "row", "b_layout": "col", "out_dtype": dtype, "row_scales": rows}
@@ -215,9 +217,9 @@ def cmd_warm_cache(args) -> int:
     print(f"compile cache: {root} ({_dsl.TARGET_ARCH})", flush=True)
     failures = 0
     for spec in specs:
-        fp8_gemm = args.fp8 and spec.family == registry.GEMM
+        fp8_inputs = args.fp8 and spec.family in (registry.GEMM, registry.KVCACHE)  # e4m3 in, dtype out
         for static in cache_configs(spec, args.head_dim, args.causal, args.fp8, dtype):
-            label = describe(spec, dtype, args.head_dim, args.causal, fp8_gemm)
+            label = describe(spec, dtype, args.head_dim, args.causal, fp8_inputs)
             if spec.family == registry.GEMM:
                 label += f" a {static['a_layout']} b {static['b_layout']}"
                 label += " row-wise" if static.get("row_scales") else ""
@@ -225,7 +227,7 @@ def cmd_warm_cache(args) -> int:
                 label += "".join(f" {k}" for k in ("varlen", "paged", "gather") if static.get(k))
             start = time.perf_counter()
             try:
-                path, compiled = _compile.fill_disk_cache(spec, torch.float8_e4m3fn if fp8_gemm else dtype,
+                path, compiled = _compile.fill_disk_cache(spec, torch.float8_e4m3fn if fp8_inputs else dtype,
                                                           **static)
             except Exception as exc:  # report and go on
                 print(f"{label}: compile FAILED: {type(exc).__name__}: {exc}", flush=True)

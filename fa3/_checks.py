@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import torch
 
@@ -91,6 +92,22 @@ def check_output(out, name: str, like) -> None:
     if not out.is_contiguous() or (not _dispatch.tracing() and out.data_ptr() % 16):
         raise ValueError(f"{name} must be contiguous and 16-byte aligned; allocate it with "
                          "torch.empty_like(..., memory_format=torch.contiguous_format)")
+
+
+class OutputSpec(NamedTuple):
+    """What check_output compares `out` with, where no tensor of the output's kind exists."""
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+
+
+def check_fp8_output(out, q) -> None:
+    """A preallocated output of an FP8 call: shaped like q on its device, in bf16 or fp16 (the
+    output's type)."""
+    if not isinstance(out, torch.Tensor) or out.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"out must be a torch.bfloat16 or torch.float16 tensor for FP8 inputs (the "
+                        f"output's type), got {getattr(out, 'dtype', type(out).__name__)}")
+    check_output(out, "out", OutputSpec(q.shape, out.dtype, q.device))
 
 
 def output_like(q, v):

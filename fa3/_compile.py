@@ -240,41 +240,48 @@ def get_gemm(spec, dtype, a_layout, b_layout, tiles: tuple = (), out_dtype=None,
 
 # ----------------------------------------------------------------------------- KV cache (S1)
 def kvcache_key(spec, dtype, head_dim, causal, paged=False, local=False, softcap=False, gather=False,
-                varlen=False, leftpad=False, sinks=False) -> tuple:
+                varlen=False, leftpad=False, sinks=False, out_dtype=None) -> tuple:
     variant = (bool(local), bool(softcap), bool(sinks))
     layout = (bool(gather), bool(varlen), bool(leftpad))  # row gathers, packed queries, left padding
+    out = (("out", str(out_dtype)),) if out_dtype not in (None, dtype) else ()
     return (spec.name, str(dtype), head_dim, bool(causal), bool(paged), *((variant,) if any(variant) else ()),
-            *((("gather_varlen_leftpad",) + layout,) if any(layout) else ()),
+            *((("gather_varlen_leftpad",) + layout,) if any(layout) else ()), *out,
             tuple(sorted(spec.config_for(head_dim).items())), _dsl.TARGET_ARCH, _dsl.version())
 
 
 def _build_kvcache(spec, dtype, head_dim, causal, paged=False, local=False, softcap=False, gather=False,
-                   varlen=False, leftpad=False, sinks=False, extra_options=""):
-    kernel = spec.load_class()(dtype=sig.cute_dtype(dtype), head_dim=head_dim, causal=causal, paged=paged,
-                               local=local, softcap=softcap, gather=gather, varlen=varlen, leftpad=leftpad,
-                               sinks=sinks, **spec.config_for(head_dim))
-    return _compile_kernel(kernel, sig.kvcache_args(dtype, head_dim), extra_options)
+                   varlen=False, leftpad=False, sinks=False, out_dtype=None, extra_options=""):
+    # an FP8 cache (and q): dequantized in SMEM to fp16 for the GEMMs, O in out_dtype (bf16 default)
+    fp8 = dtype == torch.float8_e4m3fn
+    out_dtype = out_dtype or (torch.bfloat16 if fp8 else dtype)
+    kernel = spec.load_class()(dtype=sig.cute_dtype(torch.float16 if fp8 else dtype), head_dim=head_dim,
+                               causal=causal, paged=paged, local=local, softcap=softcap, gather=gather,
+                               varlen=varlen, leftpad=leftpad, sinks=sinks, fp8=fp8,
+                               out_dtype=sig.cute_dtype(out_dtype), **spec.config_for(head_dim))
+    return _compile_kernel(kernel, sig.kvcache_args(dtype, head_dim, out_dtype), extra_options)
 
 
 def get_kvcache(spec, dtype, head_dim, causal, paged, local=False, softcap=False, gather=False,
-                varlen=False, leftpad=False, sinks=False):
+                varlen=False, leftpad=False, sinks=False, out_dtype=None):
     """The compiled KV-cache kernel: paged (gather: pages that do not hold whole key blocks) or
     dense (leftpad: keys from cache_leftpad on), packed queries (varlen) or (batch, seqlen_q) ones,
-    with or without attention sinks."""
+    with or without attention sinks; `dtype` q's and the cache's (float8_e4m3fn: an FP8 cache,
+    O in out_dtype)."""
     fast_key = ("kvcache", spec.name, dtype, head_dim, causal, paged, local, softcap, gather, varlen, leftpad,
-                sinks)
+                sinks, out_dtype)
     fn = _FAST.get(fast_key)
     if fn is None:
         fn = _FAST[fast_key] = _cached(
-            kvcache_key(spec, dtype, head_dim, causal, paged, local, softcap, gather, varlen, leftpad, sinks),
+            kvcache_key(spec, dtype, head_dim, causal, paged, local, softcap, gather, varlen, leftpad, sinks,
+                        out_dtype),
             lambda: _build_kvcache(spec, dtype, head_dim, causal, paged, local, softcap, gather, varlen,
-                                   leftpad, sinks))
+                                   leftpad, sinks, out_dtype))
     return fn
 
 
 def _build_combine(dtype, head_dim, sinks=False, extra_options=""):
     cutlass, cute = _dsl.import_cute()
-    from .kernels.decode import SplitKVCombine
+    from .kernels.combine import SplitKVCombine
 
     dt, f32 = sig.cute_dtype(dtype), cutlass.Float32
     b, sq, hq, splits = (cute.sym_int64() for _ in range(4))

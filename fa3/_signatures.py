@@ -133,25 +133,30 @@ def gemm_args(dtype, a_layout, b_layout, out_dtype=None):
             cutlass.Int32(132), workspace, counters, cutlass.Int32(1), *scales]
 
 
-def kvcache_args(dtype, head_dim):
+def kvcache_args(dtype, head_dim, out_dtype=None):
     """Fake (q, k_cache, v_cache, cache_seqlens, block_table, out, lse, out_partial, lse_partial,
     scale_log2, appended, window edges, softcap scale, cu_seqlens_q, max_seqlen_q, cache_leftpad,
-    sinks): see kernels/decode.py. The cache is (planes, rows, heads_kv, d), planes being batch
-    entries (dense) or pages (paged); every extent is dynamic (packed queries: q is (1, total_q,
-    heads_q, d) and cache_seqlens has its own extent)."""
+    sinks, q/k/v descales): see kernels/decode.py. The cache is (planes, rows, heads_kv, d), planes
+    being batch entries (dense) or pages (paged); every extent is dynamic (packed queries: q is (1,
+    total_q, heads_q, d) and cache_seqlens has its own extent). `dtype`: q's and the cache's; out
+    has out_dtype (default dtype); the descales are (batch, heads_kv) FP32 (1-element stand-ins
+    unless FP8)."""
     cutlass, cute = _dsl.import_cute()
     dt, f32, i32 = cute_dtype(dtype), cutlass.Float32, cutlass.Int32
+    out = cute_dtype(out_dtype or dtype)
     b, sq, hq, hkv, rows, planes, pages, splits = (cute.sym_int64() for _ in range(8))
     # the block table, the partials, the lengths and the query offsets have extents of their own:
     # 1-element stand-ins when unused
     b_table, b_part, sq_part, hq_part, b_lens, b_cu, b_pad = (cute.sym_int64() for _ in range(7))
     cache = lambda: unit_last(cute, dt, planes, rows, hkv, head_dim, tma=True)
-    return [unit_last(cute, dt, b, sq, hq, head_dim, align=2), cache(), cache(),
+    descale = lambda: unit_last(cute, f32, cute.sym_int64(), cute.sym_int64())
+    return [unit_last(cute, dt, b, sq, hq, head_dim, align=dt.width // 8), cache(), cache(),
             fake_tensor(cute, i32, (b_lens,), (1,), align=4), unit_last(cute, i32, b_table, pages),
-            unit_last(cute, dt, b, sq, hq, head_dim, align=2), unit_last(cute, f32, b, hq, sq),
+            unit_last(cute, out, b, sq, hq, head_dim, align=2), unit_last(cute, f32, b, hq, sq),
             unit_last(cute, f32, splits, b_part, sq_part, hq_part, head_dim),
             unit_last(cute, f32, splits, b_part, hq_part, sq_part), f32(1.0), i32(0),
             i32(0), i32(0), f32(1.0),  # (appended,) window edges, softcap scale
             fake_tensor(cute, i32, (b_cu,), (1,), align=4), i32(1),  # cu_seqlens_q, max_seqlen_q
             fake_tensor(cute, i32, (b_pad,), (1,), align=4),  # cache_leftpad
-            fake_tensor(cute, f32, (cute.sym_int64(),), (1,), align=4)]  # sinks (or a stand-in)
+            fake_tensor(cute, f32, (cute.sym_int64(),), (1,), align=4),  # sinks (or a stand-in)
+            descale(), descale(), descale()]

@@ -18,7 +18,8 @@ import torch
 
 from . import _checks
 from .interface import attention
-from .kvcache import attention_with_kvcache, check_scheduler_metadata
+from .kvcache import attention_with_kvcache
+from .split_plan import check_scheduler_metadata
 from .varlen import attention_varlen
 
 
@@ -114,8 +115,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     cache_seqlens, then q attends to each sequence's cache -> out, or (out, softmax_lse).
     cache_leftpad: where each sequence's keys start in a left-padded dense cache. flash-attn 3's
     keywords too (SGLang's call): page_table (= block_table), cu_seqlens_q and max_seqlen_q (packed
-    queries, several per sequence), scheduler_metadata, FP8 descales (not read with 16-bit inputs;
-    FP8 caches are refused), sinks
+    queries, several per sequence), scheduler_metadata, FP8 descales (an FP8 cache: float8_e4m3fn q,
+    k_cache, v_cache; not read with 16-bit inputs), sinks
     (SGLang's name) or learnable_sink (flash-attn-4's): attention sinks, fa3's `sinks`."""
     for name, value in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
                         ("cache_batch_idx", cache_batch_idx), ("alibi_slopes", alibi_slopes),
@@ -124,9 +125,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             raise NotImplementedError(f"{name} is not supported by fa3's flash_attn_with_kvcache; leave it "
                                       f"at None (apply rotary embeddings to q and k before the call)")
     del rotary_interleaved  # only meaningful with rotary_cos/sin
-    if _descales(q, q_descale, k_descale, v_descale):
-        raise NotImplementedError("FP8 KV caches are not supported yet by fa3's flash_attn_with_kvcache: "
-                                  "keep the cache, q, k and v in bfloat16 or float16")
     if page_table is not None:
         if block_table is not None:
             raise ValueError("pass block_table or page_table (the same argument), not both")
@@ -140,4 +138,5 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                   max_seqlen_q=max_seqlen_q, cache_leftpad=cache_leftpad, causal=causal,
                                   softmax_scale=softmax_scale,
                                   window_size=window_size, softcap=softcap, num_splits=num_splits,
-                                  return_lse=return_softmax_lse, sinks=_sinks(sinks=sinks, learnable_sink=learnable_sink))
+                                  return_lse=return_softmax_lse, sinks=_sinks(sinks=sinks, learnable_sink=learnable_sink),
+                                  **_descales(q, q_descale, k_descale, v_descale))

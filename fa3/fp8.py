@@ -142,18 +142,8 @@ def check_attention_fp8(q, k, v, q_descale, k_descale, v_descale, kernel, out=No
     descales = tuple(_checks.check_descale(t, name, batch, heads_kv, q.device) for t, name in
                      ((q_descale, "q_descale"), (k_descale, "k_descale"), (v_descale, "v_descale")))
     if out is not None:
-        if not isinstance(out, torch.Tensor) or out.dtype not in _checks.SUPPORTED_DTYPES:
-            raise TypeError(f"out must be a torch.bfloat16 or torch.float16 tensor for FP8 inputs (the "
-                            f"output's type), got {getattr(out, 'dtype', type(out).__name__)}")
-        _checks.check_output(out, "out", _Like(q.shape, out.dtype, q.device))
+        _checks.check_fp8_output(out, q)
     return spec, descales
-
-
-class _Like:
-    """What check_output compares `out` with: q's shape and device, the output dtype."""
-
-    def __init__(self, shape, dtype, device):
-        self.shape, self.dtype, self.device = shape, dtype, device
 
 
 def fp8_rung(kernel, head_dim):

@@ -8,7 +8,11 @@ with `block_table` (batch, max_pages) int32; new k/v are written into the cache 
 any lengths (a decode is a one-token entry; causal aligns each entry to the bottom right of its
 own keys). The kernel (kernels/decode.py) packs the query heads of each KV head into one tile and
 splits the key range across CTAs; `num_splits=0` picks the split count from shapes alone
-(`plan_splits`: no host sync, so CUDA graphs capture the call).
+(fa3.split_plan: no host sync, so CUDA graphs capture the call).
+
+An FP8 cache: q, k_cache and v_cache in float8_e4m3fn with q/k/v_descale (batch, heads_kv) float32
+(vLLM's and SGLang's call; one element for a whole tensor); the kernel dequantizes each K/V tile
+in SMEM, so the cache is read at one byte an element; out is bf16 (or out='s dtype).
 
 Eager calls check the values of cache_seqlens and block_table on the host (fa3.index_checks: one
 small copy); captured and traced calls cannot, and rely on clamping: the kernel clamps lengths to
@@ -22,12 +26,7 @@ import math
 import torch
 
 from . import _checks, _compile, _dispatch, _launch, index_checks, masking, registry
-
-# Pages of a multiple of the kernel's key block (tile_n = 64 rows) are read by TMA, one box per
-# block; any other page size by cp.async row gathers (kernels/common/paged.py).
-MAX_SPLITS = 64
-MIN_BLOCKS_PER_SPLIT = 4  # below this a split's fixed costs outweigh the keys it reads
-
+from .split_plan import plan_splits, reads_by_gather
 
 def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kernel, window_size, softcap,
                   cu_seqlens_q=None, max_seqlen_q=None, lengths_name="cache_seqlens", cache_leftpad=None):
@@ -36,9 +35,15 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kernel,
     tensor, capacity, new tokens, max_seqlen_q). Packed queries (cu_seqlens_q given): q is
     (total_q, heads_q, d) and max_seqlen_q defaults to total_q (a bound that needs no sync)."""
     packed = cu_seqlens_q is not None
-    _checks.check_tensor(q, "q", 3 if packed else 4)
-    _checks.check_tensor(k_cache, "k_cache", 4, q.dtype)
-    _checks.check_tensor(v_cache, "v_cache", 4, q.dtype)
+    dtypes = _checks.SUPPORTED_DTYPES
+    if getattr(q, "dtype", None) in _checks.FP8_LIKE or getattr(k_cache, "dtype", None) in _checks.FP8_LIKE:
+        dtypes = _checks.FP8_DTYPES  # an FP8 cache: q, k_cache and v_cache all e4m3
+        if isinstance(q, torch.Tensor) and q.dtype not in _checks.FP8_LIKE:
+            raise TypeError(f"k_cache has dtype {k_cache.dtype} but q has {q.dtype}: an FP8 cache takes FP8 "
+                            "queries (as FlashAttention-3): q8, q_descale = fa3.quantize_fp8(q)")
+    _checks.check_tensor(q, "q", 3 if packed else 4, dtypes=dtypes)
+    _checks.check_tensor(k_cache, "k_cache", 4, q.dtype, dtypes=dtypes)
+    _checks.check_tensor(v_cache, "v_cache", 4, q.dtype, dtypes=dtypes)
     if packed:
         (total_q, heads_q, head_dim), seqlen_q = q.shape, None
         _checks.check_offsets(cu_seqlens_q, "cu_seqlens_q", q.device)
@@ -89,8 +94,8 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kernel,
         if packed:
             raise NotImplementedError("new k/v with cu_seqlens_q (packed queries) are not supported by "
                                       "fa3: write the new tokens into the cache first, then attend")
-        _checks.check_tensor(k, "k", 4, q.dtype)
-        _checks.check_tensor(v, "v", 4, q.dtype)
+        _checks.check_tensor(k, "k", 4, q.dtype, dtypes=dtypes)
+        _checks.check_tensor(v, "v", 4, q.dtype, dtypes=dtypes)
         if k.shape != v.shape or k.shape[0] != batch or k.shape[2:] != (heads_kv, head_dim):
             raise ValueError(f"k and v must both be (batch={batch}, new_tokens, heads_kv={heads_kv}, "
                              f"head_dim={head_dim}), got {tuple(k.shape)} and {tuple(v.shape)}")
@@ -119,6 +124,18 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kernel,
     return spec, cache_seqlens, capacity, appended, seqlen_q if not packed else max_seqlen_q
 
 
+def check_descales(q, descales, batch: int, heads_kv: int):
+    """An FP8 cache's (q_descale, k_descale, v_descale) as the kernel takes them (float32 (batch,
+    heads_kv) each; None or one element broadcast); None for a 16-bit call, which takes none."""
+    if q.dtype not in _checks.FP8_DTYPES:
+        if any(t is not None for t in descales):
+            raise ValueError(f"q_descale, k_descale and v_descale apply to an FP8 cache (float8_e4m3fn q, "
+                             f"k_cache and v_cache); q has dtype {q.dtype}: drop the descales")
+        return None
+    return tuple(_checks.check_descale(t, name, batch, heads_kv, q.device)
+                 for t, name in zip(descales, ("q_descale", "k_descale", "v_descale")))
+
+
 def _seqlens_tensor(cache_seqlens, batch, device, capacity, appended, block_table, page_size,
                     name="cache_seqlens"):
     if cache_seqlens is None:
@@ -138,54 +155,6 @@ def _seqlens_tensor(cache_seqlens, batch, device, capacity, appended, block_tabl
     return cache_seqlens.contiguous()
 
 
-def num_splits_for(batch, heads_kv, q_tiles, capacity, sm_count, tile_n=64, ctas_per_sm=1) -> int:
-    """Splits of the key range so that batch x heads_kv x q_tiles x splits CTAs fill the SMs'
-    CTA slots (ctas_per_sm each: one for the TMA ring, which takes most of the SMEM), each split
-    keeping at least MIN_BLOCKS_PER_SPLIT key blocks of the cache's capacity. From shapes only: no
-    host sync."""
-    ctas, slots = batch * heads_kv * q_tiles, sm_count * ctas_per_sm
-    if ctas >= 0.8 * slots:
-        return 1
-    blocks = -(-capacity // tile_n)
-    # round down: one CTA past the slots would run alone in a second wave
-    return max(1, min(MAX_SPLITS, slots // ctas, blocks // MIN_BLOCKS_PER_SPLIT))
-
-
-SM_SMEM_BYTES = 233472  # shared memory of one sm_90 SM (228 KB); each resident CTA also reserves 1 KB
-CTA_SMEM_BYTES = 232448  # the most one CTA may use (227 KB; kernels/common/smem.py's SMEM_CAPACITY)
-
-
-def reads_by_gather(spec, page_size: int) -> bool:
-    """Pages that do not hold whole key blocks (tile_n rows) are read by cp.async row gathers, the
-    others by TMA, one box per block."""
-    return page_size % spec.config["tile_n"] != 0
-
-
-def _smem_plan(spec, head_dim: int, gather: bool) -> tuple[int, int, int]:
-    """(Q tile bytes, K+V bytes per stage, stages) of s1's SMEM (kernels/decode.py; a CPU test
-    holds the stages equal to the kernel's): the ring as deep as SMEM allows beside the Q tile and
-    1 KB of barriers, up to max_kv_stages; a gather keeps gather_kv_stages."""
-    cfg = spec.config_for(head_dim)
-    q_bytes, kv_bytes = cfg["tile_m"] * head_dim * 2, 2 * cfg["tile_n"] * head_dim * 2
-    stages = min(cfg["max_kv_stages"], (CTA_SMEM_BYTES - q_bytes - 1024) // kv_bytes)
-    return q_bytes, kv_bytes, min(stages, cfg["gather_kv_stages"]) if gather else stages
-
-
-def kv_stages(spec, head_dim: int, gather: bool) -> int:
-    """The K+V ring depth s1 compiles."""
-    return _smem_plan(spec, head_dim, gather)[2]
-
-
-def ctas_per_sm(spec, head_dim: int, gather: bool) -> int:
-    """How many s1 CTAs share an SM: the TMA ring fills one SM's SMEM (1); a row gather's short
-    ring leaves room for more (2 at d128), so that one CTA's copies, issued by its only
-    warpgroup, overlap another's math."""
-    if not gather:
-        return 1
-    q_bytes, kv_bytes, stages = _smem_plan(spec, head_dim, True)
-    return max(1, SM_SMEM_BYTES // (q_bytes + 1024 + stages * kv_bytes + 1024))
-
-
 def append_to_cache(k_cache, v_cache, k, v, cache_seqlens, block_table, capacity: int):
     """Write the new tokens at positions cache_seqlens[b] + i (device-side indices: no sync).
 
@@ -198,13 +167,15 @@ def append_to_cache(k_cache, v_cache, k, v, cache_seqlens, block_table, capacity
     positions = cache_seqlens.clamp(0, capacity - new)[:, None] + torch.arange(new, device=k.device)
     if block_table is None:
         rows = torch.arange(batch, device=k.device)[:, None].expand(batch, new)
-        k_cache[rows, positions] = k
-        v_cache[rows, positions] = v
+        index = (rows, positions)
     else:
         page_size = k_cache.shape[1]
         pages = torch.gather(block_table, 1, positions // page_size).clamp_(0, k_cache.shape[0] - 1)
-        k_cache[pages, positions % page_size] = k
-        v_cache[pages, positions % page_size] = v
+        index = (pages, positions % page_size)
+    if k_cache.dtype in _checks.FP8_DTYPES:  # (torch's index_put has no FP8 kernel: copy the bytes)
+        k_cache, v_cache, k, v = (t.view(torch.uint8) for t in (k_cache, v_cache, k, v))
+    k_cache[index] = k
+    v_cache[index] = v
 
 
 _DUMMIES: dict = {}
@@ -219,38 +190,26 @@ def _dummy(kind, device, head_dim=None):
             "table": lambda: torch.zeros(1, 1, dtype=torch.int32, device=device),
             "o_partial": lambda: torch.empty(1, 1, 1, 1, head_dim, dtype=torch.float32, device=device),
             "lse_partial": lambda: torch.empty(1, 1, 1, 1, dtype=torch.float32, device=device),
+            "descale": lambda: torch.ones(1, 1, dtype=torch.float32, device=device),
         }[kind]()
     return t
-
-
-def plan_splits(spec, batch: int, max_seqlen_q: int, heads_q: int, heads_kv: int, keys: int, mask,
-                sm_count: int, head_dim: int, gather: bool) -> int:
-    """How many CTAs share each sequence's keys (num_splits=0), from host integers only: the
-    batch, the longest query run, the heads, the most keys a sequence holds (`keys`: the capacity,
-    or max_seqlen_k where the caller knows it), the SM count and how many CTAs an SM holds (head_dim;
-    gather: pages that are not a multiple of the key block). A window bounds the keys a query
-    sees, whatever the cache holds. This is the whole split plan: a captured graph replays it."""
-    q_tiles = -(-max(max_seqlen_q, 1) * (heads_q // heads_kv) // spec.config["tile_m"])
-    if mask.local:
-        keys = min(keys, mask.left + mask.right + max(max_seqlen_q, 1))
-    return num_splits_for(batch, heads_kv, q_tiles, keys, sm_count, spec.config["tile_n"],
-                          ctas_per_sm(spec, head_dim, gather))
 
 
 def launch_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, capacity: int, appended: int,
                    causal: bool, scale: float, num_splits: int, window=(-1, -1), softcap: float = 0.0,
                    cu_seqlens_q=None, max_seqlen_q: int = 0, max_seqlen_k: int = -1, out=None,
-                   cache_leftpad=None, sinks=None):
+                   cache_leftpad=None, sinks=None, descales=None):
     """(out, lse) of rung `spec`; arguments are validated (`capacity`: keys a sequence can hold, from
     `check_kvcache`) and the new tokens already appended. Packed queries (cu_seqlens_q): q and out
     are (total_q, heads_q, d), lse (heads_q, total_q), and the kernel sees them as a batch of one
     plane (grid sized by max_seqlen_q); otherwise q is (batch, seqlen_q, heads_q, d). max_seqlen_k
     (-1: unknown, the capacity) bounds the keys for the split plan; cache_leftpad (batch,): where
-    each sequence's keys start in a dense cache."""
+    each sequence's keys start in a dense cache. descales: an FP8 cache's (q, k, v) descales,
+    float32 (batch, heads_kv) each (out: bf16 unless given)."""
     device, head_dim = q.device, q.shape[-1]
-    packed = cu_seqlens_q is not None
+    packed, fp8 = cu_seqlens_q is not None, descales is not None
     if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        out = torch.empty(q.shape, dtype=torch.bfloat16 if fp8 else q.dtype, device=device)
     if packed:
         (total_q, heads_q, _), batch, seqlen_q = q.shape, cu_seqlens_q.shape[0] - 1, max(max_seqlen_q, 1)
         lse = torch.empty(heads_q, total_q, dtype=torch.float32, device=device)
@@ -272,7 +231,7 @@ def launch_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, capaci
     if num_splits <= 0:
         keys = capacity if max_seqlen_k < 0 else min(capacity, max_seqlen_k)
         num_splits = plan_splits(spec, batch, seqlen_q, heads_q, heads_kv, keys, mask,
-                                 _checks.sm_count(device.index), head_dim, gather)
+                                 _checks.sm_count(device.index), head_dim, gather, fp8)
     planes = 1 if packed else batch
     if num_splits > 1:
         o_partial = torch.empty(num_splits, planes, rows_q, heads_q, head_dim, dtype=torch.float32,
@@ -283,25 +242,31 @@ def launch_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, capaci
     leftpad, has_sinks = cache_leftpad is not None, sinks is not None
     sinks = _launch.sinks_ready(sinks) if has_sinks else _launch.stand_in(device, torch.float32)
     fn = _compile.get_kvcache(spec, q.dtype, head_dim, mask.causal, paged, mask.local, mask.softcap,
-                              gather, packed, leftpad, has_sinks)
+                              gather, packed, leftpad, has_sinks, out.dtype if fp8 else None)
+    descales = descales or (_dummy("descale", device),) * 3
     table = block_table if paged else _dummy("table", device)
     fn(q4, k_cache, v_cache, cache_seqlens, table, out4, lse3, o_partial, lse_partial, mask.scale_log2,
        appended, mask.left, mask.right, mask.softcap_scale, cu, seqlen_q,
-       cache_leftpad if leftpad else _launch.stand_in(device), sinks)
+       cache_leftpad if leftpad else _launch.stand_in(device), sinks, *descales)
     if num_splits > 1:
-        _compile.get_combine(q.dtype, head_dim, has_sinks)(o_partial, lse_partial, out4, lse3, sinks)
+        _compile.get_combine(out.dtype, head_dim, has_sinks)(o_partial, lse_partial, out4, lse3, sinks)
     return out, lse
 
 
 def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, softmax_scale, window_size,
                     softcap, num_splits, kernel, cu_seqlens_q=None, max_seqlen_q=None, max_seqlen_k=None,
-                    out=None, lengths_name="cache_seqlens", cache_leftpad=None, sinks=None):
+                    out=None, lengths_name="cache_seqlens", cache_leftpad=None, sinks=None,
+                    descales=(None, None, None)):
     """The body of every call against a KV cache: check, check the index values (eager), append,
-    launch (directly, or through torch.ops.fa3.attention_kvcache), return (out, lse)."""
+    launch (directly, or through torch.ops.fa3.attention_kvcache), return (out, lse). descales:
+    (q_descale, k_descale, v_descale) as given (an FP8 cache)."""
     spec, seqlens, capacity, appended, max_q = check_kvcache(
         q, k_cache, v_cache, k, v, seqlens, block_table, kernel, window_size, softcap, cu_seqlens_q,
         max_seqlen_q, lengths_name, cache_leftpad)
-    if out is not None:
+    descales = check_descales(q, descales, seqlens.shape[0], k_cache.shape[2])
+    if out is not None and descales is not None:
+        _checks.check_fp8_output(out, q)
+    elif out is not None:
         _checks.check_output(out, "out", q)
     _checks.check_rung_sinks(spec, sinks, q.shape[-2], q.device)
     if sinks is not None:
@@ -326,15 +291,18 @@ def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, sof
         wait()
     if k is not None:
         append_to_cache(k_cache, v_cache, k, v, seqlens, block_table, capacity)
-    if _dispatch.direct_call_ok(q, k_cache, v_cache) and (sinks is None or _dispatch.direct_call_ok(sinks)):
+    if _dispatch.direct_call_ok(q, k_cache, v_cache, *(descales or ())) and \
+            (sinks is None or _dispatch.direct_call_ok(sinks)):
         out, lse = launch_kvcache(spec, q, k_cache, v_cache, seqlens, block_table, capacity, appended,
                                   bool(causal), scale, int(num_splits), window, softcap, cu_seqlens_q, max_q,
-                                  max_seqlen_k, out, cache_leftpad, sinks)
+                                  max_seqlen_k, out, cache_leftpad, sinks, descales)
     else:
+        out_dtype = None if descales is None else (torch.bfloat16 if out is None else out.dtype)
         result, lse = torch.ops.fa3.attention_kvcache(q, k_cache, v_cache, seqlens, block_table, appended,
                                                       bool(causal), scale, int(num_splits), spec.name,
                                                       window[0], window[1], float(softcap), cu_seqlens_q,
-                                                      max_q, max_seqlen_k, cache_leftpad, sinks)
+                                                      max_q, max_seqlen_k, cache_leftpad, sinks,
+                                                      *(descales or (None,) * 3), out_dtype)
         out = result if out is None else out.copy_(result)  # the op is functional
     if not refuse_first:  # after the launch (the kernel clamps): the GPU stays busy while the host waits
         wait()
@@ -345,11 +313,13 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
                            cu_seqlens_q=None, max_seqlen_q=None, cache_leftpad=None,
                            causal: bool = False, softmax_scale: float | None = None,
                            window_size=(-1, -1), softcap: float = 0.0, num_splits: int = 0,
-                           return_lse: bool = False, kernel: str | None = None, sinks=None):
+                           return_lse: bool = False, kernel: str | None = None, sinks=None,
+                           q_descale=None, k_descale=None, v_descale=None, out=None):
     """softmax(q K^T * softmax_scale) V over each sequence's cached keys, as flash-attn's
     flash_attn_with_kvcache.
 
-    q: (batch, seqlen_q, heads_q, d), bf16/fp16, d in 64/96/128/192/256, heads_q a multiple of heads_kv;
+    q: (batch, seqlen_q, heads_q, d), bf16/fp16 (float8_e4m3fn with an FP8 cache), d in
+        64/96/128/192/256, heads_q a multiple of heads_kv;
         or, with cu_seqlens_q, (total_q, heads_q, d): entry b's queries are rows
         [cu_seqlens_q[b], cu_seqlens_q[b + 1]) (several tokens per sequence: speculative verify,
         chunked prefill), max_seqlen_q their longest (None: total_q; it sizes the grid).
@@ -372,6 +342,12 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     num_splits: how many CTAs share each sequence's keys; 0 picks from the shapes and SM count.
     sinks: optional attention sinks, a float32 (heads_q,) tensor, as fa3.attention (not
         differentiated here).
+    q_descale, k_descale, v_descale: an FP8 cache (q, k_cache, v_cache, and k, v if given, all
+        torch.float8_e4m3fn): float32 (batch, heads_kv) descales (or one element, or None for 1),
+        as vLLM and SGLang pass them; attention is computed on q * q_descale etc. (exactly: the
+        kernel dequantizes each tile in SMEM) and out is bf16 (or out='s dtype).
+    out: optional preallocated output shaped like q, contiguous, in q's dtype (an FP8 cache: bf16
+        or fp16); it is returned.
     Returns out shaped like q (and the fp32 lse: (batch, heads_q, seqlen_q), or (heads_q, total_q)
     with cu_seqlens_q). Not differentiable (inference). Runs on torch's current stream, so a
     decode step can be captured in a CUDA graph.
@@ -392,50 +368,6 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     """
     out, lse = cache_attention(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale,
                                window_size, softcap, num_splits, kernel, cu_seqlens_q, max_seqlen_q,
-                               cache_leftpad=cache_leftpad, sinks=sinks)
+                               out=out, cache_leftpad=cache_leftpad, sinks=sinks,
+                               descales=(q_descale, k_descale, v_descale))
     return (out, lse) if return_lse else out
-
-
-def get_scheduler_metadata(batch_size: int, max_seqlen_q: int, max_seqlen_k: int, num_heads_q: int,
-                           num_heads_kv: int, headdim: int, cache_seqlens: torch.Tensor,
-                           qkv_dtype=torch.bfloat16, headdim_v=None, cu_seqlens_q=None,
-                           cu_seqlens_k_new=None, cache_leftpad=None, page_size=None, max_seqlen_k_new=0,
-                           causal: bool = False, window_size=(-1, -1), has_softcap: bool = False,
-                           num_splits: int = 0, pack_gqa=None, sm_margin: int = 0) -> torch.Tensor:
-    """The split plan of a call against a KV cache, ahead of the call (flash-attn 3's name and
-    arguments, as vLLM calls it when it builds a step's metadata).
-
-    fa3's plan is a function of host integers only (plan_splits: batch, longest query run, heads,
-    most keys, window, SM count), so there is nothing to precompute on the device: a call with
-    these shapes and num_splits=0 derives the same count on the host, in microseconds, with no
-    device read, and a captured graph replays it. The plan is returned as an int32 tensor (1,) on
-    cache_seqlens' device holding the split count (num_splits if > 0), for code that keeps the
-    metadata in a buffer and passes it back as attention_varlen(..., scheduler_metadata=...),
-    which accepts and checks it. Arguments that do not change fa3's plan (qkv_dtype, headdim_v,
-    cu_seqlens_q, cu_seqlens_k_new, cache_leftpad, page_size, max_seqlen_k_new, pack_gqa) are
-    accepted for the signature."""
-    if headdim_v not in (None, headdim):
-        raise ValueError(f"headdim_v={headdim_v} != headdim={headdim}: fa3 needs the same head_dim for q, k, v")
-    if num_heads_kv <= 0 or num_heads_q % num_heads_kv:
-        raise ValueError(f"num_heads_q={num_heads_q} must be a multiple of num_heads_kv={num_heads_kv}")
-    masking.check_window(window_size, 1.0 if has_softcap else 0.0)
-    spec = _dispatch.memo_rung(_dispatch.family_rung, registry.KVCACHE, None, headdim, "q and the cache")
-    device = cache_seqlens.device
-    if num_splits <= 0:
-        mask = masking.masking(bool(causal), tuple(window_size), 1.0 if has_softcap else 0.0, 1.0)
-        sms = max(1, _checks.sm_count(device.index if device.index is not None else 0) - sm_margin)
-        gather = page_size is not None and reads_by_gather(spec, page_size)
-        num_splits = plan_splits(spec, batch_size, max_seqlen_q, num_heads_q, num_heads_kv, max_seqlen_k,
-                                 mask, sms, headdim, gather)
-    return torch.full((1,), num_splits, dtype=torch.int32, device=device)
-
-
-def check_scheduler_metadata(metadata, q) -> None:
-    """What get_scheduler_metadata returns (or None): an int32 tensor on q's device."""
-    if metadata is None:
-        return
-    if not isinstance(metadata, torch.Tensor) or metadata.dtype != torch.int32 or metadata.numel() < 1 \
-            or metadata.device != getattr(q, "device", None):
-        raise ValueError(f"scheduler_metadata must be the int32 tensor fa3.get_scheduler_metadata returns, on "
-                         f"{q.device}, got {getattr(metadata, 'dtype', type(metadata).__name__)} "
-                         f"{tuple(getattr(metadata, 'shape', ()))} (or pass None: fa3 plans from shapes)")

@@ -6,8 +6,6 @@ rung memo and the eager fast path in fa3._dispatch.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from . import _checks, _compile, _dispatch, _launch, registry
@@ -29,12 +27,6 @@ _FILL = 0.9
 _FP8_SPLIT_FILL = 0.25
 MAX_SPLITS = 8
 MIN_SPLIT_K_TILES = 4
-
-
-class _OutputSpec(NamedTuple):  # what _checks.check_output compares `out` against, without allocating
-    shape: torch.Size
-    dtype: torch.dtype
-    device: torch.device
 
 
 def _round_up(x: int, to: int) -> int:
@@ -182,7 +174,7 @@ def check_gemm(a, b, out, kernel):
     if b.device != a.device:
         raise ValueError(f"b is on {b.device} but a is on {a.device}; put them on one GPU")
     if out is not None:
-        _checks.check_output(out, "out", _OutputSpec(torch.Size((m, n)), a.dtype, a.device))
+        _checks.check_output(out, "out", _checks.OutputSpec(torch.Size((m, n)), a.dtype, a.device))
     _checks.check_hopper(a.device, "a")
     return spec
 
@@ -295,7 +287,7 @@ def check_gemm_fp8(a, b, scale_a, scale_b, out, out_dtype, kernel):
         raise TypeError(f"out_dtype={out_dtype} is not supported for FP8 operands: torch.bfloat16 or "
                         "torch.float16")
     if out is not None:
-        _checks.check_output(out, "out", _OutputSpec(torch.Size((m, n)), out_dtype, a.device))
+        _checks.check_output(out, "out", _checks.OutputSpec(torch.Size((m, n)), out_dtype, a.device))
     _checks.check_hopper(a.device, "a")
     scales = (_scale(scale_a, "scale_a", m, (m, 1), a.device), _scale(scale_b, "scale_b", n, (1, n), a.device))
     if scales[0].numel() != scales[1].numel() and min(scales[0].numel(), scales[1].numel()) == 1:

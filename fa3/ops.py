@@ -17,7 +17,8 @@
     torch.ops.fa3.attention_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, appended,
                                     causal, softmax_scale, num_splits, kernel, window_left=-1,
                                     window_right=-1, softcap=0.0, cu_seqlens_q=None, max_seqlen_q=0,
-                                    max_seqlen_k=-1, cache_leftpad=None, sinks=None) -> (out, lse)
+                                    max_seqlen_k=-1, cache_leftpad=None, sinks=None, q_descale=None,
+                                    k_descale=None, v_descale=None, out_dtype=None) -> (out, lse)
     torch.ops.fa3.attention_fp8(q, k, v, q_descale, k_descale, v_descale, causal, softmax_scale,
                                 kernel, window_left, window_right, softcap, out_dtype,
                                 cu_seqlens_q=None, cu_seqlens_k=None)
@@ -233,34 +234,44 @@ attention_varlen.register_autograd(_varlen_grads, setup_context=_varlen_save_for
 _KVCACHE_SCHEMA = ("(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor? block_table, "
                    "int appended, bool causal, float softmax_scale, int num_splits, str kernel, "
                    "int window_left=-1, int window_right=-1, float softcap=0.0, Tensor? cu_seqlens_q=None, "
-                   "int max_seqlen_q=0, int max_seqlen_k=-1, Tensor? cache_leftpad=None, Tensor? sinks=None) "
-                   "-> (Tensor, Tensor)")
+                   "int max_seqlen_q=0, int max_seqlen_k=-1, Tensor? cache_leftpad=None, Tensor? sinks=None, "
+                   "Tensor? q_descale=None, Tensor? k_descale=None, Tensor? v_descale=None, "
+                   "ScalarType? out_dtype=None) -> (Tensor, Tensor)")
 
 
 @torch.library.custom_op("fa3::attention_kvcache", mutates_args=(), schema=_KVCACHE_SCHEMA)
 def attention_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, appended, causal, softmax_scale,
                       num_splits, kernel, window_left=-1, window_right=-1, softcap=0.0, cu_seqlens_q=None,
-                      max_seqlen_q=0, max_seqlen_k=-1, cache_leftpad=None, sinks=None):
+                      max_seqlen_q=0, max_seqlen_k=-1, cache_leftpad=None, sinks=None, q_descale=None,
+                      k_descale=None, v_descale=None, out_dtype=None):
     """(out, lse) against the cache, whose last `appended` tokens per sequence are already written
     (fa3.attention_with_kvcache appends them before calling). Packed queries (cu_seqlens_q): q and
-    out (total_q, heads_q, d), lse (heads_q, total_q)."""
+    out (total_q, heads_q, d), lse (heads_q, total_q). An FP8 cache: the descales, out in out_dtype
+    (None: bf16)."""
     window = (window_left, window_right)
     packed = cu_seqlens_q is not None
     spec, seqlens, capacity, _, max_q = kvcache.check_kvcache(
         q, k_cache, v_cache, None, None, cache_seqlens, block_table, kernel, window, softcap, cu_seqlens_q,
         max_seqlen_q if packed else None, cache_leftpad=cache_leftpad)
     _checks.check_rung_sinks(spec, sinks, q.shape[-2], q.device)
+    descales = kvcache.check_descales(q, (q_descale, k_descale, v_descale), seqlens.shape[0], k_cache.shape[2])
+    out = None
+    if descales is not None and out_dtype not in (None, torch.bfloat16):
+        out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
+        _checks.check_fp8_output(out, q)  # (the dtype's check)
     return kvcache.launch_kvcache(spec, q, k_cache, v_cache, seqlens, block_table, capacity, appended,
                                   causal, softmax_scale, num_splits, window, softcap, cu_seqlens_q, max_q,
-                                  max_seqlen_k, None, cache_leftpad, sinks)
+                                  max_seqlen_k, out, cache_leftpad, sinks, descales)
 
 
 @attention_kvcache.register_fake
 def _attention_kvcache_fake(q, k_cache, v_cache, cache_seqlens, block_table, appended, causal,
                             softmax_scale, num_splits, kernel, window_left=-1, window_right=-1,
                             softcap=0.0, cu_seqlens_q=None, max_seqlen_q=0, max_seqlen_k=-1, cache_leftpad=None,
-                            sinks=None):
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+                            sinks=None, q_descale=None, k_descale=None, v_descale=None, out_dtype=None):
+    if q.dtype in _checks.FP8_LIKE:
+        out_dtype = out_dtype or torch.bfloat16
+    out = q.new_empty(q.shape, dtype=out_dtype or q.dtype)
     if cu_seqlens_q is not None:
         total_q, heads_q, _ = q.shape
         return out, q.new_empty((heads_q, total_q), dtype=torch.float32)

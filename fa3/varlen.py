@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from . import _checks, _dispatch, _launch, fp8, index_checks, kvcache, masking, registry
+from . import _checks, _dispatch, _launch, fp8, index_checks, kvcache, masking, registry, split_plan
 
 
 def packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
@@ -146,7 +146,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None
     fixed shapes. Inference only.
 
     FP8: float8_e4m3fn q, k, v with q/k/v_descale float32 (sequences, heads_kv) (or one element),
-    as fa3.attention's FP8 forward (forward only; output bf16 or out='s dtype; no KV cache yet).
+    as fa3.attention's FP8 forward (forward only; output bf16 or out='s dtype); over a KV cache, an
+    FP8 cache (fa3.attention_with_kvcache's: vLLM's call with an FP8 cache).
 
     Without a cache: differentiable in q, k and v, as fa3.attention (the backward rungs compile
     packed batches too). The offsets are checked on the host (one small copy) except while a CUDA
@@ -154,25 +155,22 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None
     """
     fp8_call = fp8.is_fp8_call(q, q_descale, k_descale, v_descale)
     if block_table is not None or seqused_k is not None:
-        if fp8_call:
-            raise NotImplementedError("FP8 inputs over a KV cache (block_table/seqused_k) are not supported "
-                                      "yet: keep the cache in bfloat16 (fa3.dequantize_fp8), or pass "
-                                      "packed FP8 k and v with cu_seqlens_k")
         if cu_seqlens_k is not None:
             raise ValueError("cu_seqlens_k must be None with block_table/seqused_k: the keys of entry b "
                              "are the first seqused_k[b] positions of its cache (flash-attn's convention)")
         if seqused_k is None:
             raise ValueError("seqused_k is required with block_table: int32 (batch,), the keys each "
                              "sequence holds in the cache")
-        kvcache.check_scheduler_metadata(scheduler_metadata, q)
+        split_plan.check_scheduler_metadata(scheduler_metadata, q)
         out, lse = kvcache.cache_attention(q, k, v, None, None, seqused_k, block_table, causal, softmax_scale,
                                            window_size, softcap, num_splits, kernel, cu_seqlens_q,
-                                           max_seqlen_q, max_seqlen_k, out, lengths_name="seqused_k", sinks=sinks)
+                                           max_seqlen_q, max_seqlen_k, out, lengths_name="seqused_k", sinks=sinks,
+                                           descales=(q_descale, k_descale, v_descale))
         return (out, lse) if return_lse else out
     if cu_seqlens_k is None:
         raise ValueError("cu_seqlens_k is required (int32 (batch + 1,) offsets of k and v), unless k and v "
                          "are a KV cache read through seqused_k (and block_table)")
-    kvcache.check_scheduler_metadata(scheduler_metadata, q)  # (no split plan without a cache)
+    split_plan.check_scheduler_metadata(scheduler_metadata, q)  # (no split plan without a cache)
     if fp8_call:
         return fp8.attention_fp8(q, k, v, q_descale, k_descale, v_descale, causal=causal,
                                  softmax_scale=softmax_scale, window=window_size, softcap=softcap,

@@ -9,7 +9,7 @@ is reading K and V once, at memory speed. Two ideas make that possible on 132 SM
   per query head. Q is gathered into SMEM by plain loads (its rows are not one TMA box).
 * **Split-KV.** When batch x heads_kv x Q tiles cannot fill the SMs, CTA `split` of `num_splits`
   takes an equal share of the key blocks and writes an FP32 partial O and its LSE; a combine kernel
-  (`SplitKVCombine`) merges the partials: LSE = log sum_i exp(lse_i), O = sum_i exp(lse_i - LSE) O_i.
+  (`SplitKVCombine`, kernels/combine.py) merges the partials: LSE = log sum_i exp(lse_i), O = sum_i exp(lse_i - LSE) O_i.
   With one split the kernel writes O and LSE directly.
 * **Sinks** (a compile-time variant): each query head's sink logit joins the row's denominator
   once: in the epilogue's softmax.finalize with one split, else in the combine, as one more
@@ -42,6 +42,15 @@ group / tile_m) + batch)) leaves a few tiles with no rows, which load and store 
 the partials are stored at the entry's rows, so one combine serves both layouts. A decode is an entry
 of one query; a chunk of a prompt, a longer one: one launch serves a serving engine's whole step.
 
+An FP8 cache (`fp8`: q, k_cache and v_cache in float8_e4m3fn, with descales (batch, heads_kv)
+FP32) halves the bytes a decode reads. WGMMA's FP8 form wants V K-major (V^T), which a paged cache
+does not hold, so the consumers dequantize instead: each stage, once it lands, is converted by the
+warpgroup into one 16-bit K and one 16-bit V tile (fp16: every e4m3 value is exact there,
+cvt.rn.f16x2.e4m3x2 converts two at a time) and released at once, so the copy engine refills it
+while the GEMMs run from the converted tiles. Q is converted as it is gathered. q_descale x
+k_descale of the CTA's KV head folds into the score scale (with softcap: into the tanh's),
+v_descale into O's normalisation; the output is bf16 or fp16 (`out_dtype`).
+
 Values no host check has seen (a CUDA graph replayed with new lengths or pages) cannot send a load
 outside the cache: lengths are clamped to [0, capacity] (capacity: the dense cache's rows, or
 pages_per_seq * page_size), so no block-table entry past a row's pages_per_seq is read, and each
@@ -57,13 +66,19 @@ from cutlass import Float32, Int32, Int64
 
 from .common import mask, mma, paged, pipeline, scheduler, seqlen, smem, softmax, tma
 
+CONVERT_ELEMS = 8  # elements one thread dequantizes at a time: 8 bytes of e4m3 in, 16 bytes out
+
 
 class SplitKVAttention:
     def __init__(self, dtype, head_dim: int, causal: bool, paged: bool = False, tile_m: int = 64,
                  tile_n: int = 64, max_kv_stages: int = 8, local: bool = False, softcap: bool = False,
                  gather: bool = False, varlen: bool = False, leftpad: bool = False, sinks: bool = False,
-                 gather_kv_stages: int = 3):
+                 gather_kv_stages: int = 3, fp8: bool = False, out_dtype=None):
         self.dtype, self.head_dim, self.causal, self.paged = dtype, head_dim, causal, paged
+        # fp8: q and the cache in e4m3, dequantized in SMEM to `dtype` (fp16), the GEMMs' type
+        self.fp8 = fp8
+        self.cache_dtype = cutlass.Float8E4M3FN if fp8 else dtype
+        self.out_dtype = out_dtype or dtype
         # a sliding window (mask.py), capped scores, attention sinks (softmax.finalize)
         self.local, self.softcap, self.sinks = local, softcap, sinks
         # pages that do not hold whole key blocks: cp.async row gathers (common/paged.py)
@@ -75,9 +90,12 @@ class SplitKVAttention:
         self.tile_m, self.tile_n = tile_m, tile_n
         self.num_threads = 128  # one warpgroup: tile_m = 64 rows
         q_bytes = tile_m * head_dim * 2
-        kv_bytes = 2 * tile_n * head_dim * 2  # a K and a V tile per stage
-        self.kv_stages = min(max_kv_stages, smem.stages_that_fit(kv_bytes, q_bytes + 1024))
-        if self.gather:  # a short ring, so that CTAs share an SM (fa3.kvcache.ctas_per_sm)
+        kv_bytes = 2 * tile_n * head_dim * self.cache_dtype.width // 8  # a K and a V tile per stage
+        # fp8: the 16-bit K and V tiles the GEMMs read (one of each)
+        self.converted_elems = tile_n * head_dim if fp8 else 64
+        converted_bytes = 2 * tile_n * head_dim * 2 if fp8 else 0
+        self.kv_stages = min(max_kv_stages, smem.stages_that_fit(kv_bytes, q_bytes + 1024 + converted_bytes))
+        if self.gather:  # a short ring, so that CTAs share an SM (fa3.split_plan.ctas_per_sm)
             self.kv_stages = min(self.kv_stages, gather_kv_stages)
 
     # ---------------------------------------------------------------- host side
@@ -86,14 +104,16 @@ class SplitKVAttention:
                  mBlockTable: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mOacc: cute.Tensor,
                  mLSEacc: cute.Tensor, scale_log2: Float32, appended: Int32, window_left: Int32,
                  window_right: Int32, softcap_scale: Float32, mCuSeqlensQ: cute.Tensor,
-                 max_seqlen_q: Int32, mLeftpad: cute.Tensor, mSinks: cute.Tensor, stream):
+                 max_seqlen_q: Int32, mLeftpad: cute.Tensor, mSinks: cute.Tensor,
+                 mQDescale: cute.Tensor, mKDescale: cute.Tensor, mVDescale: cute.Tensor, stream):
         """mQ (batch, seqlen_q, heads_q, d); mK/mV the cache; mO/mLSE the result when there is one
         split, else mOacc (splits, batch, seqlen_q, heads_q, d) and mLSEacc (splits, batch,
         heads_q, seqlen_q) in FP32: the number of splits is mOacc.shape[0]. The window edges,
         softcap_scale and mSinks (heads_q,) are read only by the variants that use them. Varlen:
         batch 1, the queries of entry b at rows [cu[b], cu[b + 1]) of mCuSeqlensQ (batch + 1,),
         max_seqlen_q their longest (it sizes the grid); otherwise both are unread. mLeftpad (batch,):
-        where each entry's keys start in a dense cache (the leftpad variant; unread otherwise)."""
+        where each entry's keys start in a dense cache (the leftpad variant; unread otherwise).
+        mQ/mK/mVDescale (batch, heads_kv) FP32: the FP8 descales (unread stand-ins otherwise)."""
         batch, seqlen_q, heads_q, _ = mQ.shape
         heads_kv = mK.shape[2]
         group = heads_q // heads_kv
@@ -107,7 +127,8 @@ class SplitKVAttention:
                                 cute.ceil_div(seqlen_q * group, self.tile_m) + batch)
             grid = [mOacc.shape[0], cutlass.max(tiles, 1), heads_kv]
         sQ_layout = smem.tile_layout(self.dtype, self.tile_m, self.head_dim)
-        sKV_layout = smem.tile_layout(self.dtype, self.tile_n, self.head_dim, self.kv_stages)
+        sKV_layout = smem.tile_layout(self.cache_dtype, self.tile_n, self.head_dim, self.kv_stages)
+        sKV16_layout = smem.tile_layout(self.dtype, self.tile_n, self.head_dim)  # fp8: the converted tiles
         tile_kv = (self.tile_n, self.head_dim)
         if cutlass.const_expr(self.gather):  # cp.async reads the cache itself: (rows, d, heads, pages)
             tma_k, tK, tma_v, tV = None, tma.seq_major(mK), None, tma.seq_major(mV)
@@ -119,14 +140,17 @@ class SplitKVAttention:
         class SharedStorage:
             kv_barriers: cute.struct.MemRange[Int64, 2 * self.kv_stages]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.cache_dtype, cute.cosize(sKV_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.cache_dtype, cute.cosize(sKV_layout)], 1024]
+            sK16: cute.struct.Align[cute.struct.MemRange[self.dtype, self.converted_elems], 1024]
+            sV16: cute.struct.Align[cute.struct.MemRange[self.dtype, self.converted_elems], 1024]
 
         smem.check_budget(SharedStorage.size_in_bytes(),
                           f"S1 with kv_stages={self.kv_stages}, tile_n={self.tile_n}, d={self.head_dim}")
         self.kernel(mQ, tma_k, tK, tma_v, tV, mCacheSeqlens, mBlockTable, mO, mLSE, mOacc, mLSEacc,
                     scale_log2, appended, window_left, window_right, softcap_scale, mCuSeqlensQ,
-                    mLeftpad, mSinks, sQ_layout, sKV_layout, SharedStorage).launch(
+                    mLeftpad, mSinks, (mQDescale, mKDescale, mVDescale), sQ_layout, sKV_layout,
+                    sKV16_layout, SharedStorage).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------- device side
@@ -136,9 +160,9 @@ class SplitKVAttention:
                mV: cute.Tensor, mCacheSeqlens: cute.Tensor, mBlockTable: cute.Tensor, mO: cute.Tensor,
                mLSE: cute.Tensor, mOacc: cute.Tensor, mLSEacc: cute.Tensor, scale_log2: Float32,
                appended: Int32, window_left: Int32, window_right: Int32, softcap_scale: Float32,
-               mCuSeqlensQ: cute.Tensor, mLeftpad: cute.Tensor, mSinks: cute.Tensor,
+               mCuSeqlensQ: cute.Tensor, mLeftpad: cute.Tensor, mSinks: cute.Tensor, descales,
                sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
-               SharedStorage: cutlass.Constexpr):
+               sKV16_layout: cute.ComposedLayout, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         num_splits = mOacc.shape[0]
@@ -176,13 +200,22 @@ class SplitKVAttention:
                                              self.num_threads)
         else:
             kv_pipe = pipeline.create(storage.kv_barriers.data_ptr(), self.kv_stages, 4,
-                                      2 * smem.stage_bytes(self.dtype, sKV_layout))
+                                      2 * smem.stage_bytes(self.cache_dtype, sKV_layout))
         pipeline.init_done()
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)[None, None, 0]
         sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
         sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
 
         window = (window_left, window_right) if cutlass.const_expr(self.local) else None
+        o_scale = Float32(1.0)
+        if cutlass.const_expr(self.fp8):  # the KV head's descales (one sequence, one KV head a CTA)
+            q_descale, k_descale, v_descale = descales
+            qk_descale = q_descale[batch, head_kv] * k_descale[batch, head_kv]
+            o_scale = v_descale[batch, head_kv]
+            if cutlass.const_expr(self.softcap):
+                softcap_scale = softcap_scale * qk_descale
+            else:
+                scale_log2 = scale_log2 * qk_descale
         # this split's share of the key blocks the tile sees (none when the tile holds no query)
         blocks_end = mask.n_block_max(m_block, self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k,
                                       self.causal, rows_per_query=group, window=window)
@@ -205,24 +238,41 @@ class SplitKVAttention:
         if n_blocks > 0:  # (CTA-uniform: the gather syncs the CTA)
             self.load_q(mQ, sQ, tidx, m_block, head_kv, group, q_plane, seq)
 
-        ctx = self.compute_setup(sQ, sK, sV, tidx)
+        if cutlass.const_expr(self.fp8):  # the GEMMs read the converted tiles
+            sK16 = storage.sK16.get_tensor(sKV16_layout.outer, swizzle=sKV16_layout.inner)
+            sV16 = storage.sV16.get_tensor(sKV16_layout.outer, swizzle=sKV16_layout.inner)
+            ctx = self.compute_setup(sQ, sK16, sV16, tidx)
+        else:
+            ctx = self.compute_setup(sQ, sK, sV, tidx)
         kv_consumer = pipeline.consumer_state(self.kv_stages)
         row0 = m_block * self.tile_m
         for j in cutlass.range(n_blocks, unroll=1):
             n_block = last - j
+            valid_rows = seq.seqlen_k - n_block * self.tile_n
             pipeline.consume_wait(kv_pipe, kv_consumer)
-            if cutlass.const_expr(self.gather):  # cp.async wrote the stage (generic proxy): WGMMA reads it
-                cute.arch.fence_proxy("async.shared", space="cta")
-            self.zero_rows_past_end(sV[None, None, kv_consumer.index], seq.seqlen_k - n_block * self.tile_n, tidx)
-            self.compute_tile(ctx, kv_consumer.index, m_block, n_block, group, seq, scale_log2, window,
-                              softcap_scale)
-            kv_consumer = pipeline.release(kv_pipe, kv_consumer)
-            if self.is_kv_producer(warp_idx) and kv_producer.count < n_blocks:  # refill the stage just freed
-                kv_producer = self.load_kv(kv_producer, last - kv_producer.count, *loads)
+            if cutlass.const_expr(self.fp8):
+                cute.arch.sync_threads()  # every warp's GEMMs of the last block have read sK16/sV16
+                self.dequantize(sK[None, None, kv_consumer.index], sK16[None, None, 0], tidx, self.tile_n)
+                self.dequantize(sV[None, None, kv_consumer.index], sV16[None, None, 0], tidx, valid_rows)
+                cute.arch.fence_proxy("async.shared", space="cta")  # generic writes, read by WGMMA
+                cute.arch.sync_threads()
+                kv_consumer = pipeline.release(kv_pipe, kv_consumer)  # refilled while the GEMMs run
+                if self.is_kv_producer(warp_idx) and kv_producer.count < n_blocks:
+                    kv_producer = self.load_kv(kv_producer, last - kv_producer.count, *loads)
+                self.compute_tile(ctx, 0, m_block, n_block, group, seq, scale_log2, window, softcap_scale)
+            else:
+                if cutlass.const_expr(self.gather):  # cp.async wrote the stage (generic proxy): WGMMA reads it
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                self.zero_rows_past_end(sV[None, None, kv_consumer.index], valid_rows, tidx)
+                self.compute_tile(ctx, kv_consumer.index, m_block, n_block, group, seq, scale_log2, window,
+                                  softcap_scale)
+                kv_consumer = pipeline.release(kv_pipe, kv_consumer)
+                if self.is_kv_producer(warp_idx) and kv_producer.count < n_blocks:  # refill the stage just freed
+                    kv_producer = self.load_kv(kv_producer, last - kv_producer.count, *loads)
         if self.is_kv_producer(warp_idx):
             pipeline.tail(kv_pipe, kv_producer)
         self.store(ctx, mO, mLSE, mOacc, mLSEacc, mSinks, split, num_splits, row0, head_kv, group,
-                   q_plane, seq, scale_log2)
+                   q_plane, seq, scale_log2, o_scale)
 
     def is_kv_producer(self, warp_idx):
         """Warp 0 issues the TMA loads; every thread takes its share of a gather."""
@@ -237,7 +287,7 @@ class SplitKVAttention:
         seq.offset_k) or the paged one (plane = its page), or (gather) cp.async copies of the
         block's rows from their pages."""
         if cutlass.const_expr(self.gather):
-            gather = paged.RowGather(self.dtype, self.tile_n, self.head_dim, self.num_threads)
+            gather = paged.RowGather(self.cache_dtype, self.tile_n, self.head_dim, self.num_threads)
             rows = gather.locate(tidx, mBlockTable, batch, n_block, seq.seqlen_k, mK.shape[0], mK.shape[3])
             copies = lambda stage: gather.copy(tidx, rows, [
                 (mK[None, None, head_kv, None], sK[None, None, stage]),
@@ -268,7 +318,7 @@ class SplitKVAttention:
             valid = query < seq.seqlen_q
             query = cutlass.min(query, seq.seqlen_q - 1)  # a row that exists: loaded, then zeroed
             for e in cutlass.range_constexpr(8):
-                x = mQ[q_plane, seq.offset_q + query, head, c + e]
+                x = mQ[q_plane, seq.offset_q + query, head, c + e].to(self.dtype)  # (fp8: exact in fp16)
                 sQ[r, c + e] = x if valid else x.dtype(0.0)
         # generic-proxy writes, read by WGMMA through the async proxy
         cute.arch.fence_proxy("async.shared", space="cta")
@@ -288,6 +338,32 @@ class SplitKVAttention:
                         sV_stage[r, col] = sV_stage.element_type(0.0)
             cute.arch.fence_proxy("async.shared", space="cta")  # read next by WGMMA (async proxy)
             cute.arch.sync_threads()
+
+    @cute.jit
+    def dequantize(self, src: cute.Tensor, dst: cute.Tensor, tidx: Int32, valid_rows: Int32):
+        """FP8 stage tile -> the 16-bit tile the GEMMs read (both (tile_n, d), swizzled): each thread
+        converts 8-element chunks (an 8-byte load, four cvt.rn.f16x2.e4m3x2, a 16-byte store), by
+        rows; rows from valid_rows on are written as zeros (V: a cache's unused rows hold anything,
+        NaN included, and 0 * NaN = NaN; K passes the tile's size)."""
+        chunks = self.head_dim // CONVERT_ELEMS  # per row
+        rows_per_pass = max(r for r in range(1, self.num_threads // chunks + 1) if self.tile_n % r == 0)
+        active = rows_per_pass * chunks  # (96 of 128 threads at d96 and d192)
+        threads = cute.make_ordered_layout((rows_per_pass, chunks), order=(1, 0))
+        values = cute.make_layout((1, CONVERT_ELEMS))
+        load, store = (cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=CONVERT_ELEMS * dtype.width),
+            threads, values) for dtype in (self.cache_dtype, self.dtype))
+        tSsrc = load.get_slice(tidx % active).partition_S(src)
+        tDdst = store.get_slice(tidx % active).partition_D(dst)
+        if tidx < active:
+            for i in cutlass.range_constexpr(self.tile_n // rows_per_pass):
+                narrow = cute.make_rmem_tensor_like(tSsrc[None, i, 0])
+                cute.copy(load, tSsrc[None, i, 0], narrow)
+                wide = cute.make_rmem_tensor_like(tDdst[None, i, 0])
+                wide.store(narrow.load().to(self.dtype))
+                if tidx // chunks + i * rows_per_pass >= valid_rows:
+                    wide.fill(0.0)
+                cute.copy(store, wide, tDdst[None, i, 0])
 
     # ---------------------------------------------------------------- compute (K4.2's)
     def compute_setup(self, sQ, sK, sV, tidx):
@@ -327,10 +403,10 @@ class SplitKVAttention:
     # ---------------------------------------------------------------- epilogue
     @cute.jit
     def store(self, ctx, mO, mLSE, mOacc, mLSEacc, mSinks, split: Int32, num_splits: Int32, row0: Int32,
-              head_kv: Int32, group: Int32, q_plane: Int32, seq, scale_log2: Float32):
+              head_kv: Int32, group: Int32, q_plane: Int32, seq, scale_log2: Float32, o_scale: Float32):
         """O and LSE of each real row (direct stores: a decode tile has few), unpacked to (query,
         head) at the entry's rows of plane q_plane; with several splits the FP32 partials instead
-        (the combine adds the sinks)."""
+        (the combine adds the sinks). o_scale: FP8's v_descale (1 otherwise)."""
         o_mn = mma.rows_cols(ctx.acc_o)
         for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
             packed = row0 + ctx.o_coords[r, 0][0]
@@ -341,11 +417,13 @@ class SplitKVAttention:
                 if num_splits == 1:
                     sink_log2 = mSinks[head] * Float32(softmax.LOG2E)
             inv_sum, lse = softmax.finalize(ctx.row_max[r], ctx.row_sum[r], scale_log2, 4, sink_log2)
+            if cutlass.const_expr(self.fp8):
+                inv_sum = inv_sum * o_scale
             if query < seq.seqlen_q:
                 row = seq.offset_q + query
                 if num_splits == 1:
                     for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
-                        mO[q_plane, row, head, ctx.o_coords[r, c][1]] = (o_mn[r, c] * inv_sum).to(self.dtype)
+                        mO[q_plane, row, head, ctx.o_coords[r, c][1]] = (o_mn[r, c] * inv_sum).to(self.out_dtype)
                     if ctx.tidx % 4 == 0:
                         mLSE[q_plane, head, row] = lse
                 else:
@@ -353,68 +431,3 @@ class SplitKVAttention:
                         mOacc[split, q_plane, row, head, ctx.o_coords[r, c][1]] = o_mn[r, c] * inv_sum
                     if ctx.tidx % 4 == 0:
                         mLSEacc[split, q_plane, head, row] = lse
-
-
-class SplitKVCombine:
-    """O and LSE from the splits' FP32 partials: one warp per (batch, query, head) row.
-
-    LSE = m + log(sum_i exp(lse_i - m)) with m = max_i lse_i; O = sum_i exp(lse_i - LSE) O_i. Splits
-    that saw no key carry lse = -inf and weigh 0; a row no split saw keeps O = 0, LSE = -inf.
-    `sinks`: the head's sink is one more term of the sum, with no O (mSinks (heads_q,) FP32)."""
-
-    warps = 4
-
-    def __init__(self, dtype, head_dim: int, sinks: bool = False):
-        self.dtype, self.head_dim, self.sinks = dtype, head_dim, sinks
-
-    @cute.jit
-    def __call__(self, mOacc: cute.Tensor, mLSEacc: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-                 mSinks: cute.Tensor, stream):
-        _, batch, seqlen_q, heads_q, _ = mOacc.shape
-        rows = batch * seqlen_q * heads_q
-        self.kernel(mOacc, mLSEacc, mO, mLSE, mSinks).launch(
-            grid=[cute.ceil_div(rows, self.warps), 1, 1], block=[32 * self.warps, 1, 1], stream=stream)
-
-    @cute.kernel
-    def kernel(self, mOacc: cute.Tensor, mLSEacc: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-               mSinks: cute.Tensor):
-        tidx, _, _ = cute.arch.thread_idx()
-        block, _, _ = cute.arch.block_idx()
-        lane = cute.arch.lane_idx()
-        splits, batch_size, seqlen_q, heads_q, _ = mOacc.shape
-        row = block * self.warps + tidx // 32
-        if row < batch_size * seqlen_q * heads_q:
-            head = row % heads_q
-            query = row // heads_q % seqlen_q
-            batch = row // (heads_q * seqlen_q)
-            top = -Float32.inf
-            for s in cutlass.range(lane, splits, 32, unroll=1):
-                top = cute.arch.fmax(top, mLSEacc[s, batch, head, query])
-            top = cute.arch.warp_reduction_max(top, threads_in_group=32)
-            sink = -Float32.inf
-            if cutlass.const_expr(self.sinks):
-                sink = mSinks[head]
-                top = cute.arch.fmax(top, sink)
-            offset = top
-            if top == -Float32.inf:
-                offset = Float32(0.0)
-            total = Float32(0.0)
-            for s in cutlass.range(lane, splits, 32, unroll=1):
-                total += cute.math.exp(mLSEacc[s, batch, head, query] - offset, fastmath=True)
-            total = cute.arch.warp_reduction_sum(total, threads_in_group=32)
-            if cutlass.const_expr(self.sinks):
-                total += cute.math.exp(sink - offset, fastmath=True)
-            lse = -Float32.inf
-            if total > Float32(0.0):
-                lse = offset + cute.math.log(total, fastmath=True)
-            acc = cute.make_rmem_tensor((self.head_dim // 32,), Float32)
-            acc.fill(0.0)
-            if total > Float32(0.0):
-                for s in cutlass.range(splits, unroll=1):
-                    weight = cute.math.exp(mLSEacc[s, batch, head, query] - lse, fastmath=True)
-                    for i in cutlass.range_constexpr(self.head_dim // 32):
-                        acc[i] += weight * mOacc[s, batch, query, head, lane + 32 * i]
-            for i in cutlass.range_constexpr(self.head_dim // 32):
-                mO[batch, query, head, lane + 32 * i] = acc[i].to(self.dtype)
-            if lane == 0:
-                mLSE[batch, head, query] = lse

@@ -14,6 +14,7 @@ if not torch.cuda.is_available():
 
 HAS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
+from fa3.reference import attention_reference  # noqa: E402
 from fa3.registry import HEAD_DIMS  # noqa: E402  (every head dim the default rungs serve)
 
 # @HEAD_DIM_PARAM on a test: once per head dim, with ids d64 ... d256 (`-k d96` picks one)
@@ -100,3 +101,36 @@ def run_script(tmp_path, script: str, *args, sanitizer=None, timeout=900) -> str
         command = [tool, *sanitizer, *command]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, check=False)
     return proc.stdout + proc.stderr
+
+
+def make_kv_cache(batch, capacity, heads_kv, d, lens, page_size, gen, device="cuda"):
+    """Dense (batch, capacity, ...) bf16 K/V with NaN past each length, and the same as permuted
+    pages with a block table when page_size is given. Returns (k_dense, v_dense, k_cache, v_cache,
+    table)."""
+    shape = (batch, capacity, heads_kv, d)
+    k = torch.randn(shape, device=device, dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(shape, device=device, dtype=torch.bfloat16, generator=gen)
+    for b, n in enumerate(lens):
+        k[b, n:] = float("nan")
+        v[b, n:] = float("nan")
+    if page_size is None:
+        return k, v, k, v, None
+    per_seq = capacity // page_size
+    perm = torch.randperm(batch * per_seq, device=device, generator=gen)
+    table = perm.view(batch, per_seq).to(torch.int32)
+    pages_k = torch.empty(batch * per_seq, page_size, heads_kv, d, device=device, dtype=k.dtype)
+    pages_v = torch.empty_like(pages_k)
+    pages_k[perm] = k.view(batch * per_seq, page_size, heads_kv, d)
+    pages_v[perm] = v.view(batch * per_seq, page_size, heads_kv, d)
+    return k, v, pages_k, pages_v, table
+
+
+def cache_reference(q, k_dense, v_dense, lens, causal, window_size=(-1, -1), softcap=0.0):
+    """(out, lse) of each batch entry against its first lens[b] keys, by fa3.reference."""
+    outs, lses = [], []
+    for b, n in enumerate(lens):
+        o, lse = attention_reference(q[b:b + 1], k_dense[b:b + 1, :n], v_dense[b:b + 1, :n], causal,
+                                     window_size=window_size, softcap=softcap)
+        outs.append(o)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)

@@ -317,7 +317,7 @@ def test_warm_cache_configs_fit_every_family(fp8):
     for name in registry.available_kernels():
         spec = registry.get(name)
         head_dim = 128 if 128 in spec.head_dims or not spec.head_dims else spec.head_dims[0]
-        dtype = torch.float8_e4m3fn if fp8 and spec.family == registry.GEMM else BF16
+        dtype = torch.float8_e4m3fn if fp8 and spec.family in (registry.GEMM, registry.KVCACHE) else BF16
         configs = cli.cache_configs(spec, head_dim, True, fp8, BF16)
         assert configs, name
         for static in configs:

@@ -166,14 +166,12 @@ def test_varlen_fake_shapes(no_device_check):
 
 
 def test_varlen_checks(no_device_check):
-    """attention_varlen's FP8 branch: descales are (sequences, heads_kv); a KV cache is refused;
-    16-bit k with FP8 q names k."""
+    """attention_varlen's FP8 branch: descales are (sequences, heads_kv); 16-bit k with FP8 q names
+    k. (Over a cache: tests/test_fp8_cache.py.)"""
     q, k, v, cu_q, cu_k = packed_fp8([3, 5, 2], [4, 9, 1])
     call = dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     raises_with(fa3.attention_varlen, ValueError, "q_descale", "(3, 2)", **call,
                 q_descale=torch.ones(2, 2))
-    raises_with(fa3.attention_varlen, NotImplementedError, "FP8", "KV cache", **{**call, "cu_seqlens_k": None},
-                seqused_k=torch.ones(3, dtype=torch.int32))
     raises_with(fa3.attention_varlen, TypeError, "k", "torch.bfloat16", "float8_e4m3fn",
                 **{**call, "k": k.to(torch.bfloat16)})
 
@@ -181,7 +179,7 @@ def test_varlen_checks(no_device_check):
 def test_flash_attn_names_route_fp8():
     """flash-attn's names hand FP8 inputs and their descales to the FP8 forward (here: its device
     check, on CPU tensors), read no descales with 16-bit inputs (flash-attn's rule; here: the
-    16-bit device check), and refuse an FP8 KV cache by name."""
+    16-bit device check)."""
     q, k, v = fp8_qkv()
     s = torch.ones(2, 2)
     raises_with(fa3.flash_attn_func, ValueError, "q", "cpu", q=q, k=k, v=v, q_descale=s)
@@ -190,8 +188,6 @@ def test_flash_attn_names_route_fp8():
     pq, pk, pv, cu_q, cu_k = packed_fp8([3, 5], [4, 9])
     raises_with(fa3.flash_attn_varlen_func, ValueError, "q", "cpu", q=pq, k=pk, v=pv, cu_seqlens_q=cu_q,
                 cu_seqlens_k=cu_k, max_seqlen_q=5, max_seqlen_k=9, k_descale=s)
-    raises_with(fa3.flash_attn_with_kvcache, NotImplementedError, "FP8", q=q, k_cache=k, v_cache=v,
-                cache_seqlens=4, q_descale=s)
 
 
 def test_transpose_v_packed_columns():

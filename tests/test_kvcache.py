@@ -8,44 +8,12 @@ import pytest
 import torch
 
 import fa3
-from fa3 import kvcache
-from fa3.reference import attention_reference
+from fa3 import split_plan
 
-from conftest import HEAD_DIM_PARAM, HAS_HOPPER, raises_with, rel_err
+from conftest import HEAD_DIM_PARAM, HAS_HOPPER, cache_reference, make_kv_cache, raises_with, rel_err
 
 TOL = 1.5e-2
 gpu = pytest.mark.gpu
-
-
-def _make_cache(batch, capacity, heads_kv, d, lens, page_size, gen, device="cuda"):
-    """Dense (batch, capacity, ...) K/V with NaN past each length, and the same as permuted pages
-    with a block table when page_size is given. Returns (k_dense, v_dense, k_cache, v_cache, table)."""
-    shape = (batch, capacity, heads_kv, d)
-    k = torch.randn(shape, device=device, dtype=torch.bfloat16, generator=gen)
-    v = torch.randn(shape, device=device, dtype=torch.bfloat16, generator=gen)
-    for b, n in enumerate(lens):
-        k[b, n:] = float("nan")
-        v[b, n:] = float("nan")
-    if page_size is None:
-        return k, v, k, v, None
-    per_seq = capacity // page_size
-    perm = torch.randperm(batch * per_seq, device=device, generator=gen)
-    table = perm.view(batch, per_seq).to(torch.int32)
-    pages_k = torch.empty(batch * per_seq, page_size, heads_kv, d, device=device, dtype=k.dtype)
-    pages_v = torch.empty_like(pages_k)
-    pages_k[perm] = k.view(batch * per_seq, page_size, heads_kv, d)
-    pages_v[perm] = v.view(batch * per_seq, page_size, heads_kv, d)
-    return k, v, pages_k, pages_v, table
-
-
-def _reference(q, k_dense, v_dense, lens, causal, window_size=(-1, -1), softcap=0.0):
-    outs, lses = [], []
-    for b, n in enumerate(lens):
-        o, lse = attention_reference(q[b:b + 1], k_dense[b:b + 1, :n], v_dense[b:b + 1, :n], causal,
-                                     window_size=window_size, softcap=softcap)
-        outs.append(o)
-        lses.append(lse)
-    return torch.cat(outs), torch.cat(lses)
 
 
 CASES = [  # (batch, seqlen_q, heads_q, heads_kv, capacity, lens, new_tokens)
@@ -67,7 +35,7 @@ def test_kvcache_matches_reference(head_dim, causal, page_size, case):
         capacity += page_size - capacity % page_size
     gen = torch.Generator(device="cuda").manual_seed(case * 7 + head_dim)
     final = [n + new for n in lens]
-    k_dense, v_dense, k_cache, v_cache, table = _make_cache(batch, capacity, hkv, head_dim,
+    k_dense, v_dense, k_cache, v_cache, table = make_kv_cache(batch, capacity, hkv, head_dim,
                                                            [n for n in lens], page_size, gen)
     q = torch.randn(batch, sq, hq, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
     k_new = v_new = None
@@ -78,7 +46,7 @@ def test_kvcache_matches_reference(head_dim, causal, page_size, case):
             k_dense[b, n:n + new] = k_new[b]
             v_dense[b, n:n + new] = v_new[b]
     seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    ref_o, ref_lse = _reference(q.float(), k_dense.float(), v_dense.float(), final, causal)
+    ref_o, ref_lse = cache_reference(q.float(), k_dense.float(), v_dense.float(), final, causal)
     for splits in (1, 3, 0):
         kc, vc = k_cache.clone(), v_cache.clone()
         out, lse = fa3.attention_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=seqlens,
@@ -103,10 +71,10 @@ def test_kvcache_window_and_softcap(window_size, softcap, page_size):
     splits: the window moves the first visited key block, so splits start past block 0."""
     batch, sq, hq, hkv, capacity, lens = 3, 2, 8, 2, 1024, [1000, 37, 513]
     gen = torch.Generator(device="cuda").manual_seed(11)
-    k_dense, v_dense, k_cache, v_cache, table = _make_cache(batch, capacity, hkv, 128, lens, page_size, gen)
+    k_dense, v_dense, k_cache, v_cache, table = make_kv_cache(batch, capacity, hkv, 128, lens, page_size, gen)
     q = torch.randn(batch, sq, hq, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
     seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    ref_o, ref_lse = _reference(q.float(), k_dense.float(), v_dense.float(), lens, True, window_size, softcap)
+    ref_o, ref_lse = cache_reference(q.float(), k_dense.float(), v_dense.float(), lens, True, window_size, softcap)
     for splits in (1, 4, 0):
         out, lse = fa3.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table,
                                               causal=True, window_size=window_size, softcap=softcap,
@@ -196,11 +164,11 @@ def test_kvcache_validation_messages():
 
 
 def test_num_splits_heuristic():
-    assert kvcache.num_splits_for(batch=64, heads_kv=8, q_tiles=1, capacity=4096, sm_count=132) == 1
-    assert kvcache.num_splits_for(batch=1, heads_kv=8, q_tiles=1, capacity=32768, sm_count=132) == 16
+    assert split_plan.num_splits_for(batch=64, heads_kv=8, q_tiles=1, capacity=4096, sm_count=132) == 1
+    assert split_plan.num_splits_for(batch=1, heads_kv=8, q_tiles=1, capacity=32768, sm_count=132) == 16
     # a short cache keeps >= 4 key blocks per split
-    assert kvcache.num_splits_for(batch=1, heads_kv=8, q_tiles=1, capacity=512, sm_count=132) == 2
-    assert kvcache.num_splits_for(batch=1, heads_kv=1, q_tiles=1, capacity=64, sm_count=132) == 1
+    assert split_plan.num_splits_for(batch=1, heads_kv=8, q_tiles=1, capacity=512, sm_count=132) == 2
+    assert split_plan.num_splits_for(batch=1, heads_kv=1, q_tiles=1, capacity=64, sm_count=132) == 1
 
 
 def test_kvcache_fake_shapes():

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fa3
-from fa3 import index_checks, kvcache
+from fa3 import index_checks, split_plan
 from fa3.reference import attention_reference
 
 from conftest import raises_with, rel_err
@@ -382,7 +382,7 @@ def test_varlen_over_cache_argument_checks():
                 v_cache=torch.randn(6, 16, 2, 128, dtype=torch.bfloat16), k=torch.randn(2, 1, 2, 128, dtype=torch.bfloat16),
                 v=torch.randn(2, 1, 2, 128, dtype=torch.bfloat16), cache_seqlens=torch.tensor([3, 4], dtype=torch.int32),
                 block_table=torch.zeros(2, 3, dtype=torch.int32), cu_seqlens_q=torch.tensor([0, 2, 5], dtype=torch.int32))
-    raises_with(kvcache.check_scheduler_metadata, ValueError, "scheduler_metadata", metadata=torch.zeros(2),
+    raises_with(split_plan.check_scheduler_metadata, ValueError, "scheduler_metadata", metadata=torch.zeros(2),
                 q=torch.zeros(1))
     dense = dict(q=torch.randn(2, 1, 8, 128, dtype=torch.bfloat16), k_cache=torch.randn(2, 64, 2, 128, dtype=torch.bfloat16),
                  v_cache=torch.randn(2, 64, 2, 128, dtype=torch.bfloat16), cache_seqlens=torch.tensor([3, 4], dtype=torch.int32))
@@ -438,21 +438,21 @@ def test_split_plan_from_shapes():
     spec = fa3.registry.get("s1")
     mask = fa3.masking.masking(True, (-1, -1), 0.0, 1.0)
     # decode of one long sequence: split to fill the SMs; a wide batch: one split
-    assert kvcache.plan_splits(spec, 1, 1, 32, 8, 32768, mask, 132, 128, False) == 16
-    assert kvcache.plan_splits(spec, 64, 1, 32, 8, 4096, mask, 132, 128, False) == 1
+    assert split_plan.plan_splits(spec, 1, 1, 32, 8, 32768, mask, 132, 128, False) == 16
+    assert split_plan.plan_splits(spec, 64, 1, 32, 8, 4096, mask, 132, 128, False) == 1
     # query heads of a KV head share a tile (16 x 4 = one 64-row tile); more queries make more
     # Q tiles, so fewer splits
-    assert kvcache.plan_splits(spec, 1, 16, 32, 8, 32768, mask, 132, 128, False) == 16
-    assert kvcache.plan_splits(spec, 1, 64, 32, 8, 32768, mask, 132, 128, False) == 4
+    assert split_plan.plan_splits(spec, 1, 16, 32, 8, 32768, mask, 132, 128, False) == 16
+    assert split_plan.plan_splits(spec, 1, 64, 32, 8, 32768, mask, 132, 128, False) == 4
     # row gathers (pages of 16): two d128 CTAs share an SM, so twice the CTAs fill it
-    assert kvcache.plan_splits(spec, 16, 1, 32, 8, 8192, mask, 132, 128, True) == 2
-    assert kvcache.plan_splits(spec, 1, 1, 32, 8, 32768, mask, 132, 128, True) == 33
-    assert kvcache.plan_splits(spec, 64, 1, 32, 8, 4096, mask, 132, 128, True) == 1
+    assert split_plan.plan_splits(spec, 16, 1, 32, 8, 8192, mask, 132, 128, True) == 2
+    assert split_plan.plan_splits(spec, 1, 1, 32, 8, 32768, mask, 132, 128, True) == 33
+    assert split_plan.plan_splits(spec, 64, 1, 32, 8, 4096, mask, 132, 128, True) == 1
 
 
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
 def test_split_plan_knows_the_kernels_ring(head_dim):
-    """The host's plan (kvcache.kv_stages / ctas_per_sm) reads the ring depth the kernel compiles."""
+    """The host's plan (split_plan.kv_stages / ctas_per_sm) reads the ring depth the kernel compiles."""
     pytest.importorskip("cutlass")
     import cutlass
 
@@ -460,11 +460,13 @@ def test_split_plan_knows_the_kernels_ring(head_dim):
 
     spec = fa3.registry.get("s1")
     for gather in (False, True):
-        kernel = SplitKVAttention(cutlass.BFloat16, head_dim, True, paged=True, gather=gather,
-                                  **spec.config_for(head_dim))
-        assert kernel.kv_stages == kvcache.kv_stages(spec, head_dim, gather), (head_dim, gather)
-    assert kvcache.ctas_per_sm(spec, head_dim, False) == 1
-    assert kvcache.ctas_per_sm(spec, head_dim, True) == {64: 3, 96: 2, 128: 2, 192: 1, 256: 1}[head_dim]
+        for fp8 in (False, True):  # an FP8 cache: 1-byte stages beside two 16-bit tiles
+            kernel = SplitKVAttention(cutlass.Float16 if fp8 else cutlass.BFloat16, head_dim, True, paged=True,
+                                      gather=gather, fp8=fp8, **spec.config_for(head_dim))
+            assert kernel.kv_stages == split_plan.kv_stages(spec, head_dim, gather, fp8), (head_dim, gather, fp8)
+    assert split_plan.ctas_per_sm(spec, head_dim, False) == 1
+    assert split_plan.ctas_per_sm(spec, head_dim, True) == {64: 3, 96: 2, 128: 2, 192: 1, 256: 1}[head_dim]
+    assert split_plan.ctas_per_sm(spec, head_dim, True, fp8=True) == {64: 4, 96: 3, 128: 2, 192: 1, 256: 1}[head_dim]
 
 
 def test_packed_cache_op_fake_shapes():

@@ -1,0 +1,126 @@
+"""The split plan of a call against a KV cache: how many CTAs share each sequence's keys, decided
+from host integers alone (no device read, so CUDA graphs replay it), and the SMEM plan of the
+KV-cache kernel (kernels/decode.py) that it depends on: how deep the K/V ring is and how many
+CTAs share an SM. `get_scheduler_metadata` is flash-attn 3's name for computing it ahead.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _checks, _dispatch, masking, registry
+
+# Pages of a multiple of the kernel's key block (tile_n = 64 rows) are read by TMA, one box per
+# block; any other page size by cp.async row gathers (kernels/common/paged.py).
+MAX_SPLITS = 64
+MIN_BLOCKS_PER_SPLIT = 4  # below this a split's fixed costs outweigh the keys it reads
+
+
+def num_splits_for(batch, heads_kv, q_tiles, capacity, sm_count, tile_n=64, ctas_per_sm=1) -> int:
+    """Splits of the key range so that batch x heads_kv x q_tiles x splits CTAs fill the SMs'
+    CTA slots (ctas_per_sm each: one for the TMA ring, which takes most of the SMEM), each split
+    keeping at least MIN_BLOCKS_PER_SPLIT key blocks of the cache's capacity. From shapes only: no
+    host sync."""
+    ctas, slots = batch * heads_kv * q_tiles, sm_count * ctas_per_sm
+    if ctas >= 0.8 * slots:
+        return 1
+    blocks = -(-capacity // tile_n)
+    # round down: one CTA past the slots would run alone in a second wave
+    return max(1, min(MAX_SPLITS, slots // ctas, blocks // MIN_BLOCKS_PER_SPLIT))
+
+
+SM_SMEM_BYTES = 233472  # shared memory of one sm_90 SM (228 KB); each resident CTA also reserves 1 KB
+CTA_SMEM_BYTES = 232448  # the most one CTA may use (227 KB; kernels/common/smem.py's SMEM_CAPACITY)
+
+
+def reads_by_gather(spec, page_size: int) -> bool:
+    """Pages that do not hold whole key blocks (tile_n rows) are read by cp.async row gathers, the
+    others by TMA, one box per block."""
+    return page_size % spec.config["tile_n"] != 0
+
+
+def smem_plan(spec, head_dim: int, gather: bool, fp8: bool = False) -> tuple[int, int, int]:
+    """(bytes beside the ring, K+V bytes per stage, stages) of s1's SMEM (kernels/decode.py; a CPU
+    test holds the stages equal to the kernel's): the ring as deep as SMEM allows beside the Q tile,
+    1 KB of barriers and (fp8) the two 16-bit tiles the GEMMs read, up to max_kv_stages; a gather
+    keeps gather_kv_stages. An FP8 cache's stages hold 1-byte elements."""
+    cfg = spec.config_for(head_dim)
+    tile = cfg["tile_n"] * head_dim
+    fixed = cfg["tile_m"] * head_dim * 2 + 1024 + (2 * tile * 2 if fp8 else 0)
+    kv_bytes = 2 * tile * (1 if fp8 else 2)
+    stages = min(cfg["max_kv_stages"], (CTA_SMEM_BYTES - fixed) // kv_bytes)
+    return fixed, kv_bytes, min(stages, cfg["gather_kv_stages"]) if gather else stages
+
+
+def kv_stages(spec, head_dim: int, gather: bool, fp8: bool = False) -> int:
+    """The K+V ring depth s1 compiles."""
+    return smem_plan(spec, head_dim, gather, fp8)[2]
+
+
+def ctas_per_sm(spec, head_dim: int, gather: bool, fp8: bool = False) -> int:
+    """How many s1 CTAs share an SM: the TMA ring fills one SM's SMEM (1); a row gather's short
+    ring leaves room for more (2 at d128), so that one CTA's copies, issued by its only
+    warpgroup, overlap another's math."""
+    if not gather:
+        return 1
+    fixed, kv_bytes, stages = smem_plan(spec, head_dim, True, fp8)
+    return max(1, SM_SMEM_BYTES // (fixed + stages * kv_bytes + 1024))
+
+
+def plan_splits(spec, batch: int, max_seqlen_q: int, heads_q: int, heads_kv: int, keys: int, mask,
+                sm_count: int, head_dim: int, gather: bool, fp8: bool = False) -> int:
+    """How many CTAs share each sequence's keys (num_splits=0), from host integers only: the
+    batch, the longest query run, the heads, the most keys a sequence holds (`keys`: the capacity,
+    or max_seqlen_k where the caller knows it), the SM count and how many CTAs an SM holds (head_dim;
+    gather: pages that are not a multiple of the key block; fp8: an FP8 cache). A window bounds the keys a query
+    sees, whatever the cache holds. This is the whole split plan: a captured graph replays it."""
+    q_tiles = -(-max(max_seqlen_q, 1) * (heads_q // heads_kv) // spec.config["tile_m"])
+    if mask.local:
+        keys = min(keys, mask.left + mask.right + max(max_seqlen_q, 1))
+    return num_splits_for(batch, heads_kv, q_tiles, keys, sm_count, spec.config["tile_n"],
+                          ctas_per_sm(spec, head_dim, gather, fp8))
+
+
+def get_scheduler_metadata(batch_size: int, max_seqlen_q: int, max_seqlen_k: int, num_heads_q: int,
+                           num_heads_kv: int, headdim: int, cache_seqlens: torch.Tensor,
+                           qkv_dtype=torch.bfloat16, headdim_v=None, cu_seqlens_q=None,
+                           cu_seqlens_k_new=None, cache_leftpad=None, page_size=None, max_seqlen_k_new=0,
+                           causal: bool = False, window_size=(-1, -1), has_softcap: bool = False,
+                           num_splits: int = 0, pack_gqa=None, sm_margin: int = 0) -> torch.Tensor:
+    """The split plan of a call against a KV cache, ahead of the call (flash-attn 3's name and
+    arguments, as vLLM calls it when it builds a step's metadata).
+
+    fa3's plan is a function of host integers only (plan_splits: batch, longest query run, heads,
+    most keys, window, SM count), so there is nothing to precompute on the device: a call with
+    these shapes and num_splits=0 derives the same count on the host, in microseconds, with no
+    device read, and a captured graph replays it. The plan is returned as an int32 tensor (1,) on
+    cache_seqlens' device holding the split count (num_splits if > 0), for code that keeps the
+    metadata in a buffer and passes it back as attention_varlen(..., scheduler_metadata=...),
+    which accepts and checks it. page_size (row gathers below 64) and qkv_dtype (float8_e4m3fn: an
+    FP8 cache) enter the plan; headdim_v, cu_seqlens_q, cu_seqlens_k_new, cache_leftpad,
+    max_seqlen_k_new and pack_gqa do not change it and are accepted for the signature."""
+    if headdim_v not in (None, headdim):
+        raise ValueError(f"headdim_v={headdim_v} != headdim={headdim}: fa3 needs the same head_dim for q, k, v")
+    if num_heads_kv <= 0 or num_heads_q % num_heads_kv:
+        raise ValueError(f"num_heads_q={num_heads_q} must be a multiple of num_heads_kv={num_heads_kv}")
+    masking.check_window(window_size, 1.0 if has_softcap else 0.0)
+    spec = _dispatch.memo_rung(_dispatch.family_rung, registry.KVCACHE, None, headdim, "q and the cache")
+    device = cache_seqlens.device
+    if num_splits <= 0:
+        mask = masking.masking(bool(causal), tuple(window_size), 1.0 if has_softcap else 0.0, 1.0)
+        sms = max(1, _checks.sm_count(device.index if device.index is not None else 0) - sm_margin)
+        gather = page_size is not None and reads_by_gather(spec, page_size)
+        num_splits = plan_splits(spec, batch_size, max_seqlen_q, num_heads_q, num_heads_kv, max_seqlen_k,
+                                 mask, sms, headdim, gather, qkv_dtype == torch.float8_e4m3fn)
+    return torch.full((1,), num_splits, dtype=torch.int32, device=device)
+
+
+def check_scheduler_metadata(metadata, q) -> None:
+    """What get_scheduler_metadata returns (or None): an int32 tensor on q's device."""
+    if metadata is None:
+        return
+    if not isinstance(metadata, torch.Tensor) or metadata.dtype != torch.int32 or metadata.numel() < 1 \
+            or metadata.device != getattr(q, "device", None):
+        raise ValueError(f"scheduler_metadata must be the int32 tensor fa3.get_scheduler_metadata returns, on "
+                         f"{q.device}, got {getattr(metadata, 'dtype', type(metadata).__name__)} "
+                         f"{tuple(getattr(metadata, 'shape', ()))} (or pass None: fa3 plans from shapes)")
