@@ -9,7 +9,10 @@ fa3 is timed both eager and replayed from a CUDA graph (what engines do; the dif
 overhead). The eager host checks of the index values copy cache_seqlens and block_table once and
 skip calls that pass the same unmodified tensors (a model's layers in one step): the "fa3" row; the
 "index values rewritten" row marks them modified before each call (every call copies and checks,
-as the first layer of a step does), and "no index checks" leaves the checks out. Cases (bf16, d128, GQA 32 query / 8 KV heads, one new query per sequence): batch 16 x 8k keys,
+as the first layer of a step does), and "no index checks" leaves the checks out; "FP8 cache" rows
+run the same call on q, k and v quantized to e4m3 per tensor, with descales (bf16 out; its "rel
+err" is the quantization's, against fa3's bf16). Cases (bf16, d128, GQA 32 query / 8 KV heads, one
+new query per sequence): batch 16 x 8k keys,
 batch 1 x 32k, batch 64 x 4k, each dense and paged (pages of 16, 64 and 256, permuted; 16 is
 vLLM's default and is read by row gathers, 64 and 256 by TMA). Every
 sequence holds the full number of keys. Each row prints the GPU time per call (CUDA events,
@@ -103,6 +106,11 @@ def runners(q, k, v, seqlens, table, peers):
         return call()
     out = {"fa3": call, "fa3 (index values rewritten)": call_rewritten,
            "fa3 (no index checks)": without_index_checks(call), "fa3 (graph)": graphed(call)}
+    # an FP8 cache (q, k, v quantized per tensor): the same call with descales, bf16 out
+    (q8, sq), (k8, sk), (v8, sv) = (fa3.quantize_fp8(x) for x in (q, k, v))
+    call8 = lambda: fa3.attention_with_kvcache(q8, k8, v8, cache_seqlens=seqlens, block_table=table,
+                                               q_descale=sq, k_descale=sk, v_descale=sv)
+    out.update({"fa3 FP8 cache": call8, "fa3 FP8 cache (graph)": graphed(call8)})
     if table is None:
         qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         for name, backend in (("sdpa-cudnn", "CUDNN_ATTENTION"), ("sdpa-flash", "FLASH_ATTENTION")):
@@ -282,7 +290,7 @@ def decode_rows(peers, gen):
                     print(f"  {name} failed: {reason}", flush=True)
                     records.append(dict(batch=batch, keys=keys, page_size=page_size, runner=name, error=reason))
                     continue
-                gbs = kv_bytes / (us * 1e-6) / 1e9
+                gbs = kv_bytes // (2 if "FP8" in name else 1) / (us * 1e-6) / 1e9  # (1-byte elements)
                 case = f"b{batch} x {keys // 1024}k " + ("dense" if page_size is None else f"page {page_size}")
                 row = [case, name, f"{us:.1f}", f"{gbs:.0f}", f"{gbs / copy_gbs:.0%}", f"{err:.1e}"]
                 print("  ".join(row), flush=True)

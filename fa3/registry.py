@@ -255,7 +255,9 @@ KERNELS: dict[str, KernelSpec] = {
             # deep as SMEM allows (memory-bound: bytes in flight are what matter). Queries may be
             # packed by cu_seqlens_q (varlen). Gathers keep 3 stages: at d <= 128 two or more CTAs then
             # share an SM, one's copies (issued by its only warpgroup) overlapping the other's math.
-            config={"tile_m": 64, "tile_n": 64, "max_kv_stages": 8, "gather_kv_stages": 3}, head_dims=HEAD_DIMS,
+            # An FP8 cache keeps 4 stages: two CTAs an SM up to d128 (kernels/decode.py).
+            config={"tile_m": 64, "tile_n": 64, "max_kv_stages": 8, "gather_kv_stages": 3, "fp8_kv_stages": 4},
+            head_dims=HEAD_DIMS,
             ptx_promises=("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait", "ex2.approx"),
             speed_rank=1, variants=("local", "softcap", "varlen", SINKS),
         ),

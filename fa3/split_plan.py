@@ -43,13 +43,17 @@ def smem_plan(spec, head_dim: int, gather: bool, fp8: bool = False) -> tuple[int
     """(bytes beside the ring, K+V bytes per stage, stages) of s1's SMEM (kernels/decode.py; a CPU
     test holds the stages equal to the kernel's): the ring as deep as SMEM allows beside the Q tile,
     1 KB of barriers and (fp8) the two 16-bit tiles the GEMMs read, up to max_kv_stages; a gather
-    keeps gather_kv_stages. An FP8 cache's stages hold 1-byte elements."""
+    keeps gather_kv_stages, an FP8 cache (1-byte elements) fp8_kv_stages."""
     cfg = spec.config_for(head_dim)
     tile = cfg["tile_n"] * head_dim
     fixed = cfg["tile_m"] * head_dim * 2 + 1024 + (2 * tile * 2 if fp8 else 0)
     kv_bytes = 2 * tile * (1 if fp8 else 2)
     stages = min(cfg["max_kv_stages"], (CTA_SMEM_BYTES - fixed) // kv_bytes)
-    return fixed, kv_bytes, min(stages, cfg["gather_kv_stages"]) if gather else stages
+    if gather:
+        stages = min(stages, cfg["gather_kv_stages"])
+    if fp8:
+        stages = min(stages, cfg["fp8_kv_stages"])
+    return fixed, kv_bytes, stages
 
 
 def kv_stages(spec, head_dim: int, gather: bool, fp8: bool = False) -> int:
@@ -58,12 +62,10 @@ def kv_stages(spec, head_dim: int, gather: bool, fp8: bool = False) -> int:
 
 
 def ctas_per_sm(spec, head_dim: int, gather: bool, fp8: bool = False) -> int:
-    """How many s1 CTAs share an SM: the TMA ring fills one SM's SMEM (1); a row gather's short
-    ring leaves room for more (2 at d128), so that one CTA's copies, issued by its only
-    warpgroup, overlap another's math."""
-    if not gather:
-        return 1
-    fixed, kv_bytes, stages = smem_plan(spec, head_dim, True, fp8)
+    """How many s1 CTAs share an SM: a bf16 TMA ring fills one SM's SMEM (1); a row gather's short
+    ring, or an FP8 cache's, leaves room for more (2 at d128), so that one CTA's copies or
+    conversions, issued by its only warpgroup, overlap another's math."""
+    fixed, kv_bytes, stages = smem_plan(spec, head_dim, gather, fp8)
     return max(1, SM_SMEM_BYTES // (fixed + stages * kv_bytes + 1024))
 
 

@@ -44,10 +44,17 @@ of one query; a chunk of a prompt, a longer one: one launch serves a serving eng
 
 An FP8 cache (`fp8`: q, k_cache and v_cache in float8_e4m3fn, with descales (batch, heads_kv)
 FP32) halves the bytes a decode reads. WGMMA's FP8 form wants V K-major (V^T), which a paged cache
-does not hold, so the consumers dequantize instead: each stage, once it lands, is converted by the
-warpgroup into one 16-bit K and one 16-bit V tile (fp16: every e4m3 value is exact there,
-cvt.rn.f16x2.e4m3x2 converts two at a time) and released at once, so the copy engine refills it
-while the GEMMs run from the converted tiles. Q is converted as it is gathered. q_descale x
+does not hold, so the warpgroup dequantizes instead: each landed stage is converted into one 16-bit
+K and one 16-bit V tile (fp16: every e4m3 value is exact there; cvt.rn.f16x2.e4m3x2 converts two
+at a time), the GEMMs read those, and the stage is released as soon as it is converted. The
+conversions are laid beside the GEMMs, per key block:
+
+    issue S = Q K^T -> convert V (under S) -> release the stage -> wait for S -> softmax ->
+    issue P V -> wait for the next stage, convert its K (under P V) -> wait for P V
+
+(no GEMM is in flight across the loop's back edge: ptxas serializes WGMMAs whose accumulators
+are carried there, C7514), and the ring is short (`fp8_kv_stages`) so that two CTAs share an SM
+up to d128, one's conversions running beside the other's GEMMs. Q is converted as it is gathered. q_descale x
 k_descale of the CTA's KV head folds into the score scale (with softcap: into the tanh's),
 v_descale into O's normalisation; the output is bf16 or fp16 (`out_dtype`).
 
@@ -63,6 +70,7 @@ from typing import Optional
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
+from cutlass.cute.nvgpu import warpgroup
 
 from .common import mask, mma, paged, pipeline, scheduler, seqlen, smem, softmax, tma
 
@@ -73,7 +81,7 @@ class SplitKVAttention:
     def __init__(self, dtype, head_dim: int, causal: bool, paged: bool = False, tile_m: int = 64,
                  tile_n: int = 64, max_kv_stages: int = 8, local: bool = False, softcap: bool = False,
                  gather: bool = False, varlen: bool = False, leftpad: bool = False, sinks: bool = False,
-                 gather_kv_stages: int = 3, fp8: bool = False, out_dtype=None):
+                 gather_kv_stages: int = 3, fp8: bool = False, out_dtype=None, fp8_kv_stages: int = 4):
         self.dtype, self.head_dim, self.causal, self.paged = dtype, head_dim, causal, paged
         # fp8: q and the cache in e4m3, dequantized in SMEM to `dtype` (fp16), the GEMMs' type
         self.fp8 = fp8
@@ -97,6 +105,8 @@ class SplitKVAttention:
         self.kv_stages = min(max_kv_stages, smem.stages_that_fit(kv_bytes, q_bytes + 1024 + converted_bytes))
         if self.gather:  # a short ring, so that CTAs share an SM (fa3.split_plan.ctas_per_sm)
             self.kv_stages = min(self.kv_stages, gather_kv_stages)
+        if fp8:  # likewise: two CTAs an SM up to d128, one's conversions beside the other's GEMMs
+            self.kv_stages = min(self.kv_stages, fp8_kv_stages)
 
     # ---------------------------------------------------------------- host side
     @cute.jit
@@ -246,24 +256,37 @@ class SplitKVAttention:
             ctx = self.compute_setup(sQ, sK, sV, tidx)
         kv_consumer = pipeline.consumer_state(self.kv_stages)
         row0 = m_block * self.tile_m
-        for j in cutlass.range(n_blocks, unroll=1):
-            n_block = last - j
-            valid_rows = seq.seqlen_k - n_block * self.tile_n
-            pipeline.consume_wait(kv_pipe, kv_consumer)
-            if cutlass.const_expr(self.fp8):
-                cute.arch.sync_threads()  # every warp's GEMMs of the last block have read sK16/sV16
-                self.dequantize(sK[None, None, kv_consumer.index], sK16[None, None, 0], tidx, self.tile_n)
-                self.dequantize(sV[None, None, kv_consumer.index], sV16[None, None, 0], tidx, valid_rows)
+        if cutlass.const_expr(self.fp8):
+            if n_blocks > 0:  # the first block's K
+                pipeline.consume_wait(kv_pipe, kv_consumer)
+                self.convert_k(sK, sK16, kv_consumer.index, tidx)
+            for j in cutlass.range(n_blocks, unroll=1):
+                n_block = last - j
+                acc_s = self.scores(ctx, 0, wait=-1)  # S under V's conversion
+                self.dequantize(sV[None, None, kv_consumer.index], sV16[None, None, 0], tidx,
+                                seq.seqlen_k - n_block * self.tile_n)
                 cute.arch.fence_proxy("async.shared", space="cta")  # generic writes, read by WGMMA
-                cute.arch.sync_threads()
                 kv_consumer = pipeline.release(kv_pipe, kv_consumer)  # refilled while the GEMMs run
                 if self.is_kv_producer(warp_idx) and kv_producer.count < n_blocks:
                     kv_producer = self.load_kv(kv_producer, last - kv_producer.count, *loads)
-                self.compute_tile(ctx, 0, m_block, n_block, group, seq, scale_log2, window, softcap_scale)
-            else:
+                warpgroup.wait_group(0)
+                p = self.softmax_step(ctx, acc_s, m_block, n_block, group, seq, scale_log2, window,
+                                      softcap_scale)
+                cute.arch.sync_threads()  # every thread's share of sV16 written, every warp's S done
+                self.accumulate(ctx, p, 0, wait=-1)  # P V under the next K's conversion
+                if j + 1 < n_blocks:
+                    pipeline.consume_wait(kv_pipe, kv_consumer)
+                    self.convert_k(sK, sK16, kv_consumer.index, tidx)
+                warpgroup.wait_group(0)
+                cute.arch.sync_threads()  # every warp's P V done: sV16 is free
+        else:
+            for j in cutlass.range(n_blocks, unroll=1):
+                n_block = last - j
+                pipeline.consume_wait(kv_pipe, kv_consumer)
                 if cutlass.const_expr(self.gather):  # cp.async wrote the stage (generic proxy): WGMMA reads it
                     cute.arch.fence_proxy("async.shared", space="cta")
-                self.zero_rows_past_end(sV[None, None, kv_consumer.index], valid_rows, tidx)
+                self.zero_rows_past_end(sV[None, None, kv_consumer.index], seq.seqlen_k - n_block * self.tile_n,
+                                        tidx)
                 self.compute_tile(ctx, kv_consumer.index, m_block, n_block, group, seq, scale_log2, window,
                                   softcap_scale)
                 kv_consumer = pipeline.release(kv_pipe, kv_consumer)
@@ -340,6 +363,14 @@ class SplitKVAttention:
             cute.arch.sync_threads()
 
     @cute.jit
+    def convert_k(self, sK: cute.Tensor, sK16: cute.Tensor, stage: Int32, tidx: Int32):
+        """The landed K tile of `stage` into sK16, visible to every warp's WGMMA when this returns
+        (sK16 must be free: the last S done by every warp)."""
+        self.dequantize(sK[None, None, stage], sK16[None, None, 0], tidx, self.tile_n)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.sync_threads()
+
+    @cute.jit
     def dequantize(self, src: cute.Tensor, dst: cute.Tensor, tidx: Int32, valid_rows: Int32):
         """FP8 stage tile -> the 16-bit tile the GEMMs read (both (tile_n, d), swizzled): each thread
         converts 8-element chunks (an 8-byte load, four cvt.rn.f16x2.e4m3x2, a 16-byte store), by
@@ -386,8 +417,21 @@ class SplitKVAttention:
     @cute.jit
     def compute_tile(self, ctx, stage, m_block: Int32, n_block: Int32, group: Int32, seq,
                      scale_log2: Float32, window, softcap_scale: Float32):
+        acc_s = self.scores(ctx, stage, wait=0)
+        p = self.softmax_step(ctx, acc_s, m_block, n_block, group, seq, scale_log2, window, softcap_scale)
+        self.accumulate(ctx, p, stage, wait=0)
+
+    @cute.jit
+    def scores(self, ctx, stage, wait: cutlass.Constexpr[int]):
+        """S = Q K^T of the K tile at `stage` (issued; waited for as mma.gemm's `wait` says)."""
         acc_s = cute.make_rmem_tensor(ctx.thr_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
-        mma.gemm(ctx.qk, acc_s, ctx.tSrQ, ctx.tSrK[None, None, None, stage], zero_init=True, wait=0)
+        mma.gemm(ctx.qk, acc_s, ctx.tSrQ, ctx.tSrK[None, None, None, stage], zero_init=True, wait=wait)
+        return acc_s
+
+    @cute.jit
+    def softmax_step(self, ctx, acc_s, m_block: Int32, n_block: Int32, group: Int32, seq,
+                     scale_log2: Float32, window, softcap_scale: Float32):
+        """Cap and mask S, update the running max and sum, rescale O; returns P in the GEMM type."""
         s_mn = mma.rows_cols(acc_s)
         if cutlass.const_expr(self.softcap):
             softmax.softcap(s_mn, softcap_scale)
@@ -397,8 +441,12 @@ class SplitKVAttention:
                        seq.seqlen_k, self.causal, rows_per_query=group, window=window)
         softmax.rescale(mma.rows_cols(ctx.acc_o),
                         softmax.online_update(s_mn, ctx.row_max, ctx.row_sum, scale_log2, 4))
-        p = mma.to_dtype(acc_s, self.dtype)
-        mma.gemm(ctx.pv, ctx.acc_o, mma.as_a_operand(p), ctx.tOrVt[None, None, None, stage], wait=0)
+        return mma.to_dtype(acc_s, self.dtype)
+
+    @cute.jit
+    def accumulate(self, ctx, p, stage, wait: cutlass.Constexpr[int]):
+        """O += P V of the V tile at `stage`."""
+        mma.gemm(ctx.pv, ctx.acc_o, mma.as_a_operand(p), ctx.tOrVt[None, None, None, stage], wait=wait)
 
     # ---------------------------------------------------------------- epilogue
     @cute.jit
