@@ -75,6 +75,17 @@ elif case == "kvcache-gather":  # pages of 16 (cp.async row gathers), decodes an
         cu = i32([0, 1, 65, 66, 100])  # a decode, a 64-token chunk, a decode, a 34-token chunk
         outs.append(fa3.attention_varlen(rand(100, 16, 128), *pages, cu, None, 64, 4000, causal=True,
                                          block_table=table, seqused_k=lengths, num_splits=splits))
+elif case == "kvcache-fp8":  # an FP8 cache: pages of 64 (TMA) and of 16 (gathers), descales per head
+    f8 = lambda t: t.to(torch.float8_e4m3fn)
+    lengths = i32([4000, 1, 300, 2047])
+    scales = [torch.rand(4, 2, device="cuda", generator=g) + 0.5 for _ in range(3)]
+    for page in (64, 16):
+        pages = f8(rand(4096 // page * 4, page, 2, 128)), f8(rand(4096 // page * 4, page, 2, 128))
+        table = torch.randperm(4096 // page * 4, device="cuda").to(torch.int32).view(4, -1)
+        for splits in (1, 0):
+            outs.append(fa3.attention_with_kvcache(f8(rand(4, 2, 16, 128)), *pages, cache_seqlens=lengths,
+                                                   block_table=table, causal=True, num_splits=splits,
+                                                   q_descale=scales[0], k_descale=scales[1], v_descale=scales[2]))
 elif case == "gemm":  # 512 tiles of 128 x 256
     a, b = rand(4096, 256), rand(256, 4096)
     for kernel in fa3.available_kernels("gemm"):
@@ -101,7 +112,7 @@ print("done")
 '''
 
 RACE_CASES = ["forward-causal", "forward-causal-d64", "forward", "varlen", "kvcache", "kvcache-gather", "gemm",
-              "fp8", "fp8-gemm"]
+              "fp8", "fp8-gemm", "kvcache-fp8"]
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -145,7 +156,7 @@ index_checks.values_checkable = lambda device: False  # as under capture: no hos
 ''' + INDEX_PROBLEMS + r'''
 entry, argument, index, value = json.loads(sys.argv[1])
 index = tuple(index) if isinstance(index, list) else index
-fp8 = entry.startswith("fp8")  # the FP8 forward's packed batch (its V^T kernel included)
+fp8 = entry.startswith("fp8")  # the FP8 forward's packed batch (its V^T kernel included), an FP8 cache
 (q, k, v), args = index_problem(entry.removeprefix("fp8"))
 args[argument][index] = value
 if fp8:
@@ -179,6 +190,9 @@ MEM_CASES = {
     "paged-seqlens-past-capacity": ("paged", "cache_seqlens", 1, 100000),
     "paged-table-past-pool": ("paged", "block_table", [1, 0], 100000),
     "paged-table-negative": ("paged", "block_table", [1, 1], -7),
+    "fp8-paged-seqlens-past-capacity": ("fp8paged", "cache_seqlens", 1, 100000),
+    "fp8-paged-table-past-pool": ("fp8paged", "block_table", [1, 0], 100000),
+    "fp8-paged16-table-negative": ("fp8paged16", "block_table", [1, 1], -7),
 }
 
 
