@@ -100,13 +100,14 @@ class SplitKVAttention:
         q_bytes = tile_m * head_dim * 2
         kv_bytes = 2 * tile_n * head_dim * self.cache_dtype.width // 8  # a K and a V tile per stage
         # fp8: the 16-bit K and V tiles the GEMMs read (one of each)
-        self.converted_elems = tile_n * head_dim if fp8 else 64
         converted_bytes = 2 * tile_n * head_dim * 2 if fp8 else 0
         self.kv_stages = min(max_kv_stages, smem.stages_that_fit(kv_bytes, q_bytes + 1024 + converted_bytes))
         if self.gather:  # a short ring, so that CTAs share an SM (fa3.split_plan.ctas_per_sm)
             self.kv_stages = min(self.kv_stages, gather_kv_stages)
         if fp8:  # likewise: two CTAs an SM up to d128, one's conversions beside the other's GEMMs
             self.kv_stages = min(self.kv_stages, fp8_kv_stages)
+        # what fa3.split_plan counts (its CTAs an SM): SharedStorage may not outgrow it
+        self.planned_smem_bytes = q_bytes + 1024 + converted_bytes + self.kv_stages * kv_bytes
 
     # ---------------------------------------------------------------- host side
     @cute.jit
@@ -146,22 +147,36 @@ class SplitKVAttention:
             tma_k, tK = tma.make_load(tma.seq_major(mK), sKV_layout, tile_kv)
             tma_v, tV = tma.make_load(tma.seq_major(mV), sKV_layout, tile_kv)
 
-        @cute.struct
-        class SharedStorage:
-            kv_barriers: cute.struct.MemRange[Int64, 2 * self.kv_stages]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.cache_dtype, cute.cosize(sKV_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.cache_dtype, cute.cosize(sKV_layout)], 1024]
-            sK16: cute.struct.Align[cute.struct.MemRange[self.dtype, self.converted_elems], 1024]
-            sV16: cute.struct.Align[cute.struct.MemRange[self.dtype, self.converted_elems], 1024]
-
+        SharedStorage = self.shared_storage(sQ_layout, sKV_layout, sKV16_layout)
         smem.check_budget(SharedStorage.size_in_bytes(),
                           f"S1 with kv_stages={self.kv_stages}, tile_n={self.tile_n}, d={self.head_dim}")
+        # what fa3.split_plan counts: two CTAs an SM must still fit
+        smem.check_plan(SharedStorage.size_in_bytes(), self.planned_smem_bytes, "S1")
         self.kernel(mQ, tma_k, tK, tma_v, tV, mCacheSeqlens, mBlockTable, mO, mLSE, mOacc, mLSEacc,
                     scale_log2, appended, window_left, window_right, softcap_scale, mCuSeqlensQ,
                     mLeftpad, mSinks, (mQDescale, mKDescale, mVDescale), sQ_layout, sKV_layout,
                     sKV16_layout, SharedStorage).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream)
+
+    def shared_storage(self, sQ_layout, sKV_layout, sKV16_layout):
+        """The SMEM struct: barriers, Q, the K/V ring, and (fp8 only: every byte counts when two
+        CTAs share an SM) the 16-bit K and V tiles the GEMMs read."""
+        @cute.struct
+        class Storage:
+            kv_barriers: cute.struct.MemRange[Int64, 2 * self.kv_stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.cache_dtype, cute.cosize(sKV_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.cache_dtype, cute.cosize(sKV_layout)], 1024]
+
+        if not self.fp8:
+            return Storage
+
+        @cute.struct
+        class Fp8Storage:
+            ring: Storage
+            sK16: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV16_layout)], 1024]
+            sV16: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV16_layout)], 1024]
+        return Fp8Storage
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
@@ -205,6 +220,9 @@ class SplitKVAttention:
                 tma.prefetch(tma_k, tma_v)
 
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        converted = storage  # (fp8: the 16-bit tiles, beside the ring)
+        if cutlass.const_expr(self.fp8):
+            storage = storage.ring
         if cutlass.const_expr(self.gather):
             kv_pipe = pipeline.create_gather(storage.kv_barriers.data_ptr(), self.kv_stages,
                                              self.num_threads)
@@ -249,8 +267,8 @@ class SplitKVAttention:
             self.load_q(mQ, sQ, tidx, m_block, head_kv, group, q_plane, seq)
 
         if cutlass.const_expr(self.fp8):  # the GEMMs read the converted tiles
-            sK16 = storage.sK16.get_tensor(sKV16_layout.outer, swizzle=sKV16_layout.inner)
-            sV16 = storage.sV16.get_tensor(sKV16_layout.outer, swizzle=sKV16_layout.inner)
+            sK16 = converted.sK16.get_tensor(sKV16_layout.outer, swizzle=sKV16_layout.inner)
+            sV16 = converted.sV16.get_tensor(sKV16_layout.outer, swizzle=sKV16_layout.inner)
             ctx = self.compute_setup(sQ, sK16, sV16, tidx)
         else:
             ctx = self.compute_setup(sQ, sK, sV, tidx)

@@ -55,3 +55,11 @@ def check_budget(num_bytes: int, what: str) -> None:
     if num_bytes > SMEM_CAPACITY:
         raise ValueError(f"{what} needs {num_bytes} bytes of shared memory but a Hopper CTA has "
                          f"{SMEM_CAPACITY} (227 KB): use fewer stages or smaller tiles")
+
+
+def check_plan(num_bytes: int, planned_bytes: int, what: str) -> None:
+    """Refuse, at compile time, a struct larger than the bytes the host's plan counts (a kernel
+    whose CTAs share an SM by that count: one byte more and they would not)."""
+    if num_bytes > planned_bytes:
+        raise ValueError(f"{what}'s SMEM ({num_bytes} bytes) outgrew the host's plan ({planned_bytes}): "
+                         "update the plan (fa3.split_plan) with it")
