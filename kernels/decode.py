@@ -260,10 +260,9 @@ class SplitKVAttention:
 
         kv_producer = pipeline.producer_state(self.kv_stages)
         loads = (kv_pipe, tma_k, mK, tma_v, mV, sK, sV, mBlockTable, head_kv, batch, seq, tidx)
-        plane = self.block_plane(mBlockTable, batch, last, mK)  # the first block's (read one ahead)
         if self.is_kv_producer(warp_idx):
             for _ in cutlass.range(cutlass.min(self.kv_stages, n_blocks), unroll=1):
-                kv_producer, plane = self.load_kv(kv_producer, last - kv_producer.count, plane, *loads)
+                kv_producer = self.load_kv(kv_producer, last - kv_producer.count, *loads)
         if n_blocks > 0:  # (CTA-uniform: the gather syncs the CTA)
             self.load_q(mQ, sQ, tidx, m_block, head_kv, group, q_plane, seq)
 
@@ -287,7 +286,7 @@ class SplitKVAttention:
                 cute.arch.fence_proxy("async.shared", space="cta")  # generic writes, read by WGMMA
                 kv_consumer = pipeline.release(kv_pipe, kv_consumer)  # refilled while the GEMMs run
                 if self.is_kv_producer(warp_idx) and kv_producer.count < n_blocks:
-                    kv_producer, plane = self.load_kv(kv_producer, last - kv_producer.count, plane, *loads)
+                    kv_producer = self.load_kv(kv_producer, last - kv_producer.count, *loads)
                 warpgroup.wait_group(0)
                 p = self.softmax_step(ctx, acc_s, m_block, n_block, group, seq, scale_log2, window,
                                       softcap_scale)
@@ -310,7 +309,7 @@ class SplitKVAttention:
                                   softcap_scale)
                 kv_consumer = pipeline.release(kv_pipe, kv_consumer)
                 if self.is_kv_producer(warp_idx) and kv_producer.count < n_blocks:  # refill the stage just freed
-                    kv_producer, plane = self.load_kv(kv_producer, last - kv_producer.count, plane, *loads)
+                    kv_producer = self.load_kv(kv_producer, last - kv_producer.count, *loads)
         if self.is_kv_producer(warp_idx):
             pipeline.tail(kv_pipe, kv_producer)
         self.store(ctx, mO, mLSE, mOacc, mLSEacc, mSinks, split, num_splits, row0, head_kv, group,
@@ -322,42 +321,30 @@ class SplitKVAttention:
 
     # ---------------------------------------------------------------- loads
     @cute.jit
-    def block_plane(self, mBlockTable: cute.Tensor, batch: Int32, n_block: Int32, mK: cute.Tensor) -> Int32:
-        """The plane holding key block n_block: its page (pages of whole blocks, the table entry
-        clamped to the sequence's first), or the batch entry (dense; gathers read their own)."""
-        plane = batch
-        if cutlass.const_expr(self.paged and not self.gather):
-            plane = paged.block_page(mBlockTable, batch, cutlass.max(n_block, 0), self.tile_n, mK.shape[0],
-                                     mK.shape[3])
-        return plane
-
-    @cute.jit
-    def load_kv(self, state, n_block: Int32, plane: Int32, kv_pipe, tma_k, mK, tma_v, mV, sK, sV, mBlockTable,
+    def load_kv(self, state, n_block: Int32, kv_pipe, tma_k, mK, tma_v, mV, sK, sV, mBlockTable,
                 head_kv: Int32, batch: Int32, seq, tidx: Int32):
         """Key block n_block of this entry into the next stage: one TMA box per tensor at (row
         tile, head, plane) of the dense cache (plane = batch entry; left-padded: rows from
-        seq.offset_k) or the paged one (plane = its page, block_plane's), or (gather) cp.async
-        copies of the block's rows from their pages. Returns the state and the plane of block
-        n_block - 1, the next one loaded: its table entry is read here, a block ahead, so that the
-        read's latency does not stand between a freed stage and its TMA."""
+        seq.offset_k) or the paged one (plane = its page), or (gather) cp.async copies of the
+        block's rows from their pages."""
         if cutlass.const_expr(self.gather):
             gather = paged.RowGather(self.cache_dtype, self.tile_n, self.head_dim, self.num_threads)
             rows = gather.locate(tidx, mBlockTable, batch, n_block, seq.seqlen_k, mK.shape[0], mK.shape[3])
             copies = lambda stage: gather.copy(tidx, rows, [
                 (mK[None, None, head_kv, None], sK[None, None, stage]),
                 (mV[None, None, head_kv, None], sV[None, None, stage])])
-            return pipeline.produce_copies(kv_pipe, state, copies), plane
-        row_tile = n_block
+            return pipeline.produce_copies(kv_pipe, state, copies)
+        plane, row_tile = batch, n_block
         if cutlass.const_expr(self.paged):
-            row_tile = n_block % (mK.shape[0] // self.tile_n)  # the block within its page
+            plane, row_tile = paged.block_page(mBlockTable, batch, n_block, self.tile_n, mK.shape[0],
+                                               mK.shape[3])
         tile_kv = (self.tile_n, self.head_dim)
         gK, gV = mK[None, None, head_kv, plane], mV[None, None, head_kv, plane]
         if cutlass.const_expr(self.leftpad):  # TMA boxes start at any row
             gK, gV = cute.domain_offset((seq.offset_k, 0), gK), cute.domain_offset((seq.offset_k, 0), gV)
         tKsK, tKgK = tma.partition(tma_k, cute.local_tile(gK, tile_kv, (None, 0)), sK)
         tVsV, tVgV = tma.partition(tma_v, cute.local_tile(gV, tile_kv, (None, 0)), sV)
-        next_plane = self.block_plane(mBlockTable, batch, n_block - 1, mK)
-        return pipeline.produce(kv_pipe, state, row_tile, [(tma_k, tKgK, tKsK), (tma_v, tVgV, tVsV)]), next_plane
+        return pipeline.produce(kv_pipe, state, row_tile, [(tma_k, tKgK, tKsK), (tma_v, tVgV, tVsV)])
 
     @cute.jit
     def load_q(self, mQ: cute.Tensor, sQ: cute.Tensor, tidx: Int32, m_block: Int32, head_kv: Int32,

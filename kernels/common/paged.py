@@ -41,10 +41,10 @@ def key_location(mBlockTable: cute.Tensor, batch: Int32, key: Int32, page_size: 
 
 @cute.jit
 def block_page(mBlockTable: cute.Tensor, batch: Int32, n_block: Int32, tile_n: cutlass.Constexpr,
-               page_size: Int32, num_pages: Int32) -> Int32:
-    """The page holding key block n_block, for pages holding whole blocks (the block is number
-    n_block % (page_size // tile_n) within it)."""
-    return page_of(mBlockTable, batch, n_block // (page_size // tile_n), num_pages)
+               page_size: Int32, num_pages: Int32):
+    """(page, block within the page) of key block n_block, for pages holding whole blocks."""
+    blocks_per_page = page_size // tile_n
+    return page_of(mBlockTable, batch, n_block // blocks_per_page, num_pages), n_block % blocks_per_page
 
 
 class RowGather:
