@@ -9,7 +9,7 @@ q_descale is per KV head (one scale for the query heads of a group). The output 
 dtype, bf16 or fp16); causal, GQA, the LSE, sliding windows and softcap are as in bf16. Forward
 only: q, k or v that require grad are refused. fa3.quantize_fp8 makes the inputs and scales.
 Packed batches (fa3.attention_varlen, flash_attn_varlen_func) take the same arguments, descales
-(sequences, heads_kv); an FP8 KV cache is not supported yet.
+(sequences, heads_kv); an FP8 KV cache is fa3.attention_with_kvcache's (fa3.kvcache).
 
 The kernel's V is V^T, (batch, heads_kv, d, keys padded to 16) with the keys permuted inside each
 16 (transpose_v: the order in which each thread packs P into the FP8 A operand, kernels/k5_fp8.py):

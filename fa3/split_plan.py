@@ -74,8 +74,9 @@ def plan_splits(spec, batch: int, max_seqlen_q: int, heads_q: int, heads_kv: int
     """How many CTAs share each sequence's keys (num_splits=0), from host integers only: the
     batch, the longest query run, the heads, the most keys a sequence holds (`keys`: the capacity,
     or max_seqlen_k where the caller knows it), the SM count and how many CTAs an SM holds (head_dim;
-    gather: pages that are not a multiple of the key block; fp8: an FP8 cache). A window bounds the keys a query
-    sees, whatever the cache holds. This is the whole split plan: a captured graph replays it."""
+    gather: pages that are not a multiple of the key block; fp8: an FP8 cache). A window bounds the
+    keys a query sees, whatever the cache holds. This is the whole split plan: a captured graph
+    replays it."""
     q_tiles = -(-max(max_seqlen_q, 1) * (heads_q // heads_kv) // spec.config["tile_m"])
     if mask.local:
         keys = min(keys, mask.left + mask.right + max(max_seqlen_q, 1))
