@@ -254,10 +254,12 @@ def _build_kvcache(spec, dtype, head_dim, causal, paged=False, local=False, soft
     # an FP8 cache (and q): dequantized in SMEM to fp16 for the GEMMs, O in out_dtype (bf16 default)
     fp8 = dtype == torch.float8_e4m3fn
     out_dtype = out_dtype or (torch.bfloat16 if fp8 else dtype)
-    kernel = spec.load_class()(dtype=sig.cute_dtype(torch.float16 if fp8 else dtype), head_dim=head_dim,
-                               causal=causal, paged=paged, local=local, softcap=softcap, gather=gather,
-                               varlen=varlen, leftpad=leftpad, sinks=sinks, fp8=fp8,
-                               out_dtype=sig.cute_dtype(out_dtype), **spec.config_for(head_dim))
+    cls = spec.load_class()
+    if fp8:  # s1 plus dequantization in SMEM
+        from .kernels.decode_fp8 import Fp8SplitKVAttention as cls
+    kernel = cls(dtype=sig.cute_dtype(torch.float16 if fp8 else dtype), head_dim=head_dim, causal=causal,
+                 paged=paged, local=local, softcap=softcap, gather=gather, varlen=varlen, leftpad=leftpad,
+                 sinks=sinks, out_dtype=sig.cute_dtype(out_dtype), **spec.config_for(head_dim))
     return _compile_kernel(kernel, sig.kvcache_args(dtype, head_dim, out_dtype), extra_options)
 
 

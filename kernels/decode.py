@@ -9,7 +9,8 @@ is reading K and V once, at memory speed. Two ideas make that possible on 132 SM
   per query head. Q is gathered into SMEM by plain loads (its rows are not one TMA box).
 * **Split-KV.** When batch x heads_kv x Q tiles cannot fill the SMs, CTA `split` of `num_splits`
   takes an equal share of the key blocks and writes an FP32 partial O and its LSE; a combine kernel
-  (`SplitKVCombine`, kernels/combine.py) merges the partials: LSE = log sum_i exp(lse_i), O = sum_i exp(lse_i - LSE) O_i.
+  (`SplitKVCombine`, kernels/combine.py) merges the partials: LSE = log sum_i exp(lse_i),
+  O = sum_i exp(lse_i - LSE) O_i.
   With one split the kernel writes O and LSE directly.
 * **Sinks** (a compile-time variant): each query head's sink logit joins the row's denominator
   once: in the epilogue's softmax.finalize with one split, else in the combine, as one more
@@ -42,21 +43,8 @@ group / tile_m) + batch)) leaves a few tiles with no rows, which load and store 
 the partials are stored at the entry's rows, so one combine serves both layouts. A decode is an entry
 of one query; a chunk of a prompt, a longer one: one launch serves a serving engine's whole step.
 
-An FP8 cache (`fp8`: q, k_cache and v_cache in float8_e4m3fn, with descales (batch, heads_kv)
-FP32) halves the bytes a decode reads. WGMMA's FP8 form wants V K-major (V^T), which a paged cache
-does not hold, so the warpgroup dequantizes instead: each landed stage is converted into one 16-bit
-K and one 16-bit V tile (fp16: every e4m3 value is exact there; cvt.rn.f16x2.e4m3x2 converts two
-at a time), the GEMMs read those, and the stage is released as soon as it is converted. The
-conversions are laid beside the GEMMs, per key block:
-
-    issue S = Q K^T -> convert V (under S) -> release the stage -> wait for S -> softmax ->
-    issue P V -> wait for the next stage, convert its K (under P V) -> wait for P V
-
-(no GEMM is in flight across the loop's back edge: ptxas serializes WGMMAs whose accumulators
-are carried there, C7514), and the ring is short (`fp8_kv_stages`) so that two CTAs share an SM
-up to d128, one's conversions running beside the other's GEMMs. Q is converted as it is gathered. q_descale x
-k_descale of the CTA's KV head folds into the score scale (with softcap: into the tanh's),
-v_descale into O's normalisation; the output is bf16 or fp16 (`out_dtype`).
+An FP8 cache is S1 plus one idea, dequantizing in SMEM: `Fp8SplitKVAttention`
+(kernels/decode_fp8.py).
 
 Values no host check has seen (a CUDA graph replayed with new lengths or pages) cannot send a load
 outside the cache: lengths are clamped to [0, capacity] (capacity: the dense cache's rows, or
@@ -70,22 +58,21 @@ from typing import Optional
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
-from cutlass.cute.nvgpu import warpgroup
 
 from .common import mask, mma, paged, pipeline, scheduler, seqlen, smem, softmax, tma
 
-CONVERT_ELEMS = 8  # elements one thread dequantizes at a time: 8 bytes of e4m3 in, 16 bytes out
 
 
 class SplitKVAttention:
+    fp8 = False  # an FP8 cache: Fp8SplitKVAttention (kernels/decode_fp8.py)
+
     def __init__(self, dtype, head_dim: int, causal: bool, paged: bool = False, tile_m: int = 64,
                  tile_n: int = 64, max_kv_stages: int = 8, local: bool = False, softcap: bool = False,
                  gather: bool = False, varlen: bool = False, leftpad: bool = False, sinks: bool = False,
-                 gather_kv_stages: int = 3, fp8: bool = False, out_dtype=None, fp8_kv_stages: int = 4):
+                 gather_kv_stages: int = 3, out_dtype=None, fp8_kv_stages: int = 4):
         self.dtype, self.head_dim, self.causal, self.paged = dtype, head_dim, causal, paged
         # fp8: q and the cache in e4m3, dequantized in SMEM to `dtype` (fp16), the GEMMs' type
-        self.fp8 = fp8
-        self.cache_dtype = cutlass.Float8E4M3FN if fp8 else dtype
+        self.cache_dtype = cutlass.Float8E4M3FN if self.fp8 else dtype
         self.out_dtype = out_dtype or dtype
         # a sliding window (mask.py), capped scores, attention sinks (softmax.finalize)
         self.local, self.softcap, self.sinks = local, softcap, sinks
@@ -100,11 +87,11 @@ class SplitKVAttention:
         q_bytes = tile_m * head_dim * 2
         kv_bytes = 2 * tile_n * head_dim * self.cache_dtype.width // 8  # a K and a V tile per stage
         # fp8: the 16-bit K and V tiles the GEMMs read (one of each)
-        converted_bytes = 2 * tile_n * head_dim * 2 if fp8 else 0
+        converted_bytes = 2 * tile_n * head_dim * 2 if self.fp8 else 0
         self.kv_stages = min(max_kv_stages, smem.stages_that_fit(kv_bytes, q_bytes + 1024 + converted_bytes))
         if self.gather:  # a short ring, so that CTAs share an SM (fa3.split_plan.ctas_per_sm)
             self.kv_stages = min(self.kv_stages, gather_kv_stages)
-        if fp8:  # likewise: two CTAs an SM up to d128, one's conversions beside the other's GEMMs
+        if self.fp8:  # likewise: two CTAs an SM up to d128, one's conversions beside the other's GEMMs
             self.kv_stages = min(self.kv_stages, fp8_kv_stages)
         # what fa3.split_plan counts (its CTAs an SM): SharedStorage may not outgrow it
         self.planned_smem_bytes = q_bytes + 1024 + converted_bytes + self.kv_stages * kv_bytes
@@ -159,24 +146,18 @@ class SplitKVAttention:
             grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     def shared_storage(self, sQ_layout, sKV_layout, sKV16_layout):
-        """The SMEM struct: barriers, Q, the K/V ring, and (fp8 only: every byte counts when two
-        CTAs share an SM) the 16-bit K and V tiles the GEMMs read."""
+        """The SMEM struct: barriers, Q and the K/V ring (sKV16_layout: the FP8 subclass's)."""
         @cute.struct
         class Storage:
             kv_barriers: cute.struct.MemRange[Int64, 2 * self.kv_stages]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.cache_dtype, cute.cosize(sKV_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.cache_dtype, cute.cosize(sKV_layout)], 1024]
+        return Storage
 
-        if not self.fp8:
-            return Storage
-
-        @cute.struct
-        class Fp8Storage:
-            ring: Storage
-            sK16: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV16_layout)], 1024]
-            sV16: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV16_layout)], 1024]
-        return Fp8Storage
+    def ring_storage(self, storage):
+        """The struct's barriers, Q and ring."""
+        return storage
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
@@ -219,10 +200,8 @@ class SplitKVAttention:
             if warp_idx == 0:
                 tma.prefetch(tma_k, tma_v)
 
-        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
-        converted = storage  # (fp8: the 16-bit tiles, beside the ring)
-        if cutlass.const_expr(self.fp8):
-            storage = storage.ring
+        whole = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        storage = self.ring_storage(whole)
         if cutlass.const_expr(self.gather):
             kv_pipe = pipeline.create_gather(storage.kv_barriers.data_ptr(), self.kv_stages,
                                              self.num_threads)
@@ -235,15 +214,7 @@ class SplitKVAttention:
         sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
 
         window = (window_left, window_right) if cutlass.const_expr(self.local) else None
-        o_scale = Float32(1.0)
-        if cutlass.const_expr(self.fp8):  # the KV head's descales (one sequence, one KV head a CTA)
-            q_descale, k_descale, v_descale = descales
-            qk_descale = q_descale[batch, head_kv] * k_descale[batch, head_kv]
-            o_scale = v_descale[batch, head_kv]
-            if cutlass.const_expr(self.softcap):
-                softcap_scale = softcap_scale * qk_descale
-            else:
-                scale_log2 = scale_log2 * qk_descale
+        scale_log2, softcap_scale, o_scale = self.fold_descales(descales, batch, head_kv, scale_log2, softcap_scale)
         # this split's share of the key blocks the tile sees (none when the tile holds no query)
         blocks_end = mask.n_block_max(m_block, self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k,
                                       self.causal, rows_per_query=group, window=window)
@@ -266,54 +237,45 @@ class SplitKVAttention:
         if n_blocks > 0:  # (CTA-uniform: the gather syncs the CTA)
             self.load_q(mQ, sQ, tidx, m_block, head_kv, group, q_plane, seq)
 
-        if cutlass.const_expr(self.fp8):  # the GEMMs read the converted tiles
-            sK16 = converted.sK16.get_tensor(sKV16_layout.outer, swizzle=sKV16_layout.inner)
-            sV16 = converted.sV16.get_tensor(sKV16_layout.outer, swizzle=sKV16_layout.inner)
-            ctx = self.compute_setup(sQ, sK16, sV16, tidx)
-        else:
-            ctx = self.compute_setup(sQ, sK, sV, tidx)
-        kv_consumer = pipeline.consumer_state(self.kv_stages)
         row0 = m_block * self.tile_m
-        if cutlass.const_expr(self.fp8):
-            if n_blocks > 0:  # the first block's K
-                pipeline.consume_wait(kv_pipe, kv_consumer)
-                self.convert_k(sK, sK16, kv_consumer.index, tidx)
-            for j in cutlass.range(n_blocks, unroll=1):
-                n_block = last - j
-                acc_s = self.scores(ctx, 0, wait=-1)  # S under V's conversion
-                self.dequantize(sV[None, None, kv_consumer.index], sV16[None, None, 0], tidx,
-                                seq.seqlen_k - n_block * self.tile_n)
-                cute.arch.fence_proxy("async.shared", space="cta")  # generic writes, read by WGMMA
-                kv_consumer = pipeline.release(kv_pipe, kv_consumer)  # refilled while the GEMMs run
-                if self.is_kv_producer(warp_idx) and kv_producer.count < n_blocks:
-                    kv_producer = self.load_kv(kv_producer, last - kv_producer.count, *loads)
-                warpgroup.wait_group(0)
-                p = self.softmax_step(ctx, acc_s, m_block, n_block, group, seq, scale_log2, window,
-                                      softcap_scale)
-                cute.arch.sync_threads()  # every thread's share of sV16 written, every warp's S done
-                self.accumulate(ctx, p, 0, wait=-1)  # P V under the next K's conversion
-                if j + 1 < n_blocks:
-                    pipeline.consume_wait(kv_pipe, kv_consumer)
-                    self.convert_k(sK, sK16, kv_consumer.index, tidx)
-                warpgroup.wait_group(0)
-                cute.arch.sync_threads()  # every warp's P V done: sV16 is free
-        else:
-            for j in cutlass.range(n_blocks, unroll=1):
-                n_block = last - j
-                pipeline.consume_wait(kv_pipe, kv_consumer)
-                if cutlass.const_expr(self.gather):  # cp.async wrote the stage (generic proxy): WGMMA reads it
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                self.zero_rows_past_end(sV[None, None, kv_consumer.index], seq.seqlen_k - n_block * self.tile_n,
-                                        tidx)
-                self.compute_tile(ctx, kv_consumer.index, m_block, n_block, group, seq, scale_log2, window,
-                                  softcap_scale)
-                kv_consumer = pipeline.release(kv_pipe, kv_consumer)
-                if self.is_kv_producer(warp_idx) and kv_producer.count < n_blocks:  # refill the stage just freed
-                    kv_producer = self.load_kv(kv_producer, last - kv_producer.count, *loads)
+        blocks = (n_blocks, last, m_block, group, seq, scale_log2, window, softcap_scale)
+        ctx, kv_producer = self.attend(whole, sQ, sKV16_layout, kv_pipe, kv_producer, loads, warp_idx, blocks)
         if self.is_kv_producer(warp_idx):
             pipeline.tail(kv_pipe, kv_producer)
         self.store(ctx, mO, mLSE, mOacc, mLSEacc, mSinks, split, num_splits, row0, head_kv, group,
                    q_plane, seq, scale_log2, o_scale)
+
+    def fold_descales(self, descales, batch: Int32, head_kv: Int32, scale_log2: Float32,
+                      softcap_scale: Float32):
+        """(scale_log2, softcap_scale, O's scale): 16-bit caches have no descales."""
+        return scale_log2, softcap_scale, Float32(1.0)
+
+    @cute.jit
+    def attend(self, storage, sQ, sKV16_layout, kv_pipe, kv_producer, loads, warp_idx: Int32, blocks):
+        """The GEMMs' fragments over sQ and the ring, then mainloop: (ctx, producer state)."""
+        _, _, _, _, _, sK, sV, _, _, _, _, tidx = loads  # (load_kv's arguments)
+        ctx = self.compute_setup(sQ, sK, sV, tidx)
+        return ctx, self.mainloop(ctx, kv_pipe, kv_producer, loads, warp_idx, *blocks)
+
+    @cute.jit
+    def mainloop(self, ctx, kv_pipe, kv_producer, loads, warp_idx: Int32, n_blocks: Int32, last: Int32,
+                 m_block: Int32, group: Int32, seq, scale_log2: Float32, window, softcap_scale: Float32):
+        """Key blocks last, last - 1, ... (n_blocks of them) from the ring: each stage's GEMMs and
+        softmax, then the stage refilled. Returns the producer state (for pipeline.tail)."""
+        _, _, _, _, _, _, sV, _, _, _, _, tidx = loads  # (load_kv's arguments)
+        kv_consumer = pipeline.consumer_state(self.kv_stages)
+        for j in cutlass.range(n_blocks, unroll=1):
+            n_block = last - j
+            pipeline.consume_wait(kv_pipe, kv_consumer)
+            if cutlass.const_expr(self.gather):  # cp.async wrote the stage (generic proxy): WGMMA reads it
+                cute.arch.fence_proxy("async.shared", space="cta")
+            self.zero_rows_past_end(sV[None, None, kv_consumer.index], seq.seqlen_k - n_block * self.tile_n, tidx)
+            self.compute_tile(ctx, kv_consumer.index, m_block, n_block, group, seq, scale_log2, window,
+                              softcap_scale)
+            kv_consumer = pipeline.release(kv_pipe, kv_consumer)
+            if self.is_kv_producer(warp_idx) and kv_producer.count < n_blocks:  # refill the stage just freed
+                kv_producer = self.load_kv(kv_producer, last - kv_producer.count, *loads)
+        return kv_producer
 
     def is_kv_producer(self, warp_idx):
         """Warp 0 issues the TMA loads; every thread takes its share of a gather."""
@@ -379,40 +341,6 @@ class SplitKVAttention:
                         sV_stage[r, col] = sV_stage.element_type(0.0)
             cute.arch.fence_proxy("async.shared", space="cta")  # read next by WGMMA (async proxy)
             cute.arch.sync_threads()
-
-    @cute.jit
-    def convert_k(self, sK: cute.Tensor, sK16: cute.Tensor, stage: Int32, tidx: Int32):
-        """The landed K tile of `stage` into sK16, visible to every warp's WGMMA when this returns
-        (sK16 must be free: the last S done by every warp)."""
-        self.dequantize(sK[None, None, stage], sK16[None, None, 0], tidx, self.tile_n)
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.sync_threads()
-
-    @cute.jit
-    def dequantize(self, src: cute.Tensor, dst: cute.Tensor, tidx: Int32, valid_rows: Int32):
-        """FP8 stage tile -> the 16-bit tile the GEMMs read (both (tile_n, d), swizzled): each thread
-        converts 8-element chunks (an 8-byte load, four cvt.rn.f16x2.e4m3x2, a 16-byte store), by
-        rows; rows from valid_rows on are written as zeros (V: a cache's unused rows hold anything,
-        NaN included, and 0 * NaN = NaN; K passes the tile's size)."""
-        chunks = self.head_dim // CONVERT_ELEMS  # per row
-        rows_per_pass = max(r for r in range(1, self.num_threads // chunks + 1) if self.tile_n % r == 0)
-        active = rows_per_pass * chunks  # (96 of 128 threads at d96 and d192)
-        threads = cute.make_ordered_layout((rows_per_pass, chunks), order=(1, 0))
-        values = cute.make_layout((1, CONVERT_ELEMS))
-        load, store = (cute.make_tiled_copy_tv(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=CONVERT_ELEMS * dtype.width),
-            threads, values) for dtype in (self.cache_dtype, self.dtype))
-        tSsrc = load.get_slice(tidx % active).partition_S(src)
-        tDdst = store.get_slice(tidx % active).partition_D(dst)
-        if tidx < active:
-            for i in cutlass.range_constexpr(self.tile_n // rows_per_pass):
-                narrow = cute.make_rmem_tensor_like(tSsrc[None, i, 0])
-                cute.copy(load, tSsrc[None, i, 0], narrow)
-                wide = cute.make_rmem_tensor_like(tDdst[None, i, 0])
-                wide.store(narrow.load().to(self.dtype))
-                if tidx // chunks + i * rows_per_pass >= valid_rows:
-                    wide.fill(0.0)
-                cute.copy(store, wide, tDdst[None, i, 0])
 
     # ---------------------------------------------------------------- compute (K4.2's)
     def compute_setup(self, sQ, sK, sV, tidx):
@@ -483,8 +411,7 @@ class SplitKVAttention:
                 if num_splits == 1:
                     sink_log2 = mSinks[head] * Float32(softmax.LOG2E)
             inv_sum, lse = softmax.finalize(ctx.row_max[r], ctx.row_sum[r], scale_log2, 4, sink_log2)
-            if cutlass.const_expr(self.fp8):
-                inv_sum = inv_sum * o_scale
+            inv_sum = inv_sum * o_scale
             if query < seq.seqlen_q:
                 row = seq.offset_q + query
                 if num_splits == 1:

@@ -457,12 +457,14 @@ def test_split_plan_knows_the_kernels_ring(head_dim):
     import cutlass
 
     from fa3.kernels.decode import SplitKVAttention
+    from fa3.kernels.decode_fp8 import Fp8SplitKVAttention
 
     spec = fa3.registry.get("s1")
     for gather in (False, True):
         for fp8 in (False, True):  # an FP8 cache: 1-byte stages beside two 16-bit tiles
-            kernel = SplitKVAttention(cutlass.Float16 if fp8 else cutlass.BFloat16, head_dim, True, paged=True,
-                                      gather=gather, fp8=fp8, **spec.config_for(head_dim))
+            cls = Fp8SplitKVAttention if fp8 else SplitKVAttention
+            kernel = cls(cutlass.Float16 if fp8 else cutlass.BFloat16, head_dim, True, paged=True, gather=gather,
+                         **spec.config_for(head_dim))
             assert kernel.kv_stages == split_plan.kv_stages(spec, head_dim, gather, fp8), (head_dim, gather, fp8)
     assert split_plan.ctas_per_sm(spec, head_dim, False) == 1
     assert split_plan.ctas_per_sm(spec, head_dim, True) == {64: 3, 96: 2, 128: 2, 192: 1, 256: 1}[head_dim]
