@@ -23,7 +23,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
-from .common import pipeline
+from .common import pipeline, smem
 from .decode import SplitKVAttention
 
 CONVERT_ELEMS = 8  # elements one thread dequantizes at a time: 8 bytes of e4m3 in, 16 bytes out
@@ -115,8 +115,7 @@ class Fp8SplitKVAttention(SplitKVAttention):
         rows; rows from valid_rows on are written as zeros (V: a cache's unused rows hold anything,
         NaN included, and 0 * NaN = NaN; K passes the tile's size)."""
         chunks = self.head_dim // CONVERT_ELEMS  # per row
-        rows_per_pass = max(r for r in range(1, self.num_threads // chunks + 1) if self.tile_n % r == 0)
-        active = rows_per_pass * chunks  # (96 of 128 threads at d96 and d192)
+        rows_per_pass, active = smem.row_passes(self.tile_n, chunks, self.num_threads)
         threads = cute.make_ordered_layout((rows_per_pass, chunks), order=(1, 0))
         values = cute.make_layout((1, CONVERT_ELEMS))
         load, store = (cute.make_tiled_copy_tv(

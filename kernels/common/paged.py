@@ -23,6 +23,8 @@ import cutlass.cute as cute
 from cutlass import Int32
 from cutlass.cute.nvgpu import cpasync
 
+from . import smem
+
 CHUNK_BYTES = 16  # one cp.async: 8 bf16/fp16 elements
 
 
@@ -57,8 +59,7 @@ class RowGather:
         self.dtype, self.tile_n, self.head_dim, self.threads = dtype, tile_n, head_dim, threads
         self.elems = CHUNK_BYTES * 8 // dtype.width
         self.chunks = head_dim // self.elems  # per row
-        self.rows_per_pass = max(r for r in range(1, threads // self.chunks + 1) if tile_n % r == 0)
-        self.active = self.rows_per_pass * self.chunks
+        self.rows_per_pass, self.active = smem.row_passes(tile_n, self.chunks, threads)
 
     def thread_copy(self, tidx: Int32):
         """This thread's slice of the tiled cp.async copy (16 bytes per copy, L2 only: each row is

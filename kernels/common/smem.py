@@ -39,6 +39,16 @@ def tile_layout(dtype, rows: int, cols: int, stages: int = 1, rows_contiguous: b
     return cute.tile_to_shape(atom, (rows, cols, stages), order=(1, 0, 2) if rows_contiguous else (0, 1, 2))
 
 
+def row_passes(rows: int, chunks: int, threads: int) -> tuple[int, int]:
+    """How `threads` threads sweep a (rows, chunks) tile of copy chunks in whole rows, pass after
+    pass: (rows_per_pass, active). rows_per_pass is the most rows the threads cover that divides
+    the tile; thread t < active = rows_per_pass x chunks takes chunk t % chunks of rows
+    t // chunks + i x rows_per_pass (all 128 threads at d 64/128/256 in 16-byte chunks, 96 at d96
+    and d192), the others none."""
+    rows_per_pass = max(r for r in range(1, threads // chunks + 1) if rows % r == 0)
+    return rows_per_pass, rows_per_pass * chunks
+
+
 def stage_bytes(dtype, staged_layout) -> int:
     """Bytes of one stage: what one TMA copy of that tile delivers (and what tx_count counts)."""
     return cute.size_in_bytes(dtype, cute.slice_(staged_layout, (None, None, 0)))
