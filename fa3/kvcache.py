@@ -28,6 +28,7 @@ import torch
 from . import _checks, _compile, _dispatch, _launch, index_checks, masking, registry
 from .split_plan import plan_splits, reads_by_gather
 
+
 def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kernel, window_size, softcap,
                   cu_seqlens_q=None, max_seqlen_q=None, lengths_name="cache_seqlens", cache_leftpad=None):
     """The arguments of a call against a KV cache (attention_with_kvcache; attention_varlen over a
@@ -136,6 +137,15 @@ def check_descales(q, descales, batch: int, heads_kv: int):
                  for t, name in zip(descales, ("q_descale", "k_descale", "v_descale")))
 
 
+def check_out_dtype(out_dtype, q, descales) -> None:
+    """The op's out_dtype: bf16 or fp16 with an FP8 cache (None: bf16), q's dtype (or None) otherwise."""
+    allowed = _checks.SUPPORTED_DTYPES if descales is not None else (q.dtype,)
+    if out_dtype is not None and out_dtype not in allowed:
+        cache = "an FP8 cache" if descales is not None else f"a {q.dtype} cache"
+        raise TypeError(f"out_dtype={out_dtype}: {cache} writes {' or '.join(map(str, allowed))}; pass one "
+                        "of those, or None")
+
+
 def _seqlens_tensor(cache_seqlens, batch, device, capacity, appended, block_table, page_size,
                     name="cache_seqlens"):
     if cache_seqlens is None:
@@ -198,18 +208,19 @@ def _dummy(kind, device, head_dim=None):
 def launch_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, capacity: int, appended: int,
                    causal: bool, scale: float, num_splits: int, window=(-1, -1), softcap: float = 0.0,
                    cu_seqlens_q=None, max_seqlen_q: int = 0, max_seqlen_k: int = -1, out=None,
-                   cache_leftpad=None, sinks=None, descales=None):
+                   cache_leftpad=None, sinks=None, descales=None, out_dtype=None):
     """(out, lse) of rung `spec`; arguments are validated (`capacity`: keys a sequence can hold, from
     `check_kvcache`) and the new tokens already appended. Packed queries (cu_seqlens_q): q and out
     are (total_q, heads_q, d), lse (heads_q, total_q), and the kernel sees them as a batch of one
     plane (grid sized by max_seqlen_q); otherwise q is (batch, seqlen_q, heads_q, d). max_seqlen_k
     (-1: unknown, the capacity) bounds the keys for the split plan; cache_leftpad (batch,): where
     each sequence's keys start in a dense cache. descales: an FP8 cache's (q, k, v) descales,
-    float32 (batch, heads_kv) each (out: bf16 unless given)."""
+    float32 (batch, heads_kv) each; out, unless given, in out_dtype (None: bf16 for an FP8 cache,
+    q's dtype otherwise)."""
     device, head_dim = q.device, q.shape[-1]
     packed, fp8 = cu_seqlens_q is not None, descales is not None
     if out is None:
-        out = torch.empty(q.shape, dtype=torch.bfloat16 if fp8 else q.dtype, device=device)
+        out = torch.empty(q.shape, dtype=out_dtype or (torch.bfloat16 if fp8 else q.dtype), device=device)
     if packed:
         (total_q, heads_q, _), batch, seqlen_q = q.shape, cu_seqlens_q.shape[0] - 1, max(max_seqlen_q, 1)
         lse = torch.empty(heads_q, total_q, dtype=torch.float32, device=device)

@@ -255,13 +255,10 @@ def attention_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, appended,
         max_seqlen_q if packed else None, cache_leftpad=cache_leftpad)
     _checks.check_rung_sinks(spec, sinks, q.shape[-2], q.device)
     descales = kvcache.check_descales(q, (q_descale, k_descale, v_descale), seqlens.shape[0], k_cache.shape[2])
-    out = None
-    if descales is not None and out_dtype not in (None, torch.bfloat16):
-        out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
-        _checks.check_fp8_output(out, q)  # (the dtype's check)
+    kvcache.check_out_dtype(out_dtype, q, descales)
     return kvcache.launch_kvcache(spec, q, k_cache, v_cache, seqlens, block_table, capacity, appended,
                                   causal, softmax_scale, num_splits, window, softcap, cu_seqlens_q, max_q,
-                                  max_seqlen_k, out, cache_leftpad, sinks, descales)
+                                  max_seqlen_k, None, cache_leftpad, sinks, descales, out_dtype)
 
 
 @attention_kvcache.register_fake

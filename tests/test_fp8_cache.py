@@ -169,6 +169,20 @@ def test_fp8_cache_checks(no_device_check):
                 k=torch.randn(2, 1, 2, 64, dtype=torch.bfloat16), v=torch.randn(2, 1, 2, 64).to(FP8), **call)
 
 
+def test_fp8_cache_op_out_dtype():
+    """The op's out_dtype: bf16 or fp16 on an FP8 cache, q's dtype on a 16-bit one (None: the default)."""
+    q = cpu_cache()[0]
+    ones = (torch.ones(2, 2),) * 3
+    for ok in (None, torch.bfloat16, torch.float16):
+        fa3.kvcache.check_out_dtype(ok, q, ones)
+    raises_with(fa3.kvcache.check_out_dtype, TypeError, "out_dtype=torch.float32", "FP8 cache",
+                out_dtype=torch.float32, q=q, descales=ones)
+    q16 = q.to(torch.bfloat16)
+    fa3.kvcache.check_out_dtype(torch.bfloat16, q16, None)
+    raises_with(fa3.kvcache.check_out_dtype, TypeError, "out_dtype=torch.float16", "torch.bfloat16",
+                out_dtype=torch.float16, q=q16, descales=None)
+
+
 def test_fp8_cache_op_fake_shapes():
     """torch.ops.fa3.attention_kvcache with an FP8 cache on meta tensors: out in out_dtype (bf16
     by default), lse (batch, heads_q, seqlen_q)."""
