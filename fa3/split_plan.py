@@ -10,8 +10,6 @@ import torch
 
 from . import _checks, _dispatch, masking, registry
 
-# Pages of a multiple of the kernel's key block (tile_n = 64 rows) are read by TMA, one box per
-# block; any other page size by cp.async row gathers (kernels/common/paged.py).
 MAX_SPLITS = 64
 MIN_BLOCKS_PER_SPLIT = 4  # below this a split's fixed costs outweigh the keys it reads
 
@@ -34,8 +32,8 @@ CTA_SMEM_BYTES = 232448  # the most one CTA may use (227 KB; kernels/common/smem
 
 
 def reads_by_gather(spec, page_size: int) -> bool:
-    """Pages that do not hold whole key blocks (tile_n rows) are read by cp.async row gathers, the
-    others by TMA, one box per block."""
+    """Pages that do not hold whole key blocks (tile_n rows) are read by cp.async row gathers
+    (kernels/common/paged.py), the others by TMA, one box per block."""
     return page_size % spec.config["tile_n"] != 0
 
 

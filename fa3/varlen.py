@@ -153,7 +153,6 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None
     packed batches too). The offsets are checked on the host (one small copy) except while a CUDA
     graph is captured or torch.compile traces; the kernels themselves need no host sync.
     """
-    fp8_call = fp8.is_fp8_call(q, q_descale, k_descale, v_descale)
     if block_table is not None or seqused_k is not None:
         if cu_seqlens_k is not None:
             raise ValueError("cu_seqlens_k must be None with block_table/seqused_k: the keys of entry b "
@@ -171,7 +170,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None
         raise ValueError("cu_seqlens_k is required (int32 (batch + 1,) offsets of k and v), unless k and v "
                          "are a KV cache read through seqused_k (and block_table)")
     split_plan.check_scheduler_metadata(scheduler_metadata, q)  # (no split plan without a cache)
-    if fp8_call:
+    if fp8.is_fp8_call(q, q_descale, k_descale, v_descale):
         return fp8.attention_fp8(q, k, v, q_descale, k_descale, v_descale, causal=causal,
                                  softmax_scale=softmax_scale, window=window_size, softcap=softcap,
                                  return_lse=return_lse, kernel=kernel, out=out, sinks=sinks,
