@@ -32,12 +32,6 @@ def raises(exc, *words, **call):
     return raises_with(fa3.attention, exc, *words, **call)
 
 
-@pytest.fixture
-def no_device_check(monkeypatch):
-    """Let CPU tensors through the device check, to reach the checks that come after it."""
-    monkeypatch.setattr(_checks, "check_hopper", lambda device, name: None)
-
-
 # ----------------------------------------------------------------------------- argument checks
 @pytest.mark.parametrize("name", ["k", "v"])
 def test_fp8_q_with_bf16_operand(name):

@@ -137,11 +137,6 @@ def test_fp8_varlen_over_paged_cache(page_size):
 
 
 # ----------------------------------------------------------------------------- CPU checks
-@pytest.fixture
-def no_device_check(monkeypatch):
-    monkeypatch.setattr(fa3._checks, "check_hopper", lambda device, name: None)
-
-
 def cpu_cache(dtype=FP8):
     q = torch.randn(2, 1, 4, 64).to(dtype)
     k, v = (torch.randn(2, 128, 2, 64).to(dtype) for _ in range(2))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fa3
-from fa3 import _checks, backward, registry
+from fa3 import backward, registry
 from fa3.reference import attention_reference
 
 from conftest import HAS_HOPPER, raises_with, rel_err
@@ -93,11 +93,6 @@ def test_all_masked_rows_with_a_sink_of_minus_inf_have_no_nan_gradient():
 
 
 # ----------------------------------------------------------------------------- CPU: checks
-@pytest.fixture
-def meta_ok(monkeypatch):
-    monkeypatch.setattr(_checks, "check_hopper", lambda device, name: None)
-
-
 def _meta(*shape, dtype=BF16):
     return torch.empty(*shape, device="meta", dtype=dtype)
 
@@ -109,7 +104,7 @@ def _meta(*shape, dtype=BF16):
     (torch.empty(1, 8, device="meta"), ValueError, ("sinks", "(1, 8)")),
     (torch.empty(8), ValueError, ("sinks is on cpu", "meta")),
 ])
-def test_bad_sinks(meta_ok, sinks, exc, words):
+def test_bad_sinks(no_device_check, sinks, exc, words):
     q, k = _meta(2, 16, 8, 64), _meta(2, 16, 2, 64)
     raises_with(fa3.attention, exc, *words, q=q, k=k, v=k, sinks=sinks)
     cu = torch.zeros(3, dtype=torch.int32, device="meta")
@@ -117,7 +112,7 @@ def test_bad_sinks(meta_ok, sinks, exc, words):
                 cu_seqlens_k=cu, sinks=sinks)
 
 
-def test_rungs_without_sinks_are_refused_by_name(meta_ok):
+def test_rungs_without_sinks_are_refused_by_name(no_device_check):
     q, k = _meta(2, 16, 4, 64), _meta(2, 16, 4, 64)
     no_sinks = [n for n in registry.available_kernels(registry.ATTENTION)
                 if registry.SINKS not in registry.get(n).variants]
@@ -126,7 +121,7 @@ def test_rungs_without_sinks_are_refused_by_name(meta_ok):
                 q=q, k=k, v=k, kernel=no_sinks[0], sinks=torch.zeros(4, device="meta"))
 
 
-def test_sinks_gradient_shapes_on_meta(meta_ok):
+def test_sinks_gradient_shapes_on_meta(no_device_check):
     """The op path (autograd) returns d sinks shaped like sinks; varlen too; lse stays (batch, heads,
     seqlen)."""
     q = _meta(2, 33, 8, 64).requires_grad_()
@@ -143,7 +138,7 @@ def test_sinks_gradient_shapes_on_meta(meta_ok):
     assert sinks.grad.shape == (8,)
 
 
-def test_attention_backward_function_with_sinks_traced(meta_ok):
+def test_attention_backward_function_with_sinks_traced(no_device_check):
     """fa3.attention_backward (traced: the op's fake on meta tensors): (dq, dk, dv) without sinks,
     and d sinks fourth with them (the op's fourth output, shaped like sinks)."""
     q, k = _meta(2, 33, 8, 64), _meta(2, 17, 2, 64)
@@ -373,7 +368,7 @@ def test_tiny_gpt_oss_greedy_tokens_match_eager():
     assert rel_err(out, ref) < 2e-2
 
 
-def test_sinks_trace_under_torch_compile(meta_ok):
+def test_sinks_trace_under_torch_compile(no_device_check):
     """torch.compile(fullgraph=True) traces a training step with sinks: one forward and one
     backward op, d sinks shaped like sinks."""
     from functorch.compile import make_boxed_func

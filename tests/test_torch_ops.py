@@ -12,18 +12,12 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fa3
-from fa3 import _checks, _dispatch, registry
+from fa3 import _dispatch, registry
 
 BF16 = torch.bfloat16
 ATTENTION = registry.fastest(registry.ATTENTION, 128).name
 GEMM = registry.fastest(registry.GEMM).name
 BACKWARD_64 = registry.fastest(registry.BACKWARD, 64).name
-
-
-@pytest.fixture
-def meta_ok(monkeypatch):
-    """Let meta tensors through the device check (they carry shapes and dtypes only)."""
-    monkeypatch.setattr(_checks, "check_hopper", lambda device, name: None)
 
 
 def meta(*shape, dtype=BF16):
@@ -78,7 +72,7 @@ class Block(torch.nn.Module):
         return out, lse
 
 
-def test_compile_fullgraph_dynamic_batch_and_seqlen(meta_ok):
+def test_compile_fullgraph_dynamic_batch_and_seqlen(no_device_check):
     torch._dynamo.reset()
     graphs = []
 
@@ -100,7 +94,7 @@ def test_compile_fullgraph_dynamic_batch_and_seqlen(meta_ok):
     assert targets.count(torch.ops.fa3.attention) == 1 and targets.count(torch.ops.fa3.gemm) == 2
 
 
-def test_export_keeps_shapes_symbolic(meta_ok):
+def test_export_keeps_shapes_symbolic(no_device_check):
     batch, seqlen = torch.export.Dim("batch"), torch.export.Dim("seqlen", max=1 << 16)
     program = torch.export.export(Block(), (meta(2, 128, 256),), dynamic_shapes=({0: batch, 1: seqlen},))
     calls = [n for n in program.graph.nodes if n.op == "call_function"]
@@ -112,7 +106,7 @@ def test_export_keeps_shapes_symbolic(meta_ok):
     assert sum(n.target is torch.ops.fa3.gemm.default for n in calls) == 2
 
 
-def test_validation_runs_when_traced(meta_ok):
+def test_validation_runs_when_traced(no_device_check):
     """The wrapper's checks are traced too: a bad call fails to compile, naming the problem."""
     compiled = torch.compile(lambda q: fa3.attention(q, q, q), fullgraph=True, backend="eager")
     with pytest.raises(Exception, match="head_dim=100 is not supported"):
@@ -136,7 +130,7 @@ def test_direct_call_only_for_plain_eager_tensors():
 
 
 @pytest.mark.parametrize("heads_kv", [4, 1], ids=["mha", "mqa"])
-def test_backward_on_meta_tensors(meta_ok, heads_kv):
+def test_backward_on_meta_tensors(no_device_check, heads_kv):
     """fa3.attention(...).sum().backward() gives gradients of the inputs' shapes and dtypes (the
     backward op's fake implementation), and lse does not require grad."""
     q = meta(2, 64, 4, 128, dtype=torch.float16).requires_grad_()
@@ -162,7 +156,7 @@ def test_backward_fake_shapes():
     assert dq.is_contiguous() and dk.dtype == BF16
 
 
-def test_compile_traces_the_backward(meta_ok):
+def test_compile_traces_the_backward(no_device_check):
     """torch.compile(fullgraph=True) of a training step: forward and backward each hold one fa3 op."""
     from torch._functorch.aot_autograd import aot_module_simplified  # noqa: F401  (aot_eager below)
 
@@ -189,7 +183,7 @@ def test_compile_traces_the_backward(meta_ok):
     assert q.grad.shape == q.shape and k.grad.shape == k.shape
 
 
-def test_varlen_backward_on_meta_tensors(meta_ok):
+def test_varlen_backward_on_meta_tensors(no_device_check):
     """fa3.attention_varlen is differentiable: the packed backward op's fake implementation gives
     gradients of the packed inputs' shapes (no kernel runs)."""
     q = meta(50, 4, 64).requires_grad_()

@@ -145,12 +145,6 @@ def test_non_hopper_gpu(monkeypatch):
         assert w in msg, f"{w!r} not in the message: {msg}"
 
 
-@pytest.fixture
-def no_device_check(monkeypatch):
-    """Let CPU tensors through the device check, to reach the checks that come after it."""
-    monkeypatch.setattr(_checks, "check_hopper", lambda device, name: None)
-
-
 @pytest.mark.parametrize("bad", ["shape", "dtype", "strided", "not a tensor"])
 def test_bad_out(no_device_check, bad):
     q, k, v = qkv()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fa3
-from fa3 import _checks, _compile, registry
+from fa3 import _compile, registry
 from fa3.reference import attention_reference
 
 from conftest import raises_with, rel_err
@@ -16,11 +16,6 @@ from conftest import raises_with, rel_err
 gpu = pytest.mark.gpu
 BF16 = torch.bfloat16
 PAIRS = registry.VALUE_HEAD_DIMS
-
-
-@pytest.fixture
-def meta_ok(monkeypatch):
-    monkeypatch.setattr(_checks, "check_hopper", lambda device, name: None)
 
 
 def _meta(*shape):
@@ -33,7 +28,7 @@ def test_pairs_are_the_issue_s():
 
 
 @pytest.mark.parametrize("d, dv", PAIRS)
-def test_output_takes_v_head_dim_on_meta(meta_ok, d, dv):
+def test_output_takes_v_head_dim_on_meta(no_device_check, d, dv):
     q, k, v = _meta(2, 33, 8, d), _meta(2, 17, 2, d), _meta(2, 17, 2, dv)
     with torch.no_grad():  # meta tensors go through the op's fake
         out, lse = torch.ops.fa3.attention(q, k, v, True, 0.1, "k5.5")
@@ -43,7 +38,7 @@ def test_output_takes_v_head_dim_on_meta(meta_ok, d, dv):
     assert out.shape == (33, 8, dv)
 
 
-def test_unsupported_pairs_name_the_supported_ones(meta_ok):
+def test_unsupported_pairs_name_the_supported_ones(no_device_check):
     q, k = _meta(2, 16, 4, 128), _meta(2, 16, 4, 128)
     msg = raises_with(fa3.attention, ValueError, "v has head_dim 96", "q and k have 128", "(192, 128)",
                       "(128, 64)", "pad v to 128", q=q, k=k, v=_meta(2, 16, 4, 96))
@@ -59,7 +54,7 @@ def test_unsupported_pairs_name_the_supported_ones(meta_ok):
                 v=_meta(16, 4, 96), cu_seqlens_q=cu, cu_seqlens_k=cu)
 
 
-def test_gradients_are_refused_by_name(meta_ok):
+def test_gradients_are_refused_by_name(no_device_check):
     q, k, v = _meta(2, 16, 4, 192).requires_grad_(), _meta(2, 16, 4, 192), _meta(2, 16, 4, 128)
     raises_with(fa3.attention, ValueError, "v has head_dim 128", "the backward", "forward only", q=q, k=k, v=v)
     cu = torch.zeros(3, dtype=torch.int32, device="meta")
