@@ -160,16 +160,20 @@ def _build_preprocess(dtype, head_dim):
     b, sq, h, rows = (cute.sym_int64() for _ in range(4))
 
     def tensor(elem, *shape):
-        return sig.unit_last(cute, elem, *shape, align=2)
+        return sig.unit_last(cute, elem, *shape, align=4)
 
-    args = [tensor(dt, b, sq, h, head_dim), tensor(dt, b, sq, h, head_dim),
+    dq_rows = cute.sym_int64()
+    # O, dO and the dQ accumulator read and written in 16-byte vectors (_launch.tma_ready's rule)
+    args = [sig.unit_last(cute, dt, b, sq, h, head_dim, tma=True),
+            sig.unit_last(cute, dt, b, sq, h, head_dim, tma=True),
             tensor(cutlass.Float32, b, h, sq), tensor(cutlass.Float32, b, h, rows),
-            tensor(cutlass.Float32, b, h, rows)]
+            tensor(cutlass.Float32, b, h, rows),
+            sig.unit_last(cute, cutlass.Float32, b, dq_rows, h, head_dim, tma=True)]
     return _compile_kernel(BackwardPreprocess(dt, head_dim), args, "")
 
 
 def get_backward_preprocess(dtype, head_dim):
-    """D = rowsum(dO * O) and LSE * log2(e), padded (kernels/bwd_pre.py)."""
+    """D = rowsum(dO * O) and LSE * log2(e), padded, and the dQ accumulator zeroed (kernels/bwd_pre.py)."""
     fast_key = ("bwd_pre", dtype, head_dim)
     fn = _FAST.get(fast_key)
     if fn is None:

@@ -185,13 +185,12 @@ def _run(spec, cfg, dout, q, k, v, out, lse, dq, dk, dv, causal, scale, determin
     if q.requires_grad or k.requires_grad or v.requires_grad or out.requires_grad or dout.requires_grad:
         q, k, v, out, dout = _launch.detached(q, k, v, out, dout)
     q, k, v, dout = (_launch.tma_ready(t) for t in (q, k, v, dout))
-    if out.stride(-1) != 1:
-        out = out.contiguous()
+    out = _launch.tma_ready(out)  # the preprocess reads it in 16-byte vectors
     lse2 = torch.empty(batch, heads_q, stat_rows, dtype=torch.float32, device=device)
     dsum = torch.empty_like(lse2)
-    _compile.get_backward_preprocess(dtype, head_dim)(out, dout, lse, lse2, dsum)
+    dq_acc = torch.empty(batch, dq_rows, heads_q, head_dim, dtype=torch.float32, device=device)
+    _compile.get_backward_preprocess(dtype, head_dim)(out, dout, lse, lse2, dsum, dq_acc)  # zeroes dq_acc
     dsinks = _no_sink_grad(None, q) if sinks is None else sink_grad(sinks, lse, dsum, seqlen_q)
-    dq_acc = torch.zeros(batch, dq_rows, heads_q, head_dim, dtype=torch.float32, device=device)
     gqa = heads_q != heads_kv
     if gqa and not deterministic:  # the kernel adds each query head's share with FP32 atomics
         dk_h = torch.zeros(batch, seqlen_k, heads_kv, head_dim, dtype=torch.float32, device=device)
