@@ -182,6 +182,30 @@ def get_backward_preprocess(dtype, head_dim):
     return fn
 
 
+def _build_postprocess(spec, dtype, head_dim, extra_options=""):
+    cutlass, cute = _dsl.import_cute()
+    from .kernels.bwd_post import FragmentDqPostprocess
+
+    dt = sig.cute_dtype(dtype)
+    rung = spec.load_class()(dtype=dt, head_dim=head_dim, causal=False, **spec.config_for(head_dim))
+    b, rows, sq, h = (cute.sym_int64() for _ in range(4))
+    args = [sig.unit_last(cute, cutlass.Float32, b, rows, h, head_dim, tma=True),
+            sig.unit_last(cute, dt, b, sq, h, head_dim, tma=True), cutlass.Float32(1.0)]
+    return _compile_kernel(FragmentDqPostprocess(rung), args, extra_options)
+
+
+def get_backward_postprocess(spec, dtype, head_dim):
+    """dQ = scale * dQacc in the output dtype, from `spec`'s fragment-order accumulator
+    (kernels/bwd_post.py)."""
+    fast_key = ("bwd_post", spec.name, dtype, head_dim)
+    fn = _FAST.get(fast_key)
+    if fn is None:
+        key = ("bwd_post", spec.name, str(dtype), head_dim, tuple(sorted(spec.config_for(head_dim).items())),
+               _dsl.TARGET_ARCH, _dsl.version())
+        fn = _FAST[fast_key] = _cached(key, lambda: _build_postprocess(spec, dtype, head_dim))
+    return fn
+
+
 def _build_value_transpose(head_dim, packed=False, extra_options=""):
     cutlass, cute = _dsl.import_cute()
     from .kernels.fp8_transpose import ValueTranspose

@@ -125,7 +125,13 @@ def _backward(spec, tensors, cu_seqlens, causal, softmax_scale, window_size, sof
 
 
 _DQ_BY_TMA = "cp.reduce.async.bulk.tensor"  # a rung whose PTX has it adds dQ by TMA reduce-adds
-_NO_LOCK: dict[torch.device, torch.Tensor] = {}  # a stand-in for the counters when not deterministic
+_NO_LOCK: dict[torch.device, torch.Tensor] = {}
+
+
+def _fragment_dq(spec) -> bool:
+    """Whether the rung adds dQ in fragment order on fixed-length batches (kernels/bwd_post.py):
+    its accumulator is then head-major, in whole Q tiles, converted by its own postprocess."""
+    return getattr(spec.load_class(), "FRAGMENT_DQ", False)  # a stand-in for the counters when not deterministic
 
 
 def launch_attention_backward(spec, dout, q, k, v, out, lse, causal: bool, scale: float,
@@ -143,8 +149,9 @@ def launch_attention_backward(spec, dout, q, k, v, out, lse, causal: bool, scale
     q_tiles = -(-q.shape[1] // tile_m)
     # statistics padded to whole Q tiles: the kernel reads them unchecked (a Q tile that is not a
     # multiple of 64 reads its statistics in 64-row blocks: up to 63 rows more); dQ too where the
-    # rung adds it with scalar atomics (b1); TMA reduce-adds (b2 on: their PTX promises them) clip
-    # a last tile's rows past the tensor, and an unpadded dQ converts as one contiguous tensor
+    # rung adds it with scalar atomics (b1) or in fragment order (b4, b7: whole tiles of a
+    # head-major accumulator); TMA reduce-adds (b2, b3, b6: their PTX promises them) clip a last
+    # tile's rows past the tensor, and an unpadded dQ converts as one contiguous tensor
     dq_rows = q.shape[1] if _DQ_BY_TMA in spec.ptx_promises else q_tiles * tile_m
     dsinks = _run(spec, cfg, dout, q, k, v, out, lse, dq, dk, dv, causal, scale, deterministic, window,
                   softcap, stat_rows=q_tiles * tile_m + (-tile_m) % 64, dq_rows=dq_rows,
@@ -188,7 +195,11 @@ def _run(spec, cfg, dout, q, k, v, out, lse, dq, dk, dv, causal, scale, determin
     out = _launch.tma_ready(out)  # the preprocess reads it in 16-byte vectors
     lse2 = torch.empty(batch, heads_q, stat_rows, dtype=torch.float32, device=device)
     dsum = torch.empty_like(lse2)
-    dq_acc = torch.empty(batch, dq_rows, heads_q, head_dim, dtype=torch.float32, device=device)
+    fragment_dq = cu_seqlens is None and _fragment_dq(spec)
+    if fragment_dq:  # head-major (each Q tile's share contiguous), seen as (batch, rows, heads, d)
+        dq_acc = torch.empty(batch, heads_q, dq_rows, head_dim, dtype=torch.float32, device=device).transpose(1, 2)
+    else:
+        dq_acc = torch.empty(batch, dq_rows, heads_q, head_dim, dtype=torch.float32, device=device)
     _compile.get_backward_preprocess(dtype, head_dim)(out, dout, lse, lse2, dsum, dq_acc)  # zeroes dq_acc
     dsinks = _no_sink_grad(None, q) if sinks is None else sink_grad(sinks, lse, dsum, seqlen_q)
     gqa = heads_q != heads_kv
@@ -212,7 +223,10 @@ def _run(spec, cfg, dout, q, k, v, out, lse, dq, dk, dv, causal, scale, determin
                                mask.softcap, cu_seqlens is not None)
     fn(q, k, v, dout, lse2, dsum, dq_acc, dk_h, dv_h, lock, mask.scale_log2, scale, mask.left,
        mask.right, mask.softcap_scale, cu_q, cu_k)
-    torch.mul(dq_acc[:, :seqlen_q], scale, out=dq)
+    if fragment_dq:
+        _compile.get_backward_postprocess(spec, dtype, head_dim)(dq_acc, dq, scale)
+    else:
+        torch.mul(dq_acc[:, :seqlen_q], scale, out=dq)
     if gqa and not deterministic:
         dk.copy_(dk_h)
         dv.copy_(dv_h)

@@ -37,14 +37,34 @@ FIRST_DQ_BARRIER = 2  # EMPTY[w, b] = 2 + 2 (2 b + w), FULL = the next id (1 is 
 class SplitDqBackward(SwappedBackward):
     # LSE and D through SMEM with the Q/dO TMA (fixed lengths): +2-6% at d96, H100
     stats_in_smem = True
+    # fixed-length batches: dQ in fragment order (see the module docstring); the host then lays
+    # the accumulator out head-major and converts it with FragmentDqPostprocess
+    FRAGMENT_DQ = True
+
+    @property
+    def fragment_dq(self) -> bool:
+        return self.FRAGMENT_DQ and not self.varlen
+
     # ---------------------------------------------------------------- host side
+    def half_elems(self) -> int:
+        """FP32 elements of one warpgroup's dQ share of a Q tile."""
+        return self.tile_m * self.head_dim // self.mma_warpgroups
+
     def sdq_layout(self):
-        """(tile_m, d / 2, halves x buffers) FP32: stage 2 b + w is warpgroup w's half of buffer b."""
+        """(tile_m, d / 2, halves x buffers) FP32: stage 2 b + w is warpgroup w's half of buffer b;
+        in fragment order, (half_elems, halves x buffers), unswizzled."""
         wgs = self.mma_warpgroups
+        if self.fragment_dq:
+            return cute.make_layout((self.half_elems(), wgs * DQ_BUFFERS))
         return smem.tile_layout(Float32, self.tile_m, self.head_dim // wgs, wgs * DQ_BUFFERS)
 
     def dq_box(self):
         return self.tile_m, self.head_dim // self.mma_warpgroups
+
+    def make_dq_store(self, mdQacc: cute.Tensor):
+        if self.fragment_dq:  # 1-D bulk reduce-adds need no tensor map
+            return None, mdQacc
+        return super().make_dq_store(mdQacc)
 
     # ---------------------------------------------------------------- device side
     @staticmethod
@@ -57,9 +77,10 @@ class SplitDqBackward(SwappedBackward):
                  start: Int32, m_first: Int32, m_end: Int32, seq, window, lane: Int32):
         """dQ writer warp: per Q tile, one TMA reduce-add per warpgroup half, as each half arrives."""
         wgs = self.mma_warpgroups
-        gdQ = cute.local_tile(seqlen.rows(mdQacc, head, batch, seq.offset_q, self.varlen),
-                              self.dq_box(), (None, None))
-        tdQsdQ, tdQgdQ = tma.partition(tma_dq, gdQ, sdQ)
+        if cutlass.const_expr(not self.fragment_dq):
+            gdQ = cute.local_tile(seqlen.rows(mdQacc, head, batch, seq.offset_q, self.varlen),
+                                  self.dq_box(), (None, None))
+            tdQsdQ, tdQgdQ = tma.partition(tma_dq, gdQ, sdQ)
         handoff = 128 + 32
         for slot in cutlass.range_constexpr(wgs * DQ_BUFFERS):  # every buffer starts free
             cute.arch.barrier_arrive(barrier_id=self.dq_barriers(slot)[0], number_of_threads=handoff)
@@ -72,7 +93,14 @@ class SplitDqBackward(SwappedBackward):
             for w in cutlass.range_constexpr(wgs):
                 slot = wgs * buffer + w
                 cute.arch.barrier(barrier_id=self.dq_barriers(slot)[1], number_of_threads=handoff)
-                cute.copy(tma_dq, tdQsdQ[None, slot], tdQgdQ[None, m_block, w])
+                if cutlass.const_expr(self.fragment_dq):
+                    if lane == 0:
+                        # the Q tile's tile_m x d elements are contiguous in the head-major accumulator
+                        tile = accum.elem_ptr(mdQacc, (batch, m_block * self.tile_m, head, 0))
+                        tma.bulk_reduce_add_f32(sdQ[None, slot].iterator, tile + w * self.half_elems(),
+                                                self.half_elems() * 4)
+                else:
+                    cute.copy(tma_dq, tdQsdQ[None, slot], tdQgdQ[None, m_block, w])
                 cute.arch.cp_async_bulk_commit_group()
             if cutlass.const_expr(self.ordered_dq):
                 cute.arch.cp_async_bulk_wait_group(0, read=False)  # the sums have landed
@@ -96,14 +124,38 @@ class SplitDqBackward(SwappedBackward):
         return mma.tiled_mma(self.dtype, self.tile_m, self.head_dim // self.mma_warpgroups,
                              a_major="MN", b_major="MN", warpgroups=1), sdQ_half
 
+    @staticmethod
+    def fragment_view(flat: cute.Tensor, t) -> cute.Tensor:
+        """Thread t's elements of a warpgroup's dQ share in fragment order: element i at
+        512 (i / 4) + 4 t + i % 4, as (4, n / 4) (each column one 16-byte vector)."""
+        n = cute.size(flat) // 128
+        # (16-byte aligned: the share starts on 16 bytes and a thread's offset is 16 t bytes)
+        return cute.make_tensor((flat.iterator + 4 * t).align(16), cute.make_layout((4, n // 4), stride=(1, 512)))
+
+    @cute.jit
+    def store_fragment(self, acc_dq: cute.Tensor, sdQ_half: cute.Tensor, t: Int32):
+        """This thread's dQ fragment into its warpgroup's SMEM share in fragment order: one 16-byte
+        store per 4 registers, a warp's 32 stores contiguous (no bank conflicts)."""
+        dst = self.fragment_view(sdQ_half, t)
+        src = cute.make_tensor(acc_dq.iterator, cute.make_layout(dst.shape))
+        for j in cutlass.range_constexpr(cute.size(dst, mode=[1])):
+            cute.autovec_copy(src[None, j], dst[None, j])
+
     @cute.jit
     def hand_off_dq(self, ctx, s, acc_dq: cute.Tensor, buffer: Int32 = 0):
         """This warpgroup's half of dQ_i into its slot of `buffer` (the Q stage's index), met by
         the writer alone."""
         warpgroup_idx = cute.arch.make_warp_uniform(ctx.tidx // 128)
         empty, full = self.dq_barriers(self.mma_warpgroups * buffer + warpgroup_idx)
-        half, sdQ = self.dq_half(s.sdQ[None, None, self.mma_warpgroups * buffer + warpgroup_idx])
+        slot = self.mma_warpgroups * buffer + warpgroup_idx
+        if cutlass.const_expr(self.fragment_dq):
+            half, sdQ = None, s.sdQ[None, slot]
+        else:
+            half, sdQ = self.dq_half(s.sdQ[None, None, slot])
         cute.arch.barrier(barrier_id=empty, number_of_threads=128 + 32)
-        cute.autovec_copy(acc_dq, half.get_slice(ctx.tidx % 128).partition_C(sdQ))
+        if cutlass.const_expr(self.fragment_dq):
+            self.store_fragment(acc_dq, sdQ, ctx.tidx % 128)
+        else:
+            cute.autovec_copy(acc_dq, half.get_slice(ctx.tidx % 128).partition_C(sdQ))
         cute.arch.fence_view_async_shared()  # generic-proxy writes, read by the bulk copy
         cute.arch.barrier_arrive(barrier_id=full, number_of_threads=128 + 32)

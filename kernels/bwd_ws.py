@@ -61,6 +61,11 @@ class WarpSpecializedBackward(AttentionBackward):
         """The box of one TMA reduce-add into the dQ accumulator: the whole (tile_m, d) share."""
         return self.tile_m, self.head_dim
 
+    def make_dq_store(self, mdQacc: cute.Tensor):
+        """(TMA reduce-add atom, its tensor) of the dQ accumulator (B4 and B7 may add it without a
+        tensor map: None and the accumulator itself)."""
+        return tma.make_reduce_add(tma.seq_major(mdQacc), self.sdq_layout(), self.dq_box())
+
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                  mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor,
@@ -70,7 +75,7 @@ class WarpSpecializedBackward(AttentionBackward):
         """Arguments as B1's."""
         sQ_layout, sKV_layout, sPdS_layout = self.smem_layouts()
         loads = self.make_loads(mQ, mdO, mK, mV, sQ_layout, sKV_layout)
-        tma_dq, tdQ = tma.make_reduce_add(tma.seq_major(mdQacc), self.sdq_layout(), self.dq_box())
+        tma_dq, tdQ = self.make_dq_store(mdQacc)
         storage_cls = self.shared_storage(sQ_layout, sKV_layout, sPdS_layout)
         self.kernel(*loads, tma_dq, tdQ, *self.make_stat_loads(mLSE2, mD), mLSE2, mD, mdK, mdV, mLock,
                     scale_log2, softmax_scale, window_left, window_right, softcap_scale, mCuSeqlensQ,
@@ -82,13 +87,13 @@ class WarpSpecializedBackward(AttentionBackward):
     @cute.kernel
     def kernel(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_do: cute.CopyAtom, mdO: cute.Tensor,
                tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom, mV: cute.Tensor,
-               tma_dq: cute.CopyAtom, mdQacc: cute.Tensor, tma_lse: Optional[cute.CopyAtom],
+               tma_dq: Optional[cute.CopyAtom], mdQacc: cute.Tensor, tma_lse: Optional[cute.CopyAtom],
                mLSE2_tiles: Optional[cute.Tensor], tma_d: Optional[cute.CopyAtom],
                mD_tiles: Optional[cute.Tensor], mLSE2: cute.Tensor, mD: cute.Tensor,
                mdK: cute.Tensor, mdV: cute.Tensor, mLock: cute.Tensor, scale_log2: Float32,
                softmax_scale: Float32, window_left: Int32, window_right: Int32, softcap_scale: Float32,
                mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, sQ_layout: cute.ComposedLayout,
-               sKV_layout: cute.ComposedLayout, sPdS_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout,
+               sKV_layout: cute.ComposedLayout, sPdS_layout: cute.ComposedLayout, sdQ_layout,
                SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -101,7 +106,7 @@ class WarpSpecializedBackward(AttentionBackward):
         q_pipe, kv_pipe = self.make_pipelines(storage, sQ_layout, sKV_layout, self.consumer_threads // 32)
         pipeline.init_done()
         s = self.smem_tensors(storage, sQ_layout, sKV_layout, sPdS_layout)
-        s.sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
+        s.sdQ = smem.get_tensor(storage.sdQ, sdQ_layout)
         window = (window_left, window_right) if cutlass.const_expr(self.local) else None
         m_first, m_end = self.q_tile_range(n_block, seq.seqlen_q, seq.seqlen_k, window)
         start = self.walk_start(n_block, m_first, m_end)

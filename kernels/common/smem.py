@@ -39,6 +39,14 @@ def tile_layout(dtype, rows: int, cols: int, stages: int = 1, rows_contiguous: b
     return cute.tile_to_shape(atom, (rows, cols, stages), order=(1, 0, 2) if rows_contiguous else (0, 1, 2))
 
 
+def get_tensor(field, layout):
+    """The SMEM tensor of a storage field in `layout`: swizzled (a ComposedLayout, tile_layout's)
+    or plain."""
+    if isinstance(layout, cute.ComposedLayout):
+        return field.get_tensor(layout.outer, swizzle=layout.inner)
+    return field.get_tensor(layout)
+
+
 def row_passes(rows: int, chunks: int, threads: int) -> tuple[int, int]:
     """How `threads` threads sweep a (rows, chunks) tile of copy chunks in whole rows, pass after
     pass: (rows_per_pass, active). rows_per_pass is the most rows the threads cover that divides

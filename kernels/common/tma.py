@@ -7,7 +7,10 @@ Out-of-bounds parts of a box (ragged last tiles) are zero-filled and still count
 """
 
 import cutlass.cute as cute
+from cutlass import Int32
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync
+from cutlass.cutlass_dsl import dsl_user_op
 
 
 def seq_major(mX: cute.Tensor) -> cute.Tensor:
@@ -68,4 +71,17 @@ def partition_multicast(atom, gX: cute.Tensor, sX: cute.Tensor, rank, ctas: int)
 def prefetch(*atoms):
     """Pull the descriptors into cache before the first copy (call from one warp)."""
     for atom in atoms:
-        cpasync.prefetch_descriptor(atom)
+        if atom is not None:  # (a kernel variant without that copy)
+            cpasync.prefetch_descriptor(atom)
+
+
+@dsl_user_op
+def bulk_reduce_add_f32(src: cute.Pointer, dst: cute.Pointer, num_bytes: int, *, loc=None, ip=None):
+    """dst[0 : num_bytes / 4] += src[...] for FP32: one 1-D bulk reduce-add from SMEM into global
+    memory (cp.reduce.async.bulk ... bulk_group.add.f32; the copy engine does the read-modify-write
+    in L2). Both addresses 16-byte aligned, num_bytes a multiple of 16; completes like a TMA store
+    (cp_async_bulk_commit_group / wait_group)."""
+    llvm.inline_asm(
+        None, [dst.llvm_ptr, src.toint(loc=loc, ip=ip).ir_value(), Int32(num_bytes).ir_value()],
+        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;", "l,r,r",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)

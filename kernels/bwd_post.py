@@ -1,0 +1,86 @@
+"""The backward's postprocess for dQ accumulated in fragment order (B4, B7 on fixed-length batches).
+
+Those rungs hand each warpgroup's FP32 dQ share of a Q tile to the writer warp in the order the
+warpgroup holds it in registers ("fragment order": thread t's element i at 512 (i / 4) + 4 t + i % 4
+of the share, so each thread stores 16-byte vectors and a warp 512 contiguous bytes), and the writer
+adds the share into the accumulator with one 1-D bulk reduce-add. The accumulator is head-major,
+(batch, heads, Q tiles, tile_m x d): each Q tile's elements are contiguous, warpgroup w's share
+at w x tile_m x d / warpgroups.
+
+    dQ[b, m tile_m + r, h, c] = scale * dQacc[b, h, m, the fragment position of (r, c)]
+
+One CTA per (Q tile, head, batch) with the rung's consumer threads: thread t of warpgroup w loads
+exactly the 16-byte vectors it would have stored, so the fragment's coordinates come from the
+rung's own dQ MMA (`dq_half`, the same partition the consumers used); the scaled values go to an
+SMEM tile (tile_m, d) in the output dtype, row-major with 8 elements of padding a row (the
+fragment's scattered 2-byte stores spread over the banks), and leave it row by row in 16-byte
+vectors, rows past seqlen_q skipped.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+
+from .common import accum, smem
+
+VEC = 8  # 16-bit elements in 16 bytes
+PAD = 8  # elements of padding an SMEM row
+
+
+class FragmentDqPostprocess:
+    def __init__(self, rung):
+        """`rung`: the backward kernel object whose accumulator this converts (its dtype, tile_m,
+        head_dim, mma_warpgroups, half_elems, dq_half and fragment_view)."""
+        self.rung = rung
+        self.dtype, self.tile_m, self.head_dim = rung.dtype, rung.tile_m, rung.head_dim
+        self.warpgroups = rung.mma_warpgroups
+        self.threads = 128 * self.warpgroups
+
+    @cute.jit
+    def __call__(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, scale: Float32, stream):
+        """mdQacc: (batch, rows, heads, d) FP32, a view of the head-major accumulator (rows whole
+        Q tiles); mdQ: (batch, seqlen_q, heads, d) in the output dtype."""
+        batch, rows, heads = mdQacc.shape[0], mdQacc.shape[1], mdQacc.shape[2]
+
+        @cute.struct
+        class SharedStorage:
+            tile: cute.struct.Align[cute.struct.MemRange[self.dtype, self.tile_m * (self.head_dim + PAD)], 128]
+
+        self.kernel(mdQacc, mdQ, scale, SharedStorage).launch(
+            grid=[rows // self.tile_m, heads, batch], block=[self.threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, scale: Float32, SharedStorage: cutlass.Constexpr):
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, head, batch = cute.arch.block_idx()
+        warpgroup, t = tidx // 128, tidx % 128
+        d, half = self.head_dim, self.head_dim // self.warpgroups
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        sdQ = storage.tile.get_tensor(cute.make_layout((self.tile_m, d), stride=(d + PAD, 1)))
+
+        # this thread's vectors of its warpgroup's share, then their (row, column) in the tile
+        share = cute.make_tensor(accum.elem_ptr(mdQacc, (batch, m_block * self.tile_m, head, 0))
+                                 + warpgroup * self.rung.half_elems(), cute.make_layout(self.rung.half_elems()))
+        src = self.rung.fragment_view(share, t)
+        vals = cute.make_rmem_tensor(src.shape, Float32)
+        for j in cutlass.range_constexpr(cute.size(src, mode=[1])):
+            cute.autovec_copy(src[None, j], vals[None, j])
+        mma_half, coords = self.rung.dq_half(cute.make_identity_tensor((self.tile_m, half)))
+        coords = mma_half.get_slice(t).partition_C(coords)
+        for i in cutlass.range_constexpr(cute.size(coords)):
+            r, c = coords[i]
+            sdQ[r, warpgroup * half + c] = self.dtype(vals[i % 4, i // 4] * scale)
+        cute.arch.barrier()
+
+        # rows out in 16-byte vectors
+        chunks = d // VEC
+        rows_per_pass, active = smem.row_passes(self.tile_m, chunks, self.threads)
+        row0 = m_block * self.tile_m
+        seqlen_q = mdQ.shape[1]
+        if tidx < active:
+            for p in cutlass.range_constexpr(self.tile_m // rows_per_pass):
+                r = tidx // chunks + p * rows_per_pass
+                c = tidx % chunks
+                if row0 + r < seqlen_q:
+                    cute.autovec_copy(cute.local_tile(sdQ[r, None], (VEC,), (c,)),
+                                      cute.local_tile(mdQ[batch, row0 + r, head, None], (VEC,), (c,)))
