@@ -6,10 +6,10 @@ to the writer at barriers of 256 + 32 threads, through one buffer, as B3 does; B
 over on its own, through two buffers returned a tile late, as B4 does:
 
     consumer warpgroup w, Q tile i (buffer b = i % 2):
-        dQ_i^T's share (64 of d, tile_m) -> wait EMPTY[w, b] -> stored transposed into the
-        (tile_m, d / 2) FP32 half (128-byte swizzle: the scattered 4-byte stores of a warp land in
-        32 banks) -> arrive FULL[w, b]
-    writer warp: B4's, one (tile_m, d / 2) TMA reduce-add per half
+        dQ_i^T's share (64 of d, tile_m) -> wait EMPTY[w, b] -> stored in fragment order (B4's,
+        16-byte stores; packed batches: transposed into the (tile_m, d / 2) FP32 half, whose
+        128-byte swizzle lands a warp's scattered 4-byte stores in 32 banks) -> arrive FULL[w, b]
+    writer warp: B4's, one reduce-add per half
 
 Everything else is B6 (S^T, dP^T, P^T and dS^T from registers for dV and dK, dV after dS^T).
 
