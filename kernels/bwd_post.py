@@ -10,8 +10,8 @@ at w x tile_m x d / warpgroups.
     dQ[b, m tile_m + r, h, c] = scale * dQacc[b, h, m, the fragment position of (r, c)]
 
 One CTA per (Q tile, head, batch) with the rung's consumer threads: thread t of warpgroup w loads
-exactly the 16-byte vectors it would have stored, so the fragment's coordinates come from the
-rung's own dQ MMA (`dq_half`, the same partition the consumers used); the scaled values go to an
+exactly the 16-byte vectors it stored as consumer thread 128 w + t, so the fragment's coordinates
+come from the rung's own dQ MMA (`dq_coords`, the partition the consumers used); the scaled values go to an
 SMEM tile (tile_m, d) in the output dtype, row-major with 8 elements of padding a row (the
 fragment's scattered 2-byte stores spread over the banks), and leave it row by row in 16-byte
 vectors, rows past seqlen_q skipped.
@@ -30,7 +30,7 @@ PAD = 8  # elements of padding an SMEM row
 class FragmentDqPostprocess:
     def __init__(self, rung):
         """`rung`: the backward kernel object whose accumulator this converts (its dtype, tile_m,
-        head_dim, mma_warpgroups, half_elems, dq_half and fragment_view)."""
+        head_dim, mma_warpgroups, half_elems, dq_coords and fragment_view)."""
         self.rung = rung
         self.dtype, self.tile_m, self.head_dim = rung.dtype, rung.tile_m, rung.head_dim
         self.warpgroups = rung.mma_warpgroups
@@ -54,7 +54,7 @@ class FragmentDqPostprocess:
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         warpgroup, t = tidx // 128, tidx % 128
-        d, half = self.head_dim, self.head_dim // self.warpgroups
+        d = self.head_dim
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         sdQ = storage.tile.get_tensor(cute.make_layout((self.tile_m, d), stride=(d + PAD, 1)))
 
@@ -65,11 +65,10 @@ class FragmentDqPostprocess:
         vals = cute.make_rmem_tensor(src.shape, Float32)
         for j in cutlass.range_constexpr(cute.size(src, mode=[1])):
             cute.autovec_copy(src[None, j], vals[None, j])
-        mma_half, coords = self.rung.dq_half(cute.make_identity_tensor((self.tile_m, half)))
-        coords = mma_half.get_slice(t).partition_C(coords)
+        coords = self.rung.dq_coords(tidx)
         for i in cutlass.range_constexpr(cute.size(coords)):
             r, c = coords[i]
-            sdQ[r, warpgroup * half + c] = self.dtype(vals[i % 4, i // 4] * scale)
+            sdQ[r, c] = self.dtype(vals[i % 4, i // 4] * scale)
         cute.arch.barrier()
 
         # rows out in 16-byte vectors

@@ -137,6 +137,16 @@ class SplitDqBackward(SwappedBackward):
         return mma.tiled_mma(self.dtype, self.tile_m, self.head_dim // self.mma_warpgroups,
                              a_major="MN", b_major="MN", warpgroups=1), sdQ_half
 
+    def dq_coords(self, tidx):
+        """(row, column) in the (tile_m, d) dQ tile of each element of consumer thread tidx's dQ
+        fragment, in the fragment's order (`dq_view`: B7's accumulator is dQ^T)."""
+        return self.tiled_mmas()[2].get_slice(tidx).partition_C(
+            self.dq_view(cute.make_identity_tensor((self.tile_m, self.head_dim))))
+
+    def dq_view(self, tile: cute.Tensor) -> cute.Tensor:
+        """A (tile_m, d) tensor seen in the shape of the dQ accumulator."""
+        return tile
+
     @staticmethod
     def fragment_view(flat: cute.Tensor, t) -> cute.Tensor:
         """Thread t's elements of a warpgroup's dQ share in fragment order: element i at
