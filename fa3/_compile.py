@@ -152,7 +152,7 @@ def get_backward(spec, dtype, head_dim, causal, deterministic, gqa, local=False,
     return fn
 
 
-def _build_preprocess(dtype, head_dim):
+def _build_preprocess(dtype, head_dim, extra_options=""):
     cutlass, cute = _dsl.import_cute()
     from .kernels.bwd_pre import BackwardPreprocess
 
@@ -169,7 +169,7 @@ def _build_preprocess(dtype, head_dim):
             tensor(cutlass.Float32, b, h, sq), tensor(cutlass.Float32, b, h, rows),
             tensor(cutlass.Float32, b, h, rows),
             sig.unit_last(cute, cutlass.Float32, b, dq_rows, h, head_dim, tma=True)]
-    return _compile_kernel(BackwardPreprocess(dt, head_dim), args, "")
+    return _compile_kernel(BackwardPreprocess(dt, head_dim), args, extra_options)
 
 
 def get_backward_preprocess(dtype, head_dim):
