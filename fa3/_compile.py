@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _disk_cache, _dsl, registry
+from . import _disk_cache, _dsl, registry, split_plan
 from . import _signatures as sig
 
 _LOCK = threading.Lock()
@@ -287,7 +287,8 @@ def _build_kvcache(spec, dtype, head_dim, causal, paged=False, local=False, soft
         from .kernels.decode_fp8 import Fp8SplitKVAttention as cls
     kernel = cls(dtype=sig.cute_dtype(torch.float16 if fp8 else dtype), head_dim=head_dim, causal=causal,
                  paged=paged, local=local, softcap=softcap, gather=gather, varlen=varlen, leftpad=leftpad,
-                 sinks=sinks, out_dtype=sig.cute_dtype(out_dtype), **spec.config_for(head_dim))
+                 sinks=sinks, out_dtype=sig.cute_dtype(out_dtype),
+                 **split_plan.kernel_plan(spec, head_dim, paged and gather, fp8))
     return _compile_kernel(kernel, sig.kvcache_args(dtype, head_dim, out_dtype), extra_options)
 
 

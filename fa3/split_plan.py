@@ -38,8 +38,8 @@ def reads_by_gather(spec, page_size: int) -> bool:
 
 
 def smem_plan(spec, head_dim: int, gather: bool, fp8: bool = False) -> tuple[int, int, int]:
-    """(bytes beside the ring, K+V bytes per stage, stages) of s1's SMEM (kernels/decode.py; a CPU
-    test holds the stages equal to the kernel's): the ring as deep as SMEM allows beside the Q tile,
+    """(bytes beside the ring, K+V bytes per stage, stages) of s1's SMEM (kernels/decode.py compiles
+    it: kernel_plan): the ring as deep as SMEM allows beside the Q tile,
     1 KB of barriers and (fp8) the two 16-bit tiles the GEMMs read, up to max_kv_stages; a gather
     keeps gather_kv_stages, an FP8 cache (1-byte elements) fp8_kv_stages."""
     cfg = spec.config_for(head_dim)
@@ -57,6 +57,15 @@ def smem_plan(spec, head_dim: int, gather: bool, fp8: bool = False) -> tuple[int
 def kv_stages(spec, head_dim: int, gather: bool, fp8: bool = False) -> int:
     """The K+V ring depth s1 compiles."""
     return smem_plan(spec, head_dim, gather, fp8)[2]
+
+
+def kernel_plan(spec, head_dim: int, gather: bool, fp8: bool = False) -> dict:
+    """What s1's constructor takes from the plan: its tiles, the ring depth, and the SMEM bytes its
+    SharedStorage may use (the kernel refuses to compile a larger one: ctas_per_sm counts on it)."""
+    cfg = spec.config_for(head_dim)
+    fixed, kv_bytes, stages = smem_plan(spec, head_dim, gather, fp8)
+    return dict(tile_m=cfg["tile_m"], tile_n=cfg["tile_n"], kv_stages=stages,
+                planned_smem_bytes=fixed + stages * kv_bytes)
 
 
 def ctas_per_sm(spec, head_dim: int, gather: bool, fp8: bool = False) -> int:

@@ -67,9 +67,11 @@ class SplitKVAttention:
     fp8 = False  # an FP8 cache: Fp8SplitKVAttention (kernels/decode_fp8.py)
 
     def __init__(self, dtype, head_dim: int, causal: bool, paged: bool = False, tile_m: int = 64,
-                 tile_n: int = 64, max_kv_stages: int = 8, local: bool = False, softcap: bool = False,
-                 gather: bool = False, varlen: bool = False, leftpad: bool = False, sinks: bool = False,
-                 gather_kv_stages: int = 3, out_dtype=None, fp8_kv_stages: int = 4):
+                 tile_n: int = 64, kv_stages: int = 2, planned_smem_bytes: int = 0, local: bool = False,
+                 softcap: bool = False, gather: bool = False, varlen: bool = False, leftpad: bool = False,
+                 sinks: bool = False, out_dtype=None):
+        """kv_stages and planned_smem_bytes: the host's SMEM plan (fa3.split_plan.smem_plan, which
+        also decides how many CTAs share an SM); SharedStorage may not outgrow planned_smem_bytes."""
         self.dtype, self.head_dim, self.causal, self.paged = dtype, head_dim, causal, paged
         # fp8: q and the cache in e4m3, dequantized in SMEM to `dtype` (fp16), the GEMMs' type
         self.cache_dtype = cutlass.Float8E4M3FN if self.fp8 else dtype
@@ -84,17 +86,9 @@ class SplitKVAttention:
         self.leftpad = leftpad and not paged
         self.tile_m, self.tile_n = tile_m, tile_n
         self.num_threads = 128  # one warpgroup: tile_m = 64 rows
-        q_bytes = tile_m * head_dim * 2
-        kv_bytes = 2 * tile_n * head_dim * self.cache_dtype.width // 8  # a K and a V tile per stage
-        # fp8: the 16-bit K and V tiles the GEMMs read (one of each)
-        converted_bytes = 2 * tile_n * head_dim * 2 if self.fp8 else 0
-        self.kv_stages = min(max_kv_stages, smem.stages_that_fit(kv_bytes, q_bytes + 1024 + converted_bytes))
-        if self.gather:  # a short ring, so that CTAs share an SM (fa3.split_plan.ctas_per_sm)
-            self.kv_stages = min(self.kv_stages, gather_kv_stages)
-        if self.fp8:  # likewise: two CTAs an SM up to d128, one's conversions beside the other's GEMMs
-            self.kv_stages = min(self.kv_stages, fp8_kv_stages)
-        # what fa3.split_plan counts (its CTAs an SM): SharedStorage may not outgrow it
-        self.planned_smem_bytes = q_bytes + 1024 + converted_bytes + self.kv_stages * kv_bytes
+        # the ring: as deep as SMEM allows, shorter for gathers and FP8 caches so that CTAs share an
+        # SM (one's copies or conversions beside another's GEMMs): the host's plan
+        self.kv_stages, self.planned_smem_bytes = kv_stages, planned_smem_bytes
 
     # ---------------------------------------------------------------- host side
     @cute.jit
