@@ -125,13 +125,13 @@ def _backward(spec, tensors, cu_seqlens, causal, softmax_scale, window_size, sof
 
 
 _DQ_BY_TMA = "cp.reduce.async.bulk.tensor"  # a rung whose PTX has it adds dQ by TMA reduce-adds
-_NO_LOCK: dict[torch.device, torch.Tensor] = {}
+_NO_LOCK: dict[torch.device, torch.Tensor] = {}  # a stand-in for the counters when not deterministic
 
 
 def _fragment_dq(spec) -> bool:
     """Whether the rung adds dQ in fragment order on fixed-length batches (kernels/bwd_post.py):
     its accumulator is then head-major, in whole Q tiles, converted by its own postprocess."""
-    return getattr(spec.load_class(), "FRAGMENT_DQ", False)  # a stand-in for the counters when not deterministic
+    return getattr(spec.load_class(), "FRAGMENT_DQ", False)
 
 
 def launch_attention_backward(spec, dout, q, k, v, out, lse, causal: bool, scale: float,

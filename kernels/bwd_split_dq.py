@@ -88,7 +88,8 @@ class SplitDqBackward(SwappedBackward):
     @cute.jit
     def write_dq(self, tma_dq, mdQacc, sdQ, mLock, n_block: Int32, head: Int32, batch: Int32,
                  start: Int32, m_first: Int32, m_end: Int32, seq, window, lane: Int32):
-        """dQ writer warp: per Q tile, one TMA reduce-add per warpgroup half, as each half arrives."""
+        """dQ writer warp: per Q tile, one reduce-add per warpgroup half (a TMA box, or in fragment
+        order one 1-D bulk reduce-add issued by lane 0), as each half arrives."""
         wgs = self.mma_warpgroups
         if cutlass.const_expr(not self.fragment_dq):
             gdQ = cute.local_tile(seqlen.rows(mdQacc, head, batch, seq.offset_q, self.varlen),
