@@ -40,7 +40,10 @@ class TransposedDqBackward(SwappedBackward):
 
     # ---------------------------------------------------------------- host side
     def sdq_layout(self):
-        """The FP32 (tile_m, d) dQ tile as tile_m / 16 stages of (16, d) swizzled blocks."""
+        """The FP32 (tile_m, d) dQ tile as tile_m / 16 stages of (16, d) swizzled blocks (in
+        fragment order, B2's)."""
+        if self.fragment_dq:
+            return super().sdq_layout()
         return smem.tile_layout(Float32, DQ_BOX_ROWS, self.head_dim, self.tile_m // DQ_BOX_ROWS)
 
     def dq_box(self):
@@ -72,6 +75,9 @@ class TransposedDqBackward(SwappedBackward):
         blocks = self.tile_m // DQ_BOX_ROWS
         for b in cutlass.range_constexpr(blocks):
             cute.copy(tma_dq, tdQsdQ[None, b], tdQgdQ[None, m_block * blocks + b])
+
+    def dq_view(self, tile: cute.Tensor) -> cute.Tensor:
+        return mma.transpose_view(tile)  # the accumulator is dQ^T
 
     def dq_tile(self, sdQ: cute.Tensor) -> cute.Tensor:
         """The (16, d, blocks) dQ tile as the (d, tile_m) tensor dQ^T's accumulator is written to

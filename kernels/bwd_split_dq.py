@@ -50,19 +50,9 @@ FIRST_DQ_BARRIER = 2  # EMPTY[w, b] = 2 + 2 (2 b + w), FULL = the next id (1 is 
 class SplitDqBackward(SwappedBackward):
     # LSE and D through SMEM with the Q/dO TMA (fixed lengths): +2-6% at d96, H100
     stats_in_smem = True
-    # fixed-length batches: dQ in fragment order (the module docstring); the host then lays the
-    # accumulator out head-major and converts it with the rung's FragmentDqPostprocess
-    FRAGMENT_DQ = True
-
-    @property
-    def fragment_dq(self) -> bool:
-        return self.FRAGMENT_DQ and not self.varlen
+    FRAGMENT_DQ = True  # 1.05-1.10x at d96 (module docstring)
 
     # ---------------------------------------------------------------- host side
-    def half_elems(self) -> int:
-        """FP32 elements of one warpgroup's dQ share of a Q tile."""
-        return self.tile_m * self.head_dim // self.mma_warpgroups
-
     def sdq_layout(self):
         """(tile_m, d / 2, halves x buffers) FP32: stage 2 b + w is warpgroup w's half of buffer b;
         in fragment order, (half_elems, halves x buffers), unswizzled."""
@@ -73,11 +63,6 @@ class SplitDqBackward(SwappedBackward):
 
     def dq_box(self):
         return self.tile_m, self.head_dim // self.mma_warpgroups
-
-    def make_dq_store(self, mdQacc: cute.Tensor):
-        if self.fragment_dq:  # 1-D bulk reduce-adds need no tensor map
-            return None, mdQacc
-        return super().make_dq_store(mdQacc)
 
     # ---------------------------------------------------------------- device side
     @staticmethod
@@ -109,10 +94,8 @@ class SplitDqBackward(SwappedBackward):
                 cute.arch.barrier(barrier_id=self.dq_barriers(slot)[1], number_of_threads=handoff)
                 if cutlass.const_expr(self.fragment_dq):
                     if lane == 0:
-                        # the Q tile's tile_m x d elements are contiguous in the head-major accumulator
-                        tile = accum.elem_ptr(mdQacc, (batch, m_block * self.tile_m, head, 0))
-                        tma.bulk_reduce_add_f32(sdQ[None, slot].iterator, tile + w * self.half_elems(),
-                                                self.half_elems() * 4)
+                        self.reduce_fragments(mdQacc, sdQ[None, slot].iterator, m_block, head, batch,
+                                              self.half_elems(), w * self.half_elems())
                 else:
                     cute.copy(tma_dq, tdQsdQ[None, slot], tdQgdQ[None, m_block, w])
                 cute.arch.cp_async_bulk_commit_group()
@@ -137,33 +120,6 @@ class SplitDqBackward(SwappedBackward):
         both transposed)."""
         return mma.tiled_mma(self.dtype, self.tile_m, self.head_dim // self.mma_warpgroups,
                              a_major="MN", b_major="MN", warpgroups=1), sdQ_half
-
-    def dq_coords(self, tidx):
-        """(row, column) in the (tile_m, d) dQ tile of each element of consumer thread tidx's dQ
-        fragment, in the fragment's order (`dq_view`: B7's accumulator is dQ^T)."""
-        return self.tiled_mmas()[2].get_slice(tidx).partition_C(
-            self.dq_view(cute.make_identity_tensor((self.tile_m, self.head_dim))))
-
-    def dq_view(self, tile: cute.Tensor) -> cute.Tensor:
-        """A (tile_m, d) tensor seen in the shape of the dQ accumulator."""
-        return tile
-
-    @staticmethod
-    def fragment_view(flat: cute.Tensor, t) -> cute.Tensor:
-        """Thread t's elements of a warpgroup's dQ share in fragment order: element i at
-        512 (i / 4) + 4 t + i % 4, as (4, n / 4) (each column one 16-byte vector)."""
-        n = cute.size(flat) // 128
-        # (16-byte aligned: the share starts on 16 bytes and a thread's offset is 16 t bytes)
-        return cute.make_tensor((flat.iterator + 4 * t).align(16), cute.make_layout((4, n // 4), stride=(1, 512)))
-
-    @cute.jit
-    def store_fragment(self, acc_dq: cute.Tensor, sdQ_half: cute.Tensor, t: Int32):
-        """This thread's dQ fragment into its warpgroup's SMEM share in fragment order: one 16-byte
-        store per 4 registers, a warp's 32 stores contiguous (no bank conflicts)."""
-        dst = self.fragment_view(sdQ_half, t)
-        src = cute.make_tensor(acc_dq.iterator, cute.make_layout(dst.shape))
-        for j in cutlass.range_constexpr(cute.size(dst, mode=[1])):
-            cute.autovec_copy(src[None, j], dst[None, j])
 
     @cute.jit
     def hand_off_dq(self, ctx, s, acc_dq: cute.Tensor, buffer: Int32 = 0):

@@ -36,9 +36,6 @@ class SplitTransposedDqBackward(SplitDqBackward, TransposedDqBackward):
     q_tile_multiple = 64  # B4's (tile_m, d / 2) reduce-add box
     stats_in_smem = True
 
-    def dq_view(self, tile):
-        return mma.transpose_view(tile)  # dQ^T
-
     def dq_half(self, sdQ_half):
         """The (d / 2, tile_m) warpgroup MMA of dQ^T, and the half seen transposed to match it."""
         return mma.tiled_mma(self.dtype, self.head_dim // self.mma_warpgroups, self.tile_m,

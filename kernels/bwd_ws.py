@@ -39,6 +39,12 @@ DQ_EMPTY, DQ_FULL = 2, 3  # consumers + the dQ writer warp
 
 
 class WarpSpecializedBackward(AttentionBackward):
+    # fixed-length batches: dQ in fragment order (a thread's FP32 share in 16-byte stores in register
+    # order, one 1-D bulk reduce-add per share into a head-major accumulator the host converts with
+    # the rung's FragmentDqPostprocess, bwd_post.py); packed batches keep the TMA tile. B4 and B7
+    # take it (measured, bwd_split_dq.py); B2, B3 and B6 keep the tile until measured with it
+    FRAGMENT_DQ = False
+
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 64, tile_n: int = 128,
                  q_stages: int = 2, deterministic: bool = False, local: bool = False,
                  softcap: bool = False, varlen: bool = False, ordered_dq: bool = False):
@@ -47,13 +53,24 @@ class WarpSpecializedBackward(AttentionBackward):
         self.consumer_threads = 128 * self.mma_warpgroups
         self.num_threads = 128 + self.consumer_threads
 
+    @property
+    def fragment_dq(self) -> bool:
+        return self.FRAGMENT_DQ and not self.varlen
+
     # ---------------------------------------------------------------- host side
+    def half_elems(self) -> int:
+        """FP32 elements of one warpgroup's dQ share of a Q tile."""
+        return self.tile_m * self.head_dim // self.mma_warpgroups
+
     def dq_smem_elems(self) -> int:
         return cute.cosize(self.sdq_layout())
 
     def sdq_layout(self):
         """The FP32 dQ_i share: a swizzled (tile_m, d) tile, the box of the TMA reduce-add (its
-        swizzle fits each warpgroup's columns of dQ, smem.py)."""
+        swizzle fits each warpgroup's columns of dQ, smem.py); in fragment order, (half_elems,
+        warpgroups), unswizzled."""
+        if self.fragment_dq:
+            return cute.make_layout((self.half_elems(), self.mma_warpgroups))
         return smem.tile_layout(Float32, self.tile_m, self.head_dim, 1,
                                 share=mma.n_share(self.tile_m, self.head_dim, self.mma_warpgroups))
 
@@ -64,6 +81,8 @@ class WarpSpecializedBackward(AttentionBackward):
     def make_dq_store(self, mdQacc: cute.Tensor):
         """(TMA reduce-add atom, its tensor) of the dQ accumulator (B4 and B7 may add it without a
         tensor map: None and the accumulator itself)."""
+        if self.fragment_dq:  # 1-D bulk reduce-adds need no tensor map
+            return None, mdQacc
         return tma.make_reduce_add(tma.seq_major(mdQacc), self.sdq_layout(), self.dq_box())
 
     @cute.jit
@@ -166,9 +185,10 @@ class WarpSpecializedBackward(AttentionBackward):
     def write_dq(self, tma_dq, mdQacc, sdQ, mLock, n_block: Int32, head: Int32, batch: Int32,
                  start: Int32, m_first: Int32, m_end: Int32, seq, window, lane: Int32):
         """dQ writer warp: per Q tile, one TMA reduce-add of the consumers' FP32 share."""
-        gdQ = cute.local_tile(seqlen.rows(mdQacc, head, batch, seq.offset_q, self.varlen),
-                              self.dq_box(), (None, 0))
-        tdQsdQ, tdQgdQ = tma.partition(tma_dq, gdQ, sdQ)
+        if cutlass.const_expr(not self.fragment_dq):
+            gdQ = cute.local_tile(seqlen.rows(mdQacc, head, batch, seq.offset_q, self.varlen),
+                                  self.dq_box(), (None, 0))
+            tdQsdQ, tdQgdQ = tma.partition(tma_dq, gdQ, sdQ)
         handoff = self.consumer_threads + 32
         cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=handoff)  # the first credit
         for i in cutlass.range(m_end - m_first, unroll=1):
@@ -177,7 +197,12 @@ class WarpSpecializedBackward(AttentionBackward):
             if cutlass.const_expr(self.ordered_dq):
                 counter = self.wait_dq_turn(mLock, seq, m_block, n_block, head, batch, window, lane,
                                             cute.arch.sync_warp)
-            self.reduce_dq(tma_dq, tdQsdQ, tdQgdQ, m_block)
+            if cutlass.const_expr(self.fragment_dq):
+                if lane == 0:  # both warpgroups' shares, back to back in SMEM and in the tile
+                    self.reduce_fragments(mdQacc, sdQ[None, 0].iterator, m_block, head, batch,
+                                          self.mma_warpgroups * self.half_elems())
+            else:
+                self.reduce_dq(tma_dq, tdQsdQ, tdQgdQ, m_block)
             cute.arch.cp_async_bulk_commit_group()
             if cutlass.const_expr(self.ordered_dq):
                 cute.arch.cp_async_bulk_wait_group(0, read=False)  # the sums have landed
@@ -186,6 +211,14 @@ class WarpSpecializedBackward(AttentionBackward):
                 cute.arch.cp_async_bulk_wait_group(0, read=True)  # the buffer has been read
             cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=handoff)
         cute.arch.cp_async_bulk_wait_group(0, read=False)
+
+    @cute.jit
+    def reduce_fragments(self, mdQacc: cute.Tensor, src, m_block: Int32, head: Int32, batch: Int32,
+                         elems: cutlass.Constexpr, offset: cutlass.Constexpr = 0):
+        """One 1-D bulk reduce-add of `elems` FP32 from SMEM `src` into Q tile m_block's elements
+        `offset` on (a Q tile's tile_m x d elements are contiguous in the head-major accumulator)."""
+        tile = accum.elem_ptr(mdQacc, (batch, m_block * self.tile_m, head, 0))
+        tma.bulk_reduce_add_f32(src, tile + offset, elems * 4)
 
     @cute.jit
     def reduce_dq(self, tma_dq, tdQsdQ, tdQgdQ, m_block: Int32):
@@ -239,6 +272,37 @@ class WarpSpecializedBackward(AttentionBackward):
         one vector store), tell the writer. (`buffer`: B2, B3 and B6 have one.)"""
         handoff = self.consumer_threads + 32
         cute.arch.barrier(barrier_id=DQ_EMPTY, number_of_threads=handoff)
-        cute.autovec_copy(acc_dq, ctx.thr_dq.partition_C(self.dq_tile(s.sdQ)))
+        if cutlass.const_expr(self.fragment_dq):
+            warpgroup_idx = cute.arch.make_warp_uniform(ctx.tidx // 128)
+            self.store_fragment(acc_dq, s.sdQ[None, warpgroup_idx], ctx.tidx % 128)
+        else:
+            cute.autovec_copy(acc_dq, ctx.thr_dq.partition_C(self.dq_tile(s.sdQ)))
         cute.arch.fence_view_async_shared()  # generic-proxy writes, read by the bulk copy
         cute.arch.barrier_arrive(barrier_id=DQ_FULL, number_of_threads=handoff)
+
+    def dq_coords(self, tidx):
+        """(row, column) in the (tile_m, d) dQ tile of each element of consumer thread tidx's dQ
+        fragment, in the fragment's order (`dq_view`: B7's accumulator is dQ^T)."""
+        return self.tiled_mmas()[2].get_slice(tidx).partition_C(
+            self.dq_view(cute.make_identity_tensor((self.tile_m, self.head_dim))))
+
+    def dq_view(self, tile: cute.Tensor) -> cute.Tensor:
+        """A (tile_m, d) tensor seen in the shape of the dQ accumulator."""
+        return tile
+
+    @staticmethod
+    def fragment_view(flat: cute.Tensor, t) -> cute.Tensor:
+        """Thread t's elements of a warpgroup's dQ share in fragment order: element i at
+        512 (i / 4) + 4 t + i % 4, as (4, n / 4) (each column one 16-byte vector)."""
+        n = cute.size(flat) // 128
+        # (16-byte aligned: the share starts on 16 bytes and a thread's offset is 16 t bytes)
+        return cute.make_tensor((flat.iterator + 4 * t).align(16), cute.make_layout((4, n // 4), stride=(1, 512)))
+
+    @cute.jit
+    def store_fragment(self, acc_dq: cute.Tensor, sdQ_half: cute.Tensor, t: Int32):
+        """This thread's dQ fragment into its warpgroup's SMEM share in fragment order: one 16-byte
+        store per 4 registers, a warp's 32 stores contiguous (no bank conflicts)."""
+        dst = self.fragment_view(sdQ_half, t)
+        src = cute.make_tensor(acc_dq.iterator, cute.make_layout(dst.shape))
+        for j in cutlass.range_constexpr(cute.size(dst, mode=[1])):
+            cute.autovec_copy(src[None, j], dst[None, j])
