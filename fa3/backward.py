@@ -152,7 +152,7 @@ def launch_attention_backward(spec, dout, q, k, v, out, lse, causal: bool, scale
     # rung adds it with scalar atomics (b1) or in fragment order (b4, b7: whole tiles of a
     # head-major accumulator); TMA reduce-adds (b2, b3, b6: their PTX promises them) clip a last
     # tile's rows past the tensor, and an unpadded dQ converts as one contiguous tensor
-    dq_rows = q.shape[1] if _DQ_BY_TMA in spec.ptx_promises else q_tiles * tile_m
+    dq_rows = q.shape[1] if _DQ_BY_TMA in spec.ptx_promises and not _fragment_dq(spec) else q_tiles * tile_m
     dsinks = _run(spec, cfg, dout, q, k, v, out, lse, dq, dk, dv, causal, scale, deterministic, window,
                   softcap, stat_rows=q_tiles * tile_m + (-tile_m) % 64, dq_rows=dq_rows,
                   lock_tiles=q_tiles, sinks=sinks)
