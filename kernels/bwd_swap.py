@@ -33,6 +33,8 @@ Q stages (the dS buffers follow the Q stage index). SMEM (bf16, d = 128): Q/dO 2
 2 x 16 KB, dQ 32 KB = 192 KB.
 """
 
+from typing import NamedTuple
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
@@ -42,12 +44,20 @@ from .bwd_ws import CONSUMER_BARRIER, WarpSpecializedBackward
 from .common import mask, mma, pipeline, smem, softmax
 
 
+class ColumnStats(NamedTuple):
+    """A statistic already gathered per column of this thread's accumulator (`prefetch_columns`)."""
+    regs: cute.Tensor
+
+
 class SwappedBackward(WarpSpecializedBackward):
     p_in_smem = False
 
     # dV issued from P^T's registers while dP^T is still in flight (its scores then wait for the
     # register operand); B6 issues it after dS^T, when S^T's and dP^T's FP32 registers are free
     dv_under_dp = True
+    # with SMEM statistics: this thread's LSE columns read into registers between issuing S^T/dP^T
+    # and waiting for S^T, so the exp2 does not wait on SMEM (not measured yet: off)
+    prefetch_stats = False
 
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 64, tile_n: int = 128,
                  q_stages: int = 2, deterministic: bool = False, local: bool = False,
@@ -115,9 +125,19 @@ class SwappedBackward(WarpSpecializedBackward):
         """The statistic of this thread's c-th column (of the (rows, cols) accumulator view):
         column 8 j + 2 (lane % 4) + i with c = 2 j + i, held by lane 4 (j % 8) + lane % 4."""
         j, i = c // 2, c % 2
+        if cutlass.const_expr(isinstance(vals, ColumnStats)):  # prefetched into registers
+            return vals.regs[c]
         if cutlass.const_expr(self.smem_stats):  # `vals` is the stage's SMEM statistic
             return vals[8 * j + 2 * (ctx.lane % 4) + i]
         return cute.arch.shuffle_sync(vals[i + 2 * (j // 8)], 4 * (j % 8) + ctx.lane % 4)
+
+    @cute.jit
+    def prefetch_columns(self, ctx, vals: cute.Tensor, columns: cutlass.Constexpr):
+        """This thread's `columns` values of a statistic, read into registers (`prefetch_stats`)."""
+        regs = cute.make_rmem_tensor((columns,), Float32)
+        for c in cutlass.range_constexpr(columns):
+            regs[c] = self.col_stat(ctx, vals, c)
+        return ColumnStats(regs)
 
     @cute.jit
     def probabilities(self, ctx, acc_s, lse2: cute.Tensor, m_block: Int32, n_block: Int32,
@@ -167,7 +187,12 @@ class SwappedBackward(WarpSpecializedBackward):
         consumers = self.consumer_threads
         lse2, dsum = self.step_stats(ctx, q_pipe, q_state, m_block)
         stage = q_state.index
-        acc_s, acc_dp = self.scores_and_dp(ctx, stage, 1)  # S^T has landed, dP^T may still run
+        if cutlass.const_expr(self.prefetch_stats and self.smem_stats):
+            acc_s, acc_dp = self.scores_and_dp(ctx, stage, -1)
+            lse2 = self.prefetch_columns(ctx, lse2, cute.size(mma.rows_cols(acc_s), mode=[1]))
+            warpgroup.wait_group(1)  # D's loads wait for dP^T anyway
+        else:
+            acc_s, acc_dp = self.scores_and_dp(ctx, stage, 1)  # S^T has landed, dP^T may still run
         self.probabilities(ctx, acc_s, lse2, m_block, n_block, ctx.seq.seqlen_q, ctx.seq.seqlen_k, scale_log2)
         if cutlass.const_expr(self.dv_under_dp):
             self.dv_gemm(ctx, acc_s, stage, 1)
