@@ -26,7 +26,7 @@ takes 8-byte pairs (B4) or scattered 4-byte stores (B7's transposed dQ). The wri
 with one 1-D bulk reduce-add (`tma.bulk_reduce_add_f32`) into an accumulator laid out head-major,
 (batch, heads, Q tiles, tile_m x d), each Q tile's elements contiguous in the same order; the
 postprocess (bwd_post.py) reads the fragments back with this rung's own dQ partition, scales and
-rounds them. Measured on an H100: B4 1.05-1.10x, B7 0.98-1.04x (d128 2k / 8k, causal and not)
+rounds them. Measured on an H100: B4 1.05-1.10x at d96, B7 0.98-1.04x at d128 (2k / 8k, causal and not)
 against the TMA tile below. Packed batches keep the tile (their Q tiles start at any row).
 
 SMEM (bf16, d = 128): B3's 192 KB with 32 KB of dQ, plus the second dQ buffer: 224 KB. The four
