@@ -126,16 +126,13 @@ class SplitDqBackward(SwappedBackward):
         """This warpgroup's half of dQ_i into its slot of `buffer` (the Q stage's index), met by
         the writer alone."""
         warpgroup_idx = cute.arch.make_warp_uniform(ctx.tidx // 128)
-        empty, full = self.dq_barriers(self.mma_warpgroups * buffer + warpgroup_idx)
         slot = self.mma_warpgroups * buffer + warpgroup_idx
-        if cutlass.const_expr(self.fragment_dq):
-            half, sdQ = None, s.sdQ[None, slot]
-        else:
-            half, sdQ = self.dq_half(s.sdQ[None, None, slot])
+        empty, full = self.dq_barriers(slot)
         cute.arch.barrier(barrier_id=empty, number_of_threads=128 + 32)
         if cutlass.const_expr(self.fragment_dq):
-            self.store_fragment(acc_dq, sdQ, ctx.tidx % 128)
+            self.store_fragment(acc_dq, s.sdQ[None, slot], ctx.tidx % 128)
         else:
+            half, sdQ = self.dq_half(s.sdQ[None, None, slot])
             cute.autovec_copy(acc_dq, half.get_slice(ctx.tidx % 128).partition_C(sdQ))
         cute.arch.fence_view_async_shared()  # generic-proxy writes, read by the bulk copy
         cute.arch.barrier_arrive(barrier_id=full, number_of_threads=128 + 32)

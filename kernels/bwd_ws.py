@@ -79,9 +79,9 @@ class WarpSpecializedBackward(AttentionBackward):
         return self.tile_m, self.head_dim
 
     def make_dq_store(self, mdQacc: cute.Tensor):
-        """(TMA reduce-add atom, its tensor) of the dQ accumulator (B4 and B7 may add it without a
-        tensor map: None and the accumulator itself)."""
-        if self.fragment_dq:  # 1-D bulk reduce-adds need no tensor map
+        """(TMA reduce-add atom, its tensor) of the dQ accumulator; in fragment order (1-D bulk
+        reduce-adds, no tensor map) None and the accumulator itself."""
+        if self.fragment_dq:
             return None, mdQacc
         return tma.make_reduce_add(tma.seq_major(mdQacc), self.sdq_layout(), self.dq_box())
 
