@@ -124,7 +124,6 @@ def _backward(spec, tensors, cu_seqlens, causal, softmax_scale, window_size, sof
     return tuple(grads) if sinks is not None else tuple(grads[:3])
 
 
-_DQ_BY_TMA = "cp.reduce.async.bulk.tensor"  # a rung whose PTX has it adds dQ by TMA reduce-adds
 _NO_LOCK: dict[torch.device, torch.Tensor] = {}  # a stand-in for the counters when not deterministic
 
 
@@ -148,13 +147,11 @@ def launch_attention_backward(spec, dout, q, k, v, out, lse, causal: bool, scale
     tile_m = cfg["tile_m"]
     q_tiles = -(-q.shape[1] // tile_m)
     # statistics padded to whole Q tiles: the kernel reads them unchecked (a Q tile that is not a
-    # multiple of 64 reads its statistics in 64-row blocks: up to 63 rows more); dQ too where the
-    # rung adds it with scalar atomics (b1) or in fragment order (b4, b7: whole tiles of a
-    # head-major accumulator); TMA reduce-adds (b2, b3, b6: their PTX promises them) clip a last
-    # tile's rows past the tensor, and an unpadded dQ converts as one contiguous tensor
-    dq_rows = q.shape[1] if _DQ_BY_TMA in spec.ptx_promises and not _fragment_dq(spec) else q_tiles * tile_m
+    # multiple of 64 reads its statistics in 64-row blocks: up to 63 rows more); dQ too: b1 adds
+    # it with unchecked scalar atomics, b2 on in fragment order (whole tiles of a head-major
+    # accumulator)
     dsinks = _run(spec, cfg, dout, q, k, v, out, lse, dq, dk, dv, causal, scale, deterministic, window,
-                  softcap, stat_rows=q_tiles * tile_m + (-tile_m) % 64, dq_rows=dq_rows,
+                  softcap, stat_rows=q_tiles * tile_m + (-tile_m) % 64, dq_rows=q_tiles * tile_m,
                   lock_tiles=q_tiles, sinks=sinks)
     return dq, dk, dv, dsinks
 

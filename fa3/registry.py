@@ -70,24 +70,24 @@ VARIANTS = ("varlen", "local", "softcap")  # packed batches, sliding window, cap
 # into their softmax; the backward needs no variant for them (the LSE includes the sink)
 SINKS = "sinks"
 _SCALAR_PTX = ("ld.global", "ex2.approx")
-# the warp-specialized backward rungs (b2 on): dQ by TMA reduce-adds, never by scalar atomics
-_BWD_WS_PTX = ("wgmma.mma_async", "setmaxnreg", "cp.reduce.async.bulk.tensor", "stmatrix")
+# the warp-specialized backward rungs (b2 on): dQ never by scalar atomics; on fixed-length batches
+# each warpgroup's FP32 share in fragment order (16-byte SMEM stores) and one 1-D bulk reduce-add
+# (packed batches: a TMA tensor reduce-add, test_compile's variant rows)
+_BWD_WS_PTX = ("wgmma.mma_async", "setmaxnreg", "stmatrix", "st.shared.v4.b32",
+               "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32")
 _BWD_WS_FORBIDS = ("red.global", "red.relaxed")
 _BWD_SWAPPED_PTX = _BWD_WS_PTX + ("shfl.sync.idx",)  # S^T: each column's statistics by shuffles
-# b4, b7 on fixed-length batches: dQ in fragment order, one 1-D bulk reduce-add per warpgroup share
-_BWD_FRAGMENT_PTX = tuple(p for p in _BWD_SWAPPED_PTX if p != "cp.reduce.async.bulk.tensor") + (
-    "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32", "st.shared.v4.b32")
 # a K tile's WGMMAs left running while the next is issued (the PTX spells it with a tab)
 _MMA_IN_FLIGHT = "wgmma.wait_group.sync.aligned \t1;"
 
 
 def _swapped_backward(name: str, module: str, cls: str, summary: str, *, head_dims: tuple,
-                      speed_rank: int, ptx_promises: tuple = _BWD_SWAPPED_PTX) -> KernelSpec:
+                      speed_rank: int) -> KernelSpec:
     """A rung of the S^T backward line (b3 on): 64-row Q tiles against 128-row K/V tiles, two Q
-    stages, dQ by TMA reduce-adds, each column's statistics by shuffles (or from SMEM)."""
+    stages, dQ by bulk reduce-adds, each column's statistics by shuffles (or from SMEM)."""
     return KernelSpec(name, BACKWARD, module, cls, summary,
                       config={"tile_m": 64, "tile_n": 128, "q_stages": 2}, head_dims=head_dims,
-                      ptx_promises=ptx_promises, ptx_forbids=_BWD_WS_FORBIDS,
+                      ptx_promises=_BWD_SWAPPED_PTX, ptx_forbids=_BWD_WS_FORBIDS,
                       speed_rank=speed_rank, variants=VARIANTS)
 
 
@@ -211,7 +211,7 @@ KERNELS: dict[str, KernelSpec] = {
         KernelSpec(
             "b2", BACKWARD, "bwd_ws", "WarpSpecializedBackward",
             "+ warp specialization (loader warp, dQ-writer warp, two consumer warpgroups, "
-            "setmaxnreg), S/dP and dQ/dV/dK in flight together, dQ by one TMA reduce-add per tile",
+            "setmaxnreg), S/dP and dQ/dV/dK in flight together, dQ by one bulk reduce-add per tile",
             config={"tile_m": 64, "tile_n": 128, "q_stages": 2},
             # d=192: 64-row K/V tiles as d256 (dK, dV: 96 registers a thread; a multiple of 64
             # rows: P and dS fill whole swizzle atoms), two Q/dO stages still fit; d=256: the
@@ -235,7 +235,7 @@ KERNELS: dict[str, KernelSpec] = {
             "b4", "bwd_split_dq", "SplitDqBackward",
             "+ the dQ share handed to the writer per warpgroup (each half its own reduce-add "
             "and barriers) through two buffers returned a tile late, in fragment order",
-            head_dims=(96, 128), speed_rank=4, ptx_promises=_BWD_FRAGMENT_PTX),  # b3's head dims
+            head_dims=(96, 128), speed_rank=4),  # b3's head dims
         # 64-row Q tiles: 80 (FlashAttention-3's and flash-attn-4's non-causal d128 tile) ran 4-10%
         # slower here (worklog/backward.md)
         _swapped_backward(
@@ -248,7 +248,7 @@ KERNELS: dict[str, KernelSpec] = {
             "b6 + b4's dQ hand-off: each warpgroup's transposed dQ share through its own two "
             "buffers, met by the writer alone",
             # b6's head dims: dQ^T stacks d over the warpgroups in 64-row WGMMA atoms
-            head_dims=(128,), speed_rank=6, ptx_promises=_BWD_FRAGMENT_PTX),
+            head_dims=(128,), speed_rank=6),
         KernelSpec(
             "s1", KVCACHE, "decode", "SplitKVAttention",
             "KV-cache attention (dense or paged): query heads of a KV head packed into one 64-row "

@@ -120,7 +120,7 @@ class AttentionBackward(QueryStatistics):
                  window_left: Int32, window_right: Int32, softcap_scale: Float32,
                  mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, stream):
         """mLSE2, mD: (batch, heads_q, seqlen_q rounded up to tile_m) FP32 from the preprocess;
-        mdQacc: (batch, same rows, heads_q, d) FP32, zeroed (B4 and B7 on fixed lengths: a view of a
+        mdQacc: (batch, same rows, heads_q, d) FP32, zeroed (B2 on, fixed lengths: a view of a
         head-major accumulator in whole Q tiles, each tile's share in fragment order); mdK, mdV: (batch, seqlen_k, heads_q,
         d), one slice per query head, or under GQA FP32: zeroed (batch, seqlen_k, heads_kv, d) that
         the kernel adds into, or, deterministic, per-query-head slices summed afterwards; mLock: (batch, heads_q,

@@ -1,4 +1,4 @@
-"""The backward's postprocess for dQ accumulated in fragment order (rungs with FRAGMENT_DQ: B4, B7).
+"""The backward's postprocess for dQ accumulated in fragment order (B2 on, fixed-length batches).
 
 Those rungs hand each warpgroup's FP32 dQ share of a Q tile to the writer warp in the order the
 warpgroup holds it in registers ("fragment order": thread t's element i at 512 (i / 4) + 4 t + i % 4

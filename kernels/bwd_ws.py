@@ -5,8 +5,10 @@ Roles (block = 384 threads):
         warp 0, the loader: K_j and V_j once, then Q_i and dO_i into the ring, one stage ahead of
             the consumers and never waiting on them except for a free stage;
         warp 1, the dQ writer: per Q tile, waits until the consumers have put this K/V tile's dQ_i
-            share (FP32) in SMEM, adds it to global memory with one TMA reduce-add
-            (cp.reduce.async.bulk.tensor), and hands the buffer back once the bulk copy has read it.
+            share (FP32) in SMEM, adds it to global memory with one bulk reduce-add (fixed
+            lengths: each thread's registers stored in order, `FRAGMENT_DQ` below; packed batches:
+            a swizzled tile, one TMA tensor reduce-add), and hands the buffer back once the bulk
+            copy has read it.
     warpgroups 1 and 2, the consumers (setmaxnreg.inc to 240): the five GEMMs, as in B1, but
         S and dP are issued together and P = exp2(...) runs while dP is in flight; dQ, dV and dK
         are issued together and dQ is handed to the writer while dV and dK run. The thousands of
@@ -41,9 +43,10 @@ DQ_EMPTY, DQ_FULL = 2, 3  # consumers + the dQ writer warp
 class WarpSpecializedBackward(AttentionBackward):
     # fixed-length batches: dQ in fragment order (a thread's FP32 share in 16-byte stores in register
     # order, one 1-D bulk reduce-add per share into a head-major accumulator the host converts with
-    # the rung's FragmentDqPostprocess, bwd_post.py); packed batches keep the TMA tile. B4 and B7
-    # take it (measured, bwd_split_dq.py); B2, B3 and B6 keep the tile until measured with it
-    FRAGMENT_DQ = False
+    # the rung's FragmentDqPostprocess, bwd_post.py); packed batches keep the TMA tile. Measured
+    # against the tile on an H200: B2 1.02-1.09x at d64/d192/d256 (2k / 8k, causal and not); B4
+    # 1.05-1.10x at d96 and B7 0.98-1.04x at d128 on an H100 (bwd_split_dq.py)
+    FRAGMENT_DQ = True
 
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 64, tile_n: int = 128,
                  q_stages: int = 2, deterministic: bool = False, local: bool = False,

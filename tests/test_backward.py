@@ -268,10 +268,15 @@ def test_cuda_graph_of_a_training_step():
 
 
 SANITIZER_SCRIPT = """
+import os, sys
+if sys.argv[1] == "memcheck":  # one allocation per tensor: memcheck sees any access past one
+    os.environ["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"
 import torch, fa3
 torch.manual_seed(0)
-for kernel in fa3.available_kernels("backward"):
-    head_dim = min(fa3.registry.get(kernel).head_dims)  # the smallest the rung compiles
+# every rung at the smallest head dim it compiles, and the default at every head dim
+runs = [(kernel, min(fa3.registry.get(kernel).head_dims)) for kernel in fa3.available_kernels("backward")]
+runs += [(None, head_dim) for head_dim in fa3.registry.HEAD_DIMS]
+for kernel, head_dim in runs:
     for causal in (False, True):
         q, k, v = (torch.randn(1, 150, 2, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                    for _ in range(3))
@@ -286,16 +291,21 @@ print("done")
 """
 
 
-def test_racecheck_backward(tmp_path):
-    """compute-sanitizer's racecheck over every backward rung on a small ragged shape (plain; window,
-    softcap and deterministic; packed): no SMEM hazards between the loader, the consumers and the dQ
-    writer (skipped without the tool)."""
+@pytest.mark.parametrize("tool", ["racecheck", "memcheck"])
+def test_sanitizer_backward(tool, tmp_path):
+    """compute-sanitizer over every backward rung and every head dim's default on a small ragged
+    shape (plain; window, softcap and deterministic; packed): racecheck, no SMEM hazards between the
+    loader, the consumers and the dQ writer; memcheck, no access outside a tensor (each tensor its
+    own allocation). Skipped without the tool."""
     if compute_sanitizer() is None:
         pytest.skip("compute-sanitizer is not installed")
-    report = run_script(tmp_path, SANITIZER_SCRIPT,
-                        sanitizer=["--tool", "racecheck", "--racecheck-report", "hazard"])
+    options = ["--racecheck-report", "hazard"] if tool == "racecheck" else []
+    report = run_script(tmp_path, SANITIZER_SCRIPT, tool, sanitizer=["--tool", tool, *options])
     assert "done" in report, report[-3000:]
-    assert "0 hazards displayed" in report or "RACECHECK SUMMARY: 0 hazards" in report, report[-3000:]
+    if tool == "racecheck":
+        assert "0 hazards displayed" in report or "RACECHECK SUMMARY: 0 hazards" in report, report[-3000:]
+    else:
+        assert "ERROR SUMMARY: 0 errors" in report, report[-3000:]
 
 
 # ----------------------------------------------------------------------------- packed batches
