@@ -182,27 +182,30 @@ def get_backward_preprocess(dtype, head_dim):
     return fn
 
 
-def _build_postprocess(spec, dtype, head_dim, extra_options=""):
+def _build_postprocess(spec, dtype, head_dim, varlen=False, extra_options=""):
     cutlass, cute = _dsl.import_cute()
     from .kernels.bwd_post import FragmentDqPostprocess
 
     dt = sig.cute_dtype(dtype)
-    rung = spec.load_class()(dtype=dt, head_dim=head_dim, causal=False, **spec.config_for(head_dim))
+    rung = spec.load_class()(dtype=dt, head_dim=head_dim, causal=False, varlen=varlen,
+                             **spec.config_for(head_dim))
     b, rows, sq, h = (cute.sym_int64() for _ in range(4))
     args = [sig.unit_last(cute, cutlass.Float32, b, rows, h, head_dim, tma=True),
-            sig.unit_last(cute, dt, b, sq, h, head_dim, tma=True), cutlass.Float32(1.0)]
+            sig.unit_last(cute, dt, b, sq, h, head_dim, tma=True), cutlass.Float32(1.0),
+            # cu_seqlens_q: read only when packed (a 1-element stand-in otherwise)
+            sig.fake_tensor(cute, cutlass.Int32, (cute.sym_int64(),), (1,), align=4)]
     return _compile_kernel(FragmentDqPostprocess(rung), args, extra_options)
 
 
-def get_backward_postprocess(spec, dtype, head_dim):
+def get_backward_postprocess(spec, dtype, head_dim, varlen=False):
     """dQ = scale * dQacc in the output dtype, from `spec`'s fragment-order accumulator
-    (kernels/bwd_post.py)."""
-    fast_key = ("bwd_post", spec.name, dtype, head_dim)
+    (kernels/bwd_post.py); `varlen`: a packed batch's."""
+    fast_key = ("bwd_post", spec.name, dtype, head_dim, varlen)
     fn = _FAST.get(fast_key)
     if fn is None:
-        key = ("bwd_post", spec.name, str(dtype), head_dim, tuple(sorted(spec.config_for(head_dim).items())),
-               _dsl.TARGET_ARCH, _dsl.version())
-        fn = _FAST[fast_key] = _cached(key, lambda: _build_postprocess(spec, dtype, head_dim))
+        key = ("bwd_post", spec.name, str(dtype), head_dim, varlen,
+               tuple(sorted(spec.config_for(head_dim).items())), _dsl.TARGET_ARCH, _dsl.version())
+        fn = _FAST[fast_key] = _cached(key, lambda: _build_postprocess(spec, dtype, head_dim, varlen))
     return fn
 
 

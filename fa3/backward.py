@@ -128,8 +128,8 @@ _NO_LOCK: dict[torch.device, torch.Tensor] = {}  # a stand-in for the counters w
 
 
 def _fragment_dq(spec) -> bool:
-    """Whether the rung adds dQ in fragment order on fixed-length batches (kernels/bwd_post.py):
-    its accumulator is then head-major, in whole Q tiles, converted by its own postprocess."""
+    """Whether the rung adds dQ in fragment order (kernels/bwd_post.py): its accumulator is then
+    head-major, in whole Q tiles, converted by its own postprocess."""
     return getattr(spec.load_class(), "FRAGMENT_DQ", False)
 
 
@@ -167,12 +167,14 @@ def launch_varlen_backward(spec, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqle
     total_q, entries = q.shape[0], cu_seqlens_q.shape[0] - 1
     cfg = spec.config_for(q.shape[2])
     tile_m = cfg["tile_m"]
-    # packed statistics (rows past an entry are read as LSE = +inf); a last Q tile may add its
-    # (zero) rows past the packed end: tile_m rows of slack; counters: see AttentionBackward
+    # packed statistics (rows past an entry are read as LSE = +inf); dQ: a last Q tile may add its
+    # (zero) rows past the packed end (b1: tile_m rows of slack), or, in fragment order, each
+    # entry's tiles in whole-tile slots, as many as the counters (kernels/bwd.py, packed_q_tile)
+    slots = total_q // tile_m + entries + 1
+    dq_rows = slots * tile_m if _fragment_dq(spec) else total_q + tile_m
     dsinks = _run(spec, cfg, *(t.unsqueeze(0) for t in (dout, q, k, v, out, lse, dq, dk, dv)), causal,
-                  scale, deterministic, window, softcap, stat_rows=total_q, dq_rows=total_q + tile_m,
-                  lock_tiles=total_q // tile_m + entries + 1, cu_seqlens=(cu_seqlens_q, cu_seqlens_k),
-                  sinks=sinks)
+                  scale, deterministic, window, softcap, stat_rows=total_q, dq_rows=dq_rows,
+                  lock_tiles=slots, cu_seqlens=(cu_seqlens_q, cu_seqlens_k), sinks=sinks)
     return dq, dk, dv, dsinks
 
 
@@ -192,7 +194,7 @@ def _run(spec, cfg, dout, q, k, v, out, lse, dq, dk, dv, causal, scale, determin
     out = _launch.tma_ready(out)  # the preprocess reads it in 16-byte vectors
     lse2 = torch.empty(batch, heads_q, stat_rows, dtype=torch.float32, device=device)
     dsum = torch.empty_like(lse2)
-    fragment_dq = cu_seqlens is None and _fragment_dq(spec)
+    fragment_dq = _fragment_dq(spec)
     if fragment_dq:  # head-major (each Q tile's share contiguous), seen as (batch, rows, heads, d)
         dq_acc = torch.empty(batch, heads_q, dq_rows, head_dim, dtype=torch.float32, device=device).transpose(1, 2)
     else:
@@ -221,7 +223,7 @@ def _run(spec, cfg, dout, q, k, v, out, lse, dq, dk, dv, causal, scale, determin
     fn(q, k, v, dout, lse2, dsum, dq_acc, dk_h, dv_h, lock, mask.scale_log2, scale, mask.left,
        mask.right, mask.softcap_scale, cu_q, cu_k)
     if fragment_dq:
-        _compile.get_backward_postprocess(spec, dtype, head_dim)(dq_acc, dq, scale)
+        _compile.get_backward_postprocess(spec, dtype, head_dim, cu_seqlens is not None)(dq_acc, dq, scale, cu_q)
     else:
         torch.mul(dq_acc[:, :seqlen_q], scale, out=dq)
     if gqa and not deterministic:

@@ -120,14 +120,15 @@ class AttentionBackward(QueryStatistics):
                  window_left: Int32, window_right: Int32, softcap_scale: Float32,
                  mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, stream):
         """mLSE2, mD: (batch, heads_q, seqlen_q rounded up to tile_m) FP32 from the preprocess;
-        mdQacc: (batch, same rows, heads_q, d) FP32, zeroed (B2 on, fixed lengths: a view of a
-        head-major accumulator in whole Q tiles, each tile's share in fragment order); mdK, mdV: (batch, seqlen_k, heads_q,
+        mdQacc: (batch, same rows, heads_q, d) FP32, zeroed (B2 on: a view of a head-major
+        accumulator in whole Q tiles, each tile's share in fragment order); mdK, mdV: (batch, seqlen_k, heads_q,
         d), one slice per query head, or under GQA FP32: zeroed (batch, seqlen_k, heads_kv, d) that
         the kernel adds into, or, deterministic, per-query-head slices summed afterwards; mLock: (batch, heads_q,
         Q tiles) int32 zeros, read only when dQ is ordered (`ordered_dq`). The window edges and softcap_scale
         are read only by the local and softcap variants (as the forward's), cu_seqlens_q/k only by
-        the varlen one. Varlen: batch = 1 holding every entry; mLSE2, mD have total_q rows, mdQacc
-        total_q + tile_m, mLock total_q // tile_m + entries + 1 counters per head."""
+        the varlen one. Varlen: batch = 1 holding every entry; mLSE2, mD have total_q rows, mLock
+        total_q // tile_m + entries + 1 counters per head, mdQacc total_q + tile_m rows (B1), or
+        (B2 on) as many whole-tile slots as counters (`packed_q_tile`)."""
         sQ_layout, sKV_layout, sPdS_layout = self.smem_layouts()
         loads = self.make_loads(mQ, mdO, mK, mV, sQ_layout, sKV_layout)
         storage_cls = self.shared_storage(sQ_layout, sKV_layout, sPdS_layout)
@@ -418,8 +419,15 @@ class AttentionBackward(QueryStatistics):
         """Pointer to Q tile m_block's counter. Varlen: entry b's tiles count from
         cu_seqlens_q[b] // tile_m + b, which leaves every entry room for all of its tiles."""
         if cutlass.const_expr(self.varlen):
-            return accum.elem_ptr(mLock, (0, head, seq.offset_q // self.tile_m + batch + m_block))
+            return accum.elem_ptr(mLock, (0, head, self.packed_q_tile(seq, m_block, batch)))
         return accum.elem_ptr(mLock, (batch, head, m_block))
+
+    def packed_q_tile(self, seq, m_block: Int32, batch: Int32) -> Int32:
+        """Varlen: Q tile m_block of entry `batch` among whole-tile slots per head (the dQ counters,
+        the fragment-order dQ accumulator): entry b's tiles count from cu_seqlens_q[b] // tile_m + b,
+        which leaves every entry room for all of its tiles; total_q // tile_m + entries + 1 slots
+        hold them all (seq's offsets clamped into the packed rows, seqlen.py)."""
+        return seq.offset_q // self.tile_m + batch + m_block
 
     @cute.jit
     def wait_dq_turn(self, mLock: cute.Tensor, seq, m_block: Int32, n_block: Int32, head: Int32,

@@ -95,7 +95,7 @@ class SplitDqBackward(SwappedBackward):
                 cute.arch.barrier(barrier_id=self.dq_barriers(slot)[1], number_of_threads=handoff)
                 if cutlass.const_expr(self.fragment_dq):
                     if lane == 0:
-                        self.reduce_fragments(mdQacc, sdQ[None, slot].iterator, m_block, head, batch,
+                        self.reduce_fragments(mdQacc, sdQ[None, slot].iterator, seq, m_block, head, batch,
                                               self.half_elems(), w * self.half_elems())
                 else:
                     cute.copy(tma_dq, tdQsdQ[None, slot], tdQgdQ[None, m_block, w])

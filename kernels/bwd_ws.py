@@ -41,11 +41,12 @@ DQ_EMPTY, DQ_FULL = 2, 3  # consumers + the dQ writer warp
 
 
 class WarpSpecializedBackward(AttentionBackward):
-    # fixed-length batches: dQ in fragment order (a thread's FP32 share in 16-byte stores in register
-    # order, one 1-D bulk reduce-add per share into a head-major accumulator the host converts with
-    # the rung's FragmentDqPostprocess, bwd_post.py); packed batches keep the TMA tile. Measured
-    # against the tile on an H200: B2 1.02-1.09x at d64/d192/d256 (2k / 8k, causal and not); B4
-    # 1.05-1.10x at d96 and B7 0.98-1.04x at d128 on an H100 (bwd_split_dq.py)
+    # dQ in fragment order (a thread's FP32 share in 16-byte stores in register order, one 1-D bulk
+    # reduce-add per share into a head-major accumulator of whole Q tiles, packed batches' tiles in
+    # `packed_q_tile` slots, that the host converts with the rung's FragmentDqPostprocess,
+    # bwd_post.py), not the swizzled (tile_m, d) TMA tile. Measured against the tile on an H200:
+    # B2 1.02-1.09x at d64/d192/d256 (2k / 8k, causal and not); B4 1.05-1.10x at d96 and B7
+    # 0.98-1.04x at d128 on an H100 (bwd_split_dq.py)
     FRAGMENT_DQ = True
 
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 64, tile_n: int = 128,
@@ -58,7 +59,7 @@ class WarpSpecializedBackward(AttentionBackward):
 
     @property
     def fragment_dq(self) -> bool:
-        return self.FRAGMENT_DQ and not self.varlen
+        return self.FRAGMENT_DQ
 
     # ---------------------------------------------------------------- host side
     def half_elems(self) -> int:
@@ -202,7 +203,7 @@ class WarpSpecializedBackward(AttentionBackward):
                                             cute.arch.sync_warp)
             if cutlass.const_expr(self.fragment_dq):
                 if lane == 0:  # both warpgroups' shares, back to back in SMEM and in the tile
-                    self.reduce_fragments(mdQacc, sdQ[None, 0].iterator, m_block, head, batch,
+                    self.reduce_fragments(mdQacc, sdQ[None, 0].iterator, seq, m_block, head, batch,
                                           self.mma_warpgroups * self.half_elems())
             else:
                 self.reduce_dq(tma_dq, tdQsdQ, tdQgdQ, m_block)
@@ -216,12 +217,22 @@ class WarpSpecializedBackward(AttentionBackward):
         cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     @cute.jit
-    def reduce_fragments(self, mdQacc: cute.Tensor, src, m_block: Int32, head: Int32, batch: Int32,
+    def reduce_fragments(self, mdQacc: cute.Tensor, src, seq, m_block: Int32, head: Int32, batch: Int32,
                          elems: cutlass.Constexpr, offset: cutlass.Constexpr = 0):
         """One 1-D bulk reduce-add of `elems` FP32 from SMEM `src` into Q tile m_block's elements
         `offset` on (a Q tile's tile_m x d elements are contiguous in the head-major accumulator)."""
-        tile = accum.elem_ptr(mdQacc, (batch, m_block * self.tile_m, head, 0))
+        tile = accum.elem_ptr(mdQacc, self.dq_tile_origin(seq, m_block, head, batch))
         tma.bulk_reduce_add_f32(src, tile + offset, elems * 4)
+
+    @cute.jit
+    def dq_tile_origin(self, seq, m_block: Int32, head: Int32, batch: Int32):
+        """(batch, row, head, 0) of Q tile m_block's first element in the fragment-order accumulator,
+        seen as (batch, rows, heads, d): row m_block * tile_m of the entry's plane, or, packed, of
+        the entry's `packed_q_tile` slot in the one plane."""
+        origin = (batch, m_block * self.tile_m, head, 0)
+        if cutlass.const_expr(self.varlen):
+            origin = (0, self.packed_q_tile(seq, m_block, batch) * self.tile_m, head, 0)
+        return origin
 
     @cute.jit
     def reduce_dq(self, tma_dq, tdQsdQ, tdQgdQ, m_block: Int32):

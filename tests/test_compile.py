@@ -85,9 +85,10 @@ def test_backward_deterministic_variant_compiles(name):
     ("s1", dict(head_dim=128, causal=True, leftpad=True, local=True), ("cp.async.bulk.tensor",)),
     ("b2", dict(head_dim=128, causal=False, local=True, softcap=True), ("tanh.approx.f32", "lg2.approx")),
     ("b1", dict(head_dim=128, causal=False, local=True, softcap=True), ("tanh.approx.f32", "lg2.approx")),
-    # packed batches: dQ through the TMA tile (a packed Q tile starts at any row)
+    # packed batches: dQ in fragment order too, each entry's Q tiles in whole-tile slots
     *[(name, dict(head_dim=128, causal=True, varlen=True, deterministic=True),
-       ("vote.sync.ballot", "cp.reduce.async.bulk.tensor")) for name in ("b2", "b3", "b4", "b7")],
+       ("vote.sync.ballot", "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32"))
+      for name in ("b2", "b3", "b4", "b7")],
     ("b3", dict(head_dim=128, causal=False, local=True, gqa=True), ("shfl.sync.idx",)),
     ("b1", dict(head_dim=64, causal=True, varlen=True, gqa=True), ("vote.sync.ballot",)),
     # attention sinks: one more exp2 and a max per row in the epilogue, nothing in the mainloop
@@ -97,11 +98,9 @@ def test_backward_deterministic_variant_compiles(name):
     # a serving engine's call on gpt-oss-like and d96/d192 models: packed queries, row gathers, sinks
     *[("s1", dict(head_dim=d, causal=True, paged=True, gather=True, varlen=True, sinks=True),
        ("cp.async.mbarrier.arrive.noinc", "lg2.approx")) for d in (64, 96, 192)],
-    # d192 packed batches (80-wide K/V tiles: 96 spill); d96 deterministic GQA backward, packed (dQ's
-    # 48-column warpgroup shares in the TMA tile on a 32-byte swizzle, smem.py)
+    # d192 packed batches (80-wide K/V tiles: 96 spill); d96 deterministic GQA packed backward
     ("k5.5", dict(head_dim=192, causal=True, varlen=True, sinks=True), ("vote.sync.ballot",)),
-    ("b2", dict(head_dim=96, causal=True, deterministic=True, gqa=True, varlen=True),
-     ("cp.reduce.async.bulk.tensor",)),
+    ("b2", dict(head_dim=96, causal=True, deterministic=True, gqa=True, varlen=True), ("st.shared.v4.b32",)),
     # v's head dim other than q/k's: (192, 128) on 128-wide K/V tiles, (128, 64)
     ("k5.5", dict(head_dim=192, head_dim_v=128, causal=True), ("wgmma.mma_async",)),
     ("k5.5", dict(head_dim=128, head_dim_v=64, causal=False, varlen=True), ("vote.sync.ballot",)),
@@ -171,14 +170,17 @@ def test_backward_preprocess_compiles(head_dim):
     assert report.registers and report.spill_bytes == 0
 
 
-@pytest.mark.parametrize("name,head_dim", [("b2", 64), ("b2", 192), ("b2", 256), ("b3", 96), ("b4", 96),
-                                           ("b6", 128), ("b7", 128)])
-def test_fragment_dq_postprocess_compiles(name, head_dim):
-    """The postprocess of each rung's fragment-order dQ: 16-byte loads of the accumulator and
-    16-byte stores of dQ, no spills."""
-    report = _report(_compile._build_postprocess, registry.get(name), torch.bfloat16, head_dim)
+@pytest.mark.parametrize("name,head_dim,varlen", [("b2", 64, False), ("b2", 192, False), ("b2", 256, True),
+                                                  ("b3", 96, False), ("b4", 96, True), ("b6", 128, False),
+                                                  ("b7", 128, False), ("b7", 128, True)])
+def test_fragment_dq_postprocess_compiles(name, head_dim, varlen):
+    """The postprocess of each rung's fragment-order dQ (and of a packed batch's): 16-byte loads of
+    the accumulator and 16-byte stores of dQ, no spills."""
+    report = _report(_compile._build_postprocess, registry.get(name), torch.bfloat16, head_dim, varlen)
     assert "ld.global.v4" in report.ptx and "st.global.v4" in report.ptx
-    assert "ld.global.b32" not in report.ptx and report.registers and report.spill_bytes == 0
+    # 32-bit loads: only cu_seqlens_q's (the tile search and the entry's span), when packed
+    assert report.ptx.count("ld.global.b32") == (4 if varlen else 0)
+    assert report.registers and report.spill_bytes == 0
 
 
 @pytest.mark.parametrize("packed", [False, True])
