@@ -189,7 +189,7 @@ class AttentionBackward(QueryStatistics):
                 q_producer = pipeline.produce(q_pipe, q_producer, m_first + q_producer.count, q_copies)
         if warp_idx == 0:
             pipeline.tail(q_pipe, q_producer)
-        self.store_dkv(ctx, mdK, mdV, n_block, head, batch, softmax_scale, mLSE2.shape[1])
+        self.store_dkv(ctx, s, mdK, mdV, n_block, head, batch, softmax_scale, mLSE2.shape[1])
 
     # ---------------------------------------------------------------- setup pieces
     @cute.jit
@@ -474,11 +474,58 @@ class AttentionBackward(QueryStatistics):
         self.add_dq(ctx, acc_dq, mdQacc, mLock, m_block, n_block, head, batch, cute.arch.sync_threads)
 
     @cute.jit
-    def store_dkv(self, ctx, mdK: cute.Tensor, mdV: cute.Tensor, n_block: Int32, head: Int32,
+    def sync_consumers(self):
+        """Every thread that holds dK/dV meets (B1: the whole CTA; B2 on: the consumers)."""
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def store_dkv(self, ctx, s, mdK: cute.Tensor, mdV: cute.Tensor, n_block: Int32, head: Int32,
                   batch: Int32, softmax_scale: Float32, heads_q: Int32):
         """dK * softmax_scale and dV, rows past seqlen_k skipped: rounded to the output's dtype
-        into this head's slice, or, GQA without determinism (FP32 dK/dV with heads_kv heads),
-        added with FP32 atomics into the slice of the group's KV head."""
+        into this head's slice through SMEM (`store_dkv_rows`), or in FP32 (GQA) from registers:
+        without determinism added with atomics into the slice of the group's KV head
+        (heads_kv heads), deterministic into this query head's slice."""
+        if cutlass.const_expr(mdK.element_type == self.dtype):
+            self.store_dkv_rows(ctx, s, mdK, mdV, n_block, head, batch, softmax_scale)
+        else:
+            self.store_dkv_fp32(ctx, mdK, mdV, n_block, head, batch, softmax_scale, heads_q)
+
+    @cute.jit
+    def store_dkv_rows(self, ctx, s, mdK: cute.Tensor, mdV: cute.Tensor, n_block: Int32, head: Int32,
+                       batch: Int32, softmax_scale: Float32):
+        """dK and dV rounded into the SMEM K and V tiles (free once every GEMM of the walk is done;
+        stmatrix, 8x8 blocks), then out row by row in 16-byte vectors, rows past the entry's
+        seqlen_k skipped. Direct stores from the accumulator would be 2-byte scalars (a thread
+        holds pairs of columns 8 rows apart): 128 a thread at d128."""
+        self.sync_consumers()  # both warpgroups are done reading sK and sV
+        dk = cute.make_rmem_tensor_like(ctx.acc_dk, self.dtype)
+        dk.store((ctx.acc_dk.load() * softmax_scale).to(self.dtype))
+        mma.store_to_smem(dk, ctx.dkv, ctx.tidx, s.sK[None, None, 0])
+        mma.store_to_smem(mma.to_dtype(ctx.acc_dv, self.dtype), ctx.dkv, ctx.tidx, s.sV[None, None, 0])
+        self.sync_consumers()
+        first = (n_block * self.tile_n, 0)  # the tile's rows in the entry's (seqlen_k, d) rows
+        gdK = cute.domain_offset(first, seqlen.rows(tma.seq_major(mdK), head, batch, ctx.seq.offset_k, self.varlen))
+        gdV = cute.domain_offset(first, seqlen.rows(tma.seq_major(mdV), head, batch, ctx.seq.offset_k, self.varlen))
+        rows_left = ctx.seq.seqlen_k - n_block * self.tile_n
+        chunks = self.head_dim // 8  # 16-byte vectors a row
+        rows_per_pass, active = smem.row_passes(self.tile_n, chunks, 128 * self.mma_warpgroups)
+        if ctx.tidx < active:
+            for p in cutlass.range_constexpr(self.tile_n // rows_per_pass):
+                r = ctx.tidx // chunks + p * rows_per_pass
+                c = ctx.tidx % chunks
+                if r < rows_left:
+                    for sX, gX in ((s.sK, gdK), (s.sV, gdV)):
+                        vec = cute.make_rmem_tensor((8,), self.dtype)
+                        # 8 elements of a row stay contiguous under the 16-byte-granular swizzle
+                        src = cute.local_tile(sX[r, None, 0], (8,), (c,))
+                        cute.autovec_copy(cute.make_tensor(src.iterator.align(16), cute.make_layout(8)), vec)
+                        dst = cute.local_tile(gX[r, None], (8,), (c,))
+                        cute.autovec_copy(vec, cute.make_tensor(dst.iterator.align(16), cute.make_layout(8)))
+
+    @cute.jit
+    def store_dkv_fp32(self, ctx, mdK: cute.Tensor, mdV: cute.Tensor, n_block: Int32, head: Int32,
+                       batch: Int32, softmax_scale: Float32, heads_q: Int32):
+        """FP32 dK/dV (GQA) from the accumulators, element by element (see store_dkv)."""
         coords = ctx.thr_dkv.partition_C(cute.make_identity_tensor((self.tile_n, self.head_dim)))
         tile, offset = (self.tile_n, self.head_dim), ctx.seq.offset_k
         group_sum = cutlass.const_expr(mdK.element_type == Float32 and not self.deterministic)

@@ -153,7 +153,11 @@ class WarpSpecializedBackward(AttentionBackward):
                 q_consumer = self.consume_step(ctx, s, q_pipe, q_consumer,
                                                self.m_block_at(i, start, m_first, m_end), n_block,
                                                scale_log2)
-            self.store_dkv(ctx, mdK, mdV, n_block, head, batch, softmax_scale, mLSE2.shape[1])
+            self.store_dkv(ctx, s, mdK, mdV, n_block, head, batch, softmax_scale, mLSE2.shape[1])
+
+    @cute.jit
+    def sync_consumers(self):
+        cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=self.consumer_threads)
 
     @cute.jit
     def walk_start(self, n_block: Int32, m_first: Int32, m_end: Int32) -> Int32:
