@@ -51,6 +51,9 @@ from .common.statistics import QueryStatistics
 class AttentionBackward(QueryStatistics):
     mma_warpgroups = 2
     p_in_smem = True  # P goes through SMEM for dV (B3 keeps it in registers)
+    # GQA (FP32 dK/dV summed over each group, not deterministic): rows out of SMEM by 1-D bulk
+    # reduce-adds instead of one scalar atomic per element (`add_dkv_rows`; not measured yet: off)
+    dkv_bulk_add = False
     q_tile_multiple = 64  # Q tiles are M of S and dQ: whole 64-row WGMMA atoms (B6: N of both)
 
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 64, tile_n: int = 128,
@@ -104,6 +107,9 @@ class AttentionBackward(QueryStatistics):
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, self.stat_smem_elems()], 128]
             sD: cute.struct.Align[cute.struct.MemRange[Float32, self.stat_smem_elems()], 128]
 
+        if self.dkv_bulk_add:  # add_dkv_rows' FP32 rows fit in the free Q, dO, K and V tiles
+            free = 2 * (cute.cosize(sQ_layout) + cute.cosize(sKV_layout)) * self.dtype.width // 8
+            assert self.tile_n * (self.head_dim + 4) * 4 <= free, "dK/dV rows exceed the free SMEM"
         smem.check_budget(SharedStorage.size_in_bytes(),
                           f"{type(self).__name__} with q_stages={self.q_stages}, tile_m={self.tile_m}, "
                           f"tile_n={self.tile_n}, d={self.head_dim}")
@@ -246,7 +252,9 @@ class AttentionBackward(QueryStatistics):
 
         stats = dict(sLSE=storage.sLSE.get_tensor(self.stat_layout()),
                      sD=storage.sD.get_tensor(self.stat_layout())) if self.smem_stats else {}
-        return SimpleNamespace(sQ=get(storage.sQ, sQ_layout), sdO=get(storage.sdO, sQ_layout),
+        # after the walk Q, dO, K and V (consecutive fields) are free: FP32 scratch for dK/dV
+        scratch = cute.recast_ptr(storage.sQ.data_ptr(), dtype=Float32)
+        return SimpleNamespace(scratch=scratch, sQ=get(storage.sQ, sQ_layout), sdO=get(storage.sdO, sQ_layout),
                                sK=get(storage.sK, sKV_layout), sV=get(storage.sV, sKV_layout),
                                sP=get(storage.sP, sPdS_layout) if self.p_in_smem else None,
                                sdS=get(storage.sdS, sPdS_layout), **stats)
@@ -485,8 +493,11 @@ class AttentionBackward(QueryStatistics):
         into this head's slice through SMEM (`store_dkv_rows`), or in FP32 (GQA) from registers:
         without determinism added with atomics into the slice of the group's KV head
         (heads_kv heads), deterministic into this query head's slice."""
+        group_sum = cutlass.const_expr(mdK.element_type == Float32 and not self.deterministic)
         if cutlass.const_expr(mdK.element_type == self.dtype):
             self.store_dkv_rows(ctx, s, mdK, mdV, n_block, head, batch, softmax_scale)
+        elif cutlass.const_expr(group_sum and self.dkv_bulk_add):
+            self.add_dkv_rows(ctx, s, mdK, mdV, n_block, head // (heads_q // mdK.shape[2]), batch, softmax_scale)
         else:
             self.store_dkv_fp32(ctx, mdK, mdV, n_block, head, batch, softmax_scale, heads_q)
 
@@ -521,6 +532,33 @@ class AttentionBackward(QueryStatistics):
                         cute.autovec_copy(cute.make_tensor(src.iterator.align(16), cute.make_layout(8)), vec)
                         dst = cute.local_tile(gX[r, None], (8,), (c,))
                         cute.autovec_copy(vec, cute.make_tensor(dst.iterator.align(16), cute.make_layout(8)))
+
+    @cute.jit
+    def add_dkv_rows(self, ctx, s, mdK: cute.Tensor, mdV: cute.Tensor, n_block: Int32, head_kv: Int32,
+                     batch: Int32, softmax_scale: Float32):
+        """GQA: dK * softmax_scale, then dV, each as FP32 rows into the free Q/dO/K/V SMEM
+        (`scratch`, rows padded by 4 floats: a warp's 8-byte stores of 8 rows meet 2-way bank
+        conflicts, not 8-way), and added into the KV head's FP32 rows by one 1-D bulk reduce-add
+        a row (thread r issues row r; rows past the entry's seqlen_k skipped). The scratch is
+        rewritten for dV once every row's bulk read of dK is done."""
+        d = self.head_dim
+        stride = d + 4  # 16-byte aligned rows (d a multiple of 8)
+        sX = cute.make_tensor(s.scratch, cute.make_layout((self.tile_n, d), stride=(stride, 1)))
+        rows_left = ctx.seq.seqlen_k - n_block * self.tile_n
+        first = ctx.seq.offset_k + n_block * self.tile_n  # the entry's plane, or the packed rows
+        entry = 0 if cutlass.const_expr(self.varlen) else batch
+        ctx.acc_dk.store(ctx.acc_dk.load() * softmax_scale)
+        for acc, mX in ((ctx.acc_dk, mdK), (ctx.acc_dv, mdV)):
+            self.sync_consumers()  # the walk's GEMMs (dK) or the previous rows' bulk reads (dV) are done
+            cute.autovec_copy(acc, ctx.thr_dkv.partition_C(sX))
+            cute.arch.fence_view_async_shared()  # generic-proxy writes, read by the bulk copies
+            self.sync_consumers()
+            r = ctx.tidx
+            if r < cutlass.min(rows_left, self.tile_n):
+                tma.bulk_reduce_add_f32(accum.elem_ptr(sX, (r, 0)),
+                                        accum.elem_ptr(mX, (entry, first + r, head_kv, 0)), d * 4)
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def store_dkv_fp32(self, ctx, mdK: cute.Tensor, mdV: cute.Tensor, n_block: Int32, head: Int32,

@@ -256,3 +256,15 @@ def test_importing_fa3_does_not_import_cutlass():
     code = "import sys, fa3, fa3.__main__; assert 'cutlass' not in sys.modules, 'cutlass imported'"
     proc = _python("-c", code)
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("name,head_dim", [("b2", 64), ("b2", 256), ("b7", 128)])
+def test_gqa_dkv_bulk_add_compiles(name, head_dim, monkeypatch):
+    """The GQA dK/dV path by bulk reduce-adds of SMEM rows (`dkv_bulk_add`, off until measured):
+    no scalar atomics left, dK and dV one bulk reduce-add each, no spills."""
+    spec = registry.get(name)
+    monkeypatch.setattr(spec.load_class(), "dkv_bulk_add", True)
+    report = _compile.compile_report(spec, torch.bfloat16, head_dim=head_dim, causal=True, gqa=True)
+    assert "red.global" not in report.ptx
+    assert report.ptx.count("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32") >= 3
+    assert report.spill_bytes == 0 and not report.serialized_wgmma
