@@ -72,7 +72,7 @@ SINKS = "sinks"
 _SCALAR_PTX = ("ld.global", "ex2.approx")
 # the warp-specialized backward rungs (b2 on): dQ never by scalar atomics; on fixed-length batches
 # each warpgroup's FP32 share in fragment order (16-byte SMEM stores) and one 1-D bulk reduce-add
-# (packed batches: a TMA tensor reduce-add, test_compile's variant rows)
+# (packed batches too, test_compile's variant rows)
 _BWD_WS_PTX = ("wgmma.mma_async", "setmaxnreg", "stmatrix", "st.shared.v4.b32",
                "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32")
 _BWD_WS_FORBIDS = ("red.global", "red.relaxed")

@@ -5,49 +5,33 @@ dK += dS^T Q. Only dQ_i = dS K has the Q tile as its M. B6 computes it transpose
 
     dQ_i^T = K^T dS^T             (d, tile_m)       A = K^T  (MN-major, sK),  B = dS (MN-major, sdS^T)
 
-with each warpgroup owning 64 of the d rows. It writes its share into the FP32 (tile_m, d) SMEM
-tile the TMA reduce-adds read, transposed on the way: the tile's 128-byte swizzle makes those
-scattered 4-byte stores conflict-free. The tile is tile_m / 16 blocks of (16, d), one reduce-add
-box each. And B6 issues dV += P^T dO after dS^T, when S^T's and dP^T's FP32 registers are free,
-where B3 issues it under dP^T.
+with each warpgroup owning 64 of the d rows. Its share travels to the writer in fragment order as
+B2's does (the postprocess reads the fragments back through the transposed partition, `dq_view`).
+And B6 issues dV += P^T dO after dS^T, when S^T's and dP^T's FP32 registers are free, where B3
+issues it under dP^T.
 
-Measured on an H100 (d128, 2k-16k, causal and not): 1.01-1.07x B4 in every cell of a
+Measured on an H100 (d128, 2k-16k, causal and not), when dQ still went through a swizzled FP32
+tile (written transposed, 16-row TMA reduce-add boxes): 1.01-1.07x B4 in every cell of a
 three-round run, 0.99-1.08x over three runs. Taken apart (one run): dV after dS^T alone, on B4,
 0.97-1.06x; B6 with dV under dP^T, 0.95-1.02x of B6.
 
 The Q tile only has to be a multiple of 16 here (dQ^T takes it as its N). 80-row tiles, as
-FlashAttention-3's C++ backward and flash-attn-4 run d128 without a mask, compile (48 B of spills)
-and ran 4-10% slower than 64: the registry row takes 64. This DSL version cannot build a swizzled
-FP32 TMA box of 80 (or 48, 112) rows (the builder aborts; 16, 32, 64, 96 and 160 work), hence the
-16-row boxes.
+FlashAttention-3's C++ backward and flash-attn-4 run d128 without a mask, compiled then (48 B of
+spills) and ran 4-10% slower than 64: the registry row takes 64.
 
 Constraints: head_dim 128, two Q stages. SMEM (bf16, 64 rows): B3's 192 KB. Registers a consumer
 thread: S^T and dP^T 32 each, dV and dK 64 each, dQ^T 32.
 """
-import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32
 
 from .bwd_swap import SwappedBackward
-from .common import mma, smem
-
-DQ_BOX_ROWS = 16  # rows of one dQ reduce-add box (see the module docstring)
+from .common import mma
 
 
 class TransposedDqBackward(SwappedBackward):
     q_tile_multiple = 16  # N of S^T and dP^T, K of dV and dK; dQ^T takes it as its N
     dv_under_dp = False  # under dP^T: 0.95-1.02x (and 148 B of spills at 80 rows)
-
-    # ---------------------------------------------------------------- host side
-    def sdq_layout(self):
-        """The FP32 (tile_m, d) dQ tile as tile_m / 16 stages of (16, d) swizzled blocks (in
-        fragment order, B2's)."""
-        if self.fragment_dq:
-            return super().sdq_layout()
-        return smem.tile_layout(Float32, DQ_BOX_ROWS, self.head_dim, self.tile_m // DQ_BOX_ROWS)
-
-    def dq_box(self):
-        return DQ_BOX_ROWS, self.head_dim
 
     # ---------------------------------------------------------------- device side
     def tiled_mmas(self):
@@ -69,19 +53,5 @@ class TransposedDqBackward(SwappedBackward):
                  zero_init=True, wait=-1)
         return acc_dqt
 
-    @cute.jit
-    def reduce_dq(self, tma_dq, tdQsdQ, tdQgdQ, m_block: Int32):
-        """Q tile m_block's share: one reduce-add per 16-row block."""
-        blocks = self.tile_m // DQ_BOX_ROWS
-        for b in cutlass.range_constexpr(blocks):
-            cute.copy(tma_dq, tdQsdQ[None, b], tdQgdQ[None, m_block * blocks + b])
-
     def dq_view(self, tile: cute.Tensor) -> cute.Tensor:
         return mma.transpose_view(tile)  # the accumulator is dQ^T
-
-    def dq_tile(self, sdQ: cute.Tensor) -> cute.Tensor:
-        """The (16, d, blocks) dQ tile as the (d, tile_m) tensor dQ^T's accumulator is written to
-        (column q is row q % 16 of block q // 16): B2's hand-off writes through it."""
-        rows, d = DQ_BOX_ROWS, self.head_dim
-        return cute.composition(sdQ, cute.make_layout((d, (rows, self.tile_m // rows)),
-                                                      stride=(rows, (1, rows * d))))

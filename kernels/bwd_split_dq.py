@@ -1,16 +1,15 @@
 """B4: B3 with the dQ share handed to the writer per warpgroup, through two buffers.
 
-In B3 the two consumer warpgroups fill one FP32 (tile_m, d) dQ tile together and meet the writer
-warp at two named barriers of 256 + 32 threads: each warpgroup waits for the slower one, and both
-wait until the copy engine has read the previous tile's buffer (the TMA reduce-add must be
-accepted by L2 before the buffer is free). The dQ MMA already splits d between the warpgroups
-(each owns d / 2 columns), so each half can travel on its own:
+In B3 the two consumer warpgroups fill one FP32 dQ buffer together and meet the writer warp at two
+named barriers of 256 + 32 threads: each warpgroup waits for the slower one, and both wait until
+the copy engine has read the previous tile's buffer (the bulk reduce-add must be accepted by L2
+before the buffer is free). The dQ MMA already splits d between the warpgroups (each owns d / 2
+columns), so each half can travel on its own:
 
     consumer warpgroup w, Q tile i (buffer b = i % 2):
-        wait EMPTY[w, b]; store its (tile_m, d / 2) share; fence; arrive FULL[w, b]
+        wait EMPTY[w, b]; store its share in fragment order (B2's); fence; arrive FULL[w, b]
     writer warp, Q tile i:
-        for w: wait FULL[w, b]; reduce-add of half w (a TMA box (tile_m, d / 2), or one 1-D bulk
-               reduce-add in fragment order, below); commit
+        for w: wait FULL[w, b]; one 1-D bulk reduce-add of half w; commit
         then hand back tile i - 1's buffers (EMPTY[w, b ^ 1]) once the copy engine has read them
 
 A warpgroup meets only the writer (128 + 32 threads), never the other warpgroup, at the hand-off;
@@ -18,30 +17,22 @@ and the writer returns a buffer one tile late, so a slow reduce-add delays nobod
 a whole Q tile. Deterministic: the writer keeps B2's order (the counter of the Q tile, both halves
 landed before it is bumped) and returns the buffers at once.
 
-**Fragment order** (fixed-length batches, `fragment_dq`). A warpgroup's share travels in the
-order its threads hold it in registers: thread t's element i sits at 512 (i / 4) + 4 t + i % 4 of
-the share, so a thread stores its fragment with 16-byte stores (d / 16 of them at tile_m = 64) and
-a warp's 32 stores cover 512 contiguous bytes (no bank conflicts), where the (tile_m, d / 2) tile
-takes 8-byte pairs (B4) or scattered 4-byte stores (B7's transposed dQ). The writer adds the share
-with one 1-D bulk reduce-add (`tma.bulk_reduce_add_f32`) into an accumulator laid out head-major,
-(batch, heads, Q tiles, tile_m x d), each Q tile's elements contiguous in the same order; the
-postprocess (bwd_post.py) reads the fragments back with this rung's own dQ partition, scales and
-rounds them. Measured on an H100: B4 1.05-1.10x at d96, B7 0.98-1.04x at d128 (2k / 8k, causal and not)
-against the TMA tile below. Packed batches keep the tile (their Q tiles start at any row).
+Fragment order came to the ladder here: measured on an H100 against each half as a swizzled
+(tile_m, d / 2) FP32 tile added by a TMA tensor reduce-add (8-byte pair stores; B7's transposed dQ
+took scattered 4-byte stores): B4 1.05-1.10x at d96, B7 0.98-1.04x at d128 (2k / 8k, causal and not).
 
 SMEM (bf16, d = 128): B3's 192 KB with 32 KB of dQ, plus the second dQ buffer: 224 KB. The four
-halves are stages of one layout, stage = 2 b + w: each (tile_m, d / 2) FP32, swizzled (128-byte
-atoms at d = 128, 64-byte at d = 96) for the TMA reduce-add box, or flat in fragment order.
+halves are stages of one flat FP32 layout, stage = 2 b + w.
 Constraints: B3's (head_dim 96 or 128, two Q stages: the buffer follows the Q stage index, as the
 dS buffers do).
 """
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Int32
 
 from .bwd_swap import SwappedBackward
-from .common import accum, mma, seqlen, smem, tma
+from .common import accum
 
 DQ_BUFFERS = 2
 FIRST_DQ_BARRIER = 2  # EMPTY[w, b] = 2 + 2 (2 b + w), FULL = the next id (1 is the consumers')
@@ -55,15 +46,9 @@ class SplitDqBackward(SwappedBackward):
 
     # ---------------------------------------------------------------- host side
     def sdq_layout(self):
-        """(tile_m, d / 2, halves x buffers) FP32: stage 2 b + w is warpgroup w's half of buffer b;
-        in fragment order, (half_elems, halves x buffers), unswizzled."""
-        wgs = self.mma_warpgroups
-        if self.fragment_dq:
-            return cute.make_layout((self.half_elems(), wgs * DQ_BUFFERS))
-        return smem.tile_layout(Float32, self.tile_m, self.head_dim // wgs, wgs * DQ_BUFFERS)
-
-    def dq_box(self):
-        return self.tile_m, self.head_dim // self.mma_warpgroups
+        """(half_elems, halves x buffers) FP32, unswizzled: stage 2 b + w is warpgroup w's half of
+        buffer b, in fragment order."""
+        return cute.make_layout((self.half_elems(), self.mma_warpgroups * DQ_BUFFERS))
 
     # ---------------------------------------------------------------- device side
     @staticmethod
@@ -72,15 +57,11 @@ class SplitDqBackward(SwappedBackward):
         return FIRST_DQ_BARRIER + 2 * slot, FIRST_DQ_BARRIER + 2 * slot + 1
 
     @cute.jit
-    def write_dq(self, tma_dq, mdQacc, sdQ, mLock, n_block: Int32, head: Int32, batch: Int32,
+    def write_dq(self, mdQacc, sdQ, mLock, n_block: Int32, head: Int32, batch: Int32,
                  start: Int32, m_first: Int32, m_end: Int32, seq, window, lane: Int32):
-        """dQ writer warp: per Q tile, one reduce-add per warpgroup half (a TMA box, or in fragment
-        order one 1-D bulk reduce-add issued by lane 0), as each half arrives."""
+        """dQ writer warp: per Q tile, one 1-D bulk reduce-add per warpgroup half (issued by lane
+        0), as each half arrives."""
         wgs = self.mma_warpgroups
-        if cutlass.const_expr(not self.fragment_dq):
-            gdQ = cute.local_tile(seqlen.rows(mdQacc, head, batch, seq.offset_q, self.varlen),
-                                  self.dq_box(), (None, None))
-            tdQsdQ, tdQgdQ = tma.partition(tma_dq, gdQ, sdQ)
         handoff = 128 + 32
         for slot in cutlass.range_constexpr(wgs * DQ_BUFFERS):  # every buffer starts free
             cute.arch.barrier_arrive(barrier_id=self.dq_barriers(slot)[0], number_of_threads=handoff)
@@ -93,12 +74,9 @@ class SplitDqBackward(SwappedBackward):
             for w in cutlass.range_constexpr(wgs):
                 slot = wgs * buffer + w
                 cute.arch.barrier(barrier_id=self.dq_barriers(slot)[1], number_of_threads=handoff)
-                if cutlass.const_expr(self.fragment_dq):
-                    if lane == 0:
-                        self.reduce_fragments(mdQacc, sdQ[None, slot].iterator, seq, m_block, head, batch,
-                                              self.half_elems(), w * self.half_elems())
-                else:
-                    cute.copy(tma_dq, tdQsdQ[None, slot], tdQgdQ[None, m_block, w])
+                if lane == 0:
+                    self.reduce_fragments(mdQacc, sdQ[None, slot].iterator, seq, m_block, head, batch,
+                                          self.half_elems(), w * self.half_elems())
                 cute.arch.cp_async_bulk_commit_group()
             if cutlass.const_expr(self.ordered_dq):
                 cute.arch.cp_async_bulk_wait_group(0, read=False)  # the sums have landed
@@ -116,12 +94,6 @@ class SplitDqBackward(SwappedBackward):
             slot = self.mma_warpgroups * buffer + w
             cute.arch.barrier_arrive(barrier_id=self.dq_barriers(slot)[0], number_of_threads=handoff)
 
-    def dq_half(self, sdQ_half: cute.Tensor):
-        """One warpgroup's dQ MMA and its (tile_m, d / 2) SMEM half in that MMA's C shape (B7:
-        both transposed)."""
-        return mma.tiled_mma(self.dtype, self.tile_m, self.head_dim // self.mma_warpgroups,
-                             a_major="MN", b_major="MN", warpgroups=1), sdQ_half
-
     @cute.jit
     def hand_off_dq(self, ctx, s, acc_dq: cute.Tensor, buffer: Int32 = 0):
         """This warpgroup's half of dQ_i into its slot of `buffer` (the Q stage's index), met by
@@ -130,10 +102,6 @@ class SplitDqBackward(SwappedBackward):
         slot = self.mma_warpgroups * buffer + warpgroup_idx
         empty, full = self.dq_barriers(slot)
         cute.arch.barrier(barrier_id=empty, number_of_threads=128 + 32)
-        if cutlass.const_expr(self.fragment_dq):
-            self.store_fragment(acc_dq, s.sdQ[None, slot], ctx.tidx % 128)
-        else:
-            half, sdQ = self.dq_half(s.sdQ[None, None, slot])
-            cute.autovec_copy(acc_dq, half.get_slice(ctx.tidx % 128).partition_C(sdQ))
+        self.store_fragment(acc_dq, s.sdQ[None, slot], ctx.tidx % 128)
         cute.arch.fence_view_async_shared()  # generic-proxy writes, read by the bulk copy
         cute.arch.barrier_arrive(barrier_id=full, number_of_threads=128 + 32)

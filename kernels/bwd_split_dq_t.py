@@ -7,9 +7,8 @@ over on its own, through two buffers returned a tile late, as B4 does:
 
     consumer warpgroup w, Q tile i (buffer b = i % 2):
         dQ_i^T's share (64 of d, tile_m) -> wait EMPTY[w, b] -> stored in fragment order (B4's,
-        16-byte stores; packed batches: transposed into the (tile_m, d / 2) FP32 half, whose
-        128-byte swizzle lands a warp's scattered 4-byte stores in 32 banks) -> arrive FULL[w, b]
-    writer warp: B4's, one reduce-add per half
+        16-byte stores) -> arrive FULL[w, b]
+    writer warp: B4's, one bulk reduce-add per half
 
 Everything else is B6 (S^T, dP^T, P^T and dS^T from registers for dV and dK, dV after dS^T).
 
@@ -22,23 +21,16 @@ causal against the same kernel with B3's statistics. Packed batches keep B3's (t
 rows need not be 16-byte aligned for a TMA box), and so does the deterministic walk (24 B of
 spills with them).
 
-Constraints: B4's (head_dim 128, two Q stages, tile_m a multiple of 64). SMEM (bf16, 64 rows): B4's
+Constraints: B6's (head_dim 128, two Q stages, tile_m a multiple of 16). SMEM (bf16, 64 rows): B4's
 224 KB and 1 KB of statistics. Registers a consumer thread: B6's.
 """
 from .bwd_dq_t import TransposedDqBackward
 from .bwd_split_dq import SplitDqBackward
-from .common import mma
 
 
 class SplitTransposedDqBackward(SplitDqBackward, TransposedDqBackward):
     """B4's SMEM halves, barriers, writer and hand-off (first in the MRO); B6's dQ^T MMA,
     fragments and GEMM, and its dV order."""
-    q_tile_multiple = 64  # B4's (tile_m, d / 2) reduce-add box
     stats_in_smem = True
     # B4's LSE read-ahead measured mixed here (0.90-1.04x at d128, one run, H200): off
     prefetch_stats = False
-
-    def dq_half(self, sdQ_half):
-        """The (d / 2, tile_m) warpgroup MMA of dQ^T, and the half seen transposed to match it."""
-        return mma.tiled_mma(self.dtype, self.head_dim // self.mma_warpgroups, self.tile_m,
-                             a_major="MN", b_major="MN", warpgroups=1), mma.transpose_view(sdQ_half)

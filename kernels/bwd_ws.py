@@ -5,10 +5,8 @@ Roles (block = 384 threads):
         warp 0, the loader: K_j and V_j once, then Q_i and dO_i into the ring, one stage ahead of
             the consumers and never waiting on them except for a free stage;
         warp 1, the dQ writer: per Q tile, waits until the consumers have put this K/V tile's dQ_i
-            share (FP32) in SMEM, adds it to global memory with one bulk reduce-add (fixed
-            lengths: each thread's registers stored in order, `FRAGMENT_DQ` below; packed batches:
-            a swizzled tile, one TMA tensor reduce-add), and hands the buffer back once the bulk
-            copy has read it.
+            share (FP32) in SMEM, in fragment order (below), adds it to global memory with one
+            1-D bulk reduce-add, and hands the buffer back once the bulk copy has read it.
     warpgroups 1 and 2, the consumers (setmaxnreg.inc to 240): the five GEMMs, as in B1, but
         S and dP are issued together and P = exp2(...) runs while dP is in flight; dQ, dV and dK
         are issued together and dQ is handed to the writer while dV and dK run. The thousands of
@@ -20,6 +18,17 @@ waits for the reduction to complete, then bumps the counter (common/accum.py).
 
 Unordered (neither deterministic nor `ordered_dq`), each CTA starts its walk over the Q tiles at a
 different tile (`walk_start`).
+
+dQ in fragment order: each consumer thread stores its FP32 dQ share in the order its registers hold
+it (element i of thread t of a warpgroup at 512 (i / 4) + 4 t + i % 4 of the warpgroup's share: a
+16-byte store per 4 registers, a warp's 32 stores contiguous), and the writer adds the shares with
+one 1-D bulk reduce-add into an accumulator of whole Q tiles laid out the same way, head-major
+(batch, heads, Q tiles, tile_m x d; packed batches: each entry's tiles in `packed_q_tile` slots). The
+postprocess (bwd_post.py) reads the fragments back through this rung's own dQ partition. Measured
+on an H200 against the earlier form, a swizzled (tile_m, d) SMEM tile and one TMA tensor
+reduce-add per tile (8-byte pair stores, the box in the accumulator's row-major layout):
+1.02-1.09x at d64/d192/d256 (2k / 8k, causal and not); B4 gained 1.05-1.10x at d96 and B7
+0.98-1.04x at d128 on an H100 (worklog/backward.md).
 
 Packed batches (varlen) and constraints: as B1. SMEM (bf16): d=128: Q/dO 2 x 32 KB, K/V 64 KB, P/dS 32 KB, dQ 32 KB = 192 KB;
 d=256 takes one Q/dO stage (64 KB), K/V 64 KB, P/dS 16 KB, dQ 64 KB = 208 KB.
@@ -33,7 +42,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
 from .bwd import AttentionBackward
-from .common import accum, mma, pipeline, seqlen, smem, tma
+from .common import accum, mma, pipeline, smem, tma
 
 PRODUCER_REGS, CONSUMER_REGS = 24, 240
 CONSUMER_BARRIER = 1  # the consumer warpgroups among themselves (0 is __syncthreads)
@@ -41,12 +50,8 @@ DQ_EMPTY, DQ_FULL = 2, 3  # consumers + the dQ writer warp
 
 
 class WarpSpecializedBackward(AttentionBackward):
-    # dQ in fragment order (a thread's FP32 share in 16-byte stores in register order, one 1-D bulk
-    # reduce-add per share into a head-major accumulator of whole Q tiles, packed batches' tiles in
-    # `packed_q_tile` slots, that the host converts with the rung's FragmentDqPostprocess,
-    # bwd_post.py), not the swizzled (tile_m, d) TMA tile. Measured against the tile on an H200:
-    # B2 1.02-1.09x at d64/d192/d256 (2k / 8k, causal and not); B4 1.05-1.10x at d96 and B7
-    # 0.98-1.04x at d128 on an H100 (bwd_split_dq.py)
+    # the host reads it: dQ accumulated in fragment order (the module docstring), converted by the
+    # rung's FragmentDqPostprocess (B1: row-major, by atomics)
     FRAGMENT_DQ = True
 
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 64, tile_n: int = 128,
@@ -57,10 +62,6 @@ class WarpSpecializedBackward(AttentionBackward):
         self.consumer_threads = 128 * self.mma_warpgroups
         self.num_threads = 128 + self.consumer_threads
 
-    @property
-    def fragment_dq(self) -> bool:
-        return self.FRAGMENT_DQ
-
     # ---------------------------------------------------------------- host side
     def half_elems(self) -> int:
         """FP32 elements of one warpgroup's dQ share of a Q tile."""
@@ -70,24 +71,8 @@ class WarpSpecializedBackward(AttentionBackward):
         return cute.cosize(self.sdq_layout())
 
     def sdq_layout(self):
-        """The FP32 dQ_i share: a swizzled (tile_m, d) tile, the box of the TMA reduce-add (its
-        swizzle fits each warpgroup's columns of dQ, smem.py); in fragment order, (half_elems,
-        warpgroups), unswizzled."""
-        if self.fragment_dq:
-            return cute.make_layout((self.half_elems(), self.mma_warpgroups))
-        return smem.tile_layout(Float32, self.tile_m, self.head_dim, 1,
-                                share=mma.n_share(self.tile_m, self.head_dim, self.mma_warpgroups))
-
-    def dq_box(self):
-        """The box of one TMA reduce-add into the dQ accumulator: the whole (tile_m, d) share."""
-        return self.tile_m, self.head_dim
-
-    def make_dq_store(self, mdQacc: cute.Tensor):
-        """(TMA reduce-add atom, its tensor) of the dQ accumulator; in fragment order (1-D bulk
-        reduce-adds, no tensor map) None and the accumulator itself."""
-        if self.fragment_dq:
-            return None, mdQacc
-        return tma.make_reduce_add(tma.seq_major(mdQacc), self.sdq_layout(), self.dq_box())
+        """The FP32 dQ_i share in fragment order: (half_elems, warpgroups), unswizzled."""
+        return cute.make_layout((self.half_elems(), self.mma_warpgroups))
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
@@ -98,9 +83,8 @@ class WarpSpecializedBackward(AttentionBackward):
         """Arguments as B1's."""
         sQ_layout, sKV_layout, sPdS_layout = self.smem_layouts()
         loads = self.make_loads(mQ, mdO, mK, mV, sQ_layout, sKV_layout)
-        tma_dq, tdQ = self.make_dq_store(mdQacc)
         storage_cls = self.shared_storage(sQ_layout, sKV_layout, sPdS_layout)
-        self.kernel(*loads, tma_dq, tdQ, *self.make_stat_loads(mLSE2, mD), mLSE2, mD, mdK, mdV, mLock,
+        self.kernel(*loads, mdQacc, *self.make_stat_loads(mLSE2, mD), mLSE2, mD, mdK, mdV, mLock,
                     scale_log2, softmax_scale, window_left, window_right, softcap_scale, mCuSeqlensQ,
                     mCuSeqlensK, sQ_layout, sKV_layout, sPdS_layout, self.sdq_layout(), storage_cls).launch(
             grid=self.grid(mQ, mK, mCuSeqlensK),
@@ -110,7 +94,7 @@ class WarpSpecializedBackward(AttentionBackward):
     @cute.kernel
     def kernel(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_do: cute.CopyAtom, mdO: cute.Tensor,
                tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom, mV: cute.Tensor,
-               tma_dq: Optional[cute.CopyAtom], mdQacc: cute.Tensor, tma_lse: Optional[cute.CopyAtom],
+               mdQacc: cute.Tensor, tma_lse: Optional[cute.CopyAtom],
                mLSE2_tiles: Optional[cute.Tensor], tma_d: Optional[cute.CopyAtom],
                mD_tiles: Optional[cute.Tensor], mLSE2: cute.Tensor, mD: cute.Tensor,
                mdK: cute.Tensor, mdV: cute.Tensor, mLock: cute.Tensor, scale_log2: Float32,
@@ -122,7 +106,7 @@ class WarpSpecializedBackward(AttentionBackward):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         n_block, head, batch, seq = self.kv_tile_work(mQ, mK, mCuSeqlensQ, mCuSeqlensK)
         if warp_idx == 0:
-            tma.prefetch(tma_q, tma_do, tma_k, tma_v, tma_dq)
+            tma.prefetch(tma_q, tma_do, tma_k, tma_v)
             if cutlass.const_expr(self.smem_stats):
                 tma.prefetch(tma_lse, tma_d)
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
@@ -141,7 +125,7 @@ class WarpSpecializedBackward(AttentionBackward):
                                                       s, head, batch, seq, (tma_lse, mLSE2_tiles, tma_d, mD_tiles))
                 self.load(q_pipe, kv_pipe, q_copies, kv_copies, n_block, start, m_first, m_end)
             if warp_idx == 1:
-                self.write_dq(tma_dq, mdQacc, s.sdQ, mLock, n_block, head, batch, start, m_first, m_end,
+                self.write_dq(mdQacc, s.sdQ, mLock, n_block, head, batch, start, m_first, m_end,
                               seq, window, tidx % 32)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
@@ -190,13 +174,9 @@ class WarpSpecializedBackward(AttentionBackward):
         pipeline.tail(q_pipe, q_state)
 
     @cute.jit
-    def write_dq(self, tma_dq, mdQacc, sdQ, mLock, n_block: Int32, head: Int32, batch: Int32,
+    def write_dq(self, mdQacc, sdQ, mLock, n_block: Int32, head: Int32, batch: Int32,
                  start: Int32, m_first: Int32, m_end: Int32, seq, window, lane: Int32):
-        """dQ writer warp: per Q tile, one TMA reduce-add of the consumers' FP32 share."""
-        if cutlass.const_expr(not self.fragment_dq):
-            gdQ = cute.local_tile(seqlen.rows(mdQacc, head, batch, seq.offset_q, self.varlen),
-                                  self.dq_box(), (None, 0))
-            tdQsdQ, tdQgdQ = tma.partition(tma_dq, gdQ, sdQ)
+        """dQ writer warp: per Q tile, one bulk reduce-add of the consumers' FP32 shares."""
         handoff = self.consumer_threads + 32
         cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=handoff)  # the first credit
         for i in cutlass.range(m_end - m_first, unroll=1):
@@ -205,12 +185,9 @@ class WarpSpecializedBackward(AttentionBackward):
             if cutlass.const_expr(self.ordered_dq):
                 counter = self.wait_dq_turn(mLock, seq, m_block, n_block, head, batch, window, lane,
                                             cute.arch.sync_warp)
-            if cutlass.const_expr(self.fragment_dq):
-                if lane == 0:  # both warpgroups' shares, back to back in SMEM and in the tile
-                    self.reduce_fragments(mdQacc, sdQ[None, 0].iterator, seq, m_block, head, batch,
-                                          self.mma_warpgroups * self.half_elems())
-            else:
-                self.reduce_dq(tma_dq, tdQsdQ, tdQgdQ, m_block)
+            if lane == 0:  # both warpgroups' shares, back to back in SMEM and in the tile
+                self.reduce_fragments(mdQacc, sdQ[None, 0].iterator, seq, m_block, head, batch,
+                                      self.mma_warpgroups * self.half_elems())
             cute.arch.cp_async_bulk_commit_group()
             if cutlass.const_expr(self.ordered_dq):
                 cute.arch.cp_async_bulk_wait_group(0, read=False)  # the sums have landed
@@ -237,11 +214,6 @@ class WarpSpecializedBackward(AttentionBackward):
         if cutlass.const_expr(self.varlen):
             origin = (0, self.packed_q_tile(seq, m_block, batch) * self.tile_m, head, 0)
         return origin
-
-    @cute.jit
-    def reduce_dq(self, tma_dq, tdQsdQ, tdQgdQ, m_block: Int32):
-        """The TMA reduce-add of Q tile m_block's share: one box (B6 splits it)."""
-        cute.copy(tma_dq, tdQsdQ[None, 0], tdQgdQ[None, m_block])
 
     @cute.jit
     def consume_step(self, ctx, s, q_pipe, q_state, m_block: Int32, n_block: Int32, scale_log2: Float32):
@@ -280,21 +252,14 @@ class WarpSpecializedBackward(AttentionBackward):
         pipeline.consume_wait(q_pipe, q_state)
         return lse2, dsum
 
-    def dq_tile(self, sdQ: cute.Tensor) -> cute.Tensor:
-        """The SMEM dQ tile as the dQ accumulator's shape: the (tile_m, d) share (B6: transposed)."""
-        return sdQ[None, None, 0]
-
     @cute.jit
     def hand_off_dq(self, ctx, s, acc_dq: cute.Tensor, buffer: Int32 = 0):
-        """Wait for the writer to free the SMEM dQ tile, fill it (pairs of adjacent columns in
-        one vector store), tell the writer. (`buffer`: B2, B3 and B6 have one.)"""
+        """Wait for the writer to free the SMEM dQ buffer, fill this warpgroup's share in fragment
+        order, tell the writer. (`buffer`: B2, B3 and B6 have one.)"""
         handoff = self.consumer_threads + 32
         cute.arch.barrier(barrier_id=DQ_EMPTY, number_of_threads=handoff)
-        if cutlass.const_expr(self.fragment_dq):
-            warpgroup_idx = cute.arch.make_warp_uniform(ctx.tidx // 128)
-            self.store_fragment(acc_dq, s.sdQ[None, warpgroup_idx], ctx.tidx % 128)
-        else:
-            cute.autovec_copy(acc_dq, ctx.thr_dq.partition_C(self.dq_tile(s.sdQ)))
+        warpgroup_idx = cute.arch.make_warp_uniform(ctx.tidx // 128)
+        self.store_fragment(acc_dq, s.sdQ[None, warpgroup_idx], ctx.tidx % 128)
         cute.arch.fence_view_async_shared()  # generic-proxy writes, read by the bulk copy
         cute.arch.barrier_arrive(barrier_id=DQ_FULL, number_of_threads=handoff)
 
