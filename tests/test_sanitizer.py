@@ -9,7 +9,8 @@ gathers, decodes and packed queries), every GEMM rung, and the FP8 forward (fixe
 its V^T kernels) and FP8 GEMM.
 
 memcheck: index values no host check saw (as inside a CUDA-graph capture: the check is switched
-off) never make a kernel touch memory outside its tensors: offsets past the packed rows, negative
+off) never make a kernel touch memory outside its tensors (the packed batches' backward included):
+offsets past the packed rows, negative
 or decreasing ones, cache lengths past the capacity, page indices outside the pool. Torch's caching
 allocator is off in that process, so that every tensor is its own allocation and memcheck sees an
 access even a few bytes past one.
@@ -165,6 +166,9 @@ if entry in ("varlen", "fp8varlen"):
     for causal in (True, False):
         fa3.attention_varlen(q, k, v, args["cu_seqlens_q"], args["cu_seqlens_k"], causal=causal,
                              kernel=None if fp8 else "k5.5")
+    if not fp8:  # the packed backward too: dQ's tile slots, the postprocess's search, dK/dV rows
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        fa3.attention_varlen(q, k, v, args["cu_seqlens_q"], args["cu_seqlens_k"], causal=True).sum().backward()
 else:
     for splits in (1, 0):
         fa3.attention_with_kvcache(q, k, v, cache_seqlens=args["cache_seqlens"],
