@@ -9,7 +9,7 @@ and flash-attn 4's CuTe-DSL kernel (fa4: flash_attn.cute.flash_attn_func) when i
 
     python benchmarks/bench_attention.py [--kernels all|k1,k2,...] [--head-dims 64,128,256]
         [--seqlens 512,1024,...] [--causal both|true|false] [--peers sdpa-flash,sdpa-cudnn,fa4]
-        [--json FILE] [--plot FILE.png] [--backward [--deterministic]] [--sinks] [--fp8]
+        [--json FILE] [--plot FILE.png] [--backward [--deterministic]] [--sinks] [--fp8] [--gqa G]
     python benchmarks/bench_attention.py --plot-from FILE.json --plot FILE.png   (no GPU needed)
 
 --plot draws TFLOP/s against seqlen, one panel per (head dim, causal) (matplotlib, optional).
@@ -23,6 +23,9 @@ want --rounds 2 or more.
 for every runner alike): TFLOP/s = 2.5 x the forward's FLOPs / t (five GEMMs against the forward's
 two), --kernels then names backward rungs (b1, ...), and --deterministic adds each rung with
 deterministic=True as a column of its own ("b1+det").
+
+--gqa G gives k and v heads / G heads (grouped-query attention, as Llama-style models train; SDPA
+with enable_gqa): the FLOPs are the query heads', so the rates compare with the plain table's.
 
 --sinks adds each fa3 rung that takes attention sinks (and fa4, as `learnable_sink`) called with
 one random float32 sink per query head, as a column of its own ("k5.5+sinks"): what sinks cost
@@ -69,10 +72,11 @@ def paper_shape(seqlen: int, head_dim: int) -> tuple[int, int]:
     return max(1, TOTAL_TOKENS // seqlen), HIDDEN // head_dim
 
 
-def make_inputs(batch, seqlen, heads, head_dim, dtype=torch.bfloat16, seed=0):
+def make_inputs(batch, seqlen, heads, head_dim, dtype=torch.bfloat16, seed=0, gqa=1):
+    """q, k, v of torch.randn; k and v with heads / gqa heads (grouped-query attention)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    return tuple(torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=dtype, generator=gen)
-                 for _ in range(3))
+    return tuple(torch.randn(batch, seqlen, h, head_dim, device="cuda", dtype=dtype, generator=gen)
+                 for h in (heads, heads // gqa, heads // gqa))
 
 
 @dataclass
@@ -171,7 +175,8 @@ def sdpa_runner(name: str, backend) -> Runner:
 
     def make(q, k, v, causal):
         qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # (b, h, s, d) views of the same memory
-        return lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+        gqa = qt.shape[1] != kt.shape[1]
+        return lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=gqa)
 
     return Runner(name, False, make, context=lambda: sdpa_kernel(backend))
 
@@ -220,7 +225,7 @@ def _short(exc: BaseException) -> str:
 
 
 def sweep(runners, head_dims, causals, seqlens, *, warmup, repeats, max_call_s,
-          flops_factor: float = 1.0, rounds: int = 1) -> list[dict]:
+          flops_factor: float = 1.0, rounds: int = 1, gqa: int = 1) -> list[dict]:
     """Every runner at every shape. With rounds > 1 the runners of a shape are timed `rounds`
     times, in turn, the order reversed every other round, and each keeps the median of its rounds:
     a runner timed right after a long one runs on a hotter (lower-clocked) GPU, which in one run
@@ -234,7 +239,7 @@ def sweep(runners, head_dims, causals, seqlens, *, warmup, repeats, max_call_s,
                 flops = flops_factor * attention_flops(batch, heads, seqlen, seqlen, head_dim, causal)
                 label = (f"d{head_dim} {'causal' if causal else 'full  '} s{seqlen:<5} "
                          f"b{batch:<2} h{heads:<2}")
-                q, k, v = make_inputs(batch, seqlen, heads, head_dim)
+                q, k, v = make_inputs(batch, seqlen, heads, head_dim, gqa=gqa)
                 results, times = {}, {}
                 for rnd in range(rounds):
                     for r in (runners if rnd % 2 == 0 else runners[::-1]):
@@ -323,6 +328,9 @@ def parse_args(argv=None):
     p.add_argument("--fp8", action="store_true",
                    help="also the FP8 forward rungs (" + ",".join(registry.available_kernels(
                        registry.ATTENTION_FP8)) + ") on the inputs quantized to e4m3")
+    p.add_argument("--gqa", type=int, default=1, metavar="G",
+                   help="G query heads per KV head (grouped-query attention; the heads, 2048 / d, "
+                        "must divide by G)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--rounds", type=int, default=1,
@@ -342,6 +350,10 @@ def parse_args(argv=None):
     if bad:
         p.error(f"--peers: unknown {', '.join(bad)}; choose from {', '.join(PEERS)}")
     args.causals = {"both": [False, True], "true": [True], "false": [False]}[args.causal]
+    odd = [d for d in args.head_dims if args.gqa < 1 or (HIDDEN // d) % args.gqa]
+    if odd:
+        p.error(f"--gqa {args.gqa}: the {', '.join(str(HIDDEN // d) for d in odd)} heads of head dim "
+                f"{', '.join(map(str, odd))} do not divide into groups of {args.gqa}")
     return args
 
 
@@ -359,7 +371,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_attention needs a CUDA GPU (a Hopper GPU for the fa3 rungs); none was found.")
         return 2
-    progress(f"{torch.cuda.get_device_name()}; {TOTAL_TOKENS} tokens, hidden {HIDDEN}, bf16; "
+    progress(f"{torch.cuda.get_device_name()}; {TOTAL_TOKENS} tokens, hidden {HIDDEN}, bf16"
+             f"{f', {args.gqa} query heads per KV head' if args.gqa > 1 else ''}; "
              f"{'backward ' if args.backward else ''}TFLOP/s (median of CUDA-event times)")
     peers, notes = peer_runners(args.peers, args.sinks)
     for note in notes:
@@ -384,12 +397,12 @@ def main(argv=None) -> int:
             notes.append(FP8_NOTE)
     rows = sweep(runners, args.head_dims, args.causals, args.seqlens, warmup=args.warmup,
                  repeats=args.repeats, max_call_s=args.max_call_s, rounds=args.rounds,
-                 flops_factor=2.5 if args.backward else 1.0)
+                 flops_factor=2.5 if args.backward else 1.0, gqa=args.gqa)
     print()
     print(table(rows, runners))
     for note in notes:
         print(note)
-    setting = {"total_tokens": TOTAL_TOKENS, "hidden": HIDDEN, "dtype": "bf16",
+    setting = {"total_tokens": TOTAL_TOKENS, "hidden": HIDDEN, "dtype": "bf16", "gqa": args.gqa,
                "direction": "backward" if args.backward else "forward",
                **({"fp8": "e4m3 q/k/v, per (batch, kv head) scales"} if args.fp8 else {})}
     if args.json:

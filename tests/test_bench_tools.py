@@ -1,4 +1,5 @@
-"""CPU tests of the benchmark folder's profile tools (benchmarks/sass_stalls.py)."""
+"""CPU tests of the benchmark folder's tools: the profile tools (benchmarks/sass_stalls.py) and
+bench_attention's argument checks."""
 
 import os
 import sys
@@ -6,6 +7,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
+import pytest  # noqa: E402
 import sass_stalls  # noqa: E402
 
 EXPORT = '''"Kernel Name","bwd_a"
@@ -45,3 +47,11 @@ def test_an_export_without_a_source_table_is_reported(tmp_path, capsys):
     path.write_text('"ID","Metric Name","Metric Value"\n"0","duration","3.06"\n')
     assert sass_stalls.main([str(path)]) == 1
     assert "no table" in capsys.readouterr().out
+
+
+def test_bench_attention_gqa_groups_must_divide_the_heads(capsys):
+    bench_attention = pytest.importorskip("bench_attention")
+    assert bench_attention.parse_args(["--backward", "--gqa", "4", "--head-dims", "64,128,256"]).gqa == 4
+    with pytest.raises(SystemExit):
+        bench_attention.parse_args(["--gqa", "3", "--head-dims", "128"])
+    assert "16 heads of head dim 128 do not divide into groups of 3" in capsys.readouterr().err
