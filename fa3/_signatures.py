@@ -85,8 +85,9 @@ def backward_args(dtype, head_dim, gqa, deterministic):
     """Fake (q, k, v, dO, lse2, D, dQacc, dK, dV, lock, scale_log2, softmax_scale, window_left,
     window_right, softcap_scale, cu_seqlens_q, cu_seqlens_k): see
     kernels/bwd.py. `rows` is seqlen_q rounded up to the Q tile (varlen: total_q rounded up to 4;
-    dQacc then holds tile_m rows more (B1) or the whole-tile slots of `packed_q_tile` (B2 on)); dK/dV: (batch, seqlen_k, heads_q, d) in the inputs' dtype without GQA; under
-    GQA FP32, (batch, seqlen_k, heads_kv, d) that the kernel adds into with atomics, or, when
+    dQacc then holds tile_m rows more (B1) or the whole-tile slots of `packed_q_tile` (B2 on));
+    dK/dV: (batch, seqlen_k, heads_q, d) in the inputs' dtype without GQA; under GQA FP32,
+    (batch, seqlen_k, heads_kv, d) that the kernel adds into with atomics, or, when
     deterministic, one slice per query head summed over each group afterwards."""
     cutlass, cute = _dsl.import_cute()
     dt = cute_dtype(dtype)
