@@ -27,6 +27,9 @@ deterministic=True as a column of its own ("b1+det").
 --gqa G gives k and v heads / G heads (grouped-query attention, as Llama-style models train; SDPA
 with enable_gqa): the FLOPs are the query heads', so the rates compare with the plain table's.
 
+--variant NAME=BASE:key=value,... adds an experiment row: rung BASE with a configuration value or a
+class attribute changed, named NAME for --kernels (benchmarks/variants.py).
+
 --sinks adds each fa3 rung that takes attention sinks (and fa4, as `learnable_sink`) called with
 one random float32 sink per query head, as a column of its own ("k5.5+sinks"): what sinks cost
 against the same call without them (forward, or with --backward the backward, d sinks included).
@@ -57,6 +60,7 @@ import torch
 import torch.nn.functional as F
 
 import fa3
+import variants
 from fa3 import registry
 
 TOTAL_TOKENS = 16384
@@ -308,7 +312,12 @@ def _csv(kind):
 
 
 def parse_args(argv=None):
-    backward = "--backward" in (sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        variants.register_from_argv(argv)  # before --kernels is checked against the registry
+    except ValueError as exc:
+        raise SystemExit(f"bench_attention: {exc}") from None
+    backward = "--backward" in argv
     rungs = registry.available_kernels(registry.BACKWARD if backward else registry.ATTENTION)
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--kernels", default="all", help=f"'all' or a comma list of {','.join(rungs)}")
@@ -331,6 +340,9 @@ def parse_args(argv=None):
     p.add_argument("--gqa", type=int, default=1, metavar="G",
                    help="G query heads per KV head (grouped-query attention; the heads, 2048 / d, "
                         "must divide by G)")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=BASE:key=value,...",
+                   help="an experiment row: rung BASE with settings changed, named NAME (repeatable; "
+                        "benchmarks/variants.py)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--rounds", type=int, default=1,

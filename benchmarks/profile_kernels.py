@@ -22,6 +22,7 @@ import argparse
 
 import torch
 
+import variants
 from bench_attention import as_backward, backward_rung_runner, make_inputs, paper_shape, peer_runners, rung_runner
 from fa3 import registry
 
@@ -33,7 +34,11 @@ def main(argv=None) -> int:
     ap.add_argument("--seqlen", type=int, default=8192)
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--backward", action="store_true", help="profile the backward (runners: b1, ..., peers)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=BASE:key=value,...",
+                    help="an experiment row usable in --runners (benchmarks/variants.py)")
     args = ap.parse_args(argv)
+    for text in args.variant:
+        variants.register(text)
     names = args.runners.split(",")
     peers, notes = peer_runners([n for n in names if n not in registry.KERNELS])
     if args.backward:

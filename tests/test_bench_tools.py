@@ -55,3 +55,24 @@ def test_bench_attention_gqa_groups_must_divide_the_heads(capsys):
     with pytest.raises(SystemExit):
         bench_attention.parse_args(["--gqa", "3", "--head-dims", "128"])
     assert "16 heads of head dim 128 do not divide into groups of 3" in capsys.readouterr().err
+
+
+def test_variants_register_experiment_rows():
+    """benchmarks/variants.py: a configuration value and a class attribute changed under a new name,
+    both in the compile-cache configuration; typos and taken names refused."""
+    variants = pytest.importorskip("variants")
+    from fa3 import registry
+
+    try:
+        spec = variants.register("b7x=b7:prefetch_stats=true")
+        assert spec.load_class().prefetch_stats is True and spec.config_for(128)["prefetch_stats"] is True
+        assert registry.get("b7").load_class().prefetch_stats is False and spec.speed_rank == 0
+        d256 = variants.register("b2x=b2:ordered_dq=0").config_for(256)
+        assert d256["ordered_dq"] == 0 and d256["q_stages"] == 1  # over the per-head-dim row too
+        with pytest.raises(ValueError, match="no setting prefetch_stat"):
+            variants.register("b7y=b7:prefetch_stat=1")
+        with pytest.raises(ValueError, match="already a rung"):
+            variants.register("b7=b2:ordered_dq=1")
+    finally:
+        for name in ("b7x", "b2x", "b7y"):
+            registry.KERNELS.pop(name, None)
