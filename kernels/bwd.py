@@ -494,12 +494,13 @@ class AttentionBackward(QueryStatistics):
         without determinism added with atomics into the slice of the group's KV head
         (heads_kv heads), deterministic into this query head's slice."""
         group_sum = cutlass.const_expr(mdK.element_type == Float32 and not self.deterministic)
+        slice_head = head // (heads_q // mdK.shape[2]) if group_sum else head
         if cutlass.const_expr(mdK.element_type == self.dtype):
             self.store_dkv_rows(ctx, s, mdK, mdV, n_block, head, batch, softmax_scale)
         elif cutlass.const_expr(group_sum and self.dkv_bulk_add):
-            self.add_dkv_rows(ctx, s, mdK, mdV, n_block, head // (heads_q // mdK.shape[2]), batch, softmax_scale)
+            self.add_dkv_rows(ctx, s, mdK, mdV, n_block, slice_head, batch, softmax_scale)
         else:
-            self.store_dkv_fp32(ctx, mdK, mdV, n_block, head, batch, softmax_scale, heads_q)
+            self.store_dkv_fp32(ctx, mdK, mdV, n_block, slice_head, batch, softmax_scale, group_sum)
 
     @cute.jit
     def store_dkv_rows(self, ctx, s, mdK: cute.Tensor, mdV: cute.Tensor, n_block: Int32, head: Int32,
@@ -517,21 +518,8 @@ class AttentionBackward(QueryStatistics):
         first = (n_block * self.tile_n, 0)  # the tile's rows in the entry's (seqlen_k, d) rows
         gdK = cute.domain_offset(first, seqlen.rows(tma.seq_major(mdK), head, batch, ctx.seq.offset_k, self.varlen))
         gdV = cute.domain_offset(first, seqlen.rows(tma.seq_major(mdV), head, batch, ctx.seq.offset_k, self.varlen))
-        rows_left = ctx.seq.seqlen_k - n_block * self.tile_n
-        chunks = self.head_dim // 8  # 16-byte vectors a row
-        rows_per_pass, active = smem.row_passes(self.tile_n, chunks, 128 * self.mma_warpgroups)
-        if ctx.tidx < active:
-            for p in cutlass.range_constexpr(self.tile_n // rows_per_pass):
-                r = ctx.tidx // chunks + p * rows_per_pass
-                c = ctx.tidx % chunks
-                if r < rows_left:
-                    for sX, gX in ((s.sK, gdK), (s.sV, gdV)):
-                        vec = cute.make_rmem_tensor((8,), self.dtype)
-                        # 8 elements of a row stay contiguous under the 16-byte-granular swizzle
-                        src = cute.local_tile(sX[r, None, 0], (8,), (c,))
-                        cute.autovec_copy(cute.make_tensor(src.iterator.align(16), cute.make_layout(8)), vec)
-                        dst = cute.local_tile(gX[r, None], (8,), (c,))
-                        cute.autovec_copy(vec, cute.make_tensor(dst.iterator.align(16), cute.make_layout(8)))
+        smem.store_rows(((s.sK[None, None, 0], gdK), (s.sV[None, None, 0], gdV)),
+                        ctx.seq.seqlen_k - n_block * self.tile_n, ctx.tidx, 128 * self.mma_warpgroups)
 
     @cute.jit
     def add_dkv_rows(self, ctx, s, mdK: cute.Tensor, mdV: cute.Tensor, n_block: Int32, head_kv: Int32,
@@ -561,13 +549,12 @@ class AttentionBackward(QueryStatistics):
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
-    def store_dkv_fp32(self, ctx, mdK: cute.Tensor, mdV: cute.Tensor, n_block: Int32, head: Int32,
-                       batch: Int32, softmax_scale: Float32, heads_q: Int32):
-        """FP32 dK/dV (GQA) from the accumulators, element by element (see store_dkv)."""
+    def store_dkv_fp32(self, ctx, mdK: cute.Tensor, mdV: cute.Tensor, n_block: Int32, slice_head: Int32,
+                       batch: Int32, softmax_scale: Float32, group_sum: cutlass.Constexpr):
+        """FP32 dK/dV (GQA) from the accumulators, element by element, into head `slice_head`:
+        added with atomics (`group_sum`) or stored (see store_dkv)."""
         coords = ctx.thr_dkv.partition_C(cute.make_identity_tensor((self.tile_n, self.head_dim)))
         tile, offset = (self.tile_n, self.head_dim), ctx.seq.offset_k
-        group_sum = cutlass.const_expr(mdK.element_type == Float32 and not self.deterministic)
-        slice_head = head // (heads_q // mdK.shape[2]) if group_sum else head
         gdK = ctx.thr_dkv.partition_C(cute.local_tile(
             seqlen.rows(tma.seq_major(mdK), slice_head, batch, offset, self.varlen), tile, (n_block, 0)))
         gdV = ctx.thr_dkv.partition_C(cute.local_tile(

@@ -27,7 +27,6 @@ from cutlass import Float32, Int32
 
 from .common import accum, scheduler, seqlen, smem
 
-VEC = 8  # 16-bit elements in 16 bytes
 PAD = 8  # elements of padding an SMEM row
 
 
@@ -100,13 +99,5 @@ class FragmentDqPostprocess:
                 sdQ[r, c] = self.dtype(vals[i % 4, i // 4] * scale)
             cute.arch.barrier()
 
-            # rows out in 16-byte vectors
-            chunks = d // VEC
-            rows_per_pass, active = smem.row_passes(self.tile_m, chunks, self.threads)
-            if tidx < active:
-                for p in cutlass.range_constexpr(self.tile_m // rows_per_pass):
-                    r = tidx // chunks + p * rows_per_pass
-                    c = tidx % chunks
-                    if r < rows:
-                        cute.autovec_copy(cute.local_tile(sdQ[r, None], (VEC,), (c,)),
-                                          cute.local_tile(mdQ[acc_batch, row0 + r, head, None], (VEC,), (c,)))
+            smem.store_rows(((sdQ, cute.domain_offset((row0, 0), mdQ[acc_batch, None, head, None])),),
+                            rows, tidx, self.threads)

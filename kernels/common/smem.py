@@ -12,6 +12,7 @@ warpgroup) must not cut an atom: the swizzle is then chosen for the share (32 by
 d192), one choice per (head dim, split), here.
 """
 
+import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.tensor_utils import LayoutEnum
@@ -55,6 +56,30 @@ def row_passes(rows: int, chunks: int, threads: int) -> tuple[int, int]:
     and d192), the others none."""
     rows_per_pass = max(r for r in range(1, threads // chunks + 1) if rows % r == 0)
     return rows_per_pass, rows_per_pass * chunks
+
+
+@cute.jit
+def store_rows(tiles, rows, tidx, threads: cutlass.Constexpr):
+    """Rows r < `rows` of 16-bit SMEM tiles out to global memory in 16-byte vectors. `tiles`: a
+    tuple of (sX, gX), sX a (tile_rows, cols) SMEM tile, plain or swizzled at 16-byte granularity
+    (tile_layout's: 8 elements of a row stay contiguous), gX the global rows it goes to, from the
+    tile's first row, each row starting on 16 bytes (contiguous 16-bit tensors with cols a
+    multiple of 8: `.align(16)` below rounds a pointer up, it does not check it). `threads`
+    threads sweep whole rows (`row_passes`), each tile's row r in the same pass."""
+    tile_rows, cols = cute.size(tiles[0][0], mode=[0]), cute.size(tiles[0][0], mode=[1])
+    chunks = cols // 8
+    rows_per_pass, active = row_passes(tile_rows, chunks, threads)
+    if tidx < active:
+        for p in cutlass.range_constexpr(tile_rows // rows_per_pass):
+            r = tidx // chunks + p * rows_per_pass
+            c = tidx % chunks
+            if r < rows:
+                for sX, gX in tiles:
+                    vec = cute.make_rmem_tensor((8,), sX.element_type)
+                    src = cute.local_tile(sX[r, None], (8,), (c,))
+                    cute.autovec_copy(cute.make_tensor(src.iterator.align(16), cute.make_layout(8)), vec)
+                    dst = cute.local_tile(gX[r, None], (8,), (c,))
+                    cute.autovec_copy(vec, cute.make_tensor(dst.iterator.align(16), cute.make_layout(8)))
 
 
 def stage_bytes(dtype, staged_layout) -> int:

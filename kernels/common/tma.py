@@ -71,8 +71,7 @@ def partition_multicast(atom, gX: cute.Tensor, sX: cute.Tensor, rank, ctas: int)
 def prefetch(*atoms):
     """Pull the descriptors into cache before the first copy (call from one warp)."""
     for atom in atoms:
-        if atom is not None:  # (a kernel variant without that copy)
-            cpasync.prefetch_descriptor(atom)
+        cpasync.prefetch_descriptor(atom)
 
 
 @dsl_user_op
