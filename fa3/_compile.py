@@ -367,10 +367,15 @@ def compile_report(spec, dtype=torch.bfloat16, **static) -> CompileReport:
 
     `static` is what the family's builder takes (attention: head_dim, causal; GEMM: a_layout,
     b_layout, "row" by default)."""
+    return build_report(BUILDERS[spec.family], spec, dtype, **static)
+
+
+def build_report(build, *args, **kwargs) -> CompileReport:
+    """Any builder of this module (a `_build_*`: main kernels and their helpers, the backward's
+    pre/postprocess, the combine, ...) run for sm_90a with PTX and cubin kept, and ptxas' report."""
     buf = io.StringIO()
     with contextlib.redirect_stderr(buf), contextlib.redirect_stdout(buf):
-        fn = BUILDERS[spec.family](spec, dtype, **static,
-                                   extra_options="--keep-ptx --keep-cubin remarks{ptx}")
+        fn = build(*args, **kwargs, extra_options="--keep-ptx --keep-cubin remarks{ptx}")
     return CompileReport(ptx=fn.artifacts.PTX, cubin=fn.artifacts.CUBIN, ptxas_log=buf.getvalue())
 
 

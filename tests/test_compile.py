@@ -143,20 +143,9 @@ def test_fp8_gemm_compiles(name, row_scales):
     assert report.spill_bytes == 0 and not report.serialized_wgmma
 
 
-def _report(build, *args, **kwargs) -> _compile.CompileReport:
-    """A helper kernel's builder (`_compile._build_*`) run for sm_90a, with ptxas' report."""
-    import contextlib
-    import io
-
-    buf = io.StringIO()
-    with contextlib.redirect_stderr(buf), contextlib.redirect_stdout(buf):
-        fn = build(*args, **kwargs, extra_options="--keep-ptx --keep-cubin remarks{ptx}")
-    return _compile.CompileReport(fn.artifacts.PTX, fn.artifacts.CUBIN, buf.getvalue())
-
-
 def test_sinks_combine_compiles():
     """The split-KV combine with the sinks as one more term compiles without spilling."""
-    report = _report(_compile._build_combine, torch.bfloat16, 128, sinks=True)
+    report = _compile.build_report(_compile._build_combine, torch.bfloat16, 128, sinks=True)
     assert "ex2.approx" in report.ptx and report.registers and report.spill_bytes == 0
 
 
@@ -164,7 +153,7 @@ def test_sinks_combine_compiles():
 def test_backward_preprocess_compiles(head_dim):
     """The backward's preprocess reads O and dO and zeroes the dQ accumulator in 16-byte vectors
     (no 16-bit loads), without spilling."""
-    report = _report(_compile._build_preprocess, torch.bfloat16, head_dim)
+    report = _compile.build_report(_compile._build_preprocess, torch.bfloat16, head_dim)
     assert report.ptx.count("ld.global.v4") == 8 and "st.global.v4" in report.ptx
     assert "ld.global.b16" not in report.ptx and "ld.global.u16" not in report.ptx
     assert report.registers and report.spill_bytes == 0
@@ -176,7 +165,7 @@ def test_backward_preprocess_compiles(head_dim):
 def test_fragment_dq_postprocess_compiles(name, head_dim, varlen):
     """The postprocess of each rung's fragment-order dQ (and of a packed batch's): 16-byte loads of
     the accumulator and 16-byte stores of dQ, no spills."""
-    report = _report(_compile._build_postprocess, registry.get(name), torch.bfloat16, head_dim, varlen)
+    report = _compile.build_report(_compile._build_postprocess, registry.get(name), torch.bfloat16, head_dim, varlen)
     assert "ld.global.v4" in report.ptx and "st.global.v4" in report.ptx
     # 32-bit loads: only cu_seqlens_q's (the tile search and the entry's span), when packed
     assert report.ptx.count("ld.global.b32") == (4 if varlen else 0)
@@ -188,7 +177,7 @@ def test_fragment_dq_postprocess_compiles(name, head_dim, varlen):
 def test_fp8_value_transpose_compiles(head_dim, packed):
     """The FP8 forward's V^T kernel (and its packed-batch variant): 16-byte stores (st.global.v4),
     32-bit loads, no spills."""
-    report = _report(_compile._build_value_transpose, head_dim, packed)
+    report = _compile.build_report(_compile._build_value_transpose, head_dim, packed)
     assert report.ptx.count("st.global.v4") == 4 and "ld.global.u8" not in report.ptx
     assert report.registers and report.spill_bytes == 0
 
