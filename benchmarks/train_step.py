@@ -3,6 +3,7 @@ and the time per training step (forward + backward + AdamW).
 
     python benchmarks/train_step.py [--layers 4] [--seqlen 4096] [--batch 2] [--steps 8]
                                     [--width 2048] [--heads 16] [--kv-heads 4] [--no-hf]
+                                    [--backward-kernels b7,b7g --variant b7g=b7:dkv_bulk_add=1]
 
 Two models, each trained twice from the same initial weights on the same random tokens, once with
 `fa3.attention` (causal, GQA) and once with torch's SDPA (its default backend):
@@ -12,6 +13,8 @@ Two models, each trained twice from the same initial weights on the same random 
   fa3 registered through `transformers.AttentionInterface` as "fa3"; skipped when transformers is
   not installed.
 Prints each step's loss for both (they must agree within bf16 noise), then the median step time.
+`--backward-kernels` trains the own model once more per named backward rung (experiment rows from
+`--variant` included, benchmarks/variants.py), each against the same SDPA run.
 """
 
 from __future__ import annotations
@@ -43,8 +46,8 @@ def sdpa(q, k, v, causal=True):
     return out.transpose(1, 2)
 
 
-def fa3_attention(q, k, v, causal=True):
-    return fa3.attention(q, k, v, causal=causal)
+def fa3_attention(q, k, v, causal=True, backward_kernel=None):
+    return fa3.attention(q, k, v, causal=causal, backward_kernel=backward_kernel)
 
 
 class RMSNorm(torch.nn.Module):
@@ -141,12 +144,17 @@ def compare(name, make_model, tokens, steps, step_fns) -> bool:
         torch.cuda.empty_cache()
         losses = " ".join(f"{loss:.4f}" for loss in results[label][0])
         print(f"  {name} {label:<5} losses {losses}", flush=True)
-    (fa3_losses, fa3_ms), (sdpa_losses, sdpa_ms) = results["fa3"], results["sdpa"]
-    worst = max(abs(a - b) / abs(b) for a, b in zip(fa3_losses, sdpa_losses))
-    # the first step compiles (fa3) or autotunes: the median of the rest
-    t_fa3, t_sdpa = median(fa3_ms[1:]), median(sdpa_ms[1:])
-    print(f"{name}: step {t_fa3:.1f} ms with fa3, {t_sdpa:.1f} ms with SDPA ({t_sdpa / t_fa3:.3f}x); "
-          f"largest relative loss difference {worst:.2e} (tolerance {LOSS_TOLERANCE})", flush=True)
+    sdpa_losses, sdpa_ms = results["sdpa"]
+    t_sdpa = median(sdpa_ms[1:])  # the first step compiles (fa3) or autotunes: the median of the rest
+    worst = 0.0
+    for label, (fa3_losses, fa3_ms) in results.items():
+        if label == "sdpa":
+            continue
+        diff = max(abs(a - b) / abs(b) for a, b in zip(fa3_losses, sdpa_losses))
+        worst = max(worst, diff)
+        t_fa3 = median(fa3_ms[1:])
+        print(f"{name}: step {t_fa3:.1f} ms with {label}, {t_sdpa:.1f} ms with SDPA ({t_sdpa / t_fa3:.3f}x); "
+              f"largest relative loss difference {diff:.2e} (tolerance {LOSS_TOLERANCE})", flush=True)
     return worst <= LOSS_TOLERANCE
 
 
@@ -185,6 +193,11 @@ def hf_llama(args):
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import variants
+
+    variants.register_from_argv(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--seqlen", type=int, default=4096)
@@ -196,6 +209,10 @@ def main(argv=None) -> int:
     p.add_argument("--mlp", type=int, default=5632)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--no-hf", action="store_true", help="skip the transformers model")
+    p.add_argument("--backward-kernels", default="",
+                   help="also train the own model with these backward rungs, comma-separated")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=BASE:key=value,...",
+                   help="an experiment row for --backward-kernels (benchmarks/variants.py)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("train_step needs a Hopper GPU; none was found.")
@@ -216,8 +233,10 @@ def main(argv=None) -> int:
             return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
         return fn
 
-    ok = compare("llama", make_llama, tokens, args.steps,
-                 {"fa3": llama_step(fa3_attention), "sdpa": llama_step(sdpa)})
+    step_fns = {"fa3": llama_step(fa3_attention), "sdpa": llama_step(sdpa)}
+    for rung in filter(None, args.backward_kernels.split(",")):
+        step_fns[f"fa3 {rung}"] = llama_step(lambda q, k, v, rung=rung: fa3_attention(q, k, v, backward_kernel=rung))
+    ok = compare("llama", make_llama, tokens, args.steps, step_fns)
     hf = None if args.no_hf else hf_llama(args)
     if hf is None and not args.no_hf:
         print("hf-llama skipped: transformers is not installed", flush=True)

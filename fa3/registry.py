@@ -250,6 +250,15 @@ KERNELS: dict[str, KernelSpec] = {
             # b6's head dims: dQ^T stacks d over the warpgroups in 64-row WGMMA atoms
             head_dims=(128,), speed_rank=6),
         KernelSpec(
+            "b8", BACKWARD, "bwd_dkv_t", "TransposedDkvBackward",
+            "b2 + dK and dV computed transposed (head dim on the WGMMA's M): 96-key tiles at d192, "
+            "48 at d256, two Q/dO stages, the dQ buffer shared by the warpgroups in turn",
+            config={"tile_m": 64, "tile_n": 96, "q_stages": 2},
+            per_head_dim={256: {"tile_n": 48}}, head_dims=(192, 256),
+            ptx_promises=_BWD_WS_PTX + ("stmatrix.sync.aligned.m8n8.x4.trans",), ptx_forbids=_BWD_WS_FORBIDS,
+            speed_rank=7, variants=VARIANTS,
+        ),
+        KernelSpec(
             "s1", KVCACHE, "decode", "SplitKVAttention",
             "KV-cache attention (dense or paged): query heads of a KV head packed into one 64-row "
             "tile, the key range split across CTAs, FP32 partials merged by a combine kernel",

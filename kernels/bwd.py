@@ -55,12 +55,13 @@ class AttentionBackward(QueryStatistics):
     # reduce-adds instead of one scalar atomic per element (`add_dkv_rows`; not measured yet: off)
     dkv_bulk_add = False
     q_tile_multiple = 64  # Q tiles are M of S and dQ: whole 64-row WGMMA atoms (B6: N of both)
+    kv_tile_multiple = 64  # K/V tiles are M of dK/dV; P and dS rows fill a 128-byte swizzle atom
 
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 64, tile_n: int = 128,
                  q_stages: int = 2, deterministic: bool = False, local: bool = False,
                  softcap: bool = False, varlen: bool = False, ordered_dq: bool = False):
-        assert tile_m % self.q_tile_multiple == 0 and tile_n % 64 == 0, \
-            f"Q tiles of a multiple of {self.q_tile_multiple} rows (WGMMA atoms), K/V tiles of 64 (P and dS rows fill a 128-byte swizzle atom)"
+        assert tile_m % self.q_tile_multiple == 0 and tile_n % self.kv_tile_multiple == 0, \
+            f"Q tiles of a multiple of {self.q_tile_multiple} rows, K/V tiles of {self.kv_tile_multiple} (WGMMA atoms, swizzle atoms)"
         self.dtype, self.head_dim, self.causal = dtype, head_dim, causal
         # static variants, as the forward's: the window's predicates (mask.py) and capped scores
         self.local, self.softcap, self.varlen = local, softcap, varlen
@@ -303,8 +304,8 @@ class AttentionBackward(QueryStatistics):
             lane=tidx % 32, **self.operand_fragments(s, wg_sdp, wg_dkv, wg_dq),
             s_coords=mma.rows_cols(thr_sdp.partition_C(cute.make_identity_tensor(self.score_tile()))),
         )
-        ctx.acc_dv = cute.make_rmem_tensor(thr_dkv.partition_shape_C((self.tile_n, self.head_dim)), Float32)
-        ctx.acc_dk = cute.make_rmem_tensor(thr_dkv.partition_shape_C((self.tile_n, self.head_dim)), Float32)
+        ctx.acc_dv = cute.make_rmem_tensor(thr_dkv.partition_shape_C(self.dkv_tile()), Float32)
+        ctx.acc_dk = cute.make_rmem_tensor(thr_dkv.partition_shape_C(self.dkv_tile()), Float32)
         ctx.acc_dv.fill(0.0)
         ctx.acc_dk.fill(0.0)
         return ctx
@@ -312,6 +313,19 @@ class AttentionBackward(QueryStatistics):
     def score_tile(self):
         """The (rows, cols) of the S and dP accumulators: (queries, keys)."""
         return self.tile_m, self.tile_n
+
+    def score_matrices(self) -> int:
+        """8x8 blocks a `stmatrix` of P or dS writes: 4, or 2 where a warpgroup's share of the
+        keys is an odd multiple of 8 (mma.smem_writer)."""
+        return 4 if mma.n_share(*self.score_tile(), self.mma_warpgroups) % 16 == 0 else 2
+
+    def dkv_tile(self):
+        """The (rows, cols) of the dK and dV accumulators: (keys, d) (B8: transposed)."""
+        return self.tile_n, self.head_dim
+
+    def dkv_view(self, tile: cute.Tensor) -> cute.Tensor:
+        """A (tile_n, d) tensor seen in the shape of the dK/dV accumulators (`dkv_tile`)."""
+        return tile
 
     def tiled_mmas(self):
         """(S and dP, dV and dK, dQ) tiled MMAs."""
@@ -512,14 +526,19 @@ class AttentionBackward(QueryStatistics):
         self.sync_consumers()  # both warpgroups are done reading sK and sV
         dk = cute.make_rmem_tensor_like(ctx.acc_dk, self.dtype)
         dk.store((ctx.acc_dk.load() * softmax_scale).to(self.dtype))
-        mma.store_to_smem(dk, ctx.dkv, ctx.tidx, s.sK[None, None, 0])
-        mma.store_to_smem(mma.to_dtype(ctx.acc_dv, self.dtype), ctx.dkv, ctx.tidx, s.sV[None, None, 0])
+        self.dkv_to_smem(ctx, dk, s.sK[None, None, 0])
+        self.dkv_to_smem(ctx, mma.to_dtype(ctx.acc_dv, self.dtype), s.sV[None, None, 0])
         self.sync_consumers()
         first = (n_block * self.tile_n, 0)  # the tile's rows in the entry's (seqlen_k, d) rows
         gdK = cute.domain_offset(first, seqlen.rows(tma.seq_major(mdK), head, batch, ctx.seq.offset_k, self.varlen))
         gdV = cute.domain_offset(first, seqlen.rows(tma.seq_major(mdV), head, batch, ctx.seq.offset_k, self.varlen))
         smem.store_rows(((s.sK[None, None, 0], gdK), (s.sV[None, None, 0], gdV)),
                         ctx.seq.seqlen_k - n_block * self.tile_n, ctx.tidx, 128 * self.mma_warpgroups)
+
+    @cute.jit
+    def dkv_to_smem(self, ctx, frag: cute.Tensor, sX: cute.Tensor):
+        """A rounded dK or dV accumulator into the (tile_n, d) SMEM tile sX, with stmatrix."""
+        mma.store_to_smem(frag, ctx.dkv, ctx.tidx, sX)
 
     @cute.jit
     def add_dkv_rows(self, ctx, s, mdK: cute.Tensor, mdV: cute.Tensor, n_block: Int32, head_kv: Int32,
@@ -538,7 +557,7 @@ class AttentionBackward(QueryStatistics):
         ctx.acc_dk.store(ctx.acc_dk.load() * softmax_scale)
         for acc, mX in ((ctx.acc_dk, mdK), (ctx.acc_dv, mdV)):
             self.sync_consumers()  # the walk's GEMMs (dK) or the previous rows' bulk reads (dV) are done
-            cute.autovec_copy(acc, ctx.thr_dkv.partition_C(sX))
+            cute.autovec_copy(acc, ctx.thr_dkv.partition_C(self.dkv_view(sX)))
             cute.arch.fence_view_async_shared()  # generic-proxy writes, read by the bulk copies
             self.sync_consumers()
             r = ctx.tidx
@@ -553,12 +572,12 @@ class AttentionBackward(QueryStatistics):
                        batch: Int32, softmax_scale: Float32, group_sum: cutlass.Constexpr):
         """FP32 dK/dV (GQA) from the accumulators, element by element, into head `slice_head`:
         added with atomics (`group_sum`) or stored (see store_dkv)."""
-        coords = ctx.thr_dkv.partition_C(cute.make_identity_tensor((self.tile_n, self.head_dim)))
+        coords = ctx.thr_dkv.partition_C(self.dkv_view(cute.make_identity_tensor((self.tile_n, self.head_dim))))
         tile, offset = (self.tile_n, self.head_dim), ctx.seq.offset_k
-        gdK = ctx.thr_dkv.partition_C(cute.local_tile(
-            seqlen.rows(tma.seq_major(mdK), slice_head, batch, offset, self.varlen), tile, (n_block, 0)))
-        gdV = ctx.thr_dkv.partition_C(cute.local_tile(
-            seqlen.rows(tma.seq_major(mdV), slice_head, batch, offset, self.varlen), tile, (n_block, 0)))
+        gdK = ctx.thr_dkv.partition_C(self.dkv_view(cute.local_tile(
+            seqlen.rows(tma.seq_major(mdK), slice_head, batch, offset, self.varlen), tile, (n_block, 0))))
+        gdV = ctx.thr_dkv.partition_C(self.dkv_view(cute.local_tile(
+            seqlen.rows(tma.seq_major(mdV), slice_head, batch, offset, self.varlen), tile, (n_block, 0))))
         rows_left = ctx.seq.seqlen_k - n_block * self.tile_n
         for i in cutlass.range(cute.size(ctx.acc_dk), unroll_full=True):
             if coords[i][0] < rows_left:

@@ -229,8 +229,8 @@ class WarpSpecializedBackward(AttentionBackward):
         ds = mma.to_dtype(acc_dp, self.dtype)
         # every GEMM of the previous Q tile (both warpgroups) is done with sP and sdS
         cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=consumers)
-        mma.store_to_smem(p, ctx.sdp, ctx.tidx, s.sP[None, None, 0])
-        mma.store_to_smem(ds, ctx.sdp, ctx.tidx, s.sdS[None, None, 0])
+        mma.store_to_smem(p, ctx.sdp, ctx.tidx, s.sP[None, None, 0], self.score_matrices())
+        mma.store_to_smem(ds, ctx.sdp, ctx.tidx, s.sdS[None, None, 0], self.score_matrices())
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=consumers)
         acc_dq = self.issue_dq(ctx, -1)

@@ -15,6 +15,18 @@ if not torch.cuda.is_available():
 HAS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 from fa3.reference import attention_reference  # noqa: E402
+
+# FA3_VARIANTS="b7g=b7:dkv_bulk_add=1;b7s=b7:packed_stats_in_smem=1" adds experiment rows
+# (benchmarks/variants.py) to the registry before the test modules list its rungs: the GPU
+# tests then run a prepared setting like any rung, before it becomes a default.
+if os.environ.get("FA3_VARIANTS"):
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
+    import variants  # noqa: E402
+
+    for _text in filter(None, os.environ["FA3_VARIANTS"].split(";")):
+        variants.register(_text)
 from fa3.registry import HEAD_DIMS  # noqa: E402  (every head dim the default rungs serve)
 
 # @HEAD_DIM_PARAM on a test: once per head dim, with ids d64 ... d256 (`-k d96` picks one)
@@ -51,6 +63,13 @@ def raises_with(fn, exc, *words, **call):
     for w in words:
         assert w in msg, f"{w!r} not in the message: {msg}"
     return msg
+
+
+# memcheck's options in every test: errors of the CUDA API calls that the DSL's compiler makes
+# (probing the driver while it builds a kernel that is not in the disk cache yet) are not memory
+# errors; the tests count memory errors only.
+MEMCHECK = ["--tool", "memcheck", "--report-api-errors", "no"]
+RACECHECK = ["--tool", "racecheck", "--racecheck-report", "hazard"]
 
 
 def compute_sanitizer():

@@ -19,7 +19,7 @@ import torch
 import fa3
 from fa3 import _checks, index_checks, kvcache
 
-from conftest import INDEX_PROBLEMS, compute_sanitizer, raises_with, run_script
+from conftest import INDEX_PROBLEMS, MEMCHECK, compute_sanitizer, raises_with, run_script
 
 BF16 = torch.bfloat16
 CAPACITY, PAGE, PAGES = 256, 64, 8  # two sequences; paged: 4 pages of 64 each, 8 in the pool
@@ -302,7 +302,7 @@ def test_bad_value_on_gpu(case, tmp_path):
     report = run_script(tmp_path, GPU_SCRIPT, json.dumps(CASES[case]),
                         # memory errors only: driver-API lookups (cuGetProcAddress) that fail
                         # by design are not what this test is about
-                        sanitizer=["--tool", "memcheck", "--report-api-errors", "no"] if tool else None)
+                        sanitizer=MEMCHECK if tool else None)
     assert "done" in report and "FAIL" not in report, report[-4000:]
     if tool:
         assert "ERROR SUMMARY: 0 errors" in report, report[-4000:]

@@ -27,11 +27,10 @@ import torch
 
 import fa3
 
-from conftest import INDEX_PROBLEMS, compute_sanitizer, rel_err, run_script
+from conftest import INDEX_PROBLEMS, MEMCHECK, RACECHECK, compute_sanitizer, rel_err, run_script
 
 pytestmark = pytest.mark.gpu
 
-RACECHECK = ["--tool", "racecheck", "--racecheck-report", "hazard"]
 
 RACE_SCRIPT = r'''
 import sys
@@ -204,6 +203,6 @@ MEM_CASES = {
 def test_unchecked_values_stay_in_bounds(case, tmp_path):
     if compute_sanitizer() is None:
         pytest.skip("compute-sanitizer is not installed")
-    report = run_script(tmp_path, MEM_SCRIPT, json.dumps(MEM_CASES[case]), sanitizer=["--tool", "memcheck"])
+    report = run_script(tmp_path, MEM_SCRIPT, json.dumps(MEM_CASES[case]), sanitizer=MEMCHECK)
     assert "done" in report, report[-4000:]
     assert "ERROR SUMMARY: 0 errors" in report, report[-4000:]

@@ -26,11 +26,12 @@ _MAJOR = {"K": OperandMajorMode.K, "MN": OperandMajorMode.MN}
 
 
 def tiled_mma(dtype, tile_m: int, tile_n: int, a_major="K", b_major="K", a_in_regs=False,
-              warpgroups: int | None = None):
+              warpgroups: int | None = None, split_n: bool = False):
     """MMA producing a (tile_m, tile_n) accumulator with `warpgroups` (default tile_m/64) warpgroups
     stacked along M; with fewer, each warpgroup repeats the 64-row atom (tile_m/64/warpgroups times);
-    with more than tile_m/64, the rest split N (each warpgroup then owns tile_n/split columns)."""
-    wg_m = min(warpgroups or tile_m // 64, tile_m // 64)
+    with more than tile_m/64, the rest split N (each warpgroup then owns tile_n/split columns).
+    `split_n`: the warpgroups split N whatever tile_m (M = 192 does not halve into 64-row atoms)."""
+    wg_m = 1 if split_n else min(warpgroups or tile_m // 64, tile_m // 64)
     wg_n = (warpgroups or wg_m) // wg_m
     return sm90.make_trivial_tiled_mma(
         dtype, dtype, _MAJOR[a_major], _MAJOR[b_major], Float32,
@@ -144,12 +145,16 @@ def transpose_view(s: cute.Tensor) -> cute.Tensor:
     return cute.composition(s, cute.make_ordered_layout(shape, order=(1, 0, *range(2, cute.rank(s)))))
 
 
-def smem_writer(tiled: cute.TiledMma, dtype, thread_idx, whole_tile: bool = False):
+def smem_writer(tiled: cute.TiledMma, dtype, thread_idx, whole_tile: bool = False, matrices: int = 4,
+                transpose: bool = False):
     """(copy, thread slice) writing this thread's share of a `tiled` accumulator, converted to the
     16-bit `dtype`, into a row-major swizzled SMEM tile with `stmatrix` (8x8 blocks per instruction
     instead of scattered 2-byte stores): the whole (M, N) tile of the tiled MMA, or (default) one
-    atom-sized subtile at a time, as the epilogue stores it."""
-    stmatrix = cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), dtype)
+    atom-sized subtile at a time, as the epilogue stores it. `matrices` 8x8 blocks an instruction:
+    4 (16 columns of a warpgroup's N), or 2 where its N is an odd multiple of 8 (24: B8 at d256).
+    `transpose`: each 8x8 block lands transposed, for a tile whose rows (M) are the contiguous
+    dimension (a transposed view, e.g. B8's dK^T into the (keys, d) K tile)."""
+    stmatrix = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose, matrices), dtype)
     if whole_tile:
         r2s = cute.make_tiled_copy_C(stmatrix, tiled)
     else:
@@ -158,9 +163,11 @@ def smem_writer(tiled: cute.TiledMma, dtype, thread_idx, whole_tile: bool = Fals
 
 
 @cute.jit
-def store_to_smem(frag: cute.Tensor, tiled: cute.TiledMma, thread_idx, sX: cute.Tensor):
+def store_to_smem(frag: cute.Tensor, tiled: cute.TiledMma, thread_idx, sX: cute.Tensor,
+                  matrices: cutlass.Constexpr[int] = 4, transpose: cutlass.Constexpr[bool] = False):
     """Write a 16-bit accumulator `frag` (already converted) into the (M, N) SMEM tile sX."""
-    r2s, thr = smem_writer(tiled, frag.element_type, thread_idx, whole_tile=True)
+    r2s, thr = smem_writer(tiled, frag.element_type, thread_idx, whole_tile=True, matrices=matrices,
+                           transpose=transpose)
     cute.copy(r2s, r2s.retile(frag), thr.partition_D(sX))
 
 

@@ -1,0 +1,134 @@
+"""B8: B2 with dK and dV computed transposed, for the wide head dims (192, 256).
+
+B2 accumulates dK and dV as (tile_n, d): the K/V tile is the WGMMA's M, so it comes in whole
+64-row atoms per warpgroup, and at d192/d256 the registers (two (tile_n, d) FP32 accumulators)
+and SMEM (two Q/dO stages beside a 64 x d FP32 dQ buffer) leave B2 64-key tiles, one Q/dO stage
+at d256. Here (FlashAttention-3's `dKV_swapAB`) the same GEMMs produce the transposes:
+
+    dV^T += dO^T P     (d, tile_n)   A = dO^T (MN-major, SMEM), B = P^T viewed (N, K) (MN-major, SMEM)
+    dK^T += Q^T dS     (d, tile_n)   A = Q^T  (MN-major, SMEM), B = dS^T viewed (N, K) (MN-major, SMEM)
+
+The head dim is now M: d256's 256 rows split into 128 a warpgroup, d192's 192 (three atoms)
+do not halve, so there the warpgroups split the keys instead (48 of 96 each; P and dS take the
+32-byte swizzle so a warpgroup's 48 columns are whole atoms). The key count is N, any multiple
+of 8 a warpgroup: 96 keys at d192 and 48 at d256 (flash-attn-4's sm90 tiles), where B2 has 64.
+S, dP and dQ are B2's (S and dP split the keys among the warpgroups: 24 at d256, written with
+2-matrix stmatrix).
+
+SMEM for two Q/dO stages: the FP32 dQ buffer holds one warpgroup's share (half a Q tile), and the
+warpgroups take turns: warpgroup 0 fills it, the writer warp adds it to global memory, hands it
+to warpgroup 1 once read, adds that one, hands it back (barriers DQ_EMPTY/DQ_FULL + 2 w for
+warpgroup w). Warpgroup 1 waits for the writer while its dV^T and dK^T GEMMs run.
+bf16 d192: Q/dO 2 x 48 KB, K/V 72 KB, P/dS 24 KB, dQ 24 KB = 217 KB; d256: Q/dO 2 x 64 KB,
+K/V 48 KB, P/dS 12 KB, dQ 32 KB = 220 KB.
+
+After the walk dK and dV leave as B2's do (rows through the free sK/sV tiles, 16-byte stores),
+written into the tiles through the transposed view element by element (once per CTA).
+Everything else (loader, statistics, masks, packed batches, determinism, the postprocess) is B2's.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+
+from .bwd_ws import DQ_EMPTY, DQ_FULL, WarpSpecializedBackward
+from .common import accum, mma, smem
+
+
+class TransposedDkvBackward(WarpSpecializedBackward):
+    kv_tile_multiple = 16  # the keys are N of dK^T/dV^T (and of S, dP): 8 a warpgroup
+
+    # ---------------------------------------------------------------- host side
+    def dkv_split_n(self) -> bool:
+        """Whether the warpgroups split dK^T/dV^T's keys (d192: three 64-row atoms do not halve)
+        rather than its head dim rows."""
+        return (self.head_dim // 64) % self.mma_warpgroups != 0
+
+    def dkv_tile(self):
+        return self.head_dim, self.tile_n
+
+    def dkv_view(self, tile: cute.Tensor) -> cute.Tensor:
+        return mma.transpose_view(tile)
+
+    def tiled_mmas(self):
+        """(S and dP, dV^T and dK^T, dQ) tiled MMAs."""
+        wgs = self.mma_warpgroups
+        return (mma.tiled_mma(self.dtype, self.tile_m, self.tile_n, warpgroups=wgs),
+                mma.tiled_mma(self.dtype, self.head_dim, self.tile_n, a_major="MN", b_major="MN",
+                              warpgroups=wgs, split_n=self.dkv_split_n()),
+                mma.tiled_mma(self.dtype, self.tile_m, self.head_dim, b_major="MN", warpgroups=wgs))
+
+    def smem_layouts(self):
+        """Q and dO: K-major A of S/dP and MN-major A of dK^T/dV^T (d256: 128 rows a warpgroup,
+        whole 128-byte atoms); K: MN-major B of dQ as B2's; P and dS: MN-major B of dK^T/dV^T,
+        whose keys the warpgroups split at d192 (the swizzle fits a warpgroup's share)."""
+        wgs, d = self.mma_warpgroups, self.head_dim
+        # the keys a warpgroup writes (S's split: 24 at d256) or reads (dK^T/dV^T's at d192)
+        key_share = min(mma.n_share(self.tile_m, self.tile_n, wgs),
+                        self.tile_n // wgs if self.dkv_split_n() else self.tile_n)
+        return (smem.tile_layout(self.dtype, self.tile_m, d, self.q_stages),
+                smem.tile_layout(self.dtype, self.tile_n, d, 1, share=mma.n_share(self.tile_m, d, wgs)),
+                smem.tile_layout(self.dtype, self.tile_m, self.tile_n, 1, share=key_share))
+
+    def sdq_layout(self):
+        """One warpgroup's FP32 dQ share in fragment order (the warpgroups take turns)."""
+        return cute.make_layout((self.half_elems(), 1))
+
+    def operand_fragments(self, s, wg_sdp, wg_dkv, wg_dq) -> dict:
+        t = mma.transpose_view
+        return dict(
+            tSrQ=mma.fragment_A(wg_sdp, s.sQ), tSrK=mma.fragment_B(wg_sdp, s.sK),
+            tdPrdO=mma.fragment_A(wg_sdp, s.sdO), tdPrV=mma.fragment_B(wg_sdp, s.sV),
+            tdVrdOt=mma.fragment_A(wg_dkv, t(s.sdO)), tdVrPt=mma.fragment_B(wg_dkv, t(s.sP)),
+            tdKrQt=mma.fragment_A(wg_dkv, t(s.sQ)), tdKrdSt=mma.fragment_B(wg_dkv, t(s.sdS)),
+            tdQrdS=mma.fragment_A(wg_dq, s.sdS), tdQrKt=mma.fragment_B(wg_dq, t(s.sK)))
+
+    # ---------------------------------------------------------------- device side
+    @cute.jit
+    def issue_dkv(self, ctx, s, stage):
+        """dV^T += dO^T P and dK^T += Q^T dS, every operand from SMEM (no wait)."""
+        mma.gemm(ctx.dkv, ctx.acc_dv, ctx.tdVrdOt[None, None, None, stage], ctx.tdVrPt[None, None, None, 0], wait=-1)
+        mma.gemm(ctx.dkv, ctx.acc_dk, ctx.tdKrQt[None, None, None, stage], ctx.tdKrdSt[None, None, None, 0], wait=-1)
+
+    @cute.jit
+    def dkv_to_smem(self, ctx, frag: cute.Tensor, sX: cute.Tensor):
+        """dK^T or dV^T (rounded) into the (tile_n, d) tile sX through its transposed view."""
+        mma.store_to_smem(frag, ctx.dkv, ctx.tidx, self.dkv_view(sX), transpose=True)
+
+    @cute.jit
+    def hand_off_dq(self, ctx, s, acc_dq: cute.Tensor, buffer: Int32 = 0):
+        """Wait for this warpgroup's turn at the one-share SMEM buffer, fill it, tell the writer."""
+        handoff = 128 + 32
+        warpgroup_idx = cute.arch.make_warp_uniform(ctx.tidx // 128)
+        cute.arch.barrier(barrier_id=DQ_EMPTY + 2 * warpgroup_idx, number_of_threads=handoff)
+        self.store_fragment(acc_dq, s.sdQ[None, 0], ctx.tidx % 128)
+        cute.arch.fence_view_async_shared()  # generic-proxy writes, read by the bulk copy
+        cute.arch.barrier_arrive(barrier_id=DQ_FULL + 2 * warpgroup_idx, number_of_threads=handoff)
+
+    @cute.jit
+    def write_dq(self, mdQacc, sdQ, mLock, n_block: Int32, head: Int32, batch: Int32,
+                 start: Int32, m_first: Int32, m_end: Int32, seq, window, lane: Int32):
+        """dQ writer warp: per Q tile, warpgroup 0's share then warpgroup 1's, each one bulk
+        reduce-add from the one buffer, handed to the other warpgroup once read. Ordered: the
+        turn is awaited before the first share and passed on once both have landed."""
+        handoff = 128 + 32
+        half = self.half_elems()
+        wgs = self.mma_warpgroups
+        cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=handoff)  # warpgroup 0's first credit
+        for i in cutlass.range(m_end - m_first, unroll=1):
+            m_block = self.m_block_at(i, start, m_first, m_end)
+            for w in cutlass.range_constexpr(wgs):
+                cute.arch.barrier(barrier_id=DQ_FULL + 2 * w, number_of_threads=handoff)
+                if cutlass.const_expr(self.ordered_dq and w == 0):
+                    counter = self.wait_dq_turn(mLock, seq, m_block, n_block, head, batch, window, lane,
+                                                cute.arch.sync_warp)
+                if lane == 0:
+                    self.reduce_fragments(mdQacc, sdQ[None, 0].iterator, seq, m_block, head, batch,
+                                          half, w * half)
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)  # the buffer has been read
+                cute.arch.barrier_arrive(barrier_id=DQ_EMPTY + 2 * ((w + 1) % wgs), number_of_threads=handoff)
+            if cutlass.const_expr(self.ordered_dq):
+                cute.arch.cp_async_bulk_wait_group(0, read=False)  # both shares' sums have landed
+                accum.ordered_end(counter, lane, cute.arch.sync_warp)
+        cute.arch.cp_async_bulk_wait_group(0, read=False)
