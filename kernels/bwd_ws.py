@@ -53,6 +53,9 @@ class WarpSpecializedBackward(AttentionBackward):
     # the host reads it: dQ accumulated in fragment order (the module docstring), converted by the
     # rung's FragmentDqPostprocess (B1: row-major, by atomics)
     FRAGMENT_DQ = True
+    # GQA dK/dV by bulk reduce-adds of SMEM rows (bwd.py): H200, GQA 4, b7 d128 against the scalar
+    # atomics +5/+2% non-causal 2k/8k, +8/-2% causal; b2 d64 +2/+2/+5/-2% (worklog/backward.md)
+    dkv_bulk_add = True
 
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 64, tile_n: int = 128,
                  q_stages: int = 2, deterministic: bool = False, local: bool = False,
