@@ -80,12 +80,13 @@ def family_rung(family, kernel, head_dim, operands):
     return registry.get(fastest_rung(family, head_dim))
 
 
-def backward_rung(kernel, head_dim):
-    """The backward rung `kernel` (None: the fastest for head_dim), checked to support head_dim."""
+def backward_rung(kernel, head_dim, deterministic=False):
+    """The backward rung `kernel` (None: the fastest for head_dim, and for deterministic calls
+    when `deterministic`), checked to support head_dim."""
     if kernel is None:
         # (a plain int even where torch.compile made head_dim symbolic; the forward checked it)
         head_dim = next(d for d in registry.HEAD_DIMS if d == head_dim)
-        return registry.get(fastest_rung(registry.BACKWARD, head_dim))
+        return registry.get(fastest_rung(registry.BACKWARD, head_dim, bool(deterministic)))
     spec = registry.get(kernel)
     if spec.family != registry.BACKWARD:
         raise ValueError(f"backward_kernel={kernel!r} is not a backward rung ({spec.family}); backward rungs are "
@@ -97,9 +98,9 @@ def backward_rung(kernel, head_dim):
 
 
 @torch.compiler.assume_constant_result
-def fastest_rung(family: str, head_dim: int | None = None) -> str:
+def fastest_rung(family: str, head_dim: int | None = None, deterministic: bool = False) -> str:
     """registry.fastest's name; torch.compile takes it as a constant (it cannot trace max(key=))."""
-    return registry.fastest(family, head_dim).name
+    return registry.fastest(family, head_dim, deterministic).name
 
 
 def check_variants(spec, mask: masking.Masking, argument: str) -> None:

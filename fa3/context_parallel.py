@@ -183,7 +183,7 @@ def context_parallel_attention(q, k, v, group=None, *, causal: bool = True,
     if packed and kernel is not None:
         varlen.check_varlen_rung(spec, "kernel")
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        bwd = _dispatch.memo_rung(_dispatch.backward_rung, backward_kernel, q.shape[3])
+        bwd = _dispatch.memo_rung(_dispatch.backward_rung, backward_kernel, q.shape[3], bool(deterministic))
         if packed:
             varlen.check_varlen_rung(bwd, "backward_kernel")
         backward_kernel = bwd.name

@@ -87,7 +87,8 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
         mask = masking.masking(causal, window, softcap, scale)
         _dispatch.check_variants(spec, mask, "kernel")
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            backward_spec = _dispatch.memo_rung(_dispatch.backward_rung, backward_kernel, q.shape[3])
+            backward_spec = _dispatch.memo_rung(_dispatch.backward_rung, backward_kernel, q.shape[3],
+                                                bool(deterministic))
             _dispatch.check_variants(backward_spec, mask, "backward_kernel")
     _checks.check_rung_sinks(spec, sinks, q.shape[2], q.device)
     if v.shape[3] != q.shape[3] and torch.is_grad_enabled() and (
@@ -96,7 +97,7 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     if _dispatch.direct_call_ok(q, k, v) and (sinks is None or _dispatch.direct_call_ok(sinks)):
         out, lse = launch_attention(spec, q, k, v, causal, scale, out, window, softcap, sinks)
     else:
-        bwd = _dispatch.memo_rung(_dispatch.backward_rung, backward_kernel, q.shape[3]).name
+        bwd = _dispatch.memo_rung(_dispatch.backward_rung, backward_kernel, q.shape[3], bool(deterministic)).name
         result, lse = torch.ops.fa3.attention(q, k, v, causal, scale, spec.name, bool(deterministic), bwd,
                                               window[0], window[1], float(softcap), sinks)
         out = result if out is None else out.copy_(result)  # the op is functional

@@ -84,7 +84,7 @@ def attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, kernel, d
                        window_left=-1, window_right=-1, softcap=0.0, sinks=None):
     """(dq, dk, dv, dsinks), each contiguous and shaped like its input, with backward rung
     `kernel` (dsinks: (0,) without sinks)."""
-    spec = backward.check_backward(dout, q, k, v, out, lse, kernel, sinks=sinks)
+    spec = backward.check_backward(dout, q, k, v, out, lse, kernel, sinks=sinks, deterministic=deterministic)
     window = (window_left, window_right)
     _dispatch.check_variants(spec, masking.masking(causal, window, softcap, softmax_scale), "backward_kernel")
     return backward.launch_attention_backward(spec, dout, q, k, v, out, lse, causal, softmax_scale,
@@ -110,7 +110,7 @@ def _save_for_backward(ctx, inputs, output):
 
 def _attention_grads(ctx, dout, _dlse):
     q, k, v, out, lse, sinks = ctx.saved_tensors
-    kernel = ctx.backward_kernel or _dispatch.backward_rung(None, q.shape[3]).name
+    kernel = ctx.backward_kernel or _dispatch.backward_rung(None, q.shape[3], ctx.deterministic).name
     dq, dk, dv, dsinks = torch.ops.fa3.attention_backward(dout, q, k, v, out, lse, ctx.causal,
                                                           ctx.softmax_scale, kernel, ctx.deterministic,
                                                           ctx.window[0], ctx.window[1], ctx.softcap, sinks)
@@ -194,7 +194,8 @@ def _attention_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale,
                               kernel, deterministic, window_left, window_right, softcap, sinks=None):
     """(dq, dk, dv, dsinks) of a packed batch, each contiguous and shaped like its input."""
-    spec = backward.check_backward(dout, q, k, v, out, lse, kernel, (cu_seqlens_q, cu_seqlens_k), sinks)
+    spec = backward.check_backward(dout, q, k, v, out, lse, kernel, (cu_seqlens_q, cu_seqlens_k), sinks,
+                                   deterministic)
     window = (window_left, window_right)
     _dispatch.check_variants(spec, masking.masking(causal, window, softcap, softmax_scale), "backward_kernel")
     return backward.launch_varlen_backward(spec, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
@@ -221,7 +222,7 @@ def _varlen_save_for_backward(ctx, inputs, output):
 
 def _varlen_grads(ctx, dout, _dlse):
     q, k, v, out, lse, cu_q, cu_k, sinks = ctx.saved_tensors
-    kernel = ctx.backward_kernel or _dispatch.backward_rung(None, q.shape[2]).name
+    kernel = ctx.backward_kernel or _dispatch.backward_rung(None, q.shape[2], ctx.deterministic).name
     dq, dk, dv, dsinks = torch.ops.fa3.attention_varlen_backward(
         dout, q, k, v, out, lse, cu_q, cu_k, ctx.causal, ctx.softmax_scale, kernel, ctx.deterministic,
         ctx.window[0], ctx.window[1], ctx.softcap, sinks)

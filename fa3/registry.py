@@ -39,6 +39,9 @@ class KernelSpec:
     ptx_forbids: tuple = ()  # substrings it must not contain
     # Higher is faster; `kernel=None` picks the fastest rung that supports the call.
     speed_rank: int = 0
+    # The head dims where kernel=None may pick this rung for deterministic=True (None: all of
+    # head_dims); at the others its ordered dQ adds are slower than a lower rung's.
+    deterministic_head_dims: tuple | None = None
     # Workspace for materialised scores (K1 only): the interface allocates it.
     needs_scores_workspace: bool = False
     # A persistent grid (one CTA per SM): the kernel takes the SM count as its last argument.
@@ -255,6 +258,9 @@ KERNELS: dict[str, KernelSpec] = {
             "48 at d256, two Q/dO stages, the dQ buffer shared by the warpgroups in turn",
             config={"tile_m": 64, "tile_n": 96, "q_stages": 2},
             per_head_dim={256: {"tile_n": 48}}, head_dims=(192, 256),
+            # deterministic at d256: 0.53-0.71x of b8 (its ordered adds come in two halves each
+            # and 48-key tiles make the chain of a Q tile's contributors long); b2's 0.80-1.06x
+            deterministic_head_dims=(192,),
             ptx_promises=_BWD_WS_PTX + ("stmatrix.sync.aligned.m8n8.x4.trans",), ptx_forbids=_BWD_WS_FORBIDS,
             speed_rank=7, variants=VARIANTS,
         ),
@@ -326,7 +332,12 @@ def available_kernels(family: str | None = None, head_dim: int | None = None) ->
             and (head_dim is None or head_dim in s.head_dims)]
 
 
-def fastest(family: str, head_dim: int | None = None) -> KernelSpec:
-    candidates = [s for s in KERNELS.values()
-                  if s.family == family and (head_dim is None or head_dim in s.head_dims)]
+def fastest(family: str, head_dim: int | None = None, deterministic: bool = False) -> KernelSpec:
+    """The highest-ranked rung of `family` that supports head_dim (and, `deterministic`, is
+    chosen for deterministic calls there: `deterministic_head_dims`)."""
+    def serves(s):
+        dims = s.deterministic_head_dims if deterministic and s.deterministic_head_dims is not None else s.head_dims
+        return head_dim is None or head_dim in dims
+
+    candidates = [s for s in KERNELS.values() if s.family == family and serves(s)]
     return max(candidates, key=lambda s: s.speed_rank)

@@ -32,7 +32,7 @@ def packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     if _dispatch.direct_call_ok(q, k, v) and (sinks is None or _dispatch.direct_call_ok(sinks)):
         return launch_varlen(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, bool(causal), scale, window, softcap,
                              out, sinks)
-    bwd = _dispatch.memo_rung(_dispatch.backward_rung, backward_kernel, q.shape[2])
+    bwd = _dispatch.memo_rung(_dispatch.backward_rung, backward_kernel, q.shape[2], bool(deterministic))
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                     or getattr(sinks, "requires_grad", False)):
         check_varlen_rung(bwd, "backward_kernel")
