@@ -253,12 +253,12 @@ KERNELS: dict[str, KernelSpec] = {
             # b6's head dims: dQ^T stacks d over the warpgroups in 64-row WGMMA atoms
             head_dims=(128,), speed_rank=6),
         KernelSpec(
-            "b8", BACKWARD, "bwd_dkv_t", "TransposedDkvBackward",
+            "b9", BACKWARD, "bwd_dkv_t", "TransposedDkvBackward",
             "b2 + dK and dV computed transposed (head dim on the WGMMA's M): 96-key tiles at d192, "
             "48 at d256, two Q/dO stages, the dQ buffer shared by the warpgroups in turn",
             config={"tile_m": 64, "tile_n": 96, "q_stages": 2},
             per_head_dim={256: {"tile_n": 48}}, head_dims=(192, 256),
-            # deterministic at d256: 0.53-0.71x of b8 (its ordered adds come in two halves each
+            # deterministic at d256: 0.53-0.71x of b9 (its ordered adds come in two halves each
             # and 48-key tiles make the chain of a Q tile's contributors long); b2's 0.80-1.06x
             deterministic_head_dims=(192,),
             ptx_promises=_BWD_WS_PTX + ("stmatrix.sync.aligned.m8n8.x4.trans",), ptx_forbids=_BWD_WS_FORBIDS,

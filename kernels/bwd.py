@@ -320,7 +320,7 @@ class AttentionBackward(QueryStatistics):
         return 4 if mma.n_share(*self.score_tile(), self.mma_warpgroups) % 16 == 0 else 2
 
     def dkv_tile(self):
-        """The (rows, cols) of the dK and dV accumulators: (keys, d) (B8: transposed)."""
+        """The (rows, cols) of the dK and dV accumulators: (keys, d) (B9: transposed)."""
         return self.tile_n, self.head_dim
 
     def dkv_view(self, tile: cute.Tensor) -> cute.Tensor:

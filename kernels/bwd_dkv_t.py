@@ -1,4 +1,4 @@
-"""B8: B2 with dK and dV computed transposed, for the wide head dims (192, 256).
+"""B9: B2 with dK and dV computed transposed, for the wide head dims (192, 256).
 
 B2 accumulates dK and dV as (tile_n, d): the K/V tile is the WGMMA's M, so it comes in whole
 64-row atoms per warpgroup, and at d192/d256 the registers (two (tile_n, d) FP32 accumulators)

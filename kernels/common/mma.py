@@ -151,9 +151,9 @@ def smem_writer(tiled: cute.TiledMma, dtype, thread_idx, whole_tile: bool = Fals
     16-bit `dtype`, into a row-major swizzled SMEM tile with `stmatrix` (8x8 blocks per instruction
     instead of scattered 2-byte stores): the whole (M, N) tile of the tiled MMA, or (default) one
     atom-sized subtile at a time, as the epilogue stores it. `matrices` 8x8 blocks an instruction:
-    4 (16 columns of a warpgroup's N), or 2 where its N is an odd multiple of 8 (24: B8 at d256).
+    4 (16 columns of a warpgroup's N), or 2 where its N is an odd multiple of 8 (24: B9 at d256).
     `transpose`: each 8x8 block lands transposed, for a tile whose rows (M) are the contiguous
-    dimension (a transposed view, e.g. B8's dK^T into the (keys, d) K tile)."""
+    dimension (a transposed view, e.g. B9's dK^T into the (keys, d) K tile)."""
     stmatrix = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose, matrices), dtype)
     if whole_tile:
         r2s = cute.make_tiled_copy_C(stmatrix, tiled)
