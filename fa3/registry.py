@@ -87,8 +87,11 @@ _MMA_IN_FLIGHT = "wgmma.wait_group.sync.aligned \t1;"
 def _swapped_backward(name: str, module: str, cls: str, summary: str, *, head_dims: tuple,
                       speed_rank: int) -> KernelSpec:
     """A rung of the S^T backward line (b3 on): 64-row Q tiles against 128-row K/V tiles, two Q
-    stages, dQ by bulk reduce-adds, each column's statistics by shuffles (or from SMEM)."""
-    return KernelSpec(name, BACKWARD, module, cls, summary,
+    stages, dQ by bulk reduce-adds, each column's statistics by shuffles (or from SMEM).
+    Deterministic calls go to b2 instead (`deterministic_head_dims` empty): H200, one run, b2
+    deterministic ran faster than b7's in all six d128 cells (1.02-1.05x) and than b4's in five of
+    six at d96 (worklog/backward.md)."""
+    return KernelSpec(name, BACKWARD, module, cls, summary, deterministic_head_dims=(),
                       config={"tile_m": 64, "tile_n": 128, "q_stages": 2}, head_dims=head_dims,
                       ptx_promises=_BWD_SWAPPED_PTX, ptx_forbids=_BWD_WS_FORBIDS,
                       speed_rank=speed_rank, variants=VARIANTS)

@@ -251,6 +251,21 @@ def test_bad_backward_kernel(no_device_check, bad, words):
     raises(ValueError, *words, q=q, k=k, v=v, backward_kernel=bad)
 
 
+def test_deterministic_calls_dispatch_to_their_own_rung():
+    """kernel=None with deterministic=True skips a rung at the head dims outside its
+    `deterministic_head_dims` (b9 at d256, the S^T rungs: their ordered dQ adds measured slower
+    than b2's), and keeps the default elsewhere."""
+    from fa3 import _dispatch
+
+    for d in registry.HEAD_DIMS:
+        fast, det = _dispatch.backward_rung(None, d), _dispatch.backward_rung(None, d, True)
+        assert d in det.head_dims
+        assert det.deterministic_head_dims is None or d in det.deterministic_head_dims
+        if fast.deterministic_head_dims is None or d in fast.deterministic_head_dims:
+            assert det is fast
+    assert _dispatch.backward_rung(None, 256, True).name == "b2" != _dispatch.backward_rung(None, 256).name
+
+
 def test_backward_op_checks_its_arguments(no_device_check):
     q, k, v = qkv(heads_kv=4)  # CPU tensors run the op's real body (meta ones its fake)
     out, lse = torch.empty_like(q), torch.empty(2, 4, 16)
