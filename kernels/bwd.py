@@ -56,6 +56,9 @@ class AttentionBackward(QueryStatistics):
     dkv_bulk_add = False
     q_tile_multiple = 64  # Q tiles are M of S and dQ: whole 64-row WGMMA atoms (B6: N of both)
     kv_tile_multiple = 64  # K/V tiles are M of dK/dV; P and dS rows fill a 128-byte swizzle atom
+    # B2 on: ordered (deterministic) walks without a mask start at different Q tiles too
+    # (`rotates_ordered`); B1 walks every K/V tile's Q tiles from the first
+    rotated_ordered_walk = False
 
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 64, tile_n: int = 128,
                  q_stages: int = 2, deterministic: bool = False, local: bool = False,
@@ -474,7 +477,23 @@ class AttentionBackward(QueryStatistics):
         elif cutlass.const_expr(window is not None):
             turn = n_block - mask.n_block_min(m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k,
                                               window=window)
+        elif cutlass.const_expr(self.rotated_ordered_walk and not self.causal):
+            # K/V tile n walks the Q tiles from tile n (`rotates_ordered`): Q tile m is reached
+            # first by K/V tile min(m, kv_tiles - 1), then by the ones below it, cyclically. Ranking
+            # the adds in that order, each CTA finds its turn come as it arrives (ascending turns
+            # made a wavefront: K/V tile n waited n steps before its first add)
+            kv_tiles = (seqlen_k + self.tile_n - 1) // self.tile_n
+            if self.rotates_ordered(seqlen_q, seqlen_k):
+                turn = (cutlass.min(m_block, kv_tiles - 1) - n_block + kv_tiles) % kv_tiles
         return turn
+
+    @cute.jit
+    def rotates_ordered(self, seqlen_q: Int32, seqlen_k: Int32):
+        """Whether an ordered walk without a mask starts at Q tile n_block (`rotated_ordered_walk`):
+        when the entry has no more K/V tiles than Q tiles, so that the starts are distinct."""
+        kv_tiles = (seqlen_k + self.tile_n - 1) // self.tile_n
+        q_tiles = (seqlen_q + self.tile_m - 1) // self.tile_m
+        return kv_tiles <= q_tiles
 
     @cute.jit
     def compute_step(self, ctx, s, stage, m_block: Int32, n_block: Int32, head: Int32, batch: Int32,

@@ -53,6 +53,7 @@ class WarpSpecializedBackward(AttentionBackward):
     # the host reads it: dQ accumulated in fragment order (the module docstring), converted by the
     # rung's FragmentDqPostprocess (B1: row-major, by atomics)
     FRAGMENT_DQ = True
+    rotated_ordered_walk = True  # (bwd.py; `walk_start`)
     # GQA dK/dV by bulk reduce-adds of SMEM rows (bwd.py): H200, GQA 4, b7 d128 against the scalar
     # atomics +5/+2% non-causal 2k/8k, +8/-2% causal; b2 d64 +2/+2/+5/-2% (worklog/backward.md)
     dkv_bulk_add = True
@@ -119,7 +120,7 @@ class WarpSpecializedBackward(AttentionBackward):
         s.sdQ = smem.get_tensor(storage.sdQ, sdQ_layout)
         window = (window_left, window_right) if cutlass.const_expr(self.local) else None
         m_first, m_end = self.q_tile_range(n_block, seq.seqlen_q, seq.seqlen_k, window)
-        start = self.walk_start(n_block, m_first, m_end)
+        start = self.walk_start(n_block, m_first, m_end, seq)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
@@ -147,13 +148,18 @@ class WarpSpecializedBackward(AttentionBackward):
         cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=self.consumer_threads)
 
     @cute.jit
-    def walk_start(self, n_block: Int32, m_first: Int32, m_end: Int32) -> Int32:
+    def walk_start(self, n_block: Int32, m_first: Int32, m_end: Int32, seq) -> Int32:
         """The first Q tile this CTA visits. Unordered: each K/V tile starts its walk at a
         different Q tile (rotated by n_block), so the CTAs of one head do not all reduce into the
-        same dQ tile at once. Ordered: in order (the counters hand each tile from n to n+1)."""
+        same dQ tile at once. Ordered without a mask: rotated the same way where the entry has no
+        more K/V tiles than Q tiles (`rotates_ordered`; `dq_turn` ranks the adds in the order the
+        walks bring them); else in order (the counters hand each tile from n to n + 1)."""
         start = m_first
         if cutlass.const_expr(not self.ordered_dq):
             start = m_first + n_block % cutlass.max(m_end - m_first, 1)
+        elif cutlass.const_expr(self.rotated_ordered_walk and not self.causal and not self.local):
+            if self.rotates_ordered(seq.seqlen_q, seq.seqlen_k):
+                start = m_first + n_block % cutlass.max(m_end - m_first, 1)
         return start
 
     @cute.jit
@@ -161,7 +167,7 @@ class WarpSpecializedBackward(AttentionBackward):
         """The i-th Q tile of the walk from `start`, wrapping past the last to m_first (a compare
         per tile: the walk's division is done once, in walk_start)."""
         m_block = start + i
-        if cutlass.const_expr(not self.ordered_dq):
+        if cutlass.const_expr(not self.ordered_dq or (self.rotated_ordered_walk and not (self.causal or self.local))):
             if m_block >= m_end:
                 m_block -= m_end - m_first
         return m_block
