@@ -343,9 +343,14 @@ class AttentionBackward(QueryStatistics):
         return dict(
             tSrQ=mma.fragment_A(wg_sdp, s.sQ), tSrK=mma.fragment_B(wg_sdp, s.sK),
             tdPrdO=mma.fragment_A(wg_sdp, s.sdO), tdPrV=mma.fragment_B(wg_sdp, s.sV),
-            tdVrPt=mma.fragment_A(wg_dkv, t(s.sP)), tdVrdOt=mma.fragment_B(wg_dkv, t(s.sdO)),
-            tdKrdSt=mma.fragment_A(wg_dkv, t(s.sdS)), tdKrQt=mma.fragment_B(wg_dkv, t(s.sQ)),
+            **self.dkv_operands(s, wg_dkv),
             tdQrdS=mma.fragment_A(wg_dq, s.sdS), tdQrKt=mma.fragment_B(wg_dq, t(s.sK)))
+
+    def dkv_operands(self, s, wg_dkv) -> dict:
+        """dV's and dK's (A, B) fragments: P^T and dO^T, dS^T and Q^T (B9: their transposes)."""
+        t = mma.transpose_view
+        return dict(tdVrPt=mma.fragment_A(wg_dkv, t(s.sP)), tdVrdOt=mma.fragment_B(wg_dkv, t(s.sdO)),
+                    tdKrdSt=mma.fragment_A(wg_dkv, t(s.sdS)), tdKrQt=mma.fragment_B(wg_dkv, t(s.sQ)))
 
     # ---------------------------------------------------------------- compute pieces
     @cute.jit

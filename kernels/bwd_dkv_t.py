@@ -76,14 +76,11 @@ class TransposedDkvBackward(WarpSpecializedBackward):
         """One warpgroup's FP32 dQ share in fragment order (the warpgroups take turns)."""
         return cute.make_layout((self.half_elems(), 1))
 
-    def operand_fragments(self, s, wg_sdp, wg_dkv, wg_dq) -> dict:
+    def dkv_operands(self, s, wg_dkv) -> dict:
+        """dV^T's and dK^T's (A, B) fragments: dO^T and P^T viewed (N, K), Q^T and dS^T."""
         t = mma.transpose_view
-        return dict(
-            tSrQ=mma.fragment_A(wg_sdp, s.sQ), tSrK=mma.fragment_B(wg_sdp, s.sK),
-            tdPrdO=mma.fragment_A(wg_sdp, s.sdO), tdPrV=mma.fragment_B(wg_sdp, s.sV),
-            tdVrdOt=mma.fragment_A(wg_dkv, t(s.sdO)), tdVrPt=mma.fragment_B(wg_dkv, t(s.sP)),
-            tdKrQt=mma.fragment_A(wg_dkv, t(s.sQ)), tdKrdSt=mma.fragment_B(wg_dkv, t(s.sdS)),
-            tdQrdS=mma.fragment_A(wg_dq, s.sdS), tdQrKt=mma.fragment_B(wg_dq, t(s.sK)))
+        return dict(tdVrdOt=mma.fragment_A(wg_dkv, t(s.sdO)), tdVrPt=mma.fragment_B(wg_dkv, t(s.sP)),
+                    tdKrQt=mma.fragment_A(wg_dkv, t(s.sQ)), tdKrdSt=mma.fragment_B(wg_dkv, t(s.sdS)))
 
     # ---------------------------------------------------------------- device side
     @cute.jit
