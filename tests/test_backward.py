@@ -84,6 +84,12 @@ def skip_unsupported(kernel, head_dim):
         pytest.skip(f"{kernel} supports head_dim {registry.get(kernel).head_dims}")
 
 
+def rung_head_dim(kernel, preferred=128):
+    """`preferred` where the rung compiles it, else its smallest head dim (b9: 192)."""
+    dims = registry.get(kernel).head_dims
+    return preferred if preferred in dims else dims[0]
+
+
 def check_grads(q, k, v, dout, causal, scale=None, kernel=None, deterministic=False, floor=1e-3,
                 window=(-1, -1), softcap=0.0):
     skip_unsupported(kernel, q.shape[-1])
@@ -131,7 +137,7 @@ def test_window_and_softcap_gradients(shape, case, head_dim, kernel):
 @pytest.mark.parametrize("kernel", BWD_RUNGS)
 def test_window_deterministic_is_bitwise_repeatable(kernel):
     """A window's first dQ contributor is not K/V tile 0: the ordered adds start at its own."""
-    q, k, v, dout = _inputs(2, 1000, 1000, 4, 2, 128)
+    q, k, v, dout = _inputs(2, 1000, 1000, 4, 2, rung_head_dim(kernel))
     call = dict(causal=True, window_size=(200, -1), softcap=5.0, backward_kernel=kernel, deterministic=True)
     first = check_grads(q, k, v, dout, True, kernel=kernel, deterministic=True, window=(200, -1), softcap=5.0)
     again = _grads(lambda q, k, v: fa3.attention(q, k, v, **call), q, k, v, dout)
@@ -168,11 +174,14 @@ def test_many_heads_small_seqlen(kernel):
 
 
 @pytest.mark.parametrize("kernel", BWD_RUNGS)
-def test_deterministic_is_bitwise_repeatable(kernel):
-    q, k, v, dout = _inputs(2, 1000, 1000, 4, 2, 128)
-    first = check_grads(q, k, v, dout, True, kernel=kernel, deterministic=True)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_deterministic_is_bitwise_repeatable(kernel, causal):
+    """Against float64, and bitwise equal over repeats; non-causal walks are rotated (b2 on:
+    every K/V tile starts at its own Q tile, the adds ranked in arrival order)."""
+    q, k, v, dout = _inputs(2, 1000, 1000, 4, 2, rung_head_dim(kernel))
+    first = check_grads(q, k, v, dout, causal, kernel=kernel, deterministic=True)
     for _ in range(3):
-        again = _grads(lambda q, k, v: fa3.attention(q, k, v, causal=True, backward_kernel=kernel,
+        again = _grads(lambda q, k, v: fa3.attention(q, k, v, causal=causal, backward_kernel=kernel,
                                                      deterministic=True), q, k, v, dout)
         for a, b in zip(first, again):
             assert torch.equal(a, b)
@@ -182,8 +191,7 @@ def test_deterministic_is_bitwise_repeatable(kernel):
 def test_attention_backward_function_matches_autograd(kernel):
     """fa3.attention_backward on the forward's (out, lse): the autograd gradients, bitwise
     (deterministic); on strided views (q's second half, as the ring passes it) too."""
-    dims = registry.get(kernel).head_dims
-    q, k, v, dout = _inputs(2, 514, 300, 4, 2, 128 if 128 in dims else dims[0])
+    q, k, v, dout = _inputs(2, 514, 300, 4, 2, rung_head_dim(kernel))
     for causal in (True, False):
         call = dict(causal=causal, backward_kernel=kernel, deterministic=True)
         ref = _grads(lambda q, k, v: fa3.attention(q, k, v, **call), q, k, v, dout)
@@ -382,13 +390,15 @@ def test_varlen_window_and_softcap_gradients(case, kernel):
 
 
 @pytest.mark.parametrize("kernel", BWD_RUNGS)
-def test_varlen_deterministic_is_bitwise_repeatable(kernel):
-    """Entries' Q tiles share no counter (and overlap no other entry's ordered adds)."""
-    inputs = _varlen_inputs([1000, 3, 640, 129], [1000, 500, 640, 129], 4, 2, 128, seed=3)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_varlen_deterministic_is_bitwise_repeatable(kernel, causal):
+    """Entries' Q tiles share no counter (and overlap no other entry's ordered adds); non-causal,
+    entries with more K/V tiles than Q tiles (the second) walk in order, the others rotated."""
+    inputs = _varlen_inputs([1000, 3, 640, 129], [1000, 500, 640, 129], 4, 2, rung_head_dim(kernel), seed=3)
     q, k, v, dout, cu_q, cu_k = inputs
-    first = check_varlen_grads(*inputs, True, kernel=kernel, deterministic=True)
+    first = check_varlen_grads(*inputs, causal, kernel=kernel, deterministic=True)
     for _ in range(2):
-        again = _grads(lambda q, k, v: fa3.attention_varlen(q, k, v, cu_q, cu_k, causal=True, backward_kernel=kernel,
+        again = _grads(lambda q, k, v: fa3.attention_varlen(q, k, v, cu_q, cu_k, causal=causal, backward_kernel=kernel,
                                                             deterministic=True), q, k, v, dout)
         for a, b in zip(first, again):
             assert torch.equal(a, b)
