@@ -1,7 +1,7 @@
 """The backward of a packed batch against the fixed-length backward on the same tokens.
 
     python benchmarks/bench_varlen_backward.py [--head-dims 64,128,256] [--tokens 16384]
-        [--kernels b7,b7s --variant b7s=b7:packed_stats_in_smem=1]
+        [--kernels b7,b7p --variant b7p=b7:prefetch_stats=1]
 
 For each head dim and causal or not: `batch` sequences of `tokens / batch` tokens each, run once
 through fa3.attention (batch, seqlen, heads, d) and once packed through fa3.attention_varlen

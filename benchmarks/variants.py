@@ -6,7 +6,7 @@ benchmark process that asks for it (nothing is added to the package's registry o
 
 A variant is NAME=BASE:key=value[,key=value...]. A key the rung's constructor takes (tile_m, tile_n,
 q_stages, ordered_dq, ...) overrides BASE's configuration at every head dim; any other key must be
-a class attribute of BASE's kernel class (prefetch_stats, dkv_bulk_add, packed_stats_in_smem, ...)
+a class attribute of BASE's kernel class (prefetch_stats, dkv_bulk_add, ...)
 and is set on a subclass made for the variant. Values: integers, floats, true/false (1/0).
 
 The variant joins `fa3.registry.KERNELS` with speed rank 0 (never picked by kernel=None), its class

@@ -84,7 +84,7 @@ def attention_fp8_args(spec, out_dtype, head_dim):
 def backward_args(dtype, head_dim, gqa, deterministic):
     """Fake (q, k, v, dO, lse2, D, dQacc, dK, dV, lock, scale_log2, softmax_scale, window_left,
     window_right, softcap_scale, cu_seqlens_q, cu_seqlens_k): see
-    kernels/bwd.py. `rows` is seqlen_q rounded up to the Q tile (varlen: total_q rounded up to 4;
+    kernels/bwd.py. `rows` is seqlen_q rounded up to the Q tile (varlen: total_q;
     dQacc then holds tile_m rows more (B1) or the whole-tile slots of `packed_q_tile` (B2 on));
     dK/dV: (batch, seqlen_k, heads_q, d) in the inputs' dtype without GQA; under GQA FP32,
     (batch, seqlen_k, heads_kv, d) that the kernel adds into with atomics, or, when

@@ -173,9 +173,8 @@ def launch_varlen_backward(spec, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqle
     # entry's tiles in whole-tile slots, as many as the counters (kernels/bwd.py, packed_q_tile)
     slots = total_q // tile_m + entries + 1
     dq_rows = slots * tile_m if _fragment_dq(spec) else total_q + tile_m
-    # statistics' rows a multiple of 4: a 16-byte stride for rungs that read them by TMA
     dsinks = _run(spec, cfg, *(t.unsqueeze(0) for t in (dout, q, k, v, out, lse, dq, dk, dv)), causal,
-                  scale, deterministic, window, softcap, stat_rows=total_q + (-total_q) % 4, dq_rows=dq_rows,
+                  scale, deterministic, window, softcap, stat_rows=total_q, dq_rows=dq_rows,
                   lock_tiles=slots, cu_seqlens=(cu_seqlens_q, cu_seqlens_k), sinks=sinks)
     return dq, dk, dv, dsinks
 

@@ -152,11 +152,6 @@ class SwappedBackward(WarpSpecializedBackward):
                                   seqlen_q, seqlen_k, self.causal, window=ctx.window)
         for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
             lse = self.col_stat(ctx, lse2, c)
-            if cutlass.const_expr(self.varlen and self.smem_stats):
-                # a packed tile's columns past its entry hold the next entry's LSE (0 past the
-                # tensor): +inf there, P = 0 (their dS = P (dP - D) follows)
-                if ctx.s_coords[0, c][1] >= seqlen_q - m_block * self.tile_m:
-                    lse = Float32.inf
             for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
                 s_mn[r, c] = cute.math.exp2(s_mn[r, c] * scale_log2 - lse, fastmath=True)
 

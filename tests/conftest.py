@@ -16,7 +16,7 @@ HAS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() ==
 
 from fa3.reference import attention_reference  # noqa: E402
 
-# FA3_VARIANTS="b7g=b7:dkv_bulk_add=1;b7s=b7:packed_stats_in_smem=1" adds experiment rows
+# FA3_VARIANTS="b7p=b7:prefetch_stats=1;b9t=b9:tile_n=64" adds experiment rows
 # (benchmarks/variants.py) to the registry before the test modules list its rungs: the GPU
 # tests then run a prepared setting like any rung, before it becomes a default.
 if os.environ.get("FA3_VARIANTS"):

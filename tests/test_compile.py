@@ -257,15 +257,3 @@ def test_gqa_dkv_bulk_add_compiles(name, head_dim):
     assert "red.global" not in report.ptx
     assert report.ptx.count("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32") >= 3
     assert report.spill_bytes == 0 and not report.serialized_wgmma
-
-
-@pytest.mark.parametrize("name,head_dim", [("b4", 96), ("b7", 128)])
-def test_packed_stats_in_smem_compiles(name, head_dim, monkeypatch):
-    """Packed batches' statistics through SMEM (`packed_stats_in_smem`, off until measured): the
-    packed variant then loads LSE and D by TMA like the fixed-length one, without spilling."""
-    spec = registry.get(name)
-    plain = _compile.compile_report(spec, torch.bfloat16, head_dim=head_dim, causal=True, varlen=True)
-    monkeypatch.setattr(spec.load_class(), "packed_stats_in_smem", True)
-    report = _compile.compile_report(spec, torch.bfloat16, head_dim=head_dim, causal=True, varlen=True)
-    assert report.ptx.count("cp.async.bulk.tensor") > plain.ptx.count("cp.async.bulk.tensor")
-    assert report.spill_bytes == 0 and not report.serialized_wgmma

@@ -9,12 +9,9 @@ values of the queries its accumulator fragments hold, in one of two ways:
         2 a 64-column block, the other columns fetched by shuffles where used, bwd_swap.py);
     SMEM (`stats_in_smem`, B7): the loader brings each Q tile's tile_m values of both with its Q
         and dO, on the same stage barrier, and the consumers read each value where they use it.
-        Fixed-length batches, and packed ones with `packed_stats_in_smem` (prepared, not measured:
-        the tile starts at the entry's row, so its rows past the entry's end hold the next entry's
-        statistics, or 0 past the tensor: the S^T rungs mask those columns' LSE to +inf where
-        they use it, bwd_swap.py; the host pads the statistics' rows to a multiple of 4 for the
-        16-byte TMA stride); not in the ordered dQ walk (B7's deterministic variant spills 24 B
-        with them).
+        Fixed-length batches only (a packed tile's rows past its entry hold the next entry's
+        statistics; a try that masked them faulted on the GPU, worklog/backward.md), and not in
+        the ordered dQ walk (B7's deterministic variant spills 24 B with them).
 
 Rows past a packed entry's end read `past_end` (+inf for LSE, so P = 0; 0 for D).
 """
@@ -29,16 +26,13 @@ from . import tma
 class QueryStatistics:
     """Mixin of AttentionBackward (which sets tile_m, q_stages, varlen and ordered_dq)."""
     stats_in_smem = False
-    packed_stats_in_smem = False  # (see above; only the S^T rungs mask the rows past an entry)
 
     # ---------------------------------------------------------------- SMEM statistics (host side)
     @property
     def smem_stats(self) -> bool:
-        """Whether this kernel reads the statistics from SMEM: `stats_in_smem`, fixed lengths (or
-        packed with `packed_stats_in_smem`), and not in the ordered dQ walk (B7's deterministic
-        variant spills 24 B with them)."""
-        return (self.stats_in_smem and (not self.varlen or self.packed_stats_in_smem)
-                and not self.ordered_dq)
+        """Whether this kernel reads the statistics from SMEM: `stats_in_smem`, fixed lengths, and
+        not in the ordered dQ walk (B7's deterministic variant spills 24 B with them)."""
+        return self.stats_in_smem and not self.varlen and not self.ordered_dq
 
     def stat_smem_elems(self) -> int:
         return self.tile_m * self.q_stages if self.smem_stats else 4  # 4 keeps the fields valid
