@@ -482,7 +482,7 @@ class AttentionBackward(QueryStatistics):
         elif cutlass.const_expr(window is not None):
             turn = n_block - mask.n_block_min(m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k,
                                               window=window)
-        elif cutlass.const_expr(self.rotated_ordered_walk and not self.causal):
+        elif cutlass.const_expr(self.rotates_unmasked):
             # K/V tile n walks the Q tiles from tile n (`rotates_ordered`): Q tile m is reached
             # first by K/V tile min(m, kv_tiles - 1), then by the ones below it, cyclically. Ranking
             # the adds in that order, each CTA finds its turn come as it arrives (ascending turns
@@ -491,6 +491,11 @@ class AttentionBackward(QueryStatistics):
             if self.rotates_ordered(seqlen_q, seqlen_k):
                 turn = (cutlass.min(m_block, kv_tiles - 1) - n_block + kv_tiles) % kv_tiles
         return turn
+
+    @property
+    def rotates_unmasked(self) -> bool:
+        """Whether this variant's ordered walks may rotate (`rotated_ordered_walk`, no mask)."""
+        return self.rotated_ordered_walk and not (self.causal or self.local)
 
     @cute.jit
     def rotates_ordered(self, seqlen_q: Int32, seqlen_k: Int32):

@@ -157,7 +157,7 @@ class WarpSpecializedBackward(AttentionBackward):
         start = m_first
         if cutlass.const_expr(not self.ordered_dq):
             start = m_first + n_block % cutlass.max(m_end - m_first, 1)
-        elif cutlass.const_expr(self.rotated_ordered_walk and not self.causal and not self.local):
+        elif cutlass.const_expr(self.rotates_unmasked):
             if self.rotates_ordered(seq.seqlen_q, seq.seqlen_k):
                 start = m_first + n_block % cutlass.max(m_end - m_first, 1)
         return start
@@ -167,7 +167,7 @@ class WarpSpecializedBackward(AttentionBackward):
         """The i-th Q tile of the walk from `start`, wrapping past the last to m_first (a compare
         per tile: the walk's division is done once, in walk_start)."""
         m_block = start + i
-        if cutlass.const_expr(not self.ordered_dq or (self.rotated_ordered_walk and not (self.causal or self.local))):
+        if cutlass.const_expr(not self.ordered_dq or self.rotates_unmasked):
             if m_block >= m_end:
                 m_block -= m_end - m_first
         return m_block
