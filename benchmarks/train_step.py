@@ -32,6 +32,7 @@ except ImportError:  # a source checkout, not installed
 
 import torch
 import torch.nn.functional as F
+import variants
 
 from fa3.timing import event_times_ms
 
@@ -194,9 +195,6 @@ def hf_llama(args):
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import variants
-
     variants.register_from_argv(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--layers", type=int, default=4)
