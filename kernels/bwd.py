@@ -59,6 +59,11 @@ class AttentionBackward(QueryStatistics):
     # B2 on: ordered (deterministic) walks without a mask start at different Q tiles too
     # (`rotates_ordered`); B1 walks every K/V tile's Q tiles from the first
     rotated_ordered_walk = False
+    # The rotated order makes a CTA wait for adds of higher-numbered K/V tiles of its head, so all
+    # of a head's K/V tiles must be resident at once (one CTA an SM): with more tiles than SMs it
+    # deadlocked (d256 at 12k: 192 tiles, 132 SMs). A bound well under any Hopper part's SM
+    # count (78 on the smallest), which keeps the measured gains (2k: 16-32 tiles)
+    rotated_walk_max_kv_tiles = 32
 
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 64, tile_n: int = 128,
                  q_stages: int = 2, deterministic: bool = False, local: bool = False,
@@ -500,10 +505,12 @@ class AttentionBackward(QueryStatistics):
     @cute.jit
     def rotates_ordered(self, seqlen_q: Int32, seqlen_k: Int32):
         """Whether an ordered walk without a mask starts at Q tile n_block (`rotated_ordered_walk`):
-        when the entry has no more K/V tiles than Q tiles, so that the starts are distinct."""
+        when the entry has no more K/V tiles than Q tiles, so that the starts are distinct, and
+        few enough to be resident together (`rotated_walk_max_kv_tiles`); else in order, where
+        each CTA waits only for lower-numbered ones (launched first)."""
         kv_tiles = (seqlen_k + self.tile_n - 1) // self.tile_n
         q_tiles = (seqlen_q + self.tile_m - 1) // self.tile_m
-        return kv_tiles <= q_tiles
+        return kv_tiles <= q_tiles and kv_tiles <= self.rotated_walk_max_kv_tiles
 
     @cute.jit
     def compute_step(self, ctx, s, stage, m_block: Int32, n_block: Int32, head: Int32, batch: Int32,

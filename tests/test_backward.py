@@ -224,6 +224,47 @@ def test_long_sequence_against_sdpa():
         assert rel_err(g, r) < 2e-2, f"{name}: {rel_err(g, r):.2e} against SDPA"
 
 
+ORDERED_LONG_SCRIPT = """
+import sys, torch, fa3
+from torch.nn.attention import SDPBackend, sdpa_kernel
+kernel = None if sys.argv[1] == "default" else sys.argv[1]
+head_dim, deterministic = int(sys.argv[2]), sys.argv[3] == "1"
+g = torch.Generator(device="cuda").manual_seed(0)
+q, k, v, dout = (torch.randn(1, 20480, 1, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+                 for _ in range(4))
+def grads(fn):
+    x = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = fn(*x)
+    return [out] + list(torch.autograd.grad(out, x, dout))
+def sdpa(q, k, v):
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+got = grads(lambda q, k, v: fa3.attention(q, k, v, backward_kernel=kernel, deterministic=deterministic))
+ref = grads(sdpa)
+for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
+    print(name, ((a.double() - b.double()).norm() / b.double().norm()).item())
+print("done")
+"""
+
+
+@pytest.mark.parametrize("kernel,head_dim,deterministic",
+                         [(None, 64, True), (None, 128, True), (None, 192, True), (None, 256, True),
+                          ("b2", 256, False)], ids=["det-d64", "det-d128", "det-d192", "det-d256", "b2-d256"])
+def test_ordered_walk_with_more_kv_tiles_than_sms(kernel, head_dim, deterministic, tmp_path):
+    """Ordered dQ walks (deterministic; b2's default at d256), non-causal, 20k keys: more K/V tiles
+    a head (160-320) than CTAs that can be resident. A walk where a CTA waits for a later-launched
+    one deadlocks here (the rotated order did, at 12k): in a subprocess with a timeout, against
+    SDPA's flash backward."""
+    report = run_script(tmp_path, ORDERED_LONG_SCRIPT, kernel or "default", str(head_dim),
+                        str(int(deterministic)), timeout=600)
+    assert "done" in report, report[-3000:]
+    for line in report.splitlines():
+        if line.split(" ")[0] in ("out", "dq", "dk", "dv"):
+            name, err = line.split(" ")
+            assert float(err) < 2e-2, f"{name}: {err} against SDPA"
+
+
 def test_lse_output_stays_differentiable_in_out():
     q, k, v, dout = _inputs(1, 64, 64, 2, 2, 64)
     q.requires_grad_()
