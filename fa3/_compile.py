@@ -124,35 +124,41 @@ def get_attention(spec, dtype, head_dim, causal, varlen=False, local=False, soft
 
 # ----------------------------------------------------------------------------- backward
 def backward_key(spec, dtype, head_dim, causal, deterministic=False, gqa=False, local=False,
-                 softcap=False, varlen=False) -> tuple:
-    cfg = spec.config_for(head_dim)
-    return (spec.name, str(dtype), head_dim, bool(causal), bool(deterministic), bool(gqa),
+                 softcap=False, varlen=False, head_dim_v=None) -> tuple:
+    cfg = spec.config_for(head_dim, head_dim_v)
+    dims = head_dim if head_dim_v in (None, head_dim) else (head_dim, head_dim_v)
+    return (spec.name, str(dtype), dims, bool(causal), bool(deterministic), bool(gqa),
             bool(local), bool(softcap), bool(varlen), tuple(sorted(cfg.items())), _dsl.TARGET_ARCH,
             _dsl.version())
 
 
 def _build_backward(spec, dtype, head_dim, causal, deterministic=False, gqa=False, local=False,
-                    softcap=False, varlen=False, extra_options=""):
+                    softcap=False, varlen=False, head_dim_v=None, extra_options=""):
+    value = {"head_dim_v": head_dim_v} if head_dim_v not in (None, head_dim) else {}
     kernel = spec.load_class()(dtype=sig.cute_dtype(dtype), head_dim=head_dim, causal=causal,
                                deterministic=deterministic, local=local, softcap=softcap,
-                               varlen=varlen, **spec.config_for(head_dim))
-    return _compile_kernel(kernel, sig.backward_args(dtype, head_dim, gqa, deterministic), extra_options)
+                               varlen=varlen, **value, **spec.config_for(head_dim, head_dim_v))
+    return _compile_kernel(kernel, sig.backward_args(dtype, head_dim, gqa, deterministic, head_dim_v),
+                           extra_options)
 
 
 def get_backward(spec, dtype, head_dim, causal, deterministic, gqa, local=False, softcap=False,
-                 varlen=False):
-    """The compiled backward main kernel for this static configuration (compiled on first use)."""
-    fast_key = ("bwd", spec.name, dtype, head_dim, causal, deterministic, gqa, local, softcap, varlen)
+                 varlen=False, head_dim_v=None):
+    """The compiled backward main kernel for this static configuration (compiled on first use);
+    head_dim_v: V's head dim where it differs (registry `value_head_dims`)."""
+    fast_key = ("bwd", spec.name, dtype, head_dim, causal, deterministic, gqa, local, softcap, varlen,
+                head_dim_v)
     fn = _FAST.get(fast_key)
     if fn is None:
         fn = _FAST[fast_key] = _cached(
-            backward_key(spec, dtype, head_dim, causal, deterministic, gqa, local, softcap, varlen),
+            backward_key(spec, dtype, head_dim, causal, deterministic, gqa, local, softcap, varlen,
+                         head_dim_v),
             lambda: _build_backward(spec, dtype, head_dim, causal, deterministic, gqa, local, softcap,
-                                    varlen))
+                                    varlen, head_dim_v))
     return fn
 
 
-def _build_preprocess(dtype, head_dim, extra_options=""):
+def _build_preprocess(dtype, head_dim, head_dim_v=None, extra_options=""):
     cutlass, cute = _dsl.import_cute()
     from .kernels.bwd_pre import BackwardPreprocess
 
@@ -164,21 +170,24 @@ def _build_preprocess(dtype, head_dim, extra_options=""):
 
     dq_rows = cute.sym_int64()
     # O, dO and the dQ accumulator read and written in 16-byte vectors (_launch.tma_ready's rule)
-    args = [sig.unit_last(cute, dt, b, sq, h, head_dim, tma=True),
-            sig.unit_last(cute, dt, b, sq, h, head_dim, tma=True),
+    dv = head_dim_v or head_dim
+    args = [sig.unit_last(cute, dt, b, sq, h, dv, tma=True),
+            sig.unit_last(cute, dt, b, sq, h, dv, tma=True),
             tensor(cutlass.Float32, b, h, sq), tensor(cutlass.Float32, b, h, rows),
             tensor(cutlass.Float32, b, h, rows),
             sig.unit_last(cute, cutlass.Float32, b, dq_rows, h, head_dim, tma=True)]
-    return _compile_kernel(BackwardPreprocess(dt, head_dim), args, extra_options)
+    return _compile_kernel(BackwardPreprocess(dt, head_dim, head_dim_v), args, extra_options)
 
 
-def get_backward_preprocess(dtype, head_dim):
-    """D = rowsum(dO * O) and LSE * log2(e), padded, and the dQ accumulator zeroed (kernels/bwd_pre.py)."""
-    fast_key = ("bwd_pre", dtype, head_dim)
+def get_backward_preprocess(dtype, head_dim, head_dim_v=None):
+    """D = rowsum(dO * O) and LSE * log2(e), padded, and the dQ accumulator zeroed (kernels/bwd_pre.py);
+    O and dO have head_dim_v columns where given."""
+    fast_key = ("bwd_pre", dtype, head_dim, head_dim_v)
     fn = _FAST.get(fast_key)
     if fn is None:
-        key = ("bwd_pre", str(dtype), head_dim, _dsl.TARGET_ARCH, _dsl.version())
-        fn = _FAST[fast_key] = _cached(key, lambda: _build_preprocess(dtype, head_dim))
+        dims = head_dim if head_dim_v in (None, head_dim) else (head_dim, head_dim_v)
+        key = ("bwd_pre", str(dtype), dims, _dsl.TARGET_ARCH, _dsl.version())
+        fn = _FAST[fast_key] = _cached(key, lambda: _build_preprocess(dtype, head_dim, head_dim_v))
     return fn
 
 

@@ -80,27 +80,34 @@ def family_rung(family, kernel, head_dim, operands):
     return registry.get(fastest_rung(family, head_dim))
 
 
-def backward_rung(kernel, head_dim, deterministic=False):
+def backward_rung(kernel, head_dim, deterministic=False, head_dim_v=None):
     """The backward rung `kernel` (None: the fastest for head_dim, and for deterministic calls
-    when `deterministic`), checked to support head_dim."""
+    when `deterministic`), checked to support head_dim (and v's head_dim_v where it differs)."""
+    value_dim = None if head_dim_v in (None, head_dim) else head_dim_v
     if kernel is None:
-        # (a plain int even where torch.compile made head_dim symbolic; the forward checked it)
+        # (plain ints even where torch.compile made the head dims symbolic; the forward checked them)
         head_dim = next(d for d in registry.HEAD_DIMS if d == head_dim)
-        return registry.get(fastest_rung(registry.BACKWARD, head_dim, bool(deterministic)))
-    spec = registry.get(kernel)
-    if spec.family != registry.BACKWARD:
-        raise ValueError(f"backward_kernel={kernel!r} is not a backward rung ({spec.family}); backward rungs are "
-                         f"{registry.available_kernels(registry.BACKWARD)}")
-    if head_dim not in spec.head_dims:
-        raise ValueError(f"head_dim={head_dim} is not supported by {kernel}; it supports "
-                         f"{spec.head_dims}")
+        if value_dim is not None:
+            value_dim = next((dv for d, dv in registry.VALUE_HEAD_DIMS if (d, dv) == (head_dim, value_dim)), value_dim)
+        spec = registry.get(fastest_rung(registry.BACKWARD, head_dim, bool(deterministic), value_dim))
+    else:
+        spec = registry.get(kernel)
+        if spec.family != registry.BACKWARD:
+            raise ValueError(f"backward_kernel={kernel!r} is not a backward rung ({spec.family}); backward rungs "
+                             f"are {registry.available_kernels(registry.BACKWARD)}")
+        if head_dim not in spec.head_dims:
+            raise ValueError(f"head_dim={head_dim} is not supported by {kernel}; it supports "
+                             f"{spec.head_dims}")
+    if value_dim is not None:
+        check_value_head_dim(spec, head_dim, value_dim, "backward_kernel")
     return spec
 
 
 @torch.compiler.assume_constant_result
-def fastest_rung(family: str, head_dim: int | None = None, deterministic: bool = False) -> str:
+def fastest_rung(family: str, head_dim: int | None = None, deterministic: bool = False,
+                 head_dim_v: int | None = None) -> str:
     """registry.fastest's name; torch.compile takes it as a constant (it cannot trace max(key=))."""
-    return registry.fastest(family, head_dim, deterministic).name
+    return registry.fastest(family, head_dim, deterministic, head_dim_v).name
 
 
 def check_variants(spec, mask: masking.Masking, argument: str) -> None:
@@ -111,19 +118,19 @@ def check_variants(spec, mask: masking.Masking, argument: str) -> None:
                          f" (or {argument}=None)")
 
 
-def check_value_head_dim(spec, head_dim, head_dim_v, argument: str, backward: bool = False) -> None:
+def check_value_head_dim(spec, head_dim, head_dim_v, argument: str) -> None:
     """v's head dim may differ from q's and k's only in the pairs the rung lists (registry
-    `value_head_dims`), and only forward (`backward`: the call needs gradients)."""
-    if head_dim_v == head_dim:
+    `value_head_dims`: forward and backward rungs alike)."""
+    if head_dim_v == head_dim or (head_dim, head_dim_v) in spec.value_head_dims:
         return
-    if (head_dim, head_dim_v) not in spec.value_head_dims or backward:
-        pairs = ", ".join(map(str, registry.VALUE_HEAD_DIMS))
-        what = ("the backward (gradients) does" if backward and (head_dim, head_dim_v) in spec.value_head_dims
-                else f"{argument}={spec.name!r} does")
-        raise ValueError(f"v has head_dim {head_dim_v} but q and k have {head_dim}, which {what} not take: "
-                         f"v's head dim may differ only as (q/k, v) in {pairs}, forward only "
-                         f"(fa3.attention, fa3.attention_varlen with the k5 rungs); else pad v to "
-                         f"{head_dim} and slice the output")
+    pairs = ", ".join(map(str, registry.VALUE_HEAD_DIMS))
+    takers = [n for n in registry.available_kernels(spec.family)
+              if (head_dim, head_dim_v) in registry.get(n).value_head_dims]
+    raise ValueError(f"v has head_dim {head_dim_v} but q and k have {head_dim}, which {argument}={spec.name!r} "
+                     f"does not take: v's head dim may differ only as (q/k, v) in {pairs} "
+                     f"(fa3.attention and fa3.attention_varlen, forward and backward; rungs that take this "
+                     f"pair: {takers or 'none'}, or {argument}=None); else pad v to {head_dim} and slice "
+                     f"the output")
 
 
 def check_sinks(spec, argument: str) -> None:

@@ -81,14 +81,15 @@ def attention_fp8_args(spec, out_dtype, head_dim):
     return args
 
 
-def backward_args(dtype, head_dim, gqa, deterministic):
+def backward_args(dtype, head_dim, gqa, deterministic, head_dim_v=None):
     """Fake (q, k, v, dO, lse2, D, dQacc, dK, dV, lock, scale_log2, softmax_scale, window_left,
     window_right, softcap_scale, cu_seqlens_q, cu_seqlens_k): see
     kernels/bwd.py. `rows` is seqlen_q rounded up to the Q tile (varlen: total_q;
     dQacc then holds tile_m rows more (B1) or the whole-tile slots of `packed_q_tile` (B2 on));
     dK/dV: (batch, seqlen_k, heads_q, d) in the inputs' dtype without GQA; under GQA FP32,
     (batch, seqlen_k, heads_kv, d) that the kernel adds into with atomics, or, when
-    deterministic, one slice per query head summed over each group afterwards."""
+    deterministic, one slice per query head summed over each group afterwards. v, dO and dV have
+    head_dim_v columns where given."""
     cutlass, cute = _dsl.import_cute()
     dt = cute_dtype(dtype)
     b, sq, sk, hq, hkv, rows, dq_rows = (cute.sym_int64() for _ in range(7))
@@ -99,12 +100,13 @@ def backward_args(dtype, head_dim, gqa, deterministic):
     def tma_operand(*shape):
         return unit_last(cute, dt, *shape, tma=True)
 
+    dv = head_dim_v or head_dim
     return [tma_operand(b, sq, hq, head_dim), tma_operand(b, sk, hkv, head_dim),
-            tma_operand(b, sk, hkv, head_dim), tma_operand(b, sq, hq, head_dim),
+            tma_operand(b, sk, hkv, dv), tma_operand(b, sq, hq, dv),
             unit_last(cute, f32, b, hq, rows), unit_last(cute, f32, b, hq, rows),
             unit_last(cute, f32, b, dq_rows, hq, head_dim),
             unit_last(cute, dkv_dt, b, sk, dkv_heads, head_dim),
-            unit_last(cute, dkv_dt, b, sk, dkv_heads, head_dim),
+            unit_last(cute, dkv_dt, b, sk, dkv_heads, dv),
             # the counters have shapes of their own: a 1-element stand-in when not deterministic
             unit_last(cute, cutlass.Int32, *(cute.sym_int64() for _ in range(3))),
             cutlass.Float32(1.0), cutlass.Float32(1.0),

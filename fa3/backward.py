@@ -36,16 +36,15 @@ def check_backward(dout, q, k, v, out, lse, kernel, cu_seqlens=None, sinks=None,
         varlen.check_varlen(q, k, v, *cu_seqlens, None, None, None, check_values=False)
         total_q, heads_q, head_dim = q.shape
         lse_shape, lse_layout = (heads_q, total_q), "(heads_q, total_q)"
-    spec = _dispatch.memo_rung(_dispatch.backward_rung, kernel, head_dim, bool(deterministic))
-    if v.shape[-1] != head_dim:
-        _dispatch.check_value_head_dim(spec, head_dim, v.shape[-1], "backward_kernel", backward=True)
+    spec = _dispatch.memo_rung(_dispatch.backward_rung, kernel, head_dim, bool(deterministic), v.shape[-1])
     if cu_seqlens is not None:
         varlen.check_varlen_rung(spec, "backward_kernel")
+    like = _checks.output_like(q, v)  # q's shape with v's head dim
     for name, t in (("dout", dout), ("out", out)):
         _checks.check_tensor(t, name, q.dim(), q.dtype, unit_stride_last=False)  # any strides: copied if needed
-        if t.shape != q.shape or t.device != q.device:
-            raise ValueError(f"{name} must be shaped like q {tuple(q.shape)} on {q.device}, got "
-                             f"{tuple(t.shape)} on {t.device}")
+        if t.shape != like.shape or t.device != q.device:
+            raise ValueError(f"{name} must be shaped like the output {tuple(like.shape)} (q's shape with v's "
+                             f"head dim) on {q.device}, got {tuple(t.shape)} on {t.device}")
     if not isinstance(lse, torch.Tensor) or lse.shape != lse_shape \
             or lse.dtype != torch.float32 or lse.device != q.device:
         raise ValueError(f"lse must be the forward's {lse_layout} = {lse_shape} float32 "
@@ -144,7 +143,7 @@ def launch_attention_backward(spec, dout, q, k, v, out, lse, causal: bool, scale
     dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     if dq.numel() == 0 or k.shape[1] == 0:  # nothing to differentiate, or no key: all gradients 0
         return dq.zero_(), dk.zero_(), dv.zero_(), _no_sink_grad(sinks, q)
-    cfg = spec.config_for(q.shape[3])
+    cfg = spec.config_for(q.shape[3], v.shape[3])
     tile_m = cfg["tile_m"]
     q_tiles = -(-q.shape[1] // tile_m)
     # statistics padded to whole Q tiles: the kernel reads them unchecked (a Q tile that is not a
@@ -166,7 +165,7 @@ def launch_varlen_backward(spec, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqle
     if dq.numel() == 0 or k.shape[0] == 0:
         return dq.zero_(), dk.zero_(), dv.zero_(), _no_sink_grad(sinks, q)
     total_q, entries = q.shape[0], cu_seqlens_q.shape[0] - 1
-    cfg = spec.config_for(q.shape[2])
+    cfg = spec.config_for(q.shape[2], v.shape[2])
     tile_m = cfg["tile_m"]
     # packed statistics (rows past an entry are read as LSE = +inf); dQ: a last Q tile may add its
     # (zero) rows past the packed end (b1: tile_m rows of slack), or, in fragment order, each
@@ -187,7 +186,8 @@ def _run(spec, cfg, dout, q, k, v, out, lse, dq, dk, dv, causal, scale, determin
     and the deterministic counters per (batch, head). Returns dsinks (sink_grad), or a (0,) tensor
     without sinks."""
     batch, seqlen_q, heads_q, head_dim = q.shape
-    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+    seqlen_k, heads_kv, head_dim_v = k.shape[1], k.shape[2], v.shape[-1]
+    value_dim = None if head_dim_v == head_dim else head_dim_v  # (the compile key's head_dim_v)
     device, dtype = q.device, q.dtype
     if q.requires_grad or k.requires_grad or v.requires_grad or out.requires_grad or dout.requires_grad:
         q, k, v, out, dout = _launch.detached(q, k, v, out, dout)
@@ -200,15 +200,15 @@ def _run(spec, cfg, dout, q, k, v, out, lse, dq, dk, dv, causal, scale, determin
         dq_acc = torch.empty(batch, heads_q, dq_rows, head_dim, dtype=torch.float32, device=device).transpose(1, 2)
     else:
         dq_acc = torch.empty(batch, dq_rows, heads_q, head_dim, dtype=torch.float32, device=device)
-    _compile.get_backward_preprocess(dtype, head_dim)(out, dout, lse, lse2, dsum, dq_acc)  # zeroes dq_acc
+    _compile.get_backward_preprocess(dtype, head_dim, value_dim)(out, dout, lse, lse2, dsum, dq_acc)  # zeroes dq_acc
     dsinks = _no_sink_grad(None, q) if sinks is None else sink_grad(sinks, lse, dsum, seqlen_q)
     gqa = heads_q != heads_kv
     if gqa and not deterministic:  # the kernel adds each query head's share with FP32 atomics
         dk_h = torch.zeros(batch, seqlen_k, heads_kv, head_dim, dtype=torch.float32, device=device)
-        dv_h = torch.zeros_like(dk_h)
+        dv_h = torch.zeros(batch, seqlen_k, heads_kv, head_dim_v, dtype=torch.float32, device=device)
     elif gqa:  # one slice per query head in FP32, summed over each group below in a fixed order
         dk_h = torch.empty(batch, seqlen_k, heads_q, head_dim, dtype=torch.float32, device=device)
-        dv_h = torch.empty_like(dk_h)
+        dv_h = torch.empty(batch, seqlen_k, heads_q, head_dim_v, dtype=torch.float32, device=device)
     else:
         dk_h, dv_h = dk, dv
     if deterministic or cfg.get("ordered_dq", False):  # the dQ turn counters
@@ -220,7 +220,7 @@ def _run(spec, cfg, dout, q, k, v, out, lse, dq, dk, dv, causal, scale, determin
     cu_q, cu_k = cu_seqlens if cu_seqlens is not None else (_launch.stand_in(device),) * 2
     mask = masking.masking(causal, window, softcap, scale)  # as the forward saw the scores
     fn = _compile.get_backward(spec, dtype, head_dim, mask.causal, bool(deterministic), gqa, mask.local,
-                               mask.softcap, cu_seqlens is not None)
+                               mask.softcap, cu_seqlens is not None, value_dim)
     fn(q, k, v, dout, lse2, dsum, dq_acc, dk_h, dv_h, lock, mask.scale_log2, scale, mask.left,
        mask.right, mask.softcap_scale, cu_q, cu_k)
     if fragment_dq:
@@ -233,5 +233,5 @@ def _run(spec, cfg, dout, q, k, v, out, lse, dq, dk, dv, causal, scale, determin
     elif gqa:
         group = heads_q // heads_kv
         torch.sum(dk_h.view(batch, seqlen_k, heads_kv, group, head_dim), dim=3, out=dk)
-        torch.sum(dv_h.view(batch, seqlen_k, heads_kv, group, head_dim), dim=3, out=dv)
+        torch.sum(dv_h.view(batch, seqlen_k, heads_kv, group, head_dim_v), dim=3, out=dv)
     return dsinks

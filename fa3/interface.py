@@ -38,7 +38,7 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim); bf16 or
     fp16 on a Hopper GPU; heads_q a multiple of heads_kv (GQA/MQA). head_dim 64, 96, 128, 192 or
     256. v's head dim may differ from q's and k's as (q/k, v) = (192, 128) (DeepSeek's MLA prefill)
-    or (128, 64), forward only: out then has v's head dim.
+    or (128, 64), forward and backward (b2, and b9 at (192, 128)): out and dv then have v's head dim.
     causal: mask aligned to the bottom right when seqlen_q != seqlen_k (query i sees keys
     j <= i + seqlen_k - seqlen_q), as in flash-attn >= 2.1; rows that see no key give 0.
     softmax_scale: defaults to 1/sqrt(head_dim).
@@ -83,21 +83,21 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     if out is not None:
         _checks.check_output(out, "out", _checks.output_like(q, v))
     window = tuple(window_size)
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                              or getattr(sinks, "requires_grad", False))
+    # the backward rung, checked now where there will be a backward (v's head dim, the variants)
+    backward_spec = _dispatch.memo_rung(_dispatch.backward_rung, backward_kernel, q.shape[3],
+                                        bool(deterministic), v.shape[3] if needs_grad else None)
     if window != (-1, -1) or softcap:
         mask = masking.masking(causal, window, softcap, scale)
         _dispatch.check_variants(spec, mask, "kernel")
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            backward_spec = _dispatch.memo_rung(_dispatch.backward_rung, backward_kernel, q.shape[3],
-                                                bool(deterministic))
+        if needs_grad:
             _dispatch.check_variants(backward_spec, mask, "backward_kernel")
     _checks.check_rung_sinks(spec, sinks, q.shape[2], q.device)
-    if v.shape[3] != q.shape[3] and torch.is_grad_enabled() and (
-            q.requires_grad or k.requires_grad or v.requires_grad or getattr(sinks, "requires_grad", False)):
-        _dispatch.check_value_head_dim(spec, q.shape[3], v.shape[3], "kernel", backward=True)
     if _dispatch.direct_call_ok(q, k, v) and (sinks is None or _dispatch.direct_call_ok(sinks)):
         out, lse = launch_attention(spec, q, k, v, causal, scale, out, window, softcap, sinks)
     else:
-        bwd = _dispatch.memo_rung(_dispatch.backward_rung, backward_kernel, q.shape[3], bool(deterministic)).name
+        bwd = backward_spec.name
         result, lse = torch.ops.fa3.attention(q, k, v, causal, scale, spec.name, bool(deterministic), bwd,
                                               window[0], window[1], float(softcap), sinks)
         out = result if out is None else out.copy_(result)  # the op is functional

@@ -33,7 +33,7 @@ class KernelSpec:
     # SMEM and registers)
     per_head_dim: dict = field(default_factory=dict)
     head_dims: tuple = (64, 128, 256)  # the scalar rungs; the WGMMA rungs that serve calls: HEAD_DIMS
-    # (head_dim, head_dim_v) pairs with V's head dim different from Q's and K's (forward only)
+    # (head_dim, head_dim_v) pairs with V's head dim different from Q's and K's
     value_head_dims: tuple = ()
     ptx_promises: tuple = ()  # substrings the sm_90a PTX must contain
     ptx_forbids: tuple = ()  # substrings it must not contain
@@ -225,7 +225,9 @@ KERNELS: dict[str, KernelSpec] = {
             # d=256 also adds dQ in the deterministic order (ordered_dq): measured faster there.
             per_head_dim={64: {"tile_m": 128}, 192: {"tile_n": 64},
                           256: {"tile_n": 64, "q_stages": 1, "ordered_dq": True}},
-            head_dims=HEAD_DIMS,
+            # v's head dim on dO, V, dV and dV's MMA; Q, K, dQ and dK keep q's (d128's and d192's
+            # tiles: the narrower V and dO only free SMEM and registers)
+            head_dims=HEAD_DIMS, value_head_dims=VALUE_HEAD_DIMS,
             ptx_promises=_BWD_WS_PTX, ptx_forbids=_BWD_WS_FORBIDS,
             speed_rank=2, variants=VARIANTS,
         ),
@@ -260,7 +262,7 @@ KERNELS: dict[str, KernelSpec] = {
             "b2 + dK and dV computed transposed (head dim on the WGMMA's M): 96-key tiles at d192, "
             "48 at d256, two Q/dO stages, the dQ buffer shared by the warpgroups in turn",
             config={"tile_m": 64, "tile_n": 96, "q_stages": 2},
-            per_head_dim={256: {"tile_n": 48}}, head_dims=(192, 256),
+            per_head_dim={256: {"tile_n": 48}}, head_dims=(192, 256), value_head_dims=((192, 128),),
             # deterministic at d256: 0.53-0.71x of b9 (its ordered adds come in two halves each
             # and 48-key tiles make the chain of a Q tile's contributors long); b2's 0.80-1.06x
             deterministic_head_dims=(192,),
@@ -335,11 +337,15 @@ def available_kernels(family: str | None = None, head_dim: int | None = None) ->
             and (head_dim is None or head_dim in s.head_dims)]
 
 
-def fastest(family: str, head_dim: int | None = None, deterministic: bool = False) -> KernelSpec:
+def fastest(family: str, head_dim: int | None = None, deterministic: bool = False,
+            head_dim_v: int | None = None) -> KernelSpec:
     """The highest-ranked rung of `family` that supports head_dim (and, `deterministic`, is
-    chosen for deterministic calls there: `deterministic_head_dims`)."""
+    chosen for deterministic calls there: `deterministic_head_dims`; and takes v's head_dim_v
+    where it differs: `value_head_dims`)."""
     def serves(s):
         dims = s.deterministic_head_dims if deterministic and s.deterministic_head_dims is not None else s.head_dims
+        if head_dim_v not in (None, head_dim) and (head_dim, head_dim_v) not in s.value_head_dims:
+            return False
         return head_dim is None or head_dim in dims
 
     candidates = [s for s in KERNELS.values() if s.family == family and serves(s)]

@@ -32,12 +32,13 @@ def packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     if _dispatch.direct_call_ok(q, k, v) and (sinks is None or _dispatch.direct_call_ok(sinks)):
         return launch_varlen(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, bool(causal), scale, window, softcap,
                              out, sinks)
-    bwd = _dispatch.memo_rung(_dispatch.backward_rung, backward_kernel, q.shape[2], bool(deterministic))
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                    or getattr(sinks, "requires_grad", False)):
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                              or getattr(sinks, "requires_grad", False))
+    # v's head dim matters to the backward only when there is one (a forward rung took it already)
+    bwd = _dispatch.memo_rung(_dispatch.backward_rung, backward_kernel, q.shape[2], bool(deterministic),
+                              v.shape[2] if needs_grad else None)
+    if needs_grad:
         check_varlen_rung(bwd, "backward_kernel")
-        if v.shape[2] != q.shape[2]:
-            _dispatch.check_value_head_dim(spec, q.shape[2], v.shape[2], "kernel", backward=True)
         _dispatch.check_variants(bwd, masking.masking(bool(causal), window, softcap, scale), "backward_kernel")
     result, lse = torch.ops.fa3.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, bool(causal), scale,
                                                  window[0], window[1], float(softcap), spec.name,

@@ -67,10 +67,13 @@ class AttentionBackward(QueryStatistics):
 
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 64, tile_n: int = 128,
                  q_stages: int = 2, deterministic: bool = False, local: bool = False,
-                 softcap: bool = False, varlen: bool = False, ordered_dq: bool = False):
+                 softcap: bool = False, varlen: bool = False, ordered_dq: bool = False,
+                 head_dim_v: int | None = None):
         assert tile_m % self.q_tile_multiple == 0 and tile_n % self.kv_tile_multiple == 0, \
             f"Q tiles of a multiple of {self.q_tile_multiple} rows, K/V tiles of {self.kv_tile_multiple} (WGMMA atoms, swizzle atoms)"
         self.dtype, self.head_dim, self.causal = dtype, head_dim, causal
+        # V's head dim (dO, O and dV take it; Q, K, dQ and dK keep head_dim): `value_head_dims`
+        self.head_dim_v = head_dim_v or head_dim
         # static variants, as the forward's: the window's predicates (mask.py) and capped scores
         self.local, self.softcap, self.varlen = local, softcap, varlen
         self.tile_m, self.tile_n, self.q_stages = tile_m, tile_n, q_stages
@@ -81,35 +84,46 @@ class AttentionBackward(QueryStatistics):
         self.num_threads = 128 * self.mma_warpgroups
 
     # ---------------------------------------------------------------- host side
-    def smem_layouts(self):
+    def smem_layouts(self, head_dim: int | None = None):
         """Q and dO share one staged layout; K and V one stage each; P and dS one tile each. Q and
         dO are the MN-major B of dK and dV, K that of dQ: where those MMAs split head_dim among
-        the warpgroups, the swizzle fits a warpgroup's share (smem.py)."""
-        wgs, d = self.mma_warpgroups, self.head_dim
+        the warpgroups, the swizzle fits a warpgroup's share (smem.py). `head_dim`: the tiles'
+        columns (default head_dim; `value_layouts` asks for head_dim_v)."""
+        wgs, d = self.mma_warpgroups, head_dim or self.head_dim
         return (smem.tile_layout(self.dtype, self.tile_m, d, self.q_stages,
                                  share=mma.n_share(self.tile_n, d, wgs)),
                 smem.tile_layout(self.dtype, self.tile_n, d, 1, share=mma.n_share(self.tile_m, d, wgs)),
                 smem.tile_layout(self.dtype, self.tile_m, self.tile_n, 1))
 
+    def value_layouts(self, sQ_layout, sKV_layout):
+        """(dO's staged layout, V's): Q's and K's, or with head_dim_v columns where V's head dim
+        differs (dO and V then have tiles of their own)."""
+        if self.head_dim_v == self.head_dim:
+            return sQ_layout, sKV_layout
+        return self.smem_layouts(self.head_dim_v)[:2]
+
     def make_loads(self, mQ, mdO, mK, mV, sQ_layout, sKV_layout):
         """(atom, TMA tensor) for Q, dO (Q tiles) and K, V (K/V tiles), flattened."""
         tile_q, tile_kv = (self.tile_m, self.head_dim), (self.tile_n, self.head_dim)
+        sdO_layout, sV_layout = self.value_layouts(sQ_layout, sKV_layout)
+        dv = self.head_dim_v
         return (*tma.make_load(tma.seq_major(mQ), sQ_layout, tile_q),
-                *tma.make_load(tma.seq_major(mdO), sQ_layout, tile_q),
+                *tma.make_load(tma.seq_major(mdO), sdO_layout, (self.tile_m, dv)),
                 *tma.make_load(tma.seq_major(mK), sKV_layout, tile_kv),
-                *tma.make_load(tma.seq_major(mV), sKV_layout, tile_kv))
+                *tma.make_load(tma.seq_major(mV), sV_layout, (self.tile_n, dv)))
 
     def shared_storage(self, sQ_layout, sKV_layout, sPdS_layout):
         p_elems = cute.cosize(sPdS_layout) if self.p_in_smem else 8  # 8 keeps the field valid
+        sdO_layout, sV_layout = self.value_layouts(sQ_layout, sKV_layout)
 
         @cute.struct
         class SharedStorage:
             q_barriers: cute.struct.MemRange[Int64, 2 * self.q_stages]
             kv_barriers: cute.struct.MemRange[Int64, 2]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[self.dtype, p_elems], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPdS_layout)], 1024]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, self.dq_smem_elems()], 1024]
@@ -117,8 +131,9 @@ class AttentionBackward(QueryStatistics):
             sD: cute.struct.Align[cute.struct.MemRange[Float32, self.stat_smem_elems()], 128]
 
         if self.dkv_bulk_add:  # add_dkv_rows' FP32 rows fit in the free Q, dO, K and V tiles
-            free = 2 * (cute.cosize(sQ_layout) + cute.cosize(sKV_layout)) * self.dtype.width // 8
-            assert self.tile_n * (self.head_dim + 4) * 4 <= free, "dK/dV rows exceed the free SMEM"
+            free = sum(cute.cosize(x) for x in (sQ_layout, sdO_layout, sKV_layout, sV_layout)) * self.dtype.width // 8
+            widest = max(self.head_dim, self.head_dim_v)
+            assert self.tile_n * (widest + 4) * 4 <= free, "dK/dV rows exceed the free SMEM"
         smem.check_budget(SharedStorage.size_in_bytes(),
                           f"{type(self).__name__} with q_stages={self.q_stages}, tile_m={self.tile_m}, "
                           f"tile_n={self.tile_n}, d={self.head_dim}")
@@ -249,10 +264,12 @@ class AttentionBackward(QueryStatistics):
         """(Q/dO ring, K/V single stage): each stage's Q and dO (K and V) land on one barrier (with
         the stage's statistics, `stats_in_smem`)."""
         stat_bytes = 2 * self.tile_m * 4 if self.smem_stats else 0
+        sdO_layout, sV_layout = self.value_layouts(sQ_layout, sKV_layout)
+        q_bytes = smem.stage_bytes(self.dtype, sQ_layout) + smem.stage_bytes(self.dtype, sdO_layout)
+        kv_bytes = smem.stage_bytes(self.dtype, sKV_layout) + smem.stage_bytes(self.dtype, sV_layout)
         q_pipe = pipeline.create(storage.q_barriers.data_ptr(), self.q_stages, consumer_warps,
-                                 2 * smem.stage_bytes(self.dtype, sQ_layout) + stat_bytes)
-        kv_pipe = pipeline.create(storage.kv_barriers.data_ptr(), 1, consumer_warps,
-                                  2 * smem.stage_bytes(self.dtype, sKV_layout))
+                                 q_bytes + stat_bytes)
+        kv_pipe = pipeline.create(storage.kv_barriers.data_ptr(), 1, consumer_warps, kv_bytes)
         return q_pipe, kv_pipe
 
     def smem_tensors(self, storage, sQ_layout, sKV_layout, sPdS_layout):
@@ -263,8 +280,9 @@ class AttentionBackward(QueryStatistics):
                      sD=storage.sD.get_tensor(self.stat_layout())) if self.smem_stats else {}
         # after the walk Q, dO, K and V (consecutive fields) are free: FP32 scratch for dK/dV
         scratch = cute.recast_ptr(storage.sQ.data_ptr(), dtype=Float32)
-        return SimpleNamespace(scratch=scratch, sQ=get(storage.sQ, sQ_layout), sdO=get(storage.sdO, sQ_layout),
-                               sK=get(storage.sK, sKV_layout), sV=get(storage.sV, sKV_layout),
+        sdO_layout, sV_layout = self.value_layouts(sQ_layout, sKV_layout)
+        return SimpleNamespace(scratch=scratch, sQ=get(storage.sQ, sQ_layout), sdO=get(storage.sdO, sdO_layout),
+                               sK=get(storage.sK, sKV_layout), sV=get(storage.sV, sV_layout),
                                sP=get(storage.sP, sPdS_layout) if self.p_in_smem else None,
                                sdS=get(storage.sdS, sPdS_layout), **stats)
 
@@ -285,10 +303,11 @@ class AttentionBackward(QueryStatistics):
             stat_copies = [copy(tma_lse, mLSE2, head, seq.offset_q, (self.tile_m, 1), s.sLSE),
                            copy(tma_d, mD, head, seq.offset_q, (self.tile_m, 1), s.sD)]
 
+        dv = self.head_dim_v
         return ([copy(tma_q, mQ, head, seq.offset_q, tile_q, s.sQ),
-                 copy(tma_do, mdO, head, seq.offset_q, tile_q, s.sdO)] + stat_copies,
+                 copy(tma_do, mdO, head, seq.offset_q, (self.tile_m, dv), s.sdO)] + stat_copies,
                 [copy(tma_k, mK, head_kv, seq.offset_k, tile_kv, s.sK),
-                 copy(tma_v, mV, head_kv, seq.offset_k, tile_kv, s.sV)])
+                 copy(tma_v, mV, head_kv, seq.offset_k, (self.tile_n, dv), s.sV)])
 
     def consumer_setup(self, s, tidx, seq, window, softcap_scale, mLSE2, mD, head, batch):
         """`mma_setup`'s context plus what the walk reads: the entry's lengths and offsets (seq),
@@ -312,7 +331,13 @@ class AttentionBackward(QueryStatistics):
             lane=tidx % 32, **self.operand_fragments(s, wg_sdp, wg_dkv, wg_dq),
             s_coords=mma.rows_cols(thr_sdp.partition_C(cute.make_identity_tensor(self.score_tile()))),
         )
-        ctx.acc_dv = cute.make_rmem_tensor(thr_dkv.partition_shape_C(self.dkv_tile()), Float32)
+        # dV's MMA: dK's, or one with head_dim_v columns (its own fragments) where V's differs
+        ctx.dv, ctx.thr_dv = dkv, thr_dkv
+        if self.head_dim_v != self.head_dim:
+            ctx.dv = self.dkv_mma(self.head_dim_v)
+            ctx.thr_dv = ctx.dv.get_slice(tidx)
+            vars(ctx).update(self.dv_operands(s, mma.warpgroup_slice(ctx.dv, tidx)))
+        ctx.acc_dv = cute.make_rmem_tensor(ctx.thr_dv.partition_shape_C(self.dkv_tile(self.head_dim_v)), Float32)
         ctx.acc_dk = cute.make_rmem_tensor(thr_dkv.partition_shape_C(self.dkv_tile()), Float32)
         ctx.acc_dv.fill(0.0)
         ctx.acc_dk.fill(0.0)
@@ -327,9 +352,10 @@ class AttentionBackward(QueryStatistics):
         keys is an odd multiple of 8 (mma.smem_writer)."""
         return 4 if mma.n_share(*self.score_tile(), self.mma_warpgroups) % 16 == 0 else 2
 
-    def dkv_tile(self):
-        """The (rows, cols) of the dK and dV accumulators: (keys, d) (B9: transposed)."""
-        return self.tile_n, self.head_dim
+    def dkv_tile(self, head_dim: int | None = None):
+        """The (rows, cols) of the dK and dV accumulators: (keys, d) (B9: transposed); dV's with
+        `head_dim` = head_dim_v."""
+        return self.tile_n, head_dim or self.head_dim
 
     def dkv_view(self, tile: cute.Tensor) -> cute.Tensor:
         """A (tile_n, d) tensor seen in the shape of the dK/dV accumulators (`dkv_tile`)."""
@@ -339,8 +365,14 @@ class AttentionBackward(QueryStatistics):
         """(S and dP, dV and dK, dQ) tiled MMAs."""
         wgs = self.mma_warpgroups
         return (mma.tiled_mma(self.dtype, self.tile_m, self.tile_n, warpgroups=wgs),
-                mma.tiled_mma(self.dtype, self.tile_n, self.head_dim, a_major="MN", b_major="MN", warpgroups=wgs),
+                self.dkv_mma(self.head_dim),
                 mma.tiled_mma(self.dtype, self.tile_m, self.head_dim, b_major="MN", warpgroups=wgs))
+
+    def dkv_mma(self, head_dim: int):
+        """The tiled MMA of dK (head_dim) or dV (head_dim_v): a `dkv_tile` accumulator from SMEM
+        operands."""
+        return mma.tiled_mma(self.dtype, *self.dkv_tile(head_dim), a_major="MN", b_major="MN",
+                             warpgroups=self.mma_warpgroups)
 
     def operand_fragments(self, s, wg_sdp, wg_dkv, wg_dq) -> dict:
         """Every GEMM's A and B descriptors, from the warpgroup slices (see mma.warpgroup_slice)."""
@@ -354,8 +386,14 @@ class AttentionBackward(QueryStatistics):
     def dkv_operands(self, s, wg_dkv) -> dict:
         """dV's and dK's (A, B) fragments: P^T and dO^T, dS^T and Q^T (B9: their transposes)."""
         t = mma.transpose_view
-        return dict(tdVrPt=mma.fragment_A(wg_dkv, t(s.sP)), tdVrdOt=mma.fragment_B(wg_dkv, t(s.sdO)),
-                    tdKrdSt=mma.fragment_A(wg_dkv, t(s.sdS)), tdKrQt=mma.fragment_B(wg_dkv, t(s.sQ)))
+        # (dV's own where V's head dim differs: mma_setup)
+        dv = self.dv_operands(s, wg_dkv) if self.head_dim_v == self.head_dim else {}
+        return dict(**dv, tdKrdSt=mma.fragment_A(wg_dkv, t(s.sdS)), tdKrQt=mma.fragment_B(wg_dkv, t(s.sQ)))
+
+    def dv_operands(self, s, wg_dv) -> dict:
+        """dV's (A, B) fragments: P^T and dO^T."""
+        t = mma.transpose_view
+        return dict(tdVrPt=mma.fragment_A(wg_dv, t(s.sP)), tdVrdOt=mma.fragment_B(wg_dv, t(s.sdO)))
 
     # ---------------------------------------------------------------- compute pieces
     @cute.jit
@@ -424,7 +462,7 @@ class AttentionBackward(QueryStatistics):
     @cute.jit
     def issue_dkv(self, ctx, s, stage):
         """dV += P^T dO and dK += dS^T Q, from the SMEM copies of P and dS (no wait)."""
-        mma.gemm(ctx.dkv, ctx.acc_dv, ctx.tdVrPt[None, None, None, 0], ctx.tdVrdOt[None, None, None, stage], wait=-1)
+        mma.gemm(ctx.dv, ctx.acc_dv, ctx.tdVrPt[None, None, None, 0], ctx.tdVrdOt[None, None, None, stage], wait=-1)
         mma.gemm(ctx.dkv, ctx.acc_dk, ctx.tdKrdSt[None, None, None, 0], ctx.tdKrQt[None, None, None, stage], wait=-1)
 
     @cute.jit
@@ -562,19 +600,25 @@ class AttentionBackward(QueryStatistics):
         self.sync_consumers()  # both warpgroups are done reading sK and sV
         dk = cute.make_rmem_tensor_like(ctx.acc_dk, self.dtype)
         dk.store((ctx.acc_dk.load() * softmax_scale).to(self.dtype))
-        self.dkv_to_smem(ctx, dk, s.sK[None, None, 0])
-        self.dkv_to_smem(ctx, mma.to_dtype(ctx.acc_dv, self.dtype), s.sV[None, None, 0])
+        self.dkv_to_smem(ctx, dk, s.sK[None, None, 0], ctx.dkv)
+        self.dkv_to_smem(ctx, mma.to_dtype(ctx.acc_dv, self.dtype), s.sV[None, None, 0], ctx.dv)
         self.sync_consumers()
         first = (n_block * self.tile_n, 0)  # the tile's rows in the entry's (seqlen_k, d) rows
         gdK = cute.domain_offset(first, seqlen.rows(tma.seq_major(mdK), head, batch, ctx.seq.offset_k, self.varlen))
         gdV = cute.domain_offset(first, seqlen.rows(tma.seq_major(mdV), head, batch, ctx.seq.offset_k, self.varlen))
-        smem.store_rows(((s.sK[None, None, 0], gdK), (s.sV[None, None, 0], gdV)),
-                        ctx.seq.seqlen_k - n_block * self.tile_n, ctx.tidx, 128 * self.mma_warpgroups)
+        rows, threads = ctx.seq.seqlen_k - n_block * self.tile_n, 128 * self.mma_warpgroups
+        tiles = ((s.sK[None, None, 0], gdK), (s.sV[None, None, 0], gdV))
+        if cutlass.const_expr(self.head_dim_v == self.head_dim):
+            smem.store_rows(tiles, rows, ctx.tidx, threads)  # a row of each in the same pass
+        else:
+            for tile in tiles:
+                smem.store_rows((tile,), rows, ctx.tidx, threads)
 
     @cute.jit
-    def dkv_to_smem(self, ctx, frag: cute.Tensor, sX: cute.Tensor):
-        """A rounded dK or dV accumulator into the (tile_n, d) SMEM tile sX, with stmatrix."""
-        mma.store_to_smem(frag, ctx.dkv, ctx.tidx, sX)
+    def dkv_to_smem(self, ctx, frag: cute.Tensor, sX: cute.Tensor, tiled: cute.TiledMma):
+        """A rounded dK or dV accumulator of `tiled` into the (tile_n, d) SMEM tile sX, with
+        stmatrix."""
+        mma.store_to_smem(frag, tiled, ctx.tidx, sX)
 
     @cute.jit
     def add_dkv_rows(self, ctx, s, mdK: cute.Tensor, mdV: cute.Tensor, n_block: Int32, head_kv: Int32,
@@ -584,16 +628,16 @@ class AttentionBackward(QueryStatistics):
         conflicts, not 8-way), and added into the KV head's FP32 rows by one 1-D bulk reduce-add
         a row (thread r issues row r; rows past the entry's seqlen_k skipped). The scratch is
         rewritten for dV once every row's bulk read of dK is done."""
-        d = self.head_dim
-        stride = d + 4  # 16-byte aligned rows (d a multiple of 8)
-        sX = cute.make_tensor(s.scratch, cute.make_layout((self.tile_n, d), stride=(stride, 1)))
         rows_left = ctx.seq.seqlen_k - n_block * self.tile_n
         first = ctx.seq.offset_k + n_block * self.tile_n  # the entry's plane, or the packed rows
         entry = 0 if cutlass.const_expr(self.varlen) else batch
         ctx.acc_dk.store(ctx.acc_dk.load() * softmax_scale)
-        for acc, mX in ((ctx.acc_dk, mdK), (ctx.acc_dv, mdV)):
+        for acc, thr, mX, d in ((ctx.acc_dk, ctx.thr_dkv, mdK, self.head_dim),
+                                (ctx.acc_dv, ctx.thr_dv, mdV, self.head_dim_v)):
+            stride = d + 4  # 16-byte aligned rows (d a multiple of 8)
+            sX = cute.make_tensor(s.scratch, cute.make_layout((self.tile_n, d), stride=(stride, 1)))
             self.sync_consumers()  # the walk's GEMMs (dK) or the previous rows' bulk reads (dV) are done
-            cute.autovec_copy(acc, ctx.thr_dkv.partition_C(self.dkv_view(sX)))
+            cute.autovec_copy(acc, thr.partition_C(self.dkv_view(sX)))
             cute.arch.fence_view_async_shared()  # generic-proxy writes, read by the bulk copies
             self.sync_consumers()
             r = ctx.tidx
@@ -608,18 +652,18 @@ class AttentionBackward(QueryStatistics):
                        batch: Int32, softmax_scale: Float32, group_sum: cutlass.Constexpr):
         """FP32 dK/dV (GQA) from the accumulators, element by element, into head `slice_head`:
         added with atomics (`group_sum`) or stored (see store_dkv)."""
-        coords = ctx.thr_dkv.partition_C(self.dkv_view(cute.make_identity_tensor((self.tile_n, self.head_dim))))
-        tile, offset = (self.tile_n, self.head_dim), ctx.seq.offset_k
-        gdK = ctx.thr_dkv.partition_C(self.dkv_view(cute.local_tile(
-            seqlen.rows(tma.seq_major(mdK), slice_head, batch, offset, self.varlen), tile, (n_block, 0))))
-        gdV = ctx.thr_dkv.partition_C(self.dkv_view(cute.local_tile(
-            seqlen.rows(tma.seq_major(mdV), slice_head, batch, offset, self.varlen), tile, (n_block, 0))))
+        offset = ctx.seq.offset_k
         rows_left = ctx.seq.seqlen_k - n_block * self.tile_n
-        for i in cutlass.range(cute.size(ctx.acc_dk), unroll_full=True):
-            if coords[i][0] < rows_left:
-                if cutlass.const_expr(group_sum):
-                    accum.add_element(gdK, i, ctx.acc_dk[i] * softmax_scale)
-                    accum.add_element(gdV, i, ctx.acc_dv[i])
-                else:
-                    gdK[i] = (ctx.acc_dk[i] * softmax_scale).to(mdK.element_type)
-                    gdV[i] = ctx.acc_dv[i].to(mdV.element_type)
+        for acc, thr, mX, d, scale in ((ctx.acc_dk, ctx.thr_dkv, mdK, self.head_dim, softmax_scale),
+                                       (ctx.acc_dv, ctx.thr_dv, mdV, self.head_dim_v, None)):
+            coords = thr.partition_C(self.dkv_view(cute.make_identity_tensor((self.tile_n, d))))
+            gX = thr.partition_C(self.dkv_view(cute.local_tile(
+                seqlen.rows(tma.seq_major(mX), slice_head, batch, offset, self.varlen), (self.tile_n, d),
+                (n_block, 0))))
+            for i in cutlass.range(cute.size(acc), unroll_full=True):
+                if coords[i][0] < rows_left:
+                    value = acc[i] * scale if cutlass.const_expr(scale is not None) else acc[i]
+                    if cutlass.const_expr(group_sum):
+                        accum.add_element(gX, i, value)
+                    else:
+                        gX[i] = value.to(mX.element_type)

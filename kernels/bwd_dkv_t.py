@@ -41,33 +41,32 @@ class TransposedDkvBackward(WarpSpecializedBackward):
     rotated_ordered_walk = False
 
     # ---------------------------------------------------------------- host side
-    def dkv_split_n(self) -> bool:
-        """Whether the warpgroups split dK^T/dV^T's keys (d192: three 64-row atoms do not halve)
-        rather than its head dim rows."""
-        return (self.head_dim // 64) % self.mma_warpgroups != 0
+    def dkv_split_n(self, head_dim: int | None = None) -> bool:
+        """Whether the warpgroups split dK^T's (or dV^T's: `head_dim` = head_dim_v) keys (d192:
+        three 64-row atoms do not halve) rather than its head dim rows."""
+        return ((head_dim or self.head_dim) // 64) % self.mma_warpgroups != 0
 
-    def dkv_tile(self):
-        return self.head_dim, self.tile_n
+    def dkv_tile(self, head_dim: int | None = None):
+        return head_dim or self.head_dim, self.tile_n
 
     def dkv_view(self, tile: cute.Tensor) -> cute.Tensor:
         return mma.transpose_view(tile)
 
-    def tiled_mmas(self):
-        """(S and dP, dV^T and dK^T, dQ) tiled MMAs."""
-        wgs = self.mma_warpgroups
-        return (mma.tiled_mma(self.dtype, self.tile_m, self.tile_n, warpgroups=wgs),
-                mma.tiled_mma(self.dtype, self.head_dim, self.tile_n, a_major="MN", b_major="MN",
-                              warpgroups=wgs, split_n=self.dkv_split_n()),
-                mma.tiled_mma(self.dtype, self.tile_m, self.head_dim, b_major="MN", warpgroups=wgs))
+    def dkv_mma(self, head_dim: int):
+        """dK^T's (head_dim) or dV^T's (head_dim_v) tiled MMA: (head dim, tile_n)."""
+        return mma.tiled_mma(self.dtype, *self.dkv_tile(head_dim), a_major="MN", b_major="MN",
+                             warpgroups=self.mma_warpgroups, split_n=self.dkv_split_n(head_dim))
 
-    def smem_layouts(self):
+    def smem_layouts(self, head_dim: int | None = None):
         """Q and dO: K-major A of S/dP and MN-major A of dK^T/dV^T (d256: 128 rows a warpgroup,
         whole 128-byte atoms); K: MN-major B of dQ as B2's; P and dS: MN-major B of dK^T/dV^T,
-        whose keys the warpgroups split at d192 (the swizzle fits a warpgroup's share)."""
-        wgs, d = self.mma_warpgroups, self.head_dim
+        whose keys the warpgroups split at d192 (the swizzle fits a warpgroup's share; with
+        head_dim_v, whichever of dK^T and dV^T splits them). `head_dim`: as B2's."""
+        wgs, d = self.mma_warpgroups, head_dim or self.head_dim
         # the keys a warpgroup writes (S's split: 24 at d256) or reads (dK^T/dV^T's at d192)
+        split = self.dkv_split_n() or self.dkv_split_n(self.head_dim_v)
         key_share = min(mma.n_share(self.tile_m, self.tile_n, wgs),
-                        self.tile_n // wgs if self.dkv_split_n() else self.tile_n)
+                        self.tile_n // wgs if split else self.tile_n)
         return (smem.tile_layout(self.dtype, self.tile_m, d, self.q_stages),
                 smem.tile_layout(self.dtype, self.tile_n, d, 1, share=mma.n_share(self.tile_m, d, wgs)),
                 smem.tile_layout(self.dtype, self.tile_m, self.tile_n, 1, share=key_share))
@@ -79,20 +78,25 @@ class TransposedDkvBackward(WarpSpecializedBackward):
     def dkv_operands(self, s, wg_dkv) -> dict:
         """dV^T's and dK^T's (A, B) fragments: dO^T and P^T viewed (N, K), Q^T and dS^T."""
         t = mma.transpose_view
-        return dict(tdVrdOt=mma.fragment_A(wg_dkv, t(s.sdO)), tdVrPt=mma.fragment_B(wg_dkv, t(s.sP)),
-                    tdKrQt=mma.fragment_A(wg_dkv, t(s.sQ)), tdKrdSt=mma.fragment_B(wg_dkv, t(s.sdS)))
+        dv = self.dv_operands(s, wg_dkv) if self.head_dim_v == self.head_dim else {}  # (else mma_setup's)
+        return dict(**dv, tdKrQt=mma.fragment_A(wg_dkv, t(s.sQ)), tdKrdSt=mma.fragment_B(wg_dkv, t(s.sdS)))
+
+    def dv_operands(self, s, wg_dv) -> dict:
+        """dV^T's (A, B) fragments: dO^T and P^T viewed (N, K)."""
+        t = mma.transpose_view
+        return dict(tdVrdOt=mma.fragment_A(wg_dv, t(s.sdO)), tdVrPt=mma.fragment_B(wg_dv, t(s.sP)))
 
     # ---------------------------------------------------------------- device side
     @cute.jit
     def issue_dkv(self, ctx, s, stage):
         """dV^T += dO^T P and dK^T += Q^T dS, every operand from SMEM (no wait)."""
-        mma.gemm(ctx.dkv, ctx.acc_dv, ctx.tdVrdOt[None, None, None, stage], ctx.tdVrPt[None, None, None, 0], wait=-1)
+        mma.gemm(ctx.dv, ctx.acc_dv, ctx.tdVrdOt[None, None, None, stage], ctx.tdVrPt[None, None, None, 0], wait=-1)
         mma.gemm(ctx.dkv, ctx.acc_dk, ctx.tdKrQt[None, None, None, stage], ctx.tdKrdSt[None, None, None, 0], wait=-1)
 
     @cute.jit
-    def dkv_to_smem(self, ctx, frag: cute.Tensor, sX: cute.Tensor):
+    def dkv_to_smem(self, ctx, frag: cute.Tensor, sX: cute.Tensor, tiled: cute.TiledMma):
         """dK^T or dV^T (rounded) into the (tile_n, d) tile sX through its transposed view."""
-        mma.store_to_smem(frag, ctx.dkv, ctx.tidx, self.dkv_view(sX), transpose=True)
+        mma.store_to_smem(frag, tiled, ctx.tidx, self.dkv_view(sX), transpose=True)
 
     @cute.jit
     def hand_off_dq(self, ctx, s, acc_dq: cute.Tensor, buffer: Int32 = 0):

@@ -28,17 +28,20 @@ PASSES = 4  # rows a thread group handles per CTA
 
 
 class BackwardPreprocess:
-    def __init__(self, dtype, head_dim: int):
-        assert head_dim % VEC == 0 and head_dim <= 32 * VEC
-        self.dtype, self.head_dim = dtype, head_dim
-        self.vectors = head_dim // VEC  # per row
-        self.group = min(32, 1 << (self.vectors - 1).bit_length())
+    def __init__(self, dtype, head_dim: int, head_dim_v: int | None = None):
+        """head_dim: dQ's columns; head_dim_v: O's and dO's (default head_dim)."""
+        head_dim_v = head_dim_v or head_dim
+        assert head_dim % VEC == 0 and head_dim_v % VEC == 0 and max(head_dim, head_dim_v) <= 32 * VEC
+        self.dtype, self.head_dim, self.head_dim_v = dtype, head_dim, head_dim_v
+        self.vectors = head_dim // VEC  # per row of dQ
+        self.vectors_v = head_dim_v // VEC  # per row of O and dO
+        self.group = min(32, 1 << (max(self.vectors, self.vectors_v) - 1).bit_length())
         self.rows_per_cta = WARPS * (32 // self.group) * PASSES
 
     @cute.jit
     def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mLSE2: cute.Tensor,
                  mD: cute.Tensor, mdQacc: cute.Tensor, stream):
-        """mO, mdO: (batch, seqlen_q, heads, d); mLSE: (batch, heads, seqlen_q);
+        """mO, mdO: (batch, seqlen_q, heads, head_dim_v); mLSE: (batch, heads, seqlen_q);
         mLSE2, mD: (batch, heads, rows_out) FP32 outputs; mdQacc: (batch, dq_rows, heads, d) FP32,
         zeroed."""
         batch, heads, rows_out = mLSE2.shape
@@ -63,7 +66,7 @@ class BackwardPreprocess:
         do.fill(0.0)
         for p in cutlass.range_constexpr(PASSES):
             row = first + p * groups_per_pass
-            if row < seqlen_q and vec < self.vectors:
+            if row < seqlen_q and vec < self.vectors_v:
                 cute.autovec_copy(cute.local_tile(mO[batch, row, head, None], (VEC,), (vec,)), o[None, p])
                 cute.autovec_copy(cute.local_tile(mdO[batch, row, head, None], (VEC,), (vec,)), do[None, p])
         zeros = cute.make_rmem_tensor((VEC,), Float32)

@@ -60,9 +60,10 @@ class WarpSpecializedBackward(AttentionBackward):
 
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 64, tile_n: int = 128,
                  q_stages: int = 2, deterministic: bool = False, local: bool = False,
-                 softcap: bool = False, varlen: bool = False, ordered_dq: bool = False):
+                 softcap: bool = False, varlen: bool = False, ordered_dq: bool = False,
+                 head_dim_v: int | None = None):
         super().__init__(dtype, head_dim, causal, tile_m, tile_n, q_stages, deterministic, local,
-                         softcap, varlen, ordered_dq)
+                         softcap, varlen, ordered_dq, head_dim_v)
         self.consumer_threads = 128 * self.mma_warpgroups
         self.num_threads = 128 + self.consumer_threads
 

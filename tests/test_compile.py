@@ -104,6 +104,12 @@ def test_backward_deterministic_variant_compiles(name):
     # v's head dim other than q/k's: (192, 128) on 128-wide K/V tiles, (128, 64)
     ("k5.5", dict(head_dim=192, head_dim_v=128, causal=True), ("wgmma.mma_async",)),
     ("k5.5", dict(head_dim=128, head_dim_v=64, causal=False, varlen=True), ("vote.sync.ballot",)),
+    # and its backward: b9 at (192, 128) (dV^T's MMA splits d, dK^T's the keys), b2 at (128, 64),
+    # deterministic GQA (FP32 slices of v's width) and packed with GQA (bulk row adds)
+    ("b9", dict(head_dim=192, head_dim_v=128, causal=True), ("stmatrix.sync.aligned.m8n8.x4.trans",)),
+    ("b9", dict(head_dim=192, head_dim_v=128, causal=False, deterministic=True, gqa=True), ("wgmma.mma_async",)),
+    ("b2", dict(head_dim=128, head_dim_v=64, causal=False, gqa=True, varlen=True), ("cp.reduce.async.bulk",)),
+    ("b2", dict(head_dim=192, head_dim_v=128, causal=True, deterministic=True), ("wgmma.mma_async",)),
     # FP8 packed batches (V^T read from each entry's own 16-aligned column)
     ("f1", dict(head_dim=128, causal=True, varlen=True), (".e4m3.e4m3", "vote.sync.ballot")),
     ("f1", dict(head_dim=256, causal=False, varlen=True, local=True), (".e4m3.e4m3", "vote.sync.ballot")),
@@ -149,11 +155,11 @@ def test_sinks_combine_compiles():
     assert "ex2.approx" in report.ptx and report.registers and report.spill_bytes == 0
 
 
-@pytest.mark.parametrize("head_dim", [64, 96, 256])
-def test_backward_preprocess_compiles(head_dim):
-    """The backward's preprocess reads O and dO and zeroes the dQ accumulator in 16-byte vectors
-    (no 16-bit loads), without spilling."""
-    report = _compile.build_report(_compile._build_preprocess, torch.bfloat16, head_dim)
+@pytest.mark.parametrize("head_dim,head_dim_v", [(64, None), (96, None), (256, None), (192, 128)])
+def test_backward_preprocess_compiles(head_dim, head_dim_v):
+    """The backward's preprocess reads O and dO (head_dim_v wide) and zeroes the dQ accumulator
+    (head_dim wide) in 16-byte vectors (no 16-bit loads), without spilling."""
+    report = _compile.build_report(_compile._build_preprocess, torch.bfloat16, head_dim, head_dim_v)
     assert report.ptx.count("ld.global.v4") == 8 and "st.global.v4" in report.ptx
     assert "ld.global.b16" not in report.ptx and "ld.global.u16" not in report.ptx
     assert report.registers and report.spill_bytes == 0

@@ -271,7 +271,7 @@ def test_backward_op_checks_its_arguments(no_device_check):
     out, lse = torch.empty_like(q), torch.empty(2, 4, 16)
     name = registry.fastest(registry.BACKWARD, q.shape[-1]).name
     op = torch.ops.fa3.attention_backward
-    raises_with(op, ValueError, "dout", "shaped like q", dout=out[:, :3], q=q, k=k, v=v, out=out,
+    raises_with(op, ValueError, "dout", "shaped like the output", dout=out[:, :3], q=q, k=k, v=v, out=out,
                 lse=lse, causal=False, softmax_scale=0.1, kernel=name, deterministic=False)
     raises_with(op, ValueError, "lse", "float32", dout=out, q=q, k=k, v=v, out=out,
                 lse=lse.to(BF16), causal=False, softmax_scale=0.1, kernel=name, deterministic=False)
@@ -288,7 +288,7 @@ def test_varlen_backward_function_checks_its_arguments(no_device_check):
     call = fa3.attention_varlen_backward
     raises_with(call, ValueError, "lse", "(heads_q, total_q)", dout=out, q=q, k=k, v=v, out=out,
                 lse=lse.t(), cu_seqlens_q=cu, cu_seqlens_k=cu)
-    raises_with(call, ValueError, "dout", "shaped like q", dout=out[:3], q=q, k=k, v=v, out=out, lse=lse,
+    raises_with(call, ValueError, "dout", "shaped like the output", dout=out[:3], q=q, k=k, v=v, out=out, lse=lse,
                 cu_seqlens_q=cu, cu_seqlens_k=cu)
     raises_with(call, ValueError, "cu_seqlens_k", "int32", dout=out, q=q, k=k, v=v, out=out, lse=lse,
                 cu_seqlens_q=cu, cu_seqlens_k=cu.long())

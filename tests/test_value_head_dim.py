@@ -1,7 +1,8 @@
 """v's head dim different from q's and k's (DeepSeek-style MLA prefill (192, 128), and (128, 64)):
-the forward of fa3.attention and fa3.attention_varlen (k5 rungs). CPU: what is refused and how
-(other pairs, gradients, the backward op, the KV cache), fake shapes, compile keys. GPU: against
-the float64 reference, output poisoned with NaN.
+fa3.attention and fa3.attention_varlen, forward (k5 rungs) and backward (b2; b9 at (192, 128)).
+CPU: what is refused and how (other pairs, backward rungs that do not take a pair, the backward
+op, the KV cache), fake shapes, compile keys. GPU: against the float64 reference, outputs and
+gradients poisoned with NaN.
 """
 
 import pytest
@@ -25,6 +26,12 @@ def _meta(*shape):
 def test_pairs_are_the_issue_s():
     assert set(PAIRS) >= {(192, 128), (128, 64)}
     assert all(p in registry.fastest(registry.ATTENTION, p[0]).value_head_dims for p in PAIRS)
+    # the backward: the fastest rung that takes the pair (b7, d128's default, does not)
+    assert registry.fastest(registry.BACKWARD, 192, head_dim_v=128).name == "b9"
+    assert registry.fastest(registry.BACKWARD, 128, head_dim_v=64).name == "b2"
+    assert registry.fastest(registry.BACKWARD, 128).name == "b7"
+    assert all(p in registry.fastest(registry.BACKWARD, p[0], deterministic=True, head_dim_v=p[1]).value_head_dims
+               for p in PAIRS)
 
 
 @pytest.mark.parametrize("d, dv", PAIRS)
@@ -42,7 +49,7 @@ def test_unsupported_pairs_name_the_supported_ones(no_device_check):
     q, k = _meta(2, 16, 4, 128), _meta(2, 16, 4, 128)
     msg = raises_with(fa3.attention, ValueError, "v has head_dim 96", "q and k have 128", "(192, 128)",
                       "(128, 64)", "pad v to 128", q=q, k=k, v=_meta(2, 16, 4, 96))
-    assert "forward only" in msg
+    assert "forward and backward" in msg
     raises_with(fa3.attention, ValueError, "v has head_dim 64", "kernel='k4.2'", q=q, k=k,
                 v=_meta(2, 16, 4, 64), kernel="k4.2")
     raises_with(fa3.attention, ValueError, "must have the same shape", "v's head_dim aside", q=q, k=k,
@@ -54,19 +61,32 @@ def test_unsupported_pairs_name_the_supported_ones(no_device_check):
                 v=_meta(16, 4, 96), cu_seqlens_q=cu, cu_seqlens_k=cu)
 
 
-def test_gradients_are_refused_by_name(no_device_check):
-    q, k, v = _meta(2, 16, 4, 192).requires_grad_(), _meta(2, 16, 4, 192), _meta(2, 16, 4, 128)
-    raises_with(fa3.attention, ValueError, "v has head_dim 128", "the backward", "forward only", q=q, k=k, v=v)
+def test_backward_rungs_that_do_not_take_a_pair_are_refused_by_name(no_device_check):
+    q, k, v = _meta(2, 16, 4, 128).requires_grad_(), _meta(2, 16, 4, 128), _meta(2, 16, 4, 64)
+    msg = raises_with(fa3.attention, ValueError, "v has head_dim 64", "backward_kernel='b7'", "['b2']",
+                      q=q, k=k, v=v, backward_kernel="b7")
+    assert "pad v to 128" in msg
     cu = torch.zeros(3, dtype=torch.int32, device="meta")
-    raises_with(fa3.attention_varlen, ValueError, "the backward", q=q[0], k=k[0], v=v[0], cu_seqlens_q=cu,
-                cu_seqlens_k=cu)
+    raises_with(fa3.attention_varlen, ValueError, "backward_kernel='b4'", q=q[0], k=k[0], v=v[0],
+                cu_seqlens_q=cu, cu_seqlens_k=cu, backward_kernel="b4")
     # the backward op, called directly (CPU tensors run its real body, which checks)
     q, k, v = torch.randn(2, 16, 4, 192, dtype=BF16), torch.randn(2, 16, 4, 192, dtype=BF16), \
         torch.randn(2, 16, 4, 128, dtype=BF16)
     out = torch.randn(2, 16, 4, 128, dtype=BF16)
-    raises_with(torch.ops.fa3.attention_backward, ValueError, "v has head_dim 128", "backward_kernel='b2'",
-                dout=out, q=q, k=k, v=v, out=out, lse=torch.empty(2, 4, 16), causal=False,
-                softmax_scale=0.1, kernel="b2", deterministic=False)
+    call = dict(q=q, k=k, v=v, lse=torch.empty(2, 4, 16), causal=False, softmax_scale=0.1, deterministic=False)
+    raises_with(torch.ops.fa3.attention_backward, ValueError, "v has head_dim 128", "backward_kernel='b1'",
+                "['b2', 'b9']", dout=out, out=out, kernel="b1", **call)
+    raises_with(torch.ops.fa3.attention_backward, ValueError, "dout must be shaped like the output (2, 16, 4, 128)",
+                dout=torch.randn(2, 16, 4, 192, dtype=BF16), out=out, kernel="b9", **call)
+
+
+@pytest.mark.parametrize("d, dv", PAIRS)
+def test_gradients_take_their_tensors_shapes_on_meta(no_device_check, d, dv):
+    q, k, v = _meta(2, 33, 8, d), _meta(2, 17, 2, d), _meta(2, 17, 2, dv)
+    out = _meta(2, 33, 8, dv)
+    grads = torch.ops.fa3.attention_backward(out, q, k, v, out, torch.empty(2, 8, 33, device="meta"), True, 0.1,
+                                             "b2", False)
+    assert [g.shape for g in grads[:3]] == [q.shape, k.shape, v.shape]
 
 
 def test_kvcache_refuses_a_v_cache_of_another_head_dim():
@@ -84,6 +104,9 @@ def test_compile_keys_and_tiles():
                                                                                   head_dim_v=128)
     # V's narrower rows leave room for 128-wide K/V tiles at (192, 128)
     assert spec.config_for(192)["tile_n"] < spec.config_for(192, 128)["tile_n"] == 128
+    b9 = registry.get("b9")
+    assert _compile.backward_key(b9, BF16, 192, True) != _compile.backward_key(b9, BF16, 192, True, head_dim_v=128)
+    assert _compile.backward_key(b9, BF16, 192, True) == _compile.backward_key(b9, BF16, 192, True, head_dim_v=192)
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -134,3 +157,62 @@ def test_variants_and_varlen(d, dv):
                                    vp[None, ck[b]:ck[b + 1]], causal=True, dtype=torch.float64)
         got = out[cq[b]:cq[b + 1]]
         assert (rel_err(got, o[0]) < 1.5e-2) if o.abs().sum() else not got.any()
+
+
+def _grads(fn, q, k, v, dout):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v)
+    torch.empty(1 << 26, device=q.device).fill_(float("nan"))  # freed: the gradients reuse it
+    out.backward(dout)
+    return out, q.grad, k.grad, v.grad
+
+
+def _check_grads(fn, ref_fn, q, k, v, dout, floor=1e-3):
+    """fa3's (out, dq, dk, dv) against float64, within 2x the error of the same math in bf16."""
+    got = _grads(fn, q, k, v, dout)
+    exact = _grads(lambda *x: ref_fn(*x, torch.float64), *(t.double() for t in (q, k, v, dout)))
+    low = _grads(lambda *x: ref_fn(*x, BF16), q, k, v, dout)
+    for name, g, e, lo in zip(("out", "dq", "dk", "dv"), got, exact, low):
+        assert g.shape == e.shape and torch.isfinite(g).all(), name
+        err, base = rel_err(g, e), rel_err(lo.double(), e)
+        assert err <= 2 * base + floor, f"{name}: rel err {err:.2e} vs bf16 {base:.2e}"
+
+
+@gpu
+@pytest.mark.parametrize("d, dv", PAIRS, ids=lambda p: str(p))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["", "det"])
+@pytest.mark.parametrize("shape", [(2, 257, 131, 4, 2), (1, 100, 333, 6, 1), (2, 333, 333, 2, 2)])
+def test_gradients_match_reference(d, dv, causal, deterministic, shape):
+    """The backward with dv != d on its default rung (b9 at (192, 128), b2 at (128, 64)): ragged
+    lengths, GQA and MQA, seqlen_q != seqlen_k both ways."""
+    batch, sq, sk, hq, hkv = shape
+    q, k, v = _inputs(batch, sq, sk, hq, hkv, d, dv, seed=sq + d + causal)
+    dout = torch.randn(batch, sq, hq, dv, device="cuda", dtype=BF16)
+    _check_grads(lambda q, k, v: fa3.attention(q, k, v, causal=causal, deterministic=deterministic),
+                 lambda q, k, v, dt: attention_reference(q, k, v, causal=causal, dtype=dt)[0], q, k, v, dout)
+
+
+@gpu
+@pytest.mark.parametrize("d, dv", [(192, 128)])
+def test_gradients_on_b2_and_variants(d, dv):
+    """b2 at (192, 128) too; a window with softcap; a packed batch against the padded one."""
+    q, k, v = _inputs(2, 300, 300, 4, 2, d, dv, seed=7)
+    dout = torch.randn(2, 300, 4, dv, device="cuda", dtype=BF16)
+    _check_grads(lambda q, k, v: fa3.attention(q, k, v, causal=True, backward_kernel="b2"),
+                 lambda q, k, v, dt: attention_reference(q, k, v, causal=True, dtype=dt)[0], q, k, v, dout)
+    kw = dict(causal=True, window_size=(100, 0), softcap=20.0)
+    _check_grads(lambda q, k, v: fa3.attention(q, k, v, **kw),
+                 lambda q, k, v, dt: attention_reference(q, k, v, dtype=dt, **kw)[0], q, k, v, dout)
+    lens = [1, 177, 0, 122]  # 300 tokens
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    qp, kp, vp, dp = q[0], k[0], v[0], dout[0]
+    got = _grads(lambda q, k, v: fa3.attention_varlen(q, k, v, cu, cu, causal=True), qp, kp, vp, dp)
+    c = cu.tolist()
+    for b in range(len(lens)):
+        if lens[b] == 0:
+            continue
+        one = _grads(lambda q, k, v: fa3.attention(q, k, v, causal=True),
+                     *(t[None, c[b]:c[b + 1]] for t in (qp, kp, vp, dp)))
+        for name, g, r in zip(("out", "dq", "dk", "dv"), got, one):
+            assert rel_err(g[c[b]:c[b + 1]], r[0]) < 1e-2, f"entry {b} {name}"
