@@ -76,3 +76,13 @@ def test_variants_register_experiment_rows():
     finally:
         for name in ("b7x", "b2x", "b7y"):
             registry.KERNELS.pop(name, None)
+
+
+def test_racecheck_summary_is_read_exactly():
+    """The sanitizer tests' racecheck verdict: clean only on "0 hazards displayed (0 errors"."""
+    from conftest import racecheck_clean
+
+    assert racecheck_clean("========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)")
+    assert not racecheck_clean("========= RACECHECK SUMMARY: 100 hazards displayed (1161346 errors, 0 warnings)")
+    assert not racecheck_clean("========= RACECHECK SUMMARY: 10 hazards displayed (10 errors, 0 warnings)")
+    assert not racecheck_clean("done")
