@@ -39,6 +39,13 @@ class TransposedDkvBackward(WarpSpecializedBackward):
     kv_tile_multiple = 16  # the keys are N of dK^T/dV^T (and of S, dP): 8 a warpgroup
     # deterministic walks in order: rotated (bwd.py), its two-part ordered adds ran 0.69x at 8k
     rotated_ordered_walk = False
+    # Prepared (off, not yet run on a GPU): each warpgroup's credit for the one-share dQ buffer is
+    # a barrier of the writer warp *and the other warpgroup*, which arrives on it right after its
+    # own share is handed over. compute-sanitizer's racecheck reports the turns as write-after-
+    # write hazards (thread t of warpgroup 0 and of warpgroup 1 write the same bytes, ordered only
+    # through the writer warp's two barriers); with the peer on the credit barrier both writers
+    # meet one barrier between their writes (`hand_off_dq`, `write_dq`)
+    dq_credit_from_peer = False
 
     # ---------------------------------------------------------------- host side
     def dkv_split_n(self, head_dim: int | None = None) -> bool:
@@ -98,15 +105,37 @@ class TransposedDkvBackward(WarpSpecializedBackward):
         """dK^T or dV^T (rounded) into the (tile_n, d) tile sX through its transposed view."""
         mma.store_to_smem(frag, tiled, ctx.tidx, self.dkv_view(sX), transpose=True)
 
+    def credit_threads(self) -> int:
+        """Threads of a warpgroup's credit barrier (DQ_EMPTY + 2 w): the warpgroup and the writer
+        warp, and the other warpgroup too with `dq_credit_from_peer`."""
+        return 128 + 32 + (128 if self.dq_credit_from_peer else 0)
+
+    def consumer_setup(self, s, tidx, seq, window, softcap_scale, mLSE2, mD, head, batch):
+        ctx = super().consumer_setup(s, tidx, seq, window, softcap_scale, mLSE2, mD, head, batch)
+        self.peer_credit_first(ctx)
+        return ctx
+
+    @cute.jit
+    def peer_credit_first(self, ctx):
+        """dq_credit_from_peer: warpgroup 1's arrival on warpgroup 0's first credit (the writer
+        gives the other one; afterwards each warpgroup arrives on the other's after its share)."""
+        if cutlass.const_expr(self.dq_credit_from_peer):
+            if ctx.tidx // 128 == 1:
+                cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=self.credit_threads())
+
     @cute.jit
     def hand_off_dq(self, ctx, s, acc_dq: cute.Tensor, buffer: Int32 = 0):
-        """Wait for this warpgroup's turn at the one-share SMEM buffer, fill it, tell the writer."""
+        """Wait for this warpgroup's turn at the one-share SMEM buffer, fill it, tell the writer
+        (and, `dq_credit_from_peer`, the other warpgroup's credit barrier)."""
         handoff = 128 + 32
         warpgroup_idx = cute.arch.make_warp_uniform(ctx.tidx // 128)
-        cute.arch.barrier(barrier_id=DQ_EMPTY + 2 * warpgroup_idx, number_of_threads=handoff)
+        cute.arch.barrier(barrier_id=DQ_EMPTY + 2 * warpgroup_idx, number_of_threads=self.credit_threads())
         self.store_fragment(acc_dq, s.sdQ[None, 0], ctx.tidx % 128)
         cute.arch.fence_view_async_shared()  # generic-proxy writes, read by the bulk copy
         cute.arch.barrier_arrive(barrier_id=DQ_FULL + 2 * warpgroup_idx, number_of_threads=handoff)
+        if cutlass.const_expr(self.dq_credit_from_peer):
+            cute.arch.barrier_arrive(barrier_id=DQ_EMPTY + 2 * (1 - warpgroup_idx),
+                                     number_of_threads=self.credit_threads())
 
     @cute.jit
     def write_dq(self, mdQacc, sdQ, mLock, n_block: Int32, head: Int32, batch: Int32,
@@ -117,7 +146,8 @@ class TransposedDkvBackward(WarpSpecializedBackward):
         handoff = 128 + 32
         half = self.half_elems()
         wgs = self.mma_warpgroups
-        cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=handoff)  # warpgroup 0's first credit
+        credit = self.credit_threads()
+        cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=credit)  # warpgroup 0's first credit
         for i in cutlass.range(m_end - m_first, unroll=1):
             m_block = self.m_block_at(i, start, m_first, m_end)
             for w in cutlass.range_constexpr(wgs):
@@ -130,7 +160,7 @@ class TransposedDkvBackward(WarpSpecializedBackward):
                                           half, w * half)
                 cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(0, read=True)  # the buffer has been read
-                cute.arch.barrier_arrive(barrier_id=DQ_EMPTY + 2 * ((w + 1) % wgs), number_of_threads=handoff)
+                cute.arch.barrier_arrive(barrier_id=DQ_EMPTY + 2 * ((w + 1) % wgs), number_of_threads=credit)
             if cutlass.const_expr(self.ordered_dq):
                 cute.arch.cp_async_bulk_wait_group(0, read=False)  # both shares' sums have landed
                 accum.ordered_end(counter, lane, cute.arch.sync_warp)

@@ -263,3 +263,23 @@ def test_gqa_dkv_bulk_add_compiles(name, head_dim):
     assert "red.global" not in report.ptx
     assert report.ptx.count("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32") >= 3
     assert report.spill_bytes == 0 and not report.serialized_wgmma
+
+
+@pytest.mark.parametrize("head_dim,head_dim_v", [(192, None), (256, None), (192, 128)])
+def test_b9_peer_credit_hand_off_compiles(head_dim, head_dim_v):
+    """b9's prepared `dq_credit_from_peer` (off): each warpgroup's credit barrier for the one-share
+    dQ buffer counts the other warpgroup too (288 threads), no spills."""
+    from fa3 import _signatures as sig
+
+    spec = registry.get("b9")
+    cls = spec.load_class()
+    assert not cls.dq_credit_from_peer
+    peer = type("PeerCreditBackward", (cls,), {"dq_credit_from_peer": True})
+    value = {"head_dim_v": head_dim_v} if head_dim_v else {}
+    kernel = peer(dtype=sig.cute_dtype(torch.bfloat16), head_dim=head_dim, causal=False, **value,
+                  **spec.config_for(head_dim, head_dim_v))
+    args = sig.backward_args(torch.bfloat16, head_dim, False, False, head_dim_v)
+    report = _compile.build_report(lambda extra_options: _compile._compile_kernel(kernel, args, extra_options))
+    # the writer's first credit, the peer's arrivals and the warpgroups' waits
+    assert "bar.arrive 2, 288;" in report.ptx and report.ptx.count(", 288;") >= 4
+    assert report.spill_bytes == 0 and not report.serialized_wgmma
