@@ -34,6 +34,10 @@ its entry's last row reads the next entry's rows: their LSE is taken as +inf (P 
 they add exact zeros to dQ and nothing to dK and dV, and the dQ accumulator needs no padding
 between entries (only tile_m rows of slack at the end).
 
+Two concepts live in modules of their own and come in as mixins: the order of the dQ adds
+(bwd_order.py: unordered, or ordered by counters, reversed or rotated) and the dK/dV epilogue
+(bwd_dkv_store.py).
+
 Constraints: head_dim 64/96/128/192/256; tile_m and tile_n multiples of 64 (WGMMA's 64-row atom; P and dS
 rows fill a 128-byte swizzle atom). Where a GEMM's M is 64 the two warpgroups split its N.
 """
@@ -44,26 +48,17 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
+from .bwd_dkv_store import DkvEpilogue
+from .bwd_order import DqOrder
 from .common import accum, mask, mma, pipeline, scheduler, seqlen, smem, softmax, tma
 from .common.statistics import QueryStatistics
 
 
-class AttentionBackward(QueryStatistics):
+class AttentionBackward(QueryStatistics, DqOrder, DkvEpilogue):
     mma_warpgroups = 2
     p_in_smem = True  # P goes through SMEM for dV (B3 keeps it in registers)
-    # GQA (FP32 dK/dV summed over each group, not deterministic): rows out of SMEM by 1-D bulk
-    # reduce-adds instead of one scalar atomic per element (`add_dkv_rows`; B2 on: measured faster)
-    dkv_bulk_add = False
     q_tile_multiple = 64  # Q tiles are M of S and dQ: whole 64-row WGMMA atoms (B6: N of both)
     kv_tile_multiple = 64  # K/V tiles are M of dK/dV; P and dS rows fill a 128-byte swizzle atom
-    # B2 on: ordered (deterministic) walks without a mask start at different Q tiles too
-    # (`rotates_ordered`); B1 walks every K/V tile's Q tiles from the first
-    rotated_ordered_walk = False
-    # The rotated order makes a CTA wait for adds of higher-numbered K/V tiles of its head, so all
-    # of a head's K/V tiles must be resident at once (one CTA an SM): with more tiles than SMs it
-    # deadlocked (d256 at 12k: 192 tiles, 132 SMs). A bound well under any Hopper part's SM
-    # count (78 on the smallest), which keeps the measured gains (2k: 16-32 tiles)
-    rotated_walk_max_kv_tiles = 32
 
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 64, tile_n: int = 128,
                  q_stages: int = 2, deterministic: bool = False, local: bool = False,
@@ -240,25 +235,6 @@ class AttentionBackward(QueryStatistics):
             return self.kv_order(n_block, blocks), head, batch, seq
         kv_tiles = (mK.shape[0] + self.tile_n - 1) // self.tile_n  # (seqlen, d, heads, batch)
         return self.kv_order(block, kv_tiles), head, batch, seqlen.fixed(mQ.shape[0], mK.shape[0])
-
-    @property
-    def kv_reversed(self) -> bool:
-        """Deterministic causal or windowed: each Q tile's K/V tiles add in descending order."""
-        return self.ordered_dq and (self.causal or self.local)
-
-    @cute.jit
-    def kv_order(self, block: Int32, kv_tiles: Int32) -> Int32:
-        """The K/V tile of the entry's block-th CTA: block itself, or, reversed (`kv_reversed`), the
-        last tile first. Deterministic adds to Q tile m go in the order of its K/V tiles' CTAs.
-        Under a causal mask the highest of them (the diagonal's) starts its walk at m, and a lower
-        one reaches m later in its walk (it starts further up): adding from the top down, no CTA
-        waits on another in steady state, and the ones waited on are launched first. Ascending,
-        K/V tile n could add to its first Q tile only after n - 1 had walked down to it, a
-        wavefront across the head."""
-        n_block = block
-        if cutlass.const_expr(self.kv_reversed):
-            n_block = cutlass.max(kv_tiles - 1 - block, 0)  # 0 for a varlen CTA past the last tile
-        return n_block
 
     def make_pipelines(self, storage, sQ_layout, sKV_layout, consumer_warps):
         """(Q/dO ring, K/V single stage): each stage's Q and dO (K and V) land on one barrier (with
@@ -488,67 +464,12 @@ class AttentionBackward(QueryStatistics):
         if cutlass.const_expr(self.ordered_dq):
             accum.ordered_end(counter, ctx.tidx, barrier_fn)
 
-    def dq_counter(self, mLock: cute.Tensor, seq, m_block: Int32, head: Int32, batch: Int32):
-        """Pointer to Q tile m_block's counter. Varlen: entry b's tiles count from
-        cu_seqlens_q[b] // tile_m + b, which leaves every entry room for all of its tiles."""
-        if cutlass.const_expr(self.varlen):
-            return accum.elem_ptr(mLock, (0, head, self.packed_q_tile(seq, m_block, batch)))
-        return accum.elem_ptr(mLock, (batch, head, m_block))
-
     def packed_q_tile(self, seq, m_block: Int32, batch: Int32) -> Int32:
         """Varlen: Q tile m_block of entry `batch` among whole-tile slots per head (the dQ counters,
         the fragment-order dQ accumulator): entry b's tiles count from cu_seqlens_q[b] // tile_m + b,
         which leaves every entry room for all of its tiles; total_q // tile_m + entries + 1 slots
         hold them all (seq's offsets clamped into the packed rows, seqlen.py)."""
         return seq.offset_q // self.tile_m + batch + m_block
-
-    @cute.jit
-    def wait_dq_turn(self, mLock: cute.Tensor, seq, m_block: Int32, n_block: Int32, head: Int32,
-                     batch: Int32, window, thread: Int32, barrier_fn):
-        """Deterministic dQ: wait until Q tile m_block's counter reaches this K/V tile's turn;
-        returns the counter, for accum.ordered_end once the adds are visible."""
-        counter = self.dq_counter(mLock, seq, m_block, head, batch)
-        turn = self.dq_turn(m_block, n_block, seq.seqlen_q, seq.seqlen_k, window)
-        accum.ordered_begin(counter, turn, thread, barrier_fn)
-        return counter
-
-    @cute.jit
-    def dq_turn(self, m_block: Int32, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32, window) -> Int32:
-        """Deterministic dQ: this K/V tile's place among Q tile m_block's contributors, which are
-        n_block_min(m) .. n_block_max(m) - 1 (a window's first is not 0), counted from the last
-        when `kv_reversed`."""
-        turn = n_block
-        if cutlass.const_expr(self.kv_reversed):
-            last = mask.n_block_max(m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.causal,
-                                    window=window) - 1
-            turn = last - n_block
-        elif cutlass.const_expr(window is not None):
-            turn = n_block - mask.n_block_min(m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k,
-                                              window=window)
-        elif cutlass.const_expr(self.rotates_unmasked):
-            # K/V tile n walks the Q tiles from tile n (`rotates_ordered`): Q tile m is reached
-            # first by K/V tile min(m, kv_tiles - 1), then by the ones below it, cyclically. Ranking
-            # the adds in that order, each CTA finds its turn come as it arrives (ascending turns
-            # made a wavefront: K/V tile n waited n steps before its first add)
-            kv_tiles = (seqlen_k + self.tile_n - 1) // self.tile_n
-            if self.rotates_ordered(seqlen_q, seqlen_k):
-                turn = (cutlass.min(m_block, kv_tiles - 1) - n_block + kv_tiles) % kv_tiles
-        return turn
-
-    @property
-    def rotates_unmasked(self) -> bool:
-        """Whether this variant's ordered walks may rotate (`rotated_ordered_walk`, no mask)."""
-        return self.rotated_ordered_walk and not (self.causal or self.local)
-
-    @cute.jit
-    def rotates_ordered(self, seqlen_q: Int32, seqlen_k: Int32):
-        """Whether an ordered walk without a mask starts at Q tile n_block (`rotated_ordered_walk`):
-        when the entry has no more K/V tiles than Q tiles, so that the starts are distinct, and
-        few enough to be resident together (`rotated_walk_max_kv_tiles`); else in order, where
-        each CTA waits only for lower-numbered ones (launched first)."""
-        kv_tiles = (seqlen_k + self.tile_n - 1) // self.tile_n
-        q_tiles = (seqlen_q + self.tile_m - 1) // self.tile_m
-        return kv_tiles <= q_tiles and kv_tiles <= self.rotated_walk_max_kv_tiles
 
     @cute.jit
     def compute_step(self, ctx, s, stage, m_block: Int32, n_block: Int32, head: Int32, batch: Int32,
@@ -573,97 +494,3 @@ class AttentionBackward(QueryStatistics):
     def sync_consumers(self):
         """Every thread that holds dK/dV meets (B1: the whole CTA; B2 on: the consumers)."""
         cute.arch.sync_threads()
-
-    @cute.jit
-    def store_dkv(self, ctx, s, mdK: cute.Tensor, mdV: cute.Tensor, n_block: Int32, head: Int32,
-                  batch: Int32, softmax_scale: Float32, heads_q: Int32):
-        """dK * softmax_scale and dV, rows past seqlen_k skipped: rounded to the output's dtype
-        into this head's slice through SMEM (`store_dkv_rows`), or in FP32 (GQA) from registers:
-        without determinism added with atomics into the slice of the group's KV head
-        (heads_kv heads), deterministic into this query head's slice."""
-        group_sum = cutlass.const_expr(mdK.element_type == Float32 and not self.deterministic)
-        slice_head = head // (heads_q // mdK.shape[2]) if group_sum else head
-        if cutlass.const_expr(mdK.element_type == self.dtype):
-            self.store_dkv_rows(ctx, s, mdK, mdV, n_block, head, batch, softmax_scale)
-        elif cutlass.const_expr(group_sum and self.dkv_bulk_add):
-            self.add_dkv_rows(ctx, s, mdK, mdV, n_block, slice_head, batch, softmax_scale)
-        else:
-            self.store_dkv_fp32(ctx, mdK, mdV, n_block, slice_head, batch, softmax_scale, group_sum)
-
-    @cute.jit
-    def store_dkv_rows(self, ctx, s, mdK: cute.Tensor, mdV: cute.Tensor, n_block: Int32, head: Int32,
-                       batch: Int32, softmax_scale: Float32):
-        """dK and dV rounded into the SMEM K and V tiles (free once every GEMM of the walk is done;
-        stmatrix, 8x8 blocks), then out row by row in 16-byte vectors, rows past the entry's
-        seqlen_k skipped. Direct stores from the accumulator would be 2-byte scalars (a thread
-        holds pairs of columns 8 rows apart): 128 a thread at d128."""
-        self.sync_consumers()  # both warpgroups are done reading sK and sV
-        dk = cute.make_rmem_tensor_like(ctx.acc_dk, self.dtype)
-        dk.store((ctx.acc_dk.load() * softmax_scale).to(self.dtype))
-        self.dkv_to_smem(ctx, dk, s.sK[None, None, 0], ctx.dkv)
-        self.dkv_to_smem(ctx, mma.to_dtype(ctx.acc_dv, self.dtype), s.sV[None, None, 0], ctx.dv)
-        self.sync_consumers()
-        first = (n_block * self.tile_n, 0)  # the tile's rows in the entry's (seqlen_k, d) rows
-        gdK = cute.domain_offset(first, seqlen.rows(tma.seq_major(mdK), head, batch, ctx.seq.offset_k, self.varlen))
-        gdV = cute.domain_offset(first, seqlen.rows(tma.seq_major(mdV), head, batch, ctx.seq.offset_k, self.varlen))
-        rows, threads = ctx.seq.seqlen_k - n_block * self.tile_n, 128 * self.mma_warpgroups
-        tiles = ((s.sK[None, None, 0], gdK), (s.sV[None, None, 0], gdV))
-        if cutlass.const_expr(self.head_dim_v == self.head_dim):
-            smem.store_rows(tiles, rows, ctx.tidx, threads)  # a row of each in the same pass
-        else:
-            for tile in tiles:
-                smem.store_rows((tile,), rows, ctx.tidx, threads)
-
-    @cute.jit
-    def dkv_to_smem(self, ctx, frag: cute.Tensor, sX: cute.Tensor, tiled: cute.TiledMma):
-        """A rounded dK or dV accumulator of `tiled` into the (tile_n, d) SMEM tile sX, with
-        stmatrix."""
-        mma.store_to_smem(frag, tiled, ctx.tidx, sX)
-
-    @cute.jit
-    def add_dkv_rows(self, ctx, s, mdK: cute.Tensor, mdV: cute.Tensor, n_block: Int32, head_kv: Int32,
-                     batch: Int32, softmax_scale: Float32):
-        """GQA: dK * softmax_scale, then dV, each as FP32 rows into the free Q/dO/K/V SMEM
-        (`scratch`, rows padded by 4 floats: a warp's 8-byte stores of 8 rows meet 2-way bank
-        conflicts, not 8-way), and added into the KV head's FP32 rows by one 1-D bulk reduce-add
-        a row (thread r issues row r; rows past the entry's seqlen_k skipped). The scratch is
-        rewritten for dV once every row's bulk read of dK is done."""
-        rows_left = ctx.seq.seqlen_k - n_block * self.tile_n
-        first = ctx.seq.offset_k + n_block * self.tile_n  # the entry's plane, or the packed rows
-        entry = 0 if cutlass.const_expr(self.varlen) else batch
-        ctx.acc_dk.store(ctx.acc_dk.load() * softmax_scale)
-        for acc, thr, mX, d in ((ctx.acc_dk, ctx.thr_dkv, mdK, self.head_dim),
-                                (ctx.acc_dv, ctx.thr_dv, mdV, self.head_dim_v)):
-            stride = d + 4  # 16-byte aligned rows (d a multiple of 8)
-            sX = cute.make_tensor(s.scratch, cute.make_layout((self.tile_n, d), stride=(stride, 1)))
-            self.sync_consumers()  # the walk's GEMMs (dK) or the previous rows' bulk reads (dV) are done
-            cute.autovec_copy(acc, thr.partition_C(self.dkv_view(sX)))
-            cute.arch.fence_view_async_shared()  # generic-proxy writes, read by the bulk copies
-            self.sync_consumers()
-            r = ctx.tidx
-            if r < cutlass.min(rows_left, self.tile_n):
-                tma.bulk_reduce_add_f32(accum.elem_ptr(sX, (r, 0)),
-                                        accum.elem_ptr(mX, (entry, first + r, head_kv, 0)), d * 4)
-                cute.arch.cp_async_bulk_commit_group()
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-
-    @cute.jit
-    def store_dkv_fp32(self, ctx, mdK: cute.Tensor, mdV: cute.Tensor, n_block: Int32, slice_head: Int32,
-                       batch: Int32, softmax_scale: Float32, group_sum: cutlass.Constexpr):
-        """FP32 dK/dV (GQA) from the accumulators, element by element, into head `slice_head`:
-        added with atomics (`group_sum`) or stored (see store_dkv)."""
-        offset = ctx.seq.offset_k
-        rows_left = ctx.seq.seqlen_k - n_block * self.tile_n
-        for acc, thr, mX, d, scale in ((ctx.acc_dk, ctx.thr_dkv, mdK, self.head_dim, softmax_scale),
-                                       (ctx.acc_dv, ctx.thr_dv, mdV, self.head_dim_v, None)):
-            coords = thr.partition_C(self.dkv_view(cute.make_identity_tensor((self.tile_n, d))))
-            gX = thr.partition_C(self.dkv_view(cute.local_tile(
-                seqlen.rows(tma.seq_major(mX), slice_head, batch, offset, self.varlen), (self.tile_n, d),
-                (n_block, 0))))
-            for i in cutlass.range(cute.size(acc), unroll_full=True):
-                if coords[i][0] < rows_left:
-                    value = acc[i] * scale if cutlass.const_expr(scale is not None) else acc[i]
-                    if cutlass.const_expr(group_sum):
-                        accum.add_element(gX, i, value)
-                    else:
-                        gX[i] = value.to(mX.element_type)

@@ -1,0 +1,110 @@
+"""The backward's dQ order: which K/V tile's CTA adds its share of a Q tile's dQ when.
+
+Unordered (the default where it is faster), every CTA adds with reduce-adds as it goes. Ordered
+(`ordered_dq`: deterministic, or b2 at d256 for speed), each Q tile has an int32 counter and the
+K/V tiles add their shares to it one at a time in a fixed order (common/accum.py: wait for the
+counter to reach the CTA's turn, add, make the add visible, bump it), so the FP32 sums are the
+same bits every run. The order:
+
+    causal or windowed (`kv_reversed`): descending K/V tiles, the CTAs numbered from the last tile,
+        so the diagonal's CTA, whose walk reaches the Q tile first, adds first and is launched first;
+    no mask: ascending K/V tiles, or rotated (`rotates_ordered`: K/V tile n starts its walk at Q
+        tile n and Q tile m takes its adds in the order the walks bring them).
+
+A CTA may only wait for CTAs launched before it, or for CTAs that are resident with it: the GPU
+launches CTAs in order as earlier ones finish, so a wait on one that cannot launch until the waiter
+finishes never ends. The rotated order waits on higher-numbered K/V tiles of the same head, so it
+is used only where a head's K/V tiles fit on the GPU at once (`rotated_walk_max_kv_tiles`).
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+
+from .common import accum, mask
+
+
+class DqOrder:
+    # B2 on: ordered (deterministic) walks without a mask start at different Q tiles too
+    # (`rotates_ordered`); B1 walks every K/V tile's Q tiles from the first
+    rotated_ordered_walk = False
+    # The rotated order makes a CTA wait for adds of higher-numbered K/V tiles of its head, so all
+    # of a head's K/V tiles must be resident at once (one CTA an SM): with more tiles than SMs it
+    # deadlocked (d256 at 12k: 192 tiles, 132 SMs). A bound well under any Hopper part's SM
+    # count (78 on the smallest), which keeps the measured gains (2k: 16-32 tiles)
+    rotated_walk_max_kv_tiles = 32
+
+    @property
+    def kv_reversed(self) -> bool:
+        """Deterministic causal or windowed: each Q tile's K/V tiles add in descending order."""
+        return self.ordered_dq and (self.causal or self.local)
+
+    @cute.jit
+    def kv_order(self, block: Int32, kv_tiles: Int32) -> Int32:
+        """The K/V tile of the entry's block-th CTA: block itself, or, reversed (`kv_reversed`), the
+        last tile first. Deterministic adds to Q tile m go in the order of its K/V tiles' CTAs.
+        Under a causal mask the highest of them (the diagonal's) starts its walk at m, and a lower
+        one reaches m later in its walk (it starts further up): adding from the top down, no CTA
+        waits on another in steady state, and the ones waited on are launched first. Ascending,
+        K/V tile n could add to its first Q tile only after n - 1 had walked down to it, a
+        wavefront across the head."""
+        n_block = block
+        if cutlass.const_expr(self.kv_reversed):
+            n_block = cutlass.max(kv_tiles - 1 - block, 0)  # 0 for a varlen CTA past the last tile
+        return n_block
+
+    def dq_counter(self, mLock: cute.Tensor, seq, m_block: Int32, head: Int32, batch: Int32):
+        """Pointer to Q tile m_block's counter. Varlen: entry b's tiles count from
+        cu_seqlens_q[b] // tile_m + b, which leaves every entry room for all of its tiles."""
+        if cutlass.const_expr(self.varlen):
+            return accum.elem_ptr(mLock, (0, head, self.packed_q_tile(seq, m_block, batch)))
+        return accum.elem_ptr(mLock, (batch, head, m_block))
+
+
+    @cute.jit
+    def wait_dq_turn(self, mLock: cute.Tensor, seq, m_block: Int32, n_block: Int32, head: Int32,
+                     batch: Int32, window, thread: Int32, barrier_fn):
+        """Deterministic dQ: wait until Q tile m_block's counter reaches this K/V tile's turn;
+        returns the counter, for accum.ordered_end once the adds are visible."""
+        counter = self.dq_counter(mLock, seq, m_block, head, batch)
+        turn = self.dq_turn(m_block, n_block, seq.seqlen_q, seq.seqlen_k, window)
+        accum.ordered_begin(counter, turn, thread, barrier_fn)
+        return counter
+
+    @cute.jit
+    def dq_turn(self, m_block: Int32, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32, window) -> Int32:
+        """Deterministic dQ: this K/V tile's place among Q tile m_block's contributors, which are
+        n_block_min(m) .. n_block_max(m) - 1 (a window's first is not 0), counted from the last
+        when `kv_reversed`."""
+        turn = n_block
+        if cutlass.const_expr(self.kv_reversed):
+            last = mask.n_block_max(m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.causal,
+                                    window=window) - 1
+            turn = last - n_block
+        elif cutlass.const_expr(window is not None):
+            turn = n_block - mask.n_block_min(m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k,
+                                              window=window)
+        elif cutlass.const_expr(self.rotates_unmasked):
+            # K/V tile n walks the Q tiles from tile n (`rotates_ordered`): Q tile m is reached
+            # first by K/V tile min(m, kv_tiles - 1), then by the ones below it, cyclically. Ranking
+            # the adds in that order, each CTA finds its turn come as it arrives (ascending turns
+            # made a wavefront: K/V tile n waited n steps before its first add)
+            kv_tiles = (seqlen_k + self.tile_n - 1) // self.tile_n
+            if self.rotates_ordered(seqlen_q, seqlen_k):
+                turn = (cutlass.min(m_block, kv_tiles - 1) - n_block + kv_tiles) % kv_tiles
+        return turn
+
+    @property
+    def rotates_unmasked(self) -> bool:
+        """Whether this variant's ordered walks may rotate (`rotated_ordered_walk`, no mask)."""
+        return self.rotated_ordered_walk and not (self.causal or self.local)
+
+    @cute.jit
+    def rotates_ordered(self, seqlen_q: Int32, seqlen_k: Int32):
+        """Whether an ordered walk without a mask starts at Q tile n_block (`rotated_ordered_walk`):
+        when the entry has no more K/V tiles than Q tiles, so that the starts are distinct, and
+        few enough to be resident together (`rotated_walk_max_kv_tiles`); else in order, where
+        each CTA waits only for lower-numbered ones (launched first)."""
+        kv_tiles = (seqlen_k + self.tile_n - 1) // self.tile_n
+        q_tiles = (seqlen_q + self.tile_m - 1) // self.tile_m
+        return kv_tiles <= q_tiles and kv_tiles <= self.rotated_walk_max_kv_tiles
