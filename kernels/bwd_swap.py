@@ -61,16 +61,17 @@ class SwappedBackward(WarpSpecializedBackward):
 
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 64, tile_n: int = 128,
                  q_stages: int = 2, deterministic: bool = False, local: bool = False,
-                 softcap: bool = False, varlen: bool = False, ordered_dq: bool = False):
+                 softcap: bool = False, varlen: bool = False, ordered_dq: bool = False,
+                 head_dim_v: int | None = None):
         assert q_stages == 2, "the two dS buffers follow the Q stage index"
         assert tile_n == 128, "each of the two consumer warpgroups owns 64 keys"
         super().__init__(dtype, head_dim, causal, tile_m, tile_n, q_stages, deterministic, local,
-                         softcap, varlen, ordered_dq)
+                         softcap, varlen, ordered_dq, head_dim_v)
 
     # ---------------------------------------------------------------- host side
-    def smem_layouts(self):
+    def smem_layouts(self, head_dim: int | None = None):
         """Q/dO staged as B2's; dS^T (tile_n, tile_m) with one buffer per Q stage."""
-        sQ_layout, sKV_layout, _ = super().smem_layouts()
+        sQ_layout, sKV_layout, _ = super().smem_layouts(head_dim)
         return sQ_layout, sKV_layout, smem.tile_layout(self.dtype, self.tile_n, self.tile_m, self.q_stages)
 
     # ---------------------------------------------------------------- device side
@@ -80,19 +81,28 @@ class SwappedBackward(WarpSpecializedBackward):
     def tiled_mmas(self):
         wgs = self.mma_warpgroups
         return (mma.tiled_mma(self.dtype, self.tile_n, self.tile_m, warpgroups=wgs),  # S^T and dP^T
-                mma.tiled_mma(self.dtype, self.tile_n, self.head_dim, b_major="MN", a_in_regs=True,
-                              warpgroups=wgs),
+                self.dkv_mma(self.head_dim),
                 mma.tiled_mma(self.dtype, self.tile_m, self.head_dim, a_major="MN", b_major="MN",
                               warpgroups=wgs))
+
+    def dkv_mma(self, head_dim: int):
+        """dK's (head_dim) or dV's (head_dim_v) tiled MMA: A (P^T or dS^T) from registers."""
+        return mma.tiled_mma(self.dtype, self.tile_n, head_dim, b_major="MN", a_in_regs=True,
+                             warpgroups=self.mma_warpgroups)
 
     def operand_fragments(self, s, wg_sdp, wg_dkv, wg_dq) -> dict:
         """K and V are the A operands of S^T and dP^T; dV and dK take A from registers."""
         t = mma.transpose_view
+        dv = self.dv_operands(s, wg_dkv) if self.head_dim_v == self.head_dim else {}  # (else mma_setup's)
         return dict(
             tSrK=mma.fragment_A(wg_sdp, s.sK), tSrQ=mma.fragment_B(wg_sdp, s.sQ),
             tdPrV=mma.fragment_A(wg_sdp, s.sV), tdPrdO=mma.fragment_B(wg_sdp, s.sdO),
-            tdVrdOt=mma.fragment_B(wg_dkv, t(s.sdO)), tdKrQt=mma.fragment_B(wg_dkv, t(s.sQ)),
+            **dv, tdKrQt=mma.fragment_B(wg_dkv, t(s.sQ)),
             **self.dq_fragments(s, wg_dq))
+
+    def dv_operands(self, s, wg_dv) -> dict:
+        """dV's B fragment, dO^T (its A, P^T, comes from registers)."""
+        return dict(tdVrdOt=mma.fragment_B(wg_dv, mma.transpose_view(s.sdO)))
 
     def dq_fragments(self, s, wg_dq) -> dict:
         """dQ = dS K: dS (the transposed view of sdS^T) is A, K^T is B."""
@@ -170,7 +180,7 @@ class SwappedBackward(WarpSpecializedBackward):
     def dv_gemm(self, ctx, acc_p, stage, wait: cutlass.Constexpr):
         """dV += P^T dO with P^T from registers (rounded from `acc_p`); wait until `wait` remain."""
         p = mma.to_dtype(acc_p, self.dtype)
-        mma.gemm(ctx.dkv, ctx.acc_dv, mma.as_a_operand(p), ctx.tdVrdOt[None, None, None, stage], wait=wait)
+        mma.gemm(ctx.dv, ctx.acc_dv, mma.as_a_operand(p), ctx.tdVrdOt[None, None, None, stage], wait=wait)
 
     @cute.jit
     def dq_gemm(self, ctx, stage):

@@ -110,6 +110,9 @@ def test_backward_deterministic_variant_compiles(name):
     ("b9", dict(head_dim=192, head_dim_v=128, causal=False, deterministic=True, gqa=True), ("wgmma.mma_async",)),
     ("b2", dict(head_dim=128, head_dim_v=64, causal=False, gqa=True, varlen=True), ("cp.reduce.async.bulk",)),
     ("b2", dict(head_dim=192, head_dim_v=128, causal=True, deterministic=True), ("wgmma.mma_async",)),
+    # prepared, not yet in the S^T rungs' value_head_dims (not run on a GPU): (128, 64) on b7 and b4
+    ("b7", dict(head_dim=128, head_dim_v=64, causal=True), ("wgmma.mma_async",)),
+    ("b4", dict(head_dim=128, head_dim_v=64, causal=False, gqa=True, varlen=True), ("cp.reduce.async.bulk",)),
     # FP8 packed batches (V^T read from each entry's own 16-aligned column)
     ("f1", dict(head_dim=128, causal=True, varlen=True), (".e4m3.e4m3", "vote.sync.ballot")),
     ("f1", dict(head_dim=256, causal=False, varlen=True, local=True), (".e4m3.e4m3", "vote.sync.ballot")),
