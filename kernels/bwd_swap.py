@@ -93,12 +93,11 @@ class SwappedBackward(WarpSpecializedBackward):
     def operand_fragments(self, s, wg_sdp, wg_dkv, wg_dq) -> dict:
         """K and V are the A operands of S^T and dP^T; dV and dK take A from registers."""
         t = mma.transpose_view
-        dv = self.dv_operands(s, wg_dkv) if self.head_dim_v == self.head_dim else {}  # (else mma_setup's)
-        return dict(
-            tSrK=mma.fragment_A(wg_sdp, s.sK), tSrQ=mma.fragment_B(wg_sdp, s.sQ),
-            tdPrV=mma.fragment_A(wg_sdp, s.sV), tdPrdO=mma.fragment_B(wg_sdp, s.sdO),
-            **dv, tdKrQt=mma.fragment_B(wg_dkv, t(s.sQ)),
-            **self.dq_fragments(s, wg_dq))
+        frags = dict(tSrK=mma.fragment_A(wg_sdp, s.sK), tSrQ=mma.fragment_B(wg_sdp, s.sQ),
+                     tdPrV=mma.fragment_A(wg_sdp, s.sV), tdPrdO=mma.fragment_B(wg_sdp, s.sdO))
+        if self.head_dim_v == self.head_dim:  # (else mma_setup's)
+            frags.update(self.dv_operands(s, wg_dkv))
+        return dict(**frags, tdKrQt=mma.fragment_B(wg_dkv, t(s.sQ)), **self.dq_fragments(s, wg_dq))
 
     def dv_operands(self, s, wg_dv) -> dict:
         """dV's B fragment, dO^T (its A, P^T, comes from registers)."""
