@@ -87,7 +87,8 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
                                               or getattr(sinks, "requires_grad", False))
     # the backward rung, checked now where there will be a backward (v's head dim, the variants)
     backward_spec = _dispatch.memo_rung(_dispatch.backward_rung, backward_kernel, q.shape[3],
-                                        bool(deterministic), v.shape[3] if needs_grad else None)
+                                        bool(deterministic), v.shape[3] if needs_grad else None,
+                                        causal or window != (-1, -1))
     if window != (-1, -1) or softcap:
         mask = masking.masking(causal, window, softcap, scale)
         _dispatch.check_variants(spec, mask, "kernel")

@@ -42,6 +42,9 @@ class KernelSpec:
     # The head dims where kernel=None may pick this rung for deterministic=True (None: all of
     # head_dims); at the others its ordered dQ adds are slower than a lower rung's.
     deterministic_head_dims: tuple | None = None
+    # The head dims where kernel=None may pick this rung for calls without a mask (neither causal
+    # nor windowed; None: all of head_dims); at the others a lower rung is faster unmasked.
+    unmasked_head_dims: tuple | None = None
     # Workspace for materialised scores (K1 only): the interface allocates it.
     needs_scores_workspace: bool = False
     # A persistent grid (one CTA per SM): the kernel takes the SM count as its last argument.
@@ -266,6 +269,9 @@ KERNELS: dict[str, KernelSpec] = {
             # deterministic at d256: 0.53-0.71x of b9 (its ordered adds come in two halves each
             # and 48-key tiles make the chain of a Q tile's contributors long); b2's 0.80-1.06x
             deterministic_head_dims=(192,),
+            # without a mask at d256 b2 ran ahead (H200, two rounds, 2k / 8k / 16k: 346.7 / 359.5 /
+            # 374.0 against 342.7 / 356.2 / 360.2 TFLOP/s); with one b9 leads by 4-11%
+            unmasked_head_dims=(192,),
             ptx_promises=_BWD_WS_PTX + ("stmatrix.sync.aligned.m8n8.x4.trans",), ptx_forbids=_BWD_WS_FORBIDS,
             speed_rank=7, variants=VARIANTS,
         ),
@@ -338,12 +344,15 @@ def available_kernels(family: str | None = None, head_dim: int | None = None) ->
 
 
 def fastest(family: str, head_dim: int | None = None, deterministic: bool = False,
-            head_dim_v: int | None = None) -> KernelSpec:
+            head_dim_v: int | None = None, masked: bool = True) -> KernelSpec:
     """The highest-ranked rung of `family` that supports head_dim (and, `deterministic`, is
-    chosen for deterministic calls there: `deterministic_head_dims`; and takes v's head_dim_v
-    where it differs: `value_head_dims`)."""
+    chosen for deterministic calls there: `deterministic_head_dims`; without a mask (`masked`
+    False), for unmasked calls: `unmasked_head_dims`; and takes v's head_dim_v where it differs:
+    `value_head_dims`)."""
     def serves(s):
         dims = s.deterministic_head_dims if deterministic and s.deterministic_head_dims is not None else s.head_dims
+        if not masked and s.unmasked_head_dims is not None:
+            dims = tuple(d for d in dims if d in s.unmasked_head_dims)
         if head_dim_v not in (None, head_dim) and (head_dim, head_dim_v) not in s.value_head_dims:
             return False
         return head_dim is None or head_dim in dims

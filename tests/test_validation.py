@@ -266,6 +266,35 @@ def test_deterministic_calls_dispatch_to_their_own_rung():
     assert _dispatch.backward_rung(None, 256, True).name == "b2" != _dispatch.backward_rung(None, 256).name
 
 
+def test_unmasked_calls_dispatch_by_mask(no_device_check):
+    """kernel=None without a causal mask or window skips a rung at the head dims outside its
+    `unmasked_head_dims` (b9 at d256: b2 ran ahead there), and fa3.attention / attention_varlen
+    ask with their mask."""
+    from unittest import mock
+
+    from fa3 import _dispatch
+
+    assert _dispatch.backward_rung(None, 256, masked=False).name == "b2"
+    assert _dispatch.backward_rung(None, 256).name == "b9" == _dispatch.backward_rung(None, 192, masked=False).name
+    for d in (64, 96, 128):
+        assert _dispatch.backward_rung(None, d, masked=False) is _dispatch.backward_rung(None, d)
+    asked = []
+    memo = _dispatch.memo_rung
+
+    def spy(resolve, *args):  # every backward rung the entry points ask for, memoized or not
+        if resolve is _dispatch.backward_rung:
+            asked.append(args[-1])
+        return memo(resolve, *args)
+
+    meta = [torch.empty(2, 16, 4, 256, device="meta", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
+    cu = torch.tensor([0, 16, 32], dtype=torch.int32, device="meta")
+    with mock.patch.object(_dispatch, "memo_rung", spy):
+        for causal, window in ((False, (-1, -1)), (True, (-1, -1)), (False, (8, 8))):
+            fa3.attention(*meta, causal=causal, window_size=window)
+            fa3.attention_varlen(*(t.flatten(0, 1) for t in meta), cu, cu, causal=causal, window_size=window)
+    assert asked == [False, False, True, True, True, True]
+
+
 def test_backward_op_checks_its_arguments(no_device_check):
     q, k, v = qkv(heads_kv=4)  # CPU tensors run the op's real body (meta ones its fake)
     out, lse = torch.empty_like(q), torch.empty(2, 4, 16)
