@@ -3,16 +3,18 @@ backward TFLOP/s of fa3's default rungs, an explicit backward rung (--kernels), 
 take the pair, in the FlashAttention-3 paper's setting (16k tokens, 2048 / d heads).
 
     python benchmarks/bench_value_head_dim.py --pairs 192:128,128:64 --seqlens 2048,8192 \
-        --kernels b2 --peers sdpa-cudnn,fa4
+        --kernels b2 --peers sdpa-cudnn,fa4 --rounds 2
 
 FLOPs are counted per GEMM: the forward 2 sq sk (d + dv) per head (Q K^T and P V), the backward
 2 sq sk (3 d + 2 dv) (S again, dP, dV, dK, dQ), halved for causal. A peer that refuses the pair is
-reported and skipped.
+reported and skipped. --rounds N times each shape's runners N times in turn (order reversed every
+other round) and keeps each runner's median, so columns do not depend on their order.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 
 import torch
 
@@ -42,6 +44,7 @@ def main(argv=None) -> int:
     ap.add_argument("--causal", choices=["both", "true", "false"], default="both")
     ap.add_argument("--kernels", default="", help="backward rungs timed beside the default (e.g. b2)")
     ap.add_argument("--peers", default="sdpa-cudnn,fa4")
+    ap.add_argument("--rounds", type=int, default=1)
     args = ap.parse_args(argv)
     pairs = [tuple(int(x) for x in p.split(":")) for p in args.pairs.split(",")]
     seqlens = [int(s) for s in args.seqlens.split(",")]
@@ -62,20 +65,30 @@ def main(argv=None) -> int:
             for causal in causals:
                 for backward in (False, True):
                     runners = [fa3_runner("fa3")] + ([fa3_runner(f"fa3 {k}", k) for k in extra] if backward else [])
-                    runners += peers
-                    for runner in runners:
-                        r = as_backward(runner) if backward else runner
-                        label = f"({d},{dv}) s{seqlen} {'causal' if causal else 'full'} {'bwd' if backward else 'fwd'}"
-                        try:
-                            with r.context():
-                                ms = measure(r.make(q, k, v, causal))
-                        except Exception as exc:  # a peer that refuses the pair
-                            progress(f"{label} {r.name}: skipped ({type(exc).__name__}: {str(exc)[:80]})")
-                            continue
-                        tf = tflops(pair_flops(batch, heads, seqlen, d, dv, causal, backward), ms)
-                        progress(f"{label} {r.name:14s} {ms:8.3f} ms {tf:7.1f} TFLOP/s")
-                        rows.append([f"({d}, {dv})", seqlen, "causal" if causal else "full",
-                                     "bwd" if backward else "fwd", r.name, f"{tf:.1f}"])
+                    runners = [as_backward(r) if backward else r for r in runners + peers]
+                    label = f"({d},{dv}) s{seqlen} {'causal' if causal else 'full'} {'bwd' if backward else 'fwd'}"
+                    times = {r.name: [] for r in runners}
+                    for rnd in range(args.rounds):
+                        for r in (runners if rnd % 2 == 0 else runners[::-1]):
+                            if times[r.name] is None:
+                                continue
+                            try:
+                                with r.context():
+                                    ms = measure(r.make(q, k, v, causal))
+                            except Exception as exc:  # a peer that refuses the pair
+                                progress(f"{label} {r.name}: skipped ({type(exc).__name__}: {str(exc)[:80]})")
+                                times[r.name] = None
+                                continue
+                            times[r.name].append(ms)
+                            tf = tflops(pair_flops(batch, heads, seqlen, d, dv, causal, backward), ms)
+                            progress(f"{label} {r.name:14s} {ms:8.3f} ms {tf:7.1f} TFLOP/s  "
+                                     f"(round {rnd + 1}/{args.rounds})")
+                    for r in runners:
+                        if times[r.name]:
+                            ms = statistics.median(times[r.name])
+                            tf = tflops(pair_flops(batch, heads, seqlen, d, dv, causal, backward), ms)
+                            rows.append([f"({d}, {dv})", seqlen, "causal" if causal else "full",
+                                         "bwd" if backward else "fwd", r.name, f"{tf:.1f}"])
     print(format_table(["d, dv", "seqlen", "mask", "pass", "runner", "TFLOP/s"], rows))
     return 0
 

@@ -86,3 +86,16 @@ def test_racecheck_summary_is_read_exactly():
     assert not racecheck_clean("========= RACECHECK SUMMARY: 100 hazards displayed (1161346 errors, 0 warnings)")
     assert not racecheck_clean("========= RACECHECK SUMMARY: 10 hazards displayed (10 errors, 0 warnings)")
     assert not racecheck_clean("done")
+
+
+def test_value_head_dim_flops_count_each_gemm():
+    """bench_value_head_dim's FLOPs: with dv == d the papers' count (forward 4 d, backward 2.5x);
+    with dv != d each GEMM at its own width, halved causal."""
+    from bench_value_head_dim import pair_flops
+
+    from fa3.timing import attention_flops
+
+    assert pair_flops(2, 3, 1024, 128, 128, False, False) == attention_flops(2, 3, 1024, 1024, 128, False)
+    assert pair_flops(2, 3, 1024, 128, 128, True, True) == 2.5 * attention_flops(2, 3, 1024, 1024, 128, True)
+    assert pair_flops(1, 1, 10, 192, 128, False, False) == 2 * (192 + 128) * 100
+    assert pair_flops(1, 1, 10, 192, 128, False, True) == 2 * (3 * 192 + 2 * 128) * 100
