@@ -28,12 +28,17 @@ _LOCK = threading.Lock()
 _CACHE: dict[tuple, object] = {}
 
 
+def _key_dims(head_dim, head_dim_v):
+    """A compile key's head dims: head_dim, or (head_dim, head_dim_v) where v's differs (so keys
+    of calls with equal head dims stay as they were)."""
+    return head_dim if head_dim_v in (None, head_dim) else (head_dim, head_dim_v)
+
+
 def attention_key(spec, dtype, head_dim, causal, varlen=False, local=False, softcap=False,
                   sinks=False, head_dim_v=None) -> tuple:
     cfg = spec.config_for(head_dim, head_dim_v)
     variant = (bool(varlen), bool(local), bool(softcap), bool(sinks))
-    dims = head_dim if head_dim_v in (None, head_dim) else (head_dim, head_dim_v)
-    return (spec.name, str(dtype), dims, bool(causal), *((variant,) if any(variant) else ()),
+    return (spec.name, str(dtype), _key_dims(head_dim, head_dim_v), bool(causal), *((variant,) if any(variant) else ()),
             tuple(sorted(cfg.items())), _dsl.TARGET_ARCH, _dsl.version())
 
 
@@ -126,8 +131,7 @@ def get_attention(spec, dtype, head_dim, causal, varlen=False, local=False, soft
 def backward_key(spec, dtype, head_dim, causal, deterministic=False, gqa=False, local=False,
                  softcap=False, varlen=False, head_dim_v=None) -> tuple:
     cfg = spec.config_for(head_dim, head_dim_v)
-    dims = head_dim if head_dim_v in (None, head_dim) else (head_dim, head_dim_v)
-    return (spec.name, str(dtype), dims, bool(causal), bool(deterministic), bool(gqa),
+    return (spec.name, str(dtype), _key_dims(head_dim, head_dim_v), bool(causal), bool(deterministic), bool(gqa),
             bool(local), bool(softcap), bool(varlen), tuple(sorted(cfg.items())), _dsl.TARGET_ARCH,
             _dsl.version())
 
@@ -185,8 +189,7 @@ def get_backward_preprocess(dtype, head_dim, head_dim_v=None):
     fast_key = ("bwd_pre", dtype, head_dim, head_dim_v)
     fn = _FAST.get(fast_key)
     if fn is None:
-        dims = head_dim if head_dim_v in (None, head_dim) else (head_dim, head_dim_v)
-        key = ("bwd_pre", str(dtype), dims, _dsl.TARGET_ARCH, _dsl.version())
+        key = ("bwd_pre", str(dtype), _key_dims(head_dim, head_dim_v), _dsl.TARGET_ARCH, _dsl.version())
         fn = _FAST[fast_key] = _cached(key, lambda: _build_preprocess(dtype, head_dim, head_dim_v))
     return fn
 

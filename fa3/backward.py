@@ -88,7 +88,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False,
     dv need only the lse, which includes the sinks; dsinks depends on out, lse and dout alone, so
     it is the same for every key block of a merged result: take it once.)"""
     spec = check_backward(dout, q, k, v, out, lse, backward_kernel, sinks=sinks, deterministic=deterministic,
-                          masked=bool(causal) or tuple(window_size) != (-1, -1))
+                          masked=masking.is_masked(causal, window_size))
     return _backward(spec, (dout, q, k, v, out, lse), None, causal, softmax_scale, window_size, softcap,
                      deterministic, sinks)
 
@@ -101,7 +101,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     gradient of a given forward result, e.g. one key block's share of a merged one. Sequences may
     be empty; a query row whose sequence has no key gets dq = 0."""
     spec = check_backward(dout, q, k, v, out, lse, backward_kernel, (cu_seqlens_q, cu_seqlens_k), sinks,
-                          deterministic, bool(causal) or tuple(window_size) != (-1, -1))
+                          deterministic, masking.is_masked(causal, window_size))
     return _backward(spec, (dout, q, k, v, out, lse), (cu_seqlens_q, cu_seqlens_k), causal, softmax_scale,
                      window_size, softcap, deterministic, sinks)
 
