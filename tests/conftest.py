@@ -55,6 +55,44 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
+def poison_allocator(nbytes=1 << 28):
+    """Fill a large block of the caching allocator's memory with NaN and free it: the gradients
+    and scratch buffers allocated next reuse it, so anything left unwritten reads as NaN."""
+    torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").fill_(float("nan"))
+
+
+def autograd_grads(fn, q, k, v, dout):
+    """(out, dq, dk, dv) of fn(q, k, v) through autograd, on fresh leaves, the gradients' memory
+    poisoned first."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v)
+    poison_allocator()
+    out.backward(dout)
+    return out, q.grad, k.grad, v.grad
+
+
+def reference_grads(q, k, v, dout, causal, scale, dtype, window=(-1, -1), softcap=0.0):
+    """(out, dq, dk, dv) of the reference attention computed in `dtype` (float64: the exact ones)."""
+    def fn(q, k, v):
+        return attention_reference(q, k, v, causal=causal, softmax_scale=scale, dtype=dtype,
+                                   window_size=window, softcap=softcap)[0]
+
+    q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v)
+    out.backward(dout.to(dtype))
+    return out, q.grad, k.grad, v.grad
+
+
+def assert_close_to_reference(got, exact, low, dtype, floor):
+    """(out, dq, dk, dv) against float64, within 2x PyTorch's own error in `dtype` (+ floor)."""
+    for name, g, ref, base in zip(("out", "dq", "dk", "dv"), got, exact, low):
+        assert g.shape == ref.shape and g.dtype == dtype
+        assert torch.isfinite(g).all(), f"{name} has NaN/inf"
+        err, base_err = rel_err(g, ref), rel_err(base.to(ref.dtype), ref)
+        assert err <= 2 * base_err + floor, f"{name}: rel err {err:.2e} vs PyTorch {dtype} {base_err:.2e}"
+    return got
+
+
 def raises_with(fn, exc, *words, **call):
     """fn(**call) raises `exc` whose message contains every word of `words`; returns the message."""
     with pytest.raises(exc) as info:

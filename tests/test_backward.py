@@ -12,9 +12,9 @@ import torch
 
 import fa3
 from fa3 import registry
-from fa3.reference import attention_reference
 
-from conftest import HEAD_DIM_PARAM, MEMCHECK, RACECHECK, compute_sanitizer, racecheck_clean, rel_err, run_script
+from conftest import (HEAD_DIM_PARAM, MEMCHECK, RACECHECK, assert_close_to_reference, autograd_grads, compute_sanitizer,
+                      poison_allocator, racecheck_clean, reference_grads, rel_err, run_script)
 
 pytestmark = pytest.mark.gpu
 BWD_RUNGS = registry.available_kernels(registry.BACKWARD)
@@ -30,12 +30,6 @@ SHAPES = [
 ]
 
 
-def _poison_allocator(nbytes=1 << 28):
-    """Fill a large block of the caching allocator's memory with NaN and free it: the gradients
-    and scratch buffers allocated next reuse it, so anything left unwritten reads as NaN."""
-    torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").fill_(float("nan"))
-
-
 def _inputs(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype=torch.bfloat16, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
 
@@ -47,35 +41,6 @@ def _inputs(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype=torch.
     v = randn(batch, seqlen_k, heads_kv, head_dim)
     dout = randn(batch, seqlen_q, heads_q, head_dim)
     return q, k, v, dout
-
-
-def _grads(fn, q, k, v, dout):
-    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    out = fn(q, k, v)
-    _poison_allocator()
-    out.backward(dout)
-    return out, q.grad, k.grad, v.grad
-
-
-def _reference_grads(q, k, v, dout, causal, scale, dtype, window=(-1, -1), softcap=0.0):
-    def fn(q, k, v):
-        return attention_reference(q, k, v, causal=causal, softmax_scale=scale, dtype=dtype,
-                                   window_size=window, softcap=softcap)[0]
-
-    q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
-    out = fn(q, k, v)
-    out.backward(dout.to(dtype))
-    return out, q.grad, k.grad, v.grad
-
-
-def assert_close_to_reference(got, exact, low, dtype, floor):
-    """(out, dq, dk, dv) against float64, within 2x PyTorch's own error in `dtype` (+ floor)."""
-    for name, g, ref, base in zip(("out", "dq", "dk", "dv"), got, exact, low):
-        assert g.shape == ref.shape and g.dtype == dtype
-        assert torch.isfinite(g).all(), f"{name} has NaN/inf"
-        err, base_err = rel_err(g, ref), rel_err(base.to(ref.dtype), ref)
-        assert err <= 2 * base_err + floor, f"{name}: rel err {err:.2e} vs PyTorch {dtype} {base_err:.2e}"
-    return got
 
 
 def skip_unsupported(kernel, head_dim):
@@ -93,12 +58,12 @@ def rung_head_dim(kernel, preferred=128):
 def check_grads(q, k, v, dout, causal, scale=None, kernel=None, deterministic=False, floor=1e-3,
                 window=(-1, -1), softcap=0.0):
     skip_unsupported(kernel, q.shape[-1])
-    got = _grads(lambda q, k, v: fa3.attention(q, k, v, causal=causal, softmax_scale=scale,
+    got = autograd_grads(lambda q, k, v: fa3.attention(q, k, v, causal=causal, softmax_scale=scale,
                                                backward_kernel=kernel, deterministic=deterministic,
                                                window_size=window, softcap=softcap),
                  q, k, v, dout)
-    exact = _reference_grads(q, k, v, dout, causal, scale, torch.float64, window, softcap)
-    low = _reference_grads(q, k, v, dout, causal, scale, q.dtype, window, softcap)
+    exact = reference_grads(q, k, v, dout, causal, scale, torch.float64, window, softcap)
+    low = reference_grads(q, k, v, dout, causal, scale, q.dtype, window, softcap)
     return assert_close_to_reference(got, exact, low, q.dtype, floor)
 
 
@@ -140,7 +105,7 @@ def test_window_deterministic_is_bitwise_repeatable(kernel):
     q, k, v, dout = _inputs(2, 1000, 1000, 4, 2, rung_head_dim(kernel))
     call = dict(causal=True, window_size=(200, -1), softcap=5.0, backward_kernel=kernel, deterministic=True)
     first = check_grads(q, k, v, dout, True, kernel=kernel, deterministic=True, window=(200, -1), softcap=5.0)
-    again = _grads(lambda q, k, v: fa3.attention(q, k, v, **call), q, k, v, dout)
+    again = autograd_grads(lambda q, k, v: fa3.attention(q, k, v, **call), q, k, v, dout)
     for a, b in zip(first, again):
         assert torch.equal(a, b)
 
@@ -181,7 +146,7 @@ def test_deterministic_is_bitwise_repeatable(kernel, causal):
     q, k, v, dout = _inputs(2, 1000, 1000, 4, 2, rung_head_dim(kernel))
     first = check_grads(q, k, v, dout, causal, kernel=kernel, deterministic=True)
     for _ in range(3):
-        again = _grads(lambda q, k, v: fa3.attention(q, k, v, causal=causal, backward_kernel=kernel,
+        again = autograd_grads(lambda q, k, v: fa3.attention(q, k, v, causal=causal, backward_kernel=kernel,
                                                      deterministic=True), q, k, v, dout)
         for a, b in zip(first, again):
             assert torch.equal(a, b)
@@ -194,9 +159,9 @@ def test_attention_backward_function_matches_autograd(kernel):
     q, k, v, dout = _inputs(2, 514, 300, 4, 2, rung_head_dim(kernel))
     for causal in (True, False):
         call = dict(causal=causal, backward_kernel=kernel, deterministic=True)
-        ref = _grads(lambda q, k, v: fa3.attention(q, k, v, **call), q, k, v, dout)
+        ref = autograd_grads(lambda q, k, v: fa3.attention(q, k, v, **call), q, k, v, dout)
         out, lse = fa3.attention(q, k, v, causal=causal, return_lse=True)
-        _poison_allocator()
+        poison_allocator()
         got = fa3.attention_backward(dout, q, k, v, out, lse, **call)
         for a, b in zip(got, ref[1:]):
             assert torch.equal(a, b)
@@ -212,14 +177,14 @@ def test_long_sequence_against_sdpa():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     q, k, v, dout = _inputs(1, 32768, 32768, 2, 2, 128)
-    got = _grads(lambda q, k, v: fa3.attention(q, k, v, causal=True), q, k, v, dout)
+    got = autograd_grads(lambda q, k, v: fa3.attention(q, k, v, causal=True), q, k, v, dout)
 
     def sdpa(q, k, v):
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             return torch.nn.functional.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True).transpose(1, 2)
 
-    ref = _grads(sdpa, q, k, v, dout)
+    ref = autograd_grads(sdpa, q, k, v, dout)
     for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref):
         assert rel_err(g, r) < 2e-2, f"{name}: {rel_err(g, r):.2e} against SDPA"
 
@@ -282,9 +247,9 @@ def test_checkpoint_and_compile_match_eager():
     def f(q, k, v):
         return fa3.attention(q, k, v, causal=True)
 
-    eager = _grads(f, q, k, v, dout)
-    ckpt = _grads(lambda q, k, v: checkpoint(f, q, k, v, use_reentrant=False), q, k, v, dout)
-    compiled = _grads(torch.compile(f, fullgraph=True), q, k, v, dout)
+    eager = autograd_grads(f, q, k, v, dout)
+    ckpt = autograd_grads(lambda q, k, v: checkpoint(f, q, k, v, use_reentrant=False), q, k, v, dout)
+    compiled = autograd_grads(torch.compile(f, fullgraph=True), q, k, v, dout)
     for a, b, c in zip(eager, ckpt, compiled):
         assert rel_err(b, a) < 1e-6 and rel_err(c, a) < 1e-6
 
@@ -391,7 +356,7 @@ def _varlen_inputs(lens_q, lens_k, heads_q, heads_kv, head_dim, dtype=torch.bflo
     return q, k, v, dout, offsets(lens_q), offsets(lens_k)
 
 
-def _varlen_reference_grads(q, k, v, dout, cu_q, cu_k, causal, dtype, window, softcap):
+def _varlenreference_grads(q, k, v, dout, cu_q, cu_k, causal, dtype, window, softcap):
     """Each entry through the padded reference on its own; entries without keys give zeros."""
     parts = []
     cu_q, cu_k = cu_q.tolist(), cu_k.tolist()
@@ -400,7 +365,7 @@ def _varlen_reference_grads(q, k, v, dout, cu_q, cu_k, causal, dtype, window, so
         if sk.stop == sk.start or sq.stop == sq.start:
             parts.append([torch.zeros_like(t[s], dtype=dtype) for t, s in ((q, sq), (q, sq), (k, sk), (v, sk))])
             continue
-        got = _reference_grads(q[None, sq], k[None, sk], v[None, sk], dout[None, sq], causal, None, dtype,
+        got = reference_grads(q[None, sq], k[None, sk], v[None, sk], dout[None, sq], causal, None, dtype,
                                window, softcap)
         parts.append([t[0] for t in got])
     return [torch.cat(ts) for ts in zip(*parts)]
@@ -414,9 +379,9 @@ def check_varlen_grads(q, k, v, dout, cu_q, cu_k, causal, kernel=None, determini
         return fa3.attention_varlen(q, k, v, cu_q, cu_k, causal=causal, window_size=window, softcap=softcap,
                                     backward_kernel=kernel, deterministic=deterministic)
 
-    got = _grads(fn, q, k, v, dout)
-    exact = _varlen_reference_grads(q, k, v, dout, cu_q, cu_k, causal, torch.float64, window, softcap)
-    low = _varlen_reference_grads(q, k, v, dout, cu_q, cu_k, causal, q.dtype, window, softcap)
+    got = autograd_grads(fn, q, k, v, dout)
+    exact = _varlenreference_grads(q, k, v, dout, cu_q, cu_k, causal, torch.float64, window, softcap)
+    low = _varlenreference_grads(q, k, v, dout, cu_q, cu_k, causal, q.dtype, window, softcap)
     return assert_close_to_reference(got, exact, low, q.dtype, floor)
 
 
@@ -449,7 +414,7 @@ def test_varlen_deterministic_is_bitwise_repeatable(kernel, causal):
     q, k, v, dout, cu_q, cu_k = inputs
     first = check_varlen_grads(*inputs, causal, kernel=kernel, deterministic=True)
     for _ in range(2):
-        again = _grads(lambda q, k, v: fa3.attention_varlen(q, k, v, cu_q, cu_k, causal=causal, backward_kernel=kernel,
+        again = autograd_grads(lambda q, k, v: fa3.attention_varlen(q, k, v, cu_q, cu_k, causal=causal, backward_kernel=kernel,
                                                             deterministic=True), q, k, v, dout)
         for a, b in zip(first, again):
             assert torch.equal(a, b)
@@ -463,14 +428,14 @@ def test_varlen_matches_padded_and_compiles():
     def packed(q, k, v):
         return fa3.attention_varlen(q, k, v, cu_q, cu_k, causal=True)
 
-    eager = _grads(packed, q, k, v, dout)
-    compiled = _grads(torch.compile(packed, fullgraph=True), q, k, v, dout)
-    named = _grads(lambda q, k, v: fa3.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 200, 200, causal=True),
+    eager = autograd_grads(packed, q, k, v, dout)
+    compiled = autograd_grads(torch.compile(packed, fullgraph=True), q, k, v, dout)
+    named = autograd_grads(lambda q, k, v: fa3.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 200, 200, causal=True),
                    q, k, v, dout)
     for a, b, c in zip(eager, compiled, named):
         assert torch.equal(a, b) and torch.equal(a, c)
     for i, (s, e) in enumerate(((0, 200), (200, 257))):
-        one = _grads(lambda q, k, v: fa3.attention(q, k, v, causal=True),
+        one = autograd_grads(lambda q, k, v: fa3.attention(q, k, v, causal=True),
                      *(t[None, s:e] for t in (q, k, v, dout)))
         for name, a, b in zip(("out", "dq", "dk", "dv"), eager, one):
             assert rel_err(a[s:e], b[0]) < 1e-2, f"entry {i} {name}"

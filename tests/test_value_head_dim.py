@@ -12,7 +12,7 @@ import fa3
 from fa3 import _compile, registry
 from fa3.reference import attention_reference
 
-from conftest import raises_with, rel_err
+from conftest import assert_close_to_reference, autograd_grads, raises_with, reference_grads, rel_err
 
 gpu = pytest.mark.gpu
 BF16 = torch.bfloat16
@@ -159,23 +159,12 @@ def test_variants_and_varlen(d, dv):
         assert (rel_err(got, o[0]) < 1.5e-2) if o.abs().sum() else not got.any()
 
 
-def _grads(fn, q, k, v, dout):
-    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    out = fn(q, k, v)
-    torch.empty(1 << 26, device=q.device).fill_(float("nan"))  # freed: the gradients reuse it
-    out.backward(dout)
-    return out, q.grad, k.grad, v.grad
-
-
-def _check_grads(fn, ref_fn, q, k, v, dout, floor=1e-3):
+def _check_grads(fn, q, k, v, dout, causal, window=(-1, -1), softcap=0.0):
     """fa3's (out, dq, dk, dv) against float64, within 2x the error of the same math in bf16."""
-    got = _grads(fn, q, k, v, dout)
-    exact = _grads(lambda *x: ref_fn(*x, torch.float64), *(t.double() for t in (q, k, v, dout)))
-    low = _grads(lambda *x: ref_fn(*x, BF16), q, k, v, dout)
-    for name, g, e, lo in zip(("out", "dq", "dk", "dv"), got, exact, low):
-        assert g.shape == e.shape and torch.isfinite(g).all(), name
-        err, base = rel_err(g, e), rel_err(lo.double(), e)
-        assert err <= 2 * base + floor, f"{name}: rel err {err:.2e} vs bf16 {base:.2e}"
+    got = autograd_grads(fn, q, k, v, dout)
+    exact = reference_grads(q, k, v, dout, causal, None, torch.float64, window, softcap)
+    low = reference_grads(q, k, v, dout, causal, None, BF16, window, softcap)
+    assert_close_to_reference(got, exact, low, BF16, floor=1e-3)
 
 
 @gpu
@@ -190,7 +179,7 @@ def test_gradients_match_reference(d, dv, causal, deterministic, shape):
     q, k, v = _inputs(batch, sq, sk, hq, hkv, d, dv, seed=sq + d + causal)
     dout = torch.randn(batch, sq, hq, dv, device="cuda", dtype=BF16)
     _check_grads(lambda q, k, v: fa3.attention(q, k, v, causal=causal, deterministic=deterministic),
-                 lambda q, k, v, dt: attention_reference(q, k, v, causal=causal, dtype=dt)[0], q, k, v, dout)
+                 q, k, v, dout, causal)
 
 
 @gpu
@@ -199,20 +188,18 @@ def test_gradients_on_b2_and_variants(d, dv):
     """b2 at (192, 128) too; a window with softcap; a packed batch against the padded one."""
     q, k, v = _inputs(2, 300, 300, 4, 2, d, dv, seed=7)
     dout = torch.randn(2, 300, 4, dv, device="cuda", dtype=BF16)
-    _check_grads(lambda q, k, v: fa3.attention(q, k, v, causal=True, backward_kernel="b2"),
-                 lambda q, k, v, dt: attention_reference(q, k, v, causal=True, dtype=dt)[0], q, k, v, dout)
-    kw = dict(causal=True, window_size=(100, 0), softcap=20.0)
-    _check_grads(lambda q, k, v: fa3.attention(q, k, v, **kw),
-                 lambda q, k, v, dt: attention_reference(q, k, v, dtype=dt, **kw)[0], q, k, v, dout)
+    _check_grads(lambda q, k, v: fa3.attention(q, k, v, causal=True, backward_kernel="b2"), q, k, v, dout, True)
+    _check_grads(lambda q, k, v: fa3.attention(q, k, v, causal=True, window_size=(100, 0), softcap=20.0),
+                 q, k, v, dout, True, window=(100, 0), softcap=20.0)
     lens = [1, 177, 0, 122]  # 300 tokens
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
     qp, kp, vp, dp = q[0], k[0], v[0], dout[0]
-    got = _grads(lambda q, k, v: fa3.attention_varlen(q, k, v, cu, cu, causal=True), qp, kp, vp, dp)
+    got = autograd_grads(lambda q, k, v: fa3.attention_varlen(q, k, v, cu, cu, causal=True), qp, kp, vp, dp)
     c = cu.tolist()
     for b in range(len(lens)):
         if lens[b] == 0:
             continue
-        one = _grads(lambda q, k, v: fa3.attention(q, k, v, causal=True),
+        one = autograd_grads(lambda q, k, v: fa3.attention(q, k, v, causal=True),
                      *(t[None, c[b]:c[b + 1]] for t in (qp, kp, vp, dp)))
         for name, g, r in zip(("out", "dq", "dk", "dv"), got, one):
             assert rel_err(g[c[b]:c[b + 1]], r[0]) < 1e-2, f"entry {b} {name}"
