@@ -228,12 +228,29 @@ def _short(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0][:160] if lines else ''}"
 
 
+def alternating_rounds(runners, rounds: int, time_one) -> tuple[dict, dict]:
+    """Each runner timed `rounds` times in turn, the order reversed every other round (a runner
+    timed right after a long one runs on a hotter, lower-clocked GPU, which in one run made a
+    backward column 10-12% slower than its twin at s8k). time_one(runner, round) returns
+    milliseconds, or a reason (str) to skip that runner from then on. Returns ({name: median ms,
+    of two rounds the faster}, {name: skip reason})."""
+    times, skipped = {}, {}
+    for rnd in range(rounds):
+        for r in (runners if rnd % 2 == 0 else runners[::-1]):
+            if r.name in skipped:
+                continue
+            got = time_one(r, rnd)
+            if isinstance(got, str):
+                skipped[r.name] = got
+                times.pop(r.name, None)
+            else:
+                times.setdefault(r.name, []).append(got)
+    return {name: sorted(ts)[(len(ts) - 1) // 2] for name, ts in times.items()}, skipped
+
+
 def sweep(runners, head_dims, causals, seqlens, *, warmup, repeats, max_call_s,
           flops_factor: float = 1.0, rounds: int = 1, gqa: int = 1) -> list[dict]:
-    """Every runner at every shape. With rounds > 1 the runners of a shape are timed `rounds`
-    times, in turn, the order reversed every other round, and each keeps the median of its rounds:
-    a runner timed right after a long one runs on a hotter (lower-clocked) GPU, which in one run
-    made a backward column 10-12% slower than its twin at s8k."""
+    """Every runner at every shape; with rounds > 1 in `alternating_rounds`."""
     guard = SizeGuard(max_call_s)
     rows = []
     for head_dim in head_dims:
@@ -244,41 +261,36 @@ def sweep(runners, head_dims, causals, seqlens, *, warmup, repeats, max_call_s,
                 label = (f"d{head_dim} {'causal' if causal else 'full  '} s{seqlen:<5} "
                          f"b{batch:<2} h{heads:<2}")
                 q, k, v = make_inputs(batch, seqlen, heads, head_dim, gqa=gqa)
-                results, times = {}, {}
-                for rnd in range(rounds):
-                    for r in (runners if rnd % 2 == 0 else runners[::-1]):
-                        if r.name in results:  # skipped in an earlier round
-                            continue
-                        key = (r.name, head_dim, causal)
-                        reason = r.skip(batch, seqlen, heads, head_dim) or (
-                            guard.skip_reason(key, flops) if rnd == 0 else None)
-                        if reason is None:
-                            try:
-                                ms = run_one(r, q, k, v, causal, warmup=warmup, repeats=repeats,
-                                             max_call_s=max_call_s)
-                            except TooSlow as slow:
-                                guard.record(key, flops, slow.args[0])
-                                reason = f"one call took {slow.args[0] / 1e3:.1f} s > {max_call_s:g} s"
-                            except Exception as exc:  # a peer without a kernel for this shape, OOM, ...
-                                reason = _short(exc)
-                                torch.cuda.empty_cache()
-                            else:
-                                guard.record(key, flops, ms)
-                                times.setdefault(r.name, []).append(ms)
-                                progress(f"{label}  {r.name:<10} {ms:10.3f} ms {tflops(flops, ms):7.1f} TFLOP/s"
-                                         + (f"  (round {rnd + 1}/{rounds})" if rounds > 1 else ""))
-                                continue
-                        results[r.name] = {"skipped": reason}
-                        times.pop(r.name, None)
-                        progress(f"{label}  {r.name:<10} skipped: {reason}")
-                for r in runners:
-                    if r.name in times:
-                        ms = sorted(times[r.name])[(len(times[r.name]) - 1) // 2]  # (of two: the faster)
-                        results[r.name] = {"ms": ms, "tflops": tflops(flops, ms)}
+
+                def time_one(r, rnd):
+                    key = (r.name, head_dim, causal)
+                    reason = r.skip(batch, seqlen, heads, head_dim) or (
+                        guard.skip_reason(key, flops) if rnd == 0 else None)
+                    if reason is None:
+                        try:
+                            ms = run_one(r, q, k, v, causal, warmup=warmup, repeats=repeats,
+                                         max_call_s=max_call_s)
+                        except TooSlow as slow:
+                            guard.record(key, flops, slow.args[0])
+                            reason = f"one call took {slow.args[0] / 1e3:.1f} s > {max_call_s:g} s"
+                        except Exception as exc:  # a peer without a kernel for this shape, OOM, ...
+                            reason = _short(exc)
+                            torch.cuda.empty_cache()
+                        else:
+                            guard.record(key, flops, ms)
+                            progress(f"{label}  {r.name:<10} {ms:10.3f} ms {tflops(flops, ms):7.1f} TFLOP/s"
+                                     + (f"  (round {rnd + 1}/{rounds})" if rounds > 1 else ""))
+                            return ms
+                    progress(f"{label}  {r.name:<10} skipped: {reason}")
+                    return reason
+
+                medians, skipped = alternating_rounds(runners, rounds, time_one)
+                results = {name: {"skipped": reason} for name, reason in skipped.items()}
+                results.update({name: {"ms": ms, "tflops": tflops(flops, ms)} for name, ms in medians.items()})
                 rows.append(dict(head_dim=head_dim, causal=causal, seqlen=seqlen, batch=batch,
                                  heads=heads, results={r.name: results[r.name] for r in runners
                                                        if r.name in results}))
-                del q, k, v
+                q = k = v = None  # freed before the next shape's inputs
     return rows
 
 

@@ -7,19 +7,18 @@ take the pair, in the FlashAttention-3 paper's setting (16k tokens, 2048 / d hea
 
 FLOPs are counted per GEMM: the forward 2 sq sk (d + dv) per head (Q K^T and P V), the backward
 2 sq sk (3 d + 2 dv) (S again, dP, dV, dK, dQ), halved for causal. A peer that refuses the pair is
-reported and skipped. --rounds N times each shape's runners N times in turn (order reversed every
-other round) and keeps each runner's median, so columns do not depend on their order.
+reported and skipped. --rounds N: bench_attention's alternating rounds (each runner's median), so
+columns do not depend on their order.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
 import fa3
-from bench_attention import as_backward, paper_shape, peer_runners, Runner
+from bench_attention import Runner, alternating_rounds, as_backward, paper_shape, peer_runners
 from fa3.timing import tflops
 from timing import format_table, measure, progress
 
@@ -64,31 +63,28 @@ def main(argv=None) -> int:
             v = torch.randn(batch, seqlen, heads, dv, device="cuda", dtype=torch.bfloat16, generator=gen)
             for causal in causals:
                 for backward in (False, True):
-                    runners = [fa3_runner("fa3")] + ([fa3_runner(f"fa3 {k}", k) for k in extra] if backward else [])
+                    runners = [fa3_runner("fa3")] + ([fa3_runner(f"fa3 {name}", name) for name in extra] if backward else [])
                     runners = [as_backward(r) if backward else r for r in runners + peers]
                     label = f"({d},{dv}) s{seqlen} {'causal' if causal else 'full'} {'bwd' if backward else 'fwd'}"
-                    times = {r.name: [] for r in runners}
-                    for rnd in range(args.rounds):
-                        for r in (runners if rnd % 2 == 0 else runners[::-1]):
-                            if times[r.name] is None:
-                                continue
-                            try:
-                                with r.context():
-                                    ms = measure(r.make(q, k, v, causal))
-                            except Exception as exc:  # a peer that refuses the pair
-                                progress(f"{label} {r.name}: skipped ({type(exc).__name__}: {str(exc)[:80]})")
-                                times[r.name] = None
-                                continue
-                            times[r.name].append(ms)
-                            tf = tflops(pair_flops(batch, heads, seqlen, d, dv, causal, backward), ms)
-                            progress(f"{label} {r.name:14s} {ms:8.3f} ms {tf:7.1f} TFLOP/s  "
-                                     f"(round {rnd + 1}/{args.rounds})")
+                    flops = pair_flops(batch, heads, seqlen, d, dv, causal, backward)
+
+                    def time_one(r, rnd):
+                        try:
+                            with r.context():
+                                ms = measure(r.make(q, k, v, causal))
+                        except Exception as exc:  # a peer that refuses the pair
+                            progress(f"{label} {r.name}: skipped ({type(exc).__name__}: {str(exc)[:80]})")
+                            return type(exc).__name__
+                        progress(f"{label} {r.name:14s} {ms:8.3f} ms {tflops(flops, ms):7.1f} TFLOP/s  "
+                                 f"(round {rnd + 1}/{args.rounds})")
+                        return ms
+
+                    medians, _ = alternating_rounds(runners, args.rounds, time_one)
                     for r in runners:
-                        if times[r.name]:
-                            ms = statistics.median(times[r.name])
-                            tf = tflops(pair_flops(batch, heads, seqlen, d, dv, causal, backward), ms)
+                        if r.name in medians:
                             rows.append([f"({d}, {dv})", seqlen, "causal" if causal else "full",
-                                         "bwd" if backward else "fwd", r.name, f"{tf:.1f}"])
+                                         "bwd" if backward else "fwd", r.name,
+                                         f"{tflops(flops, medians[r.name]):.1f}"])
     print(format_table(["d, dv", "seqlen", "mask", "pass", "runner", "TFLOP/s"], rows))
     return 0
 

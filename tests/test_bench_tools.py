@@ -99,3 +99,23 @@ def test_value_head_dim_flops_count_each_gemm():
     assert pair_flops(2, 3, 1024, 128, 128, True, True) == 2.5 * attention_flops(2, 3, 1024, 1024, 128, True)
     assert pair_flops(1, 1, 10, 192, 128, False, False) == 2 * (192 + 128) * 100
     assert pair_flops(1, 1, 10, 192, 128, False, True) == 2 * (3 * 192 + 2 * 128) * 100
+
+
+def test_alternating_rounds_order_medians_and_skips():
+    """bench_attention's rounds: order reversed every other round, the median of each runner's
+    rounds (of two, the faster), a runner that asks to be skipped not timed again."""
+    from types import SimpleNamespace
+
+    from bench_attention import alternating_rounds
+
+    runners = [SimpleNamespace(name=n) for n in ("a", "b", "c")]
+    order, ms = [], {"a": [3.0, 1.0, 2.0], "b": [5.0, 4.0, 6.0]}
+
+    def time_one(r, rnd):
+        order.append(r.name)
+        return "refused" if r.name == "c" else ms[r.name][rnd]
+
+    medians, skipped = alternating_rounds(runners, 3, time_one)
+    assert order == ["a", "b", "c", "b", "a", "a", "b"]
+    assert medians == {"a": 2.0, "b": 5.0} and skipped == {"c": "refused"}
+    assert alternating_rounds(runners[:1], 2, lambda r, rnd: [2.0, 1.0][rnd])[0] == {"a": 1.0}
