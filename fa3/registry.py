@@ -88,7 +88,7 @@ _MMA_IN_FLIGHT = "wgmma.wait_group.sync.aligned \t1;"
 
 
 def _swapped_backward(name: str, module: str, cls: str, summary: str, *, head_dims: tuple,
-                      speed_rank: int) -> KernelSpec:
+                      speed_rank: int, value_head_dims: tuple = ()) -> KernelSpec:
     """A rung of the S^T backward line (b3 on): 64-row Q tiles against 128-row K/V tiles, two Q
     stages, dQ by bulk reduce-adds, each column's statistics by shuffles (or from SMEM).
     Deterministic calls go to b2 instead (`deterministic_head_dims` empty): H200, one run, b2
@@ -96,7 +96,7 @@ def _swapped_backward(name: str, module: str, cls: str, summary: str, *, head_di
     six at d96 (worklog/backward.md)."""
     return KernelSpec(name, BACKWARD, module, cls, summary, deterministic_head_dims=(),
                       config={"tile_m": 64, "tile_n": 128, "q_stages": 2}, head_dims=head_dims,
-                      ptx_promises=_BWD_SWAPPED_PTX, ptx_forbids=_BWD_WS_FORBIDS,
+                      value_head_dims=value_head_dims, ptx_promises=_BWD_SWAPPED_PTX, ptx_forbids=_BWD_WS_FORBIDS,
                       speed_rank=speed_rank, variants=VARIANTS)
 
 
@@ -258,8 +258,9 @@ KERNELS: dict[str, KernelSpec] = {
             "b7", "bwd_split_dq_t", "SplitTransposedDqBackward",
             "b6 + b4's dQ hand-off: each warpgroup's transposed dQ share through its own two "
             "buffers, met by the writer alone",
-            # b6's head dims: dQ^T stacks d over the warpgroups in 64-row WGMMA atoms
-            head_dims=(128,), speed_rank=6),
+            # b6's head dims: dQ^T stacks d over the warpgroups in 64-row WGMMA atoms; v's head
+            # dim 64 on dO, V and dV^T's MMA (P^T and dS^T stay 64 x 128 register fragments)
+            head_dims=(128,), value_head_dims=((128, 64),), speed_rank=6),
         KernelSpec(
             "b9", BACKWARD, "bwd_dkv_t", "TransposedDkvBackward",
             "b2 + dK and dV computed transposed (head dim on the WGMMA's M): 96-key tiles at d192, "

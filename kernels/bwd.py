@@ -57,6 +57,7 @@ from .common.statistics import QueryStatistics
 class AttentionBackward(QueryStatistics, DqOrder, DkvEpilogue):
     mma_warpgroups = 2
     p_in_smem = True  # P goes through SMEM for dV (B3 keeps it in registers)
+    dq_turn_barriers = 0  # mbarriers of B9's dQ turns (in the barriers' first 1 KB: no tile moves)
     q_tile_multiple = 64  # Q tiles are M of S and dQ: whole 64-row WGMMA atoms (B6: N of both)
     kv_tile_multiple = 64  # K/V tiles are M of dK/dV; P and dS rows fill a 128-byte swizzle atom
 
@@ -115,6 +116,7 @@ class AttentionBackward(QueryStatistics, DqOrder, DkvEpilogue):
         class SharedStorage:
             q_barriers: cute.struct.MemRange[Int64, 2 * self.q_stages]
             kv_barriers: cute.struct.MemRange[Int64, 2]
+            dq_turns: cute.struct.MemRange[Int64, max(1, self.dq_turn_barriers)]  # (1 keeps the field valid)
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]

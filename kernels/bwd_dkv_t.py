@@ -17,8 +17,12 @@ S, dP and dQ are B2's (S and dP split the keys among the warpgroups: 24 at d256,
 
 SMEM for two Q/dO stages: the FP32 dQ buffer holds one warpgroup's share (half a Q tile), and the
 warpgroups take turns: warpgroup 0 fills it, the writer warp adds it to global memory, hands it
-to warpgroup 1 once read, adds that one, hands it back (barriers DQ_EMPTY/DQ_FULL + 2 w for
-warpgroup w). Warpgroup 1 waits for the writer while its dV^T and dK^T GEMMs run.
+to warpgroup 1 once read, adds that one, hands it back. Warpgroup 1 waits for the writer while
+its dV^T and dK^T GEMMs run. The turns are mbarriers (full and empty per warpgroup, waited on
+by parity), not B2's named barriers: thread t of each warpgroup writes the same bytes, and
+compute-sanitizer's racecheck orders such writes through mbarriers but reports looped
+named-barrier hand-offs as hazards (a 96-thread model of these turns: 1024 reported with named
+barriers, 0 with mbarriers; both ran correctly).
 bf16 d192: Q/dO 2 x 48 KB, K/V 72 KB, P/dS 24 KB, dQ 24 KB = 217 KB; d256: Q/dO 2 x 64 KB,
 K/V 48 KB, P/dS 12 KB, dQ 32 KB = 220 KB.
 
@@ -31,21 +35,18 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
-from .bwd_ws import DQ_EMPTY, DQ_FULL, WarpSpecializedBackward
+from .bwd_ws import WarpSpecializedBackward
 from .common import accum, mma, smem
+
+# the dQ turns' mbarriers (`dq_turns`): full and empty of warpgroup w at 2 w and 2 w + 1
+TURN_FULL, TURN_EMPTY = 0, 1
 
 
 class TransposedDkvBackward(WarpSpecializedBackward):
     kv_tile_multiple = 16  # the keys are N of dK^T/dV^T (and of S, dP): 8 a warpgroup
     # deterministic walks in order: rotated (bwd.py), its two-part ordered adds ran 0.69x at 8k
     rotated_ordered_walk = False
-    # Prepared (off, not yet run on a GPU): each warpgroup's credit for the one-share dQ buffer is
-    # a barrier of the writer warp *and the other warpgroup*, which arrives on it right after its
-    # own share is handed over. compute-sanitizer's racecheck reports the turns as write-after-
-    # write hazards (thread t of warpgroup 0 and of warpgroup 1 write the same bytes, ordered only
-    # through the writer warp's two barriers); with the peer on the credit barrier both writers
-    # meet one barrier between their writes (`hand_off_dq`, `write_dq`)
-    dq_credit_from_peer = False
+    dq_turn_barriers = 4  # (full, empty) a warpgroup
 
     # ---------------------------------------------------------------- host side
     def dkv_split_n(self, head_dim: int | None = None) -> bool:
@@ -105,62 +106,58 @@ class TransposedDkvBackward(WarpSpecializedBackward):
         """dK^T or dV^T (rounded) into the (tile_n, d) tile sX through its transposed view."""
         mma.store_to_smem(frag, tiled, ctx.tidx, self.dkv_view(sX), transpose=True)
 
-    def credit_threads(self) -> int:
-        """Threads of a warpgroup's credit barrier (DQ_EMPTY + 2 w): the warpgroup and the writer
-        warp, and the other warpgroup too with `dq_credit_from_peer`."""
-        return 128 + 32 + (128 if self.dq_credit_from_peer else 0)
-
-    def consumer_setup(self, s, tidx, seq, window, softcap_scale, mLSE2, mD, head, batch):
-        ctx = super().consumer_setup(s, tidx, seq, window, softcap_scale, mLSE2, mD, head, batch)
-        self.peer_credit_first(ctx)
-        return ctx
+    def make_pipelines(self, storage, sQ_layout, sKV_layout, consumer_warps):
+        pipes = super().make_pipelines(storage, sQ_layout, sKV_layout, consumer_warps)
+        self.init_dq_turns(storage.dq_turns.data_ptr())  # made visible by pipeline.init_done
+        return pipes
 
     @cute.jit
-    def peer_credit_first(self, ctx):
-        """dq_credit_from_peer: warpgroup 1's arrival on warpgroup 0's first credit (the writer
-        gives the other one; afterwards each warpgroup arrives on the other's after its share)."""
-        if cutlass.const_expr(self.dq_credit_from_peer):
-            if ctx.tidx // 128 == 1:
-                cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=self.credit_threads())
+    def init_dq_turns(self, turns):
+        """Full: the warpgroup's 128 threads arrive once their share is in; empty: the writer
+        warp's 32 lanes once the bulk copy has read it."""
+        tidx, _, _ = cute.arch.thread_idx()
+        if tidx == 0:
+            for w in cutlass.range_constexpr(self.mma_warpgroups):
+                cute.arch.mbarrier_init(turns + 2 * w + TURN_FULL, 128)
+                cute.arch.mbarrier_init(turns + 2 * w + TURN_EMPTY, 32)
+
+    def smem_tensors(self, storage, sQ_layout, sKV_layout, sPdS_layout):
+        s = super().smem_tensors(storage, sQ_layout, sKV_layout, sPdS_layout)
+        s.dq_turns = storage.dq_turns.data_ptr()
+        return s
 
     @cute.jit
-    def hand_off_dq(self, ctx, s, acc_dq: cute.Tensor, buffer: Int32 = 0):
-        """Wait for this warpgroup's turn at the one-share SMEM buffer, fill it, tell the writer
-        (and, `dq_credit_from_peer`, the other warpgroup's credit barrier)."""
-        handoff = 128 + 32
-        warpgroup_idx = cute.arch.make_warp_uniform(ctx.tidx // 128)
-        cute.arch.barrier(barrier_id=DQ_EMPTY + 2 * warpgroup_idx, number_of_threads=self.credit_threads())
+    def hand_off_dq(self, ctx, s, acc_dq: cute.Tensor, buffer: Int32 = 0, step: Int32 = 0):
+        """Wait for this warpgroup's turn at the one-share SMEM buffer (its `step`-th, by parity),
+        fill it, tell the writer."""
+        w = cute.arch.make_warp_uniform(ctx.tidx // 128)
+        cute.arch.mbarrier_wait(s.dq_turns + 2 * w + TURN_EMPTY, step % 2)
         self.store_fragment(acc_dq, s.sdQ[None, 0], ctx.tidx % 128)
         cute.arch.fence_view_async_shared()  # generic-proxy writes, read by the bulk copy
-        cute.arch.barrier_arrive(barrier_id=DQ_FULL + 2 * warpgroup_idx, number_of_threads=handoff)
-        if cutlass.const_expr(self.dq_credit_from_peer):
-            cute.arch.barrier_arrive(barrier_id=DQ_EMPTY + 2 * (1 - warpgroup_idx),
-                                     number_of_threads=self.credit_threads())
+        cute.arch.mbarrier_arrive(s.dq_turns + 2 * w + TURN_FULL)
 
     @cute.jit
-    def write_dq(self, mdQacc, sdQ, mLock, n_block: Int32, head: Int32, batch: Int32,
+    def write_dq(self, mdQacc, s, mLock, n_block: Int32, head: Int32, batch: Int32,
                  start: Int32, m_first: Int32, m_end: Int32, seq, window, lane: Int32):
         """dQ writer warp: per Q tile, warpgroup 0's share then warpgroup 1's, each one bulk
         reduce-add from the one buffer, handed to the other warpgroup once read. Ordered: the
         turn is awaited before the first share and passed on once both have landed."""
-        handoff = 128 + 32
         half = self.half_elems()
         wgs = self.mma_warpgroups
-        credit = self.credit_threads()
-        cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=credit)  # warpgroup 0's first credit
+        cute.arch.mbarrier_arrive(s.dq_turns + TURN_EMPTY)  # warpgroup 0's first turn
         for i in cutlass.range(m_end - m_first, unroll=1):
             m_block = self.m_block_at(i, start, m_first, m_end)
             for w in cutlass.range_constexpr(wgs):
-                cute.arch.barrier(barrier_id=DQ_FULL + 2 * w, number_of_threads=handoff)
+                cute.arch.mbarrier_wait(s.dq_turns + 2 * w + TURN_FULL, i % 2)
                 if cutlass.const_expr(self.ordered_dq and w == 0):
                     counter = self.wait_dq_turn(mLock, seq, m_block, n_block, head, batch, window, lane,
                                                 cute.arch.sync_warp)
                 if lane == 0:
-                    self.reduce_fragments(mdQacc, sdQ[None, 0].iterator, seq, m_block, head, batch,
+                    self.reduce_fragments(mdQacc, s.sdQ[None, 0].iterator, seq, m_block, head, batch,
                                           half, w * half)
                 cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(0, read=True)  # the buffer has been read
-                cute.arch.barrier_arrive(barrier_id=DQ_EMPTY + 2 * ((w + 1) % wgs), number_of_threads=credit)
+                cute.arch.mbarrier_arrive(s.dq_turns + 2 * ((w + 1) % wgs) + TURN_EMPTY)
             if cutlass.const_expr(self.ordered_dq):
                 cute.arch.cp_async_bulk_wait_group(0, read=False)  # both shares' sums have landed
                 accum.ordered_end(counter, lane, cute.arch.sync_warp)

@@ -57,7 +57,7 @@ class SplitDqBackward(SwappedBackward):
         return FIRST_DQ_BARRIER + 2 * slot, FIRST_DQ_BARRIER + 2 * slot + 1
 
     @cute.jit
-    def write_dq(self, mdQacc, sdQ, mLock, n_block: Int32, head: Int32, batch: Int32,
+    def write_dq(self, mdQacc, s, mLock, n_block: Int32, head: Int32, batch: Int32,
                  start: Int32, m_first: Int32, m_end: Int32, seq, window, lane: Int32):
         """dQ writer warp: per Q tile, one 1-D bulk reduce-add per warpgroup half (issued by lane
         0), as each half arrives."""
@@ -75,7 +75,7 @@ class SplitDqBackward(SwappedBackward):
                 slot = wgs * buffer + w
                 cute.arch.barrier(barrier_id=self.dq_barriers(slot)[1], number_of_threads=handoff)
                 if lane == 0:
-                    self.reduce_fragments(mdQacc, sdQ[None, slot].iterator, seq, m_block, head, batch,
+                    self.reduce_fragments(mdQacc, s.sdQ[None, slot].iterator, seq, m_block, head, batch,
                                           self.half_elems(), w * self.half_elems())
                 cute.arch.cp_async_bulk_commit_group()
             if cutlass.const_expr(self.ordered_dq):

@@ -130,7 +130,7 @@ class WarpSpecializedBackward(AttentionBackward):
                                                       s, head, batch, seq, (tma_lse, mLSE2_tiles, tma_d, mD_tiles))
                 self.load(q_pipe, kv_pipe, q_copies, kv_copies, n_block, start, m_first, m_end)
             if warp_idx == 1:
-                self.write_dq(mdQacc, s.sdQ, mLock, n_block, head, batch, start, m_first, m_end,
+                self.write_dq(mdQacc, s, mLock, n_block, head, batch, start, m_first, m_end,
                               seq, window, tidx % 32)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
@@ -184,7 +184,7 @@ class WarpSpecializedBackward(AttentionBackward):
         pipeline.tail(q_pipe, q_state)
 
     @cute.jit
-    def write_dq(self, mdQacc, sdQ, mLock, n_block: Int32, head: Int32, batch: Int32,
+    def write_dq(self, mdQacc, s, mLock, n_block: Int32, head: Int32, batch: Int32,
                  start: Int32, m_first: Int32, m_end: Int32, seq, window, lane: Int32):
         """dQ writer warp: per Q tile, one bulk reduce-add of the consumers' FP32 shares."""
         handoff = self.consumer_threads + 32
@@ -196,7 +196,7 @@ class WarpSpecializedBackward(AttentionBackward):
                 counter = self.wait_dq_turn(mLock, seq, m_block, n_block, head, batch, window, lane,
                                             cute.arch.sync_warp)
             if lane == 0:  # both warpgroups' shares, back to back in SMEM and in the tile
-                self.reduce_fragments(mdQacc, sdQ[None, 0].iterator, seq, m_block, head, batch,
+                self.reduce_fragments(mdQacc, s.sdQ[None, 0].iterator, seq, m_block, head, batch,
                                       self.mma_warpgroups * self.half_elems())
             cute.arch.cp_async_bulk_commit_group()
             if cutlass.const_expr(self.ordered_dq):
@@ -246,7 +246,7 @@ class WarpSpecializedBackward(AttentionBackward):
         acc_dq = self.issue_dq(ctx, -1)
         self.issue_dkv(ctx, s, stage)
         warpgroup.wait_group(2)  # dQ is done; dV and dK still run
-        self.hand_off_dq(ctx, s, acc_dq)
+        self.hand_off_dq(ctx, s, acc_dq, step=q_state.count)
         warpgroup.wait_group(0)
         return pipeline.release(q_pipe, q_state)
 
@@ -263,9 +263,10 @@ class WarpSpecializedBackward(AttentionBackward):
         return lse2, dsum
 
     @cute.jit
-    def hand_off_dq(self, ctx, s, acc_dq: cute.Tensor, buffer: Int32 = 0):
+    def hand_off_dq(self, ctx, s, acc_dq: cute.Tensor, buffer: Int32 = 0, step: Int32 = 0):
         """Wait for the writer to free the SMEM dQ buffer, fill this warpgroup's share in fragment
-        order, tell the writer. (`buffer`: B2, B3 and B6 have one.)"""
+        order, tell the writer. (`buffer`: B2, B3 and B6 have one; `step`: the Q tile's count, for
+        B9's turns.)"""
         handoff = self.consumer_threads + 32
         cute.arch.barrier(barrier_id=DQ_EMPTY, number_of_threads=handoff)
         warpgroup_idx = cute.arch.make_warp_uniform(ctx.tidx // 128)

@@ -1,5 +1,6 @@
 """v's head dim different from q's and k's (DeepSeek-style MLA prefill (192, 128), and (128, 64)):
-fa3.attention and fa3.attention_varlen, forward (k5 rungs) and backward (b2; b9 at (192, 128)).
+fa3.attention and fa3.attention_varlen, forward (k5 rungs) and backward (b9 at (192, 128), b7 at
+(128, 64), b2 at both).
 CPU: what is refused and how (other pairs, backward rungs that do not take a pair, the backward
 op, the KV cache), fake shapes, compile keys. GPU: against the float64 reference, outputs and
 gradients poisoned with NaN.
@@ -26,9 +27,9 @@ def _meta(*shape):
 def test_pairs_are_the_issue_s():
     assert set(PAIRS) >= {(192, 128), (128, 64)}
     assert all(p in registry.fastest(registry.ATTENTION, p[0]).value_head_dims for p in PAIRS)
-    # the backward: the fastest rung that takes the pair (b7, d128's default, does not)
+    # the backward: the fastest rung that takes the pair (b7, d128's default, takes (128, 64))
     assert registry.fastest(registry.BACKWARD, 192, head_dim_v=128).name == "b9"
-    assert registry.fastest(registry.BACKWARD, 128, head_dim_v=64).name == "b2"
+    assert registry.fastest(registry.BACKWARD, 128, head_dim_v=64).name == "b7"
     assert registry.fastest(registry.BACKWARD, 128).name == "b7"
     assert all(p in registry.fastest(registry.BACKWARD, p[0], deterministic=True, head_dim_v=p[1]).value_head_dims
                for p in PAIRS)
@@ -63,8 +64,8 @@ def test_unsupported_pairs_name_the_supported_ones(no_device_check):
 
 def test_backward_rungs_that_do_not_take_a_pair_are_refused_by_name(no_device_check):
     q, k, v = _meta(2, 16, 4, 128).requires_grad_(), _meta(2, 16, 4, 128), _meta(2, 16, 4, 64)
-    msg = raises_with(fa3.attention, ValueError, "v has head_dim 64", "backward_kernel='b7'", "['b2']",
-                      q=q, k=k, v=v, backward_kernel="b7")
+    msg = raises_with(fa3.attention, ValueError, "v has head_dim 64", "backward_kernel='b6'", "['b2', 'b7']",
+                      q=q, k=k, v=v, backward_kernel="b6")
     assert "pad v to 128" in msg
     cu = torch.zeros(3, dtype=torch.int32, device="meta")
     raises_with(fa3.attention_varlen, ValueError, "backward_kernel='b4'", q=q[0], k=k[0], v=v[0],
@@ -173,7 +174,8 @@ def _check_grads(fn, q, k, v, dout, causal, window=(-1, -1), softcap=0.0):
 @pytest.mark.parametrize("deterministic", [False, True], ids=["", "det"])
 @pytest.mark.parametrize("shape", [(2, 257, 131, 4, 2), (1, 100, 333, 6, 1), (2, 333, 333, 2, 2)])
 def test_gradients_match_reference(d, dv, causal, deterministic, shape):
-    """The backward with dv != d on its default rung (b9 at (192, 128), b2 at (128, 64)): ragged
+    """The backward with dv != d on its default rung (b9 at (192, 128), b7 at (128, 64); b2 where
+    deterministic): ragged
     lengths, GQA and MQA, seqlen_q != seqlen_k both ways."""
     batch, sq, sk, hq, hkv = shape
     q, k, v = _inputs(batch, sq, sk, hq, hkv, d, dv, seed=sq + d + causal)
@@ -183,9 +185,9 @@ def test_gradients_match_reference(d, dv, causal, deterministic, shape):
 
 
 @gpu
-@pytest.mark.parametrize("d, dv", [(192, 128)])
+@pytest.mark.parametrize("d, dv", PAIRS, ids=lambda p: str(p))
 def test_gradients_on_b2_and_variants(d, dv):
-    """b2 at (192, 128) too; a window with softcap; a packed batch against the padded one."""
+    """b2 at each pair too; a window with softcap; a packed batch against the padded one."""
     q, k, v = _inputs(2, 300, 300, 4, 2, d, dv, seed=7)
     dout = torch.randn(2, 300, 4, dv, device="cuda", dtype=BF16)
     _check_grads(lambda q, k, v: fa3.attention(q, k, v, causal=True, backward_kernel="b2"), q, k, v, dout, True)
