@@ -7,7 +7,10 @@ benchmark process that asks for it (nothing is added to the package's registry o
 A variant is NAME=BASE:key=value[,key=value...]. A key the rung's constructor takes (tile_m, tile_n,
 q_stages, ordered_dq, ...) overrides BASE's configuration at every head dim; any other key must be
 a class attribute of BASE's kernel class (prefetch_stats, dkv_bulk_add, ...)
-and is set on a subclass made for the variant. Values: integers, floats, true/false (1/0).
+and is set on a subclass made for the variant; `head_dims` (slash-separated, e.g. head_dims=64)
+replaces the head dims BASE serves. Values: integers, floats, true/false (1/0).
+
+    --variant b8=b4:tile_m=128,dq_buffers=1,ds_from_rounded_p=1,dv_under_dp=0,head_dims=64
 
 The variant joins `fa3.registry.KERNELS` with speed rank 0 (never picked by kernel=None), its class
 in a module made for the process (`fa3.kernels.variant_rows`: the registry loads rungs by module
@@ -30,6 +33,8 @@ MODULE = "variant_rows"
 
 def _value(text: str):
     low = text.strip().lower()
+    if "/" in low:  # head_dims=64/96
+        return tuple(int(x) for x in low.split("/"))
     if low in ("true", "false"):
         return low == "true"
     try:
@@ -58,6 +63,8 @@ def register(text: str) -> registry.KernelSpec:
     if name in registry.KERNELS:
         raise ValueError(f"--variant {text!r}: {name!r} is already a rung; choose another name")
     base = registry.get(base_name)
+    head_dims = values.pop("head_dims", base.head_dims)
+    head_dims = head_dims if isinstance(head_dims, tuple) else (head_dims,)
     cls = base.load_class()
     takes = set(inspect.signature(cls.__init__).parameters) - {"self"}
     config = {k: v for k, v in values.items() if k in takes}
@@ -76,7 +83,7 @@ def register(text: str) -> registry.KernelSpec:
     module = sys.modules.setdefault(f"fa3.kernels.{MODULE}", types.ModuleType(f"fa3.kernels.{MODULE}"))
     setattr(module, variant.__name__, variant)
     spec = dataclasses.replace(
-        base, name=name, module=MODULE, cls=variant.__name__, speed_rank=0,
+        base, name=name, module=MODULE, cls=variant.__name__, speed_rank=0, head_dims=head_dims,
         summary=f"{base_name} with {', '.join(f'{k}={v}' for k, v in values.items())}",
         config={**base.config, **config, **attrs},
         per_head_dim={hd: {**over, **config} for hd, over in base.per_head_dim.items()})

@@ -22,7 +22,9 @@ Fragment order came to the ladder here: measured on an H100 against each half as
 took scattered 4-byte stores): B4 1.05-1.10x at d96, B7 0.98-1.04x at d128 (2k / 8k, causal and not).
 
 SMEM (bf16, d = 128): B3's 192 KB with 32 KB of dQ, plus the second dQ buffer: 224 KB. The four
-halves are stages of one flat FP32 layout, stage = 2 b + w.
+halves are stages of one flat FP32 layout, stage = 2 b + w. `dq_buffers = 1` (prepared for 128-row
+tiles at d64, where two do not fit): one buffer a warpgroup, which the writer hands back as soon
+as its reduce-add has read it.
 Constraints: B3's (head_dim 96 or 128, two Q stages: the buffer follows the Q stage index, as the
 dS buffers do).
 """
@@ -34,7 +36,6 @@ from cutlass import Int32
 from .bwd_swap import SwappedBackward
 from .common import accum
 
-DQ_BUFFERS = 2
 FIRST_DQ_BARRIER = 2  # EMPTY[w, b] = 2 + 2 (2 b + w), FULL = the next id (1 is the consumers')
 
 
@@ -43,12 +44,15 @@ class SplitDqBackward(SwappedBackward):
     stats_in_smem = True
     # LSE read ahead of the wait on S^T: 1.01-1.07x at d96 (one run, H200, 2k / 8k, causal and not)
     prefetch_stats = True
+    # buffers a warpgroup's share rotates through (returned a tile late); with one, the writer
+    # returns it once its reduce-add has read it
+    dq_buffers = 2
 
     # ---------------------------------------------------------------- host side
     def sdq_layout(self):
         """(half_elems, halves x buffers) FP32, unswizzled: stage 2 b + w is warpgroup w's half of
         buffer b, in fragment order."""
-        return cute.make_layout((self.half_elems(), self.mma_warpgroups * DQ_BUFFERS))
+        return cute.make_layout((self.half_elems(), self.mma_warpgroups * self.dq_buffers))
 
     # ---------------------------------------------------------------- device side
     @staticmethod
@@ -63,11 +67,11 @@ class SplitDqBackward(SwappedBackward):
         0), as each half arrives."""
         wgs = self.mma_warpgroups
         handoff = 128 + 32
-        for slot in cutlass.range_constexpr(wgs * DQ_BUFFERS):  # every buffer starts free
+        for slot in cutlass.range_constexpr(wgs * self.dq_buffers):  # every buffer starts free
             cute.arch.barrier_arrive(barrier_id=self.dq_barriers(slot)[0], number_of_threads=handoff)
         for i in cutlass.range(m_end - m_first, unroll=1):
             m_block = self.m_block_at(i, start, m_first, m_end)
-            buffer = i % DQ_BUFFERS
+            buffer = i % self.dq_buffers
             if cutlass.const_expr(self.ordered_dq):
                 counter = self.wait_dq_turn(mLock, seq, m_block, n_block, head, batch, window, lane,
                                             cute.arch.sync_warp)
@@ -78,14 +82,17 @@ class SplitDqBackward(SwappedBackward):
                     self.reduce_fragments(mdQacc, s.sdQ[None, slot].iterator, seq, m_block, head, batch,
                                           self.half_elems(), w * self.half_elems())
                 cute.arch.cp_async_bulk_commit_group()
+                if cutlass.const_expr(self.dq_buffers == 1 and not self.ordered_dq):
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)  # read: the slot is free again
+                    cute.arch.barrier_arrive(barrier_id=self.dq_barriers(slot)[0], number_of_threads=handoff)
             if cutlass.const_expr(self.ordered_dq):
                 cute.arch.cp_async_bulk_wait_group(0, read=False)  # the sums have landed
                 accum.ordered_end(counter, lane, cute.arch.sync_warp)
                 self.free_dq_buffer(buffer, handoff)
-            else:
+            elif cutlass.const_expr(self.dq_buffers > 1):
                 if i > 0:  # the previous tile's halves have been read: its buffer is free
                     cute.arch.cp_async_bulk_wait_group(wgs, read=True)
-                    self.free_dq_buffer((i - 1) % DQ_BUFFERS, handoff)
+                    self.free_dq_buffer((i - 1) % self.dq_buffers, handoff)
         cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     @cute.jit
@@ -99,6 +106,8 @@ class SplitDqBackward(SwappedBackward):
         """This warpgroup's half of dQ_i into its slot of `buffer` (the Q stage's index), met by
         the writer alone."""
         warpgroup_idx = cute.arch.make_warp_uniform(ctx.tidx // 128)
+        if cutlass.const_expr(self.dq_buffers == 1):
+            buffer = 0
         slot = self.mma_warpgroups * buffer + warpgroup_idx
         empty, full = self.dq_barriers(slot)
         cute.arch.barrier(barrier_id=empty, number_of_threads=128 + 32)

@@ -58,6 +58,10 @@ class SwappedBackward(WarpSpecializedBackward):
     # with SMEM statistics: this thread's LSE columns read into registers between issuing S^T/dP^T
     # and waiting for S^T, so the exp2 does not wait on SMEM (on in B4: measured there)
     prefetch_stats = False
+    # prepared for 128-row tiles at d64: dS^T = P^T (dP^T - D) from the bf16 P^T the dV GEMM
+    # reads, so S^T's FP32 accumulator dies at the rounding, before dP^T lands (64 registers a
+    # thread at 128 x 128; with it b3 at 128 rows had 0 spills, without 88 B and serialized WGMMAs)
+    ds_from_rounded_p = False
 
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 64, tile_n: int = 128,
                  q_stages: int = 2, deterministic: bool = False, local: bool = False,
@@ -173,13 +177,32 @@ class SwappedBackward(WarpSpecializedBackward):
             d = self.col_stat(ctx, dsum, c)
             lse = self.col_stat(ctx, lse2, c) if cutlass.const_expr(self.softcap) else d  # read only with a cap
             for r in cutlass.range_constexpr(cute.size(dp_mn, mode=[0])):
-                dp_mn[r, c] = self.score_grad(p_mn[r, c], dp_mn[r, c], d, lse, inv_scale)
+                p = Float32(p_mn[r, c]) if cutlass.const_expr(self.ds_from_rounded_p) else p_mn[r, c]
+                dp_mn[r, c] = self.score_grad(p, dp_mn[r, c], d, lse, inv_scale)
 
     @cute.jit
-    def dv_gemm(self, ctx, acc_p, stage, wait: cutlass.Constexpr):
-        """dV += P^T dO with P^T from registers (rounded from `acc_p`); wait until `wait` remain."""
-        p = mma.to_dtype(acc_p, self.dtype)
+    def dv_gemm(self, ctx, acc_p, stage, wait: cutlass.Constexpr, rounded: cutlass.Constexpr = False):
+        """dV += P^T dO with P^T from registers (rounded from `acc_p`, or `acc_p` already rounded);
+        wait until `wait` remain."""
+        p = acc_p if cutlass.const_expr(rounded) else mma.to_dtype(acc_p, self.dtype)
         mma.gemm(ctx.dv, ctx.acc_dv, mma.as_a_operand(p), ctx.tdVrdOt[None, None, None, stage], wait=wait)
+
+    @cute.jit
+    def rounded_p_step(self, ctx, acc_s, acc_dp, dsum, lse2, scale_log2: Float32, stage):
+        """`ds_from_rounded_p`: P^T rounded into the A operand's 32-bit pairs, dS^T computed from
+        it once dP^T lands, dV issued from it (under dP^T, or after dS^T's rounding); returns dS^T
+        rounded."""
+        p = cute.make_rmem_tensor_like(acc_s, self.dtype)
+        mma.to_dtype_packed(acc_s, p)
+        if cutlass.const_expr(self.dv_under_dp):
+            self.dv_gemm(ctx, p, stage, 1, rounded=True)
+        else:
+            warpgroup.wait_group(0)
+        self.score_grads_t(ctx, p, acc_dp, dsum, lse2, scale_log2)  # dP^T has landed
+        ds = mma.to_dtype(acc_dp, self.dtype)
+        if cutlass.const_expr(not self.dv_under_dp):
+            self.dv_gemm(ctx, p, stage, -1, rounded=True)
+        return ds
 
     @cute.jit
     def dq_gemm(self, ctx, stage):
@@ -203,14 +226,17 @@ class SwappedBackward(WarpSpecializedBackward):
         else:
             acc_s, acc_dp = self.scores_and_dp(ctx, stage, 1)  # S^T has landed, dP^T may still run
         self.probabilities(ctx, acc_s, lse2, m_block, n_block, ctx.seq.seqlen_q, ctx.seq.seqlen_k, scale_log2)
-        if cutlass.const_expr(self.dv_under_dp):
-            self.dv_gemm(ctx, acc_s, stage, 1)
+        if cutlass.const_expr(self.ds_from_rounded_p):
+            ds = self.rounded_p_step(ctx, acc_s, acc_dp, dsum, lse2, scale_log2, stage)
         else:
-            warpgroup.wait_group(0)
-        self.score_grads_t(ctx, acc_s, acc_dp, dsum, lse2, scale_log2)  # dP^T has landed
-        if cutlass.const_expr(not self.dv_under_dp):  # S^T's and dP^T's FP32 registers are free now
-            self.dv_gemm(ctx, acc_s, stage, -1)
-        ds = mma.to_dtype(acc_dp, self.dtype)
+            if cutlass.const_expr(self.dv_under_dp):
+                self.dv_gemm(ctx, acc_s, stage, 1)
+            else:
+                warpgroup.wait_group(0)
+            self.score_grads_t(ctx, acc_s, acc_dp, dsum, lse2, scale_log2)  # dP^T has landed
+            if cutlass.const_expr(not self.dv_under_dp):  # S^T's and dP^T's FP32 registers are free now
+                self.dv_gemm(ctx, acc_s, stage, -1)
+            ds = mma.to_dtype(acc_dp, self.dtype)
         mma.store_to_smem(ds, ctx.sdp, ctx.tidx, s.sdS[None, None, stage])
         cute.arch.fence_view_async_shared()
         # both warpgroups' keys of dS^T are in SMEM; the buffer's last reader (tile i - 2's dQ)

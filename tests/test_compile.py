@@ -268,6 +268,25 @@ def test_gqa_dkv_bulk_add_compiles(name, head_dim):
     assert report.spill_bytes == 0 and not report.serialized_wgmma
 
 
+def test_prepared_d64_wide_rung_compiles():
+    """Prepared for a GPU run (benchmarks/variants.py): b4 on 128 x 128 tiles at d64 with dS^T from
+    the rounded P^T (`ds_from_rounded_p`, dV after it) and one dQ buffer a warpgroup
+    (`dq_buffers = 1`): no spills, no serialized WGMMAs, 16-byte dQ stores and one bulk
+    reduce-add a warpgroup."""
+    from fa3 import _signatures as sig
+
+    spec = registry.get("b4")
+    cls = spec.load_class()
+    wide = type("WideBackward", (cls,), {"ds_from_rounded_p": True, "dv_under_dp": False, "dq_buffers": 1})
+    kernel = wide(dtype=sig.cute_dtype(torch.bfloat16), head_dim=64, causal=True,
+                  **{**spec.config_for(128), "tile_m": 128})
+    args = sig.backward_args(torch.bfloat16, 64, False, False)
+    report = _compile.build_report(lambda extra_options: _compile._compile_kernel(kernel, args, extra_options))
+    assert report.ptx.count("st.shared.v4") == 8
+    assert report.ptx.count("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32") == 2
+    assert report.spill_bytes == 0 and not report.serialized_wgmma
+
+
 @pytest.mark.parametrize("head_dim,head_dim_v,deterministic", [(192, None, False), (256, None, False),
                                                             (192, 128, False), (192, None, True)])
 def test_b9_dq_turns_are_mbarriers(head_dim, head_dim_v, deterministic):
