@@ -53,6 +53,15 @@ def check_window(window_size, softcap) -> tuple[int, int]:
     return left, right
 
 
+def check_scale(scale: float) -> None:
+    """softmax_scale must be finite and positive: the online softmax subtracts each row's largest
+    raw score (kernels/common/softmax.py), the row's maximum after scaling only for a scale > 0 (a
+    negative one overflows the exp2, NaN or 0 turns masked scores' -inf into NaN)."""
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"softmax_scale={scale!r} must be a finite float > 0 (the default is "
+                         f"1 / sqrt(head_dim)); to flip the scores' sign, negate q")
+
+
 def is_masked(causal: bool, window_size) -> bool:
     """Whether a call masks scores (causal, or a window with a bounded side: `masking` compiles it
     as causal or local); the backward's dispatch asks it (registry `unmasked_head_dims`)."""
@@ -64,6 +73,7 @@ def masking(causal: bool, window_size, softcap: float, scale: float) -> Masking:
     if window_size == (-1, -1) and not softcap:  # most calls: no checks, one dict lookup
         mask = _PLAIN.get((causal, scale))
         if mask is None:
+            check_scale(scale)  # once per scale: a NaN key is never found again, and checked each call
             if len(_PLAIN) > 64:  # scales that change every call must not grow it without bound
                 _PLAIN.clear()
             mask = _PLAIN[(causal, scale)] = Masking(
@@ -71,6 +81,7 @@ def masking(causal: bool, window_size, softcap: float, scale: float) -> Masking:
                 scale_log2=scale * LOG2E, softcap_scale=1.0)
         return mask
     left, right = check_window(window_size, softcap)
+    check_scale(scale)
     if causal:
         right = 0
     causal = right == 0 and left == -1  # a window that is the causal mask compiles as one

@@ -80,6 +80,24 @@ def test_window_and_softcap_validation():
             masking.masking(False, (-1, -1), cap, 1.0)
 
 
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), -0.125, 0.0])
+def test_softmax_scale_must_be_finite_and_positive(no_device_check, scale):
+    """A scale the online softmax cannot take (it subtracts the largest raw score) is refused by
+    name on every entry point, plain or windowed, rather than computing inf or NaN."""
+    for window, cap in (((-1, -1), 0.0), ((16, 0), 0.0), ((-1, -1), 30.0)):
+        with pytest.raises(ValueError, match=r"softmax_scale=.*finite float > 0"):
+            masking.masking(False, window, cap, scale)
+    q = torch.empty(1, 8, 2, 64, device="meta", dtype=torch.bfloat16)
+    cu = torch.tensor([0, 8], dtype=torch.int32, device="meta")
+    calls = (lambda: fa3.attention(q, q, q, softmax_scale=scale),
+             lambda: fa3.attention_varlen(q[0], q[0], q[0], cu, cu, softmax_scale=scale),
+             lambda: fa3.flash_attn_func(q, q, q, softmax_scale=scale),
+             lambda: fa3.attention_with_kvcache(q[:, :1], q, q, cache_seqlens=3, softmax_scale=scale))
+    for call in calls:
+        with pytest.raises(ValueError, match="softmax_scale"):
+            call()
+
+
 def test_masking_canonical_forms():
     m = masking.masking(True, (64, 10), 0.0, 0.125)  # causal sets right = 0
     assert (m.causal, m.local, m.left, m.right) == (False, True, 64, 0)
