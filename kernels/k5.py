@@ -20,6 +20,8 @@ Substages (flags and tiles; all five are one class):
           1 -> 2 -> 3 -> 1.
     K5.5  + dynamic schedule (causal): after tile blockIdx, a CTA takes whichever tile a GMEM
           counter hands out next, so CTAs that drew short tiles take more (common/scheduler.py).
+The consumers' per-tile math (both mainloops, the softmax step, P's conversion) is the
+ForwardMainloop mixin (k5_mainloop.py); this module holds the roles, the loads and the epilogue.
 Epilogue: O (scaled by 1/l) and LSE are written once from registers; with attention sinks (a
 compile-time variant) each query head's sink logit joins l and the LSE there (softmax.finalize),
 and nowhere else: the mainloop is unchanged.
@@ -35,12 +37,12 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass import pipeline as dsl_pipeline
-from cutlass.cute.nvgpu import warpgroup
 
-from .common import epilogue, mask, mma, pipeline, scheduler, seqlen, smem, softmax, tma
+from .common import epilogue, mma, pipeline, scheduler, seqlen, smem, softmax, tma
 from .common.pingpong import PingPong
 from .common.scheduler import AttentionTileSchedule
 from .k4 import WgmmaAttention
+from .k5_mainloop import ForwardMainloop
 
 # consumer warpgroups -> (producer, consumer) registers per thread: 128 * (p + n * c) <= 64K
 REGISTER_SPLIT = {2: (24, 240), 3: (32, 160)}
@@ -49,7 +51,7 @@ TURN_BARRIER = 2  # named barriers 2, 3 (, 4): the ping-pong turns, one per cons
 EPI_STAGES = 2  # SMEM buffers the O store cycles through
 
 
-class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
+class WarpSpecializedAttention(AttentionTileSchedule, PingPong, ForwardMainloop, WgmmaAttention):
     kv_pipelines = 2  # separate K and V barriers
     turn_barrier = TURN_BARRIER  # PingPong's first barrier
 
@@ -362,160 +364,3 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, WgmmaAttention):
                             dsl_pipeline.NamedBarrier(barrier_id=EPILOGUE_BARRIER,
                                                       num_threads=128 * self.consumer_wgs),
                             ctidx < 32, store_pipe)
-
-    # ---------------------------------------------------------------- consumer pieces
-    @cute.jit
-    def issue_qk(self, ctx, k_pipe, k_state):
-        """Wait for K_j and issue S = Q K_j^T without waiting for it."""
-        pipeline.consume_wait(k_pipe, k_state)
-        acc_s = cute.make_rmem_tensor(ctx.thr_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
-        mma.gemm(ctx.qk, acc_s, ctx.tSrQ, ctx.tSrK[None, None, None, k_state.index], zero_init=True, wait=-1)
-        return acc_s
-
-    @cute.jit
-    def issue_pv(self, ctx, p, v_pipe, v_state):
-        """Wait for V_j and issue O += P V_j without waiting for it."""
-        pipeline.consume_wait(v_pipe, v_state)
-        mma.gemm(ctx.pv, ctx.acc_o, self.p_operand(p), ctx.tOrVt[None, None, None, v_state.index], wait=-1)
-
-    @cute.jit
-    def softmax_tile(self, ctx, acc_s, n_block: Int32, scale_log2: Float32, masked: cutlass.Constexpr):
-        """Mask (`masked` tiles only) and online softmax on S in registers; returns the O rescale."""
-        s_mn = mma.rows_cols(acc_s)
-        if cutlass.const_expr(self.softcap):
-            softmax.softcap(s_mn, ctx.softcap_scale)
-        if cutlass.const_expr(masked):
-            mask.apply(s_mn, ctx.s_coords, ctx.m_block * self.tile_m, n_block * self.tile_n,
-                       ctx.seqlen_q, ctx.seqlen_k, self.causal, window=ctx.window)
-        return softmax.online_update(s_mn, ctx.row_max, ctx.row_sum, scale_log2, 4, self.p_offset_log2)
-
-    # P = exp(S - max) in registers, rounded to the operand type of P V and used as its A operand
-    # (16-bit: the accumulator's own layout, regrouped); FP8 replaces these three.
-
-    def new_p(self, ctx, acc_s: cute.Tensor) -> cute.Tensor:
-        return cute.make_rmem_tensor_like(acc_s, self.dtype)
-
-    def convert_p(self, p: cute.Tensor, acc_s: cute.Tensor):
-        # as 32-bit pairs (cvt.rn.bf16x2 into an Int32 view): 16-bit halves converted one by one
-        # were repacked right before each P V WGMMA, and at d192 ptxas fenced those repacks with
-        # warpgroup.arrive (C7519): +7-14% at d192, +1-8% at d128, +2-5% at d96 (H100)
-        mma.to_dtype_packed(acc_s, p)
-
-    def p_operand(self, p: cute.Tensor) -> cute.Tensor:
-        return mma.as_a_operand(p)
-
-    @cute.jit
-    def masked_tiles(self, ctx, n_blocks: Int32):
-        """(high, low): visits j < high (the highest tiles: ragged end, diagonal, window's right
-        edge) and j >= low (a window's left edge) need a mask; those between run a loop with no
-        mask code at all: a branch inside the steady-state loop lets ptxas hoist the wait for the
-        in-flight P V above the softmax, which undoes the overlap."""
-        first_row_limit = mask.col_limit(ctx.m_block * self.tile_m, ctx.seqlen_q, ctx.seqlen_k,
-                                         self.causal, ctx.window)
-        unmasked = cutlass.max(first_row_limit, 0) // self.tile_n
-        high = n_blocks - cutlass.min(n_blocks, unmasked)
-        low = n_blocks
-        if cutlass.const_expr(ctx.window is not None):
-            high = cutlass.min(n_blocks, ctx.n_max - cutlass.min(ctx.n_max, unmasked))
-            left = mask.n_block_unmasked_min(ctx.m_block, self.tile_m, self.tile_n, ctx.seqlen_q,
-                                             ctx.seqlen_k, window=ctx.window)
-            low = cutlass.min(n_blocks, cutlass.max(high, ctx.n_max - left))
-        return high, low
-
-    @cute.jit
-    def rescale_o(self, ctx, correction: cute.Tensor):
-        """O *= the per-row correction, skipped (warp-uniformly) when no row of the warp raised
-        its running max, which is most tiles once a long row has seen its largest scores."""
-        moved = correction[0] != Float32(1.0)
-        for r in cutlass.range_constexpr(1, cute.size(correction)):
-            moved = moved | (correction[r] != Float32(1.0))
-        if cute.arch.vote_any_sync(moved):
-            softmax.rescale(mma.rows_cols(ctx.acc_o), correction)
-
-    @cute.jit
-    def mainloop(self, ctx, k_pipe, v_pipe, k_state, v_state, n_blocks: Int32, wg: Int32,
-                 scale_log2: Float32):
-        """K5.1/K5.2: one tile at a time; with ping-pong the other warpgroup's GEMMs cover this
-        warpgroup's softmax."""
-        n_masked, low = self.masked_tiles(ctx, n_blocks)
-        n_max = ctx.n_max
-        # A turn runs from wait_turn to pass_turn and covers P_j V_j plus the next Q K^T; every
-        # pass follows the same warpgroup's wait, so the two barriers strictly alternate.
-        self.wait_turn(wg)
-        for j in cutlass.range(n_masked, unroll=1):
-            k_state, v_state = self.step(ctx, k_pipe, v_pipe, k_state, v_state, n_max - 1 - j, wg, scale_log2, True)
-        for j in cutlass.range(n_masked, low, unroll=1):
-            k_state, v_state = self.step(ctx, k_pipe, v_pipe, k_state, v_state, n_max - 1 - j, wg, scale_log2, False)
-        if cutlass.const_expr(ctx.window is not None):
-            for j in cutlass.range(low, n_blocks, unroll=1):
-                k_state, v_state = self.step(ctx, k_pipe, v_pipe, k_state, v_state, n_max - 1 - j, wg, scale_log2, True)
-        self.pass_turn(wg)
-        return k_state, v_state
-
-    @cute.jit
-    def step(self, ctx, k_pipe, v_pipe, k_state, v_state, n_block: Int32, wg: Int32,
-             scale_log2: Float32, masked: cutlass.Constexpr):
-        acc_s = self.issue_qk(ctx, k_pipe, k_state)
-        self.pass_turn(wg)
-        warpgroup.wait_group(0)
-        k_state = pipeline.release(k_pipe, k_state)
-        correction = self.softmax_tile(ctx, acc_s, n_block, scale_log2, masked)
-        self.rescale_o(ctx, correction)
-        p = self.new_p(ctx, acc_s)
-        self.convert_p(p, acc_s)
-        self.wait_turn(wg)
-        self.issue_pv(ctx, p, v_pipe, v_state)
-        warpgroup.wait_group(0)
-        v_state = pipeline.release(v_pipe, v_state)
-        return k_state, v_state
-
-    @cute.jit
-    def mainloop_overlapped(self, ctx, k_pipe, v_pipe, k_state, v_state, n_blocks: Int32, wg: Int32,
-                            scale_log2: Float32):
-        """K5.3: S_j = Q K_j^T and O += P_{j-1} V_{j-1} in flight together; softmax(S_j) under P V."""
-        n_masked, low = self.masked_tiles(ctx, n_blocks)
-        n_max = ctx.n_max
-        # prologue: the first (last-indexed) tile's S and P; O is still zero, nothing to rescale
-        acc_s = self.issue_qk(ctx, k_pipe, k_state)
-        warpgroup.wait_group(0)
-        k_state = pipeline.release(k_pipe, k_state)
-        self.softmax_tile(ctx, acc_s, n_max - 1, scale_log2, True)
-        p = self.new_p(ctx, acc_s)
-        self.convert_p(p, acc_s)
-        unmasked_from = cutlass.max(n_masked, 1)
-        for j in cutlass.range(1, unmasked_from, unroll=1):
-            k_state, v_state = self.overlapped_step(ctx, k_pipe, v_pipe, k_state, v_state, p,
-                                                    n_max - 1 - j, wg, scale_log2, True)
-        if cutlass.const_expr(ctx.window is not None):
-            low = cutlass.max(low, unmasked_from)
-        for j in cutlass.range(unmasked_from, low, unroll=1):
-            k_state, v_state = self.overlapped_step(ctx, k_pipe, v_pipe, k_state, v_state, p,
-                                                    n_max - 1 - j, wg, scale_log2, False)
-        if cutlass.const_expr(ctx.window is not None):  # the window's left edge
-            for j in cutlass.range(low, n_blocks, unroll=1):
-                k_state, v_state = self.overlapped_step(ctx, k_pipe, v_pipe, k_state, v_state, p,
-                                                        n_max - 1 - j, wg, scale_log2, True)
-        # epilogue: the last P V
-        self.issue_pv(ctx, p, v_pipe, v_state)
-        warpgroup.wait_group(0)
-        v_state = pipeline.release(v_pipe, v_state)
-        return k_state, v_state
-
-    @cute.jit
-    def overlapped_step(self, ctx, k_pipe, v_pipe, k_state, v_state, p, n_block: Int32, wg: Int32,
-                        scale_log2: Float32, masked: cutlass.Constexpr):
-        self.wait_turn(wg)
-        acc_s = self.issue_qk(ctx, k_pipe, k_state)
-        self.issue_pv(ctx, p, v_pipe, v_state)
-        self.pass_turn(wg)
-        warpgroup.wait_group(1)  # S_j has landed; P V may still run
-        correction = self.softmax_tile(ctx, acc_s, n_block, scale_log2, masked)
-        # Releasing K only now puts a basic-block boundary (the release is predicated on one lane
-        # per warp) between the softmax and the wait below. ptxas still sinks most of the exp2
-        # below the wait; forcing them above it measured 0-8% slower (worklog/k5.md, "pinned softmax").
-        k_state = pipeline.release(k_pipe, k_state)
-        warpgroup.wait_group(0)  # P_{j-1} V_{j-1} is done: P's registers and V's stage are free
-        v_state = pipeline.release(v_pipe, v_state)
-        self.convert_p(p, acc_s)
-        self.rescale_o(ctx, correction)
-        return k_state, v_state
