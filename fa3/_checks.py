@@ -81,9 +81,36 @@ def check_tensor(t, name: str, ndim: int, dtype=None, unit_stride_last: bool = T
                          f"pass {name}.contiguous()")
 
 
-def check_output(out, name: str, like) -> None:
+def _byte_range(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last) bytes a strided tensor can touch."""
+    span = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()) if size) + 1
+    return t.data_ptr(), t.data_ptr() + span * t.element_size()
+
+
+def check_no_overlap(out, name: str, inputs) -> None:
+    """`out` must not share memory with any of `inputs` ((name, tensor or None) pairs): the
+    kernels read every K/V row from many CTAs while others write the output (and a backward reads
+    q, k and v again), so an aliased output is silently wrong."""
+    if _dispatch.tracing() or out.device.type == "meta":
+        return  # fake tensors have no addresses; meta ones all start at 0
+    storage = out.untyped_storage().data_ptr()
+    first = last = None
+    for input_name, t in inputs:
+        # tensors of different allocations never overlap: the common case costs one comparison
+        if t is None or t.untyped_storage().data_ptr() != storage or not t.numel() or not out.numel():
+            continue
+        if first is None:
+            first, last = _byte_range(out)
+        lo, hi = _byte_range(t)
+        if lo < last and first < hi:
+            raise ValueError(f"{name} shares memory with {input_name}: the output is written while "
+                             f"{input_name} is still read; pass a separate tensor (torch.empty_like)")
+
+
+def check_output(out, name: str, like, inputs=()) -> None:
     """`out` must match `like`'s shape, dtype and device (a tensor, or anything with those three
-    fields), contiguous and 16-byte aligned."""
+    fields), contiguous and 16-byte aligned, and share no memory with `inputs` ((name, tensor)
+    pairs)."""
     if not isinstance(out, torch.Tensor) or out.shape != like.shape or out.dtype != like.dtype \
             or out.device != like.device:
         raise ValueError(f"{name} must be a tensor of shape {tuple(like.shape)}, dtype {like.dtype} "
@@ -92,6 +119,7 @@ def check_output(out, name: str, like) -> None:
     if not out.is_contiguous() or (not _dispatch.tracing() and out.data_ptr() % 16):
         raise ValueError(f"{name} must be contiguous and 16-byte aligned; allocate it with "
                          "torch.empty_like(..., memory_format=torch.contiguous_format)")
+    check_no_overlap(out, name, inputs)
 
 
 class OutputSpec(NamedTuple):
@@ -101,13 +129,13 @@ class OutputSpec(NamedTuple):
     device: torch.device
 
 
-def check_fp8_output(out, q) -> None:
+def check_fp8_output(out, q, inputs=()) -> None:
     """A preallocated output of an FP8 call: shaped like q on its device, in bf16 or fp16 (the
     output's type)."""
     if not isinstance(out, torch.Tensor) or out.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"out must be a torch.bfloat16 or torch.float16 tensor for FP8 inputs (the "
                         f"output's type), got {getattr(out, 'dtype', type(out).__name__)}")
-    check_output(out, "out", OutputSpec(q.shape, out.dtype, q.device))
+    check_output(out, "out", OutputSpec(q.shape, out.dtype, q.device), inputs)
 
 
 def output_like(q, v):

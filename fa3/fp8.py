@@ -142,7 +142,7 @@ def check_attention_fp8(q, k, v, q_descale, k_descale, v_descale, kernel, out=No
     descales = tuple(_checks.check_descale(t, name, batch, heads_kv, q.device) for t, name in
                      ((q_descale, "q_descale"), (k_descale, "k_descale"), (v_descale, "v_descale")))
     if out is not None:
-        _checks.check_fp8_output(out, q)
+        _checks.check_fp8_output(out, q, (("q", q), ("k", k), ("v", v)))
     return spec, descales
 
 

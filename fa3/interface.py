@@ -81,7 +81,7 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     scale = 1.0 / math.sqrt(q.shape[3]) if softmax_scale is None else float(softmax_scale)
     causal = bool(causal)
     if out is not None:
-        _checks.check_output(out, "out", _checks.output_like(q, v))
+        _checks.check_output(out, "out", _checks.output_like(q, v), (("q", q), ("k", k), ("v", v)))
     window = tuple(window_size)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                               or getattr(sinks, "requires_grad", False))

@@ -275,10 +275,11 @@ def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, sof
         q, k_cache, v_cache, k, v, seqlens, block_table, kernel, window_size, softcap, cu_seqlens_q,
         max_seqlen_q, lengths_name, cache_leftpad)
     descales = check_descales(q, descales, seqlens.shape[0], k_cache.shape[2])
+    inputs = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v))
     if out is not None and descales is not None:
-        _checks.check_fp8_output(out, q)
+        _checks.check_fp8_output(out, q, inputs)
     elif out is not None:
-        _checks.check_output(out, "out", q)
+        _checks.check_output(out, "out", q, inputs)
     _checks.check_rung_sinks(spec, sinks, q.shape[-2], q.device)
     if sinks is not None:
         sinks = sinks.detach()  # inference: no gradient flows through a cache call

@@ -174,7 +174,8 @@ def check_gemm(a, b, out, kernel):
     if b.device != a.device:
         raise ValueError(f"b is on {b.device} but a is on {a.device}; put them on one GPU")
     if out is not None:
-        _checks.check_output(out, "out", _checks.OutputSpec(torch.Size((m, n)), a.dtype, a.device))
+        _checks.check_output(out, "out", _checks.OutputSpec(torch.Size((m, n)), a.dtype, a.device),
+                             (("a", a), ("b", b)))
     _checks.check_hopper(a.device, "a")
     return spec
 
@@ -287,7 +288,8 @@ def check_gemm_fp8(a, b, scale_a, scale_b, out, out_dtype, kernel):
         raise TypeError(f"out_dtype={out_dtype} is not supported for FP8 operands: torch.bfloat16 or "
                         "torch.float16")
     if out is not None:
-        _checks.check_output(out, "out", _checks.OutputSpec(torch.Size((m, n)), out_dtype, a.device))
+        _checks.check_output(out, "out", _checks.OutputSpec(torch.Size((m, n)), out_dtype, a.device),
+                             (("a", a), ("b", b)))
     _checks.check_hopper(a.device, "a")
     scales = (_scale(scale_a, "scale_a", m, (m, 1), a.device), _scale(scale_b, "scale_b", n, (1, n), a.device))
     if scales[0].numel() != scales[1].numel() and min(scales[0].numel(), scales[1].numel()) == 1:

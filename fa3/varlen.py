@@ -24,7 +24,7 @@ def packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     that checks them (fa3.integrations.transformers)."""
     spec = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kernel, check_values)
     if out is not None:
-        _checks.check_output(out, "out", _checks.output_like(q, v))
+        _checks.check_output(out, "out", _checks.output_like(q, v), (("q", q), ("k", k), ("v", v)))
     scale = 1.0 / math.sqrt(q.shape[2]) if softmax_scale is None else float(softmax_scale)
     window = tuple(window_size)
     masking.check_window(window, softcap)

@@ -323,3 +323,35 @@ def test_varlen_backward_function_checks_its_arguments(no_device_check):
                 cu_seqlens_q=cu, cu_seqlens_k=cu.long())
     raises_with(call, ValueError, "backward rungs", dout=out, q=q, k=k, v=v, out=out, lse=lse,
                 cu_seqlens_q=cu, cu_seqlens_k=cu, backward_kernel="k5.5")
+
+
+def test_out_sharing_memory_with_an_input_is_refused(no_device_check):
+    """out= aliasing q, k, v, a cache or a GEMM operand: refused by name (the kernels read K/V rows
+    from many CTAs while others write the output; a backward reads q, k, v again). Separate
+    buffers, also neighbours in one allocation or a packed qkv's views, pass."""
+    from fa3 import _checks
+
+    bf = torch.bfloat16
+    q, k, v = (torch.randn(1, 8, 2, 64, dtype=bf) for _ in range(3))
+    for out, name in ((q, "q"), (k, "k"), (v, "v")):
+        raises_with(fa3.attention, ValueError, f"out shares memory with {name}", "separate tensor",
+                    q=q, k=k, v=v, out=out)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    raises_with(fa3.attention_varlen, ValueError, "out shares memory with k", q=q[0], k=k[0], v=v[0],
+                cu_seqlens_q=cu, cu_seqlens_k=cu, out=k[0])
+    cache = torch.randn(1, 64, 2, 64, dtype=bf)
+    raises_with(fa3.attention_with_kvcache, ValueError, "out shares memory with q", q=q[:, :1],
+                k_cache=cache, v_cache=cache, cache_seqlens=3, out=q[:, :1])
+    raises_with(fa3.attention_with_kvcache, ValueError, "out shares memory with k_cache",
+                q=q[:, :1], k_cache=cache, v_cache=cache, cache_seqlens=3, out=cache[:, :1])
+    a = torch.randn(64, 64, dtype=bf)
+    raises_with(fa3.gemm, ValueError, "out shares memory with a", a=a, b=a.clone(), out=a)
+    # no false alarms: neighbours in one buffer, a packed qkv's interleaved views, other devices
+    buf = torch.empty(2, 8, 2, 64, dtype=bf)
+    _checks.check_no_overlap(buf[1], "out", (("q", buf[0]),))
+    qkv = torch.empty(1, 8, 3, 2, 64, dtype=bf)
+    _checks.check_no_overlap(torch.empty(1, 8, 2, 64, dtype=bf), "out", tuple(zip("qkv", qkv.unbind(2))))
+    # a view sharing a few bytes with the input's last row is caught
+    with pytest.raises(ValueError, match="out shares memory with q"):
+        flat = torch.empty(2 * 8 * 2 * 64, dtype=bf)
+        _checks.check_no_overlap(flat[8 * 2 * 64 - 1:][: 8 * 2 * 64], "out", (("q", flat[: 8 * 2 * 64]),))
