@@ -87,10 +87,11 @@ def _byte_range(t: torch.Tensor) -> tuple[int, int]:
     return t.data_ptr(), t.data_ptr() + span * t.element_size()
 
 
-def check_no_overlap(out, name: str, inputs) -> None:
+def check_no_overlap(out, name: str, inputs,
+                     why: str = "the output is written while {input} is still read") -> None:
     """`out` must not share memory with any of `inputs` ((name, tensor or None) pairs): the
     kernels read every K/V row from many CTAs while others write the output (and a backward reads
-    q, k and v again), so an aliased output is silently wrong."""
+    q, k and v again), so an aliased output is silently wrong. `why`: the message's reason."""
     if _dispatch.tracing() or out.device.type == "meta":
         return  # fake tensors have no addresses; meta ones all start at 0
     storage = out.untyped_storage().data_ptr()
@@ -103,8 +104,8 @@ def check_no_overlap(out, name: str, inputs) -> None:
             first, last = _byte_range(out)
         lo, hi = _byte_range(t)
         if lo < last and first < hi:
-            raise ValueError(f"{name} shares memory with {input_name}: the output is written while "
-                             f"{input_name} is still read; pass a separate tensor (torch.empty_like)")
+            raise ValueError(f"{name} shares memory with {input_name}: {why.format(input=input_name)}; "
+                             f"pass a separate tensor (torch.empty_like)")
 
 
 def check_output(out, name: str, like, inputs=()) -> None:

@@ -104,6 +104,8 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kernel,
             name, t = ("k", k) if k.device != q.device else ("v", v)
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}; put them on one GPU")
         appended = k.shape[1]
+        _checks.check_no_overlap(v_cache, "v_cache", (("k_cache", k_cache),),
+                                 "appending the new k and v would write one over the other")
         if appended > capacity:
             raise ValueError(f"{appended} new tokens do not fit a cache of {capacity} per sequence")
         if block_table is not None and appended and planes == 0:

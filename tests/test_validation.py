@@ -344,6 +344,10 @@ def test_out_sharing_memory_with_an_input_is_refused(no_device_check):
                 k_cache=cache, v_cache=cache, cache_seqlens=3, out=q[:, :1])
     raises_with(fa3.attention_with_kvcache, ValueError, "out shares memory with k_cache",
                 q=q[:, :1], k_cache=cache, v_cache=cache, cache_seqlens=3, out=cache[:, :1])
+    new = torch.randn(1, 1, 2, 64, dtype=bf)  # one cache for k and v: fine to read, not to append to
+    raises_with(fa3.attention_with_kvcache, ValueError, "v_cache shares memory with k_cache",
+                "write one over the other", q=q[:, :1], k_cache=cache, v_cache=cache, k=new, v=new,
+                cache_seqlens=3)
     a = torch.randn(64, 64, dtype=bf)
     raises_with(fa3.gemm, ValueError, "out shares memory with a", a=a, b=a.clone(), out=a)
     # no false alarms: neighbours in one buffer, a packed qkv's interleaved views, other devices
