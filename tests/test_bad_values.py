@@ -192,13 +192,13 @@ def test_eager_append_refused_before_writing(monkeypatch):
     it was (CPU tensors let through the device checks)."""
     monkeypatch.setattr(_checks, "check_hopper", lambda device, name: None)
     monkeypatch.setattr(index_checks, "values_checkable", lambda device: True)
-    kc = torch.zeros(PAGES, PAGE, 2, 128, dtype=BF16)
+    kc, vc = torch.zeros(PAGES, PAGE, 2, 128, dtype=BF16), torch.zeros(PAGES, PAGE, 2, 128, dtype=BF16)
     k = torch.randn(2, 2, 2, 128, dtype=BF16)
     table = _table([0, 1, 2, 3], [4, 5, 6, 100000])
     raises_with(fa3.attention_with_kvcache, ValueError, "block_table[1, 3] = 100000",
-                q=torch.randn(2, 1, 8, 128, dtype=BF16), k_cache=kc, v_cache=kc, k=k, v=k,
+                q=torch.randn(2, 1, 8, 128, dtype=BF16), k_cache=kc, v_cache=vc, k=k, v=k,
                 cache_seqlens=_lengths(10, 192), block_table=table)
-    assert not kc.any()
+    assert not kc.any() and not vc.any()
 
 
 # ----------------------------------------------------------------------------- GPU: subprocesses
