@@ -92,13 +92,13 @@ def check_no_overlap(out, name: str, inputs,
     """`out` must not share memory with any of `inputs` ((name, tensor or None) pairs): the
     kernels read every K/V row from many CTAs while others write the output (and a backward reads
     q, k and v again), so an aliased output is silently wrong. `why`: the message's reason."""
-    if _dispatch.tracing() or out.device.type == "meta":
+    if _dispatch.tracing() or out.device.type == "meta" or not out.numel():
         return  # fake tensors have no addresses; meta ones all start at 0
     storage = out.untyped_storage().data_ptr()
     first = last = None
     for input_name, t in inputs:
         # tensors of different allocations never overlap: the common case costs one comparison
-        if t is None or t.untyped_storage().data_ptr() != storage or not t.numel() or not out.numel():
+        if t is None or t.untyped_storage().data_ptr() != storage or not t.numel():
             continue
         if first is None:
             first, last = _byte_range(out)

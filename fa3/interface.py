@@ -38,7 +38,8 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim); bf16 or
     fp16 on a Hopper GPU; heads_q a multiple of heads_kv (GQA/MQA). head_dim 64, 96, 128, 192 or
     256. v's head dim may differ from q's and k's as (q/k, v) = (192, 128) (DeepSeek's MLA prefill)
-    or (128, 64), forward and backward (b2, and b9 at (192, 128)): out and dv then have v's head dim.
+    or (128, 64), forward and backward (b9 at (192, 128), b7 at (128, 64), b2 at both): out and dv
+    then have v's head dim.
     causal: mask aligned to the bottom right when seqlen_q != seqlen_k (query i sees keys
     j <= i + seqlen_k - seqlen_q), as in flash-attn >= 2.1; rows that see no key give 0.
     softmax_scale: defaults to 1/sqrt(head_dim).

@@ -181,28 +181,12 @@ class SwappedBackward(WarpSpecializedBackward):
                 dp_mn[r, c] = self.score_grad(p, dp_mn[r, c], d, lse, inv_scale)
 
     @cute.jit
-    def dv_gemm(self, ctx, acc_p, stage, wait: cutlass.Constexpr, rounded: cutlass.Constexpr = False):
-        """dV += P^T dO with P^T from registers (rounded from `acc_p`, or `acc_p` already rounded);
-        wait until `wait` remain."""
-        p = acc_p if cutlass.const_expr(rounded) else mma.to_dtype(acc_p, self.dtype)
+    def dv_gemm(self, ctx, p, stage, wait: cutlass.Constexpr):
+        """dV += P^T dO with P^T from registers (`p`: the FP32 accumulator, rounded here, or
+        already rounded); wait until `wait` remain."""
+        if cutlass.const_expr(p.element_type != self.dtype):
+            p = mma.to_dtype(p, self.dtype)
         mma.gemm(ctx.dv, ctx.acc_dv, mma.as_a_operand(p), ctx.tdVrdOt[None, None, None, stage], wait=wait)
-
-    @cute.jit
-    def rounded_p_step(self, ctx, acc_s, acc_dp, dsum, lse2, scale_log2: Float32, stage):
-        """`ds_from_rounded_p`: P^T rounded into the A operand's 32-bit pairs, dS^T computed from
-        it once dP^T lands, dV issued from it (under dP^T, or after dS^T's rounding); returns dS^T
-        rounded."""
-        p = cute.make_rmem_tensor_like(acc_s, self.dtype)
-        mma.to_dtype_packed(acc_s, p)
-        if cutlass.const_expr(self.dv_under_dp):
-            self.dv_gemm(ctx, p, stage, 1, rounded=True)
-        else:
-            warpgroup.wait_group(0)
-        self.score_grads_t(ctx, p, acc_dp, dsum, lse2, scale_log2)  # dP^T has landed
-        ds = mma.to_dtype(acc_dp, self.dtype)
-        if cutlass.const_expr(not self.dv_under_dp):
-            self.dv_gemm(ctx, p, stage, -1, rounded=True)
-        return ds
 
     @cute.jit
     def dq_gemm(self, ctx, stage):
@@ -226,17 +210,20 @@ class SwappedBackward(WarpSpecializedBackward):
         else:
             acc_s, acc_dp = self.scores_and_dp(ctx, stage, 1)  # S^T has landed, dP^T may still run
         self.probabilities(ctx, acc_s, lse2, m_block, n_block, ctx.seq.seqlen_q, ctx.seq.seqlen_k, scale_log2)
-        if cutlass.const_expr(self.ds_from_rounded_p):
-            ds = self.rounded_p_step(ctx, acc_s, acc_dp, dsum, lse2, scale_log2, stage)
+        p = acc_s
+        if cutlass.const_expr(self.ds_from_rounded_p):  # into the A operand's 32-bit pairs
+            p = cute.make_rmem_tensor_like(acc_s, self.dtype)
+            mma.to_dtype_packed(acc_s, p)
+        if cutlass.const_expr(self.dv_under_dp):
+            self.dv_gemm(ctx, p, stage, 1)
         else:
-            if cutlass.const_expr(self.dv_under_dp):
-                self.dv_gemm(ctx, acc_s, stage, 1)
-            else:
-                warpgroup.wait_group(0)
-            self.score_grads_t(ctx, acc_s, acc_dp, dsum, lse2, scale_log2)  # dP^T has landed
-            if cutlass.const_expr(not self.dv_under_dp):  # S^T's and dP^T's FP32 registers are free now
-                self.dv_gemm(ctx, acc_s, stage, -1)
-            ds = mma.to_dtype(acc_dp, self.dtype)
+            warpgroup.wait_group(0)
+        self.score_grads_t(ctx, p, acc_dp, dsum, lse2, scale_log2)  # dP^T has landed
+        if cutlass.const_expr(not self.dv_under_dp and not self.ds_from_rounded_p):
+            self.dv_gemm(ctx, p, stage, -1)  # S^T's and dP^T's FP32 registers are free now
+        ds = mma.to_dtype(acc_dp, self.dtype)
+        if cutlass.const_expr(not self.dv_under_dp and self.ds_from_rounded_p):
+            self.dv_gemm(ctx, p, stage, -1)  # after dS^T's rounding (spills before it at d64)
         mma.store_to_smem(ds, ctx.sdp, ctx.tidx, s.sdS[None, None, stage])
         cute.arch.fence_view_async_shared()
         # both warpgroups' keys of dS^T are in SMEM; the buffer's last reader (tile i - 2's dQ)
