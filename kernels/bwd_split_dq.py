@@ -22,9 +22,9 @@ Fragment order came to the ladder here: measured on an H100 against each half as
 took scattered 4-byte stores): B4 1.05-1.10x at d96, B7 0.98-1.04x at d128 (2k / 8k, causal and not).
 
 SMEM (bf16, d = 128): B3's 192 KB with 32 KB of dQ, plus the second dQ buffer: 224 KB. The four
-halves are stages of one flat FP32 layout, stage = 2 b + w. `dq_buffers = 1` (prepared for 128-row
-tiles at d64, where two do not fit): one buffer a warpgroup, which the writer hands back as soon
-as its reduce-add has read it.
+halves are stages of one flat FP32 layout, stage = 2 b + w. `dq_buffers = 1` (B8's 128-row tiles
+at d64, where two do not fit): one buffer a warpgroup, which the writer hands back as soon as its
+reduce-add has read it.
 Constraints: B3's (head_dim 96 or 128, two Q stages: the buffer follows the Q stage index, as the
 dS buffers do).
 """

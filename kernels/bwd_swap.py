@@ -58,9 +58,9 @@ class SwappedBackward(WarpSpecializedBackward):
     # with SMEM statistics: this thread's LSE columns read into registers between issuing S^T/dP^T
     # and waiting for S^T, so the exp2 does not wait on SMEM (on in B4: measured there)
     prefetch_stats = False
-    # prepared for 128-row tiles at d64: dS^T = P^T (dP^T - D) from the bf16 P^T the dV GEMM
-    # reads, so S^T's FP32 accumulator dies at the rounding, before dP^T lands (64 registers a
-    # thread at 128 x 128; with it b3 at 128 rows had 0 spills, without 88 B and serialized WGMMAs)
+    # B8's (128-row tiles at d64): dS^T = P^T (dP^T - D) from the bf16 P^T the dV GEMM reads, so
+    # S^T's FP32 accumulator dies at the rounding, before dP^T lands (64 registers a thread at
+    # 128 x 128; with it b3 at 128 rows had 0 spills, without 88 B and serialized WGMMAs)
     ds_from_rounded_p = False
 
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 64, tile_n: int = 128,

@@ -17,14 +17,18 @@ fragment while dP^T is still in flight (`dv_under_dp`, measured ahead of issuing
 The dQ hand-off keeps B4's per-warpgroup halves but with one buffer a warpgroup (two do not fit
 beside 128-row Q/dO stages): the writer returns it as soon as its bulk reduce-add has read it.
 
-Measured (H200, one run, d64, TFLOP/s, b2 / b8 / flash-attn-4), non-causal 2k / 8k / 16k:
-443 / 473 / 512, 471 / 494 / 508, 482 / 493 / 517 (1.02-1.07x b2). Causal: 371 / 364 / 425,
-462 / 435 / 497, 472 / 466 / 506 (0.94-0.99x b2): B2 keeps masked calls (registry
-`masked_head_dims`); worklog/backward.md has the tables.
+Measured (H200, d64, TFLOP/s; worklog/backward.md has the runs): non-causal 2k / 8k / 16k, b2 /
+b8 / cuDNN / flash-attn-4: 446.6 / 472.0 / 414.1 / 495.3, 470.5 / 477.5 / 439.6 / 513.1, 476.8 /
+496.2 / 443.3 / 523.0 (1.02-1.06x b2, 0.93-0.95x flash-attn-4); GQA 4: 1.00-1.04x b2. Causal, in
+another run: 0.94-0.99x b2, so B2 keeps masked calls (registry `masked_head_dims`). Per Q tile B8
+issues more instructions than B2 (ncu, causal 8k: 6.6x the IMADs, 131x the SMEM loads):
+each column's LSE and D read from SMEM (32 `LDS.64` a thread) and the widening of the rounded P^T
+(64 `IMAD.U32 ..., 0x10000` a thread).
 
-SMEM (bf16, d = 64): Q/dO 2 x 2 x 16 KB, K/V 32 KB, dS^T 2 x 32 KB, dQ 2 x 16 KB, statistics:
-about 194 KB. Constraints: head_dim 64 (128-row tiles), two Q stages, no deterministic order
-(deterministic calls go to B2, as for every S^T rung).
+SMEM (bf16, d = 64): Q/dO 2 x 2 x 16 KB, K/V 32 KB, dS^T 2 x 32 KB, dQ 2 x 16 KB, the statistics
+and barriers: 200.7 KB (ncu). Constraints: head_dim 64 (128-row tiles), two Q stages. kernel=None
+sends deterministic calls to B2, as for every S^T rung; named, B8 runs them (124 B of spills with
+GQA and a causal mask).
 """
 
 from .bwd_split_dq import SplitDqBackward
