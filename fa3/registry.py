@@ -45,9 +45,6 @@ class KernelSpec:
     # The head dims where kernel=None may pick this rung for calls without a mask (neither causal
     # nor windowed; None: all of head_dims); at the others a lower rung is faster unmasked.
     unmasked_head_dims: tuple | None = None
-    # The same for masked calls (causal or windowed): the head dims where kernel=None may pick this
-    # rung for them (None: all of head_dims); at the others a lower rung is faster masked.
-    masked_head_dims: tuple | None = None
     # Workspace for materialised scores (K1 only): the interface allocates it.
     needs_scores_workspace: bool = False
     # A persistent grid (one CTA per SM): the kernel takes the SM count as its last argument.
@@ -91,8 +88,7 @@ _MMA_IN_FLIGHT = "wgmma.wait_group.sync.aligned \t1;"
 
 
 def _swapped_backward(name: str, module: str, cls: str, summary: str, *, head_dims: tuple,
-                      speed_rank: int, value_head_dims: tuple = (), tile_m: int = 64,
-                      masked_head_dims: tuple | None = None) -> KernelSpec:
+                      speed_rank: int, value_head_dims: tuple = (), tile_m: int = 64) -> KernelSpec:
     """A rung of the S^T backward line (b3 on): 64-row Q tiles (b8: 128) against 128-row K/V
     tiles, two Q stages, dQ by bulk reduce-adds, each column's statistics by shuffles (or from SMEM).
     Deterministic calls go to b2 instead (`deterministic_head_dims` empty): H200, one run, b2
@@ -100,7 +96,7 @@ def _swapped_backward(name: str, module: str, cls: str, summary: str, *, head_di
     six at d96 (worklog/backward.md)."""
     return KernelSpec(name, BACKWARD, module, cls, summary, deterministic_head_dims=(),
                       config={"tile_m": tile_m, "tile_n": 128, "q_stages": 2}, head_dims=head_dims,
-                      value_head_dims=value_head_dims, masked_head_dims=masked_head_dims,
+                      value_head_dims=value_head_dims,
                       ptx_promises=_BWD_SWAPPED_PTX, ptx_forbids=_BWD_WS_FORBIDS,
                       speed_rank=speed_rank, variants=VARIANTS)
 
@@ -270,9 +266,9 @@ KERNELS: dict[str, KernelSpec] = {
             "b8", "bwd_wide", "WideSplitDqBackward",
             "b4 on 128 x 128 S^T tiles at d64: dS^T from the rounded P^T (S^T's FP32 registers "
             "die before dP^T lands), one dQ buffer a warpgroup",
-            # causal / windowed d64 stays on b2 (H200, one run: b8 0.94-0.99x b2 masked,
-            # 1.02-1.07x unmasked; worklog/backward.md)
-            head_dims=(64,), tile_m=128, masked_head_dims=(), speed_rank=7),
+            # H200, one run with GQA 1 and 4: 1.00-1.05x b2 in all ten d64 cells (2k-16k, causal
+            # and not; worklog/backward.md)
+            head_dims=(64,), tile_m=128, speed_rank=7),
         KernelSpec(
             "b9", BACKWARD, "bwd_dkv_t", "TransposedDkvBackward",
             "b2 + dK and dV computed transposed (head dim on the WGMMA's M): 96-key tiles at d192, "
@@ -359,14 +355,13 @@ def available_kernels(family: str | None = None, head_dim: int | None = None) ->
 def fastest(family: str, head_dim: int | None = None, deterministic: bool = False,
             head_dim_v: int | None = None, masked: bool = True) -> KernelSpec:
     """The highest-ranked rung of `family` that supports head_dim (and, `deterministic`, is
-    chosen for deterministic calls there: `deterministic_head_dims`; for masked calls (`masked`):
-    `masked_head_dims`, for unmasked ones: `unmasked_head_dims`; and takes v's head_dim_v where it
-    differs: `value_head_dims`)."""
+    chosen for deterministic calls there: `deterministic_head_dims`; without a mask (`masked`
+    False), for unmasked calls: `unmasked_head_dims`; and takes v's head_dim_v where it differs:
+    `value_head_dims`)."""
     def serves(s):
         dims = s.deterministic_head_dims if deterministic and s.deterministic_head_dims is not None else s.head_dims
-        only = s.masked_head_dims if masked else s.unmasked_head_dims
-        if only is not None:
-            dims = tuple(d for d in dims if d in only)
+        if not masked and s.unmasked_head_dims is not None:
+            dims = tuple(d for d in dims if d in s.unmasked_head_dims)
         if head_dim_v not in (None, head_dim) and (head_dim, head_dim_v) not in s.value_head_dims:
             return False
         return head_dim is None or head_dim in dims

@@ -17,13 +17,17 @@ fragment while dP^T is still in flight (`dv_under_dp`, measured ahead of issuing
 The dQ hand-off keeps B4's per-warpgroup halves but with one buffer a warpgroup (two do not fit
 beside 128-row Q/dO stages): the writer returns it as soon as its bulk reduce-add has read it.
 
-Measured (H200, d64, TFLOP/s; worklog/backward.md has the runs): non-causal 2k / 8k / 16k, b2 /
-b8 / cuDNN / flash-attn-4: 446.6 / 472.0 / 414.1 / 495.3, 470.5 / 477.5 / 439.6 / 513.1, 476.8 /
-496.2 / 443.3 / 523.0 (1.02-1.06x b2, 0.93-0.95x flash-attn-4); GQA 4: 1.00-1.04x b2. Causal, in
-another run: 0.94-0.99x b2, so B2 keeps masked calls (registry `masked_head_dims`). Per Q tile B8
-issues more instructions than B2 (ncu, causal 8k: 6.6x the IMADs, 131x the SMEM loads):
-each column's LSE and D read from SMEM (32 `LDS.64` a thread) and the widening of the rounded P^T
-(64 `IMAD.U32 ..., 0x10000` a thread).
+Each column's LSE is read where it is used, not ahead (B4's `prefetch_stats`): 32 columns a thread
+held across the wait for S^T cost more at 128 rows than the wait they hide (H200, one run,
+2k / 8k / 16k: with the prefetch 0.97-0.98x B2 causal, without it 1.01-1.04x).
+
+Measured (H200, d64, TFLOP/s, one run; worklog/backward.md), b2 / b8 / cuDNN / flash-attn-4, 2k /
+8k / 16k: non-causal 442.4 / 455.6 / 416.7 / 488.1, 467.5 / 474.5 / 436.2 / 516.2, 478.2 / 500.2 /
+443.8 / 520.8; causal 372.1 / 380.6 / 327.7 / 421.1, 456.4 / 458.4 / 402.2 / 490.8, 467.3 / 472.1 /
+427.1 / 516.8; GQA 4 (2k / 8k): 1.02-1.05x b2. So 1.00-1.05x b2 and 0.90-0.96x flash-attn-4. Per Q
+tile B8 issues more instructions than B2 (ncu, causal 8k, with the prefetch: 6.6x the IMADs, 131x
+the SMEM loads): each column's LSE and D from SMEM (32 `LDS.64` a thread) and the widening of the
+rounded P^T (64 `IMAD.U32 ..., 0x10000` a thread).
 
 SMEM (bf16, d = 64): Q/dO 2 x 2 x 16 KB, K/V 32 KB, dS^T 2 x 32 KB, dQ 2 x 16 KB, the statistics
 and barriers: 200.7 KB (ncu). Constraints: head_dim 64 (128-row tiles), two Q stages. kernel=None
@@ -38,3 +42,5 @@ class WideSplitDqBackward(SplitDqBackward):
     ds_from_rounded_p = True  # S^T's FP32 registers die at P^T's rounding
     dv_under_dp = True
     dq_buffers = 1  # one half-buffer a warpgroup: two do not fit beside 128-row stages
+    # each column's LSE read where used: 32 columns a thread held ahead cost more than the wait
+    prefetch_stats = False

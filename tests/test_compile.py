@@ -61,8 +61,8 @@ def test_backward_deterministic_variant_compiles(name):
     """deterministic=True adds the ordered dQ accumulation: an acquire spin and a release count."""
     spec = registry.get(name)
     head_dim = 64 if 64 in spec.head_dims else min(spec.head_dims)  # a head dim the rung serves
-    # (b8, d64 on 128-row tiles, spills 124 B with GQA here: kernel=None sends it neither
-    # deterministic nor causal calls)
+    # (b8, d64 on 128-row tiles, spills 124 B with GQA here: kernel=None sends deterministic calls
+    # to b2)
     report = _compile.compile_report(spec, torch.bfloat16, head_dim=head_dim, causal=True,
                                      deterministic=True, gqa=name != "b8")
     assert "ld.acquire.gpu.global" in report.ptx and "atom.global.release" in report.ptx
