@@ -265,9 +265,9 @@ KERNELS: dict[str, KernelSpec] = {
         _swapped_backward(
             "b8", "bwd_wide", "WideSplitDqBackward",
             "b4 on 128 x 128 S^T tiles at d64: dS^T from the rounded P^T (S^T's FP32 registers "
-            "die before dP^T lands), one dQ buffer a warpgroup",
-            # H200, one run with GQA 1 and 4: 1.00-1.05x b2 in all ten d64 cells (2k-16k, causal
-            # and not; worklog/backward.md)
+            "die before dP^T lands) multiplied in 16-bit pairs, one dQ buffer a warpgroup",
+            # H200: 1.04-1.10x b2 at d64 (2k-16k, causal and not), dQ / dK errors 1.4x b2's
+            # (worklog/backward.md)
             head_dims=(64,), tile_m=128, speed_rank=7),
         KernelSpec(
             "b9", BACKWARD, "bwd_dkv_t", "TransposedDkvBackward",

@@ -62,6 +62,8 @@ class SwappedBackward(WarpSpecializedBackward):
     # S^T's FP32 accumulator dies at the rounding, before dP^T lands (64 registers a thread at
     # 128 x 128; with it b3 at 128 rows had 0 spills, without 88 B and serialized WGMMAs)
     ds_from_rounded_p = False
+    # B8's: dS^T = P^T (dP^T - D) multiplied as 16-bit pairs (`paired_score_grads_t`)
+    ds_in_pairs = False
 
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 64, tile_n: int = 128,
                  q_stages: int = 2, deterministic: bool = False, local: bool = False,
@@ -218,10 +220,13 @@ class SwappedBackward(WarpSpecializedBackward):
             self.dv_gemm(ctx, p, stage, 1)
         else:
             warpgroup.wait_group(0)
-        self.score_grads_t(ctx, p, acc_dp, dsum, lse2, scale_log2)  # dP^T has landed
-        if cutlass.const_expr(not self.dv_under_dp and not self.ds_from_rounded_p):
-            self.dv_gemm(ctx, p, stage, -1)  # S^T's and dP^T's FP32 registers are free now
-        ds = mma.to_dtype(acc_dp, self.dtype)
+        if cutlass.const_expr(self.ds_in_pairs and not self.softcap):
+            ds = self.paired_score_grads_t(ctx, p, acc_dp, dsum)  # dP^T has landed
+        else:
+            self.score_grads_t(ctx, p, acc_dp, dsum, lse2, scale_log2)  # dP^T has landed
+            if cutlass.const_expr(not self.dv_under_dp and not self.ds_from_rounded_p):
+                self.dv_gemm(ctx, p, stage, -1)  # S^T's and dP^T's FP32 registers are free now
+            ds = mma.to_dtype(acc_dp, self.dtype)
         if cutlass.const_expr(not self.dv_under_dp and self.ds_from_rounded_p):
             self.dv_gemm(ctx, p, stage, -1)  # after dS^T's rounding (spills before it at d64)
         mma.store_to_smem(ds, ctx.sdp, ctx.tidx, s.sdS[None, None, stage])

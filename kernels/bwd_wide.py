@@ -4,38 +4,44 @@ At d64 B2 runs 128-row Q tiles (its S and dP live in two warpgroups' 64-row halv
 64-row Q tiles lose to it: each Q tile's loads, barriers and hand-offs are amortized over half the
 work. B4 with 128-row Q tiles held five 64 x 128 FP32 accumulators a thread at the worst point
 (S^T, dP^T, plus P^T rounded for dV, dV and dK): ptxas spilled 88 B and serialized the WGMMAs.
-One idea makes it fit:
+One idea makes it fit, dS^T computed from the rounded P^T:
 
-    P^T_bf16 = round(exp2(S^T * scale_log2 - LSE * log2 e))   into the A operand's 32-bit pairs
-    dS^T     = P^T_bf16 (dP^T - D)                            (one widening shift an element)
+    P^T_bf16  = round(exp2(S^T * scale_log2 - LSE * log2 e))  into the A operand's 32-bit pairs
+    dS^T_bf16 = P^T_bf16 * round(dP^T - D)                     one mul.rn.bf16x2 a pair
 
 S^T's FP32 registers die at the rounding, before dP^T lands, so S^T and dP^T never live together
-with the P^T fragment. dS^T then sees P rounded to bf16 (relative 2^-8, the size of dS^T's own
-rounding); the gradient tests hold at B4's tolerances. dV = P^T dO is issued from the rounded
-fragment while dP^T is still in flight (`dv_under_dp`, measured ahead of issuing it after dS^T).
+with the P^T fragment. Each column pair's dP^T - D is rounded into one 32-bit pair and multiplied
+by P^T's pair in 16-bit arithmetic, which is also dS^T's rounding for the dK and dQ GEMMs: per pair
+a cvt and a mul instead of widening P^T back (2 IMADs), 2 FP32 multiplies and a cvt. The price is
+accuracy: against float64 (d64, 2k, randn), dQ and dK relative errors 3.4e-3 against B2's 2.4e-3
+(2.9e-3 with P^T widened and dS^T multiplied in FP32); dV is B2's. The gradient tests (within 2x
+PyTorch's own bf16 error) hold; backward_kernel="b2" or deterministic=True keep FP32 dS.
+dV = P^T dO is issued from the rounded fragment while dP^T is still in flight (`dv_under_dp`).
 
 The dQ hand-off keeps B4's per-warpgroup halves but with one buffer a warpgroup (two do not fit
 beside 128-row Q/dO stages): the writer returns it as soon as its bulk reduce-add has read it.
-
 Each column's LSE is read where it is used, not ahead (B4's `prefetch_stats`): 32 columns a thread
-held across the wait for S^T cost more at 128 rows than the wait they hide (H200, one run,
-2k / 8k / 16k: with the prefetch 0.97-0.98x B2 causal, without it 1.01-1.04x).
+held across the wait for S^T cost more at 128 rows than the wait they hide.
 
-Measured (H200, d64, TFLOP/s, one run; worklog/backward.md), b2 / b8 / cuDNN / flash-attn-4, 2k /
-8k / 16k: non-causal 442.4 / 455.6 / 416.7 / 488.1, 467.5 / 474.5 / 436.2 / 516.2, 478.2 / 500.2 /
-443.8 / 520.8; causal 372.1 / 380.6 / 327.7 / 421.1, 456.4 / 458.4 / 402.2 / 490.8, 467.3 / 472.1 /
-427.1 / 516.8; GQA 4 (2k / 8k): 1.02-1.05x b2. So 1.00-1.05x b2 and 0.90-0.96x flash-attn-4. Per Q
-tile B8 issues more instructions than B2 (ncu, causal 8k, with the prefetch: 6.6x the IMADs, 131x
-the SMEM loads): each column's LSE and D from SMEM (32 `LDS.64` a thread) and the widening of the
-rounded P^T (64 `IMAD.U32 ..., 0x10000` a thread).
+Measured (H200, d64, TFLOP/s, best of two rounds; worklog/backward.md has the runs), 2k / 8k / 16k,
+b2 / b8 with dS^T in FP32 / b8: non-causal 447.0 / 483.5 / 494.0, 479.0 / 481.1 / 520.3, 474.8 /
+507.1 / 523.3; causal 366.3 / 381.5 / 387.1, 447.9 / 481.9 / 475.6, 476.1 / 485.3 / 494.1:
+1.04-1.10x b2. flash-attn-4 in an earlier run of the same cells: 488-521 non-causal, 421-517
+causal.
 
 SMEM (bf16, d = 64): Q/dO 2 x 2 x 16 KB, K/V 32 KB, dS^T 2 x 32 KB, dQ 2 x 16 KB, the statistics
-and barriers: 200.7 KB (ncu). Constraints: head_dim 64 (128-row tiles), two Q stages. kernel=None
-sends deterministic calls to B2, as for every S^T rung; named, B8 runs them (124 B of spills with
-GQA and a causal mask).
+and barriers: 200.7 KB (ncu). Constraints: head_dim 64 (128-row tiles), two Q stages; capped
+scores (softcap) compute dS^T in FP32 (their 1 - t^2 needs P's logarithm). kernel=None sends
+deterministic calls to B2, as for every S^T rung; named, B8 runs them (124 B of spills with GQA
+and a causal mask).
 """
 
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+
 from .bwd_split_dq import SplitDqBackward
+from .common import mma
 
 
 class WideSplitDqBackward(SplitDqBackward):
@@ -44,3 +50,20 @@ class WideSplitDqBackward(SplitDqBackward):
     dq_buffers = 1  # one half-buffer a warpgroup: two do not fit beside 128-row stages
     # each column's LSE read where used: 32 columns a thread held ahead cost more than the wait
     prefetch_stats = False
+    ds_in_pairs = True  # dS^T from the rounded P^T's pairs, without widening them
+
+    @cute.jit
+    def paired_score_grads_t(self, ctx, p: cute.Tensor, acc_dp: cute.Tensor, dsum) -> cute.Tensor:
+        """dS^T = P^T (dP^T - D), rounded, from the rounded P^T's 32-bit pairs: each column pair's
+        dP^T - D rounded into one pair and multiplied by P^T's pair (one mul.rn.bf16x2), so P^T is
+        never widened back to FP32. Returns dS^T in the input type, the accumulator's layout."""
+        ds = cute.make_rmem_tensor_like(acc_dp, self.dtype)
+        p32, ds32 = cute.recast_tensor(p, Int32), cute.recast_tensor(ds, Int32)
+        dp_mn = mma.rows_cols(acc_dp)
+        for c in cutlass.range_constexpr(0, cute.size(dp_mn, mode=[1]), 2):  # columns c, c + 1
+            d0, d1 = self.col_stat(ctx, dsum, c), self.col_stat(ctx, dsum, c + 1)
+            for r in cutlass.range_constexpr(cute.size(dp_mn, mode=[0])):
+                pair = cute.crd2idx((r, c), dp_mn.layout) // 2
+                x = mma.pack_16bit_pair(dp_mn[r, c] - d0, dp_mn[r, c + 1] - d1, self.dtype)
+                ds32[pair] = mma.mul_16bit_pairs(p32[pair], x, self.dtype)
+        return ds

@@ -275,12 +275,18 @@ def test_gqa_dkv_bulk_add_compiles(name, head_dim):
 def test_wide_d64_rung_fits(causal):
     """b8: b4 on 128 x 128 tiles at d64, fitting by dS^T from the rounded P^T and one dQ buffer a
     warpgroup: no spills, no serialized WGMMAs, 16-byte dQ stores and one bulk reduce-add a
-    warpgroup (two a Q tile)."""
+    warpgroup (two a Q tile); dS^T multiplied in 16-bit pairs (P^T never widened back), except
+    with capped scores."""
     spec = registry.get("b8")
     report = _compile.compile_report(spec, torch.bfloat16, head_dim=64, causal=causal)
     assert report.ptx.count("st.shared.v4") == 8
     assert report.ptx.count("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32") == 2
+    assert report.ptx.count("mul.rn.bf16x2") == 32 and "cvt.f32.bf16" not in report.ptx
     assert report.spill_bytes == 0 and not report.serialized_wgmma
+    if not causal:
+        report = _compile.compile_report(spec, torch.bfloat16, head_dim=64, causal=False, softcap=True)
+        assert "mul.rn.bf16x2" not in report.ptx and "tanh.approx.f32" in report.ptx
+        assert report.spill_bytes == 0 and not report.serialized_wgmma
 
 
 @pytest.mark.parametrize("head_dim,head_dim_v,deterministic", [(192, None, False), (256, None, False),

@@ -189,6 +189,17 @@ def pack_16bit_pair(lo: Float32, hi: Float32, dtype, *, loc=None, ip=None) -> In
         has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
+@dsl_user_op
+def mul_16bit_pairs(a: Int32, b: Int32, dtype, *, loc=None, ip=None) -> Int32:
+    """Two packed bf16/fp16 pairs multiplied half by half, rounded to nearest: one
+    mul.rn.{bf16x2,f16x2}."""
+    kind = "bf16x2" if dtype is cutlass.BFloat16 else "f16x2"
+    return Int32(llvm.inline_asm(
+        T.i32(), [Int32(a).ir_value(loc=loc, ip=ip), Int32(b).ir_value(loc=loc, ip=ip)],
+        f"mul.rn.{kind} $0, $1, $2;", "=r,r,r",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
 @cute.jit
 def to_dtype_packed(acc: cute.Tensor, out: cute.Tensor):
     """out = acc rounded to out's 16-bit type, written as 32-bit pairs: the WGMMA A operand reads
