@@ -36,12 +36,7 @@ deterministic calls to B2, as for every S^T rung; named, B8 runs them (124 B of 
 and a causal mask).
 """
 
-import cutlass
-import cutlass.cute as cute
-from cutlass import Int32
-
 from .bwd_split_dq import SplitDqBackward
-from .common import mma
 
 
 class WideSplitDqBackward(SplitDqBackward):
@@ -51,19 +46,3 @@ class WideSplitDqBackward(SplitDqBackward):
     # each column's LSE read where used: 32 columns a thread held ahead cost more than the wait
     prefetch_stats = False
     ds_in_pairs = True  # dS^T from the rounded P^T's pairs, without widening them
-
-    @cute.jit
-    def paired_score_grads_t(self, ctx, p: cute.Tensor, acc_dp: cute.Tensor, dsum) -> cute.Tensor:
-        """dS^T = P^T (dP^T - D), rounded, from the rounded P^T's 32-bit pairs: each column pair's
-        dP^T - D rounded into one pair and multiplied by P^T's pair (one mul.rn.bf16x2), so P^T is
-        never widened back to FP32. Returns dS^T in the input type, the accumulator's layout."""
-        ds = cute.make_rmem_tensor_like(acc_dp, self.dtype)
-        p32, ds32 = cute.recast_tensor(p, Int32), cute.recast_tensor(ds, Int32)
-        dp_mn = mma.rows_cols(acc_dp)
-        for c in cutlass.range_constexpr(0, cute.size(dp_mn, mode=[1]), 2):  # columns c, c + 1
-            d0, d1 = self.col_stat(ctx, dsum, c), self.col_stat(ctx, dsum, c + 1)
-            for r in cutlass.range_constexpr(cute.size(dp_mn, mode=[0])):
-                pair = cute.crd2idx((r, c), dp_mn.layout) // 2
-                x = mma.pack_16bit_pair(dp_mn[r, c] - d0, dp_mn[r, c + 1] - d1, self.dtype)
-                ds32[pair] = mma.mul_16bit_pairs(p32[pair], x, self.dtype)
-        return ds
