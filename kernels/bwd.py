@@ -34,9 +34,10 @@ its entry's last row reads the next entry's rows: their LSE is taken as +inf (P 
 they add exact zeros to dQ and nothing to dK and dV, and the dQ accumulator needs no padding
 between entries (only tile_m rows of slack at the end).
 
-Three concepts live in modules of their own and come in as mixins: the five GEMMs' tiled MMAs,
-operand views and issue (bwd_mma.py), the order of the dQ adds (bwd_order.py: unordered, or
-ordered by counters, reversed or rotated) and the dK/dV epilogue (bwd_dkv_store.py).
+Four concepts live in modules of their own and come in as mixins: the five GEMMs' tiled MMAs,
+operand views and issue (bwd_mma.py), the pointwise steps from S and dP to P and dS
+(bwd_pointwise.py), the order of the dQ adds (bwd_order.py: unordered, or ordered by counters,
+reversed or rotated) and the dK/dV epilogue (bwd_dkv_store.py).
 
 Constraints: head_dim 64/96/128/192/256; tile_m and tile_n multiples of 64 (WGMMA's 64-row atom; P and dS
 rows fill a 128-byte swizzle atom). Where a GEMM's M is 64 the two warpgroups split its N.
@@ -51,11 +52,12 @@ from cutlass import Float32, Int32, Int64
 from .bwd_dkv_store import DkvEpilogue
 from .bwd_mma import BackwardMmas
 from .bwd_order import DqOrder
-from .common import accum, mask, mma, pipeline, scheduler, seqlen, smem, softmax, tma
+from .bwd_pointwise import PointwiseGradients
+from .common import accum, mask, mma, pipeline, scheduler, seqlen, smem, tma
 from .common.statistics import QueryStatistics
 
 
-class AttentionBackward(QueryStatistics, DqOrder, DkvEpilogue, BackwardMmas):
+class AttentionBackward(QueryStatistics, DqOrder, DkvEpilogue, BackwardMmas, PointwiseGradients):
     mma_warpgroups = 2
     p_in_smem = True  # P goes through SMEM for dV (B3 keeps it in registers)
     dq_turn_barriers = 0  # mbarriers of B9's dQ turns (in the barriers' first 1 KB: no tile moves)
@@ -308,48 +310,6 @@ class AttentionBackward(QueryStatistics, DqOrder, DkvEpilogue, BackwardMmas):
         if cutlass.const_expr(window is not None):  # a window may leave this K/V tile no Q tile
             end = cutlass.max(first, end)
         return first, end
-
-    @cute.jit
-    def probabilities(self, ctx, acc_s, lse2: cute.Tensor, m_block: Int32, n_block: Int32,
-                      seqlen_q: Int32, seqlen_k: Int32, scale_log2: Float32):
-        """S -> P in place: softcap (the capped variant), mask (tiles that need it), then
-        exp2(S * scale_log2 - LSE * log2 e)."""
-        s_mn = mma.rows_cols(acc_s)
-        if cutlass.const_expr(self.softcap):
-            softmax.softcap(s_mn, ctx.softcap_scale)
-        if mask.tile_needs_mask(m_block, n_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k,
-                                self.causal, window=ctx.window):
-            mask.apply(s_mn, ctx.s_coords, m_block * self.tile_m, n_block * self.tile_n, seqlen_q,
-                       seqlen_k, self.causal, window=ctx.window)
-        for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-            for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-                s_mn[r, c] = cute.math.exp2(s_mn[r, c] * scale_log2 - lse2[r], fastmath=True)
-
-    @cute.jit
-    def score_grads(self, acc_p, acc_dp, dsum: cute.Tensor, lse2: cute.Tensor, scale_log2: Float32):
-        """dP -> dS = P * (dP - D) in place. Capped scores (z = cap * t, t = tanh(s * scale / cap))
-        also take dz/ds's 1 - t^2 (the scale is applied later, as without a cap); t is recovered
-        from P itself, t = (log2 P + LSE * log2 e) / scale_log2, so no register holds it meanwhile,
-        and where P = 0 (masked, or no contribution) the factor is 0, not 0 * inf."""
-        p_mn, dp_mn = mma.rows_cols(acc_p), mma.rows_cols(acc_dp)
-        inv_scale = self.score_grad_scale(scale_log2)
-        for r in cutlass.range_constexpr(cute.size(dp_mn, mode=[0])):
-            for c in cutlass.range_constexpr(cute.size(dp_mn, mode=[1])):
-                dp_mn[r, c] = self.score_grad(p_mn[r, c], dp_mn[r, c], dsum[r], lse2[r], inv_scale)
-
-    @cute.jit
-    def score_grad_scale(self, scale_log2: Float32) -> Float32:
-        """What `score_grad` multiplies by to recover t: 1 / scale_log2 (capped scores only)."""
-        return cute.arch.rcp_approx(scale_log2) if cutlass.const_expr(self.softcap) else scale_log2
-
-    @cute.jit
-    def score_grad(self, p: Float32, dp: Float32, dsum: Float32, lse2: Float32, inv_scale: Float32) -> Float32:
-        """One element of dS = P * (dP - D), times 1 - t^2 for capped scores (see score_grads)."""
-        ds = p * (dp - dsum)
-        if cutlass.const_expr(self.softcap):
-            t = (cute.math.log2(p, fastmath=True) + lse2) * inv_scale
-            ds = ds * (1.0 - t * t) if p > 0.0 else Float32(0.0)
-        return ds
 
     @cute.jit
     def add_dq(self, ctx, acc_dq, mdQacc: cute.Tensor, mLock: cute.Tensor, m_block: Int32,

@@ -62,9 +62,6 @@ class SwappedBackward(WarpSpecializedBackward):
     # S^T's FP32 accumulator dies at the rounding, before dP^T lands (64 registers a thread at
     # 128 x 128; with it b3 at 128 rows had 0 spills, without 88 B and serialized WGMMAs)
     ds_from_rounded_p = False
-    # B8's: dS^T = P^T (dP^T - D) multiplied in 16-bit pairs from the rounded P^T
-    # (`paired_score_grads_t`; capped scores keep the FP32 product)
-    ds_in_pairs = False
 
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 64, tile_n: int = 128,
                  q_stages: int = 2, deterministic: bool = False, local: bool = False,
@@ -72,7 +69,7 @@ class SwappedBackward(WarpSpecializedBackward):
                  head_dim_v: int | None = None):
         assert q_stages == 2, "the two dS buffers follow the Q stage index"
         assert tile_n == 128, "each of the two consumer warpgroups owns 64 keys"
-        assert self.ds_from_rounded_p or not self.ds_in_pairs, "dS^T in pairs needs P^T rounded"
+        assert self.ds_from_rounded_p or not self.ds_in_pairs, "dS^T in pairs needs P^T rounded first"
         super().__init__(dtype, head_dim, causal, tile_m, tile_n, q_stages, deterministic, local,
                          softcap, varlen, ordered_dq, head_dim_v)
 
@@ -185,22 +182,6 @@ class SwappedBackward(WarpSpecializedBackward):
                 dp_mn[r, c] = self.score_grad(p, dp_mn[r, c], d, lse, inv_scale)
 
     @cute.jit
-    def paired_score_grads_t(self, ctx, p: cute.Tensor, acc_dp: cute.Tensor, dsum) -> cute.Tensor:
-        """dS^T = P^T (dP^T - D), rounded, from the rounded P^T's 32-bit pairs: each column pair's
-        dP^T - D rounded into one pair and multiplied by P^T's pair (one mul.rn.bf16x2), so P^T is
-        never widened back to FP32. Returns dS^T in the input type, the accumulator's layout."""
-        ds = cute.make_rmem_tensor_like(acc_dp, self.dtype)
-        p32, ds32 = cute.recast_tensor(p, Int32), cute.recast_tensor(ds, Int32)
-        dp_mn = mma.rows_cols(acc_dp)
-        for c in cutlass.range_constexpr(0, cute.size(dp_mn, mode=[1]), 2):  # columns c, c + 1
-            d0, d1 = self.col_stat(ctx, dsum, c), self.col_stat(ctx, dsum, c + 1)
-            for r in cutlass.range_constexpr(cute.size(dp_mn, mode=[0])):
-                pair = cute.crd2idx((r, c), dp_mn.layout) // 2
-                x = mma.pack_16bit_pair(dp_mn[r, c] - d0, dp_mn[r, c + 1] - d1, self.dtype)
-                ds32[pair] = mma.mul_16bit_pairs(p32[pair], x, self.dtype)
-        return ds
-
-    @cute.jit
     def dv_gemm(self, ctx, p, stage, wait: cutlass.Constexpr):
         """dV += P^T dO with P^T from registers (`p`: the FP32 accumulator, rounded here, or
         already rounded); wait until `wait` remain."""
@@ -239,7 +220,7 @@ class SwappedBackward(WarpSpecializedBackward):
         else:
             warpgroup.wait_group(0)
         if cutlass.const_expr(self.ds_in_pairs and not self.softcap):
-            ds = self.paired_score_grads_t(ctx, p, acc_dp, dsum)  # dP^T has landed
+            ds = self.paired_score_grads(ctx, p, acc_dp, dsum, by_column=True)  # dP^T has landed
         else:
             self.score_grads_t(ctx, p, acc_dp, dsum, lse2, scale_log2)  # dP^T has landed
             if cutlass.const_expr(not self.dv_under_dp and not self.ds_from_rounded_p):

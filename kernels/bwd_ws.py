@@ -233,10 +233,16 @@ class WarpSpecializedBackward(AttentionBackward):
         stage = q_state.index
         acc_s, acc_dp = self.scores_and_dp(ctx, stage, 1)  # S has landed, dP may still run
         self.probabilities(ctx, acc_s, lse2, m_block, n_block, ctx.seq.seqlen_q, ctx.seq.seqlen_k, scale_log2)
-        p = mma.to_dtype(acc_s, self.dtype)
-        warpgroup.wait_group(0)
-        self.score_grads(acc_s, acc_dp, dsum, lse2, scale_log2)
-        ds = mma.to_dtype(acc_dp, self.dtype)
+        if cutlass.const_expr(self.ds_in_pairs and not self.softcap):
+            p = cute.make_rmem_tensor_like(acc_s, self.dtype)
+            mma.to_dtype_packed(acc_s, p)  # S's FP32 registers die here, before dP lands
+            warpgroup.wait_group(0)
+            ds = self.paired_score_grads(ctx, p, acc_dp, dsum)
+        else:
+            p = mma.to_dtype(acc_s, self.dtype)
+            warpgroup.wait_group(0)
+            self.score_grads(acc_s, acc_dp, dsum, lse2, scale_log2)
+            ds = mma.to_dtype(acc_dp, self.dtype)
         # every GEMM of the previous Q tile (both warpgroups) is done with sP and sdS
         cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=consumers)
         mma.store_to_smem(p, ctx.sdp, ctx.tidx, s.sP[None, None, 0], self.score_matrices())

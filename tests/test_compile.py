@@ -289,6 +289,24 @@ def test_wide_d64_rung_fits(causal):
         assert report.spill_bytes == 0 and not report.serialized_wgmma
 
 
+def test_ds_in_pairs_compiles_on_the_row_rungs():
+    """Prepared for a GPU run (worklog/backward.md): b9 with dS from the rounded P's pairs
+    (`ds_in_pairs`, b8's on S^T; here dS's rows share D), as the experiment row the worklog gives:
+    one mul.rn.bf16x2 a pair, no spills."""
+    benchmarks = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "benchmarks")
+    if benchmarks not in sys.path:
+        sys.path.insert(0, benchmarks)
+    import variants
+
+    try:
+        spec = variants.register("b9x=b9:ds_in_pairs=1")
+        report = _compile.compile_report(spec, torch.bfloat16, head_dim=192, causal=True)
+    finally:
+        registry.KERNELS.pop("b9x", None)
+    assert report.ptx.count("mul.rn.bf16x2") == 12  # 64 x 96 scores: 24 a thread, in pairs
+    assert report.spill_bytes == 0 and not report.serialized_wgmma
+
+
 @pytest.mark.parametrize("head_dim,head_dim_v,deterministic", [(192, None, False), (256, None, False),
                                                             (192, 128, False), (192, None, True)])
 def test_b9_dq_turns_are_mbarriers(head_dim, head_dim_v, deterministic):
