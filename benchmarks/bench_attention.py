@@ -27,6 +27,10 @@ deterministic=True as a column of its own ("b1+det").
 --gqa G gives k and v heads / G heads (grouped-query attention, as Llama-style models train; SDPA
 with enable_gqa): the FLOPs are the query heads', so the rates compare with the plain table's.
 
+--kernels default (alone or beside rungs) times what a user's call runs: kernel=None (forward) or
+backward_kernel=None (backward), so the dispatch picks the rung per head dim, mask and
+`deterministic` ("default+det" is the deterministic call's dispatch).
+
 --variant NAME=BASE:key=value,... adds an experiment row: rung BASE with a configuration value or a
 class attribute changed, named NAME for --kernels (benchmarks/variants.py).
 
@@ -105,8 +109,19 @@ def _sinks(heads):
     return torch.randn(heads, device="cuda", dtype=torch.float32)
 
 
+DEFAULT = "default"  # --kernels default: kernel=None, the rung the dispatch picks for each call
+
+
+def _spec(name: str):
+    """The rung `name`, or for DEFAULT a stand-in that serves every head dim the dispatch does."""
+    if name == DEFAULT:
+        return registry.KernelSpec(DEFAULT, "", "", "", "kernel=None", head_dims=registry.HEAD_DIMS)
+    return registry.get(name)
+
+
 def rung_runner(name: str, sinks: bool = False) -> Runner:
-    spec = registry.get(name)
+    spec = _spec(name)
+    kernel = None if name == DEFAULT else name
 
     def skip(batch, seqlen, heads, head_dim):
         if head_dim not in spec.head_dims:
@@ -120,7 +135,7 @@ def rung_runner(name: str, sinks: bool = False) -> Runner:
     def make(q, k, v, causal):
         out = torch.empty_like(q)
         s = _sinks(q.shape[2]) if sinks else None
-        return lambda: fa3.attention(q, k, v, causal=causal, kernel=name, out=out, sinks=s)
+        return lambda: fa3.attention(q, k, v, causal=causal, kernel=kernel, out=out, sinks=s)
 
     return Runner(name + ("+sinks" if sinks else ""), True, make, skip=skip)
 
@@ -145,14 +160,15 @@ def fp8_runner(name: str) -> Runner:
 
 
 def backward_rung_runner(name: str, deterministic: bool = False, sinks: bool = False) -> Runner:
-    spec = registry.get(name)
+    spec = _spec(name)
+    kernel = None if name == DEFAULT else name
 
     def skip(batch, seqlen, heads, head_dim):
         return unsupported_head_dim(spec, head_dim)
 
     def make(q, k, v, causal):
         s = _sinks(q.shape[2]).requires_grad_() if sinks else None
-        return lambda: fa3.attention(q, k, v, causal=causal, backward_kernel=name,
+        return lambda: fa3.attention(q, k, v, causal=causal, backward_kernel=kernel,
                                      deterministic=deterministic, sinks=s)
 
     return Runner(name + ("+det" if deterministic else "") + ("+sinks" if sinks else ""), True, make,
@@ -332,7 +348,8 @@ def parse_args(argv=None):
     backward = "--backward" in argv
     rungs = registry.available_kernels(registry.BACKWARD if backward else registry.ATTENTION)
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--kernels", default="all", help=f"'all' or a comma list of {','.join(rungs)}")
+    p.add_argument("--kernels", default="all",
+                   help=f"'all' or a comma list of {','.join(rungs)} and {DEFAULT} (kernel=None)")
     p.add_argument("--head-dims", type=_csv(int), default=list(DEFAULT_HEAD_DIMS))
     p.add_argument("--seqlens", type=_csv(int), default=list(DEFAULT_SEQLENS))
     p.add_argument("--causal", choices=["both", "true", "false"], default="both")
@@ -365,7 +382,7 @@ def parse_args(argv=None):
                    help="skip a size (and larger ones) when one call takes longer (default 5)")
     args = p.parse_args(argv)
     args.kernels = rungs if args.kernels == "all" else _csv(str)(args.kernels)
-    unknown = [n for n in args.kernels if n not in rungs]
+    unknown = [n for n in args.kernels if n not in rungs and n != DEFAULT]
     if unknown:
         p.error(f"--kernels: {', '.join(unknown)} not {'backward' if backward else 'attention'} "
                 f"rungs; choose from {', '.join(rungs)}")
@@ -415,7 +432,7 @@ def main(argv=None) -> int:
         runners = [rung_runner(n) for n in args.kernels] + peers
         if args.sinks:
             runners += [rung_runner(n, sinks=True) for n in args.kernels
-                        if registry.SINKS in registry.get(n).variants]
+                        if n == DEFAULT or registry.SINKS in registry.get(n).variants]
         if args.fp8:
             runners += [fp8_runner(n) for n in registry.available_kernels(registry.ATTENTION_FP8)]
             notes.append(FP8_NOTE)

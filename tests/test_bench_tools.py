@@ -8,6 +8,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 import sass_stalls  # noqa: E402
 
 EXPORT = '''"Kernel Name","bwd_a"
@@ -55,6 +56,25 @@ def test_bench_attention_gqa_groups_must_divide_the_heads(capsys):
     with pytest.raises(SystemExit):
         bench_attention.parse_args(["--gqa", "3", "--head-dims", "128"])
     assert "16 heads of head dim 128 do not divide into groups of 3" in capsys.readouterr().err
+
+
+def test_bench_attention_default_column_calls_the_dispatch(monkeypatch):
+    """--kernels default times kernel=None / backward_kernel=None (what a user's call runs), at every
+    head dim the dispatch serves; other names are still checked against the registry."""
+    bench_attention = pytest.importorskip("bench_attention")
+    assert bench_attention.parse_args(["--backward", "--kernels", "default,b2"]).kernels == ["default", "b2"]
+    with pytest.raises(SystemExit):
+        bench_attention.parse_args(["--kernels", "defaults"])
+    calls = []
+    monkeypatch.setattr(bench_attention.fa3, "attention", lambda *a, **kw: calls.append(kw))
+    backward = bench_attention.backward_rung_runner("default", deterministic=True)
+    assert backward.name == "default+det" and backward.skip(1, 2048, 32, 64) is None
+    assert "not supported" in backward.skip(1, 2048, 32, 80)
+    x = torch.zeros(1, 4, 2, 64)
+    backward.make(x, x, x, True)()
+    bench_attention.rung_runner("default").make(x, x, x, False)()
+    assert calls[0]["backward_kernel"] is None and calls[0]["deterministic"] is True
+    assert calls[1]["kernel"] is None
 
 
 def test_variants_register_experiment_rows():
