@@ -25,6 +25,10 @@ class PointwiseGradients:
     # the FP32 product: their 1 - t^2 needs P's logarithm). B8's; prepared for B2 and B9.
     ds_in_pairs = False
 
+    def pairs_make_ds(self) -> bool:
+        """Whether this variant's dS comes from P's rounded pairs (`ds_in_pairs`, not capped)."""
+        return self.ds_in_pairs and not self.softcap
+
     @cute.jit
     def probabilities(self, ctx, acc_s, lse2: cute.Tensor, m_block: Int32, n_block: Int32,
                       seqlen_q: Int32, seqlen_k: Int32, scale_log2: Float32):

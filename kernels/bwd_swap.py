@@ -213,13 +213,12 @@ class SwappedBackward(WarpSpecializedBackward):
         self.probabilities(ctx, acc_s, lse2, m_block, n_block, ctx.seq.seqlen_q, ctx.seq.seqlen_k, scale_log2)
         p = acc_s
         if cutlass.const_expr(self.ds_from_rounded_p):  # into the A operand's 32-bit pairs
-            p = cute.make_rmem_tensor_like(acc_s, self.dtype)
-            mma.to_dtype_packed(acc_s, p)
+            p = mma.to_dtype_pairs(acc_s, self.dtype)
         if cutlass.const_expr(self.dv_under_dp):
             self.dv_gemm(ctx, p, stage, 1)
         else:
             warpgroup.wait_group(0)
-        if cutlass.const_expr(self.ds_in_pairs and not self.softcap):
+        if cutlass.const_expr(self.pairs_make_ds()):
             ds = self.paired_score_grads(ctx, p, acc_dp, dsum, by_column=True)  # dP^T has landed
         else:
             self.score_grads_t(ctx, p, acc_dp, dsum, lse2, scale_log2)  # dP^T has landed

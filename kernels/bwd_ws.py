@@ -233,9 +233,8 @@ class WarpSpecializedBackward(AttentionBackward):
         stage = q_state.index
         acc_s, acc_dp = self.scores_and_dp(ctx, stage, 1)  # S has landed, dP may still run
         self.probabilities(ctx, acc_s, lse2, m_block, n_block, ctx.seq.seqlen_q, ctx.seq.seqlen_k, scale_log2)
-        if cutlass.const_expr(self.ds_in_pairs and not self.softcap):
-            p = cute.make_rmem_tensor_like(acc_s, self.dtype)
-            mma.to_dtype_packed(acc_s, p)  # S's FP32 registers die here, before dP lands
+        if cutlass.const_expr(self.pairs_make_ds()):
+            p = mma.to_dtype_pairs(acc_s, self.dtype)  # S's FP32 registers die here, before dP lands
             warpgroup.wait_group(0)
             ds = self.paired_score_grads(ctx, p, acc_dp, dsum)
         else:

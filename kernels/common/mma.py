@@ -200,6 +200,14 @@ def mul_16bit_pairs(a: Int32, b: Int32, dtype, *, loc=None, ip=None) -> Int32:
         has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
+def to_dtype_pairs(acc: cute.Tensor, dtype) -> cute.Tensor:
+    """`to_dtype`'s copy written as 32-bit pairs (`to_dtype_packed`): for an A operand, or for
+    arithmetic on the pairs (`mul_16bit_pairs`)."""
+    out = cute.make_rmem_tensor_like(acc, dtype)
+    to_dtype_packed(acc, out)
+    return out
+
+
 @cute.jit
 def to_dtype_packed(acc: cute.Tensor, out: cute.Tensor):
     """out = acc rounded to out's 16-bit type, written as 32-bit pairs: the WGMMA A operand reads
