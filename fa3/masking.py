@@ -62,12 +62,6 @@ def check_scale(scale: float) -> None:
                          f"1 / sqrt(head_dim)); to flip the scores' sign, negate q")
 
 
-def is_masked(causal: bool, window_size) -> bool:
-    """Whether a call masks scores (causal, or a window with a bounded side: `masking` compiles it
-    as causal or local); the backward's dispatch asks it (registry `unmasked_head_dims`)."""
-    return bool(causal) or tuple(window_size) != (-1, -1)
-
-
 def masking(causal: bool, window_size, softcap: float, scale: float) -> Masking:
     """The kernels' view of (causal, window_size, softcap, softmax_scale); arguments checked."""
     if window_size == (-1, -1) and not softcap:  # most calls: no checks, one dict lookup

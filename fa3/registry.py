@@ -39,12 +39,12 @@ class KernelSpec:
     ptx_forbids: tuple = ()  # substrings it must not contain
     # Higher is faster; `kernel=None` picks the fastest rung that supports the call.
     speed_rank: int = 0
-    # The head dims where kernel=None may pick this rung for deterministic=True (None: all of
-    # head_dims); at the others its ordered dQ adds are slower than a lower rung's.
+    # The head dims where kernel=None may pick this rung (None: all of head_dims); at the others a
+    # lower rung measured faster.
+    default_head_dims: tuple | None = None
+    # Of those, the ones where kernel=None may pick it for deterministic=True (None: all); at the
+    # others its ordered dQ adds are slower than a lower rung's.
     deterministic_head_dims: tuple | None = None
-    # The head dims where kernel=None may pick this rung for calls without a mask (neither causal
-    # nor windowed; None: all of head_dims); at the others a lower rung is faster unmasked.
-    unmasked_head_dims: tuple | None = None
     # Workspace for materialised scores (K1 only): the interface allocates it.
     needs_scores_workspace: bool = False
     # A persistent grid (one CTA per SM): the kernel takes the SM count as its last argument.
@@ -275,12 +275,12 @@ KERNELS: dict[str, KernelSpec] = {
             "48 at d256, two Q/dO stages, the dQ buffer shared by the warpgroups in turn",
             config={"tile_m": 64, "tile_n": 96, "q_stages": 2},
             per_head_dim={256: {"tile_n": 48}}, head_dims=(192, 256), value_head_dims=((192, 128),),
-            # deterministic at d256: 0.53-0.71x of b9 (its ordered adds come in two halves each
-            # and 48-key tiles make the chain of a Q tile's contributors long); b2's 0.80-1.06x
-            deterministic_head_dims=(192,),
-            # without a mask at d256 b2 ran ahead (H200, two rounds, 2k / 8k / 16k: 346.7 / 359.5 /
-            # 374.0 against 342.7 / 356.2 / 360.2 TFLOP/s); with one b9 leads by 4-11%
-            unmasked_head_dims=(192,),
+            # d256 stays with b2: without a mask b2 ran ahead (H200, 2k / 8k / 16k: 346.7 / 359.5 /
+            # 374.0 against 342.7 / 356.2 / 360.2 TFLOP/s), causal too once both launched heads in
+            # groups (296.3 / 361.1 / 367.2 against 291.1 / 337.9 / 350.5), deterministic b9 ran
+            # 0.53-0.71x of itself (its ordered adds come in two halves each, and 48-key tiles make
+            # the chain of a Q tile's contributors long)
+            default_head_dims=(192,),
             ptx_promises=_BWD_WS_PTX + ("stmatrix.sync.aligned.m8n8.x4.trans",), ptx_forbids=_BWD_WS_FORBIDS,
             speed_rank=8, variants=VARIANTS,
         ),
@@ -353,15 +353,14 @@ def available_kernels(family: str | None = None, head_dim: int | None = None) ->
 
 
 def fastest(family: str, head_dim: int | None = None, deterministic: bool = False,
-            head_dim_v: int | None = None, masked: bool = True) -> KernelSpec:
-    """The highest-ranked rung of `family` that supports head_dim (and, `deterministic`, is
-    chosen for deterministic calls there: `deterministic_head_dims`; without a mask (`masked`
-    False), for unmasked calls: `unmasked_head_dims`; and takes v's head_dim_v where it differs:
-    `value_head_dims`)."""
+            head_dim_v: int | None = None) -> KernelSpec:
+    """The highest-ranked rung of `family` chosen for head_dim (`default_head_dims`; and,
+    `deterministic`, for deterministic calls there: `deterministic_head_dims`) that takes v's
+    head_dim_v where it differs (`value_head_dims`)."""
     def serves(s):
-        dims = s.deterministic_head_dims if deterministic and s.deterministic_head_dims is not None else s.head_dims
-        if not masked and s.unmasked_head_dims is not None:
-            dims = tuple(d for d in dims if d in s.unmasked_head_dims)
+        dims = s.head_dims if s.default_head_dims is None else s.default_head_dims
+        if deterministic and s.deterministic_head_dims is not None:
+            dims = tuple(d for d in dims if d in s.deterministic_head_dims)
         if head_dim_v not in (None, head_dim) and (head_dim, head_dim_v) not in s.value_head_dims:
             return False
         return head_dim is None or head_dim in dims

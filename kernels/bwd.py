@@ -239,6 +239,8 @@ class AttentionBackward(QueryStatistics, DqOrder, DkvEpilogue, BackwardMmas, Poi
             seq.seqlen_q, seq.seqlen_k = seqlen_q, seqlen_k
             return self.kv_order(n_block, blocks), head, batch, seq
         kv_tiles = (mK.shape[0] + self.tile_n - 1) // self.tile_n  # (seqlen, d, heads, batch)
+        block, head, batch = self.launch_tile(block, head, batch, kv_tiles, mQ.shape[0], mQ.shape[2],
+                                              mQ.shape[3])
         return self.kv_order(block, kv_tiles), head, batch, seqlen.fixed(mQ.shape[0], mK.shape[0])
 
     def make_pipelines(self, storage, sQ_layout, sKV_layout, consumer_warps):

@@ -11,6 +11,13 @@ same bits every run. The order:
     no mask: ascending K/V tiles, or rotated (`rotates_ordered`: K/V tile n starts its walk at Q
         tile n and Q tile m takes its adds in the order the walks bring them).
 
+The launch order (`head_groups`, causal): the grid's CTAs numbered head after head give each
+head's long walks (K/V tile 0 walks every Q tile) first but the last heads' long walks at the end,
+behind whatever is left of the others. Instead heads (and batch entries) go in groups, the group's
+heads interleaved tile by tile (common/scheduler.py, head_group_tile): the CTAs of one tile index of
+the whole group start together, longest first, and the group's Q, dO and dQ accumulator (the rows
+every K/V tile of a head walks) fit in L2 together (`l2_bytes`). Each head's CTAs keep their order.
+
 A CTA may only wait for CTAs launched before it, or for CTAs that are resident with it: the GPU
 launches CTAs in order as earlier ones finish, so a wait on one that cannot launch until the waiter
 finishes never ends. The rotated order waits on higher-numbered K/V tiles of the same head, so it
@@ -21,7 +28,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
-from .common import accum, mask
+from .common import accum, mask, scheduler
 
 
 class DqOrder:
@@ -33,6 +40,24 @@ class DqOrder:
     # deadlocked (d256 at 12k: 192 tiles, 132 SMs). A bound well under any Hopper part's SM
     # count (78 on the smallest), which keeps the measured gains (2k: 16-32 tiles)
     rotated_walk_max_kv_tiles = 32
+    # causal grids launched in groups of interleaved heads (`launch_tile`), each group's Q, dO and
+    # FP32 dQ rows within `l2_bytes` (Hopper's L2: 50 MB)
+    head_groups = True
+    l2_bytes = 50 * 1024 * 1024
+
+    @cute.jit
+    def launch_tile(self, block: Int32, head: Int32, batch: Int32, kv_tiles: Int32, seqlen_q: Int32,
+                    heads: Int32, batches: Int32):
+        """(block, head, batch) of the CTA at grid position (block, head, batch): itself, or
+        (`head_groups`, causal) the CTA at that place in the grouped launch order (module doc)."""
+        if cutlass.const_expr(self.head_groups and self.causal):
+            row_bytes = 2 * (self.head_dim + self.head_dim_v) * self.dtype.width // 8 + 4 * self.head_dim
+            group = cutlass.max(self.l2_bytes // row_bytes // cutlass.max(seqlen_q, 1), 1)
+            tile = block + kv_tiles * (head + heads * batch)
+            block, head_batch = scheduler.head_group_tile(tile, kv_tiles, heads * batches,
+                                                          cutlass.min(group, heads * batches))
+            head, batch = head_batch % heads, head_batch // heads
+        return block, head, batch
 
     @property
     def kv_reversed(self) -> bool:

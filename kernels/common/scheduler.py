@@ -186,6 +186,19 @@ def varlen_tile(block: Int32, mCuSeqlens: cute.Tensor, tile_m: cutlass.Constexpr
 
 
 # ---------------------------------------------------------------- attention tiles
+@cute.jit
+def head_group_tile(tile: Int32, tiles_per_head: Int32, heads_batches: Int32, group: Int32):
+    """(tile index within its head, head-batch index) of linear tile `tile` when heads (and batch
+    entries) go in groups of `group` and each group's heads are interleaved tile by tile: tile 0 of
+    every head in the group, then tile 1, ... (the last group may be smaller). Each head's tiles
+    keep their order; CTAs launched together span a group's heads, whose shared operands stay in
+    L2, and start on the same tile index of each (the longest first, where the caller puts it)."""
+    first_hb = tile // (group * tiles_per_head) * group
+    in_group = cutlass.min(group, heads_batches - first_hb)
+    within = tile % (group * tiles_per_head)
+    return within // in_group, first_hb + within % in_group
+
+
 class AttentionTileSchedule:
     """Mixin for a persistent attention kernel (K5): a linear tile -> the work it names. The kernel
     sets tile_m, tile_n, causal and varlen (static); `params` holds what varies per call: varlen,
@@ -206,11 +219,8 @@ class AttentionTileSchedule:
         group = 1
         if cutlass.const_expr(self.causal):
             group = cutlass.min((2 * cute.arch.grid_dim()[0] + m_blocks - 1) // m_blocks, heads_batches)
-        first_hb = tile // (group * m_blocks) * group
-        in_group = cutlass.min(group, heads_batches - first_hb)
-        within = tile % (group * m_blocks)
-        head_batch = first_hb + within % in_group
-        return m_blocks - 1 - within // in_group, head_batch % heads_q, head_batch // heads_q
+        from_last, head_batch = head_group_tile(tile, m_blocks, heads_batches, group)
+        return m_blocks - 1 - from_last, head_batch % heads_q, head_batch // heads_q
 
     def tile_range(self, mQ, params):
         """(this CTA's first tile, the tile count, the static step); mQ is a (seqlen_q, d, heads,
