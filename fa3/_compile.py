@@ -162,7 +162,8 @@ def get_backward(spec, dtype, head_dim, causal, deterministic, gqa, local=False,
     return fn
 
 
-def _build_preprocess(dtype, head_dim, head_dim_v=None, extra_options=""):
+def _build_preprocess(dtype, head_dim, head_dim_v=None, varlen=False, tile_m=64, dq_in_slots=False,
+                      extra_options=""):
     cutlass, cute = _dsl.import_cute()
     from .kernels.bwd_pre import BackwardPreprocess
 
@@ -179,18 +180,23 @@ def _build_preprocess(dtype, head_dim, head_dim_v=None, extra_options=""):
             sig.unit_last(cute, dt, b, sq, h, dv, tma=True),
             tensor(cutlass.Float32, b, h, sq), tensor(cutlass.Float32, b, h, rows),
             tensor(cutlass.Float32, b, h, rows),
-            sig.unit_last(cute, cutlass.Float32, b, dq_rows, h, head_dim, tma=True)]
-    return _compile_kernel(BackwardPreprocess(dt, head_dim, head_dim_v), args, extra_options)
+            sig.unit_last(cute, cutlass.Float32, b, dq_rows, h, head_dim, tma=True),
+            # cu_seqlens_q: read only by the varlen variant (a 1-element stand-in otherwise)
+            sig.fake_tensor(cute, cutlass.Int32, (cute.sym_int64(),), (1,), align=4)]
+    return _compile_kernel(BackwardPreprocess(dt, head_dim, head_dim_v, varlen, tile_m, dq_in_slots), args,
+                           extra_options)
 
 
-def get_backward_preprocess(dtype, head_dim, head_dim_v=None):
+def get_backward_preprocess(dtype, head_dim, head_dim_v=None, varlen=False, tile_m=64, dq_in_slots=False):
     """D = rowsum(dO * O) and LSE * log2(e), padded, and the dQ accumulator zeroed (kernels/bwd_pre.py);
-    O and dO have head_dim_v columns where given."""
-    fast_key = ("bwd_pre", dtype, head_dim, head_dim_v)
+    O and dO have head_dim_v columns where given. varlen: a packed batch, the statistics (and,
+    dq_in_slots, the dQ accumulator) in slots of the main kernel's tile_m rows."""
+    fast_key = ("bwd_pre", dtype, head_dim, head_dim_v, varlen, tile_m, dq_in_slots)
     fn = _FAST.get(fast_key)
     if fn is None:
-        key = ("bwd_pre", str(dtype), _key_dims(head_dim, head_dim_v), _dsl.TARGET_ARCH, _dsl.version())
-        fn = _FAST[fast_key] = _cached(key, lambda: _build_preprocess(dtype, head_dim, head_dim_v))
+        layout = (bool(varlen), tile_m if varlen else 0, bool(dq_in_slots and varlen))
+        key = ("bwd_pre", str(dtype), _key_dims(head_dim, head_dim_v), layout, _dsl.TARGET_ARCH, _dsl.version())
+        fn = _FAST[fast_key] = _cached(key, lambda: _build_preprocess(dtype, head_dim, head_dim_v, *layout))
     return fn
 
 

@@ -167,13 +167,13 @@ def launch_varlen_backward(spec, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqle
     total_q, entries = q.shape[0], cu_seqlens_q.shape[0] - 1
     cfg = spec.config_for(q.shape[2], v.shape[2])
     tile_m = cfg["tile_m"]
-    # packed statistics (rows past an entry are read as LSE = +inf); dQ: a last Q tile may add its
-    # (zero) rows past the packed end (b1: tile_m rows of slack), or, in fragment order, each
-    # entry's tiles in whole-tile slots, as many as the counters (kernels/bwd.py, packed_q_tile)
+    # the statistics in whole-tile slots, each entry's tiles from its own (kernels/bwd_pre.py;
+    # kernels/bwd.py, packed_q_tile), as many as the counters; dQ too in fragment order, else
+    # packed, where a last Q tile may add its (zero) rows past the packed end (b1: tile_m rows of slack)
     slots = total_q // tile_m + entries + 1
     dq_rows = slots * tile_m if _fragment_dq(spec) else total_q + tile_m
     dsinks = _run(spec, cfg, *(t.unsqueeze(0) for t in (dout, q, k, v, out, lse, dq, dk, dv)), causal,
-                  scale, deterministic, window, softcap, stat_rows=total_q, dq_rows=dq_rows,
+                  scale, deterministic, window, softcap, stat_rows=slots * tile_m, dq_rows=dq_rows,
                   lock_tiles=slots, cu_seqlens=(cu_seqlens_q, cu_seqlens_k), sinks=sinks)
     return dq, dk, dv, dsinks
 
@@ -200,8 +200,16 @@ def _run(spec, cfg, dout, q, k, v, out, lse, dq, dk, dv, causal, scale, determin
         dq_acc = torch.empty(batch, heads_q, dq_rows, head_dim, dtype=torch.float32, device=device).transpose(1, 2)
     else:
         dq_acc = torch.empty(batch, dq_rows, heads_q, head_dim, dtype=torch.float32, device=device)
-    _compile.get_backward_preprocess(dtype, head_dim, value_dim)(out, dout, lse, lse2, dsum, dq_acc)  # zeroes dq_acc
-    dsinks = _no_sink_grad(None, q) if sinks is None else sink_grad(sinks, lse, dsum, seqlen_q)
+    cu_q, cu_k = cu_seqlens if cu_seqlens is not None else (_launch.stand_in(device),) * 2
+    packed = cu_seqlens is not None
+    _compile.get_backward_preprocess(dtype, head_dim, value_dim, packed, cfg["tile_m"], fragment_dq)(
+        out, dout, lse, lse2, dsum, dq_acc, cu_q)  # zeroes dq_acc
+    if sinks is None:
+        dsinks = _no_sink_grad(None, q)
+    elif packed:  # D in slots there: the packed rows' D again, (1, heads_q, total_q)
+        dsinks = sink_grad(sinks, lse, (dout.float() * out.float()).sum(-1).transpose(1, 2), seqlen_q)
+    else:
+        dsinks = sink_grad(sinks, lse, dsum, seqlen_q)
     gqa = heads_q != heads_kv
     if gqa and not deterministic:  # the kernel adds each query head's share with FP32 atomics
         dk_h = torch.zeros(batch, seqlen_k, heads_kv, head_dim, dtype=torch.float32, device=device)
@@ -217,10 +225,9 @@ def _run(spec, cfg, dout, q, k, v, out, lse, dq, dk, dv, causal, scale, determin
         lock = _NO_LOCK.get(device)
         if lock is None:
             lock = _NO_LOCK[device] = torch.zeros(1, 1, 1, dtype=torch.int32, device=device)
-    cu_q, cu_k = cu_seqlens if cu_seqlens is not None else (_launch.stand_in(device),) * 2
     mask = masking.masking(causal, window, softcap, scale)  # as the forward saw the scores
     fn = _compile.get_backward(spec, dtype, head_dim, mask.causal, bool(deterministic), gqa, mask.local,
-                               mask.softcap, cu_seqlens is not None, value_dim)
+                               mask.softcap, packed, value_dim)
     fn(q, k, v, dout, lse2, dsum, dq_acc, dk_h, dv_h, lock, mask.scale_log2, scale, mask.left,
        mask.right, mask.softcap_scale, cu_q, cu_k)
     if fragment_dq:

@@ -283,8 +283,9 @@ class AttentionBackward(QueryStatistics, DqOrder, DkvEpilogue, BackwardMmas, Poi
         stat_copies = []
         if cutlass.const_expr(self.smem_stats):
             tma_lse, mLSE2, tma_d, mD = stat_loads
-            stat_copies = [copy(tma_lse, mLSE2, head, seq.offset_q, (self.tile_m, 1), s.sLSE),
-                           copy(tma_d, mD, head, seq.offset_q, (self.tile_m, 1), s.sD)]
+            offset = self.stat_offset(seq, batch)
+            stat_copies = [copy(tma_lse, mLSE2, head, offset, (self.tile_m, 1), s.sLSE),
+                           copy(tma_d, mD, head, offset, (self.tile_m, 1), s.sD)]
 
         dv = self.head_dim_v
         return ([copy(tma_q, mQ, head, seq.offset_q, tile_q, s.sQ),

@@ -161,12 +161,18 @@ def test_sinks_combine_compiles():
     assert "ex2.approx" in report.ptx and report.registers and report.spill_bytes == 0
 
 
-@pytest.mark.parametrize("head_dim,head_dim_v", [(64, None), (96, None), (256, None), (192, 128)])
-def test_backward_preprocess_compiles(head_dim, head_dim_v):
+@pytest.mark.parametrize("head_dim,head_dim_v,layout", [(64, None, ()), (96, None, ()), (256, None, ()),
+                                                        (192, 128, ()), (64, None, (True, 128, True)),
+                                                        (256, None, (True, 64, True)), (128, None, (True, 64, False))],
+                         ids=["d64", "d96", "d256", "d192-128", "d64-slots", "d256-slots", "d128-slots-packed-dq"])
+def test_backward_preprocess_compiles(head_dim, head_dim_v, layout):
     """The backward's preprocess reads O and dO (head_dim_v wide) and zeroes the dQ accumulator
-    (head_dim wide) in 16-byte vectors (no 16-bit loads), without spilling."""
-    report = _compile.build_report(_compile._build_preprocess, torch.bfloat16, head_dim, head_dim_v)
+    (head_dim wide) in 16-byte vectors (no 16-bit loads), without spilling; packed batches too
+    (statistics, and in fragment order dQ, in whole-tile slots: each CTA finds its Q tile's entry
+    with warp shuffles)."""
+    report = _compile.build_report(_compile._build_preprocess, torch.bfloat16, head_dim, head_dim_v, *layout)
     assert report.ptx.count("ld.global.v4") == 8 and "st.global.v4" in report.ptx
+    assert ("shfl.sync.up" in report.ptx) == bool(layout)
     assert "ld.global.b16" not in report.ptx and "ld.global.u16" not in report.ptx
     assert report.registers and report.spill_bytes == 0
 

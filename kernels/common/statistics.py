@@ -1,19 +1,17 @@
 """The backward's per-query statistics: LSE * log2 e and D = rowsum(dO * O), FP32, from the preprocess.
 
 The preprocess writes both as (batch, heads_q, rows), rows padded to whole Q tiles (a packed batch:
-one entry holding every sequence's rows back to back, no padding). A consumer thread needs the
-values of the queries its accumulator fragments hold, in one of two ways:
+one entry, each sequence's Q tiles in whole-tile slots from `stat_offset`, rows past its end padded
+as well, kernels/bwd_pre.py). Padded rows hold LSE2 = +inf (P = 0) and D = 0, so every Q tile reads
+its statistics unchecked. A consumer thread needs the values of the queries its accumulator
+fragments hold, in one of two ways:
 
     registers (every rung): `stats` loads this thread's `stat_count` values of Q tile m_block from
         global memory before the tile's GEMMs are issued (B1: its rows; B3's transposed scores:
         2 a 64-column block, the other columns fetched by shuffles where used, bwd_swap.py);
     SMEM (`stats_in_smem`, B7): the loader brings each Q tile's tile_m values of both with its Q
         and dO, on the same stage barrier, and the consumers read each value where they use it.
-        Fixed-length batches only (a packed tile's rows past its entry hold the next entry's
-        statistics; a try that masked them faulted on the GPU, worklog/backward.md), and not in
-        the ordered dQ walk (B7's deterministic variant spills 24 B with them).
-
-Rows past a packed entry's end read `past_end` (+inf for LSE, so P = 0; 0 for D).
+        Not in the ordered dQ walk (B7's deterministic variant spills 24 B with them).
 """
 
 import cutlass
@@ -30,9 +28,16 @@ class QueryStatistics:
     # ---------------------------------------------------------------- SMEM statistics (host side)
     @property
     def smem_stats(self) -> bool:
-        """Whether this kernel reads the statistics from SMEM: `stats_in_smem`, fixed lengths, and
-        not in the ordered dQ walk (B7's deterministic variant spills 24 B with them)."""
-        return self.stats_in_smem and not self.varlen and not self.ordered_dq
+        """Whether this kernel reads the statistics from SMEM: `stats_in_smem`, and not in the
+        ordered dQ walk (B7's deterministic variant spills 24 B with them)."""
+        return self.stats_in_smem and not self.ordered_dq
+
+    def stat_offset(self, seq, batch: Int32):
+        """The row of the entry's first statistic in its (batch, head) plane: 0, or (varlen) its
+        first Q tile's slot (kernels/bwd.py, packed_q_tile)."""
+        if cutlass.const_expr(self.varlen):
+            return self.packed_q_tile(seq, 0, batch) * self.tile_m
+        return seq.offset_q
 
     def stat_smem_elems(self) -> int:
         return self.tile_m * self.q_stages if self.smem_stats else 4  # 4 keeps the fields valid
@@ -57,27 +62,19 @@ class QueryStatistics:
 
     # ---------------------------------------------------------------- register statistics
     def stat_rows(self, mX: cute.Tensor, head: Int32, batch: Int32, seq) -> cute.Tensor:
-        """One head's rows of a per-row statistic (LSE * log2 e or D), from the entry's first row:
-        sliced once before the walk, so a Q tile's loads cost one address add each."""
+        """One head's rows of a per-row statistic (LSE * log2 e or D), from the entry's first one
+        (`stat_offset`): sliced once before the walk, so a Q tile's loads cost one address add each."""
         if cutlass.const_expr(self.varlen):
-            return cute.domain_offset((seq.offset_q,), mX[0, head, None])
+            return cute.domain_offset((self.stat_offset(seq, batch),), mX[0, head, None])
         return mX[batch, head, None]
 
     @cute.jit
-    def row_stats(self, ctx, rows: cute.Tensor, m_block: Int32, past_end: cutlass.Constexpr):
+    def row_stats(self, ctx, rows: cute.Tensor, m_block: Int32):
         """This thread's rows of a per-row statistic (`stat_rows`) of Q tile m_block, into
-        registers: loaded before the GEMMs are issued, the loads' latency hides under them.
-        Varlen: the packed rows carry no padding, so rows past the entry read `past_end` instead
-        (+inf for LSE: P = 0 there)."""
+        registers: loaded before the GEMMs are issued, the loads' latency hides under them."""
         vals = cute.make_rmem_tensor((self.stat_count(ctx),), Float32)
         for r in cutlass.range_constexpr(self.stat_count(ctx)):
-            row = m_block * self.tile_m + self.stat_index(ctx, r)
-            if cutlass.const_expr(self.varlen):
-                vals[r] = Float32(past_end)
-                if row < ctx.seq.seqlen_q:
-                    vals[r] = rows[row]
-            else:
-                vals[r] = rows[row]
+            vals[r] = rows[m_block * self.tile_m + self.stat_index(ctx, r)]
         return vals
 
     def stat_count(self, ctx) -> int:
@@ -92,5 +89,4 @@ class QueryStatistics:
     def stats(self, ctx, m_block: Int32):
         """(LSE * log2 e, D) for this thread's rows of Q tile m_block (ctx.lse_rows, ctx.d_rows:
         `stat_rows`)."""
-        return (self.row_stats(ctx, ctx.lse_rows, m_block, float("inf")),
-                self.row_stats(ctx, ctx.d_rows, m_block, 0.0))
+        return self.row_stats(ctx, ctx.lse_rows, m_block), self.row_stats(ctx, ctx.d_rows, m_block)
