@@ -226,13 +226,20 @@ class AttentionBackward(QueryStatistics, DqOrder, DkvEpilogue, BackwardMmas, Poi
     def kv_tile_work(self, mQ: cute.Tensor, mK: cute.Tensor, mCuSeqlensQ: cute.Tensor,
                      mCuSeqlensK: cute.Tensor):
         """(n_block, head, batch, seq) of this CTA; seq (common/seqlen.py) holds the entry's lengths
-        and row offsets. Varlen: blockIdx.x is a packed K/V tile, found among the entries by a
-        warp-wide search of cu_seqlens_k; a CTA past the last one gets empty lengths (no work)."""
+        and row offsets. Varlen: the grid's CTAs, numbered x fastest, take the entries' (head, K/V
+        tile) pairs entry after entry, as fixed lengths order them (bwd_order.py); the entry of
+        the CTA's packed K/V tile index (its number over the heads) found by a warp-wide search of
+        cu_seqlens_k. A CTA past the last one gets empty lengths (no work)."""
         block, head, batch = cute.arch.block_idx()
         if cutlass.const_expr(self.varlen):
+            heads = mQ.shape[2]
+            linear = block + cute.arch.grid_dim()[0] * head
             # offsets clamped into the packed rows: unchecked ones (a replayed graph) stay inside
-            batch, n_block, blocks = scheduler.varlen_tile(block, mCuSeqlensK, self.tile_n, mK.shape[0])
+            batch, in_entry, blocks = scheduler.varlen_tile(linear // heads, mCuSeqlensK, self.tile_n, mK.shape[0])
             seq = seqlen.from_cu_seqlens(mCuSeqlensQ, mCuSeqlensK, batch, mQ.shape[0], mK.shape[0])
+            local = linear - (linear // heads - in_entry) * heads  # among the entry's blocks x heads
+            n_block, head = scheduler.head_group_tile(local, cutlass.max(blocks, 1), heads,
+                                                      self.head_group(seq.seqlen_q, heads))
             seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
             if blocks == 0:
                 seqlen_q, seqlen_k = Int32(0), Int32(0)
