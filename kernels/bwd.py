@@ -28,11 +28,12 @@ past seqlen_k and above the causal diagonal are masked to -inf before the expone
 visible key likewise get LSE = +inf: P = 0, dQ = 0, and they add nothing to dK and dV.
 
 Variable-length batches (`varlen`): Q, K, V, dO and the gradients are packed (total, heads, d) with
-flash-attn's cu_seqlens; the grid numbers every entry's K/V tiles in a row (common/scheduler.py)
-and each CTA reads its entry's lengths and row offsets (common/seqlen.py). A Q tile that runs past
-its entry's last row reads the next entry's rows: their LSE is taken as +inf (P = 0, dS = 0), so
-they add exact zeros to dQ and nothing to dK and dV, and the dQ accumulator needs no padding
-between entries (only tile_m rows of slack at the end).
+flash-attn's cu_seqlens; the grid's CTAs take every entry's (head, K/V tile) pairs entry after
+entry (`kv_tile_work`, common/scheduler.py) and each reads its entry's lengths and row offsets
+(common/seqlen.py). A Q tile that runs past its entry's last row reads the next entry's rows of
+Q and dO, but its statistics from the entry's own whole-tile slot (the preprocess pads it with
+LSE = +inf): P = 0 and dS = 0 there, so those rows add exact zeros to dQ and nothing to dK and dV
+(B1's packed dQ accumulator needs only tile_m rows of slack at the end).
 
 Four concepts live in modules of their own and come in as mixins: the five GEMMs' tiled MMAs,
 operand views and issue (bwd_mma.py), the pointwise steps from S and dP to P and dS
@@ -156,9 +157,9 @@ class AttentionBackward(QueryStatistics, DqOrder, DkvEpilogue, BackwardMmas, Poi
         the kernel adds into, or, deterministic, per-query-head slices summed afterwards; mLock: (batch, heads_q,
         Q tiles) int32 zeros, read only when dQ is ordered (`ordered_dq`). The window edges and softcap_scale
         are read only by the local and softcap variants (as the forward's), cu_seqlens_q/k only by
-        the varlen one. Varlen: batch = 1 holding every entry; mLSE2, mD have total_q rows, mLock
-        total_q // tile_m + entries + 1 counters per head, mdQacc total_q + tile_m rows (B1), or
-        (B2 on) as many whole-tile slots as counters (`packed_q_tile`)."""
+        the varlen one. Varlen: batch = 1 holding every entry; mLock total_q // tile_m + entries + 1
+        counters per head, mLSE2 and mD as many whole-tile slots (`packed_q_tile`, bwd_pre.py),
+        mdQacc total_q + tile_m rows (B1), or (B2 on) as many slots too."""
         sQ_layout, sKV_layout, sPdS_layout = self.smem_layouts()
         loads = self.make_loads(mQ, mdO, mK, mV, sQ_layout, sKV_layout)
         storage_cls = self.shared_storage(sQ_layout, sKV_layout, sPdS_layout)
