@@ -240,15 +240,15 @@ class AttentionBackward(QueryStatistics, DqOrder, DkvEpilogue, BackwardMmas, Poi
             seq = seqlen.from_cu_seqlens(mCuSeqlensQ, mCuSeqlensK, batch, mQ.shape[0], mK.shape[0])
             local = linear - (linear // heads - in_entry) * heads  # among the entry's blocks x heads
             n_block, head = scheduler.head_group_tile(local, cutlass.max(blocks, 1), heads,
-                                                      self.head_group(seq.seqlen_q, heads))
+                                                      self.head_group(seq.seqlen_q, seq.seqlen_k, heads))
             seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
             if blocks == 0:
                 seqlen_q, seqlen_k = Int32(0), Int32(0)
             seq.seqlen_q, seq.seqlen_k = seqlen_q, seqlen_k
             return self.kv_order(n_block, blocks), head, batch, seq
         kv_tiles = (mK.shape[0] + self.tile_n - 1) // self.tile_n  # (seqlen, d, heads, batch)
-        block, head, batch = self.launch_tile(block, head, batch, kv_tiles, mQ.shape[0], mQ.shape[2],
-                                              mQ.shape[3])
+        block, head, batch = self.launch_tile(block, head, batch, kv_tiles, mQ.shape[0], mK.shape[0],
+                                              mQ.shape[2], mQ.shape[3])
         return self.kv_order(block, kv_tiles), head, batch, seqlen.fixed(mQ.shape[0], mK.shape[0])
 
     def make_pipelines(self, storage, sQ_layout, sKV_layout, consumer_warps):

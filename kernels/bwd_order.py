@@ -20,7 +20,11 @@ head's long walks (K/V tile 0 walks every Q tile) first but the last heads' long
 behind whatever is left of the others. Instead heads (and batch entries) go in groups, the group's
 heads interleaved tile by tile (common/scheduler.py, head_group_tile): the CTAs of one tile index of
 the whole group start together, longest first, and the group's Q, dO and dQ accumulator (the rows
-every K/V tile of a head walks) fit in L2 together (`l2_bytes`). Each head's CTAs keep their order.
+every K/V tile of a head walks) fit in L2 together (`l2_bytes`). Each head's CTAs keep their order. Ordered walks without a
+mask group heads too (`ordered_head_groups`): a head's CTAs pass each Q tile's counter along in
+K/V order, and with one head in flight that chain is the critical path; a group gives the SMs
+other heads' chains to run while one waits. Not a rotated walk (below): it would need the whole
+group's K/V tiles resident at once.
 
 A CTA may only wait for CTAs launched before it, or for CTAs that are resident with it: the GPU
 launches CTAs in order as earlier ones finish, so a wait on one that cannot launch until the waiter
@@ -47,28 +51,39 @@ class DqOrder:
     # causal grids launched in groups of interleaved heads (`launch_tile`), each group's Q, dO and
     # FP32 dQ rows within `l2_bytes` (Hopper's L2: 50 MB)
     head_groups = True
+    # ordered walks without a mask launched in head groups too (not rotated ones: a rotated walk
+    # waits on later K/V tiles of its head, which must all be resident at once)
+    ordered_head_groups = True
     l2_bytes = 50 * 1024 * 1024
 
+    @property
+    def groups_heads(self) -> bool:
+        """Whether the launch order may group heads (`head_groups`): causal, or ordered walks."""
+        return self.head_groups and (self.causal or (self.ordered_head_groups and self.ordered_dq))
+
     @cute.jit
-    def head_group(self, seqlen_q: Int32, heads_batches: Int32):
-        """Heads (and batch entries) launched together (`launch_tile`): 1, or (`head_groups`,
-        causal) as many as fit their Q, dO and FP32 dQ rows in `l2_bytes`."""
+    def head_group(self, seqlen_q: Int32, seqlen_k: Int32, heads_batches: Int32):
+        """Heads (and batch entries) launched together (`launch_tile`): 1, or (`groups_heads`) as
+        many as fit their Q, dO and FP32 dQ rows in `l2_bytes`."""
         group = Int32(1)
-        if cutlass.const_expr(self.head_groups and self.causal):
+        if cutlass.const_expr(self.groups_heads):
             row_bytes = 2 * (self.head_dim + self.head_dim_v) * self.dtype.width // 8 + 4 * self.head_dim
             group = cutlass.min(cutlass.max(self.l2_bytes // row_bytes // cutlass.max(seqlen_q, 1), 1),
                                 heads_batches)
+            if cutlass.const_expr(self.rotates_unmasked):
+                if self.rotates_ordered(seqlen_q, seqlen_k):
+                    group = Int32(1)
         return group
 
     @cute.jit
     def launch_tile(self, block: Int32, head: Int32, batch: Int32, kv_tiles: Int32, seqlen_q: Int32,
-                    heads: Int32, batches: Int32):
+                    seqlen_k: Int32, heads: Int32, batches: Int32):
         """(block, head, batch) of the CTA at grid position (block, head, batch): itself, or
-        (`head_groups`, causal) the CTA at that place in the grouped launch order (module doc)."""
-        if cutlass.const_expr(self.head_groups and self.causal):
+        (`groups_heads`) the CTA at that place in the grouped launch order (module doc)."""
+        if cutlass.const_expr(self.groups_heads):
             tile = block + kv_tiles * (head + heads * batch)
-            block, head_batch = scheduler.head_group_tile(tile, kv_tiles, heads * batches,
-                                                          self.head_group(seqlen_q, heads * batches))
+            block, head_batch = scheduler.head_group_tile(
+                tile, kv_tiles, heads * batches, self.head_group(seqlen_q, seqlen_k, heads * batches))
             head, batch = head_batch % heads, head_batch // heads
         return block, head, batch
 
