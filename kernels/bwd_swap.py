@@ -58,6 +58,9 @@ class SwappedBackward(WarpSpecializedBackward):
     # with SMEM statistics: this thread's LSE columns read into registers between issuing S^T/dP^T
     # and waiting for S^T, so the exp2 does not wait on SMEM (on in B4: measured there)
     prefetch_stats = False
+    # with SMEM statistics read where used: columns whose statistic is read together, ahead of their
+    # exp2 (0: each column's just before its own)
+    stat_group = 0
     # B8's (128-row tiles at d64): dS^T = P^T (dP^T - D) from the bf16 P^T the dV GEMM reads, so
     # S^T's FP32 accumulator dies at the rounding, before dP^T lands (64 registers a thread at
     # 128 x 128; with it b3 at 128 rows had 0 spills, without 88 B and serialized WGMMAs)
@@ -164,10 +167,13 @@ class SwappedBackward(WarpSpecializedBackward):
                                 self.causal, window=ctx.window):
             mask.apply_transposed(s_mn, ctx.s_coords, n_block * self.tile_n, m_block * self.tile_m,
                                   seqlen_q, seqlen_k, self.causal, window=ctx.window)
-        for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-            lse = self.col_stat(ctx, lse2, c)
-            for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-                s_mn[r, c] = cute.math.exp2(s_mn[r, c] * scale_log2 - lse, fastmath=True)
+        cols = cute.size(s_mn, mode=[1])
+        group = self.stat_group if cutlass.const_expr(self.stat_group and self.smem_stats) else 1
+        for c0 in cutlass.range_constexpr(0, cols, group):
+            lses = [self.col_stat(ctx, lse2, c) for c in range(c0, min(c0 + group, cols))]
+            for i, lse in enumerate(lses):
+                for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+                    s_mn[r, c0 + i] = cute.math.exp2(s_mn[r, c0 + i] * scale_log2 - lse, fastmath=True)
 
     @cute.jit
     def score_grads_t(self, ctx, acc_p, acc_dp, dsum: cute.Tensor, lse2: cute.Tensor, scale_log2: Float32):
