@@ -313,6 +313,25 @@ def test_ds_in_pairs_compiles_on_the_row_rungs():
     assert report.spill_bytes == 0 and not report.serialized_wgmma
 
 
+def test_stat_group_compiles_on_b8():
+    """Prepared for a GPU run (worklog/backward.md): b8 with the LSE of 16 columns read ahead of
+    their exp2s (`stat_group`), measured 0 to +3%, as the experiment row the worklog gives: no
+    spills, WGMMAs not serialized, the same SMEM reads as b8."""
+    benchmarks = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "benchmarks")
+    if benchmarks not in sys.path:
+        sys.path.insert(0, benchmarks)
+    import variants
+
+    try:
+        spec = variants.register("b8g16=b8:stat_group=16")
+        grouped = _compile.compile_report(spec, torch.bfloat16, head_dim=64, causal=True)
+    finally:
+        registry.KERNELS.pop("b8g16", None)
+    plain = _compile.compile_report(registry.get("b8"), torch.bfloat16, head_dim=64, causal=True)
+    assert grouped.spill_bytes == 0 and not grouped.serialized_wgmma
+    assert grouped.ptx.count("ld.shared") == plain.ptx.count("ld.shared")
+
+
 @pytest.mark.parametrize("head_dim,head_dim_v,deterministic", [(192, None, False), (256, None, False),
                                                             (192, 128, False), (192, None, True)])
 def test_b9_dq_turns_are_mbarriers(head_dim, head_dim_v, deterministic):
