@@ -241,6 +241,7 @@ class AttentionBackward(QueryStatistics, DqOrder, DkvEpilogue, BackwardMmas, Poi
             local = linear - (linear // heads - in_entry) * heads  # among the entry's blocks x heads
             n_block, head = scheduler.head_group_tile(local, cutlass.max(blocks, 1), heads,
                                                       self.head_group(seq.seqlen_q, seq.seqlen_k, heads))
+            head = cutlass.min(head, heads - 1)  # a CTA past the last tile: any head, no work
             seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
             if blocks == 0:
                 seqlen_q, seqlen_k = Int32(0), Int32(0)
