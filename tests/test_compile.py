@@ -295,20 +295,26 @@ def test_wide_d64_rung_fits(causal):
         assert report.spill_bytes == 0 and not report.serialized_wgmma
 
 
-def test_ds_in_pairs_compiles_on_the_row_rungs():
-    """Prepared for a GPU run (worklog/backward.md): b9 with dS from the rounded P's pairs
-    (`ds_in_pairs`, b8's on S^T; here dS's rows share D), as the experiment row the worklog gives:
-    one mul.rn.bf16x2 a pair, no spills."""
+def _variant_report(text: str, head_dim: int, causal: bool):
+    """The compile report of an experiment row (benchmarks/variants.py, NAME=BASE:key=value,...),
+    registered for this call only."""
     benchmarks = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "benchmarks")
     if benchmarks not in sys.path:
         sys.path.insert(0, benchmarks)
     import variants
 
     try:
-        spec = variants.register("b9x=b9:ds_in_pairs=1")
-        report = _compile.compile_report(spec, torch.bfloat16, head_dim=192, causal=True)
+        spec = variants.register(text)
+        return _compile.compile_report(spec, torch.bfloat16, head_dim=head_dim, causal=causal)
     finally:
-        registry.KERNELS.pop("b9x", None)
+        registry.KERNELS.pop(text.split("=", 1)[0], None)
+
+
+def test_ds_in_pairs_compiles_on_the_row_rungs():
+    """Prepared for a GPU run (worklog/backward.md): b9 with dS from the rounded P's pairs
+    (`ds_in_pairs`, b8's on S^T; here dS's rows share D), as the experiment row the worklog gives:
+    one mul.rn.bf16x2 a pair, no spills."""
+    report = _variant_report("b9x=b9:ds_in_pairs=1", 192, causal=True)
     assert report.ptx.count("mul.rn.bf16x2") == 12  # 64 x 96 scores: 24 a thread, in pairs
     assert report.spill_bytes == 0 and not report.serialized_wgmma
 
@@ -317,16 +323,7 @@ def test_stat_group_compiles_on_b8():
     """Prepared for a GPU run (worklog/backward.md): b8 with the LSE of 16 columns read ahead of
     their exp2s (`stat_group`), measured 0 to +3%, as the experiment row the worklog gives: no
     spills, WGMMAs not serialized, the same SMEM reads as b8."""
-    benchmarks = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "benchmarks")
-    if benchmarks not in sys.path:
-        sys.path.insert(0, benchmarks)
-    import variants
-
-    try:
-        spec = variants.register("b8g16=b8:stat_group=16")
-        grouped = _compile.compile_report(spec, torch.bfloat16, head_dim=64, causal=True)
-    finally:
-        registry.KERNELS.pop("b8g16", None)
+    grouped = _variant_report("b8g16=b8:stat_group=16", 64, causal=True)
     plain = _compile.compile_report(registry.get("b8"), torch.bfloat16, head_dim=64, causal=True)
     assert grouped.spill_bytes == 0 and not grouped.serialized_wgmma
     assert grouped.ptx.count("ld.shared") == plain.ptx.count("ld.shared")
