@@ -55,6 +55,8 @@ class DqOrder:
     # waits on later K/V tiles of its head, which must all be resident at once)
     ordered_head_groups = True
     l2_bytes = 50 * 1024 * 1024
+    # (> 0) a group also no larger than this many CTAs' worth of heads (`head_group`)
+    head_group_ctas = 0
 
     @property
     def groups_heads(self) -> bool:
@@ -64,12 +66,16 @@ class DqOrder:
     @cute.jit
     def head_group(self, seqlen_q: Int32, seqlen_k: Int32, heads_batches: Int32):
         """Heads (and batch entries) launched together (`launch_tile`): 1, or (`groups_heads`) as
-        many as fit their Q, dO and FP32 dQ rows in `l2_bytes`."""
+        many as fit their Q, dO and FP32 dQ rows in `l2_bytes`, and (`head_group_ctas`) whose K/V
+        tiles number no more than head_group_ctas."""
         group = Int32(1)
         if cutlass.const_expr(self.groups_heads):
             row_bytes = 2 * (self.head_dim + self.head_dim_v) * self.dtype.width // 8 + 4 * self.head_dim
             group = cutlass.min(cutlass.max(self.l2_bytes // row_bytes // cutlass.max(seqlen_q, 1), 1),
                                 heads_batches)
+            if cutlass.const_expr(self.head_group_ctas > 0):
+                kv_tiles = (seqlen_k + self.tile_n - 1) // self.tile_n
+                group = cutlass.max(cutlass.min(group, self.head_group_ctas // cutlass.max(kv_tiles, 1)), 1)
             if cutlass.const_expr(self.rotates_unmasked):
                 if self.rotates_ordered(seqlen_q, seqlen_k):
                     group = Int32(1)

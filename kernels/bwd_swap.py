@@ -65,6 +65,10 @@ class SwappedBackward(WarpSpecializedBackward):
     # S^T's FP32 accumulator dies at the rounding, before dP^T lands (64 registers a thread at
     # 128 x 128; with it b3 at 128 rows had 0 spills, without 88 B and serialized WGMMAs)
     ds_from_rounded_p = False
+    # causal head groups of about one wave of CTAs (132 SMs, one CTA each) rather than 50 MB of
+    # L2: b8 d64 / b7 d128 causal 1k-16k on an H100, +8 / +3% at 1k, -1.8 to +2.8% beyond
+    # (worklog/backward.md); the row rungs (b2, b9) keep the L2 rule (b2 at d256 gained by it)
+    head_group_ctas = 132
 
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 64, tile_n: int = 128,
                  q_stages: int = 2, deterministic: bool = False, local: bool = False,

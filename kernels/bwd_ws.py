@@ -150,13 +150,15 @@ class WarpSpecializedBackward(AttentionBackward):
 
     @cute.jit
     def walk_start(self, n_block: Int32, m_first: Int32, m_end: Int32, seq) -> Int32:
-        """The first Q tile this CTA visits. Unordered: each K/V tile starts its walk at a
-        different Q tile (rotated by n_block), so the CTAs of one head do not all reduce into the
-        same dQ tile at once. Ordered without a mask: rotated the same way where the entry has no
+        """The first Q tile this CTA visits. Unordered without a mask: each K/V tile starts its
+        walk at a different Q tile (rotated by n_block), so the CTAs of one head do not all reduce
+        into the same dQ tile at once; under a mask each walk already starts at its own first Q
+        tile (the diagonal's), and rotating it made two CTAs of a head walk the same tiles in step
+        (b7/b8 causal, H100: 0.3-4.4% slower, worklog/backward.md). Ordered without a mask: rotated the same way where the entry has no
         more K/V tiles than Q tiles (`rotates_ordered`; `dq_turn` ranks the adds in the order the
         walks bring them); else in order (the counters hand each tile from n to n + 1)."""
         start = m_first
-        if cutlass.const_expr(not self.ordered_dq):
+        if cutlass.const_expr(not self.ordered_dq and not (self.causal or self.local)):
             start = m_first + n_block % cutlass.max(m_end - m_first, 1)
         elif cutlass.const_expr(self.rotates_unmasked):
             if self.rotates_ordered(seq.seqlen_q, seq.seqlen_k):
