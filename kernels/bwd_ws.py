@@ -154,9 +154,10 @@ class WarpSpecializedBackward(AttentionBackward):
         walk at a different Q tile (rotated by n_block), so the CTAs of one head do not all reduce
         into the same dQ tile at once; under a mask each walk already starts at its own first Q
         tile (the diagonal's), and rotating it made two CTAs of a head walk the same tiles in step
-        (b7/b8 causal, H100: 0.3-4.4% slower, worklog/backward.md). Ordered without a mask: rotated the same way where the entry has no
-        more K/V tiles than Q tiles (`rotates_ordered`; `dq_turn` ranks the adds in the order the
-        walks bring them); else in order (the counters hand each tile from n to n + 1)."""
+        (b7/b8 causal, H100: 0.3-4.4% slower, worklog/backward.md). Ordered without a mask:
+        rotated the same way where the entry has no more K/V tiles than Q tiles
+        (`rotates_ordered`; `dq_turn` ranks the adds in the order the walks bring them); else in
+        order (the counters hand each tile from n to n + 1)."""
         start = m_first
         if cutlass.const_expr(not self.ordered_dq and not (self.causal or self.local)):
             start = m_first + n_block % cutlass.max(m_end - m_first, 1)
