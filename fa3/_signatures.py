@@ -63,14 +63,17 @@ def attention_args(spec, dtype, head_dim, head_dim_v=None):
 def attention_fp8_args(spec, out_dtype, head_dim):
     """Fake (q, k, vt, o, lse, scale_log2, SM count, tile counter, cu_seqlens stand-ins, window
     edges, softcap scale, q/k/v descales): q, k e4m3 (batch, seqlen, heads, d); vt e4m3 (batch, d,
-    heads_kv, keys padded to 16); o in out_dtype; descales float32 (batch, heads_kv), or (sequences,
-    heads_kv) for a packed batch (whose tensors have batch 1)."""
+    heads_kv, keys padded to 16), or v as k where the rung transposes it itself; o in out_dtype;
+    descales float32 (batch, heads_kv), or (sequences, heads_kv) for a packed batch (whose tensors
+    have batch 1)."""
     cutlass, cute = _dsl.import_cute()
     f8, f32 = cutlass.Float8E4M3FN, cutlass.Float32
     b, sq, sk, skt, hq, hkv = (cute.sym_int64() for _ in range(6))
+    v = (unit_last(cute, f8, b, head_dim, hkv, skt, tma=True) if spec.load_class().value_transposed_by_host
+         else unit_last(cute, f8, b, sk, hkv, head_dim, tma=True))
     args = [unit_last(cute, f8, b, sq, hq, head_dim, tma=True),
             unit_last(cute, f8, b, sk, hkv, head_dim, tma=True),
-            unit_last(cute, f8, b, head_dim, hkv, skt, tma=True),
+            v,
             unit_last(cute, cute_dtype(out_dtype), b, sq, hq, head_dim, tma=True),
             unit_last(cute, f32, b, hq, sq), f32(1.0), cutlass.Int32(132),
             fake_tensor(cute, cutlass.Int32, (1,), (1,), align=4)]

@@ -87,6 +87,18 @@ _BWD_SWAPPED_PTX = _BWD_WS_PTX + ("shfl.sync.idx",)  # S^T: each column's statis
 _MMA_IN_FLIGHT = "wgmma.wait_group.sync.aligned \t1;"
 
 
+# The FP8 forward rungs' tiles: k5.5's, but d256's: FP8 K/V tiles hold half the bytes, so 128 keys
+# fit beside the 256-wide rows (H100: +7-24% over 64 keys; at d128 tile_n 160-224 and a third stage
+# measured within +-5% of 128 x 128, 2 stages)
+FP8_CONFIG = {"tile_m": 128, "tile_n": 128, "kv_stages": 2, "q_stages": 1, "pingpong": True,
+              "intra_wg_overlap": True, "dynamic_schedule": True}
+FP8_TILES = {64: {"kv_stages": 3, "tile_m": 192}, 256: {"tile_n": 128}}
+FP8_PTX = ("wgmma.mma_async", ".e4m3.e4m3", "cvt.rn.satfinite.e4m3x2.f32", "setmaxnreg",
+           "cp.async.bulk.tensor", "bar.arrive")
+# no operand is read from SMEM into registers, and nothing is rounded to 16 bits but O
+FP8_FORBIDS = ("cvt.f32.bf16", "ld.shared.u8", "ld.shared.b8", "ld.shared.u16", "ld.shared.b16")
+
+
 def _swapped_backward(name: str, module: str, cls: str, summary: str, *, head_dims: tuple,
                       speed_rank: int, value_head_dims: tuple = (), tile_m: int = 64) -> KernelSpec:
     """A rung of the S^T backward line (b3 on): 64-row Q tiles (b8: 128) against 128-row K/V
@@ -194,18 +206,17 @@ KERNELS: dict[str, KernelSpec] = {
             "f1", ATTENTION_FP8, "k5_fp8", "Fp8Attention",
             "k5.5 on FP8 e4m3 q/k/v: e4m3 WGMMA (k32) for both GEMMs, V^T from a transpose kernel, P rounded "
             "to e4m3 in registers in the A operand's order, descales folded into the scales",
-            config={"tile_m": 128, "tile_n": 128, "kv_stages": 2, "q_stages": 1, "pingpong": True,
-                    "intra_wg_overlap": True, "dynamic_schedule": True},
-            # k5.5's tiles, but d256's: FP8 K/V tiles hold half the bytes, so 128 keys fit beside
-            # the 256-wide rows (H100: +7-24% over 64 keys; at d128 tile_n 160-224 and a third
-            # stage measured within +-5% of 128 x 128, 2 stages)
-            per_head_dim={64: {"kv_stages": 3, "tile_m": 192}, 256: {"tile_n": 128}},
-            ptx_promises=("wgmma.mma_async", ".e4m3.e4m3", "cvt.rn.satfinite.e4m3x2.f32", "setmaxnreg",
-                          "cp.async.bulk.tensor", "bar.arrive"),
-            # no operand is read from SMEM into registers, and nothing is rounded to 16 bits but O
-            ptx_forbids=("cvt.f32.bf16", "ld.shared.u8", "ld.shared.b8", "ld.shared.u16",
-                         "ld.shared.b16"),
+            config=FP8_CONFIG, per_head_dim=FP8_TILES, ptx_promises=FP8_PTX, ptx_forbids=FP8_FORBIDS,
             speed_rank=1, persistent=True, variants=VARIANTS,
+        ),
+        KernelSpec(
+            "f2", ATTENTION_FP8, "k5_fp8_vt", "Fp8TransposingAttention",
+            "f1 with V's rows loaded by TMA and transposed in SMEM by the producer warp (ldmatrix.trans, "
+            "prmt, stmatrix) into a V^T ring for P V: no transpose kernel before the call",
+            # d256: one V stage beside two V^T stages (two of each and 128-key tiles need 242 KB)
+            config=FP8_CONFIG, per_head_dim={**FP8_TILES, 256: {**FP8_TILES[256], "value_load_stages": 1}},
+            ptx_promises=FP8_PTX + ("ldmatrix.sync.aligned.m8n8.x4.trans", "stmatrix.sync.aligned.m8n8.x4"),
+            ptx_forbids=FP8_FORBIDS, speed_rank=0, persistent=True, variants=VARIANTS,
         ),
         KernelSpec(
             "b1", BACKWARD, "bwd", "AttentionBackward",

@@ -120,11 +120,11 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, ForwardMainloop,
         @cute.struct
         class SharedStorage:
             q_barriers: cute.struct.MemRange[Int64, 2 * self.q_stages]
-            kv_barriers: cute.struct.MemRange[Int64, 4 * self.kv_stages]
+            kv_barriers: cute.struct.MemRange[Int64, 2 * self.kv_pipelines * self.kv_stages]
             tile_barriers: cute.struct.MemRange[Int64, scheduler.TILE_HANDOFF_BARRIERS]  # K5.5
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, self.value_smem_elems(sV_layout)], 1024]
             sO: cute.struct.Align[cute.struct.MemRange[mO.element_type, cute.cosize(sO_layout)], 1024]
             next_tile: cute.struct.MemRange[Int32, 1]
             q_blocks: cute.struct.MemRange[Int32, 1]  # varlen: the packed batch's Q tiles
@@ -172,8 +172,8 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, ForwardMainloop,
                                  smem.stage_bytes(self.dtype, sQ_layout))
         k_pipe = pipeline.create(barriers, self.kv_stages, consumer_warps,
                                  smem.stage_bytes(self.dtype, sKV_layout))
-        v_pipe = pipeline.create(barriers + 2 * self.kv_stages, self.kv_stages, consumer_warps,
-                                 smem.stage_bytes(self.dtype, sV_layout))
+        (v_pipe, sV), (pv_pipe, sPV), value_transpose = self.value_rings(
+            storage, barriers + 2 * self.kv_stages, sV_layout, consumer_warps)
         # K5.5: the next tile's index, producer warp -> every consumer thread (common/scheduler.py)
         handoff = None
         if cutlass.const_expr(self.dynamic):
@@ -194,7 +194,6 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, ForwardMainloop,
         pipeline.init_done()
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
-        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         next_tile = storage.next_tile.get_tensor(cute.make_layout(1))
         # what varies per call beyond the tensors: sequence offsets, window edges, the softcap
@@ -203,7 +202,7 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, ForwardMainloop,
             rows_q=rows_q, rows_k=rows_k, sinks=sinks, descales=descales,
             group=mQ.shape[2] // mK.shape[2],
             window=(window_left, window_right) if cutlass.const_expr(self.local) else None,
-            q_blocks=q_blocks[0] if varlen else None)
+            q_blocks=q_blocks[0] if varlen else None, value_transpose=value_transpose)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -212,16 +211,32 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, ForwardMainloop,
                           mTileCounter, next_tile, handoff, params)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            self.consume(q_pipe, k_pipe, v_pipe, sQ, sK, sV, sO, tma_o, mO, mLSE, mK.shape[0],
+            self.consume(q_pipe, k_pipe, pv_pipe, sQ, sK, sPV, sO, tma_o, mO, mLSE, mK.shape[0],
                          scale_log2, tidx - 128, warp_idx // 4, epi_tile, next_tile, handoff, params)
+
+    def value_smem_elems(self, sV_layout) -> int:
+        """SMEM elements of V's rings: the one TMA fills (F2 adds the V^T ring after it)."""
+        return cute.cosize(sV_layout)
+
+    def value_rings(self, storage, barriers, sV_layout, consumer_warps: int):
+        """((pipeline, SMEM) V is loaded into, (pipeline, SMEM) P V reads, what the producer's
+        hooks need): one TMA ring here (F2: V rows loaded, V^T transposed from them by the
+        producer for the FP8 P V). Before pipeline.init_done(): the rings' barriers."""
+        v_pipe = pipeline.create(barriers, self.kv_stages, consumer_warps, smem.stage_bytes(self.dtype, sV_layout))
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        return (v_pipe, sV), (v_pipe, sV), None
+
+    def producer_states(self):
+        """The producer warp's ring states (Q, K, V), carried across tiles (F2 adds its own)."""
+        return (pipeline.producer_state(self.q_stages), pipeline.producer_state(self.kv_stages),
+                pipeline.producer_state(self.kv_stages))
 
     @cute.jit
     def load(self, q_pipe, k_pipe, v_pipe, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV,
              mTileCounter, next_tile, handoff, params):
         """Producer warp: per tile, Q once, then K_j and V_j from the last tile to the first. The
         states run on across tiles, so the next tile's loads start as soon as stages free up."""
-        states = (pipeline.producer_state(self.q_stages), pipeline.producer_state(self.kv_stages),
-                  pipeline.producer_state(self.kv_stages))
+        states = self.producer_states()
         first, tiles, step = self.tile_range(mQ, params)
         loads = (q_pipe, k_pipe, v_pipe, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, params)
         if cutlass.const_expr(self.dynamic):
@@ -235,7 +250,7 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, ForwardMainloop,
         else:
             for tile in cutlass.range(first, tiles, step, unroll=1):
                 states = self.load_tile(tile, states, *loads)
-        for pipe, state in zip((q_pipe, k_pipe, v_pipe), states):
+        for pipe, state in zip((q_pipe, k_pipe, v_pipe), states[:3]):
             pipeline.tail(pipe, state)
 
     def v_rows(self, mV: cute.Tensor, head_kv: Int32, batch: Int32, seq) -> cute.Tensor:
@@ -258,7 +273,8 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, ForwardMainloop,
     @cute.jit
     def load_tile(self, tile: Int32, states, q_pipe, k_pipe, v_pipe, tma_q, mQ, tma_k, mK, tma_v, mV,
                   sQ, sK, sV, params):
-        q_state, k_state, v_state = states
+        q_state, k_state, v_state = states[:3]
+        more = states[3:]  # a subclass's producer states (F2: the V transpose's)
         tile_q, tile_kv = (self.tile_m, self.head_dim), (self.tile_n, self.head_dim)
         m_block, head, batch, seq = self.tile_work(tile, mQ, mK.shape[0], params)
         head_kv = head // (mQ.shape[2] // mK.shape[2])
@@ -273,12 +289,27 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, ForwardMainloop,
             q_state = pipeline.produce(q_pipe, q_state, m_block, [(tma_q, tQgQ, tQsQ)])
         for j in cutlass.range(n_blocks, unroll=1):
             k_state = pipeline.produce(k_pipe, k_state, n_max - 1 - j, [(tma_k, tKgK, tKsK)])
+            more = self.before_value_load(j, more, params)
             v_state = pipeline.produce(v_pipe, v_state, n_max - 1 - j, [(tma_v, tVgV, tVsV)])
             if j == 0:
                 # Q after the first K/V: with one Q buffer, waiting for the previous tile to
                 # free it must not hold back the next tile's first K/V loads.
                 q_state = pipeline.produce(q_pipe, q_state, m_block, [(tma_q, tQgQ, tQsQ)])
-        return q_state, k_state, v_state
+            more = self.after_value_load(j, more, params)
+        more = self.after_tile_loads(n_blocks, more, params)
+        return (q_state, k_state, v_state, *more)
+
+    def before_value_load(self, j: Int32, more: tuple, params) -> tuple:
+        """Hook between the j-th K and V blocks of a tile (F2 with one V stage transposes block j - 1)."""
+        return more
+
+    def after_value_load(self, j: Int32, more: tuple, params) -> tuple:
+        """Hook after the j-th K/V block of a tile was issued (F2 transposes block j - 1)."""
+        return more
+
+    def after_tile_loads(self, n_blocks: Int32, more: tuple, params) -> tuple:
+        """Hook after a tile's last K/V block was issued (F2 transposes it)."""
+        return more
 
     @cute.jit
     def consume(self, q_pipe, k_pipe, v_pipe, sQ, sK, sV, sO, tma_o, mO, mLSE, seqlen_k: Int32,

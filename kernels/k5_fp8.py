@@ -43,6 +43,7 @@ P_OFFSET_LOG2 = 8
 
 class Fp8Attention(WarpSpecializedAttention):
     v_major = "K"  # V arrives as V^T: (d, tile_n) tiles, keys contiguous
+    value_transposed_by_host = True  # the call passes fa3.fp8.transpose_v(v) (F2: v itself)
     p_offset_log2 = P_OFFSET_LOG2
 
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 128, tile_n: int = 128,

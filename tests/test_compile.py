@@ -119,6 +119,9 @@ def test_backward_deterministic_variant_compiles(name):
     # FP8 packed batches (V^T read from each entry's own 16-aligned column)
     ("f1", dict(head_dim=128, causal=True, varlen=True), (".e4m3.e4m3", "vote.sync.ballot")),
     ("f1", dict(head_dim=256, causal=False, varlen=True, local=True), (".e4m3.e4m3", "vote.sync.ballot")),
+    ("f2", dict(head_dim=128, causal=True, varlen=True), (".e4m3.e4m3", "ldmatrix.sync.aligned.m8n8.x4.trans")),
+    ("f2", dict(head_dim=256, causal=False, varlen=True, local=True), (".e4m3.e4m3", "stmatrix.sync.aligned")),
+    ("f2", dict(head_dim=64, causal=True, local=True, softcap=True), (".e4m3.e4m3", "tanh.approx.f32")),
 ])
 def test_variants_compile(name, static, promises):
     """The variants (varlen, sliding window, softcap; forward and backward) compile for sm_90a

@@ -19,6 +19,7 @@ from conftest import raises_with, rel_err
 
 FP8 = torch.float8_e4m3fn
 RUNG = registry.available_kernels(registry.ATTENTION_FP8)[0]
+FP8_RUNGS = registry.available_kernels(registry.ATTENTION_FP8)  # f1 (V^T by a kernel), f2 (in SMEM)
 
 
 def fp8_qkv(batch=2, seqlen_q=16, seqlen_k=24, heads_q=4, heads_kv=2, head_dim=128, device="cpu"):
@@ -325,18 +326,19 @@ def check(out, lse, ref_out, ref_lse, label):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", FP8_RUNGS)
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlen_q, seqlen_k, heads_q, heads_kv", [
     (1000, 1000, 4, 4), (333, 777, 8, 2), (777, 333, 6, 1), (4096, 4096, 2, 2)])
-def test_fp8_accuracy(d, causal, seqlen_q, seqlen_k, heads_q, heads_kv):
+def test_fp8_accuracy(kernel, d, causal, seqlen_q, seqlen_k, heads_q, heads_kv):
     (q8, k8, v8), (sq, sk, sv), (q, k, v) = quantized(2, seqlen_q, seqlen_k, heads_q, heads_kv, d,
                                                      seed=d + seqlen_q)
     ref_out, ref_lse = attention_reference(q, k, v, causal=causal, dtype=torch.float64)
     out, lse = fa3.attention(q8, k8, v8, q_descale=sq, k_descale=sk, v_descale=sv, causal=causal,
-                             return_lse=True)
+                             return_lse=True, kernel=kernel)
     assert out.dtype == torch.bfloat16 and out.shape == q8.shape
-    check(out, lse, ref_out, ref_lse, f"d{d} {'causal' if causal else 'full'} {seqlen_q}x{seqlen_k} "
+    check(out, lse, ref_out, ref_lse, f"{kernel} d{d} {'causal' if causal else 'full'} {seqlen_q}x{seqlen_k} "
           f"heads {heads_q}/{heads_kv}")
 
 
@@ -363,8 +365,9 @@ def test_fp8_descale_forms(form):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", FP8_RUNGS)
 @pytest.mark.parametrize("variant", ["window", "softcap", "out_fp16", "no_keys_for_first_rows"])
-def test_fp8_variants(variant):
+def test_fp8_variants(kernel, variant):
     (q8, k8, v8), scales, (q, k, v) = quantized(2, 700 if variant != "no_keys_for_first_rows" else 900,
                                                 500, 4, 2, 128, seed=9)
     kwargs, ref_kwargs = {}, {}
@@ -377,11 +380,11 @@ def test_fp8_variants(variant):
     else:  # seqlen_q > seqlen_k, causal: the first 400 rows see no key: O = 0, LSE = -inf
         kwargs = ref_kwargs = dict(causal=True)
     out, lse = fa3.attention(q8, k8, v8, q_descale=scales[0], k_descale=scales[1], v_descale=scales[2],
-                             return_lse=True, **kwargs)
+                             return_lse=True, kernel=kernel, **kwargs)
     if variant == "out_fp16":
         assert out is kwargs["out"] and out.dtype == torch.float16
     ref_out, ref_lse = attention_reference(q, k, v, dtype=torch.float64, **ref_kwargs)
-    check(out, lse, ref_out, ref_lse, variant)
+    check(out, lse, ref_out, ref_lse, f"{kernel} {variant}")
 
 
 @pytest.mark.gpu
@@ -410,9 +413,10 @@ def test_hadamard_lowers_attention_error_on_outliers():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", FP8_RUNGS)
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
-def test_fp8_varlen_accuracy(d, causal):
+def test_fp8_varlen_accuracy(kernel, d, causal):
     """A packed batch (lengths 0, 1, ragged, longer than a tile; GQA 6/2) quantized per sequence
     and KV head, against the float64 reference of each sequence alone; out= poisoned with NaN."""
     lengths_q, lengths_k = [1, 300, 0, 129, 777, 64], [70, 300, 5, 1, 1000, 64]
@@ -437,7 +441,8 @@ def test_fp8_varlen_accuracy(d, causal):
                   for n in (lengths_q, lengths_k))
     out = torch.full(q8.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
     got, lse = fa3.attention_varlen(q8, k8, v8, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=causal,
-                                    q_descale=sq, k_descale=sk, v_descale=sv, out=out, return_lse=True)
+                                    q_descale=sq, k_descale=sk, v_descale=sv, out=out, return_lse=True,
+                                    kernel=kernel)
     assert got is out and lse.shape == (heads_q, q8.shape[0])
     ref_out = torch.zeros(q8.shape, dtype=torch.float64, device="cuda")
     ref_lse = torch.full((heads_q, q8.shape[0]), float("-inf"), dtype=torch.float64, device="cuda")
@@ -447,11 +452,11 @@ def test_fp8_varlen_accuracy(d, causal):
             continue
         o, o_lse = attention_reference(entry["q"], entry["k"], entry["v"], causal=causal, dtype=torch.float64)
         ref_out[rows], ref_lse[:, rows] = o[0], o_lse[0]
-    check(out, lse, ref_out, ref_lse, f"varlen d{d} {'causal' if causal else 'full'}")
-    # flash-attn's name gives the same bits
-    again = fa3.flash_attn_varlen_func(q8, k8, v8, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=causal,
-                                       q_descale=sq, k_descale=sk, v_descale=sv)
-    assert torch.equal(again, out)
+    check(out, lse, ref_out, ref_lse, f"{kernel} varlen d{d} {'causal' if causal else 'full'}")
+    # flash-attn's name gives the default rung's bits
+    args = (q8, k8, v8, cu_q, cu_k, max(lengths_q), max(lengths_k))
+    scales = dict(causal=causal, q_descale=sq, k_descale=sk, v_descale=sv)
+    assert torch.equal(fa3.flash_attn_varlen_func(*args, **scales), fa3.attention_varlen(*args, **scales))
 
 
 @pytest.mark.gpu

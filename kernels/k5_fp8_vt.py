@@ -1,0 +1,183 @@
+"""F2: F1 with V transposed in SMEM by the producer warp, FlashAttention-3's FP8 design.
+
+FP8 WGMMA reads its B operand K-major only, so P V needs V^T (d, keys), keys contiguous. F1 gets
+it from a transpose kernel over all of V before each call (kernels/fp8_transpose.py: one more
+read and write of V, 29 us for 16k tokens, 3-12% of a call at 2k). F2 loads V's rows by TMA, as
+K's, into a ring the consumers never read, and its producer warp transposes each landed stage into
+a second ring, V^T, which P V reads (`kv_pipelines = 3`: K, V and V^T barriers; the V^T ring
+after V's in SMEM, V's `value_load_stages` deep: one at d256, where two of each do not fit beside
+the 128-key K tiles). The consumers are F1's, unchanged.
+
+The transpose, per 16 keys x 32 bytes of d (one warp instruction each way):
+    ldmatrix .x4 .trans (b16): matrix m holds keys 8 (m % 2) .. + 7, d bytes 16 (m / 2) .. + 15;
+        lane i receives, of matrix m, the byte pairs (key 2t and 2t + 1, t = i % 4) of d pair i / 4
+    prmt: the even and the odd d byte of matrices 0 and 1 (and of 2 and 3) -> for one d row, keys
+        2t, 2t + 1, 2t + 8, 2t + 9: exactly the order in which each thread packs P into the FP8 A
+        operand (mma.fp8_a_order; F1's transpose kernel permutes keys the same way)
+    stmatrix .x4: those 4-byte words, row i / 4 and bytes 4t of 16-byte rows of V^T (d rows
+        2j, 2j + 1, 2j + 16, 2j + 17 of the 32)
+Both sides address 16-byte rows through the rings' swizzled layouts (the swizzle permutes whole
+16-byte chunks). The stages are handed on by mbarriers: V's TMA ring (its consumer is the
+producer warp), and V^T's ring (32 producer threads, each after a fence.proxy.async: stmatrix
+writes through the generic proxy, WGMMA reads through the async one; every consumer thread
+releases it, as K5's consumers release V). The warp transposes block j - 1 after issuing block j's
+copies, so a copy is in flight while it waits (with one V stage: between K_j's copy and V_j's),
+and a tile's last block before the next tile's.
+
+Constraints: F1's (head_dim 64/128/256: multiples of 32; tile_n a multiple of 32).
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+from cutlass import pipeline as dsl_pipeline
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from .common import pipeline, smem, tma
+from .k5 import WarpSpecializedAttention
+from .k5_fp8 import Fp8Attention
+
+KEY_GROUP, D_BLOCK = 16, 32  # keys and d bytes one ldmatrix/stmatrix pair moves
+
+
+@dsl_user_op
+def ldmatrix_x4_trans(addr: Int32, *, loc=None, ip=None):
+    """Four 8x8 b16 matrices from SMEM, transposed (lanes 8m .. 8m + 7 address matrix m's rows)."""
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.i32()] * 4), [Int32(addr).ir_value(loc=loc, ip=ip)],
+        "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    return tuple(Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
+def stmatrix_x4(addr: Int32, r0: Int32, r1: Int32, r2: Int32, r3: Int32, *, loc=None, ip=None):
+    """Four 8x8 b16 matrices to SMEM (lanes 8m .. 8m + 7 address matrix m's rows)."""
+    llvm.inline_asm(
+        None, [Int32(x).ir_value(loc=loc, ip=ip) for x in (addr, r0, r1, r2, r3)],
+        "stmatrix.sync.aligned.m8n8.x4.shared.b16 [$0], {$1, $2, $3, $4};", "r,r,r,r,r",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+class Fp8TransposingAttention(Fp8Attention):
+    kv_pipelines = 3  # K, V (TMA -> producer warp), V^T (producer warp -> consumers)
+    value_transposed_by_host = False  # the call passes V's rows (F1: V^T from fa3.fp8.transpose_v)
+
+    def __init__(self, *args, value_load_stages: int | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.value_load_stages = value_load_stages or self.kv_stages
+
+    # ---------------------------------------------------------------- host side
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+                 mLSE: cute.Tensor, scale_log2: cutlass.Float32, sm_count: Int32, mTileCounter: cute.Tensor,
+                 mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, window_left: Int32,
+                 window_right: Int32, softcap_scale: cutlass.Float32, mQDescale: cute.Tensor,
+                 mKDescale: cute.Tensor, mVDescale: cute.Tensor, stream):
+        """F1's arguments with V as K: (batch, seqlen_k, heads_kv, d) e4m3 (packed: batch 1)."""
+        self.launch(mQ, mK, mV, mO, mLSE, scale_log2, sm_count, mTileCounter, mCuSeqlensQ,
+                    mCuSeqlensK, window_left, window_right, softcap_scale,
+                    (mQDescale, mKDescale, mVDescale), stream)
+
+    def make_stage_loads(self, mQ, mK, mV):
+        """Q, K and V as K5 stages them (V's rows in K's layout)."""
+        return WarpSpecializedAttention.make_stage_loads(self, mQ, mK, mV)
+
+    def v_layout(self):
+        """V's rows as TMA lands them: K's tiles, value_load_stages deep."""
+        return smem.tile_layout(self.dtype, self.tile_n, self.head_dim, self.value_load_stages)
+
+    def value_smem_elems(self, sV_layout) -> int:
+        return cute.cosize(sV_layout) + cute.cosize(self.vt_layout())
+
+    def vt_layout(self):
+        """The V^T ring P V reads: (d, tile_n) tiles, keys contiguous (F1's V^T ring)."""
+        return smem.tile_layout(self.dtype, self.head_dim, self.tile_n, self.kv_stages)
+
+    # ---------------------------------------------------------------- device side
+    def v_rows(self, mV, head_kv: Int32, batch: Int32, seq):
+        return WarpSpecializedAttention.v_rows(self, mV, head_kv, batch, seq)
+
+    def v_tiles(self, gV):
+        return WarpSpecializedAttention.v_tiles(self, gV)
+
+    def value_rings(self, storage, barriers, sV_layout, consumer_warps: int):
+        """V's TMA ring (read by the producer warp alone) and V^T's (filled by it, read by P V)."""
+        v_pipe = pipeline.create(barriers, self.value_load_stages, 1, smem.stage_bytes(self.dtype, sV_layout))
+        vt_pipe = dsl_pipeline.PipelineAsync.create(
+            barrier_storage=barriers + 2 * self.value_load_stages, num_stages=self.kv_stages,
+            producer_group=dsl_pipeline.CooperativeGroup(dsl_pipeline.Agent.Thread, 32),
+            consumer_group=dsl_pipeline.CooperativeGroup(dsl_pipeline.Agent.Thread, 32 * consumer_warps),
+            defer_sync=True)
+        vt_layout = self.vt_layout()
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        vt_ptr = storage.sV.data_ptr() + cute.cosize(sV_layout)
+        sVt = cute.make_tensor(cute.recast_ptr(vt_ptr, vt_layout.inner, dtype=self.dtype), vt_layout.outer)
+        v_base = storage.sV.data_ptr().toint()  # SMEM byte addresses (1-byte elements)
+        transpose = (v_pipe, vt_pipe, sV_layout, vt_layout, v_base, v_base + cute.cosize(sV_layout))
+        return (v_pipe, sV), (vt_pipe, sVt), transpose
+
+    def producer_states(self):
+        """Q, K and V's (V's ring value_load_stages deep), then the transpose's: V's ring as its
+        consumer, V^T's as its producer."""
+        return (pipeline.producer_state(self.q_stages), pipeline.producer_state(self.kv_stages),
+                pipeline.producer_state(self.value_load_stages),
+                pipeline.consumer_state(self.value_load_stages), pipeline.producer_state(self.kv_stages))
+
+    @cute.jit
+    def before_value_load(self, j: Int32, more: tuple, params) -> tuple:
+        if cutlass.const_expr(self.value_load_stages == 1):
+            if j > 0:  # block j - 1 frees the one V stage block j lands in (under K_j's copy)
+                more = self.transpose_block(more, params)
+        return more
+
+    @cute.jit
+    def after_value_load(self, j: Int32, more: tuple, params) -> tuple:
+        if cutlass.const_expr(self.value_load_stages > 1):
+            if j > 0:  # block j - 1, under block j's copies
+                more = self.transpose_block(more, params)
+        return more
+
+    @cute.jit
+    def after_tile_loads(self, n_blocks: Int32, more: tuple, params) -> tuple:
+        if n_blocks > 0:
+            more = self.transpose_block(more, params)
+        return more
+
+    @cute.jit
+    def transpose_block(self, more: tuple, params) -> tuple:
+        """The next landed V stage into the next free V^T stage; both stages handed on."""
+        v_state, vt_state = more
+        v_pipe, vt_pipe, sV_layout, vt_layout, v_base, vt_base = params.value_transpose
+        pipeline.consume_wait(v_pipe, v_state)
+        vt_pipe.producer_acquire(vt_state)
+        self.transpose_stage(v_base, vt_base, sV_layout, vt_layout, v_state.index, vt_state.index)
+        cute.arch.fence_proxy("async.shared", space="cta")  # stmatrix (generic) -> WGMMA (async)
+        vt_pipe.producer_commit(vt_state)  # each lane, after its own writes
+        vt_state.advance()
+        v_state = pipeline.release(v_pipe, v_state)
+        return v_state, vt_state
+
+    @cute.jit
+    def transpose_stage(self, v_base: Int32, vt_base: Int32, sV_layout: cute.ComposedLayout,
+                        vt_layout: cute.ComposedLayout, v_stage: Int32, vt_stage: Int32):
+        """V stage (tile_n, d) -> V^T stage (d, tile_n) with each 16 keys in P's order (docstring)."""
+        lane = cute.arch.lane_idx()
+        m = lane // 8  # the matrix this lane addresses a row of
+        key_in_group = 8 * (m % 2) + lane % 8  # ldmatrix: keys 0-7 / 8-15, d bytes 0-15 / 16-31
+        d_in_block = 2 * (lane % 8) + m % 2 + 16 * (m // 2)  # stmatrix: d rows 2j (+1) (+16)
+        groups = self.tile_n // KEY_GROUP
+        # one loop over (d block, key group), unrolled by two: unrolled over the d blocks, their
+        # loop-invariant addresses stayed live and the producer's 24 registers spilled at d256
+        for unit in cutlass.range(self.head_dim // D_BLOCK * groups, unroll=2):
+            b, g = unit // groups, unit % groups
+            src = v_base + cute.crd2idx((KEY_GROUP * g + key_in_group, D_BLOCK * b + 16 * (m // 2), v_stage),
+                                        sV_layout)
+            r0, r1, r2, r3 = ldmatrix_x4_trans(src)
+            dst = vt_base + cute.crd2idx((D_BLOCK * b + d_in_block, KEY_GROUP * g, vt_stage), vt_layout)
+            # d row 2j: keys 2t, 2t + 1 (matrix 0's even bytes), 2t + 8, 2t + 9 (matrix 1's);
+            # row 2j + 1: the odd bytes; matrices 2 and 3: rows 16 on
+            even, odd = Int32(0x6420), Int32(0x7531)
+            stmatrix_x4(dst, Int32(cute.arch.prmt(r0, r1, even)), Int32(cute.arch.prmt(r0, r1, odd)),
+                        Int32(cute.arch.prmt(r2, r3, even)), Int32(cute.arch.prmt(r2, r3, odd)))
