@@ -128,6 +128,7 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, ForwardMainloop,
             sO: cute.struct.Align[cute.struct.MemRange[mO.element_type, cute.cosize(sO_layout)], 1024]
             next_tile: cute.struct.MemRange[Int32, 1]
             q_blocks: cute.struct.MemRange[Int32, 1]  # varlen: the packed batch's Q tiles
+            value_done: cute.struct.MemRange[Int32, 1]  # F2: the producer warp's last V stage is in
 
         smem.check_budget(SharedStorage.size_in_bytes(),
                           f"K5 with kv_stages={self.kv_stages}, tile_n={self.tile_n}, d={self.head_dim}")
@@ -209,6 +210,8 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, ForwardMainloop,
             if warp_idx == 0:
                 self.load(q_pipe, k_pipe, v_pipe, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV,
                           mTileCounter, next_tile, handoff, params)
+            else:
+                self.producer_helpers(warp_idx, params)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(q_pipe, k_pipe, pv_pipe, sQ, sK, sPV, sO, tma_o, mO, mLSE, mK.shape[0],
@@ -226,8 +229,16 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, ForwardMainloop,
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         return (v_pipe, sV), (v_pipe, sV), None
 
+    def producer_helpers(self, warp_idx: Int32, params):
+        """The producer warpgroup's warps 1-3 (idle in K5; F2's transpose V)."""
+
+    def after_loads(self, v_pipe, v_state, params):
+        """Hook after the producer warp's last copy has landed and been read (F2 ends its
+        transposing warps there)."""
+
     def producer_states(self):
-        """The producer warp's ring states (Q, K, V), carried across tiles (F2 adds its own)."""
+        """The producer warp's ring states (Q, K, V), carried across tiles (F2: V's ring has its
+        own depth)."""
         return (pipeline.producer_state(self.q_stages), pipeline.producer_state(self.kv_stages),
                 pipeline.producer_state(self.kv_stages))
 
@@ -250,8 +261,9 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, ForwardMainloop,
         else:
             for tile in cutlass.range(first, tiles, step, unroll=1):
                 states = self.load_tile(tile, states, *loads)
-        for pipe, state in zip((q_pipe, k_pipe, v_pipe), states[:3]):
+        for pipe, state in zip((q_pipe, k_pipe, v_pipe), states):
             pipeline.tail(pipe, state)
+        self.after_loads(v_pipe, states[2], params)
 
     def v_rows(self, mV: cute.Tensor, head_kv: Int32, batch: Int32, seq) -> cute.Tensor:
         """The entry's V for one KV head: its rows, (seqlen_k, d_v), as K's."""
@@ -273,8 +285,7 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, ForwardMainloop,
     @cute.jit
     def load_tile(self, tile: Int32, states, q_pipe, k_pipe, v_pipe, tma_q, mQ, tma_k, mK, tma_v, mV,
                   sQ, sK, sV, params):
-        q_state, k_state, v_state = states[:3]
-        more = states[3:]  # a subclass's producer states (F2: the V transpose's)
+        q_state, k_state, v_state = states
         tile_q, tile_kv = (self.tile_m, self.head_dim), (self.tile_n, self.head_dim)
         m_block, head, batch, seq = self.tile_work(tile, mQ, mK.shape[0], params)
         head_kv = head // (mQ.shape[2] // mK.shape[2])
@@ -289,27 +300,12 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, ForwardMainloop,
             q_state = pipeline.produce(q_pipe, q_state, m_block, [(tma_q, tQgQ, tQsQ)])
         for j in cutlass.range(n_blocks, unroll=1):
             k_state = pipeline.produce(k_pipe, k_state, n_max - 1 - j, [(tma_k, tKgK, tKsK)])
-            more = self.before_value_load(j, more, params)
             v_state = pipeline.produce(v_pipe, v_state, n_max - 1 - j, [(tma_v, tVgV, tVsV)])
             if j == 0:
                 # Q after the first K/V: with one Q buffer, waiting for the previous tile to
                 # free it must not hold back the next tile's first K/V loads.
                 q_state = pipeline.produce(q_pipe, q_state, m_block, [(tma_q, tQgQ, tQsQ)])
-            more = self.after_value_load(j, more, params)
-        more = self.after_tile_loads(n_blocks, more, params)
-        return (q_state, k_state, v_state, *more)
-
-    def before_value_load(self, j: Int32, more: tuple, params) -> tuple:
-        """Hook between the j-th K and V blocks of a tile (F2 with one V stage transposes block j - 1)."""
-        return more
-
-    def after_value_load(self, j: Int32, more: tuple, params) -> tuple:
-        """Hook after the j-th K/V block of a tile was issued (F2 transposes block j - 1)."""
-        return more
-
-    def after_tile_loads(self, n_blocks: Int32, more: tuple, params) -> tuple:
-        """Hook after a tile's last K/V block was issued (F2 transposes it)."""
-        return more
+        return q_state, k_state, v_state
 
     @cute.jit
     def consume(self, q_pipe, k_pipe, v_pipe, sQ, sK, sV, sO, tma_o, mO, mLSE, seqlen_k: Int32,

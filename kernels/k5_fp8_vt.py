@@ -1,14 +1,15 @@
-"""F2: F1 with V transposed in SMEM by the producer warp, FlashAttention-3's FP8 design.
+"""F2: F1 with V transposed in SMEM by the producer warpgroup, FlashAttention-3's FP8 design.
 
 FP8 WGMMA reads its B operand K-major only, so P V needs V^T (d, keys), keys contiguous. F1 gets
 it from a transpose kernel over all of V before each call (kernels/fp8_transpose.py: one more
 read and write of V, 29 us for 16k tokens, 3-12% of a call at 2k). F2 loads V's rows by TMA, as
-K's, into a ring the consumers never read, and its producer warp transposes each landed stage into
-a second ring, V^T, which P V reads (`kv_pipelines = 3`: K, V and V^T barriers; the V^T ring
-after V's in SMEM, V's `value_load_stages` deep: one at d256, where two of each do not fit beside
-the 128-key K tiles). The consumers are F1's, unchanged.
+K's, into a ring the consumers never read; the producer warpgroup's idle warps 1-3 transpose each
+landed stage into a second ring, V^T, which P V reads (`kv_pipelines = 3`: K, V and V^T barriers;
+the V^T ring after V's in SMEM, V's `value_load_stages` deep: one at d256, where two of each do
+not fit beside the 128-key K tiles). Warp 0 issues the copies as in K5; the consumers are F1's.
 
-The transpose, per 16 keys x 32 bytes of d (one warp instruction each way):
+The transpose, per 16 keys x 32 bytes of d (one warp instruction each way; of each 32 bytes of d,
+the three warps take every third group of 16 keys):
     ldmatrix .x4 .trans (b16): matrix m holds keys 8 (m % 2) .. + 7, d bytes 16 (m / 2) .. + 15;
         lane i receives, of matrix m, the byte pairs (key 2t and 2t + 1, t = i % 4) of d pair i / 4
     prmt: the even and the odd d byte of matrices 0 and 1 (and of 2 and 3) -> for one d row, keys
@@ -17,12 +18,16 @@ The transpose, per 16 keys x 32 bytes of d (one warp instruction each way):
     stmatrix .x4: those 4-byte words, row i / 4 and bytes 4t of 16-byte rows of V^T (d rows
         2j, 2j + 1, 2j + 16, 2j + 17 of the 32)
 Both sides address 16-byte rows through the rings' swizzled layouts (the swizzle permutes whole
-16-byte chunks). The stages are handed on by mbarriers: V's TMA ring (its consumer is the
-producer warp), and V^T's ring (32 producer threads, each after a fence.proxy.async: stmatrix
-writes through the generic proxy, WGMMA reads through the async one; every consumer thread
-releases it, as K5's consumers release V). The warp transposes block j - 1 after issuing block j's
-copies, so a copy is in flight while it waits (with one V stage: between K_j's copy and V_j's),
-and a tile's last block before the next tile's.
+16-byte chunks). The stages are handed on by mbarriers: V's TMA ring (consumed by the three
+warps, one release each), and V^T's ring (96 producer threads, each after a fence.proxy.async:
+stmatrix writes through the generic proxy, WGMMA reads through the async one; every consumer
+thread releases it, as K5's consumers release V). The transposing warps do not follow the tile
+schedule: they take V stages in ring order until warp 0, after its last copy has been read,
+raises a flag in SMEM and completes the next stage's full barrier without a copy.
+
+Registers: the producer warpgroup keeps K5's 24 a thread (24 + 2 x 240 = 3 x 168, the launch's
+count: setmaxnreg.inc waits for what .dec frees, so 32 hung the consumers), hence dynamic loops
+(unrolled over the d blocks, their addresses spilled at d256).
 
 Constraints: F1's (head_dim 64/128/256: multiples of 32; tile_n a multiple of 32).
 """
@@ -39,6 +44,7 @@ from .k5 import WarpSpecializedAttention
 from .k5_fp8 import Fp8Attention
 
 KEY_GROUP, D_BLOCK = 16, 32  # keys and d bytes one ldmatrix/stmatrix pair moves
+TRANSPOSE_WARPS = 3  # the producer warpgroup's warps 1-3 (warp 0 issues the copies)
 
 
 @dsl_user_op
@@ -102,12 +108,14 @@ class Fp8TransposingAttention(Fp8Attention):
     def v_tiles(self, gV):
         return WarpSpecializedAttention.v_tiles(self, gV)
 
-    def value_rings(self, storage, barriers, sV_layout, consumer_warps: int):
+    @cute.jit
+    def value_rings(self, storage, barriers, sV_layout, consumer_warps: cutlass.Constexpr):
         """V's TMA ring (read by the producer warp alone) and V^T's (filled by it, read by P V)."""
-        v_pipe = pipeline.create(barriers, self.value_load_stages, 1, smem.stage_bytes(self.dtype, sV_layout))
+        v_pipe = pipeline.create(barriers, self.value_load_stages, TRANSPOSE_WARPS,
+                                 smem.stage_bytes(self.dtype, sV_layout))
         vt_pipe = dsl_pipeline.PipelineAsync.create(
             barrier_storage=barriers + 2 * self.value_load_stages, num_stages=self.kv_stages,
-            producer_group=dsl_pipeline.CooperativeGroup(dsl_pipeline.Agent.Thread, 32),
+            producer_group=dsl_pipeline.CooperativeGroup(dsl_pipeline.Agent.Thread, 32 * TRANSPOSE_WARPS),
             consumer_group=dsl_pipeline.CooperativeGroup(dsl_pipeline.Agent.Thread, 32 * consumer_warps),
             defer_sync=True)
         vt_layout = self.vt_layout()
@@ -115,69 +123,70 @@ class Fp8TransposingAttention(Fp8Attention):
         vt_ptr = storage.sV.data_ptr() + cute.cosize(sV_layout)
         sVt = cute.make_tensor(cute.recast_ptr(vt_ptr, vt_layout.inner, dtype=self.dtype), vt_layout.outer)
         v_base = storage.sV.data_ptr().toint()  # SMEM byte addresses (1-byte elements)
-        transpose = (v_pipe, vt_pipe, sV_layout, vt_layout, v_base, v_base + cute.cosize(sV_layout))
+        # the producer warp's "no more stages" flag, cleared before the kernel's barrier sync
+        done = storage.value_done.get_tensor(cute.make_layout(1))
+        if cute.arch.thread_idx()[0] == 0:
+            done[0] = Int32(0)
+        transpose = (v_pipe, vt_pipe, sV_layout, vt_layout, v_base, v_base + cute.cosize(sV_layout), done)
         return (v_pipe, sV), (vt_pipe, sVt), transpose
 
     def producer_states(self):
-        """Q, K and V's (V's ring value_load_stages deep), then the transpose's: V's ring as its
-        consumer, V^T's as its producer."""
+        """K5's, with V's ring value_load_stages deep."""
         return (pipeline.producer_state(self.q_stages), pipeline.producer_state(self.kv_stages),
-                pipeline.producer_state(self.value_load_stages),
-                pipeline.consumer_state(self.value_load_stages), pipeline.producer_state(self.kv_stages))
+                pipeline.producer_state(self.value_load_stages))
 
     @cute.jit
-    def before_value_load(self, j: Int32, more: tuple, params) -> tuple:
-        if cutlass.const_expr(self.value_load_stages == 1):
-            if j > 0:  # block j - 1 frees the one V stage block j lands in (under K_j's copy)
-                more = self.transpose_block(more, params)
-        return more
-
-    @cute.jit
-    def after_value_load(self, j: Int32, more: tuple, params) -> tuple:
-        if cutlass.const_expr(self.value_load_stages > 1):
-            if j > 0:  # block j - 1, under block j's copies
-                more = self.transpose_block(more, params)
-        return more
-
-    @cute.jit
-    def after_tile_loads(self, n_blocks: Int32, more: tuple, params) -> tuple:
-        if n_blocks > 0:
-            more = self.transpose_block(more, params)
-        return more
-
-    @cute.jit
-    def transpose_block(self, more: tuple, params) -> tuple:
-        """The next landed V stage into the next free V^T stage; both stages handed on."""
-        v_state, vt_state = more
-        v_pipe, vt_pipe, sV_layout, vt_layout, v_base, vt_base = params.value_transpose
+    def producer_helpers(self, warp_idx: Int32, params):
+        """Warps 1-3: every landed V stage into the next free V^T stage, until the producer warp's
+        sentinel (`after_loads`) lands instead of a stage."""
+        v_pipe, vt_pipe, sV_layout, vt_layout, v_base, vt_base, done = params.value_transpose
+        v_state = pipeline.consumer_state(self.value_load_stages)
+        vt_state = pipeline.producer_state(self.kv_stages)
         pipeline.consume_wait(v_pipe, v_state)
-        vt_pipe.producer_acquire(vt_state)
-        self.transpose_stage(v_base, vt_base, sV_layout, vt_layout, v_state.index, vt_state.index)
-        cute.arch.fence_proxy("async.shared", space="cta")  # stmatrix (generic) -> WGMMA (async)
-        vt_pipe.producer_commit(vt_state)  # each lane, after its own writes
-        vt_state.advance()
-        v_state = pipeline.release(v_pipe, v_state)
-        return v_state, vt_state
+        finished = done[0]
+        while finished == 0:
+            vt_pipe.producer_acquire(vt_state)
+            self.transpose_stage(warp_idx - 1, v_base, vt_base, sV_layout, vt_layout, v_state.index,
+                                 vt_state.index)
+            cute.arch.fence_proxy("async.shared", space="cta")  # stmatrix (generic) -> WGMMA (async)
+            vt_pipe.producer_commit(vt_state)  # each thread, after its own writes
+            vt_state.advance()
+            v_state = pipeline.release(v_pipe, v_state)
+            pipeline.consume_wait(v_pipe, v_state)
+            finished = done[0]
 
     @cute.jit
-    def transpose_stage(self, v_base: Int32, vt_base: Int32, sV_layout: cute.ComposedLayout,
+    def after_loads(self, v_pipe, v_state, params):
+        """Every V stage has been transposed and released (the tail waited): flag the end and
+        complete the next stage's full barrier with no copy, so the transposing warps wake up
+        and stop."""
+        done = params.value_transpose[-1]
+        if cute.arch.lane_idx() == 0:
+            done[0] = Int32(1)
+            cute.arch.mbarrier_arrive(v_pipe.producer_get_barrier(v_state))  # release: after the flag
+
+    @cute.jit
+    def transpose_stage(self, warp: Int32, v_base: Int32, vt_base: Int32, sV_layout: cute.ComposedLayout,
                         vt_layout: cute.ComposedLayout, v_stage: Int32, vt_stage: Int32):
-        """V stage (tile_n, d) -> V^T stage (d, tile_n) with each 16 keys in P's order (docstring)."""
+        """This warp's share (key groups warp, warp + 3, ... of every d block) of V stage (tile_n,
+        d) -> V^T stage (d, tile_n), each 16 keys in P's order (docstring)."""
         lane = cute.arch.lane_idx()
         m = lane // 8  # the matrix this lane addresses a row of
         key_in_group = 8 * (m % 2) + lane % 8  # ldmatrix: keys 0-7 / 8-15, d bytes 0-15 / 16-31
         d_in_block = 2 * (lane % 8) + m % 2 + 16 * (m // 2)  # stmatrix: d rows 2j (+1) (+16)
-        groups = self.tile_n // KEY_GROUP
-        # one loop over (d block, key group), unrolled by two: unrolled over the d blocks, their
-        # loop-invariant addresses stayed live and the producer's 24 registers spilled at d256
-        for unit in cutlass.range(self.head_dim // D_BLOCK * groups, unroll=2):
-            b, g = unit // groups, unit % groups
-            src = v_base + cute.crd2idx((KEY_GROUP * g + key_in_group, D_BLOCK * b + 16 * (m // 2), v_stage),
-                                        sV_layout)
-            r0, r1, r2, r3 = ldmatrix_x4_trans(src)
-            dst = vt_base + cute.crd2idx((D_BLOCK * b + d_in_block, KEY_GROUP * g, vt_stage), vt_layout)
-            # d row 2j: keys 2t, 2t + 1 (matrix 0's even bytes), 2t + 8, 2t + 9 (matrix 1's);
-            # row 2j + 1: the odd bytes; matrices 2 and 3: rows 16 on
-            even, odd = Int32(0x6420), Int32(0x7531)
-            stmatrix_x4(dst, Int32(cute.arch.prmt(r0, r1, even)), Int32(cute.arch.prmt(r0, r1, odd)),
-                        Int32(cute.arch.prmt(r2, r3, even)), Int32(cute.arch.prmt(r2, r3, odd)))
+        # 16 keys further down V's tile are whole swizzle atoms further (the swizzle mixes a row's
+        # chunks by row % 8): the ldmatrix address of key group g is group 0's + g * key_group
+        key_group = cute.crd2idx((KEY_GROUP, 0, 0), sV_layout)
+        even, odd = Int32(0x6420), Int32(0x7531)
+        for b in cutlass.range(self.head_dim // D_BLOCK, unroll=1):
+            src0 = v_base + cute.crd2idx((key_in_group, D_BLOCK * b + 16 * (m // 2), v_stage), sV_layout)
+            d_row = D_BLOCK * b + d_in_block
+            # (two groups at once where d256's second column of swizzle atoms leaves the registers)
+            for g in cutlass.range(warp, self.tile_n // KEY_GROUP, TRANSPOSE_WARPS,
+                                   unroll=2 if self.head_dim <= 128 else 1):
+                r0, r1, r2, r3 = ldmatrix_x4_trans(src0 + g * key_group)
+                dst = vt_base + cute.crd2idx((d_row, KEY_GROUP * g, vt_stage), vt_layout)
+                # d row 2j: keys 2t, 2t + 1 (matrix 0's even bytes), 2t + 8, 2t + 9 (matrix 1's);
+                # row 2j + 1: the odd bytes; matrices 2 and 3: rows 16 on
+                stmatrix_x4(dst, Int32(cute.arch.prmt(r0, r1, even)), Int32(cute.arch.prmt(r0, r1, odd)),
+                            Int32(cute.arch.prmt(r2, r3, even)), Int32(cute.arch.prmt(r2, r3, odd)))
