@@ -70,8 +70,15 @@ class Fp8TransposingAttention(Fp8Attention):
     kv_pipelines = 3  # K, V (TMA -> producer warp), V^T (producer warp -> consumers)
     value_transposed_by_host = False  # the call passes V's rows (F1: V^T from fa3.fp8.transpose_v)
 
-    def __init__(self, *args, value_load_stages: int | None = None, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 128, tile_n: int = 128,
+                 kv_stages: int = 2, q_stages: int = 1, pingpong: bool = True,
+                 intra_wg_overlap: bool = True, dynamic_schedule: bool = False,
+                 varlen: bool = False, local: bool = False, softcap: bool = False,
+                 value_load_stages: int | None = None):
+        """F1's arguments; `value_load_stages`: V's TMA ring depth (default kv_stages, the V^T
+        ring's)."""
+        super().__init__(dtype, head_dim, causal, tile_m, tile_n, kv_stages, q_stages, pingpong,
+                         intra_wg_overlap, dynamic_schedule, varlen, local, softcap)
         self.value_load_stages = value_load_stages or self.kv_stages
 
     # ---------------------------------------------------------------- host side

@@ -90,15 +90,15 @@ elif case == "gemm":  # 512 tiles of 128 x 256
     a, b = rand(4096, 256), rand(256, 4096)
     for kernel in fa3.available_kernels("gemm"):
         outs.append(fa3.gemm(a, b, kernel=kernel))
-elif case == "fp8":  # the FP8 forward as "forward" and "varlen", and both V^T transposes
+elif case == "fp8":  # every FP8 forward rung as "forward" and "varlen" (f1: both V^T kernels too)
     f8 = lambda t: t.to(torch.float8_e4m3fn)
     q, k, v = f8(rand(1, 4096, 8, 128)), f8(rand(1, 4096, 2, 128)), f8(rand(1, 4096, 2, 128))
-    for causal in (True, False):
-        outs.append(fa3.attention(q, k, v, causal=causal))
     lens = [1000, 1, 2100, 64, 931]
     cu = i32([0] + torch.tensor(lens).cumsum(0).tolist())
-    for causal in (True, False):
-        outs.append(fa3.attention_varlen(q[0], k[0], v[0], cu, cu, causal=causal))
+    for kernel in fa3.available_kernels("attention_fp8"):
+        for causal in (True, False):
+            outs.append(fa3.attention(q, k, v, causal=causal, kernel=kernel))
+            outs.append(fa3.attention_varlen(q[0], k[0], v[0], cu, cu, causal=causal, kernel=kernel))
 elif case == "fp8-gemm":  # 512 tiles of 128 x 256, per-tensor scales
     a, b = rand(4096, 256).to(torch.float8_e4m3fn), rand(4096, 256).to(torch.float8_e4m3fn).t()
     scale = torch.full((1,), 0.5, device="cuda")
