@@ -39,7 +39,7 @@ from cutlass import pipeline as dsl_pipeline
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from .common import pipeline, smem, tma
+from .common import pipeline, smem
 from .k5 import WarpSpecializedAttention
 from .k5_fp8 import Fp8Attention
 
