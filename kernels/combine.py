@@ -12,8 +12,6 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-UNROLL_SPLITS = 8  # splits whose partials a lane loads together
-
 
 @cute.jit
 def combine_row(mOacc: cute.Tensor, mLSEacc: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
@@ -45,20 +43,13 @@ def combine_row(mOacc: cute.Tensor, mLSEacc: cute.Tensor, mO: cute.Tensor, mLSE:
     lse = -Float32.inf
     if total > Float32(0.0):
         lse = offset + cute.math.log(total, fastmath=True)
-    # O: each lane weighs 32 splits at a time (its own split's weight, shuffled to the others) and
-    # the loop over the splits is unrolled, so that several splits' partials are in flight at once
-    # (one at a time, each is a round trip to L2)
     acc = cute.make_rmem_tensor((head_dim // 32,), Float32)
     acc.fill(0.0)
     if total > Float32(0.0):
-        for base in cutlass.range(0, splits, 32, unroll=1):
-            weight = Float32(0.0)
-            if base + lane < splits:
-                weight = cute.math.exp(mLSEacc[base + lane, batch, head, query] - lse, fastmath=True)
-            for j in cutlass.range(cutlass.min(32, splits - base), unroll=UNROLL_SPLITS):
-                weight_j = cute.arch.shuffle_sync(weight, j)
-                for i in cutlass.range_constexpr(head_dim // 32):
-                    acc[i] += weight_j * mOacc[base + j, batch, query, head, lane + 32 * i]
+        for s in cutlass.range(splits, unroll=1):
+            weight = cute.math.exp(mLSEacc[s, batch, head, query] - lse, fastmath=True)
+            for i in cutlass.range_constexpr(head_dim // 32):
+                acc[i] += weight * mOacc[s, batch, query, head, lane + 32 * i]
     for i in cutlass.range_constexpr(head_dim // 32):
         mO[batch, query, head, lane + 32 * i] = acc[i].to(mO.element_type)
     if lane == 0:

@@ -148,9 +148,6 @@ class SplitKVAttention:
         @cute.struct
         class Storage:
             kv_barriers: cute.struct.MemRange[Int64, 2 * self.kv_stages]
-            # split tiles: this CTA's place among its tile's (in the barriers' 1 KB, which the SMEM
-            # plan counts)
-            ticket: cute.struct.MemRange[Int32, 1]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.cache_dtype, cute.cosize(sKV_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.cache_dtype, cute.cosize(sKV_layout)], 1024]
@@ -247,8 +244,8 @@ class SplitKVAttention:
         self.store(ctx, mO, mLSE, mOacc, mLSEacc, mSinks, split, num_splits, row0, head_kv, group,
                    q_plane, seq, scale_log2, o_scale)
         if num_splits > 1:
-            self.combine_tile(storage, mO, mLSE, mOacc, mLSEacc, mSinks, mTileCounters, num_splits, row0,
-                              head_kv, group, q_plane, seq)
+            self.combine_tile(mO, mLSE, mOacc, mLSEacc, mSinks, mTileCounters, num_splits, row0, head_kv,
+                              group, q_plane, seq)
 
     def fold_descales(self, descales, batch: Int32, head_kv: Int32, scale_log2: Float32,
                       softcap_scale: Float32):
@@ -431,28 +428,27 @@ class SplitKVAttention:
                         mLSEacc[split, q_plane, head, row] = lse
 
     @cute.jit
-    def combine_tile(self, storage, mO, mLSE, mOacc, mLSEacc, mSinks, mTileCounters, num_splits: Int32,
-                     row0: Int32, head_kv: Int32, group: Int32, q_plane: Int32, seq):
-        """The split-KV merge without a kernel of its own: once its partials are written (each
-        thread's fenced), the CTA takes a ticket from its tile's counter; the CTA that draws the
-        last has seen every other split's partials (acquire) and merges the tile's rows, a warp a
-        row (kernels/combine.py). Launching the combine as a kernel cost 5.3 us of a 43.6 us
-        decode at batch 1 (its launch and drain; unrolling its loads, or overlapping its launch by
-        PDL, did not move it: worklog/serving.md)."""
-        tidx = cute.arch.thread_idx()[0]
+    def combine_tile(self, mO, mLSE, mOacc, mLSEacc, mSinks, mTileCounters, num_splits: Int32, row0: Int32,
+                     head_kv: Int32, group: Int32, q_plane: Int32, seq):
+        """The split-KV merge without a kernel of its own: each warp, once its partials are
+        written, takes a ticket from the tile's counter (release: its lanes' stores fenced first);
+        the warp that draws the last (4 warps x num_splits) has seen every other split's partials
+        (acquire) and merges the tile's rows, one row at a time (kernels/combine.py). Launching the
+        combine as a kernel cost 5.3 us of a 43.6 us decode at batch 1 (its launch and drain; its
+        loads, unrolled, or its launch overlapped by PDL, did not move it: worklog/serving.md)."""
+        lane = cute.arch.lane_idx()
         _, by, bz = cute.arch.block_idx()
-        ticket = storage.ticket.get_tensor(cute.make_layout(1))
-        cute.arch.fence_acq_rel_gpu()  # this thread's partial stores, before the CTA's ticket
-        cute.arch.sync_threads()
-        if tidx == 0:
-            counter = mTileCounters.iterator + (by + cute.arch.grid_dim()[1] * bz)  # this tile's
-            ticket[0] = cute.arch.atomic_add(counter, Int32(1), sem="acq_rel", scope="gpu")
-        cute.arch.sync_threads()
-        if ticket[0] == num_splits - 1:
-            cute.arch.fence_acq_rel_gpu()  # every other split's partials, before this thread reads them
-            warps = self.num_threads // 32
-            for r in cutlass.range(tidx // 32, cutlass.min(self.tile_m, seq.seqlen_q * group - row0), warps,
-                                   unroll=1):
+        counter = mTileCounters.iterator + (by + cute.arch.grid_dim()[1] * bz)  # this tile's
+        cute.arch.fence_acq_rel_gpu()  # this lane's partial stores, before the warp's ticket
+        cute.arch.sync_warp()
+        ticket = Int32(0)
+        if lane == 0:
+            ticket = cute.arch.atomic_add(counter, Int32(1), sem="acq_rel", scope="gpu")
+        ticket = cute.arch.shuffle_sync(ticket, 0)
+        if ticket == num_splits * (self.num_threads // 32) - 1:
+            cute.arch.fence_acq_rel_gpu()  # every other warp's partials, before this lane reads them
+            for r in cutlass.range(cutlass.min(self.tile_m, seq.seqlen_q * group - row0), unroll=1):
                 packed = row0 + r
                 combine_row(mOacc, mLSEacc, mO, mLSE, mSinks, q_plane, seq.offset_q + packed // group,
-                            head_kv * group + packed % group, cute.arch.lane_idx(), self.head_dim, self.sinks)
+                            head_kv * group + packed % group, lane, self.head_dim, self.sinks)
+
