@@ -331,6 +331,28 @@ def get_kvcache(spec, dtype, head_dim, causal, paged, local=False, softcap=False
     return fn
 
 
+def _build_combine(dtype, head_dim, sinks=False, extra_options=""):
+    cutlass, cute = _dsl.import_cute()
+    from .kernels.combine import SplitKVCombine
+
+    dt, f32 = sig.cute_dtype(dtype), cutlass.Float32
+    b, sq, hq, splits = (cute.sym_int64() for _ in range(4))
+    args = [sig.unit_last(cute, f32, splits, b, sq, hq, head_dim), sig.unit_last(cute, f32, splits, b, hq, sq),
+            sig.unit_last(cute, dt, b, sq, hq, head_dim, align=2), sig.unit_last(cute, f32, b, hq, sq),
+            sig.fake_tensor(cute, f32, (cute.sym_int64(),), (1,), align=4)]
+    return _compile_kernel(SplitKVCombine(dt, head_dim, sinks), args, extra_options)
+
+
+def get_combine(dtype, head_dim, sinks=False):
+    """The split-KV combine kernel: FP32 partial O and LSE (and the sinks) -> O, LSE."""
+    fast_key = ("combine", dtype, head_dim, sinks)
+    fn = _FAST.get(fast_key)
+    if fn is None:
+        key = ("combine", str(dtype), head_dim, bool(sinks), _dsl.TARGET_ARCH, _dsl.version())
+        fn = _FAST[fast_key] = _cached(key, lambda: _build_combine(dtype, head_dim, sinks))
+    return fn
+
+
 @dataclass
 class CompileReport:
     ptx: str
@@ -368,7 +390,7 @@ def compile_report(spec, dtype=torch.bfloat16, **static) -> CompileReport:
 
 def build_report(build, *args, **kwargs) -> CompileReport:
     """Any builder of this module (a `_build_*`: main kernels and their helpers, the backward's
-    pre/postprocess, ...) run for sm_90a with PTX and cubin kept, and ptxas' report."""
+    pre/postprocess, the combine, ...) run for sm_90a with PTX and cubin kept, and ptxas' report."""
     buf = io.StringIO()
     with contextlib.redirect_stderr(buf), contextlib.redirect_stdout(buf):
         fn = build(*args, **kwargs, extra_options="--keep-ptx --keep-cubin remarks{ptx}")

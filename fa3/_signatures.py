@@ -141,7 +141,7 @@ def gemm_args(dtype, a_layout, b_layout, out_dtype=None):
 
 def kvcache_args(dtype, head_dim, out_dtype=None):
     """Fake (q, k_cache, v_cache, cache_seqlens, block_table, out, lse, out_partial, lse_partial,
-    tile counters, scale_log2, appended, window edges, softcap scale, cu_seqlens_q, max_seqlen_q, cache_leftpad,
+    scale_log2, appended, window edges, softcap scale, cu_seqlens_q, max_seqlen_q, cache_leftpad,
     sinks, q/k/v descales): see kernels/decode.py. The cache is (planes, rows, heads_kv, d), planes
     being batch entries (dense) or pages (paged); every extent is dynamic (packed queries: q is (1,
     total_q, heads_q, d) and cache_seqlens has its own extent). `dtype`: q's and the cache's; out
@@ -160,9 +160,7 @@ def kvcache_args(dtype, head_dim, out_dtype=None):
             fake_tensor(cute, i32, (b_lens,), (1,), align=4), unit_last(cute, i32, b_table, pages),
             unit_last(cute, out, b, sq, hq, head_dim, align=2), unit_last(cute, f32, b, hq, sq),
             unit_last(cute, f32, splits, b_part, sq_part, hq_part, head_dim),
-            unit_last(cute, f32, splits, b_part, hq_part, sq_part),
-            fake_tensor(cute, i32, (cute.sym_int64(),), (1,), align=4),  # the split tiles' counters
-            f32(1.0), i32(0),
+            unit_last(cute, f32, splits, b_part, hq_part, sq_part), f32(1.0), i32(0),
             i32(0), i32(0), f32(1.0),  # (appended,) window edges, softcap scale
             fake_tensor(cute, i32, (b_cu,), (1,), align=4), i32(1),  # cu_seqlens_q, max_seqlen_q
             fake_tensor(cute, i32, (b_pad,), (1,), align=4),  # cache_leftpad

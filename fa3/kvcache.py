@@ -250,23 +250,19 @@ def launch_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, capaci
         o_partial = torch.empty(num_splits, planes, rows_q, heads_q, head_dim, dtype=torch.float32,
                                 device=device)
         lse_partial = torch.empty(num_splits, planes, heads_q, rows_q, dtype=torch.float32, device=device)
-        # one counter per CTA of a split (the kernel's grid y x z, here bounded as its launch
-        # bounds it): the last warp of a tile's splits to finish merges their partials
-        q_tiles = -(-rows_q * (heads_q // heads_kv) // spec.config["tile_m"])
-        counters = torch.zeros(heads_kv * (q_tiles + batch if packed else q_tiles * planes), dtype=torch.int32,
-                               device=device)
     else:
         o_partial, lse_partial = _dummy("o_partial", device, head_dim), _dummy("lse_partial", device)
-        counters = _launch.stand_in(device)
     leftpad, has_sinks = cache_leftpad is not None, sinks is not None
     sinks = _launch.sinks_ready(sinks) if has_sinks else _launch.stand_in(device, torch.float32)
     fn = _compile.get_kvcache(spec, q.dtype, head_dim, mask.causal, paged, mask.local, mask.softcap,
                               gather, packed, leftpad, has_sinks, out.dtype if fp8 else None)
     descales = descales or (_dummy("descale", device),) * 3
     table = block_table if paged else _dummy("table", device)
-    fn(q4, k_cache, v_cache, cache_seqlens, table, out4, lse3, o_partial, lse_partial, counters,
-       mask.scale_log2, appended, mask.left, mask.right, mask.softcap_scale, cu, seqlen_q,
+    fn(q4, k_cache, v_cache, cache_seqlens, table, out4, lse3, o_partial, lse_partial, mask.scale_log2,
+       appended, mask.left, mask.right, mask.softcap_scale, cu, seqlen_q,
        cache_leftpad if leftpad else _launch.stand_in(device), sinks, *descales)
+    if num_splits > 1:
+        _compile.get_combine(out.dtype, head_dim, has_sinks)(o_partial, lse_partial, out4, lse3, sinks)
     return out, lse
 
 

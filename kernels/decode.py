@@ -59,7 +59,6 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
-from .combine import combine_row
 from .common import mask, mma, paged, pipeline, scheduler, seqlen, smem, softmax, tma
 
 
@@ -95,16 +94,13 @@ class SplitKVAttention:
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mCacheSeqlens: cute.Tensor,
                  mBlockTable: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mOacc: cute.Tensor,
-                 mLSEacc: cute.Tensor, mTileCounters: cute.Tensor, scale_log2: Float32, appended: Int32,
-                 window_left: Int32,
+                 mLSEacc: cute.Tensor, scale_log2: Float32, appended: Int32, window_left: Int32,
                  window_right: Int32, softcap_scale: Float32, mCuSeqlensQ: cute.Tensor,
                  max_seqlen_q: Int32, mLeftpad: cute.Tensor, mSinks: cute.Tensor,
                  mQDescale: cute.Tensor, mKDescale: cute.Tensor, mVDescale: cute.Tensor, stream):
         """mQ (batch, seqlen_q, heads_q, d); mK/mV the cache; mO/mLSE the result when there is one
         split, else mOacc (splits, batch, seqlen_q, heads_q, d) and mLSEacc (splits, batch,
-        heads_q, seqlen_q) in FP32: the number of splits is mOacc.shape[0]; mTileCounters (Int32,
-        zeroed by the caller, one per CTA of a split: grid y x grid z) count each tile's warps done
-        with their partials, and the last one merges them (`combine_tile`). The window edges,
+        heads_q, seqlen_q) in FP32: the number of splits is mOacc.shape[0]. The window edges,
         softcap_scale and mSinks (heads_q,) are read only by the variants that use them. Varlen:
         batch 1, the queries of entry b at rows [cu[b], cu[b + 1]) of mCuSeqlensQ (batch + 1,),
         max_seqlen_q their longest (it sizes the grid); otherwise both are unread. mLeftpad (batch,):
@@ -138,7 +134,7 @@ class SplitKVAttention:
         # what fa3.split_plan counts: two CTAs an SM must still fit
         smem.check_plan(SharedStorage.size_in_bytes(), self.planned_smem_bytes, "S1")
         self.kernel(mQ, tma_k, tK, tma_v, tV, mCacheSeqlens, mBlockTable, mO, mLSE, mOacc, mLSEacc,
-                    mTileCounters, scale_log2, appended, window_left, window_right, softcap_scale, mCuSeqlensQ,
+                    scale_log2, appended, window_left, window_right, softcap_scale, mCuSeqlensQ,
                     mLeftpad, mSinks, (mQDescale, mKDescale, mVDescale), sQ_layout, sKV_layout,
                     sKV16_layout, SharedStorage).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream)
@@ -162,8 +158,7 @@ class SplitKVAttention:
     def kernel(self, mQ: cute.Tensor, tma_k: Optional[cute.CopyAtom], mK: cute.Tensor,
                tma_v: Optional[cute.CopyAtom],
                mV: cute.Tensor, mCacheSeqlens: cute.Tensor, mBlockTable: cute.Tensor, mO: cute.Tensor,
-               mLSE: cute.Tensor, mOacc: cute.Tensor, mLSEacc: cute.Tensor, mTileCounters: cute.Tensor,
-               scale_log2: Float32,
+               mLSE: cute.Tensor, mOacc: cute.Tensor, mLSEacc: cute.Tensor, scale_log2: Float32,
                appended: Int32, window_left: Int32, window_right: Int32, softcap_scale: Float32,
                mCuSeqlensQ: cute.Tensor, mLeftpad: cute.Tensor, mSinks: cute.Tensor, descales,
                sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
@@ -243,9 +238,6 @@ class SplitKVAttention:
             pipeline.tail(kv_pipe, kv_producer)
         self.store(ctx, mO, mLSE, mOacc, mLSEacc, mSinks, split, num_splits, row0, head_kv, group,
                    q_plane, seq, scale_log2, o_scale)
-        if num_splits > 1:
-            self.combine_tile(mO, mLSE, mOacc, mLSEacc, mSinks, mTileCounters, num_splits, row0, head_kv,
-                              group, q_plane, seq)
 
     def fold_descales(self, descales, batch: Int32, head_kv: Int32, scale_log2: Float32,
                       softcap_scale: Float32):
@@ -426,29 +418,3 @@ class SplitKVAttention:
                         mOacc[split, q_plane, row, head, ctx.o_coords[r, c][1]] = o_mn[r, c] * inv_sum
                     if ctx.tidx % 4 == 0:
                         mLSEacc[split, q_plane, head, row] = lse
-
-    @cute.jit
-    def combine_tile(self, mO, mLSE, mOacc, mLSEacc, mSinks, mTileCounters, num_splits: Int32, row0: Int32,
-                     head_kv: Int32, group: Int32, q_plane: Int32, seq):
-        """The split-KV merge without a kernel of its own: each warp, once its partials are
-        written, takes a ticket from the tile's counter (release: its lanes' stores fenced first);
-        the warp that draws the last (4 warps x num_splits) has seen every other split's partials
-        (acquire) and merges the tile's rows, one row at a time (kernels/combine.py). Launching the
-        combine as a kernel cost 5.3 us of a 43.6 us decode at batch 1 (its launch and drain; its
-        loads, unrolled, or its launch overlapped by PDL, did not move it: worklog/serving.md)."""
-        lane = cute.arch.lane_idx()
-        _, by, bz = cute.arch.block_idx()
-        counter = mTileCounters.iterator + (by + cute.arch.grid_dim()[1] * bz)  # this tile's
-        cute.arch.fence_acq_rel_gpu()  # this lane's partial stores, before the warp's ticket
-        cute.arch.sync_warp()
-        ticket = Int32(0)
-        if lane == 0:
-            ticket = cute.arch.atomic_add(counter, Int32(1), sem="acq_rel", scope="gpu")
-        ticket = cute.arch.shuffle_sync(ticket, 0)
-        if ticket == num_splits * (self.num_threads // 32) - 1:
-            cute.arch.fence_acq_rel_gpu()  # every other warp's partials, before this lane reads them
-            for r in cutlass.range(cutlass.min(self.tile_m, seq.seqlen_q * group - row0), unroll=1):
-                packed = row0 + r
-                combine_row(mOacc, mLSEacc, mO, mLSE, mSinks, q_plane, seq.offset_q + packed // group,
-                            head_kv * group + packed % group, lane, self.head_dim, self.sinks)
-
