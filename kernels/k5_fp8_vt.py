@@ -79,6 +79,17 @@ class Fp8TransposingAttention(Fp8Attention):
         ring's)."""
         super().__init__(dtype, head_dim, causal, tile_m, tile_n, kv_stages, q_stages, pingpong,
                          intra_wg_overlap, dynamic_schedule, varlen, local, softcap)
+        if self.consumer_wgs == 2 and head_dim <= 128:
+            # the transposing warps' addresses beside warp 0's window state spilled at 24 (d128
+            # causal with a window); 32 + 2 x 232 stays within the launch's 3 x 168 (setmaxnreg.inc
+            # only takes what .dec frees). d256's consumers need their 240 (232: 160 bytes of spills)
+            self.producer_regs, self.consumer_regs = 32, 232
+        # key groups a transposing warp has in flight: two where the registers allow (ptxas
+        # placed the 24-32 producer registers differently per configuration; the CPU compile of
+        # every configuration found these spill-free)
+        self.transpose_unroll = 2 if head_dim == 64 else 1
+        # transpose_stage: a V^T row (tile_n bytes) is one swizzle atom wide
+        assert self.tile_n in (64, 128), f"F2 transposes 64- or 128-key tiles, not {self.tile_n}"
         self.value_load_stages = value_load_stages or self.kv_stages
 
     # ---------------------------------------------------------------- host side
@@ -187,12 +198,12 @@ class Fp8TransposingAttention(Fp8Attention):
         even, odd = Int32(0x6420), Int32(0x7531)
         for b in cutlass.range(self.head_dim // D_BLOCK, unroll=1):
             src0 = v_base + cute.crd2idx((key_in_group, D_BLOCK * b + 16 * (m // 2), v_stage), sV_layout)
-            d_row = D_BLOCK * b + d_in_block
-            # (two groups at once where d256's second column of swizzle atoms leaves the registers)
-            for g in cutlass.range(warp, self.tile_n // KEY_GROUP, TRANSPOSE_WARPS,
-                                   unroll=2 if self.head_dim <= 128 else 1):
+            # V^T's rows are tile_n bytes (64 or 128: one swizzle atom wide), so the 16-byte chunk
+            # of key group g sits at the row's chunk bits XOR g: group 0's address XOR 16 g
+            dst0 = vt_base + cute.crd2idx((D_BLOCK * b + d_in_block, 0, vt_stage), vt_layout)
+            for g in cutlass.range(warp, self.tile_n // KEY_GROUP, TRANSPOSE_WARPS, unroll=self.transpose_unroll):
                 r0, r1, r2, r3 = ldmatrix_x4_trans(src0 + g * key_group)
-                dst = vt_base + cute.crd2idx((d_row, KEY_GROUP * g, vt_stage), vt_layout)
+                dst = dst0 ^ (KEY_GROUP * g)
                 # d row 2j: keys 2t, 2t + 1 (matrix 0's even bytes), 2t + 8, 2t + 9 (matrix 1's);
                 # row 2j + 1: the odd bytes; matrices 2 and 3: rows 16 on
                 stmatrix_x4(dst, Int32(cute.arch.prmt(r0, r1, even)), Int32(cute.arch.prmt(r0, r1, odd)),
