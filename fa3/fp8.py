@@ -188,14 +188,15 @@ def launch_attention_fp8(spec, q, k, v, descales, mask: masking.Masking, out_dty
     stand_in = _launch.stand_in(device)
     host_vt = spec.load_class().value_transposed_by_host  # F1; F2 transposes V in SMEM
     if cu_seqlens is None:
-        q4, k4, vt, o4, lse3, cu = q, k, transpose_v(v) if host_vt else v, out, lse, (stand_in, stand_in)
+        q4, k4, o4, lse3, cu = q, k, out, lse, (stand_in, stand_in)
+        v4 = transpose_v(v) if host_vt else _launch.tma_ready(v)
     else:
         q4, k4, o4, lse3 = q.unsqueeze(0), k.unsqueeze(0), out.unsqueeze(0), lse.unsqueeze(0)
-        vt = transpose_v_packed(v, cu_seqlens[1]) if host_vt else v.unsqueeze(0)
+        v4 = transpose_v_packed(v, cu_seqlens[1]) if host_vt else _launch.tma_ready(v.unsqueeze(0))
         cu = cu_seqlens
     fn = _compile.get_attention_fp8(spec, out_dtype, head_dim, mask.causal, cu_seqlens is not None,
                                     mask.local, mask.softcap)
-    fn(_launch.tma_ready(q4), _launch.tma_ready(k4), vt if host_vt else _launch.tma_ready(vt), o4, lse3, mask.scale_log2,
+    fn(_launch.tma_ready(q4), _launch.tma_ready(k4), v4, o4, lse3, mask.scale_log2,
        _checks.HOPPER_SMS[device], _launch.tile_counter(spec, mask.causal, device), *cu,
        mask.left, mask.right, mask.softcap_scale, *descales)
     return out, lse

@@ -68,7 +68,8 @@ class Fp8Attention(WarpSpecializedAttention):
                  window_right: Int32, softcap_scale: Float32, mQDescale: cute.Tensor,
                  mKDescale: cute.Tensor, mVDescale: cute.Tensor, stream):
         """K5's arguments, with V as mVt (batch, d, heads_kv, keys padded to 16; keys permuted
-        within each 16 by the host) and the descales (batch, heads_kv) float32 after them."""
+        within each 16 by the host; F2, which transposes V itself: V's rows, as K) and the
+        descales (batch, heads_kv) float32 after them."""
         self.launch(mQ, mK, mVt, mO, mLSE, scale_log2, sm_count, mTileCounter, mCuSeqlensQ,
                     mCuSeqlensK, window_left, window_right, softcap_scale,
                     (mQDescale, mKDescale, mVDescale), stream)
@@ -77,11 +78,15 @@ class Fp8Attention(WarpSpecializedAttention):
         """Q and K as K5 stages them; V^T in (d, tile_n) stages, keys contiguous (K-major for P V)."""
         sQ_layout = smem.tile_layout(self.dtype, self.tile_m, self.head_dim, self.q_stages)
         sK_layout = smem.tile_layout(self.dtype, self.tile_n, self.head_dim, self.kv_stages)
-        sV_layout = smem.tile_layout(self.dtype, self.head_dim, self.tile_n, self.kv_stages)
+        sV_layout = self.vt_layout()
         loads = (*tma.make_load(tma.seq_major(mQ), sQ_layout, (self.tile_m, self.head_dim)),
                  *tma.make_load(tma.seq_major(mK), sK_layout, (self.tile_n, self.head_dim)),
                  *tma.make_load(tma.seq_major(mVt), sV_layout, (self.head_dim, self.tile_n)))
         return sQ_layout, sK_layout, sV_layout, loads
+
+    def vt_layout(self):
+        """The V^T ring P V reads: (d, tile_n) tiles, keys contiguous."""
+        return smem.tile_layout(self.dtype, self.head_dim, self.tile_n, self.kv_stages)
 
     # ---------------------------------------------------------------- device side
     @cute.kernel

@@ -25,9 +25,10 @@ thread releases it, as K5's consumers release V). The transposing warps do not f
 schedule: they take V stages in ring order until warp 0, after its last copy has been read,
 raises a flag in SMEM and completes the next stage's full barrier without a copy.
 
-Registers: the producer warpgroup keeps K5's 24 a thread (24 + 2 x 240 = 3 x 168, the launch's
-count: setmaxnreg.inc waits for what .dec frees, so 32 hung the consumers), hence dynamic loops
-(unrolled over the d blocks, their addresses spilled at d256).
+Registers: setmaxnreg.inc only takes what .dec frees, so producer + 2 x consumer stays within the
+launch's 3 x 168 (32 + 2 x 240 hung the consumers). F2 runs 32 / 232 at d64-d128 with two consumer
+warpgroups (24 spilled beside a window's state) and K5's 24 / 240 at d256 (its consumers spill at
+232); the transposing loops stay dynamic (unrolled over the d blocks, their addresses spilled).
 
 Constraints: F1's (head_dim 64/128/256: multiples of 32; tile_n a multiple of 32).
 """
@@ -92,18 +93,7 @@ class Fp8TransposingAttention(Fp8Attention):
         assert self.tile_n in (64, 128), f"F2 transposes 64- or 128-key tiles, not {self.tile_n}"
         self.value_load_stages = value_load_stages or self.kv_stages
 
-    # ---------------------------------------------------------------- host side
-    @cute.jit
-    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-                 mLSE: cute.Tensor, scale_log2: cutlass.Float32, sm_count: Int32, mTileCounter: cute.Tensor,
-                 mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, window_left: Int32,
-                 window_right: Int32, softcap_scale: cutlass.Float32, mQDescale: cute.Tensor,
-                 mKDescale: cute.Tensor, mVDescale: cute.Tensor, stream):
-        """F1's arguments with V as K: (batch, seqlen_k, heads_kv, d) e4m3 (packed: batch 1)."""
-        self.launch(mQ, mK, mV, mO, mLSE, scale_log2, sm_count, mTileCounter, mCuSeqlensQ,
-                    mCuSeqlensK, window_left, window_right, softcap_scale,
-                    (mQDescale, mKDescale, mVDescale), stream)
-
+    # ---------------------------------------------------------------- host side (F1's __call__)
     def make_stage_loads(self, mQ, mK, mV):
         """Q, K and V as K5 stages them (V's rows in K's layout)."""
         return WarpSpecializedAttention.make_stage_loads(self, mQ, mK, mV)
@@ -114,10 +104,6 @@ class Fp8TransposingAttention(Fp8Attention):
 
     def value_smem_elems(self, sV_layout) -> int:
         return cute.cosize(sV_layout) + cute.cosize(self.vt_layout())
-
-    def vt_layout(self):
-        """The V^T ring P V reads: (d, tile_n) tiles, keys contiguous (F1's V^T ring)."""
-        return smem.tile_layout(self.dtype, self.head_dim, self.tile_n, self.kv_stages)
 
     # ---------------------------------------------------------------- device side
     def v_rows(self, mV, head_kv: Int32, batch: Int32, seq):

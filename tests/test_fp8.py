@@ -453,10 +453,10 @@ def test_fp8_varlen_accuracy(kernel, d, causal):
         o, o_lse = attention_reference(entry["q"], entry["k"], entry["v"], causal=causal, dtype=torch.float64)
         ref_out[rows], ref_lse[:, rows] = o[0], o_lse[0]
     check(out, lse, ref_out, ref_lse, f"{kernel} varlen d{d} {'causal' if causal else 'full'}")
-    # flash-attn's name gives the default rung's bits
-    args = (q8, k8, v8, cu_q, cu_k, max(lengths_q), max(lengths_k))
-    scales = dict(causal=causal, q_descale=sq, k_descale=sk, v_descale=sv)
-    assert torch.equal(fa3.flash_attn_varlen_func(*args, **scales), fa3.attention_varlen(*args, **scales))
+    if kernel == fa3.fp8.fp8_rung(None, d).name:  # flash-attn's name runs the default rung: the same bits
+        again = fa3.flash_attn_varlen_func(q8, k8, v8, cu_q, cu_k, max(lengths_q), max(lengths_k),
+                                           causal=causal, q_descale=sq, k_descale=sk, v_descale=sv)
+        assert torch.equal(again, out)
 
 
 @pytest.mark.gpu
