@@ -186,8 +186,9 @@ def cache_configs(spec: registry.KernelSpec, head_dim: int, causal: bool, fp8: b
     (batch, seqlen_q) and packed queries (`fp8`: on an FP8 cache, O in `dtype`); GEMM with every
     operand layout (row-major and transposed a and b), or (`fp8`) e4m3 K-major operands with C in
     `dtype`, per-tensor and row-wise scales."""
-    if spec.family == registry.ATTENTION:
-        return [{"head_dim": head_dim, "causal": causal}]
+    if spec.family == registry.ATTENTION:  # (and the tiles for short query sequences, if any)
+        return [{"head_dim": head_dim, "causal": causal, **({"short": True} if short else {})}
+                for short in (False, True)[:1 + spec.is_short(head_dim, None, causal, 1)]]
     if spec.family == registry.ATTENTION_FP8:
         return [{"head_dim": head_dim, "causal": causal, "varlen": varlen} for varlen in (False, True)]
     if spec.family == registry.BACKWARD:
@@ -224,7 +225,7 @@ def cmd_warm_cache(args) -> int:
                 label += f" a {static['a_layout']} b {static['b_layout']}"
                 label += " row-wise" if static.get("row_scales") else ""
             else:
-                label += "".join(f" {k}" for k in ("varlen", "paged", "gather") if static.get(k))
+                label += "".join(f" {k}" for k in ("varlen", "paged", "gather", "short") if static.get(k))
             start = time.perf_counter()
             try:
                 path, compiled = _compile.fill_disk_cache(spec, torch.float8_e4m3fn if fp8_inputs else dtype,

@@ -35,8 +35,8 @@ def _key_dims(head_dim, head_dim_v):
 
 
 def attention_key(spec, dtype, head_dim, causal, varlen=False, local=False, softcap=False,
-                  sinks=False, head_dim_v=None) -> tuple:
-    cfg = spec.config_for(head_dim, head_dim_v)
+                  sinks=False, head_dim_v=None, short=False) -> tuple:
+    cfg = spec.config_for(head_dim, head_dim_v, short)
     variant = (bool(varlen), bool(local), bool(softcap), bool(sinks))
     return (spec.name, str(dtype), _key_dims(head_dim, head_dim_v), bool(causal), *((variant,) if any(variant) else ()),
             tuple(sorted(cfg.items())), _dsl.TARGET_ARCH, _dsl.version())
@@ -54,12 +54,12 @@ def _compile_kernel(kernel, fake_args, extra_options):
 
 
 def _build_attention(spec, dtype, head_dim, causal, varlen=False, local=False, softcap=False,
-                     sinks=False, head_dim_v=None, extra_options=""):
+                     sinks=False, head_dim_v=None, short=False, extra_options=""):
     variant = dict(varlen=varlen, local=local, softcap=softcap, sinks=sinks) if spec.variants else {}
     if head_dim_v not in (None, head_dim):
         variant["head_dim_v"] = head_dim_v
     kernel = spec.load_class()(dtype=sig.cute_dtype(dtype), head_dim=head_dim, causal=causal,
-                               **variant, **spec.config_for(head_dim, head_dim_v))
+                               **variant, **spec.config_for(head_dim, head_dim_v, short))
     return _compile_kernel(kernel, sig.attention_args(spec, dtype, head_dim, head_dim_v), extra_options)
 
 
@@ -112,18 +112,19 @@ _FAST: dict[tuple, object] = {}  # (rung, dtype, head_dim, causal) -> compiled: 
 
 
 def get_attention(spec, dtype, head_dim, causal, varlen=False, local=False, softcap=False, sinks=False,
-                  head_dim_v=None):
+                  head_dim_v=None, short=False):
     """The compiled kernel for this static configuration (compiled on first use). The per-call
     path is one dict lookup; the full key (config, arch, DSL version) is built only on a miss.
     varlen/local/softcap/sinks: the variants of rungs that list them (registry `variants`);
-    head_dim_v: V's head dim where it differs (registry `value_head_dims`)."""
-    fast_key = (spec.name, dtype, head_dim, causal, varlen, local, softcap, sinks, head_dim_v)
+    head_dim_v: V's head dim where it differs (registry `value_head_dims`); short: the rung's
+    tiles for short query sequences (registry `short_queries`)."""
+    fast_key = (spec.name, dtype, head_dim, causal, varlen, local, softcap, sinks, head_dim_v, short)
     fn = _FAST.get(fast_key)
     if fn is None:
         fn = _FAST[fast_key] = _cached(
-            attention_key(spec, dtype, head_dim, causal, varlen, local, softcap, sinks, head_dim_v),
+            attention_key(spec, dtype, head_dim, causal, varlen, local, softcap, sinks, head_dim_v, short),
             lambda: _build_attention(spec, dtype, head_dim, causal, varlen, local, softcap, sinks,
-                                     head_dim_v))
+                                     head_dim_v, short))
     return fn
 
 

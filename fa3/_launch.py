@@ -69,12 +69,14 @@ def tile_counter(spec, causal: bool, device) -> torch.Tensor:
 
 
 def run_attention(spec, dtype, head_dim: int, mask: masking.Masking, args: list, device,
-                  cu_seqlens=None, sinks=None, head_dim_v=None):
+                  cu_seqlens=None, sinks=None, head_dim_v=None, rows=None):
     """Append the runtime arguments after (q, k, v, o, lse[, scores]) and launch: the scale, the
     persistent ones, and the variants' (cu_seqlens_q/k when varlen, window edges, softcap scale,
-    the sinks (heads_q,) FP32). head_dim_v: V's head dim where it differs from head_dim."""
+    the sinks (heads_q,) FP32). head_dim_v: V's head dim where it differs from head_dim; rows: the
+    longest query sequence's length where known (it picks the rung's tiles for short ones)."""
+    short = spec.is_short(head_dim, head_dim_v, mask.causal, rows)
     fn = _compile.get_attention(spec, dtype, head_dim, mask.causal, cu_seqlens is not None,
-                                mask.local, mask.softcap, sinks is not None, head_dim_v)
+                                mask.local, mask.softcap, sinks is not None, head_dim_v, short)
     args.append(mask.scale_log2)
     if spec.persistent:
         args.append(_checks.HOPPER_SMS[device])

@@ -133,7 +133,7 @@ def launch_attention(spec, q, k, v, causal: bool, scale: float, out=None, window
     if spec.needs_scores_workspace:
         args.append(torch.empty(batch, heads_q, seqlen_q, seqlen_k, dtype=torch.float32, device=device))
     _launch.run_attention(spec, q.dtype, head_dim, mask, args, device, sinks=sinks,
-                          head_dim_v=None if head_dim_v == head_dim else head_dim_v)
+                          head_dim_v=None if head_dim_v == head_dim else head_dim_v, rows=seqlen_q)
     return out, lse
 
 

@@ -8,7 +8,7 @@
                                      sinks=None) -> (dq, dk, dv, dsinks)
     torch.ops.fa3.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale,
                                    window_left, window_right, softcap, kernel, deterministic=False,
-                                   backward_kernel=None, sinks=None) -> (out, lse)
+                                   backward_kernel=None, sinks=None, max_seqlen_q=0) -> (out, lse)
                                    differentiable in q, k, v, sinks
     torch.ops.fa3.attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                                             causal, softmax_scale, kernel, deterministic,
@@ -165,8 +165,8 @@ def _gemm_fp8_fake(a, b, scale_a, scale_b, kernel, out_dtype):
 
 _VARLEN_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, bool causal, "
                   "float softmax_scale, int window_left, int window_right, float softcap, str kernel, "
-                  "bool deterministic=False, str? backward_kernel=None, Tensor? sinks=None) "
-                  "-> (Tensor, Tensor)")
+                  "bool deterministic=False, str? backward_kernel=None, Tensor? sinks=None, "
+                  "int max_seqlen_q=0) -> (Tensor, Tensor)")
 _VARLEN_BACKWARD_SCHEMA = ("(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
                            "Tensor cu_seqlens_q, Tensor cu_seqlens_k, bool causal, float softmax_scale, "
                            "str kernel, bool deterministic, int window_left, int window_right, "
@@ -175,18 +175,21 @@ _VARLEN_BACKWARD_SCHEMA = ("(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor o
 
 @torch.library.custom_op("fa3::attention_varlen", mutates_args=(), schema=_VARLEN_SCHEMA)
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, window_left,
-                     window_right, softcap, kernel, deterministic=False, backward_kernel=None, sinks=None):
-    """(out (total_q, heads_q, d), lse (heads_q, total_q)) of a packed variable-length batch."""
+                     window_right, softcap, kernel, deterministic=False, backward_kernel=None, sinks=None,
+                     max_seqlen_q=0):
+    """(out (total_q, heads_q, d), lse (heads_q, total_q)) of a packed variable-length batch
+    (max_seqlen_q: the longest query sequence, 0 if unknown; it only picks tiles)."""
     spec = varlen.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, None, None, kernel)
     _checks.check_rung_sinks(spec, sinks, q.shape[1], q.device)
     return varlen.launch_varlen(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale,
-                                (window_left, window_right), softcap, sinks=sinks)
+                                (window_left, window_right), softcap, sinks=sinks,
+                                max_seqlen_q=max_seqlen_q or None)
 
 
 @attention_varlen.register_fake
 def _attention_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, window_left,
                            window_right, softcap, kernel, deterministic=False, backward_kernel=None,
-                           sinks=None):
+                           sinks=None, max_seqlen_q=0):
     total_q, heads_q, _ = q.shape
     return _launch.empty_output(q, v), q.new_empty((heads_q, total_q), dtype=torch.float32)
 
@@ -213,7 +216,7 @@ def _attention_varlen_backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
 
 def _varlen_save_for_backward(ctx, inputs, output):
     (q, k, v, cu_q, cu_k, causal, softmax_scale, left, right, softcap, _, deterministic, backward_kernel,
-     sinks) = inputs
+     sinks, _max_seqlen_q) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, sinks)
     ctx.causal, ctx.softmax_scale, ctx.window, ctx.softcap = causal, softmax_scale, (left, right), softcap
@@ -228,7 +231,7 @@ def _varlen_grads(ctx, dout, _dlse):
     dq, dk, dv, dsinks = torch.ops.fa3.attention_varlen_backward(
         dout, q, k, v, out, lse, cu_q, cu_k, ctx.causal, ctx.softmax_scale, kernel, ctx.deterministic,
         ctx.window[0], ctx.window[1], ctx.softcap, sinks)
-    return (dq, dk, dv) + (None,) * 10 + (dsinks if sinks is not None else None,)
+    return (dq, dk, dv) + (None,) * 10 + (dsinks if sinks is not None else None, None)
 
 
 attention_varlen.register_autograd(_varlen_grads, setup_context=_varlen_save_for_backward)

@@ -32,6 +32,10 @@ class KernelSpec:
     # head_dim (or (head_dim, head_dim_v)) -> overrides of `config` (tiles and stages that fit
     # SMEM and registers)
     per_head_dim: dict = field(default_factory=dict)
+    # head_dim -> (rows, causal rows, overrides): a call whose longest query sequence has fewer
+    # rows than that (non-causal, causal) takes `overrides` over per_head_dim's tiles: a tall Q
+    # tile wastes up to a third of its rows on short sequences (compiled as its own configuration)
+    short_queries: dict = field(default_factory=dict)
     head_dims: tuple = (64, 128, 256)  # the scalar rungs; the WGMMA rungs that serve calls: HEAD_DIMS
     # (head_dim, head_dim_v) pairs with V's head dim different from Q's and K's
     value_head_dims: tuple = ()
@@ -54,13 +58,22 @@ class KernelSpec:
     # sinks) after the persistent ones.
     variants: tuple = ()
 
-    def config_for(self, head_dim: int | None = None, head_dim_v: int | None = None) -> dict:
+    def config_for(self, head_dim: int | None = None, head_dim_v: int | None = None,
+                   short: bool = False) -> dict:
         cfg = dict(self.config)
         if head_dim is not None:
             cfg.update(self.per_head_dim.get(head_dim, {}))
             if head_dim_v not in (None, head_dim):
                 cfg.update(self.per_head_dim.get((head_dim, head_dim_v), {}))
+            if short and head_dim_v in (None, head_dim) and head_dim in self.short_queries:
+                cfg.update(self.short_queries[head_dim][2])
         return cfg
+
+    def is_short(self, head_dim: int, head_dim_v: int | None, causal: bool, rows: int | None) -> bool:
+        """Whether a call with `rows` query rows in its longest sequence (None: unknown, taken as
+        long) takes the `short_queries` tiles."""
+        rule = self.short_queries.get(head_dim)
+        return rule is not None and rows is not None and head_dim_v in (None, head_dim) and rows < rule[bool(causal)]
 
     def load_class(self):
         return getattr(importlib.import_module(f"fa3.kernels.{self.module}"), self.cls)
@@ -168,16 +181,24 @@ KERNELS: dict[str, KernelSpec] = {
                 # one Q buffer: a second measured no faster (and 2.3x slower causal at s=2k)
                 config={"tile_m": 128, "tile_n": 128, "kv_stages": 2, "q_stages": 1, **flags},
                 # d=64: softmax-bound, a third K/V stage measured +2-7% (and from k5.4 a third
-                # consumer warpgroup on 192-row tiles, 160 registers each; d96-d256 need the
-                # 240-register budget of two: d96 on 192-row tiles spills 480 bytes); d=96: d128's
-                # tiles (64-byte swizzle, smem.py); d=192: two stages of 128-wide K/V tiles need
+                # consumer warpgroup on 192-row tiles, 160 registers each); d=96 from k5.4 on: three
+                # warpgroups too, on 192 x 112 tiles (192 x 128 spills 240 bytes; FA3 C++ runs
+                # 192 x 144 with P through SMEM), 1.06-1.12x d128's 128 x 128 tiles non-causal
+                # (worklog/coverage.md; 64-byte swizzle, smem.py); d=128-256 need the 240-register
+                # budget of two warpgroups; d=192: two stages of 128-wide K/V tiles need
                 # 258 KB, 96-wide ones fit (FA3 C++ takes 96 for its paged/local d192 too);
                 # d=256: a 64-wide K/V tile fits in 227 KB and keeps S small beside the
                 # 128-register O accumulator
                 # (192, 128), DeepSeek's MLA prefill: V's 128-wide rows leave room for 128-wide
                 # K/V tiles again (216 KB)
                 per_head_dim={64: {"kv_stages": 3, **({"tile_m": 192} if i >= 4 else {})},
+                              **({96: {"tile_m": 192, "tile_n": 112}} if i >= 4 else {}),
                               192: {"tile_n": 96}, 256: {"tile_n": 64}, (192, 128): {"tile_n": 128}},
+                # short query sequences on 128-row tiles, where the 192-row ones measured slower
+                # (worklog/k5.md): d64 causal under 2k rows (+8-9% at 512-1k), d96 under 2k rows
+                # (4k causal) on 128 x 128
+                short_queries={64: (0, 2048, {"tile_m": 128}),
+                               96: (2048, 4096, {"tile_m": 128, "tile_n": 128})} if i >= 4 else {},
                 head_dims=HEAD_DIMS, value_head_dims=VALUE_HEAD_DIMS,
                 ptx_promises=("wgmma.mma_async", "setmaxnreg", "cp.async.bulk.tensor", "bar.arrive"
                               if flags["pingpong"] else "mbarrier.try_wait"),

@@ -31,7 +31,7 @@ def packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     _checks.check_rung_sinks(spec, sinks, q.shape[1], q.device)
     if _dispatch.direct_call_ok(q, k, v) and (sinks is None or _dispatch.direct_call_ok(sinks)):
         return launch_varlen(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, bool(causal), scale, window, softcap,
-                             out, sinks)
+                             out, sinks, max_seqlen_q)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                               or getattr(sinks, "requires_grad", False))
     # v's head dim matters to the backward only when there is one (a forward rung took it already)
@@ -42,7 +42,7 @@ def packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         _dispatch.check_variants(bwd, masking.masking(bool(causal), window, softcap, scale), "backward_kernel")
     result, lse = torch.ops.fa3.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, bool(causal), scale,
                                                  window[0], window[1], float(softcap), spec.name,
-                                                 bool(deterministic), bwd.name, sinks)
+                                                 bool(deterministic), bwd.name, sinks, max_seqlen_q or 0)
     return (result if out is None else out.copy_(result)), lse  # (the op is functional)
 
 
@@ -88,9 +88,10 @@ def _varlen_rungs(family: str = registry.ATTENTION):
 
 
 def launch_varlen(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale: float,
-                  window=(-1, -1), softcap: float = 0.0, out=None, sinks=None):
+                  window=(-1, -1), softcap: float = 0.0, out=None, sinks=None, max_seqlen_q=None):
     """(out (total_q, heads_q, d_v), lse (heads_q, total_q) fp32); arguments validated (`out`: a
-    checked preallocated output, or None)."""
+    checked preallocated output, or None; max_seqlen_q: the longest query sequence where known,
+    which picks the rung's tiles for short ones)."""
     total_q, heads_q, head_dim = q.shape
     head_dim_v = v.shape[2]
     if out is None:
@@ -109,7 +110,7 @@ def launch_varlen(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale
     args = [q4, k4, v4, out.unsqueeze(0), lse.unsqueeze(0)]
     _launch.run_attention(spec, q.dtype, head_dim, masking.masking(causal, window, softcap, scale),
                           args, q.device, cu_seqlens=(cu_seqlens_q, cu_seqlens_k), sinks=sinks,
-                          head_dim_v=None if head_dim_v == head_dim else head_dim_v)
+                          head_dim_v=None if head_dim_v == head_dim else head_dim_v, rows=max_seqlen_q)
     return out, lse
 
 

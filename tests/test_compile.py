@@ -101,6 +101,9 @@ def test_backward_deterministic_variant_compiles(name):
     # a serving engine's call on gpt-oss-like and d96/d192 models: packed queries, row gathers, sinks
     *[("s1", dict(head_dim=d, causal=True, paged=True, gather=True, varlen=True, sinks=True),
        ("cp.async.mbarrier.arrive.noinc", "lg2.approx")) for d in (64, 96, 192)],
+    # d96 on 192-row tiles with every variant, and on the short-query tiles
+    ("k5.5", dict(head_dim=96, causal=False, varlen=True, softcap=True, sinks=True), ("vote.sync.ballot", "tanh.approx.f32")),
+    ("k5.5", dict(head_dim=96, causal=True, short=True), ("wgmma.mma_async",)),
     # d192 packed batches (80-wide K/V tiles: 96 spill); d96 deterministic GQA packed backward
     ("k5.5", dict(head_dim=192, causal=True, varlen=True, sinks=True), ("vote.sync.ballot",)),
     ("b2", dict(head_dim=96, causal=True, deterministic=True, gqa=True, varlen=True), ("st.shared.v4.b32",)),
@@ -210,6 +213,25 @@ def test_sinks_are_in_the_compile_keys():
     s1 = registry.get("s1")
     assert _compile.kvcache_key(s1, torch.bfloat16, 128, True) != \
         _compile.kvcache_key(s1, torch.bfloat16, 128, True, sinks=True)
+
+
+def test_short_queries_pick_their_tiles():
+    """d96 on k5.5: 192 x 112 tiles (96-wide causal) from 2k query rows (4k causal), d128's 128 x
+    128 below; d64 causal 128-row tiles under 2k rows; unknown lengths (a packed batch without
+    max_seqlen_q) take the long tiles; the two are separate compile-cache entries; d128-d256 have
+    no rule."""
+    spec = registry.get("k5.5")
+    assert spec.config_for(96)["tile_m"] == 192 and spec.config_for(96)["tile_n"] == 112
+    assert (spec.config_for(96, short=True)["tile_m"], spec.config_for(96, short=True)["tile_n"]) == (128, 128)
+    assert spec.is_short(96, None, False, 2047) and not spec.is_short(96, None, False, 2048)
+    assert spec.is_short(96, None, True, 4095) and not spec.is_short(96, None, True, 4096)
+    assert not spec.is_short(96, None, False, None)
+    assert spec.is_short(64, None, True, 2047) and not spec.is_short(64, None, True, 2048)
+    assert not spec.is_short(64, None, False, 1) and spec.config_for(64, short=True)["tile_m"] == 128
+    assert not any(spec.is_short(d, None, c, 1) for d in (128, 192, 256) for c in (False, True))
+    assert spec.config_for(128, short=True) == spec.config_for(128)
+    assert _compile.attention_key(spec, torch.bfloat16, 96, False) != \
+        _compile.attention_key(spec, torch.bfloat16, 96, False, short=True)
 
 
 def test_attention_key_covers_static_configuration():

@@ -42,8 +42,8 @@ g = torch.Generator(device="cuda").manual_seed(0)
 rand = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g)
 i32 = lambda values: torch.tensor(values, dtype=torch.int32, device="cuda")
 outs = []
-if case.startswith("forward"):  # 1 x 4096 x 8 heads: 256 (d64: 176) Q tiles on <= 132 CTAs
-    causal, d = case in ("forward-causal", "forward-causal-d64"), 64 if case.endswith("d64") else 128
+if case.startswith("forward"):  # 1 x 4096 x 8 heads: 256 (d64, d96: 176) Q tiles on <= 132 CTAs
+    causal, d = case.startswith("forward-causal"), int(case.rsplit("-d", 1)[1]) if "-d" in case else 128
     q, k, v = rand(1, 4096, 8, d), rand(1, 4096, 2, d), rand(1, 4096, 2, d)
     outs.append(fa3.attention(q, k, v, causal=causal, kernel="k5.5"))
 elif case == "varlen":  # 35 Q tiles a head, 8 heads
@@ -111,11 +111,11 @@ assert all(torch.isfinite(o).all() for o in outs), "FAIL: non-finite output"
 print("done")
 '''
 
-RACE_CASES = ["forward-causal", "forward-causal-d64", "forward", "varlen", "kvcache", "kvcache-gather", "gemm",
-              "fp8", "fp8-gemm", "kvcache-fp8"]
+RACE_CASES = ["forward-causal", "forward-causal-d64", "forward-causal-d96", "forward-d96", "forward", "varlen",
+              "kvcache", "kvcache-gather", "gemm", "fp8", "fp8-gemm", "kvcache-fp8"]
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
 def test_dynamic_schedule_matches_static(head_dim):
     """k5.5 (tiles from a counter, handed from the producer warp to the consumers) against k5.4
     (the same kernel and tiles on the static b, b + grid, ... order), fixed-shape and packed, where
