@@ -205,6 +205,8 @@ class AttentionTileSchedule:
     q_blocks (varlen_blocks), cu_q/cu_k and rows_q/rows_k (the packed tensors' rows, which bound
     every entry's span); window (None, or the sliding window's edges)."""
 
+    causal_group_waves = 2  # causal head groups: tiles for this many waves of CTAs
+
     @cute.jit
     def tile_coords(self, tile: Int32, seqlen_q: Int32, heads_q: Int32, batch: Int32):
         """The linear tile order (a static CTA b takes tiles b, b + grid, ...; K5.5 hands them out
@@ -218,7 +220,8 @@ class AttentionTileSchedule:
         heads_batches = heads_q * batch
         group = 1
         if cutlass.const_expr(self.causal):
-            group = cutlass.min((2 * cute.arch.grid_dim()[0] + m_blocks - 1) // m_blocks, heads_batches)
+            group = cutlass.min((self.causal_group_waves * cute.arch.grid_dim()[0] + m_blocks - 1) // m_blocks,
+                                heads_batches)
         from_last, head_batch = head_group_tile(tile, m_blocks, heads_batches, group)
         return m_blocks - 1 - from_last, head_batch % heads_q, head_batch // heads_q
 
