@@ -3,6 +3,7 @@
     ncu ... --section WarpStateStats --section SourceCounters -o prof python benchmarks/profile_kernels.py ...
     ncu -i prof.ncu-rep --page source --csv --print-source sass > prof.csv
     python benchmarks/sass_stalls.py prof.csv [--top 25]
+    python benchmarks/sass_stalls.py prof.csv --opcode WARPGROUP [--context 4]
 
 Where an instruction count explains a kernel's time, the opcodes with the most issued instructions
 are the suspects; where it does not, the samples say where warps wait (a barrier, a TMA wait, a
@@ -12,6 +13,10 @@ first word of the SASS text, without its predicate and modifiers: `@!P0 STS.64 [
 as STS), and prints the opcodes with the most samples, with their share of the kernel's samples.
 The export's exact columns differ between Nsight Compute versions; the parser only assumes a header
 row with a "Source" column and numbers in the columns it sums.
+
+--opcode OP lists OP's instructions one by one instead, most samples first, each with the
+`--context` instructions before it: which of a kernel's `WARPGROUP.DEPBAR` (warpgroup.wait) or
+`SYNCS` (mbarrier) waits the warps sit in, and after which GEMM or barrier.
 """
 
 from __future__ import annotations
@@ -77,10 +82,23 @@ def summarize(header, body):
     return totals, [header[i] for i in columns]
 
 
+def instances(header, body, op: str, context: int):
+    """([(samples, SASS text, the `context` SASS lines before it)] of opcode `op`, most samples
+    first; the kernel's samples in all): samples are the first column that mentions "Sampling"."""
+    source = header.index("Source")
+    key = next(i for i, name in enumerate(header) if "Sampling" in name)
+    found = [(number(row[key]) or 0.0, row[source].strip(),
+              [body[j][source].strip() for j in range(max(0, i - context), i)])
+             for i, row in enumerate(body) if opcode(row[source]) == op]
+    return sorted(found, key=lambda item: -item[0]), sum(number(row[key]) or 0.0 for row in body)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("csv", help="ncu --page source --csv --print-source sass output")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--opcode", help="list this opcode's instructions one by one (e.g. WARPGROUP)")
+    ap.add_argument("--context", type=int, default=4, help="with --opcode: instructions shown before each")
     args = ap.parse_args(argv)
     with open(args.csv, newline="") as f:
         found = list(tables(csv.reader(f)))
@@ -88,6 +106,18 @@ def main(argv=None) -> int:
         print(f"{args.csv}: no table with a 'Source' column (export with --page source --csv)")
         return 1
     for title, header, body in found:
+        if args.opcode:
+            if not any("Sampling" in name for name in header):
+                print(f"{title or '(untitled)'}: no sampling column; columns: {header}")
+                continue
+            listed, grand = instances(header, body, args.opcode, args.context)
+            grand = grand or 1.0
+            print(f"\n{title or '(untitled)'}: {len(listed)} {args.opcode} instructions, most samples first")
+            for samples, text, before in listed[:args.top]:
+                print(f"{samples:10.0f} {samples / grand:6.1%}  {text}")
+                for line in before:
+                    print(f"{'':19}    after: {line}")
+            continue
         totals, columns = summarize(header, body)
         if not columns:
             print(f"{title or '(untitled)'}: no column mentions {' or '.join(SUMMED)}; columns: {header}")

@@ -43,6 +43,18 @@ def test_tables_split_per_kernel_and_sum_per_opcode(tmp_path, capsys):
     assert bar.endswith("64.5%")  # 2000 of 3100 samples
 
 
+def test_one_opcode_listed_instruction_by_instruction(tmp_path, capsys):
+    """--opcode: each STS with its samples and share, most first, after the instruction before it."""
+    path = tmp_path / "export.csv"
+    path.write_text(EXPORT)
+    assert sass_stalls.main([str(path), "--opcode", "STS", "--context", "1"]) == 0
+    first = capsys.readouterr().out.split("bwd_b")[0]
+    lines = [line for line in first.splitlines() if "STS" in line and "after" not in line]
+    assert "2 STS instructions" in lines[0]
+    assert lines[1].split()[:2] == ["120", "3.9%"] and lines[2].split()[:2] == ["80", "2.6%"]
+    assert "after: BAR.SYNC.DEFER_BLOCKING 0x1" in first  # the STS.128's predecessor
+
+
 def test_an_export_without_a_source_table_is_reported(tmp_path, capsys):
     path = tmp_path / "raw.csv"
     path.write_text('"ID","Metric Name","Metric Value"\n"0","duration","3.06"\n')
