@@ -79,9 +79,10 @@ def _unpadded(q, k, v, mask, causal, scaling, window, softcap, sinks=None):
     # every query real (decode steps: the new tokens): no gather, no scatter back
     all_queries = q_index.shape[0] == batch * seqlen_q
     q_packed = q.flatten(0, 1) if all_queries else q.flatten(0, 1)[q_index]
-    # the offsets come from the mask: no host copy to check them (the op still runs the kernel)
+    # the offsets come from the mask: no host copy to check them (the op still runs the kernel);
+    # the padded length bounds every sequence (it picks the tiles of short query sequences)
     out, _ = packed_attention(q_packed, k.flatten(0, 1)[k_index], v.flatten(0, 1)[k_index], cu_q, cu_k,
-                              None, None, causal, scaling, window, softcap, None, check_values=False,
+                              seqlen_q, None, causal, scaling, window, softcap, None, check_values=False,
                               sinks=sinks)
     if all_queries:
         return out.view(q.shape)
