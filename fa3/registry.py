@@ -183,7 +183,7 @@ KERNELS: dict[str, KernelSpec] = {
                 # d=64: softmax-bound, a third K/V stage measured +2-7% (and from k5.4 a third
                 # consumer warpgroup on 192-row tiles, 160 registers each); d=96 from k5.4 on: three
                 # warpgroups too, on 192 x 112 tiles (192 x 128 spills 240 bytes; FA3 C++ runs
-                # 192 x 144 with P through SMEM), 1.06-1.12x d128's 128 x 128 tiles non-causal
+                # 192 x 144 with P through SMEM), 1.05-1.12x d128's 128 x 128 tiles non-causal
                 # (worklog/coverage.md; 64-byte swizzle, smem.py); d=128-256 need the 240-register
                 # budget of two warpgroups; d=192: two stages of 128-wide K/V tiles need
                 # 258 KB, 96-wide ones fit (FA3 C++ takes 96 for its paged/local d192 too);
