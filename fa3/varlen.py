@@ -29,9 +29,12 @@ def packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     window = tuple(window_size)
     masking.check_window(window, softcap)
     _checks.check_rung_sinks(spec, sinks, q.shape[1], q.device)
+    # the longest query sequence picks the tiles of short ones; a value that is not a Python int
+    # (unchecked, e.g. a tensor) takes the long tiles, as an unknown one does
+    rows = max_seqlen_q if isinstance(max_seqlen_q, int) else None
     if _dispatch.direct_call_ok(q, k, v) and (sinks is None or _dispatch.direct_call_ok(sinks)):
         return launch_varlen(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, bool(causal), scale, window, softcap,
-                             out, sinks, max_seqlen_q)
+                             out, sinks, rows)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                               or getattr(sinks, "requires_grad", False))
     # v's head dim matters to the backward only when there is one (a forward rung took it already)
@@ -42,7 +45,7 @@ def packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         _dispatch.check_variants(bwd, masking.masking(bool(causal), window, softcap, scale), "backward_kernel")
     result, lse = torch.ops.fa3.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, bool(causal), scale,
                                                  window[0], window[1], float(softcap), spec.name,
-                                                 bool(deterministic), bwd.name, sinks, max_seqlen_q or 0)
+                                                 bool(deterministic), bwd.name, sinks, rows or 0)
     return (result if out is None else out.copy_(result)), lse  # (the op is functional)
 
 

@@ -322,7 +322,8 @@ def test_warm_cache_configs_fit_every_family(fp8):
         for d in (head_dim, 96) if 96 in spec.head_dims else (head_dim,):
             configs = cli.cache_configs(spec, d, True, fp8, BF16)
             assert configs, name
-            assert len(configs) == 2 if (name, d) == ("k5.5", 96) else True
+            if (name, d) == ("k5.5", 96):
+                assert len(configs) == 2
             for static in configs:
                 _compile.KEYS[spec.family](spec, dtype, **static)
                 inspect.signature(_compile.BUILDERS[spec.family]).bind(spec, dtype, **static)
