@@ -23,7 +23,8 @@ import argparse
 import torch
 
 import variants
-from bench_attention import as_backward, backward_rung_runner, make_inputs, paper_shape, peer_runners, rung_runner
+from bench_attention import (as_backward, backward_rung_runner, fp8_runner, make_inputs, paper_shape, peer_runners,
+                             rung_runner)
 from fa3 import registry
 
 
@@ -44,7 +45,8 @@ def main(argv=None) -> int:
     if args.backward:
         runners = [as_backward(r) for r in [backward_rung_runner(n) for n in names if n in registry.KERNELS] + peers]
     else:
-        runners = [rung_runner(n) for n in names if n in registry.KERNELS] + peers
+        runners = [fp8_runner(n) if registry.get(n).family == registry.ATTENTION_FP8 else rung_runner(n)
+                   for n in names if n in registry.KERNELS] + peers
     for note in notes:
         print(note)
     batch, heads = paper_shape(args.seqlen, args.head_dim)

@@ -191,9 +191,12 @@ KERNELS: dict[str, KernelSpec] = {
                 # 128-register O accumulator
                 # (192, 128), DeepSeek's MLA prefill: V's 128-wide rows leave room for 128-wide
                 # K/V tiles again (216 KB)
+                # d=128 (K5.3 on): O rescaled on every tile, no warp vote (k5_mainloop.rescale_o)
                 per_head_dim={64: {"kv_stages": 3, **({"tile_m": 192} if i >= 4 else {})},
                               **({96: {"tile_m": 192, "tile_n": 112}} if i >= 4 else {}),
-                              192: {"tile_n": 96}, 256: {"tile_n": 64}, (192, 128): {"tile_n": 128}},
+                              **({128: {"rescale_vote": False}} if i >= 3 else {}),
+                              192: {"tile_n": 96},
+                              256: {"tile_n": 64}, (192, 128): {"tile_n": 128}},
                 # short query sequences on 128-row tiles, where the 192-row ones measured slower
                 # (worklog/k5.md): d64 causal under 2k rows (+8-9% at 512-1k), d96 under 2k rows
                 # (4k causal) on 128 x 128

@@ -59,7 +59,7 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, ForwardMainloop,
                  kv_stages: int = 2, q_stages: int = 1, pingpong: bool = True,
                  intra_wg_overlap: bool = True, dynamic_schedule: bool = False,
                  varlen: bool = False, local: bool = False, softcap: bool = False,
-                 sinks: bool = False, head_dim_v: int | None = None):
+                 sinks: bool = False, head_dim_v: int | None = None, rescale_vote: bool = True):
         if local and tile_m == 192:
             # three 160-register warpgroups have no room for the window's state (680 bytes of
             # spills at d64): a windowed kernel takes two warpgroups on 128-row tiles
@@ -84,6 +84,7 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, ForwardMainloop,
         self.producer_regs, self.consumer_regs = REGISTER_SPLIT[self.consumer_wgs]
         self.pingpong = pingpong and self.consumer_wgs >= 2
         self.intra_wg_overlap = intra_wg_overlap
+        self.rescale_vote = rescale_vote  # skip O's rescale when no row's max moved (k5_mainloop)
         self.q_stages = q_stages
         # causal tiles differ in length: hand them out from a GMEM counter (non-causal: static)
         self.dynamic = dynamic_schedule and causal

@@ -84,12 +84,21 @@ class ForwardMainloop:
 
     @cute.jit
     def rescale_o(self, ctx, correction: cute.Tensor):
-        """O *= the per-row correction, skipped (warp-uniformly) when no row of the warp raised
-        its running max, which is most tiles once a long row has seen its largest scores."""
-        moved = correction[0] != Float32(1.0)
-        for r in cutlass.range_constexpr(1, cute.size(correction)):
-            moved = moved | (correction[r] != Float32(1.0))
-        if cute.arch.vote_any_sync(moved):
+        """O *= the per-row correction. With `rescale_vote`, skipped (warp-uniformly) when no row
+        of the warp raised its running max, which is most tiles once a long row has seen its
+        largest scores. Without it every tile pays the multiplies, but the branch is gone: at d128
+        the vote's branch let ptxas hoist the overlapped step's wait for P V above the exp2s (the
+        warps then waited for P V with the softmax still to do), and the unconditional rescale
+        keeps the wait after them: 3.5% fewer cycles at d128. The vote wins at d64/96/256, where
+        the multiplies (d256: 128 a thread beside 40 exponentials) cost more than the placement
+        gains, and d192 measured either way (worklog/k5.md)."""
+        if cutlass.const_expr(self.rescale_vote):
+            moved = correction[0] != Float32(1.0)
+            for r in cutlass.range_constexpr(1, cute.size(correction)):
+                moved = moved | (correction[r] != Float32(1.0))
+            if cute.arch.vote_any_sync(moved):
+                softmax.rescale(mma.rows_cols(ctx.acc_o), correction)
+        else:
             softmax.rescale(mma.rows_cols(ctx.acc_o), correction)
 
     @cute.jit
