@@ -310,12 +310,13 @@ KERNELS: dict[str, KernelSpec] = {
             "48 at d256, two Q/dO stages, the dQ buffer shared by the warpgroups in turn",
             config={"tile_m": 64, "tile_n": 96, "q_stages": 2},
             per_head_dim={256: {"tile_n": 48}}, head_dims=(192, 256), value_head_dims=((192, 128),),
-            # d256 stays with b2: without a mask b2 ran ahead (H200, 2k / 8k / 16k: 346.7 / 359.5 /
-            # 374.0 against 342.7 / 356.2 / 360.2 TFLOP/s), causal too once both launched heads in
-            # groups (296.3 / 361.1 / 367.2 against 291.1 / 337.9 / 350.5), deterministic b9 ran
-            # 0.53-0.71x of itself (its ordered adds come in two halves each, and 48-key tiles make
-            # the chain of a Q tile's contributors long)
-            default_head_dims=(192,),
+            # d256 too: on an H100 b9's main kernel took 9-15% less time than b2's causal (locked
+            # clocks, 2k / 8k / 16k) and -3..+2% without a mask; the benchmark there, b9 / b2:
+            # +7.5-13.5% causal, -0.9..+3.0% non-causal (an H200 benchmark in an earlier session
+            # read b2 1-6% ahead). Deterministic d256 stays on b2: b9's ran 0.53-0.71x of itself
+            # (its ordered adds come in two halves each, and 48-key tiles make the chain of a Q
+            # tile's contributors long)
+            default_head_dims=(192, 256), deterministic_head_dims=(192,),
             ptx_promises=_BWD_WS_PTX + ("stmatrix.sync.aligned.m8n8.x4.trans",), ptx_forbids=_BWD_WS_FORBIDS,
             speed_rank=8, variants=VARIANTS,
         ),

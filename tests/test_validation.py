@@ -267,14 +267,16 @@ def test_deterministic_calls_dispatch_to_their_own_rung():
 
 
 def test_default_head_dims_narrow_the_default():
-    """kernel=None picks a rung only at its `default_head_dims`: b9 compiles d256 but b2 measured
-    faster there (causal too, with heads launched in groups), so d256 goes to b2 and d192 to b9;
-    an explicit backward_kernel still takes any head dim the rung supports."""
+    """kernel=None picks a rung only at its `default_head_dims` (and, deterministic, its
+    `deterministic_head_dims`): b9 serves d192 and d256, but deterministic d256 goes to b2 (b9's
+    ordered adds ran 0.53-0.71x of its own speed); an explicit backward_kernel still takes any head
+    dim the rung supports."""
     from fa3 import _dispatch
 
-    assert _dispatch.backward_rung(None, 256).name == "b2" == _dispatch.backward_rung(None, 256, True).name
+    assert _dispatch.backward_rung(None, 256).name == "b9"
+    assert _dispatch.backward_rung(None, 256, True).name == "b2"
     assert _dispatch.backward_rung(None, 192).name == "b9" == _dispatch.backward_rung(None, 192, True).name
-    assert _dispatch.backward_rung("b9", 256).name == "b9"
+    assert _dispatch.backward_rung("b2", 256).name == "b2"
     for spec in registry.KERNELS.values():
         assert spec.default_head_dims is None or set(spec.default_head_dims) <= set(spec.head_dims), spec.name
 
