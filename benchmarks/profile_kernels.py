@@ -35,6 +35,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seqlen", type=int, default=8192)
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--backward", action="store_true", help="profile the backward (runners: b1, ..., peers)")
+    ap.add_argument("--deterministic", action="store_true", help="the fa3 backward rungs with deterministic=True")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=BASE:key=value,...",
                     help="an experiment row usable in --runners (benchmarks/variants.py)")
     args = ap.parse_args(argv)
@@ -43,7 +44,8 @@ def main(argv=None) -> int:
     names = args.runners.split(",")
     peers, notes = peer_runners([n for n in names if n not in registry.KERNELS])
     if args.backward:
-        runners = [as_backward(r) for r in [backward_rung_runner(n) for n in names if n in registry.KERNELS] + peers]
+        runners = [as_backward(r) for r in [backward_rung_runner(n, args.deterministic) for n in names
+                                               if n in registry.KERNELS] + peers]
     else:
         runners = [fp8_runner(n) if registry.get(n).family == registry.ATTENTION_FP8 else rung_runner(n)
                    for n in names if n in registry.KERNELS] + peers
