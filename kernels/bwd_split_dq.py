@@ -47,6 +47,10 @@ class SplitDqBackward(SwappedBackward):
     # buffers a warpgroup's share rotates through (returned a tile late); with one, the writer
     # returns it once its reduce-add has read it
     dq_buffers = 2
+    # causal CTAs launched head after head, not in head groups (bwd_order.py): under locked clocks
+    # (H100) the groups cost b4 6-9% at d96 (causal 2k / 8k) and b8 3-5% at d64; b7 (d128) and b9
+    # keep them (2-5% faster with them)
+    head_groups = False
 
     # ---------------------------------------------------------------- host side
     def sdq_layout(self):

@@ -46,7 +46,3 @@ class WideSplitDqBackward(SplitDqBackward):
     # each column's LSE read where used: 32 columns a thread held ahead cost more than the wait
     prefetch_stats = False
     ds_in_pairs = True  # dS^T from the rounded P^T's pairs, without widening them
-    # causal CTAs launched head after head, not in head groups (bwd_order.py): at d64 the groups
-    # cost 3-5% of the kernel's time (H100, locked clocks, causal 2k / 8k / 16k), where at d128
-    # (b7) they save 2-5%
-    head_groups = False
