@@ -26,7 +26,9 @@ share L2 and ran up to 8% slower at 1k). Each head's CTAs keep their order. Orde
 a mask group heads too (`ordered_head_groups`): a head's CTAs pass each Q tile's counter along in
 K/V order, and with one head in flight that chain is the critical path; a group gives the SMs
 other heads' chains to run while one waits. Not a rotated walk (below): it would need the whole
-group's K/V tiles resident at once.
+group's K/V tiles resident at once. Which rungs group is a class setting: b4 and b8 (dQ handed
+whole to the writer) measured 3-9% faster causal without groups, b7 and b9 2-5% faster with them
+(worklog/backward.md, "Head groups per rung").
 
 A CTA may only wait for CTAs launched before it, or for CTAs that are resident with it: the GPU
 launches CTAs in order as earlier ones finish, so a wait on one that cannot launch until the waiter
