@@ -1,5 +1,5 @@
-"""CPU tests of the benchmark folder's tools: the profile tools (benchmarks/sass_stalls.py) and
-bench_attention's argument checks."""
+"""CPU tests of the benchmark folder's tools: the profile tools (benchmarks/sass_stalls.py,
+sass_waits.py) and bench_attention's argument checks."""
 
 import os
 import sys
@@ -10,6 +10,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import sass_stalls  # noqa: E402
+import sass_waits  # noqa: E402
 
 EXPORT = '''"Kernel Name","bwd_a"
 "# Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed"
@@ -60,6 +61,39 @@ def test_an_export_without_a_source_table_is_reported(tmp_path, capsys):
     path.write_text('"ID","Metric Name","Metric Value"\n"0","duration","3.06"\n')
     assert sass_stalls.main([str(path)]) == 1
     assert "no table" in capsys.readouterr().out
+
+
+# nvdisasm's layout: an address comment, the instruction, a semicolon; labels and blank lines between
+SASS = """
+        /*0100*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], R24, gsb0 ;
+        /*0110*/                   WARPGROUP.DEPBAR.LE gsb0, 0x1 ;
+        /*0120*/                   FMNMX R9, R24, R32, !PT ;
+        /*0130*/                   FFMA R24, R24, UR9, -R14 ;
+        /*0140*/                   MUFU.EX2 R24, R24 ;
+.L_x_7:
+        /*0150*/              @!P1 FFMA R25, R25, UR9, -R14 ;
+        /*0160*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+        /*0170*/                   MUFU.EX2 R25, R25 ;
+        /*0180*/                   MUFU.RCP R3, R3 ;
+        /*0190*/                   MUFU.EX2 R26, R26 ;
+        /*01a0*/                   HGMMA.64x128x16.F32.BF16 R88, R156, gdesc[UR24].tnspB, R88 ;
+        /*01b0*/                   MUFU.EX2 R27, R27 ;
+        /*01c0*/                   WARPGROUP.DEPBAR.LE gsb0, 0x1 ;
+"""
+
+
+def test_sass_waits_finds_each_overlapped_step(tmp_path, capsys):
+    ops = sass_waits.instructions(SASS)
+    assert ops[0].startswith("HGMMA") and ops[3] == "FFMA R24, R24, UR9, -R14" and len(ops) == 13
+    # the last 0x1 has no 0x0 after it; MUFU.RCP is no exp2; the count after stops at the HGMMA
+    assert sass_waits.overlapped_steps(ops) == [
+        {"at": 1, "between": 5, "ffma_before": 2, "exp2_before": 1, "exp2_after": 2}]
+    path = tmp_path / "k.sass"
+    path.write_text(SASS)
+    assert sass_waits.main(["--sass", str(path)]) == 0
+    assert "5 instructions after the wait for S; before it 2 FFMA and 1 exp2, after it 2 exp2" in capsys.readouterr().out
+    path.write_text(SASS.replace("0x0 ;", "0x2 ;"))
+    assert sass_waits.main(["--sass", str(path)]) == 1
 
 
 def test_bench_attention_gqa_groups_must_divide_the_heads(capsys):
