@@ -74,11 +74,25 @@ def test_valid_calls_reach_fa3_validation():
                 cu_seqlens_k=cu, max_seqlen_q=16, max_seqlen_k=16)
 
 
-@pytest.mark.parametrize("option", ["rotary_cos", "cache_batch_idx", "alibi_slopes", "cu_seqlens_k_new"])
+@pytest.mark.parametrize("option", ["rotary_cos", "cache_batch_idx", "alibi_slopes"])
 def test_kvcache_refuses_what_fa3_lacks(option):
     q, k, v = _qkv()
     raises_with(fa3.flash_attn_with_kvcache, NotImplementedError, option, q=q, k_cache=k, v_cache=v,
                 cache_seqlens=4, **{option: torch.zeros(1)})
+
+
+def test_kvcache_cu_seqlens_k_new_without_new_keys_is_ignored():
+    """SGLang passes cu_seqlens_k_new on every cache call, with k=v=None (the new tokens are in the
+    cache already); flash-attn 3 reads it only beside packed new k/v. So fa3 ignores it there (the
+    call reaches attention_with_kvcache's own checks: CPU tensors) and refuses it beside new k/v."""
+    q, k, v = _qkv()
+    cu = torch.tensor([0, 16], dtype=torch.int32)
+    raises_with(fa3.flash_attn_with_kvcache, ValueError, "cpu", q=q, k_cache=k, v_cache=v, cache_seqlens=4,
+                cu_seqlens_k_new=cu)
+    raises_with(fa3.flash_attn_with_kvcache, NotImplementedError, "cu_seqlens_k_new", q=q, k_cache=k,
+                v_cache=v, k=k[:, :2].clone(), v=v[:, :2].clone(), cache_seqlens=4, cu_seqlens_k_new=cu)
+    raises_with(fa3.flash_attn_with_kvcache, TypeError, "cu_seqlens_k_new", q=q, k_cache=k, v_cache=v,
+                cache_seqlens=4, cu_seqlens_k_new=[0, 16])
 
 
 def test_kvcache_needs_cache_seqlens():

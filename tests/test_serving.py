@@ -248,8 +248,10 @@ def test_kvcache_packed_queries_equal_unpacked(page_size):
     assert rel_err(packed, unpacked.flatten(0, 1)) < 1e-6
     lens_q = [4, 1, 2]
     qr = torch.randn(sum(lens_q), 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    # SGLang's call: cu_seqlens_k_new (the cache lengths' offsets) beside no new k/v, ignored
     out = fa3.flash_attn_with_kvcache(qr, k_cache, v_cache, cache_seqlens=seqlens, page_table=table,
-                                      cu_seqlens_q=_cu(lens_q), max_seqlen_q=4, causal=True)
+                                      cu_seqlens_q=_cu(lens_q), cu_seqlens_k_new=_cu(lens_k), max_seqlen_q=4,
+                                      causal=True)
     ref = _reference(list(torch.split(qr, lens_q)), k_seqs, v_seqs, True)
     assert rel_err(out, torch.cat([o for o, _ in ref])) < TOL
 
