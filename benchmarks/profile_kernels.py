@@ -9,6 +9,16 @@ bench_attention's setting.
     ncu -i bwd.ncu-rep --page source --csv --print-source sass > bwd.csv
     python benchmarks/sass_stalls.py bwd.csv     # stall samples per opcode, per kernel
 
+Ranking variants (a few percent apart) by kernel time: lock the SM clock, where one kernel's time
+repeats to 0.1-0.5% (the benchmark's sustained clocks move 4-5% between identical kernels):
+
+    ncu --clock-control base --profile-from-start off --metrics gpu__time_duration.sum --csv \
+        python benchmarks/profile_kernels.py --backward --causal --runners b8,h0,fa4 \
+        --variant h0=b8:head_groups=0
+
+--deterministic runs the fa3 backward rungs with deterministic=True; FP8 rungs (f1, ...) run on
+the inputs quantized as bench_attention --fp8 does.
+
 Each runner is warmed up (compiled) first, then called once between cudaProfilerStart/Stop, so
 ncu sees exactly one forward launch per runner (and no compile or warm-up launches). --backward:
 the runners are backward rungs (b1, ...) and peers, each timed call torch.autograd.grad of q, k, v
