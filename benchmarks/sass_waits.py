@@ -29,6 +29,8 @@ import subprocess
 import sys
 import tempfile
 
+from sass_stalls import opcode
+
 INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s*(.*?)\s*;?\s*$")
 
 
@@ -42,12 +44,8 @@ def instructions(sass: str) -> list[str]:
     return out
 
 
-def is_op(text: str, name: str) -> bool:
-    """Whether `text` (predicate allowed: `@!P0 FFMA ...`) is opcode `name` (with any modifiers)."""
-    words = text.split()
-    if words and words[0].startswith("@"):
-        words = words[1:]
-    return bool(words) and (words[0] == name or words[0].startswith(name + "."))
+def is_exp2(sass: str) -> bool:
+    return opcode(sass) == "MUFU" and "EX2" in sass
 
 
 def overlapped_steps(ops: list[str]) -> list[dict]:
@@ -59,13 +57,13 @@ def overlapped_steps(ops: list[str]) -> list[dict]:
         j = next((k for k in range(i + 1, len(ops)) if "DEPBAR.LE gsb0, 0x0" in ops[k]), None)
         if j is None:
             continue
-        end = next((k for k in range(j + 1, len(ops)) if is_op(ops[k], "HGMMA") or "DEPBAR" in ops[k]),
+        end = next((k for k in range(j + 1, len(ops)) if opcode(ops[k]) == "HGMMA" or "DEPBAR" in ops[k]),
                    len(ops))
         steps.append({
             "at": i, "between": j - i,
-            "ffma_before": sum(is_op(x, "FFMA") for x in ops[i:j]),
-            "exp2_before": sum(is_op(x, "MUFU") and "EX2" in x for x in ops[i:j]),
-            "exp2_after": sum(is_op(x, "MUFU") and "EX2" in x for x in ops[j:end]),
+            "ffma_before": sum(opcode(x) == "FFMA" for x in ops[i:j]),
+            "exp2_before": sum(is_exp2(x) for x in ops[i:j]),
+            "exp2_after": sum(is_exp2(x) for x in ops[j:end]),
         })
     return steps
 
