@@ -230,9 +230,9 @@ def check_descale(t, name: str, batch: int, heads_kv: int, device) -> torch.Tens
     return t if t.is_contiguous() else t.contiguous()
 
 
-def check_offsets(cu, name: str, device, batch=None) -> None:
+def check_offsets(cu, name: str, device, batch=None, batch_source: str = "cu_seqlens_q") -> None:
     """cu_seqlens-style offsets: a contiguous 1-D int32 tensor of batch + 1 entries on `device`
-    (their values: fa3.index_checks)."""
+    (`batch_source`: where the batch was read; their values: fa3.index_checks)."""
     if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1:
         raise ValueError(f"{name} must be a 1-D int32 tensor of batch + 1 offsets, got "
                          f"{getattr(cu, 'dtype', type(cu).__name__)} {tuple(getattr(cu, 'shape', ()))}: "
@@ -241,6 +241,6 @@ def check_offsets(cu, name: str, device, batch=None) -> None:
         raise ValueError(f"{name} is on {cu.device} but q is on {device}; move it with .to(q.device)")
     if cu.shape[0] < 1 or (batch is not None and cu.shape[0] != batch + 1):
         raise ValueError(f"{name} has {cu.shape[0]} entries; it needs batch + 1"
-                         f"{f' = {batch + 1} (as cu_seqlens_q)' if batch is not None else ''}")
+                         f"{f' = {batch + 1} ({batch_source} has batch {batch})' if batch is not None else ''}")
     if cu.stride(0) != 1:
         raise ValueError(f"{name} must be contiguous: pass {name}.contiguous()")

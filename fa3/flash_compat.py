@@ -5,9 +5,9 @@
 Arguments mean what they mean in flash-attn 2 (positional order included) and the results come
 back as flash-attn returns them. What fa3 does not implement is refused with a message naming the
 argument, never ignored: dropout_p > 0, alibi_slopes, return_attn_probs (the probability matrix is
-never formed), and the KV-cache options rotary_cos/sin, cache_batch_idx and cu_seqlens_k_new with
-packed new k/v (without new k/v it describes nothing and is ignored, as flash-attn 3 does: SGLang
-passes it on every call).
+never formed), and the KV-cache options rotary_cos/sin and cache_batch_idx. cu_seqlens_k_new
+gives the offsets of packed new k/v; without new k/v it describes nothing and is ignored, as
+flash-attn 3 does (SGLang passes it on every call).
 flash-attn 3's serving keywords (seqused_k, block_table or page_table, out, num_splits,
 scheduler_metadata, cu_seqlens_q on the cache call) are taken, and attention sinks under the
 names callers use (learnable_sink, s_aux, sinks).
@@ -117,7 +117,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     cache_seqlens, then q attends to each sequence's cache -> out, or (out, softmax_lse).
     cache_leftpad: where each sequence's keys start in a left-padded dense cache. flash-attn 3's
     keywords too (SGLang's call): page_table (= block_table), cu_seqlens_q and max_seqlen_q (packed
-    queries, several per sequence), cu_seqlens_k_new without new k/v (ignored), scheduler_metadata,
+    queries, several per sequence), cu_seqlens_k_new (packed new k/v; ignored without them, as
+    flash-attn 3 does), scheduler_metadata,
     FP8 descales (an FP8 cache: float8_e4m3fn q,
     k_cache, v_cache; not read with 16-bit inputs), sinks
     (SGLang's name) or learnable_sink (flash-attn-4's): attention sinks, fa3's `sinks`."""
@@ -127,14 +128,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             raise NotImplementedError(f"{name} is not supported by fa3's flash_attn_with_kvcache; leave it "
                                       f"at None (apply rotary embeddings to q and k before the call)")
     if cu_seqlens_k_new is not None:
-        # the offsets of packed new k/v; with none to append flash-attn 3 never reads them
+        # the offsets of packed new k/v; with none to append flash-attn 3 never reads them (SGLang
+        # passes its cache lengths' offsets so): dropped there
         if not isinstance(cu_seqlens_k_new, torch.Tensor):
             raise TypeError(f"cu_seqlens_k_new must be a tensor or None, not {type(cu_seqlens_k_new).__name__}")
-        if k is not None or v is not None:
-            raise NotImplementedError(
-                "cu_seqlens_k_new (packed new k/v of different lengths per sequence) is not supported by "
-                "fa3's flash_attn_with_kvcache; pass k and v as (batch, seqlen_new, heads_kv, head_dim) "
-                "with cu_seqlens_k_new=None, or write the new tokens into the cache before the call")
+        if k is None and v is None:
+            cu_seqlens_k_new = None
     del rotary_interleaved  # only meaningful with rotary_cos/sin
     if page_table is not None:
         if block_table is not None:
@@ -146,7 +145,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     check_scheduler_metadata(scheduler_metadata, q)
     return attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
                                   block_table=block_table, cu_seqlens_q=cu_seqlens_q,
-                                  max_seqlen_q=max_seqlen_q, cache_leftpad=cache_leftpad, causal=causal,
+                                  max_seqlen_q=max_seqlen_q, cu_seqlens_k_new=cu_seqlens_k_new,
+                                  cache_leftpad=cache_leftpad, causal=causal,
                                   softmax_scale=softmax_scale,
                                   window_size=window_size, softcap=softcap, num_splits=num_splits,
                                   return_lse=return_softmax_lse, sinks=_sinks(sinks=sinks, learnable_sink=learnable_sink),

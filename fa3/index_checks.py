@@ -36,21 +36,25 @@ def check_offset_values(cu_q, cu_k, total_q, total_k, max_seqlen_q, max_seqlen_k
     host (callers skip it where values_checkable says no: nothing may sync there)."""
     values = torch.cat([cu_q, cu_k]).tolist()
     n = cu_q.shape[0]
-    for name, cu, total, total_name, max_len, max_name in (
-            ("cu_seqlens_q", values[:n], total_q, "q.shape[0]", max_seqlen_q, "max_seqlen_q"),
-            ("cu_seqlens_k", values[n:], total_k, "k.shape[0]", max_seqlen_k, "max_seqlen_k")):
-        if cu[0] != 0:
-            raise ValueError(f"{name}[0] = {cu[0]}; offsets start at 0")
-        lengths = [b - a for a, b in zip(cu, cu[1:])]
-        bad = next((i for i, length in enumerate(lengths) if length < 0), None)
-        if bad is not None:
-            raise ValueError(f"{name} decreases at entry {bad + 1} ({cu[bad]} -> {cu[bad + 1]}); "
-                             "offsets must be non-decreasing (a cumulative sum of lengths)")
-        if cu[-1] != total:
-            raise ValueError(f"{name}[-1] = {cu[-1]} but {total_name} = {total}; the last offset is "
-                             "the packed length")
-        if lengths and max_len is not None and max(lengths) > max_len:
-            raise ValueError(f"{max_name}={max_len} but a sequence has {max(lengths)} tokens")
+    check_offset_list("cu_seqlens_q", values[:n], total_q, "q.shape[0]", max_seqlen_q, "max_seqlen_q")
+    check_offset_list("cu_seqlens_k", values[n:], total_k, "k.shape[0]", max_seqlen_k, "max_seqlen_k")
+
+
+def check_offset_list(name, cu, total, total_name, max_len=None, max_name=None):
+    """Host offsets (a list) `name`: start at 0, never decrease, end at `total` (`total_name`), no
+    entry longer than max_len (None: unbounded)."""
+    if cu[0] != 0:
+        raise ValueError(f"{name}[0] = {cu[0]}; offsets start at 0")
+    lengths = [b - a for a, b in zip(cu, cu[1:])]
+    bad = next((i for i, length in enumerate(lengths) if length < 0), None)
+    if bad is not None:
+        raise ValueError(f"{name} decreases at entry {bad + 1} ({cu[bad]} -> {cu[bad + 1]}); "
+                         "offsets must be non-decreasing (a cumulative sum of lengths)")
+    if cu[-1] != total:
+        raise ValueError(f"{name}[-1] = {cu[-1]} but {total_name} = {total}; the last offset is "
+                         "the packed length")
+    if lengths and max_len is not None and max(lengths) > max_len:
+        raise ValueError(f"{max_name}={max_len} but a sequence has {max(lengths)} tokens")
 
 
 def start_offsets_check(cu_q, cu_k, total_q, total_k, max_seqlen_q, max_seqlen_k, device=None):
@@ -79,15 +83,17 @@ def _capacity_source(block_table, page_size: int) -> str:
     return f"block_table.shape[1] * page_size = {block_table.shape[1]} * {page_size}"
 
 
-def check_cache_lengths(lengths, capacity: int, appended: int, block_table, page_size: int,
+def check_cache_lengths(lengths, capacity: int, appended, block_table, page_size: int,
                         indexed: bool = True, lengths_name: str = "cache_seqlens") -> None:
     """Host lengths (a list: cache_seqlens per batch entry, or [the int] when `indexed` is False):
-    each in [0, capacity], and within it after the append of `appended` new tokens.
+    each in [0, capacity], and within it after the append of `appended` new tokens (an int, or a
+    list: each entry's, for packed appends).
     `page_size` is k_cache.shape[1] (the dense capacity when block_table is None); the messages
     name the lengths `lengths_name` (attention_varlen's are seqused_k)."""
-    if min(lengths, default=0) >= 0 and max(lengths, default=0) + appended <= capacity:
+    added = appended if isinstance(appended, list) else [appended] * len(lengths)
+    if min(lengths, default=0) >= 0 and max(map(sum, zip(lengths, added)), default=0) <= capacity:
         return
-    for b, n in enumerate(lengths):
+    for b, (n, appended) in enumerate(zip(lengths, added)):
         if 0 <= n and n + appended <= capacity:
             continue
         name = f"{lengths_name}[{b}]" if indexed else lengths_name
@@ -105,10 +111,11 @@ def check_cache_lengths(lengths, capacity: int, appended: int, block_table, page
                          "cache (more pages per sequence)")
 
 
-def _first_bad_page(lengths, table, appended: int, page_size: int, num_pages: int):
+def _first_bad_page(lengths, table, appended, page_size: int, num_pages: int):
     """(b, j, value) of the first block_table entry a sequence uses that is not a page, or None.
     `table` is a CPU tensor; vectorized, since tables hold thousands of entries."""
-    used = (torch.tensor(lengths, dtype=torch.int64) + appended + page_size - 1) // page_size
+    used = (torch.tensor(lengths, dtype=torch.int64) + torch.as_tensor(appended, dtype=torch.int64)
+            + page_size - 1) // page_size
     in_use = torch.arange(table.shape[1])[None, :] < used[:, None]
     bad = (in_use & ((table < 0) | (table >= num_pages))).nonzero()
     if bad.shape[0] == 0:
@@ -117,7 +124,7 @@ def _first_bad_page(lengths, table, appended: int, page_size: int, num_pages: in
     return b, j, int(table[b, j])
 
 
-def check_block_table(lengths, table, appended: int, page_size: int, num_pages: int,
+def check_block_table(lengths, table, appended, page_size: int, num_pages: int,
                       lengths_name: str = "cache_seqlens") -> None:
     """Host values (lengths: a list; table: a CPU tensor or nested lists): the entries each
     sequence uses, the first ceil((cache_seqlens[b] + new_tokens) / page_size) of its row, are
@@ -247,7 +254,7 @@ def start_cache_check(cache_seqlens: torch.Tensor, block_table, capacity: int, a
                         device)
 
 
-def _check_cache_values(lengths, table, block_table, capacity: int, appended: int, page_size: int,
+def _check_cache_values(lengths, table, block_table, capacity: int, appended, page_size: int,
                         num_pages: int, lengths_name: str = "cache_seqlens") -> None:
     """The host copies of the cache lengths and (paged; else None) the table: the lengths as
     check_cache_lengths; the whole table's min and max decide in one step, and only a table with
@@ -281,6 +288,30 @@ def start_packed_cache_check(cu_seqlens_q: torch.Tensor, total_q: int, max_seqle
         check_offset_values(host[0], _NO_KEYS, total_q, 0, max_seqlen_q, None)
         _check_cache_values(host[1], host[2] if paged else None, block_table, capacity, 0, page_size,
                             num_pages, lengths_name)
+    return _start_check(tensors, bounds, check, device)
+
+
+def start_append_check(cu_seqlens_k_new: torch.Tensor, total_new: int, cache_seqlens: torch.Tensor, block_table,
+                       capacity: int, page_size: int, num_pages: int, cu_seqlens_q=None, total_q: int = 0,
+                       max_seqlen_q: int = 0, device=None):
+    """start_cache_check for packed appends (new k/v of each sequence's own length, rows
+    [cu_seqlens_k_new[b], cu_seqlens_k_new[b + 1]) of k and v): the offsets (check_offset_list's
+    rules, ending at k.shape[0]), each length and its append within the capacity, the pages the
+    sequences use after the append, and (packed queries) cu_seqlens_q; one copy of all of them."""
+    paged = block_table is not None and block_table.shape[1] > 0
+    packed_q = cu_seqlens_q is not None
+    tensors = [cu_seqlens_k_new, cache_seqlens] + ([cu_seqlens_q] if packed_q else []) + \
+        ([block_table] if paged else [])
+    bounds = ("append", total_new, capacity, page_size, num_pages, total_q, max_seqlen_q)
+
+    def check(host):
+        cu = host[0].tolist()
+        check_offset_list("cu_seqlens_k_new", cu, total_new, "k.shape[0]")
+        if packed_q:
+            check_offset_list("cu_seqlens_q", host[2].tolist(), total_q, "q.shape[0]", max_seqlen_q, "max_seqlen_q")
+        added = [b - a for a, b in zip(cu, cu[1:])]
+        _check_cache_values(host[1], host[-1] if paged else None, block_table, capacity, added, page_size,
+                            num_pages)
     return _start_check(tensors, bounds, check, device)
 
 

@@ -30,12 +30,16 @@ from .split_plan import plan_splits, reads_by_gather
 
 
 def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kernel, window_size, softcap,
-                  cu_seqlens_q=None, max_seqlen_q=None, lengths_name="cache_seqlens", cache_leftpad=None):
+                  cu_seqlens_q=None, max_seqlen_q=None, lengths_name="cache_seqlens", cache_leftpad=None,
+                  cu_seqlens_k_new=None):
     """The arguments of a call against a KV cache (attention_with_kvcache; attention_varlen over a
     cache, whose lengths are `seqused_k`: `lengths_name`); returns (spec, the lengths as an int32
-    tensor, capacity, new tokens, max_seqlen_q). Packed queries (cu_seqlens_q given): q is
-    (total_q, heads_q, d) and max_seqlen_q defaults to total_q (a bound that needs no sync)."""
+    tensor, capacity, new tokens of every sequence (0 for packed appends), max_seqlen_q). Packed
+    queries (cu_seqlens_q given): q is (total_q, heads_q, d) and max_seqlen_q defaults to total_q
+    (a bound that needs no sync). Packed appends (cu_seqlens_k_new given): k and v are (total_new,
+    heads_kv, d), sequence b's rows [cu_seqlens_k_new[b], cu_seqlens_k_new[b + 1])."""
     packed = cu_seqlens_q is not None
+    packed_new = cu_seqlens_k_new is not None
     dtypes = _checks.SUPPORTED_DTYPES
     if getattr(q, "dtype", None) in _checks.FP8_LIKE or getattr(k_cache, "dtype", None) in _checks.FP8_LIKE:
         dtypes = _checks.FP8_DTYPES  # an FP8 cache: q, k_cache and v_cache all e4m3
@@ -91,31 +95,41 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kernel,
     appended = 0
     if (k is None) != (v is None):
         raise ValueError("pass both k and v (the new tokens to append), or neither")
+    if packed_new and k is None:
+        raise ValueError("cu_seqlens_k_new holds the offsets of packed new k and v: pass k and v "
+                         "(total_new, heads_kv, head_dim), or leave cu_seqlens_k_new at None")
     if k is not None:
-        if packed:
-            raise NotImplementedError("new k/v with cu_seqlens_q (packed queries) are not supported by "
-                                      "fa3: write the new tokens into the cache first, then attend")
-        _checks.check_tensor(k, "k", 4, q.dtype, dtypes=dtypes)
-        _checks.check_tensor(v, "v", 4, q.dtype, dtypes=dtypes)
-        if k.shape != v.shape or k.shape[0] != batch or k.shape[2:] != (heads_kv, head_dim):
+        if packed and not packed_new:
+            raise NotImplementedError("new k/v beside cu_seqlens_q (packed queries) are packed too: pass "
+                                      "k and v as (total_new, heads_kv, head_dim) with their offsets "
+                                      "cu_seqlens_k_new, or write the new tokens into the cache first")
+        _checks.check_tensor(k, "k", 3 if packed_new else 4, q.dtype, dtypes=dtypes)
+        _checks.check_tensor(v, "v", 3 if packed_new else 4, q.dtype, dtypes=dtypes)
+        if packed_new:
+            _checks.check_offsets(cu_seqlens_k_new, "cu_seqlens_k_new", q.device, batch=batch,
+                                  batch_source="cu_seqlens_q" if packed else "q.shape[0]")
+            if k.shape != v.shape or k.shape[1:] != (heads_kv, head_dim):
+                raise ValueError(f"k and v with cu_seqlens_k_new must both be (total_new, heads_kv={heads_kv}, "
+                                 f"head_dim={head_dim}), got {tuple(k.shape)} and {tuple(v.shape)}")
+        elif k.shape != v.shape or k.shape[0] != batch or k.shape[2:] != (heads_kv, head_dim):
             raise ValueError(f"k and v must both be (batch={batch}, new_tokens, heads_kv={heads_kv}, "
                              f"head_dim={head_dim}), got {tuple(k.shape)} and {tuple(v.shape)}")
         if k.device != q.device or v.device != q.device:
             name, t = ("k", k) if k.device != q.device else ("v", v)
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}; put them on one GPU")
-        appended = k.shape[1]
+        appended = 0 if packed_new else k.shape[1]
         _checks.check_no_overlap(v_cache, "v_cache", (("k_cache", k_cache),),
                                  "appending the new k and v would write one over the other")
         if appended > capacity:
             raise ValueError(f"{appended} new tokens do not fit a cache of {capacity} per sequence")
-        if block_table is not None and appended and planes == 0:
+        if block_table is not None and k.shape[0] * k.shape[1] and planes == 0:
             raise ValueError("k_cache has no pages (shape[0] = 0): the new tokens have nowhere to go")
     cache_seqlens = _seqlens_tensor(cache_seqlens, batch, q.device, capacity, appended, block_table, rows,
                                     lengths_name)
     if cache_leftpad is not None:
-        if block_table is not None or packed:
+        if block_table is not None or packed or packed_new:
             raise NotImplementedError("cache_leftpad is for a dense cache with (batch, seqlen_q) queries (as in "
-                                      "flash-attn): not with block_table or cu_seqlens_q")
+                                      "flash-attn): not with block_table, cu_seqlens_q or cu_seqlens_k_new")
         if not isinstance(cache_leftpad, torch.Tensor) or cache_leftpad.dtype != torch.int32 \
                 or cache_leftpad.shape != (batch,) or cache_leftpad.device != q.device:
             raise ValueError(f"cache_leftpad must be an int32 tensor of shape (batch={batch},) on {q.device}, got "
@@ -177,12 +191,33 @@ def append_to_cache(k_cache, v_cache, k, v, cache_seqlens, block_table, capacity
     cache."""
     batch, new = k.shape[:2]
     positions = cache_seqlens.clamp(0, capacity - new)[:, None] + torch.arange(new, device=k.device)
+    entries = torch.arange(batch, device=k.device)[:, None].expand(batch, new)
+    _write_tokens(k_cache, v_cache, k, v, entries, positions, block_table)
+
+
+def append_packed(k_cache, v_cache, k, v, cache_seqlens, cu_seqlens_k_new, block_table, capacity: int):
+    """Packed appends: sequence b's new tokens, rows [cu_seqlens_k_new[b], cu_seqlens_k_new[b + 1])
+    of k and v, written at positions cache_seqlens[b] + i; returns the lengths after the append
+    (int32 (batch,)), which the kernel attends over. Device-side indices (no sync); as in
+    append_to_cache, unchecked bad values are clamped into the cache: each row's sequence to
+    [0, batch), its position to [0, capacity)."""
+    batch, total = cache_seqlens.shape[0], k.shape[0]
+    if total and batch:
+        rows = torch.arange(total, dtype=torch.int32, device=k.device)
+        entries = torch.searchsorted(cu_seqlens_k_new[1:], rows, right=True).clamp_(max=batch - 1)
+        positions = (cache_seqlens[entries] + rows - cu_seqlens_k_new[entries]).clamp_(0, capacity - 1)
+        _write_tokens(k_cache, v_cache, k, v, entries, positions, block_table)
+    return cache_seqlens + (cu_seqlens_k_new[1:] - cu_seqlens_k_new[:-1])
+
+
+def _write_tokens(k_cache, v_cache, k, v, entries, positions, block_table):
+    """k_cache/v_cache at (sequence entries[i], position positions[i]) = k[i]/v[i] (any matching
+    index shapes; positions within the capacity, page indices clamped to the pool)."""
     if block_table is None:
-        rows = torch.arange(batch, device=k.device)[:, None].expand(batch, new)
-        index = (rows, positions)
+        index = (entries, positions)
     else:
         page_size = k_cache.shape[1]
-        pages = torch.gather(block_table, 1, positions // page_size).clamp_(0, k_cache.shape[0] - 1)
+        pages = block_table[entries, positions // page_size].clamp_(0, k_cache.shape[0] - 1)
         index = (pages, positions % page_size)
     if k_cache.dtype in _checks.FP8_DTYPES:  # (torch's index_put has no FP8 kernel: copy the bytes)
         k_cache, v_cache, k, v = (t.view(torch.uint8) for t in (k_cache, v_cache, k, v))
@@ -269,13 +304,13 @@ def launch_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, capaci
 def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, softmax_scale, window_size,
                     softcap, num_splits, kernel, cu_seqlens_q=None, max_seqlen_q=None, max_seqlen_k=None,
                     out=None, lengths_name="cache_seqlens", cache_leftpad=None, sinks=None,
-                    descales=(None, None, None)):
+                    descales=(None, None, None), cu_seqlens_k_new=None):
     """The body of every call against a KV cache: check, check the index values (eager), append,
     launch (directly, or through torch.ops.fa3.attention_kvcache), return (out, lse). descales:
     (q_descale, k_descale, v_descale) as given (an FP8 cache)."""
     spec, seqlens, capacity, appended, max_q = check_kvcache(
         q, k_cache, v_cache, k, v, seqlens, block_table, kernel, window_size, softcap, cu_seqlens_q,
-        max_seqlen_q, lengths_name, cache_leftpad)
+        max_seqlen_q, lengths_name, cache_leftpad, cu_seqlens_k_new)
     descales = check_descales(q, descales, seqlens.shape[0], k_cache.shape[2])
     inputs = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v))
     if out is not None and descales is not None:
@@ -290,7 +325,11 @@ def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, sof
     max_seqlen_k = -1 if max_seqlen_k is None else int(max_seqlen_k)
     # eager: the index values are checked on the host (where values_checkable(q.device)), unless
     # this thread checked these very tensors, unmodified, last
-    if cu_seqlens_q is not None:
+    if cu_seqlens_k_new is not None:
+        wait = index_checks.start_append_check(cu_seqlens_k_new, k.shape[0], seqlens, block_table, capacity,
+                                               k_cache.shape[1], k_cache.shape[0], cu_seqlens_q, q.shape[0],
+                                               max_q, q.device)
+    elif cu_seqlens_q is not None:
         wait = index_checks.start_packed_cache_check(cu_seqlens_q, q.shape[0], max_q, seqlens, block_table,
                                                      capacity, k_cache.shape[1], k_cache.shape[0],
                                                      lengths_name, q.device)
@@ -303,7 +342,9 @@ def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, sof
     refuse_first = k is not None or out is not None  # refuse before anything is written
     if refuse_first:
         wait()
-    if k is not None:
+    if cu_seqlens_k_new is not None:  # the kernel attends over the lengths after the append
+        seqlens = append_packed(k_cache, v_cache, k, v, seqlens, cu_seqlens_k_new, block_table, capacity)
+    elif k is not None:
         append_to_cache(k_cache, v_cache, k, v, seqlens, block_table, capacity)
     if _dispatch.direct_call_ok(q, k_cache, v_cache, *(descales or ())) and \
             (sinks is None or _dispatch.direct_call_ok(sinks)):
@@ -324,7 +365,7 @@ def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, sof
 
 
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_table=None,
-                           cu_seqlens_q=None, max_seqlen_q=None, cache_leftpad=None,
+                           cu_seqlens_q=None, max_seqlen_q=None, cu_seqlens_k_new=None, cache_leftpad=None,
                            causal: bool = False, softmax_scale: float | None = None,
                            window_size=(-1, -1), softcap: float = 0.0, num_splits: int = 0,
                            return_lse: bool = False, kernel: str | None = None, sinks=None,
@@ -341,8 +382,13 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         heads_kv, d) with `block_table` (batch, max_pages) int32 naming each sequence's pages in
         order; any page size (multiples of 64 are read by TMA, others by cp.async row gathers).
     k, v: optional new tokens (batch, new_tokens, heads_kv, d), written into the cache at positions
-        cache_seqlens[b] .. cache_seqlens[b] + new_tokens - 1 (in place) before attending (not with
-        cu_seqlens_q).
+        cache_seqlens[b] .. cache_seqlens[b] + new_tokens - 1 (in place) before attending; or, with
+        cu_seqlens_k_new, packed (total_new, heads_kv, d).
+    cu_seqlens_k_new: optional int32 (batch + 1,) offsets of packed new k/v (required with them
+        beside cu_seqlens_q): sequence b's new tokens are rows [cu_seqlens_k_new[b],
+        cu_seqlens_k_new[b + 1]), any number per sequence, written at cache_seqlens[b] onwards;
+        each sequence then holds cache_seqlens[b] + its new tokens (FlashAttention-3's packed
+        appends).
     cache_seqlens: int or int32 (batch,) tensor: valid tokens per sequence before the append, in
         [0, capacity] with cache_seqlens + new_tokens <= capacity (capacity: k_cache.shape[1]
         dense, block_table.shape[1] * page_size paged).
@@ -383,5 +429,5 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     out, lse = cache_attention(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale,
                                window_size, softcap, num_splits, kernel, cu_seqlens_q, max_seqlen_q,
                                out=out, cache_leftpad=cache_leftpad, sinks=sinks,
-                               descales=(q_descale, k_descale, v_descale))
+                               descales=(q_descale, k_descale, v_descale), cu_seqlens_k_new=cu_seqlens_k_new)
     return (out, lse) if return_lse else out

@@ -84,15 +84,37 @@ def test_kvcache_refuses_what_fa3_lacks(option):
 def test_kvcache_cu_seqlens_k_new_without_new_keys_is_ignored():
     """SGLang passes cu_seqlens_k_new on every cache call, with k=v=None (the new tokens are in the
     cache already); flash-attn 3 reads it only beside packed new k/v. So fa3 ignores it there (the
-    call reaches attention_with_kvcache's own checks: CPU tensors) and refuses it beside new k/v."""
+    call reaches attention_with_kvcache's own checks: CPU tensors, refused for their device)."""
     q, k, v = _qkv()
     cu = torch.tensor([0, 16], dtype=torch.int32)
     raises_with(fa3.flash_attn_with_kvcache, ValueError, "cpu", q=q, k_cache=k, v_cache=v, cache_seqlens=4,
                 cu_seqlens_k_new=cu)
-    raises_with(fa3.flash_attn_with_kvcache, NotImplementedError, "cu_seqlens_k_new", q=q, k_cache=k,
-                v_cache=v, k=k[:, :2].clone(), v=v[:, :2].clone(), cache_seqlens=4, cu_seqlens_k_new=cu)
     raises_with(fa3.flash_attn_with_kvcache, TypeError, "cu_seqlens_k_new", q=q, k_cache=k, v_cache=v,
                 cache_seqlens=4, cu_seqlens_k_new=[0, 16])
+
+
+def test_kvcache_packed_new_keys_argument_checks():
+    """Packed new k/v (cu_seqlens_k_new beside k and v): (total_new, heads_kv, d) rows, offsets of
+    batch + 1 int32 entries; well-formed arguments reach the device check (CPU tensors)."""
+    q, k_cache, v_cache = _qkv(batch=2, seqlen=32)
+    new = torch.randn(5, 2, 64, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    call = dict(q=q[:, :1], k_cache=k_cache, v_cache=v_cache, cache_seqlens=torch.tensor([3, 4], dtype=torch.int32))
+    for fn in (fa3.flash_attn_with_kvcache, fa3.attention_with_kvcache):
+        raises_with(fn, ValueError, "cpu", **call, k=new, v=new.clone(), cu_seqlens_k_new=cu)
+        raises_with(fn, ValueError, "k must have 3 dimensions", **call, k=new[None], v=new[None], cu_seqlens_k_new=cu)
+        raises_with(fn, ValueError, "(total_new, heads_kv=2, head_dim=64)", **call, k=new[:, :1], v=new[:, :1],
+                    cu_seqlens_k_new=cu)
+        raises_with(fn, ValueError, "cu_seqlens_k_new has 2 entries", "batch + 1 = 3", "q.shape[0]", **call,
+                    k=new, v=new.clone(), cu_seqlens_k_new=cu[:2])
+        raises_with(fn, ValueError, "cu_seqlens_k_new", "int32", **call, k=new, v=new.clone(),
+                    cu_seqlens_k_new=cu.long())
+    raises_with(fa3.attention_with_kvcache, ValueError, "cu_seqlens_k_new", "pass k and v", **call,
+                cu_seqlens_k_new=cu)
+    packed_q = dict(call, q=q[:, :2].flatten(0, 1), cu_seqlens_q=torch.tensor([0, 1, 4], dtype=torch.int32))
+    raises_with(fa3.attention_with_kvcache, ValueError, "cpu", **packed_q, k=new, v=new.clone(), cu_seqlens_k_new=cu)
+    raises_with(fa3.attention_with_kvcache, NotImplementedError, "cu_seqlens_k_new", **packed_q,
+                k=new.view(1, 5, 2, 64).expand(2, 5, 2, 64), v=new.view(1, 5, 2, 64).expand(2, 5, 2, 64))
 
 
 def test_kvcache_needs_cache_seqlens():

@@ -257,6 +257,60 @@ def test_kvcache_packed_queries_equal_unpacked(page_size):
 
 
 @gpu
+@pytest.mark.parametrize("page_size", [None, 1, 16, 64])
+def test_kvcache_packed_appends(page_size):
+    """cu_seqlens_k_new: each sequence appends its own number of new tokens (0 included, to an empty
+    cache too) at its cache length and attends over all of them, with packed queries, then again
+    with batched ones through flash-attn's name; the cache then holds exactly the appended rows."""
+    gen = torch.Generator(device="cuda").manual_seed(21)
+    hkv, d = 2, 128
+    lens, new1, new2 = [300, 0, 1000, 64], [3, 7, 0, 1], [1, 2, 5, 0]
+    mid = [a + b for a, b in zip(lens, new1)]
+    final = [a + b for a, b in zip(mid, new2)]
+    k_seqs, v_seqs, k_cache, v_cache, table = _paged_cache(final, hkv, d, page_size or 64, gen)
+    if page_size is None:  # dense: one row per sequence
+        pad = lambda x: torch.cat([x, x.new_full((1040 - x.shape[0], hkv, d), float("nan"))])
+        k_cache, v_cache, table = torch.stack([pad(k) for k in k_seqs]), torch.stack([pad(v) for v in v_seqs]), None
+    host_table = None if table is None else table.cpu()
+
+    def slots(b, positions):
+        if host_table is None:
+            return b, list(positions)
+        return host_table[b, [p // page_size for p in positions]].tolist(), [p % page_size for p in positions]
+
+    for b in range(4):  # the slots the appends fill start as NaN
+        k_cache[slots(b, range(lens[b], final[b]))] = float("nan")
+        v_cache[slots(b, range(lens[b], final[b]))] = float("nan")
+    new_rows = lambda seqs, lo, hi: torch.cat([x[a:c] for x, a, c in zip(seqs, lo, hi)])
+    lens_q = [3, 7, 1, 2]
+    q = torch.randn(sum(lens_q), 8, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    out = fa3.attention_with_kvcache(q, k_cache, v_cache, new_rows(k_seqs, lens, mid), new_rows(v_seqs, lens, mid),
+                                     cache_seqlens=torch.tensor(lens, dtype=torch.int32, device="cuda"),
+                                     block_table=table, cu_seqlens_q=_cu(lens_q), max_seqlen_q=7,
+                                     cu_seqlens_k_new=_cu(new1), causal=True)
+    ref = _reference(list(torch.split(q, lens_q)), [k[:n] for k, n in zip(k_seqs, mid)],
+                     [v[:n] for v, n in zip(v_seqs, mid)], True)
+    assert rel_err(out, torch.cat([o for o, _ in ref])) < TOL, rel_err(out, torch.cat([o for o, _ in ref]))
+    q2 = torch.randn(4, 2, 8, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    out2 = fa3.flash_attn_with_kvcache(q2, k_cache, v_cache, new_rows(k_seqs, mid, final),
+                                       new_rows(v_seqs, mid, final),
+                                       cache_seqlens=torch.tensor(mid, dtype=torch.int32, device="cuda"),
+                                       page_table=table, cu_seqlens_k_new=_cu(new2), causal=True, num_splits=3)
+    ref2 = _reference(list(q2), k_seqs, v_seqs, True)
+    assert rel_err(out2, torch.stack([o for o, _ in ref2])) < TOL
+    for b in range(4):
+        assert torch.equal(k_cache[slots(b, range(final[b]))], k_seqs[b]), f"sequence {b}'s keys in the cache"
+        assert torch.equal(v_cache[slots(b, range(final[b]))], v_seqs[b]), f"sequence {b}'s values in the cache"
+    bad = torch.tensor([0, 1, 0, 1, 1], dtype=torch.int32, device="cuda")  # decreasing: refused, nothing written
+    before = k_cache.clone()
+    with pytest.raises(ValueError, match="cu_seqlens_k_new decreases at entry 2"):
+        fa3.attention_with_kvcache(q2, k_cache, v_cache, k_seqs[0][:1], v_seqs[0][:1],
+                                   cache_seqlens=torch.tensor(final, dtype=torch.int32, device="cuda"),
+                                   block_table=table, cu_seqlens_k_new=bad)
+    assert torch.equal(k_cache.nan_to_num(), before.nan_to_num())
+
+
+@gpu
 @pytest.mark.parametrize("page_size", [16, 64])
 def test_varlen_over_cache_in_cuda_graph(page_size):
     """A mixed step captured once and replayed with new lengths, new pages and new queries (no host
@@ -434,6 +488,36 @@ def test_packed_cache_value_checks_on_host_copies():
         check([0, 2, 5], lengths=torch.tensor([20, 49], dtype=torch.int32))
     with pytest.raises(ValueError, match=r"block_table\[1, 1\] = -1"):
         check([0, 2, 5], lengths=torch.tensor([20, 17], dtype=torch.int32))
+
+
+def test_packed_append_value_checks_on_host_copies():
+    """The eager value checks of packed appends (CPU tensors stand in for the device copies):
+    cu_seqlens_k_new's offsets, each length with its own append within the capacity, the pages
+    used after the append, and cu_seqlens_q beside them."""
+    table = torch.tensor([[0, 1, -1], [2, -1, -1]], dtype=torch.int32)
+    lengths = torch.tensor([20, 10], dtype=torch.int32)
+
+    def check(cu_new, lengths=lengths, total_new=5, cu_q=None):
+        cu_q = None if cu_q is None else torch.tensor(cu_q, dtype=torch.int32)
+        index_checks.start_append_check(torch.tensor(cu_new, dtype=torch.int32), total_new, lengths, table, 3 * 16,
+                                        16, 3, cu_q, 4, 3)()
+
+    check([0, 2, 5])
+    check([0, 0, 5], cu_q=[0, 1, 4])
+    with pytest.raises(ValueError, match=r"cu_seqlens_k_new\[0\] = 1"):
+        check([1, 2, 5])
+    with pytest.raises(ValueError, match="cu_seqlens_k_new decreases at entry 2"):
+        check([0, 4, 3])
+    with pytest.raises(ValueError, match=r"cu_seqlens_k_new\[-1\] = 4 but k.shape\[0\] = 5"):
+        check([0, 2, 4])
+    with pytest.raises(ValueError, match=r"block_table\[1, 1\] = -1"):
+        check([0, 0, 7], total_new=7)  # 17 keys after the append need sequence 1's second page
+    with pytest.raises(ValueError, match=r"cache_seqlens\[0\] = 46 plus the 3 new tokens"):
+        check([0, 3, 5], lengths=torch.tensor([46, 10], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"cache_seqlens\[1\] = -1"):
+        check([0, 2, 5], lengths=torch.tensor([20, -1], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"cu_seqlens_q\[-1\] = 3"):
+        check([0, 2, 5], cu_q=[0, 1, 3])
 
 
 def test_split_plan_from_shapes():
