@@ -306,10 +306,17 @@ KERNELS: dict[str, KernelSpec] = {
             head_dims=(64,), tile_m=128, speed_rank=7),
         KernelSpec(
             "b9", BACKWARD, "bwd_dkv_t", "TransposedDkvBackward",
-            "b2 + dK and dV computed transposed (head dim on the WGMMA's M): 96-key tiles at d192, "
-            "48 at d256, two Q/dO stages, the dQ buffer shared by the warpgroups in turn",
+            "b2 + dK and dV computed transposed (head dim on the WGMMA's M), one dO stage beside two "
+            "Q stages: 96-key tiles and a dQ buffer per warpgroup at d192, 64-key tiles and one dQ "
+            "buffer the warpgroups share in turns at d256",
             config={"tile_m": 64, "tile_n": 96, "q_stages": 2},
-            per_head_dim={256: {"tile_n": 48}}, head_dims=(192, 256), value_head_dims=((192, 128),),
+            # d256: 64-key tiles (cuDNN's width) fit beside two Q stages once dO has one stage of
+            # its own: under locked clocks 18-20% fewer cycles than 48-key tiles with two Q/dO
+            # stages, 5% fewer than cuDNN causal 8k (worklog/backward.md)
+            # d192: one dO stage too, and with the SMEM it frees a dQ buffer per warpgroup (no
+            # turns): 12% fewer cycles causal and not, at flash-attn-4's level
+            per_head_dim={192: {"do_stages": 1, "shared_dq_buffer": False}, 256: {"tile_n": 64, "do_stages": 1}},
+            head_dims=(192, 256), value_head_dims=((192, 128),),
             # d256 too: on an H100 b9's main kernel took 9-15% less time than b2's causal (locked
             # clocks, 2k / 8k / 16k) and -3..+2% without a mask; the benchmark there, b9 / b2:
             # +7.5-13.5% causal, -0.9..+3.0% non-causal (an H200 benchmark in an earlier session

@@ -68,7 +68,7 @@ class AttentionBackward(QueryStatistics, DqOrder, DkvEpilogue, BackwardMmas, Poi
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 64, tile_n: int = 128,
                  q_stages: int = 2, deterministic: bool = False, local: bool = False,
                  softcap: bool = False, varlen: bool = False, ordered_dq: bool = False,
-                 head_dim_v: int | None = None):
+                 head_dim_v: int | None = None, do_stages: int = 0):
         assert tile_m % self.q_tile_multiple == 0 and tile_n % self.kv_tile_multiple == 0, \
             f"Q tiles of a multiple of {self.q_tile_multiple} rows, K/V tiles of {self.kv_tile_multiple} (WGMMA atoms, swizzle atoms)"
         self.dtype, self.head_dim, self.causal = dtype, head_dim, causal
@@ -77,6 +77,10 @@ class AttentionBackward(QueryStatistics, DqOrder, DkvEpilogue, BackwardMmas, Poi
         # static variants, as the forward's: the window's predicates (mask.py) and capped scores
         self.local, self.softcap, self.varlen = local, softcap, varlen
         self.tile_m, self.tile_n, self.q_stages = tile_m, tile_n, q_stages
+        # dO's stages (0: Q's, on Q's barriers); fewer (B2/B9's `split_do`: one) free SMEM, and dO
+        # then has a ring of its own
+        self.do_stages = do_stages or q_stages
+        assert self.do_stages in (1, q_stages), "dO takes Q's stages or one"
         self.deterministic = deterministic
         # dQ added in a fixed K/V order (counters): deterministic, or chosen for speed (`ordered_dq`
         # in the registry: at d=256 the ordered walk ran 1.27x faster, see worklog/backward.md)
@@ -84,23 +88,31 @@ class AttentionBackward(QueryStatistics, DqOrder, DkvEpilogue, BackwardMmas, Poi
         self.num_threads = 128 * self.mma_warpgroups
 
     # ---------------------------------------------------------------- host side
-    def smem_layouts(self, head_dim: int | None = None):
+    @property
+    def split_do(self) -> bool:
+        """Whether dO has fewer stages than Q, in a ring of its own (`do_stages`)."""
+        return self.do_stages != self.q_stages
+
+    def smem_layouts(self, head_dim: int | None = None, stages: int | None = None):
         """Q and dO share one staged layout; K and V one stage each; P and dS one tile each. Q and
         dO are the MN-major B of dK and dV, K that of dQ: where those MMAs split head_dim among
         the warpgroups, the swizzle fits a warpgroup's share (smem.py). `head_dim`: the tiles'
-        columns (default head_dim; `value_layouts` asks for head_dim_v)."""
+        columns (default head_dim; `value_layouts` asks for head_dim_v); `stages`: the Q-shaped
+        tile's (default q_stages; `value_layouts` asks for do_stages)."""
         wgs, d = self.mma_warpgroups, head_dim or self.head_dim
-        return (smem.tile_layout(self.dtype, self.tile_m, d, self.q_stages,
+        return (smem.tile_layout(self.dtype, self.tile_m, d, stages or self.q_stages,
                                  share=mma.n_share(self.tile_n, d, wgs)),
                 smem.tile_layout(self.dtype, self.tile_n, d, 1, share=mma.n_share(self.tile_m, d, wgs)),
                 smem.tile_layout(self.dtype, self.tile_m, self.tile_n, 1))
 
     def value_layouts(self, sQ_layout, sKV_layout):
         """(dO's staged layout, V's): Q's and K's, or with head_dim_v columns where V's head dim
-        differs (dO and V then have tiles of their own)."""
-        if self.head_dim_v == self.head_dim:
+        differs, and do_stages stages where dO has fewer than Q (dO and V then have tiles of their
+        own)."""
+        if self.head_dim_v == self.head_dim and not self.split_do:
             return sQ_layout, sKV_layout
-        return self.smem_layouts(self.head_dim_v)[:2]
+        sdO_layout, sV_layout = self.smem_layouts(self.head_dim_v, self.do_stages)[:2]
+        return sdO_layout, sV_layout if self.head_dim_v != self.head_dim else sKV_layout
 
     def make_loads(self, mQ, mdO, mK, mV, sQ_layout, sKV_layout):
         """(atom, TMA tensor) for Q, dO (Q tiles) and K, V (K/V tiles), flattened."""
@@ -121,6 +133,7 @@ class AttentionBackward(QueryStatistics, DqOrder, DkvEpilogue, BackwardMmas, Poi
             q_barriers: cute.struct.MemRange[Int64, 2 * self.q_stages]
             kv_barriers: cute.struct.MemRange[Int64, 2]
             dq_turns: cute.struct.MemRange[Int64, max(1, self.dq_turn_barriers)]  # (1 keeps the field valid)
+            do_barriers: cute.struct.MemRange[Int64, 2 * self.do_stages if self.split_do else 1]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
@@ -187,6 +200,7 @@ class AttentionBackward(QueryStatistics, DqOrder, DkvEpilogue, BackwardMmas, Poi
                mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor,
                sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
                sPdS_layout: cute.ComposedLayout, SharedStorage: cutlass.Constexpr):
+        assert not self.split_do, "B1 brings dO with Q (do_stages: B2 on)"
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         n_block, head, batch, seq = self.kv_tile_work(mQ, mK, mCuSeqlensQ, mCuSeqlensK)
@@ -254,15 +268,27 @@ class AttentionBackward(QueryStatistics, DqOrder, DkvEpilogue, BackwardMmas, Poi
 
     def make_pipelines(self, storage, sQ_layout, sKV_layout, consumer_warps):
         """(Q/dO ring, K/V single stage): each stage's Q and dO (K and V) land on one barrier (with
-        the stage's statistics, `stats_in_smem`)."""
+        the stage's statistics, `stats_in_smem`); with `split_do`, the Q ring holds Q alone
+        (`make_do_pipeline`)."""
         stat_bytes = 2 * self.tile_m * 4 if self.smem_stats else 0
         sdO_layout, sV_layout = self.value_layouts(sQ_layout, sKV_layout)
-        q_bytes = smem.stage_bytes(self.dtype, sQ_layout) + smem.stage_bytes(self.dtype, sdO_layout)
+        q_bytes = smem.stage_bytes(self.dtype, sQ_layout)
+        if not self.split_do:
+            q_bytes += smem.stage_bytes(self.dtype, sdO_layout)
         kv_bytes = smem.stage_bytes(self.dtype, sKV_layout) + smem.stage_bytes(self.dtype, sV_layout)
         q_pipe = pipeline.create(storage.q_barriers.data_ptr(), self.q_stages, consumer_warps,
                                  q_bytes + stat_bytes)
         kv_pipe = pipeline.create(storage.kv_barriers.data_ptr(), 1, consumer_warps, kv_bytes)
         return q_pipe, kv_pipe
+
+    def make_do_pipeline(self, storage, sQ_layout, sKV_layout, consumer_warps):
+        """`split_do`: dO's own ring of do_stages, its stage for Q tile i at count i (`do_state`);
+        None otherwise (dO rides on the Q ring)."""
+        if not self.split_do:
+            return None
+        sdO_layout, _ = self.value_layouts(sQ_layout, sKV_layout)
+        return pipeline.create(storage.do_barriers.data_ptr(), self.do_stages, consumer_warps,
+                               smem.stage_bytes(self.dtype, sdO_layout))
 
     def smem_tensors(self, storage, sQ_layout, sKV_layout, sPdS_layout):
         def get(field, layout):

@@ -48,6 +48,16 @@ class TransposedDkvBackward(WarpSpecializedBackward):
     rotated_ordered_walk = False
     dq_turn_barriers = 4  # (full, empty) a warpgroup
 
+    def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 64, tile_n: int = 128,
+                 q_stages: int = 2, deterministic: bool = False, local: bool = False,
+                 softcap: bool = False, varlen: bool = False, ordered_dq: bool = False,
+                 head_dim_v: int | None = None, do_stages: int = 0, shared_dq_buffer: bool = True):
+        super().__init__(dtype, head_dim, causal, tile_m, tile_n, q_stages, deterministic, local,
+                         softcap, varlen, ordered_dq, head_dim_v, do_stages)
+        # the FP32 dQ buffer: one warpgroup's share, the warpgroups in turns; False: a share for
+        # each (flash-attn-4's; SMEM allows it at d192 beside one dO stage, `do_stages`)
+        self.shared_dq_buffer = shared_dq_buffer
+
     # ---------------------------------------------------------------- host side
     def dkv_split_n(self, head_dim: int | None = None) -> bool:
         """Whether the warpgroups split dK^T's (or dV^T's: `head_dim` = head_dim_v) keys (d192:
@@ -65,23 +75,24 @@ class TransposedDkvBackward(WarpSpecializedBackward):
         return mma.tiled_mma(self.dtype, *self.dkv_tile(head_dim), a_major="MN", b_major="MN",
                              warpgroups=self.mma_warpgroups, split_n=self.dkv_split_n(head_dim))
 
-    def smem_layouts(self, head_dim: int | None = None):
+    def smem_layouts(self, head_dim: int | None = None, stages: int | None = None):
         """Q and dO: K-major A of S/dP and MN-major A of dK^T/dV^T (d256: 128 rows a warpgroup,
         whole 128-byte atoms); K: MN-major B of dQ as B2's; P and dS: MN-major B of dK^T/dV^T,
         whose keys the warpgroups split at d192 (the swizzle fits a warpgroup's share; with
-        head_dim_v, whichever of dK^T and dV^T splits them). `head_dim`: as B2's."""
+        head_dim_v, whichever of dK^T and dV^T splits them). `head_dim`, `stages`: as B2's."""
         wgs, d = self.mma_warpgroups, head_dim or self.head_dim
         # the keys a warpgroup writes (S's split: 24 at d256) or reads (dK^T/dV^T's at d192)
         split = self.dkv_split_n() or self.dkv_split_n(self.head_dim_v)
         key_share = min(mma.n_share(self.tile_m, self.tile_n, wgs),
                         self.tile_n // wgs if split else self.tile_n)
-        return (smem.tile_layout(self.dtype, self.tile_m, d, self.q_stages),
+        return (smem.tile_layout(self.dtype, self.tile_m, d, stages or self.q_stages),
                 smem.tile_layout(self.dtype, self.tile_n, d, 1, share=mma.n_share(self.tile_m, d, wgs)),
                 smem.tile_layout(self.dtype, self.tile_m, self.tile_n, 1, share=key_share))
 
     def sdq_layout(self):
-        """One warpgroup's FP32 dQ share in fragment order (the warpgroups take turns)."""
-        return cute.make_layout((self.half_elems(), 1))
+        """One warpgroup's FP32 dQ share in fragment order (the warpgroups take turns), or with
+        `shared_dq_buffer` off one for each warpgroup."""
+        return cute.make_layout((self.half_elems(), 1 if self.shared_dq_buffer else self.mma_warpgroups))
 
     def dkv_operands(self, s, wg_dkv) -> dict:
         """dV^T's and dK^T's (A, B) fragments: dO^T and P^T viewed (N, K), Q^T and dS^T."""
@@ -96,9 +107,11 @@ class TransposedDkvBackward(WarpSpecializedBackward):
 
     # ---------------------------------------------------------------- device side
     @cute.jit
-    def issue_dkv(self, ctx, s, stage):
-        """dV^T += dO^T P and dK^T += Q^T dS, every operand from SMEM (no wait)."""
-        mma.gemm(ctx.dv, ctx.acc_dv, ctx.tdVrdOt[None, None, None, stage], ctx.tdVrPt[None, None, None, 0], wait=-1)
+    def issue_dkv(self, ctx, s, stage, do_stage=None):
+        """dV^T += dO^T P and dK^T += Q^T dS, every operand from SMEM (no wait); dO from
+        `do_stage` (default: Q's `stage`)."""
+        do_stage = stage if cutlass.const_expr(do_stage is None) else do_stage
+        mma.gemm(ctx.dv, ctx.acc_dv, ctx.tdVrdOt[None, None, None, do_stage], ctx.tdVrPt[None, None, None, 0], wait=-1)
         mma.gemm(ctx.dkv, ctx.acc_dk, ctx.tdKrQt[None, None, None, stage], ctx.tdKrdSt[None, None, None, 0], wait=-1)
 
     @cute.jit
@@ -129,10 +142,11 @@ class TransposedDkvBackward(WarpSpecializedBackward):
     @cute.jit
     def hand_off_dq(self, ctx, s, acc_dq: cute.Tensor, buffer: Int32 = 0, step: Int32 = 0):
         """Wait for this warpgroup's turn at the one-share SMEM buffer (its `step`-th, by parity),
-        fill it, tell the writer."""
+        or for its own buffer to be read (`shared_dq_buffer` off), fill it, tell the writer."""
         w = cute.arch.make_warp_uniform(ctx.tidx // 128)
         cute.arch.mbarrier_wait(s.dq_turns + 2 * w + TURN_EMPTY, step % 2)
-        self.store_fragment(acc_dq, s.sdQ[None, 0], ctx.tidx % 128)
+        self.store_fragment(acc_dq, s.sdQ[None, 0 if cutlass.const_expr(self.shared_dq_buffer) else w],
+                            ctx.tidx % 128)
         cute.arch.fence_view_async_shared()  # generic-proxy writes, read by the bulk copy
         cute.arch.mbarrier_arrive(s.dq_turns + 2 * w + TURN_FULL)
 
@@ -140,11 +154,14 @@ class TransposedDkvBackward(WarpSpecializedBackward):
     def write_dq(self, mdQacc, s, mLock, n_block: Int32, head: Int32, batch: Int32,
                  start: Int32, m_first: Int32, m_end: Int32, seq, window, lane: Int32):
         """dQ writer warp: per Q tile, warpgroup 0's share then warpgroup 1's, each one bulk
-        reduce-add from the one buffer, handed to the other warpgroup once read. Ordered: the
-        turn is awaited before the first share and passed on once both have landed."""
+        reduce-add from the one buffer, handed to the other warpgroup once read (or each from its
+        own buffer, handed back to its warpgroup: `shared_dq_buffer` off). Ordered: the turn is
+        awaited before the first share and passed on once both have landed."""
         half = self.half_elems()
         wgs = self.mma_warpgroups
-        cute.arch.mbarrier_arrive(s.dq_turns + TURN_EMPTY)  # warpgroup 0's first turn
+        shared = self.shared_dq_buffer
+        for w in cutlass.range_constexpr(1 if shared else wgs):
+            cute.arch.mbarrier_arrive(s.dq_turns + 2 * w + TURN_EMPTY)  # the first turn(s)
         for i in cutlass.range(m_end - m_first, unroll=1):
             m_block = self.m_block_at(i, start, m_first, m_end)
             for w in cutlass.range_constexpr(wgs):
@@ -153,11 +170,11 @@ class TransposedDkvBackward(WarpSpecializedBackward):
                     counter = self.wait_dq_turn(mLock, seq, m_block, n_block, head, batch, window, lane,
                                                 cute.arch.sync_warp)
                 if lane == 0:
-                    self.reduce_fragments(mdQacc, s.sdQ[None, 0].iterator, seq, m_block, head, batch,
-                                          half, w * half)
+                    self.reduce_fragments(mdQacc, s.sdQ[None, 0 if shared else w].iterator, seq, m_block,
+                                          head, batch, half, w * half)
                 cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(0, read=True)  # the buffer has been read
-                cute.arch.mbarrier_arrive(s.dq_turns + 2 * ((w + 1) % wgs) + TURN_EMPTY)
+                cute.arch.mbarrier_arrive(s.dq_turns + 2 * ((w + 1) % wgs if shared else w) + TURN_EMPTY)
             if cutlass.const_expr(self.ordered_dq):
                 cute.arch.cp_async_bulk_wait_group(0, read=False)  # both shares' sums have landed
                 accum.ordered_end(counter, lane, cute.arch.sync_warp)

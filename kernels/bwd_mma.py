@@ -12,7 +12,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
-from .common import mma
+from .common import mma, pipeline
 
 
 class BackwardMmas:
@@ -94,21 +94,28 @@ class BackwardMmas:
 
     # ---------------------------------------------------------------- issue
     @cute.jit
-    def scores_and_dp(self, ctx, stage, wait_s: cutlass.Constexpr):
+    def scores_and_dp(self, ctx, stage, wait_s: cutlass.Constexpr, do_pipe=None, do_state=None):
         """Issue S = Q K^T and dP = dO V^T back to back; wait until `wait_s` groups remain (1: S
-        has landed, dP may still run; 0: both)."""
+        has landed, dP may still run; 0: both). do_pipe/do_state (`split_do`): dO's own ring,
+        waited for between the two."""
         acc_s = cute.make_rmem_tensor(ctx.thr_sdp.partition_shape_C((self.tile_m, self.tile_n)), Float32)
         acc_dp = cute.make_rmem_tensor(ctx.thr_sdp.partition_shape_C((self.tile_m, self.tile_n)), Float32)
         mma.gemm(ctx.sdp, acc_s, ctx.tSrQ[None, None, None, stage], ctx.tSrK[None, None, None, 0],
                  zero_init=True, wait=-1)
-        mma.gemm(ctx.sdp, acc_dp, ctx.tdPrdO[None, None, None, stage], ctx.tdPrV[None, None, None, 0],
+        do_stage = stage
+        if cutlass.const_expr(do_pipe is not None):
+            pipeline.consume_wait(do_pipe, do_state)
+            do_stage = do_state.index
+        mma.gemm(ctx.sdp, acc_dp, ctx.tdPrdO[None, None, None, do_stage], ctx.tdPrV[None, None, None, 0],
                  zero_init=True, wait=wait_s)
         return acc_s, acc_dp
 
     @cute.jit
-    def issue_dkv(self, ctx, s, stage):
-        """dV += P^T dO and dK += dS^T Q, from the SMEM copies of P and dS (no wait)."""
-        mma.gemm(ctx.dv, ctx.acc_dv, ctx.tdVrPt[None, None, None, 0], ctx.tdVrdOt[None, None, None, stage], wait=-1)
+    def issue_dkv(self, ctx, s, stage, do_stage=None):
+        """dV += P^T dO and dK += dS^T Q, from the SMEM copies of P and dS (no wait); dO from
+        `do_stage` (default: Q's `stage`)."""
+        do_stage = stage if cutlass.const_expr(do_stage is None) else do_stage
+        mma.gemm(ctx.dv, ctx.acc_dv, ctx.tdVrPt[None, None, None, 0], ctx.tdVrdOt[None, None, None, do_stage], wait=-1)
         mma.gemm(ctx.dkv, ctx.acc_dk, ctx.tdKrdSt[None, None, None, 0], ctx.tdKrQt[None, None, None, stage], wait=-1)
 
     @cute.jit

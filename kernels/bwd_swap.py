@@ -73,17 +73,18 @@ class SwappedBackward(WarpSpecializedBackward):
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 64, tile_n: int = 128,
                  q_stages: int = 2, deterministic: bool = False, local: bool = False,
                  softcap: bool = False, varlen: bool = False, ordered_dq: bool = False,
-                 head_dim_v: int | None = None):
+                 head_dim_v: int | None = None, do_stages: int = 0):
         assert q_stages == 2, "the two dS buffers follow the Q stage index"
+        assert not do_stages or do_stages == q_stages, "dO rides on the Q ring (consume_step)"
         assert tile_n == 128, "each of the two consumer warpgroups owns 64 keys"
         assert self.ds_from_rounded_p or not self.ds_in_pairs, "dS^T in pairs needs P^T rounded first"
         super().__init__(dtype, head_dim, causal, tile_m, tile_n, q_stages, deterministic, local,
                          softcap, varlen, ordered_dq, head_dim_v)
 
     # ---------------------------------------------------------------- host side
-    def smem_layouts(self, head_dim: int | None = None):
+    def smem_layouts(self, head_dim: int | None = None, stages: int | None = None):
         """Q/dO staged as B2's; dS^T (tile_n, tile_m) with one buffer per Q stage."""
-        sQ_layout, sKV_layout, _ = super().smem_layouts(head_dim)
+        sQ_layout, sKV_layout, _ = super().smem_layouts(head_dim, stages)
         return sQ_layout, sKV_layout, smem.tile_layout(self.dtype, self.tile_n, self.tile_m, self.q_stages)
 
     # ---------------------------------------------------------------- device side

@@ -61,9 +61,10 @@ class WarpSpecializedBackward(AttentionBackward):
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 64, tile_n: int = 128,
                  q_stages: int = 2, deterministic: bool = False, local: bool = False,
                  softcap: bool = False, varlen: bool = False, ordered_dq: bool = False,
-                 head_dim_v: int | None = None):
+                 head_dim_v: int | None = None, do_stages: int = 0):
         super().__init__(dtype, head_dim, causal, tile_m, tile_n, q_stages, deterministic, local,
-                         softcap, varlen, ordered_dq, head_dim_v)
+                         softcap, varlen, ordered_dq, head_dim_v, do_stages)
+        assert not (self.split_do and self.smem_stats), "D rides with dO: statistics from registers"
         self.consumer_threads = 128 * self.mma_warpgroups
         self.num_threads = 128 + self.consumer_threads
 
@@ -116,6 +117,7 @@ class WarpSpecializedBackward(AttentionBackward):
                 tma.prefetch(tma_lse, tma_d)
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         q_pipe, kv_pipe = self.make_pipelines(storage, sQ_layout, sKV_layout, self.consumer_threads // 32)
+        do_pipe = self.make_do_pipeline(storage, sQ_layout, sKV_layout, self.consumer_threads // 32)
         pipeline.init_done()
         s = self.smem_tensors(storage, sQ_layout, sKV_layout, sPdS_layout)
         s.sdQ = smem.get_tensor(storage.sdQ, sdQ_layout)
@@ -128,7 +130,7 @@ class WarpSpecializedBackward(AttentionBackward):
             if warp_idx == 0:
                 q_copies, kv_copies = self.tma_copies(tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV,
                                                       s, head, batch, seq, (tma_lse, mLSE2_tiles, tma_d, mD_tiles))
-                self.load(q_pipe, kv_pipe, q_copies, kv_copies, n_block, start, m_first, m_end)
+                self.load(q_pipe, kv_pipe, q_copies, kv_copies, n_block, start, m_first, m_end, do_pipe)
             if warp_idx == 1:
                 self.write_dq(mdQacc, s, mLock, n_block, head, batch, start, m_first, m_end,
                               seq, window, tidx % 32)
@@ -141,7 +143,7 @@ class WarpSpecializedBackward(AttentionBackward):
             for i in cutlass.range(m_end - m_first, unroll=1):
                 q_consumer = self.consume_step(ctx, s, q_pipe, q_consumer,
                                                self.m_block_at(i, start, m_first, m_end), n_block,
-                                               scale_log2)
+                                               scale_log2, do_pipe)
             self.store_dkv(ctx, s, mdK, mdV, n_block, head, batch, softmax_scale, mLSE2.shape[1])
 
     @cute.jit
@@ -178,13 +180,22 @@ class WarpSpecializedBackward(AttentionBackward):
 
     @cute.jit
     def load(self, q_pipe, kv_pipe, q_copies, kv_copies, n_block: Int32, start: Int32, m_first: Int32,
-             m_end: Int32):
-        """Loader warp: K/V once, then Q_i and dO_i for every Q tile, as stages free up."""
+             m_end: Int32, do_pipe=None):
+        """Loader warp: K/V once, then Q_i and dO_i for every Q tile, as stages free up (with
+        `split_do`, dO_i into its own ring once the consumers have released dO_{i-1})."""
         pipeline.produce(kv_pipe, pipeline.producer_state(1), n_block, kv_copies)
+        do_copies = []
+        if cutlass.const_expr(self.split_do):  # (tma_copies' second entry is dO's)
+            q_copies, do_copies = [q_copies[0]] + q_copies[2:], [q_copies[1]]
         q_state = pipeline.producer_state(self.q_stages)
         for i in cutlass.range(m_end - m_first, unroll=1):
-            q_state = pipeline.produce(q_pipe, q_state, self.m_block_at(i, start, m_first, m_end), q_copies)
+            m_block = self.m_block_at(i, start, m_first, m_end)
+            q_state = pipeline.produce(q_pipe, q_state, m_block, q_copies)
+            if cutlass.const_expr(self.split_do):
+                pipeline.produce(do_pipe, pipeline.state_at(self.do_stages, i, producer=True), m_block, do_copies)
         pipeline.tail(q_pipe, q_state)
+        if cutlass.const_expr(self.split_do):
+            pipeline.tail(do_pipe, pipeline.state_at(self.do_stages, m_end - m_first, producer=True))
 
     @cute.jit
     def write_dq(self, mdQacc, s, mLock, n_block: Int32, head: Int32, batch: Int32,
@@ -229,12 +240,16 @@ class WarpSpecializedBackward(AttentionBackward):
         return origin
 
     @cute.jit
-    def consume_step(self, ctx, s, q_pipe, q_state, m_block: Int32, n_block: Int32, scale_log2: Float32):
-        """One Q tile: S and dP in flight together, P under dP; dQ handed off under dV and dK."""
+    def consume_step(self, ctx, s, q_pipe, q_state, m_block: Int32, n_block: Int32, scale_log2: Float32,
+                     do_pipe=None):
+        """One Q tile: S and dP in flight together, P under dP; dQ handed off under dV and dK.
+        `split_do`: dO_i waited for between S and dP, released once dV is done."""
         consumers = self.consumer_threads
         lse2, dsum = self.step_stats(ctx, q_pipe, q_state, m_block)
-        stage = q_state.index
-        acc_s, acc_dp = self.scores_and_dp(ctx, stage, 1)  # S has landed, dP may still run
+        stage, do_state = q_state.index, None
+        if cutlass.const_expr(self.split_do):
+            do_state = pipeline.state_at(self.do_stages, q_state.count)
+        acc_s, acc_dp = self.scores_and_dp(ctx, stage, 1, do_pipe, do_state)  # S has landed, dP may still run
         self.probabilities(ctx, acc_s, lse2, m_block, n_block, ctx.seq.seqlen_q, ctx.seq.seqlen_k, scale_log2)
         if cutlass.const_expr(self.pairs_make_ds()):
             p = mma.to_dtype_pairs(acc_s, self.dtype)  # S's FP32 registers die here, before dP lands
@@ -252,8 +267,12 @@ class WarpSpecializedBackward(AttentionBackward):
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=consumers)
         acc_dq = self.issue_dq(ctx, -1)
-        self.issue_dkv(ctx, s, stage)
-        warpgroup.wait_group(2)  # dQ is done; dV and dK still run
+        self.issue_dkv(ctx, s, stage, do_state.index if cutlass.const_expr(self.split_do) else stage)
+        if cutlass.const_expr(self.split_do):
+            warpgroup.wait_group(1)  # dQ and dV are done (dK still runs): dO_i is free
+            pipeline.release(do_pipe, do_state)
+        else:
+            warpgroup.wait_group(2)  # dQ is done; dV and dK still run
         self.hand_off_dq(ctx, s, acc_dq, step=q_state.count)
         warpgroup.wait_group(0)
         return pipeline.release(q_pipe, q_state)

@@ -22,7 +22,7 @@ carries the new count/phase across dynamic control flow.
 
 import cutlass.cute as cute
 from cutlass import pipeline
-from cutlass.pipeline import PipelineUserType, make_pipeline_state  # noqa: F401  (re-export)
+from cutlass.pipeline import PipelineState, PipelineUserType, make_pipeline_state  # noqa: F401  (re-export)
 
 
 def create(barrier_ptr, stages: int, consumer_warps: int, tx_bytes: int, cluster_m: int = 1):
@@ -72,6 +72,14 @@ def producer_state(stages: int):
 
 def consumer_state(stages: int):
     return make_pipeline_state(PipelineUserType.Consumer, stages)
+
+
+def state_at(stages: int, count, producer: bool = False):
+    """The state of a ring of `stages` after `count` advances from its start (producer or
+    consumer): for a ring driven in step with another whose state carries the count (B2's
+    one-stage dO ring follows the Q ring), without a state of its own carried through the loop."""
+    phase = (count // stages) % 2
+    return PipelineState(stages, count, count % stages, 1 - phase if producer else phase)
 
 
 def produce(pipe, state, tile, copies):
