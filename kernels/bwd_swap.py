@@ -209,9 +209,11 @@ class SwappedBackward(WarpSpecializedBackward):
         return acc_dq
 
     @cute.jit
-    def consume_step(self, ctx, s, q_pipe, q_state, m_block: Int32, n_block: Int32, scale_log2: Float32):
+    def consume_step(self, ctx, s, q_pipe, q_state, m_block: Int32, n_block: Int32, scale_log2: Float32,
+                     do_pipe=None):
         """One Q tile: S^T and dP^T in flight together; dV issued from P^T's registers under dP^T;
-        dK from dS^T's registers; dS^T to SMEM, one barrier, dQ; dQ handed off under dK."""
+        dK from dS^T's registers; dS^T to SMEM, one barrier, dQ; dQ handed off under dK. (dO
+        rides on the Q ring: `do_pipe` is always None here.)"""
         consumers = self.consumer_threads
         lse2, dsum = self.step_stats(ctx, q_pipe, q_state, m_block)
         stage = q_state.index
