@@ -11,20 +11,27 @@ at d256. Here (FlashAttention-3's `dKV_swapAB`) the same GEMMs produce the trans
 The head dim is now M: d256's 256 rows split into 128 a warpgroup, d192's 192 (three atoms)
 do not halve, so there the warpgroups split the keys instead (48 of 96 each; P and dS take the
 32-byte swizzle so a warpgroup's 48 columns are whole atoms). The key count is N, any multiple
-of 8 a warpgroup: 96 keys at d192 and 48 at d256 (flash-attn-4's sm90 tiles), where B2 has 64.
-S, dP and dQ are B2's (S and dP split the keys among the warpgroups: 24 at d256, written with
-2-matrix stmatrix).
+of 8 a warpgroup: 96 keys at d192 and 64 at d256. S, dP and dQ are B2's (S and dP split the keys
+among the warpgroups).
 
-SMEM for two Q/dO stages: the FP32 dQ buffer holds one warpgroup's share (half a Q tile), and the
-warpgroups take turns: warpgroup 0 fills it, the writer warp adds it to global memory, hands it
+One dO stage (`do_stages` = 1, bwd.py): dO_i comes in a ring of its own, waited for between S
+and dP and released as soon as dV^T is done, while Q keeps two stages. The SMEM it frees buys
+64-key tiles at d256 (cuDNN's width; with two Q/dO stages only 48 fit, flash-attn-4's) and a dQ
+buffer per warpgroup at d192 (`shared_dq_buffer` False); under locked clocks on an H100 the
+d256 main kernel took 18-20% fewer cycles than on 48-key tiles, d192's 12% fewer
+(worklog/backward.md).
+
+The FP32 dQ buffer at d256 holds one warpgroup's share (half a Q tile), and the warpgroups take
+turns: warpgroup 0 fills it, the writer warp adds it to global memory, hands it
 to warpgroup 1 once read, adds that one, hands it back. Warpgroup 1 waits for the writer while
 its dV^T and dK^T GEMMs run. The turns are mbarriers (full and empty per warpgroup, waited on
 by parity), not B2's named barriers: thread t of each warpgroup writes the same bytes, and
 compute-sanitizer's racecheck orders such writes through mbarriers but reports looped
 named-barrier hand-offs as hazards (a 96-thread model of these turns: 1024 reported with named
 barriers, 0 with mbarriers; both ran correctly).
-bf16 d192: Q/dO 2 x 48 KB, K/V 72 KB, P/dS 24 KB, dQ 24 KB = 217 KB; d256: Q/dO 2 x 64 KB,
-K/V 48 KB, P/dS 12 KB, dQ 32 KB = 220 KB.
+With `shared_dq_buffer` False each warpgroup has a buffer of its own, handed back to it once
+read (no turns). bf16 d192: Q 2 x 24 KB, dO 24 KB, K/V 72 KB, P/dS 24 KB, dQ 2 x 24 KB = 216 KB;
+d256: Q 2 x 32 KB, dO 32 KB, K/V 64 KB, P/dS 16 KB, dQ 32 KB = 208 KB.
 
 After the walk dK and dV leave as B2's do (rows through the free sK/sV tiles, 16-byte stores),
 written into the tiles through the transposed view element by element (once per CTA).
