@@ -203,6 +203,7 @@ class WarpSpecializedBackward(AttentionBackward):
         """dQ writer warp: per Q tile, one bulk reduce-add of the consumers' FP32 shares."""
         handoff = self.consumer_threads + 32
         cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=handoff)  # the first credit
+        prev_m = m_first  # (`defers_dq_bump`: the Q tile whose counter is still to be passed on)
         for i in cutlass.range(m_end - m_first, unroll=1):
             m_block = self.m_block_at(i, start, m_first, m_end)
             cute.arch.barrier(barrier_id=DQ_FULL, number_of_threads=handoff)
@@ -213,13 +214,22 @@ class WarpSpecializedBackward(AttentionBackward):
                 self.reduce_fragments(mdQacc, s.sdQ[None, 0].iterator, seq, m_block, head, batch,
                                       self.mma_warpgroups * self.half_elems())
             cute.arch.cp_async_bulk_commit_group()
-            if cutlass.const_expr(self.ordered_dq):
+            if cutlass.const_expr(self.defers_dq_bump):
+                if i > 0:  # the previous tile's sums have landed: pass its counter on
+                    cute.arch.cp_async_bulk_wait_group(1, read=False)
+                    accum.ordered_end(self.dq_counter(mLock, seq, prev_m, head, batch), lane, cute.arch.sync_warp)
+                prev_m = m_block
+                cute.arch.cp_async_bulk_wait_group(0, read=True)  # the buffer has been read
+            elif cutlass.const_expr(self.ordered_dq):
                 cute.arch.cp_async_bulk_wait_group(0, read=False)  # the sums have landed
                 accum.ordered_end(counter, lane, cute.arch.sync_warp)
             else:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)  # the buffer has been read
             cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=handoff)
         cute.arch.cp_async_bulk_wait_group(0, read=False)
+        if cutlass.const_expr(self.defers_dq_bump):
+            if m_end > m_first:
+                accum.ordered_end(self.dq_counter(mLock, seq, prev_m, head, batch), lane, cute.arch.sync_warp)
 
     @cute.jit
     def reduce_fragments(self, mdQacc: cute.Tensor, src, seq, m_block: Int32, head: Int32, batch: Int32,
