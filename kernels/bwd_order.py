@@ -9,11 +9,13 @@ same bits every run. The order:
     causal or windowed (`kv_reversed`): descending K/V tiles, the CTAs numbered from the last tile,
         so the diagonal's CTA, whose walk reaches the Q tile first, adds first and is launched first;
     no mask: ascending K/V tiles, or rotated (`rotates_ordered`: K/V tile n starts its walk at Q
-        tile n and Q tile m takes its adds in the order the walks bring them).
+        tile n * step, `rotation_step`: tile_n / tile_m where the Q tiles leave room, else 1, and
+        Q tile m takes its adds in the order the walks bring them).
 
-Descending walks whose K/V tiles span two or more Q tiles pass a Q tile's counter on one step
-late (`defers_dq_bump`): the writer issues the next tile's adds before it waits for this tile's
-to land, so the consumers no longer wait a whole reduce round trip per tile.
+Where the K/V tile a CTA waits on for Q tile m walked m two or more steps earlier (descending
+walks, and rotated ones of step 2 or more), a Q tile's counter is passed on one step late
+(`defers_dq_bump`): the writer issues the next tile's adds before it waits for this tile's to
+land, so the consumers no longer wait a whole reduce round trip per tile.
 
 Packed batches launch as fixed lengths do: entry after entry, each entry's heads in turn, a
 head's K/V tiles in a row (`kv_tile_work`; one head's tiles of every entry in a row, the order
@@ -108,11 +110,20 @@ class DqOrder:
 
     @property
     def defers_dq_bump(self) -> bool:
-        """`defer_dq_bump`, where it is safe to wait a step: the descending order (`kv_reversed`)
-        with K/V tiles of at least two Q tiles, so that the K/V tile a CTA waits on for Q tile m
-        walked m at least two steps earlier; one step earlier (K/V tiles of one Q tile, the
-        rotated walk), its bump would wait on this CTA's own next add, a chain through the head."""
-        return self.defer_dq_bump and self.kv_reversed and self.tile_n >= 2 * self.tile_m
+        """Whether this variant may pass counters on late (`defer_dq_bump`): K/V tiles of at
+        least two Q tiles, descending or rotated walks (`defers_now` decides per entry)."""
+        return self.defer_dq_bump and self.tile_n >= 2 * self.tile_m and (self.kv_reversed or self.rotates_unmasked)
+
+    @cute.jit
+    def defers_now(self, seqlen_q: Int32, seqlen_k: Int32):
+        """`defers_dq_bump` where it is safe to wait a step: the K/V tile a CTA waits on for Q tile
+        m walked m at least two steps earlier (descending walks; rotated ones of step >= 2). At
+        one step earlier (ascending or step-1 rotated walks) its bump would wait on this CTA's own
+        next add, a chain through the whole head."""
+        defer = cutlass.Boolean(True)
+        if cutlass.const_expr(not self.kv_reversed):
+            defer = self.rotates_ordered(seqlen_q, seqlen_k) and self.rotation_step(seqlen_q, seqlen_k) >= 2
+        return defer
 
     @property
     def kv_reversed(self) -> bool:
@@ -165,19 +176,33 @@ class DqOrder:
             turn = n_block - mask.n_block_min(m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k,
                                               window=window)
         elif cutlass.const_expr(self.rotates_unmasked):
-            # K/V tile n walks the Q tiles from tile n (`rotates_ordered`): Q tile m is reached
-            # first by K/V tile min(m, kv_tiles - 1), then by the ones below it, cyclically. Ranking
-            # the adds in that order, each CTA finds its turn come as it arrives (ascending turns
-            # made a wavefront: K/V tile n waited n steps before its first add)
+            # K/V tile n walks the Q tiles from tile n * step (`rotates_ordered`): Q tile m is
+            # reached first by K/V tile min(m / step, kv_tiles - 1), then by the ones below it,
+            # cyclically, each `step` steps after the last. Ranking the adds in that order, each CTA
+            # finds its turn come as it arrives (ascending turns made a wavefront: K/V tile n
+            # waited n steps before its first add)
             kv_tiles = (seqlen_k + self.tile_n - 1) // self.tile_n
             if self.rotates_ordered(seqlen_q, seqlen_k):
-                turn = (cutlass.min(m_block, kv_tiles - 1) - n_block + kv_tiles) % kv_tiles
+                first = cutlass.min(m_block // self.rotation_step(seqlen_q, seqlen_k), kv_tiles - 1)
+                turn = (first - n_block + kv_tiles) % kv_tiles
         return turn
 
     @property
     def rotates_unmasked(self) -> bool:
         """Whether this variant's ordered walks may rotate (`rotated_ordered_walk`, no mask)."""
         return self.rotated_ordered_walk and not (self.causal or self.local)
+
+    @cute.jit
+    def rotation_step(self, seqlen_q: Int32, seqlen_k: Int32) -> Int32:
+        """How many Q tiles apart the rotated walks start (`rotates_ordered`): tile_n / tile_m (a K/V
+        tile's span, so that a Q tile's visitors come that many steps apart), where the Q tiles
+        hold kv_tiles starts that far apart, else 1."""
+        step = Int32(1)
+        if cutlass.const_expr(self.tile_n >= 2 * self.tile_m):
+            kv_tiles = (seqlen_k + self.tile_n - 1) // self.tile_n
+            q_tiles = (seqlen_q + self.tile_m - 1) // self.tile_m
+            step = cutlass.max(cutlass.min(Int32(self.tile_n // self.tile_m), q_tiles // cutlass.max(kv_tiles, 1)), 1)
+        return step
 
     @cute.jit
     def rotates_ordered(self, seqlen_q: Int32, seqlen_k: Int32):

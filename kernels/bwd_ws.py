@@ -157,15 +157,16 @@ class WarpSpecializedBackward(AttentionBackward):
         into the same dQ tile at once; under a mask each walk already starts at its own first Q
         tile (the diagonal's), and rotating it made two CTAs of a head walk the same tiles in step
         (b7/b8 causal, H100: 0.3-4.4% slower, worklog/backward.md). Ordered without a mask:
-        rotated the same way where the entry has no more K/V tiles than Q tiles
-        (`rotates_ordered`; `dq_turn` ranks the adds in the order the walks bring them); else in
-        order (the counters hand each tile from n to n + 1)."""
+        rotated too where the entry has no more K/V tiles than Q tiles, each walk `rotation_step`
+        Q tiles after the last (`rotates_ordered`; `dq_turn` ranks the adds in the order the walks
+        bring them); else in order (the counters hand each tile from n to n + 1)."""
         start = m_first
         if cutlass.const_expr(not self.ordered_dq and not (self.causal or self.local)):
             start = m_first + n_block % cutlass.max(m_end - m_first, 1)
         elif cutlass.const_expr(self.rotates_unmasked):
             if self.rotates_ordered(seq.seqlen_q, seq.seqlen_k):
-                start = m_first + n_block % cutlass.max(m_end - m_first, 1)
+                step = self.rotation_step(seq.seqlen_q, seq.seqlen_k)
+                start = m_first + (n_block * step) % cutlass.max(m_end - m_first, 1)
         return start
 
     @cute.jit
@@ -204,6 +205,9 @@ class WarpSpecializedBackward(AttentionBackward):
         handoff = self.consumer_threads + 32
         cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=handoff)  # the first credit
         prev_m = m_first  # (`defers_dq_bump`: the Q tile whose counter is still to be passed on)
+        defer = cutlass.Boolean(False)
+        if cutlass.const_expr(self.defers_dq_bump):
+            defer = self.defers_now(seq.seqlen_q, seq.seqlen_k)
         for i in cutlass.range(m_end - m_first, unroll=1):
             m_block = self.m_block_at(i, start, m_first, m_end)
             cute.arch.barrier(barrier_id=DQ_FULL, number_of_threads=handoff)
@@ -214,7 +218,7 @@ class WarpSpecializedBackward(AttentionBackward):
                 self.reduce_fragments(mdQacc, s.sdQ[None, 0].iterator, seq, m_block, head, batch,
                                       self.mma_warpgroups * self.half_elems())
             cute.arch.cp_async_bulk_commit_group()
-            if cutlass.const_expr(self.defers_dq_bump):
+            if defer:
                 if i > 0:  # the previous tile's sums have landed: pass its counter on
                     cute.arch.cp_async_bulk_wait_group(1, read=False)
                     accum.ordered_end(self.dq_counter(mLock, seq, prev_m, head, batch), lane, cute.arch.sync_warp)
@@ -227,9 +231,8 @@ class WarpSpecializedBackward(AttentionBackward):
                 cute.arch.cp_async_bulk_wait_group(0, read=True)  # the buffer has been read
             cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=handoff)
         cute.arch.cp_async_bulk_wait_group(0, read=False)
-        if cutlass.const_expr(self.defers_dq_bump):
-            if m_end > m_first:
-                accum.ordered_end(self.dq_counter(mLock, seq, prev_m, head, batch), lane, cute.arch.sync_warp)
+        if defer and m_end > m_first:
+            accum.ordered_end(self.dq_counter(mLock, seq, prev_m, head, batch), lane, cute.arch.sync_warp)
 
     @cute.jit
     def reduce_fragments(self, mdQacc: cute.Tensor, src, seq, m_block: Int32, head: Int32, batch: Int32,
