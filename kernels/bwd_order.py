@@ -14,8 +14,8 @@ same bits every run. The order:
 
 Where the K/V tile a CTA waits on for Q tile m walked m two or more steps earlier (descending
 walks, and rotated ones of step 2 or more), a Q tile's counter is passed on one step late
-(`defers_dq_bump`): the writer issues the next tile's adds before it waits for this tile's to
-land, so the consumers no longer wait a whole reduce round trip per tile.
+(`defers_dq_bump`, `defers_now`): the writer issues the next tile's adds before it waits for this
+tile's to land, so the consumers no longer wait a whole reduce round trip per tile.
 
 Packed batches launch as fixed lengths do: entry after entry, each entry's heads in turn, a
 head's K/V tiles in a row (`kv_tile_work`; one head's tiles of every entry in a row, the order
@@ -107,22 +107,41 @@ class DqOrder:
     # tile's adds (the sums of this one then land under them), not right after its own adds;
     # B2's deterministic d128 main kernel, locked clocks: 5-6% fewer cycles, the same bits
     defer_dq_bump = True
+    # ascending walks (no mask, too many K/V tiles to rotate) too: a CTA waits only on the one
+    # below it, so the late bump lengthens the wavefront's start once, not each step (no cycle:
+    # K/V tile 0 waits on nobody). Not measured yet: off
+    defer_ascending = False
 
     @property
     def defers_dq_bump(self) -> bool:
-        """Whether this variant may pass counters on late (`defer_dq_bump`): K/V tiles of at
-        least two Q tiles, descending or rotated walks (`defers_now` decides per entry)."""
-        return self.defer_dq_bump and self.tile_n >= 2 * self.tile_m and (self.kv_reversed or self.rotates_unmasked)
+        """Whether this variant may pass counters on late (`defer_dq_bump`; `defers_now` decides
+        per entry): descending walks of K/V tiles that span two or more Q tiles, rotated ones that
+        can start two or more Q tiles apart, and (`defer_ascending`) ascending ones."""
+        if not (self.defer_dq_bump and self.ordered_dq):
+            return False
+        wide = self.tile_n >= 2 * self.tile_m
+        if self.kv_reversed:
+            return wide
+        return (self.rotates_unmasked and wide) or self.defer_ascending
 
     @cute.jit
     def defers_now(self, seqlen_q: Int32, seqlen_k: Int32):
-        """`defers_dq_bump` where it is safe to wait a step: the K/V tile a CTA waits on for Q tile
-        m walked m at least two steps earlier (descending walks; rotated ones of step >= 2). At
-        one step earlier (ascending or step-1 rotated walks) its bump would wait on this CTA's own
-        next add, a chain through the whole head."""
+        """`defers_dq_bump` where it is safe to wait a step. Descending walks and rotated ones of
+        step >= 2: the K/V tile a CTA waits on for Q tile m walked m at least two steps earlier. A
+        rotated walk of step 1 must not: the CTA it waits on would be waiting, at the same step,
+        for the next one's next add, and so on around the head, back to itself (a deadlock); nor
+        descending walks of K/V tiles of one Q tile (d64's 128 x 128: every step's adds would
+        wait for walks that end later). Ascending walks (`defer_ascending`): a CTA waits only on
+        lower ones."""
         defer = cutlass.Boolean(True)
         if cutlass.const_expr(not self.kv_reversed):
-            defer = self.rotates_ordered(seqlen_q, seqlen_k) and self.rotation_step(seqlen_q, seqlen_k) >= 2
+            rotates = cutlass.Boolean(False)
+            if cutlass.const_expr(self.rotates_unmasked):
+                rotates = self.rotates_ordered(seqlen_q, seqlen_k)
+            if rotates:
+                defer = self.rotation_step(seqlen_q, seqlen_k) >= 2
+            else:
+                defer = cutlass.Boolean(self.defer_ascending)
         return defer
 
     @property

@@ -367,3 +367,28 @@ def test_b9_dq_turns_are_mbarriers(head_dim, head_dim_v, deterministic):
     assert not re.search(r"\bbar\.(sync|arrive)\s+[2-5],", report.ptx)
     assert report.ptx.count("mbarrier.try_wait.parity") >= 4  # Q ring, K/V, and the two turns
     assert report.spill_bytes == 0 and not report.serialized_wgmma
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_dq_counters_only_in_ordered_walks(causal):
+    """The dQ counters (mLock) exist only where dQ is ordered (an unordered call passes a
+    one-element stand-in): b2 unordered bumps no counter (no release atomics in its PTX), ordered
+    it does, and the late bump (`defers_dq_bump`) is only ever taken by ordered walks, never by
+    descending ones of K/V tiles that span a single Q tile (worklog/backward.md)."""
+    spec = registry.get("b2")
+    for deterministic in (False, True):
+        report = _compile.compile_report(spec, torch.bfloat16, head_dim=128, causal=causal,
+                                         deterministic=deterministic)
+        assert ("atom.global.release.add" in report.ptx) == deterministic
+    cls, dtype = spec.load_class(), _dsl.import_cute()[0].BFloat16
+    for rung in [s for s in registry.KERNELS.values() if s.family == registry.BACKWARD]:
+        name = rung.name
+        for head_dim in rung.head_dims:
+            for deterministic in (False, True):
+                kernel = rung.load_class()(dtype=dtype, head_dim=head_dim, causal=causal,
+                                           deterministic=deterministic, **rung.config_for(head_dim))
+                if kernel.defers_dq_bump:
+                    assert kernel.ordered_dq, (name, head_dim, deterministic)
+                    assert not (kernel.kv_reversed and kernel.tile_n < 2 * kernel.tile_m), (name, head_dim)
+    b2_d128 = cls(dtype=dtype, head_dim=128, causal=causal, deterministic=True, **spec.config_for(128))
+    assert b2_d128.defers_dq_bump  # (the check above can fail)
