@@ -9,10 +9,13 @@ bench_attention's setting.
     ncu -i bwd.ncu-rep --page source --csv --print-source sass > bwd.csv
     python benchmarks/sass_stalls.py bwd.csv     # stall samples per opcode, per kernel
 
-Ranking variants (a few percent apart) by kernel time: lock the SM clock, where one kernel's time
-repeats to 0.1-0.5% (the benchmark's sustained clocks move 4-5% between identical kernels):
+Ranking variants (a few percent apart): lock the SM clock, where one kernel's cycles repeat to
+0.1-0.5% (the benchmark's sustained clocks move 4-5% between identical kernels), and rank by
+sm__cycles_active.avg: with several sections a kernel is replayed pass by pass and a section's
+duration comes from whatever clock its pass ran at (worklog/backward.md):
 
-    ncu --clock-control base --profile-from-start off --metrics gpu__time_duration.sum --csv \
+    ncu --clock-control base --profile-from-start off --csv \
+        --metrics gpu__time_duration.sum,sm__cycles_active.avg \
         python benchmarks/profile_kernels.py --backward --causal --runners b8,h0,fa4 \
         --variant h0=b8:head_groups=0
 

@@ -317,12 +317,10 @@ KERNELS: dict[str, KernelSpec] = {
             # turns): 12% fewer cycles causal and not, at flash-attn-4's level
             per_head_dim={192: {"do_stages": 1, "shared_dq_buffer": False}, 256: {"tile_n": 64, "do_stages": 1}},
             head_dims=(192, 256), value_head_dims=((192, 128),),
-            # d256 too: on an H100 b9's main kernel took 9-15% less time than b2's causal (locked
-            # clocks, 2k / 8k / 16k) and -3..+2% without a mask; the benchmark there, b9 / b2:
-            # +7.5-13.5% causal, -0.9..+3.0% non-causal (an H200 benchmark in an earlier session
-            # read b2 1-6% ahead). Deterministic d256 stays on b2: b9's ran 0.53-0.71x of itself
-            # (its ordered adds come in two halves each, and 48-key tiles make the chain of a Q
-            # tile's contributors long)
+            # d256 too (H100 benchmark: 1.06-1.20x the better of cuDNN and flash-attn-4).
+            # Deterministic d256 stays on b2: b9's ordered walk on the 64-key tiles measured level
+            # causal and 11% slower without a mask (locked clocks, 8k; its ordered adds come in
+            # two halves, one a warpgroup)
             default_head_dims=(192, 256), deterministic_head_dims=(192,),
             ptx_promises=_BWD_WS_PTX + ("stmatrix.sync.aligned.m8n8.x4.trans",), ptx_forbids=_BWD_WS_FORBIDS,
             speed_rank=8, variants=VARIANTS,

@@ -12,8 +12,9 @@ With P = softmax(Q K^T * scale) recomputed from the forward's LSE, and dO given:
 
 The CTA loads its K_j and V_j once (TMA), then walks the Q tiles that see them (all of them, or
 from the causal diagonal down) through a `q_stages`-deep ring that brings Q_i and dO_i on one
-barrier (B2 on may give dO fewer stages, `do_stages`, in a ring of its own). dK and dV stay in registers for the whole walk and are written once, scaled by
-softmax_scale (the chain rule through S * scale). dQ_i gets a contribution from every K/V tile, so
+barrier (B2 on may give dO fewer stages, `do_stages`, in a ring of its own). dK and dV stay in
+registers for the whole walk and are written once, scaled by softmax_scale (the chain rule
+through S * scale). dQ_i gets a contribution from every K/V tile, so
 it is accumulated in FP32 global memory with atomic adds (common/accum.py; in a fixed order when
 `deterministic`); the postprocess scales and rounds it.
 
