@@ -80,16 +80,18 @@ def family_rung(family, kernel, head_dim, operands):
     return registry.get(fastest_rung(family, head_dim))
 
 
-def backward_rung(kernel, head_dim, deterministic=False, head_dim_v=None):
+def backward_rung(kernel, head_dim, deterministic=False, head_dim_v=None, masked=False):
     """The backward rung `kernel` (None: the fastest for head_dim, and for deterministic calls
-    when `deterministic`), checked to support head_dim (and v's head_dim_v where it differs)."""
+    when `deterministic`, with a causal mask or window when `masked`: masking.masked), checked to
+    support head_dim (and v's head_dim_v where it differs)."""
     value_dim = None if head_dim_v in (None, head_dim) else head_dim_v
     if kernel is None:
         # (plain ints even where torch.compile made the head dims symbolic; the forward checked them)
         head_dim = next(d for d in registry.HEAD_DIMS if d == head_dim)
         if value_dim is not None:
             value_dim = next((dv for d, dv in registry.VALUE_HEAD_DIMS if (d, dv) == (head_dim, value_dim)), value_dim)
-        spec = registry.get(fastest_rung(registry.BACKWARD, head_dim, bool(deterministic), value_dim))
+        spec = registry.get(fastest_rung(registry.BACKWARD, head_dim, bool(deterministic), value_dim,
+                                         bool(masked)))
     else:
         spec = registry.get(kernel)
         if spec.family != registry.BACKWARD:
@@ -105,9 +107,9 @@ def backward_rung(kernel, head_dim, deterministic=False, head_dim_v=None):
 
 @torch.compiler.assume_constant_result
 def fastest_rung(family: str, head_dim: int | None = None, deterministic: bool = False,
-                 head_dim_v: int | None = None) -> str:
+                 head_dim_v: int | None = None, masked: bool = False) -> str:
     """registry.fastest's name; torch.compile takes it as a constant (it cannot trace max(key=))."""
-    return registry.fastest(family, head_dim, deterministic, head_dim_v).name
+    return registry.fastest(family, head_dim, deterministic, head_dim_v, masked).name
 
 
 def check_variants(spec, mask: masking.Masking, argument: str) -> None:

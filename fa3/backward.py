@@ -24,10 +24,13 @@ import torch
 from . import _checks, _compile, _dispatch, _launch, interface, masking, varlen
 
 
-def check_backward(dout, q, k, v, out, lse, kernel, cu_seqlens=None, sinks=None, deterministic=False):
+def check_backward(dout, q, k, v, out, lse, kernel, cu_seqlens=None, sinks=None, deterministic=False,
+                   masked=False):
     """The backward op's arguments: the forward's (checked again: the op can be called directly)
     plus dout and out shaped like q and the forward's FP32 lse: (batch, heads_q, seqlen_q), or
-    (heads_q, total_q) for a packed batch (`cu_seqlens`: its (cu_seqlens_q, cu_seqlens_k))."""
+    (heads_q, total_q) for a packed batch (`cu_seqlens`: its (cu_seqlens_q, cu_seqlens_k)).
+    `masked` (masking.masked): whether the call has a causal mask or window (picks kernel=None's
+    deterministic rung)."""
     if cu_seqlens is None:
         interface.check_attention(q, k, v, None)
         batch, seqlen_q, heads_q, head_dim = q.shape
@@ -36,7 +39,8 @@ def check_backward(dout, q, k, v, out, lse, kernel, cu_seqlens=None, sinks=None,
         varlen.check_varlen(q, k, v, *cu_seqlens, None, None, None, check_values=False)
         total_q, heads_q, head_dim = q.shape
         lse_shape, lse_layout = (heads_q, total_q), "(heads_q, total_q)"
-    spec = _dispatch.memo_rung(_dispatch.backward_rung, kernel, head_dim, bool(deterministic), v.shape[-1])
+    spec = _dispatch.memo_rung(_dispatch.backward_rung, kernel, head_dim, bool(deterministic), v.shape[-1],
+                               bool(masked))
     if cu_seqlens is not None:
         varlen.check_varlen_rung(spec, "backward_kernel")
     like = _checks.output_like(q, v)  # q's shape with v's head dim
@@ -84,7 +88,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False,
     sinks: the forward's attention sinks, (heads_q,) float32: then (dq, dk, dv, dsinks). (dq, dk and
     dv need only the lse, which includes the sinks; dsinks depends on out, lse and dout alone, so
     it is the same for every key block of a merged result: take it once.)"""
-    spec = check_backward(dout, q, k, v, out, lse, backward_kernel, sinks=sinks, deterministic=deterministic)
+    spec = check_backward(dout, q, k, v, out, lse, backward_kernel, sinks=sinks, deterministic=deterministic,
+                          masked=masking.masked(causal, window_size))
     return _backward(spec, (dout, q, k, v, out, lse), None, causal, softmax_scale, window_size, softcap,
                      deterministic, sinks)
 
@@ -97,7 +102,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     gradient of a given forward result, e.g. one key block's share of a merged one. Sequences may
     be empty; a query row whose sequence has no key gets dq = 0."""
     spec = check_backward(dout, q, k, v, out, lse, backward_kernel, (cu_seqlens_q, cu_seqlens_k), sinks,
-                          deterministic)
+                          deterministic, masking.masked(causal, window_size))
     return _backward(spec, (dout, q, k, v, out, lse), (cu_seqlens_q, cu_seqlens_k), causal, softmax_scale,
                      window_size, softcap, deterministic, sinks)
 

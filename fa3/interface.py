@@ -89,7 +89,7 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     backward_spec = None  # checked now where there will be a backward (v's head dim, the variants)
     if needs_grad:
         backward_spec = _dispatch.memo_rung(_dispatch.backward_rung, backward_kernel, q.shape[3],
-                                            bool(deterministic), v.shape[3])
+                                            bool(deterministic), v.shape[3], masking.masked(causal, window))
     if window != (-1, -1) or softcap:
         mask = masking.masking(causal, window, softcap, scale)
         _dispatch.check_variants(spec, mask, "kernel")
@@ -101,7 +101,7 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     else:
         if backward_spec is None:  # the op names one, never run without gradients
             backward_spec = _dispatch.memo_rung(_dispatch.backward_rung, backward_kernel, q.shape[3],
-                                                bool(deterministic), None)
+                                                bool(deterministic), None, masking.masked(causal, window))
         bwd = backward_spec.name
         result, lse = torch.ops.fa3.attention(q, k, v, causal, scale, spec.name, bool(deterministic), bwd,
                                               window[0], window[1], float(softcap), sinks)

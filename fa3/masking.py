@@ -36,6 +36,13 @@ class Masking(NamedTuple):
         return not (self.local or self.softcap)
 
 
+def masked(causal, window_size) -> bool:
+    """Whether a call masks keys by position (causal, or a window): the backward's ordered dQ walk
+    then runs K/V tiles in descending order, where other rungs are fastest (registry
+    `deterministic_masked_only`)."""
+    return bool(causal) or tuple(window_size) != (-1, -1)
+
+
 _PLAIN: dict = {}  # (causal, softmax_scale) -> the Masking of a call with neither window nor softcap
 
 

@@ -110,8 +110,8 @@ def _save_for_backward(ctx, inputs, output):
 
 def _attention_grads(ctx, dout, _dlse):
     q, k, v, out, lse, sinks = ctx.saved_tensors
-    kernel = ctx.backward_kernel or _dispatch.backward_rung(None, q.shape[3], ctx.deterministic,
-                                                            v.shape[3]).name
+    kernel = ctx.backward_kernel or _dispatch.backward_rung(None, q.shape[3], ctx.deterministic, v.shape[3],
+                                                            masking.masked(ctx.causal, ctx.window)).name
     dq, dk, dv, dsinks = torch.ops.fa3.attention_backward(dout, q, k, v, out, lse, ctx.causal,
                                                           ctx.softmax_scale, kernel, ctx.deterministic,
                                                           ctx.window[0], ctx.window[1], ctx.softcap, sinks)
@@ -226,8 +226,8 @@ def _varlen_save_for_backward(ctx, inputs, output):
 
 def _varlen_grads(ctx, dout, _dlse):
     q, k, v, out, lse, cu_q, cu_k, sinks = ctx.saved_tensors
-    kernel = ctx.backward_kernel or _dispatch.backward_rung(None, q.shape[2], ctx.deterministic,
-                                                            v.shape[2]).name
+    kernel = ctx.backward_kernel or _dispatch.backward_rung(None, q.shape[2], ctx.deterministic, v.shape[2],
+                                                            masking.masked(ctx.causal, ctx.window)).name
     dq, dk, dv, dsinks = torch.ops.fa3.attention_varlen_backward(
         dout, q, k, v, out, lse, cu_q, cu_k, ctx.causal, ctx.softmax_scale, kernel, ctx.deterministic,
         ctx.window[0], ctx.window[1], ctx.softcap, sinks)

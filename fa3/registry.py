@@ -49,6 +49,9 @@ class KernelSpec:
     # Of those, the ones where kernel=None may pick it for deterministic=True (None: all); at the
     # others its ordered dQ adds are slower than a lower rung's.
     deterministic_head_dims: tuple | None = None
+    # ... and there only for calls with a causal mask or a window (masking.masked): without one a
+    # lower rung's ordered walk measured faster
+    deterministic_masked_only: bool = False
     # Workspace for materialised scores (K1 only): the interface allocates it.
     needs_scores_workspace: bool = False
     # A persistent grid (one CTA per SM): the kernel takes the SM count as its last argument.
@@ -113,13 +116,16 @@ FP8_FORBIDS = ("cvt.f32.bf16", "ld.shared.u8", "ld.shared.b8", "ld.shared.u16", 
 
 
 def _swapped_backward(name: str, module: str, cls: str, summary: str, *, head_dims: tuple,
-                      speed_rank: int, value_head_dims: tuple = (), tile_m: int = 64) -> KernelSpec:
+                      speed_rank: int, value_head_dims: tuple = (), tile_m: int = 64,
+                      deterministic_head_dims: tuple = ()) -> KernelSpec:
     """A rung of the S^T backward line (b3 on): 64-row Q tiles (b8: 128) against 128-row K/V
     tiles, two Q stages, dQ by bulk reduce-adds, each column's statistics by shuffles (or from SMEM).
-    Deterministic calls go to b2 instead (`deterministic_head_dims` empty): H200, one run, b2
-    deterministic ran faster than b7's in all six d128 cells (1.02-1.05x) and than b4's in five of
-    six at d96 (worklog/backward.md)."""
-    return KernelSpec(name, BACKWARD, module, cls, summary, deterministic_head_dims=(),
+    Deterministic calls without a mask go to b2 (`deterministic_masked_only`); with one, b4 at d96
+    and b7 at d128 once their writer passes counters on a step late (H100, locked clocks, causal
+    2k: 4-6% fewer cycles than b2's; 8k: level to 1.4% fewer; without a mask b2 1-5% ahead at 2k,
+    3-18% at 8k; worklog/backward.md)."""
+    return KernelSpec(name, BACKWARD, module, cls, summary, deterministic_head_dims=deterministic_head_dims,
+                      deterministic_masked_only=True,
                       config={"tile_m": tile_m, "tile_n": 128, "q_stages": 2}, head_dims=head_dims,
                       value_head_dims=value_head_dims,
                       ptx_promises=_BWD_SWAPPED_PTX, ptx_forbids=_BWD_WS_FORBIDS,
@@ -282,7 +288,7 @@ KERNELS: dict[str, KernelSpec] = {
             "b4", "bwd_split_dq", "SplitDqBackward",
             "+ the dQ share handed to the writer per warpgroup (each half its own reduce-add "
             "and barriers) through two buffers returned a tile late, in fragment order",
-            head_dims=(96, 128), speed_rank=4),  # b3's head dims
+            head_dims=(96, 128), speed_rank=4, deterministic_head_dims=(96,)),  # b3's head dims
         # 64-row Q tiles: 80 (FlashAttention-3's and flash-attn-4's non-causal d128 tile) ran 4-10%
         # slower here (worklog/backward.md)
         _swapped_backward(
@@ -296,7 +302,7 @@ KERNELS: dict[str, KernelSpec] = {
             "buffers, met by the writer alone",
             # b6's head dims: dQ^T stacks d over the warpgroups in 64-row WGMMA atoms; v's head
             # dim 64 on dO, V and dV^T's MMA (P^T and dS^T stay 64 x 128 register fragments)
-            head_dims=(128,), value_head_dims=((128, 64),), speed_rank=6),
+            head_dims=(128,), value_head_dims=((128, 64),), speed_rank=6, deterministic_head_dims=(128,)),
         _swapped_backward(
             "b8", "bwd_wide", "WideSplitDqBackward",
             "b4 on 128 x 128 S^T tiles at d64: dS^T from the rounded P^T (S^T's FP32 registers "
@@ -394,14 +400,17 @@ def available_kernels(family: str | None = None, head_dim: int | None = None) ->
 
 
 def fastest(family: str, head_dim: int | None = None, deterministic: bool = False,
-            head_dim_v: int | None = None) -> KernelSpec:
+            head_dim_v: int | None = None, masked: bool = False) -> KernelSpec:
     """The highest-ranked rung of `family` chosen for head_dim (`default_head_dims`; and,
-    `deterministic`, for deterministic calls there: `deterministic_head_dims`) that takes v's
-    head_dim_v where it differs (`value_head_dims`)."""
+    `deterministic`, for deterministic calls there: `deterministic_head_dims`, with a causal mask
+    or window where `deterministic_masked_only`) that takes v's head_dim_v where it differs
+    (`value_head_dims`)."""
     def serves(s):
         dims = s.head_dims if s.default_head_dims is None else s.default_head_dims
         if deterministic and s.deterministic_head_dims is not None:
             dims = tuple(d for d in dims if d in s.deterministic_head_dims)
+        if deterministic and s.deterministic_masked_only and not masked:
+            return False
         if head_dim_v not in (None, head_dim) and (head_dim, head_dim_v) not in s.value_head_dims:
             return False
         return head_dim is None or head_dim in dims

@@ -39,7 +39,7 @@ def packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                                               or getattr(sinks, "requires_grad", False))
     # v's head dim matters to the backward only when there is one (a forward rung took it already)
     bwd = _dispatch.memo_rung(_dispatch.backward_rung, backward_kernel, q.shape[2], bool(deterministic),
-                              v.shape[2] if needs_grad else None)
+                              v.shape[2] if needs_grad else None, masking.masked(causal, window))
     if needs_grad:
         check_varlen_rung(bwd, "backward_kernel")
         _dispatch.check_variants(bwd, masking.masking(bool(causal), window, softcap, scale), "backward_kernel")

@@ -52,6 +52,12 @@ class SplitDqBackward(SwappedBackward):
     # keep them (2-5% faster with them)
     head_groups = False
 
+    @property
+    def defers_dq_bump(self) -> bool:
+        """The late counter bump (bwd_order.py) holds a tile's buffer until the next tile's adds
+        are issued, so it needs a second buffer to hand that tile off into."""
+        return super().defers_dq_bump and self.dq_buffers >= 2
+
     # ---------------------------------------------------------------- host side
     def sdq_layout(self):
         """(half_elems, halves x buffers) FP32, unswizzled: stage 2 b + w is warpgroup w's half of
@@ -73,6 +79,10 @@ class SplitDqBackward(SwappedBackward):
         handoff = 128 + 32
         for slot in cutlass.range_constexpr(wgs * self.dq_buffers):  # every buffer starts free
             cute.arch.barrier_arrive(barrier_id=self.dq_barriers(slot)[0], number_of_threads=handoff)
+        prev_m = m_first  # (`defers_dq_bump`: the Q tile whose counter is still to be passed on)
+        defer = cutlass.Boolean(False)
+        if cutlass.const_expr(self.defers_dq_bump):
+            defer = self.defers_now(seq.seqlen_q, seq.seqlen_k)
         for i in cutlass.range(m_end - m_first, unroll=1):
             m_block = self.m_block_at(i, start, m_first, m_end)
             buffer = i % self.dq_buffers
@@ -89,7 +99,13 @@ class SplitDqBackward(SwappedBackward):
                 if cutlass.const_expr(self.dq_buffers == 1 and not self.ordered_dq):
                     cute.arch.cp_async_bulk_wait_group(0, read=True)  # read: the slot is free again
                     cute.arch.barrier_arrive(barrier_id=self.dq_barriers(slot)[0], number_of_threads=handoff)
-            if cutlass.const_expr(self.ordered_dq):
+            if defer:
+                if i > 0:  # the previous tile's sums have landed: pass its counter on, free its buffer
+                    cute.arch.cp_async_bulk_wait_group(wgs, read=False)
+                    accum.ordered_end(self.dq_counter(mLock, seq, prev_m, head, batch), lane, cute.arch.sync_warp)
+                    self.free_dq_buffer((i - 1) % self.dq_buffers, handoff)
+                prev_m = m_block
+            elif cutlass.const_expr(self.ordered_dq):
                 cute.arch.cp_async_bulk_wait_group(0, read=False)  # the sums have landed
                 accum.ordered_end(counter, lane, cute.arch.sync_warp)
                 self.free_dq_buffer(buffer, handoff)
@@ -98,6 +114,8 @@ class SplitDqBackward(SwappedBackward):
                     cute.arch.cp_async_bulk_wait_group(wgs, read=True)
                     self.free_dq_buffer((i - 1) % self.dq_buffers, handoff)
         cute.arch.cp_async_bulk_wait_group(0, read=False)
+        if defer and m_end > m_first:
+            accum.ordered_end(self.dq_counter(mLock, seq, prev_m, head, batch), lane, cute.arch.sync_warp)
 
     @cute.jit
     def free_dq_buffer(self, buffer: Int32, handoff: cutlass.Constexpr):

@@ -253,17 +253,26 @@ def test_bad_backward_kernel(no_device_check, bad, words):
 
 def test_deterministic_calls_dispatch_to_their_own_rung():
     """kernel=None with deterministic=True skips a rung at the head dims outside its
-    `deterministic_head_dims` (the S^T rungs: their ordered dQ adds measured slower than b2's),
-    and keeps the default elsewhere."""
-    from fa3 import _dispatch
+    `deterministic_head_dims`, and without a mask a rung that is `deterministic_masked_only` (the
+    S^T rungs' ordered walks lead b2's only where they descend), and keeps the default elsewhere."""
+    from fa3 import _dispatch, masking
 
     for d in registry.HEAD_DIMS:
-        fast, det = _dispatch.backward_rung(None, d), _dispatch.backward_rung(None, d, True)
-        assert d in det.head_dims
-        assert det.deterministic_head_dims is None or d in det.deterministic_head_dims
-        if fast.deterministic_head_dims is None or d in fast.deterministic_head_dims:
-            assert det is fast
+        fast = _dispatch.backward_rung(None, d)
+        for masked in (False, True):
+            det = _dispatch.backward_rung(None, d, True, None, masked)
+            assert d in det.head_dims
+            assert det.deterministic_head_dims is None or d in det.deterministic_head_dims
+            assert masked or not det.deterministic_masked_only
+            if (fast.deterministic_head_dims is None or d in fast.deterministic_head_dims) and (
+                    masked or not fast.deterministic_masked_only):
+                assert det is fast
     assert _dispatch.backward_rung(None, 64).name == "b8" != _dispatch.backward_rung(None, 64, True).name
+    masked = {d: _dispatch.backward_rung(None, d, True, None, True).name for d in (96, 128)}
+    unmasked = {d: _dispatch.backward_rung(None, d, True).name for d in (96, 128)}
+    assert masked == {96: "b4", 128: "b7"} and unmasked == {96: "b2", 128: "b2"}
+    assert masking.masked(False, (-1, -1)) is False
+    assert masking.masked(True, (-1, -1)) and masking.masked(False, (128, 0))
 
 
 def test_default_head_dims_narrow_the_default():
