@@ -51,8 +51,6 @@ TURN_FULL, TURN_EMPTY = 0, 1
 
 class TransposedDkvBackward(WarpSpecializedBackward):
     kv_tile_multiple = 16  # the keys are N of dK^T/dV^T (and of S, dP): 8 a warpgroup
-    # deterministic walks in order: rotated (bwd.py), its two-part ordered adds ran 0.69x at 8k
-    rotated_ordered_walk = False
     dq_turn_barriers = 4  # (full, empty) a warpgroup
 
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 64, tile_n: int = 128,

@@ -51,8 +51,9 @@ from .common import accum, mask, scheduler
 
 
 class DqOrder:
-    # B2 on: ordered (deterministic) walks without a mask start at different Q tiles too
-    # (`rotates_ordered`); B1 walks every K/V tile's Q tiles from the first
+    # ordered (deterministic) walks without a mask start at different Q tiles (`rotates_ordered`):
+    # B2 at d256 (the registry's `rotated_walk`); elsewhere every K/V tile walks its Q tiles from
+    # the first (bwd_ws.py says why)
     rotated_ordered_walk = False
     # The rotated order makes a CTA wait for adds of higher-numbered K/V tiles of its head, so all
     # of a head's K/V tiles must be resident at once (one CTA an SM): with more tiles than SMs it

@@ -53,7 +53,10 @@ class WarpSpecializedBackward(AttentionBackward):
     # the host reads it: dQ accumulated in fragment order (the module docstring), converted by the
     # rung's FragmentDqPostprocess (B1: row-major, by atomics)
     FRAGMENT_DQ = True
-    rotated_ordered_walk = True  # (bwd.py; `walk_start`)
+    # ordered walks without a mask ascend unless the registry rotates them (`rotated_walk`: b2 at
+    # d256): with the late counter bump on wide K/V tiles, ascending walks in head groups ran 8-10%
+    # faster than rotated ones at d96/d128 2k-4k, and 4% at d64 (H100, locked clocks;
+    # worklog/backward.md)
     # GQA dK/dV by bulk reduce-adds of SMEM rows (bwd.py): H200, GQA 4, b7 d128 against the scalar
     # atomics +5/+2% non-causal 2k/8k, +8/-2% causal; b2 d64 +2/+2/+5/-2% (worklog/backward.md)
     dkv_bulk_add = True
@@ -61,9 +64,10 @@ class WarpSpecializedBackward(AttentionBackward):
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 64, tile_n: int = 128,
                  q_stages: int = 2, deterministic: bool = False, local: bool = False,
                  softcap: bool = False, varlen: bool = False, ordered_dq: bool = False,
-                 head_dim_v: int | None = None, do_stages: int = 0):
+                 head_dim_v: int | None = None, do_stages: int = 0, rotated_walk: bool = False):
         super().__init__(dtype, head_dim, causal, tile_m, tile_n, q_stages, deterministic, local,
                          softcap, varlen, ordered_dq, head_dim_v, do_stages)
+        self.rotated_ordered_walk = rotated_walk  # (the registry's, per head dim)
         assert not (self.split_do and self.smem_stats), "D rides with dO: statistics from registers"
         self.consumer_threads = 128 * self.mma_warpgroups
         self.num_threads = 128 + self.consumer_threads

@@ -141,8 +141,8 @@ def test_many_heads_small_seqlen(kernel):
 @pytest.mark.parametrize("kernel", BWD_RUNGS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_deterministic_is_bitwise_repeatable(kernel, causal):
-    """Against float64, and bitwise equal over repeats; non-causal walks are rotated (b2 on:
-    every K/V tile starts at its own Q tile, the adds ranked in arrival order)."""
+    """Against float64, and bitwise equal over repeats (non-causal: ascending walks in head
+    groups; b2's d256 rotated walk: test_deterministic_rotated_walk_is_bitwise_repeatable)."""
     q, k, v, dout = _inputs(2, 1000, 1000, 4, 2, rung_head_dim(kernel))
     first = check_grads(q, k, v, dout, causal, kernel=kernel, deterministic=True)
     for _ in range(3):
@@ -152,11 +152,20 @@ def test_deterministic_is_bitwise_repeatable(kernel, causal):
             assert torch.equal(a, b)
 
 
+def test_deterministic_rotated_walk_is_bitwise_repeatable():
+    """b2 at d256 without a mask: each K/V tile's walk starts at its own Q tile (16 K/V tiles a
+    head), the adds ranked in arrival order; against float64, bitwise equal over repeats."""
+    q, k, v, dout = _inputs(2, 1000, 1000, 2, 1, 256)
+    first = check_grads(q, k, v, dout, False, deterministic=True)
+    again = autograd_grads(lambda q, k, v: fa3.attention(q, k, v, deterministic=True), q, k, v, dout)
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("head_dim", [96, 128])
 def test_deterministic_ascending_walk_is_bitwise_repeatable(head_dim):
-    """Non-causal with more K/V tiles a head than a rotated walk takes (36 > 32): K/V tiles add
-    in ascending order, each Q tile's counter passed on a step late (`defer_ascending`); against
-    float64 and bitwise equal over repeats."""
+    """Non-causal, 36 K/V tiles a head: K/V tiles add in ascending order, each Q tile's counter
+    passed on a step late (`defer_ascending`); against float64 and bitwise equal over repeats."""
     q, k, v, dout = _inputs(1, 4500, 4500, 2, 1, head_dim)
     first = check_grads(q, k, v, dout, False, deterministic=True)
     again = autograd_grads(lambda q, k, v: fa3.attention(q, k, v, deterministic=True), q, k, v, dout)
@@ -440,7 +449,8 @@ def test_varlen_window_and_softcap_gradients(case, kernel):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_varlen_deterministic_is_bitwise_repeatable(kernel, causal):
     """Entries' Q tiles share no counter (and overlap no other entry's ordered adds); non-causal,
-    entries with more K/V tiles than Q tiles (the second) walk in order, the others rotated."""
+    entries with more K/V tiles than Q tiles (the second) walk in order, the others (b2 at d256)
+    rotated."""
     inputs = _varlen_inputs([1000, 3, 640, 129], [1000, 500, 640, 129], 4, 2, rung_head_dim(kernel), seed=3)
     q, k, v, dout, cu_q, cu_k = inputs
     first = check_varlen_grads(*inputs, causal, kernel=kernel, deterministic=True)
