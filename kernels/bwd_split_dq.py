@@ -42,8 +42,12 @@ FIRST_DQ_BARRIER = 2  # EMPTY[w, b] = 2 + 2 (2 b + w), FULL = the next id (1 is 
 class SplitDqBackward(SwappedBackward):
     # LSE and D through SMEM with the Q/dO TMA (fixed lengths): +2-6% at d96, H100
     stats_in_smem = True
-    # LSE read ahead of the wait on S^T: 1.01-1.07x at d96 (one run, H200, 2k / 8k, causal and not)
-    prefetch_stats = True
+    # dV issued after dS^T, and each column's LSE read where used (not ahead of the wait on S^T):
+    # H100, locked clocks, d96 2k / 8k, causal and not: 5.4-7.3% fewer cycles than under dP^T with
+    # the LSE read ahead (worklog/coverage.md; the read ahead had measured 1.01-1.07x on an H200
+    # with dV under dP^T). B7 and B8 set both themselves.
+    dv_under_dp = False
+    prefetch_stats = False
     # buffers a warpgroup's share rotates through (returned a tile late); with one, the writer
     # returns it once its reduce-add has read it
     dq_buffers = 2
