@@ -122,8 +122,9 @@ def _swapped_backward(name: str, module: str, cls: str, summary: str, *, head_di
     tiles, two Q stages, dQ by bulk reduce-adds, each column's statistics by shuffles (or from SMEM).
     Deterministic calls without a mask go to b2 (`deterministic_masked_only`); with one, b4 at d96
     and b7 at d128 once their writer passes counters on a step late (H100, locked clocks, causal
-    2k: 4-6% fewer cycles than b2's; 8k: level to 1.4% fewer; without a mask b2 1-5% ahead at 2k,
-    3-18% at 8k; worklog/backward.md)."""
+    2k: 4-6% fewer cycles than b2's; 8k: level to 1.4% fewer). Without a mask b2 is level or ahead:
+    ascending walks at d128 2k 2.191 / 2.174 Mcycles (b2 / b7), 8k 3% ahead of b7 and 18% of b4
+    (worklog/backward.md)."""
     return KernelSpec(name, BACKWARD, module, cls, summary, deterministic_head_dims=deterministic_head_dims,
                       deterministic_masked_only=True,
                       config={"tile_m": tile_m, "tile_n": 128, "q_stages": 2}, head_dims=head_dims,

@@ -128,24 +128,32 @@ class DqOrder:
         return wide and (self.kv_reversed or self.rotates_unmasked or self.defer_ascending)
 
     @cute.jit
-    def defers_now(self, seqlen_q: Int32, seqlen_k: Int32):
-        """`defers_dq_bump` where it is safe to wait a step. Descending walks and rotated ones of
-        step >= 2: the K/V tile a CTA waits on for Q tile m walked m at least two steps earlier. A
-        rotated walk of step 1 must not: the CTA it waits on would be waiting, at the same step,
-        for the next one's next add, and so on around the head, back to itself (a deadlock); nor
-        descending walks of K/V tiles of one Q tile (d64's 128 x 128: every step's adds would
-        wait for walks that end later). Ascending walks (`defer_ascending`): a CTA waits only on
-        lower ones."""
-        defer = cutlass.Boolean(True)
-        if cutlass.const_expr(not self.kv_reversed):
-            rotates = cutlass.Boolean(False)
-            if cutlass.const_expr(self.rotates_unmasked):
-                rotates = self.rotates_ordered(seqlen_q, seqlen_k)
-            if rotates:
-                defer = self.rotation_step(seqlen_q, seqlen_k) >= 2
-            else:
-                defer = cutlass.Boolean(self.defer_ascending)
+    def defers_now(self, seq):
+        """Whether the dQ writer passes this entry's counters on late: `defers_dq_bump` where it is
+        safe to wait a step. Descending walks and rotated ones of step >= 2: the K/V tile a CTA
+        waits on for Q tile m walked m at least two steps earlier. A rotated walk of step 1 must
+        not: the CTA it waits on would be waiting, at the same step, for the next one's next add,
+        and so on around the head, back to itself (a deadlock); nor descending walks of K/V tiles
+        of one Q tile (d64's 128 x 128: every step's adds would wait for walks that end later).
+        Ascending walks (`defer_ascending`): a CTA waits only on lower ones."""
+        defer = cutlass.Boolean(False)
+        if cutlass.const_expr(self.defers_dq_bump):
+            defer = cutlass.Boolean(True)
+            if cutlass.const_expr(not self.kv_reversed):
+                rotates = cutlass.Boolean(False)
+                if cutlass.const_expr(self.rotates_unmasked):
+                    rotates = self.rotates_ordered(seq.seqlen_q, seq.seqlen_k)
+                if rotates:
+                    defer = self.rotation_step(seq.seqlen_q, seq.seqlen_k) >= 2
+                else:
+                    defer = cutlass.Boolean(self.defer_ascending)
         return defer
+
+    @cute.jit
+    def pass_on_late(self, mLock: cute.Tensor, seq, m_block: Int32, head: Int32, batch: Int32, lane: Int32):
+        """The writer warp's late bump (`defers_now`): Q tile m_block's adds have landed, its
+        counter goes to the next K/V tile."""
+        accum.ordered_end(self.dq_counter(mLock, seq, m_block, head, batch), lane, cute.arch.sync_warp)
 
     @property
     def kv_reversed(self) -> bool:

@@ -84,9 +84,7 @@ class SplitDqBackward(SwappedBackward):
         for slot in cutlass.range_constexpr(wgs * self.dq_buffers):  # every buffer starts free
             cute.arch.barrier_arrive(barrier_id=self.dq_barriers(slot)[0], number_of_threads=handoff)
         prev_m = m_first  # (`defers_dq_bump`: the Q tile whose counter is still to be passed on)
-        defer = cutlass.Boolean(False)
-        if cutlass.const_expr(self.defers_dq_bump):
-            defer = self.defers_now(seq.seqlen_q, seq.seqlen_k)
+        defer = self.defers_now(seq)
         for i in cutlass.range(m_end - m_first, unroll=1):
             m_block = self.m_block_at(i, start, m_first, m_end)
             buffer = i % self.dq_buffers
@@ -106,7 +104,7 @@ class SplitDqBackward(SwappedBackward):
             if defer:
                 if i > 0:  # the previous tile's sums have landed: pass its counter on, free its buffer
                     cute.arch.cp_async_bulk_wait_group(wgs, read=False)
-                    accum.ordered_end(self.dq_counter(mLock, seq, prev_m, head, batch), lane, cute.arch.sync_warp)
+                    self.pass_on_late(mLock, seq, prev_m, head, batch, lane)
                     self.free_dq_buffer((i - 1) % self.dq_buffers, handoff)
                 prev_m = m_block
             elif cutlass.const_expr(self.ordered_dq):
@@ -119,7 +117,7 @@ class SplitDqBackward(SwappedBackward):
                     self.free_dq_buffer((i - 1) % self.dq_buffers, handoff)
         cute.arch.cp_async_bulk_wait_group(0, read=False)
         if defer and m_end > m_first:
-            accum.ordered_end(self.dq_counter(mLock, seq, prev_m, head, batch), lane, cute.arch.sync_warp)
+            self.pass_on_late(mLock, seq, prev_m, head, batch, lane)
 
     @cute.jit
     def free_dq_buffer(self, buffer: Int32, handoff: cutlass.Constexpr):

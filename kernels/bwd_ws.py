@@ -53,10 +53,6 @@ class WarpSpecializedBackward(AttentionBackward):
     # the host reads it: dQ accumulated in fragment order (the module docstring), converted by the
     # rung's FragmentDqPostprocess (B1: row-major, by atomics)
     FRAGMENT_DQ = True
-    # ordered walks without a mask ascend unless the registry rotates them (`rotated_walk`: b2 at
-    # d256): with the late counter bump on wide K/V tiles, ascending walks in head groups ran 8-10%
-    # faster than rotated ones at d96/d128 2k-4k, and 4% at d64 (H100, locked clocks;
-    # worklog/backward.md)
     # GQA dK/dV by bulk reduce-adds of SMEM rows (bwd.py): H200, GQA 4, b7 d128 against the scalar
     # atomics +5/+2% non-causal 2k/8k, +8/-2% causal; b2 d64 +2/+2/+5/-2% (worklog/backward.md)
     dkv_bulk_add = True
@@ -67,7 +63,11 @@ class WarpSpecializedBackward(AttentionBackward):
                  head_dim_v: int | None = None, do_stages: int = 0, rotated_walk: bool = False):
         super().__init__(dtype, head_dim, causal, tile_m, tile_n, q_stages, deterministic, local,
                          softcap, varlen, ordered_dq, head_dim_v, do_stages)
-        self.rotated_ordered_walk = rotated_walk  # (the registry's, per head dim)
+        # ordered walks without a mask ascend unless the registry rotates them (`rotated_walk`: b2
+        # at d256): with the late counter bump on wide K/V tiles, ascending walks in head groups ran
+        # 8-10% faster than rotated ones at d96/d128 2k-4k, and 4% at d64 (H100, locked clocks;
+        # worklog/backward.md)
+        self.rotated_ordered_walk = rotated_walk
         assert not (self.split_do and self.smem_stats), "D rides with dO: statistics from registers"
         self.consumer_threads = 128 * self.mma_warpgroups
         self.num_threads = 128 + self.consumer_threads
@@ -160,10 +160,11 @@ class WarpSpecializedBackward(AttentionBackward):
         walk at a different Q tile (rotated by n_block), so the CTAs of one head do not all reduce
         into the same dQ tile at once; under a mask each walk already starts at its own first Q
         tile (the diagonal's), and rotating it made two CTAs of a head walk the same tiles in step
-        (b7/b8 causal, H100: 0.3-4.4% slower, worklog/backward.md). Ordered without a mask:
-        rotated too where the entry has no more K/V tiles than Q tiles, each walk `rotation_step`
-        Q tiles after the last (`rotates_ordered`; `dq_turn` ranks the adds in the order the walks
-        bring them); else in order (the counters hand each tile from n to n + 1)."""
+        (b7/b8 causal, H100: 0.3-4.4% slower, worklog/backward.md). Ordered without a mask: in
+        order (the counters hand each tile from n to n + 1), or, where rotated (`rotated_walk`: b2
+        at d256) and the entry has no more K/V tiles than Q tiles, each walk `rotation_step` Q tiles
+        after the last (`rotates_ordered`; `dq_turn` ranks the adds in the order the walks bring
+        them)."""
         start = m_first
         if cutlass.const_expr(not self.ordered_dq and not (self.causal or self.local)):
             start = m_first + n_block % cutlass.max(m_end - m_first, 1)
@@ -209,9 +210,7 @@ class WarpSpecializedBackward(AttentionBackward):
         handoff = self.consumer_threads + 32
         cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=handoff)  # the first credit
         prev_m = m_first  # (`defers_dq_bump`: the Q tile whose counter is still to be passed on)
-        defer = cutlass.Boolean(False)
-        if cutlass.const_expr(self.defers_dq_bump):
-            defer = self.defers_now(seq.seqlen_q, seq.seqlen_k)
+        defer = self.defers_now(seq)
         for i in cutlass.range(m_end - m_first, unroll=1):
             m_block = self.m_block_at(i, start, m_first, m_end)
             cute.arch.barrier(barrier_id=DQ_FULL, number_of_threads=handoff)
@@ -225,7 +224,7 @@ class WarpSpecializedBackward(AttentionBackward):
             if defer:
                 if i > 0:  # the previous tile's sums have landed: pass its counter on
                     cute.arch.cp_async_bulk_wait_group(1, read=False)
-                    accum.ordered_end(self.dq_counter(mLock, seq, prev_m, head, batch), lane, cute.arch.sync_warp)
+                    self.pass_on_late(mLock, seq, prev_m, head, batch, lane)
                 prev_m = m_block
                 cute.arch.cp_async_bulk_wait_group(0, read=True)  # the buffer has been read
             elif cutlass.const_expr(self.ordered_dq):
@@ -236,7 +235,7 @@ class WarpSpecializedBackward(AttentionBackward):
             cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=handoff)
         cute.arch.cp_async_bulk_wait_group(0, read=False)
         if defer and m_end > m_first:
-            accum.ordered_end(self.dq_counter(mLock, seq, prev_m, head, batch), lane, cute.arch.sync_warp)
+            self.pass_on_late(mLock, seq, prev_m, head, batch, lane)
 
     @cute.jit
     def reduce_fragments(self, mdQacc: cute.Tensor, src, seq, m_block: Int32, head: Int32, batch: Int32,
