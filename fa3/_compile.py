@@ -290,17 +290,18 @@ def get_gemm(spec, dtype, a_layout, b_layout, tiles: tuple = (), out_dtype=None,
 
 # ----------------------------------------------------------------------------- KV cache (S1)
 def kvcache_key(spec, dtype, head_dim, causal, paged=False, local=False, softcap=False, gather=False,
-                varlen=False, leftpad=False, sinks=False, out_dtype=None) -> tuple:
+                varlen=False, leftpad=False, sinks=False, out_dtype=None, max_queries=0) -> tuple:
     variant = (bool(local), bool(softcap), bool(sinks))
     layout = (bool(gather), bool(varlen), bool(leftpad))  # row gathers, packed queries, left padding
     out = (("out", str(out_dtype)),) if out_dtype not in (None, dtype) else ()
+    out += (("max_queries", int(max_queries)),) if max_queries else ()
     return (spec.name, str(dtype), head_dim, bool(causal), bool(paged), *((variant,) if any(variant) else ()),
             *((("gather_varlen_leftpad",) + layout,) if any(layout) else ()), *out,
             tuple(sorted(spec.config_for(head_dim).items())), _dsl.TARGET_ARCH, _dsl.version())
 
 
 def _build_kvcache(spec, dtype, head_dim, causal, paged=False, local=False, softcap=False, gather=False,
-                   varlen=False, leftpad=False, sinks=False, out_dtype=None, extra_options=""):
+                   varlen=False, leftpad=False, sinks=False, out_dtype=None, max_queries=0, extra_options=""):
     # an FP8 cache (and q): dequantized in SMEM to fp16 for the GEMMs, O in out_dtype (bf16 default)
     fp8 = dtype == torch.float8_e4m3fn
     out_dtype = out_dtype or (torch.bfloat16 if fp8 else dtype)
@@ -309,26 +310,60 @@ def _build_kvcache(spec, dtype, head_dim, causal, paged=False, local=False, soft
         from .kernels.decode_fp8 import Fp8SplitKVAttention as cls
     kernel = cls(dtype=sig.cute_dtype(torch.float16 if fp8 else dtype), head_dim=head_dim, causal=causal,
                  paged=paged, local=local, softcap=softcap, gather=gather, varlen=varlen, leftpad=leftpad,
-                 sinks=sinks, out_dtype=sig.cute_dtype(out_dtype),
+                 sinks=sinks, out_dtype=sig.cute_dtype(out_dtype), max_queries=max_queries,
                  **split_plan.kernel_plan(spec, head_dim, paged and gather, fp8))
     return _compile_kernel(kernel, sig.kvcache_args(dtype, head_dim, out_dtype), extra_options)
 
 
 def get_kvcache(spec, dtype, head_dim, causal, paged, local=False, softcap=False, gather=False,
-                varlen=False, leftpad=False, sinks=False, out_dtype=None):
+                varlen=False, leftpad=False, sinks=False, out_dtype=None, max_queries=0):
     """The compiled KV-cache kernel: paged (gather: pages that do not hold whole key blocks) or
-    dense (leftpad: keys from cache_leftpad on), packed queries (varlen) or (batch, seqlen_q) ones,
-    with or without attention sinks; `dtype` q's and the cache's (float8_e4m3fn: an FP8 cache,
-    O in out_dtype)."""
+    dense (leftpad: keys from cache_leftpad on), packed queries (varlen; max_queries: only entries
+    of fewer queries, the rest being K5's) or (batch, seqlen_q) ones, with or without attention
+    sinks; `dtype` q's and the cache's (float8_e4m3fn: an FP8 cache, O in out_dtype)."""
     fast_key = ("kvcache", spec.name, dtype, head_dim, causal, paged, local, softcap, gather, varlen, leftpad,
-                sinks, out_dtype)
+                sinks, out_dtype, max_queries)
     fn = _FAST.get(fast_key)
     if fn is None:
         fn = _FAST[fast_key] = _cached(
             kvcache_key(spec, dtype, head_dim, causal, paged, local, softcap, gather, varlen, leftpad, sinks,
-                        out_dtype),
+                        out_dtype, max_queries),
             lambda: _build_kvcache(spec, dtype, head_dim, causal, paged, local, softcap, gather, varlen,
-                                   leftpad, sinks, out_dtype))
+                                   leftpad, sinks, out_dtype, max_queries))
+    return fn
+
+
+def cache_prefill_key(spec, dtype, head_dim, causal, paged, page_rows, min_queries, local=False, softcap=False,
+                      sinks=False) -> tuple:
+    """K5 over a KV cache (kernels/k5_cache.py) on `spec`'s tiles (fa3.cache_prefill's rung)."""
+    from .cache_prefill import tiles
+
+    return ("cache_prefill", spec.name, str(dtype), head_dim, bool(causal), bool(paged), int(page_rows),
+            int(min_queries), (bool(local), bool(softcap), bool(sinks)),
+            tuple(sorted(tiles(head_dim, causal, local).items())), _dsl.TARGET_ARCH, _dsl.version())
+
+
+def _build_cache_prefill(spec, dtype, head_dim, causal, paged, page_rows, min_queries, local=False,
+                         softcap=False, sinks=False, extra_options=""):
+    from .cache_prefill import tiles
+    from .kernels.k5_cache import CacheAttention
+
+    kernel = CacheAttention(dtype=sig.cute_dtype(dtype), head_dim=head_dim, causal=causal, paged=paged,
+                            page_rows=page_rows, min_queries=min_queries, local=local, softcap=softcap,
+                            sinks=sinks, **tiles(head_dim, causal, local))
+    return _compile_kernel(kernel, sig.cache_prefill_args(dtype, head_dim), extra_options)
+
+
+def get_cache_prefill(spec, dtype, head_dim, causal, paged, page_rows, min_queries, local=False, softcap=False,
+                      sinks=False):
+    """The compiled K5 over a KV cache for a packed call's entries of min_queries or more queries:
+    paged (page_rows: pages smaller than a key block, one TMA box each; 0: whole blocks) or dense."""
+    static = (head_dim, causal, paged, page_rows, min_queries, local, softcap, sinks)
+    fast_key = ("cache_prefill", spec.name, dtype, *static)
+    fn = _FAST.get(fast_key)
+    if fn is None:
+        fn = _FAST[fast_key] = _cached(cache_prefill_key(spec, dtype, *static),
+                                       lambda: _build_cache_prefill(spec, dtype, *static))
     return fn
 
 

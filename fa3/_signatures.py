@@ -139,6 +139,22 @@ def gemm_args(dtype, a_layout, b_layout, out_dtype=None):
             cutlass.Int32(132), workspace, counters, cutlass.Int32(1), *scales]
 
 
+def cache_prefill_args(dtype, head_dim):
+    """Fake (q, k_cache, v_cache, out, lse, scale_log2, SM count, tile counter, cu_seqlens_q,
+    cache_seqlens, block_table, window edges, softcap scale, sinks): see kernels/k5_cache.py. q and
+    out (1, total_q, heads_q, d); the cache (planes, rows, heads_kv, d); every extent dynamic."""
+    cutlass, cute = _dsl.import_cute()
+    dt, f32, i32 = cute_dtype(dtype), cutlass.Float32, cutlass.Int32
+    one, tq, hq, hkv, rows, planes = (cute.sym_int64() for _ in range(6))
+    cache = lambda: unit_last(cute, dt, planes, rows, hkv, head_dim, tma=True)
+    vector = lambda t: fake_tensor(cute, t, (cute.sym_int64(),), (1,), align=4)
+    return [unit_last(cute, dt, one, tq, hq, head_dim, tma=True), cache(), cache(),
+            unit_last(cute, dt, one, tq, hq, head_dim, tma=True), unit_last(cute, f32, one, hq, tq),
+            f32(1.0), i32(132), vector(i32),  # scale_log2, SM count, the tile counter
+            vector(i32), vector(i32), unit_last(cute, i32, cute.sym_int64(), cute.sym_int64()),
+            i32(0), i32(0), f32(1.0), vector(f32)]  # window edges, softcap scale, sinks
+
+
 def kvcache_args(dtype, head_dim, out_dtype=None):
     """Fake (q, k_cache, v_cache, cache_seqlens, block_table, out, lse, out_partial, lse_partial,
     scale_log2, appended, window edges, softcap scale, cu_seqlens_q, max_seqlen_q, cache_leftpad,

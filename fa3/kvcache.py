@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from . import _checks, _compile, _dispatch, _launch, index_checks, masking, registry
+from . import _checks, _compile, _dispatch, _launch, cache_prefill, index_checks, masking, registry
 from .split_plan import plan_splits, reads_by_gather
 
 
@@ -276,9 +276,13 @@ def launch_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, capaci
     paged = block_table is not None
     gather = paged and reads_by_gather(spec, k_cache.shape[1])
     mask = masking.masking(causal, window, softcap, scale)
+    # entries of long_queries queries or more (prompt chunks) on K5 after S1 (fa3/cache_prefill.py)
+    long = cache_prefill.plan(spec, q, k_cache, block_table, seqlen_q, mask.causal, mask.local, packed, fp8,
+                              cache_leftpad is not None or appended != 0)
     if num_splits <= 0:
         keys = capacity if max_seqlen_k < 0 else min(capacity, max_seqlen_k)
-        num_splits = plan_splits(spec, batch, seqlen_q, heads_q, heads_kv, keys, mask,
+        short_q = seqlen_q if long is None else min(seqlen_q, long.min_queries - 1)  # S1's entries
+        num_splits = plan_splits(spec, batch, short_q, heads_q, heads_kv, keys, mask,
                                  _checks.sm_count(device.index), head_dim, gather, fp8)
     planes = 1 if packed else batch
     if num_splits > 1:
@@ -290,14 +294,18 @@ def launch_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, capaci
     leftpad, has_sinks = cache_leftpad is not None, sinks is not None
     sinks = _launch.sinks_ready(sinks) if has_sinks else _launch.stand_in(device, torch.float32)
     fn = _compile.get_kvcache(spec, q.dtype, head_dim, mask.causal, paged, mask.local, mask.softcap,
-                              gather, packed, leftpad, has_sinks, out.dtype if fp8 else None)
+                              gather, packed, leftpad, has_sinks, out.dtype if fp8 else None,
+                              0 if long is None else long.min_queries)
     descales = descales or (_dummy("descale", device),) * 3
     table = block_table if paged else _dummy("table", device)
     fn(q4, k_cache, v_cache, cache_seqlens, table, out4, lse3, o_partial, lse_partial, mask.scale_log2,
        appended, mask.left, mask.right, mask.softcap_scale, cu, seqlen_q,
        cache_leftpad if leftpad else _launch.stand_in(device), sinks, *descales)
-    if num_splits > 1:
+    if num_splits > 1:  # (it also writes the long entries' rows, from unwritten partials: K5 follows)
         _compile.get_combine(out.dtype, head_dim, has_sinks)(o_partial, lse_partial, out4, lse3, sinks)
+    if long is not None:
+        cache_prefill.launch(long, q, k_cache, v_cache, cache_seqlens, block_table, cu, out, lse, mask,
+                             sinks if has_sinks else None)
     return out, lse
 
 

@@ -344,7 +344,10 @@ KERNELS: dict[str, KernelSpec] = {
             # packed by cu_seqlens_q (varlen). Gathers keep 3 stages: at d <= 128 two or more CTAs then
             # share an SM, one's copies (issued by its only warpgroup) overlapping the other's math.
             # An FP8 cache keeps 4 stages: two CTAs an SM up to d128 (kernels/decode.py).
-            config={"tile_m": 64, "tile_n": 64, "max_kv_stages": 8, "gather_kv_stages": 3, "fp8_kv_stages": 4},
+            # Packed calls whose longest entry has long_queries or more queries (a serving step's
+            # prompt chunks) run those entries on K5.5 in the same call (fa3/cache_prefill.py).
+            config={"tile_m": 64, "tile_n": 64, "max_kv_stages": 8, "gather_kv_stages": 3, "fp8_kv_stages": 4,
+                    "long_queries": 128},
             head_dims=HEAD_DIMS,
             ptx_promises=("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait", "ex2.approx"),
             speed_rank=1, variants=("local", "softcap", "varlen", SINKS),

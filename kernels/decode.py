@@ -69,9 +69,11 @@ class SplitKVAttention:
     def __init__(self, dtype, head_dim: int, causal: bool, paged: bool = False, tile_m: int = 64,
                  tile_n: int = 64, kv_stages: int = 2, planned_smem_bytes: int = 0, local: bool = False,
                  softcap: bool = False, gather: bool = False, varlen: bool = False, leftpad: bool = False,
-                 sinks: bool = False, out_dtype=None):
+                 sinks: bool = False, out_dtype=None, max_queries: int = 0):
         """kv_stages and planned_smem_bytes: the host's SMEM plan (fa3.split_plan.smem_plan, which
-        also decides how many CTAs share an SM); SharedStorage may not outgrow planned_smem_bytes."""
+        also decides how many CTAs share an SM); SharedStorage may not outgrow planned_smem_bytes.
+        max_queries (varlen; 0: none): only entries of fewer queries get tiles, the others being
+        K5's in the same call (kernels/k5_cache.py)."""
         self.dtype, self.head_dim, self.causal, self.paged = dtype, head_dim, causal, paged
         # fp8: q and the cache in e4m3, dequantized in SMEM to `dtype` (fp16), the GEMMs' type
         self.cache_dtype = cutlass.Float8E4M3FN if self.fp8 else dtype
@@ -82,6 +84,7 @@ class SplitKVAttention:
         self.gather = paged and gather
         # queries packed by cu_seqlens_q (total_q, heads_q, d), keys from the cache
         self.varlen = varlen
+        self.query_lengths = (0, max_queries) if varlen and max_queries else None
         # a left-padded dense cache: entry b's keys start at row cache_leftpad[b] (flash-attn's)
         self.leftpad = leftpad and not paged
         self.tile_m, self.tile_n = tile_m, tile_n
@@ -176,7 +179,7 @@ class SplitKVAttention:
             # entry from cu_seqlens_q (common/scheduler.py); a tile past the last holds no rows
             split, tile, head_kv = cute.arch.block_idx()
             batch, m_block, entry_tiles = scheduler.varlen_tile(tile, mCuSeqlensQ, self.tile_m, mQ.shape[1],
-                                                                group)
+                                                                group, self.query_lengths)
             # queries at rows offset_q.. of the one packed plane
             seq = seqlen.from_cache_packed(mCuSeqlensQ, mCacheSeqlens, batch, appended, capacity,
                                            mQ.shape[1])

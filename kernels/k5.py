@@ -162,10 +162,11 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, ForwardMainloop,
     def roles(self, tma_q, mQ, tma_k, mK, tma_v, mV, tma_o, mO, mO_rows, mLSE, scale_log2: Float32,
               mTileCounter, mCuSeqlensQ, mCuSeqlensK, window_left: Int32, window_right: Int32,
               softcap_scale: Float32, sinks, descales, sQ_layout, sKV_layout, sV_layout, sO_layout,
-              epi_tile: cutlass.Constexpr, SharedStorage: cutlass.Constexpr):
+              epi_tile: cutlass.Constexpr, SharedStorage: cutlass.Constexpr, cache=None):
         """The kernel's body: barriers, SMEM, then the producer and consumer roles. `sinks`: None,
         or the (heads_q,) FP32 sink logits (the sinks variant); `descales`: None, or FP8's (q, k, v)
-        descale tensors (batch, heads_kv)."""
+        descale tensors (batch, heads_kv); `cache`: None, or where a KV cache's keys are
+        (kernels/k5_cache.py)."""
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -194,7 +195,7 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, ForwardMainloop,
             # counted by the consumers themselves, their loop over the entries made ptxas
             # serialize the d192 kernel's WGMMAs (C7520)
             if warp_idx == 0:
-                count = scheduler.varlen_blocks(mCuSeqlensQ, self.tile_m, rows_q)
+                count = scheduler.varlen_blocks(mCuSeqlensQ, self.tile_m, rows_q, self.query_lengths)
                 if tidx == 0:
                     q_blocks[0] = count
         pipeline.init_done()
@@ -205,7 +206,7 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, ForwardMainloop,
         # what varies per call beyond the tensors: sequence offsets, window edges, the softcap
         params = SimpleNamespace(
             cu_q=mCuSeqlensQ, cu_k=mCuSeqlensK, o_rows=mO_rows, softcap_scale=softcap_scale,
-            rows_q=rows_q, rows_k=rows_k, sinks=sinks, descales=descales,
+            rows_q=rows_q, rows_k=rows_k, sinks=sinks, descales=descales, cache=cache,
             group=mQ.shape[2] // mK.shape[2],
             window=(window_left, window_right) if cutlass.const_expr(self.local) else None,
             q_blocks=q_blocks[0] if varlen else None, value_transpose=value_transpose)
@@ -291,26 +292,37 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, ForwardMainloop,
     def load_tile(self, tile: Int32, states, q_pipe, k_pipe, v_pipe, tma_q, mQ, tma_k, mK, tma_v, mV,
                   sQ, sK, sV, params):
         q_state, k_state, v_state = states
-        tile_q, tile_kv = (self.tile_m, self.head_dim), (self.tile_n, self.head_dim)
+        tile_q = (self.tile_m, self.head_dim)
         m_block, head, batch, seq = self.tile_work(tile, mQ, mK.shape[0], params)
         head_kv = head // (mQ.shape[2] // mK.shape[2])
         gQ = seqlen.rows(mQ, head, batch, seq.offset_q, self.varlen)
-        gK = seqlen.rows(mK, head_kv, batch, seq.offset_k, self.varlen)
-        gV = self.v_rows(mV, head_kv, batch, seq)
         tQsQ, tQgQ = tma.partition(tma_q, cute.local_tile(gQ, tile_q, (None, 0)), sQ)
-        tKsK, tKgK = tma.partition(tma_k, cute.local_tile(gK, tile_kv, (None, 0)), sK)
-        tVsV, tVgV = tma.partition(tma_v, self.v_tiles(gV), sV)
+        kv = self.kv_source(tma_k, mK, tma_v, mV, sK, sV, head_kv, batch, seq, params)
         n_max, n_blocks = self.kv_range(m_block, seq, params)
         if n_blocks == 0:  # no key is visible: the consumers still take (and release) the Q tile
             q_state = pipeline.produce(q_pipe, q_state, m_block, [(tma_q, tQgQ, tQsQ)])
         for j in cutlass.range(n_blocks, unroll=1):
-            k_state = pipeline.produce(k_pipe, k_state, n_max - 1 - j, [(tma_k, tKgK, tKsK)])
-            v_state = pipeline.produce(v_pipe, v_state, n_max - 1 - j, [(tma_v, tVgV, tVsV)])
+            k_state, v_state = self.produce_kv(kv, k_pipe, k_state, v_pipe, v_state, n_max - 1 - j)
             if j == 0:
                 # Q after the first K/V: with one Q buffer, waiting for the previous tile to
                 # free it must not hold back the next tile's first K/V loads.
                 q_state = pipeline.produce(q_pipe, q_state, m_block, [(tma_q, tQgQ, tQsQ)])
         return q_state, k_state, v_state
+
+    def kv_source(self, tma_k, mK, tma_v, mV, sK, sV, head_kv: Int32, batch: Int32, seq, params):
+        """What produce_kv copies K/V tiles from: the entry's rows of one KV head, tiled, as TMA
+        partitions ((atom, tXgX, tXsX) for K and for V)."""
+        tile_kv = (self.tile_n, self.head_dim)
+        gK = seqlen.rows(mK, head_kv, batch, seq.offset_k, self.varlen)
+        tKsK, tKgK = tma.partition(tma_k, cute.local_tile(gK, tile_kv, (None, 0)), sK)
+        tVsV, tVgV = tma.partition(tma_v, self.v_tiles(self.v_rows(mV, head_kv, batch, seq)), sV)
+        return (tma_k, tKgK, tKsK), (tma_v, tVgV, tVsV)
+
+    def produce_kv(self, kv, k_pipe, k_state, v_pipe, v_state, n_block: Int32):
+        """K and V tile n_block into the next stage of each ring (kv_source's partitions)."""
+        k_state = pipeline.produce(k_pipe, k_state, n_block, [kv[0]])
+        v_state = pipeline.produce(v_pipe, v_state, n_block, [kv[1]])
+        return k_state, v_state
 
     @cute.jit
     def consume(self, q_pipe, k_pipe, v_pipe, sQ, sK, sV, sO, tma_o, mO, mLSE, seqlen_k: Int32,
@@ -351,6 +363,7 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, ForwardMainloop,
             ctx.sink_log2 = params.sinks[head] * Float32(softmax.LOG2E)
         scale_log2 = self.tile_scales(ctx, scale_log2, batch, head, params)
         pipeline.consume_wait(q_pipe, q_state)
+        self.before_mainloop(v_pipe, v_state, sV, ctidx, seq, n_max, n_blocks)
         if n_blocks > 0:
             if cutlass.const_expr(self.intra_wg_overlap):
                 k_state, v_state = self.mainloop_overlapped(ctx, k_pipe, v_pipe, k_state, v_state,
@@ -371,6 +384,10 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, ForwardMainloop,
         else:
             self.store_o(ctx, tma_o, mO, sO, mLSE, batch, head, scale_log2, store_pipe, ctidx, epi_tile)
         return q_state, k_state, v_state
+
+    def before_mainloop(self, v_pipe, v_state, sV, ctidx: Int32, seq, n_max: Int32, n_blocks: Int32):
+        """Hook before a tile's mainloop, every consumer thread (a KV cache zeroes the V rows past
+        its last key there: kernels/k5_cache.py)."""
 
     def tile_scales(self, ctx, scale_log2: Float32, batch: Int32, head: Int32, params):
         """The tile's exp2-domain score scale (and ctx.o_scale, None from compute_setup: O is

@@ -136,6 +136,20 @@ def test_variants_compile(name, static, promises):
     assert not report.serialized_wgmma, f"{name} {static}: ptxas serialized the WGMMAs (C7512)"
 
 
+@pytest.mark.parametrize("head_dim, causal, paged, page_rows", [(128, True, True, 16), (128, False, False, 0),
+                                                              (256, True, True, 0), (96, True, True, 16)])
+def test_cache_prefill_compiles(head_dim, causal, paged, page_rows):
+    """K5 over a KV cache (a serving step's prompt chunks): a TMA box per page or per key block,
+    no spills, WGMMAs not serialized."""
+    from fa3 import cache_prefill
+
+    spec = registry.get(cache_prefill.RUNG)
+    report = _compile.build_report(_compile._build_cache_prefill, spec, torch.bfloat16, head_dim, causal, paged,
+                                   page_rows, 128)
+    assert "cp.async.bulk.tensor.4d.shared::cta.global" in report.ptx and "setmaxnreg" in report.ptx
+    assert report.spill_bytes == 0 and not report.serialized_wgmma
+
+
 @pytest.mark.parametrize("tile_m, tile_n, a_rows", [(*tiles, ()) for tiles in matmul.PERSISTENT_TILES[1:]]
                          + [(64, 64, matmul.a_box_rows(1, "row"))])
 def test_persistent_gemm_tile_shapes_compile(tile_m, tile_n, a_rows):

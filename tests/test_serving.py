@@ -228,6 +228,103 @@ def test_varlen_over_cache_window_softcap_and_max_seqlen_q_default():
     _check(out, lse, ref, "window + softcap, max_seqlen_q=None")
 
 
+# long entries (prompt chunks of long_queries or more) run on K5 beside S1's decodes in one call:
+# ragged lengths, fewer keys than queries (causal rows that see nothing), an entry with no keys
+LONG_MIX = ([1, 300, 1, 0, 129, 7, 1000, 150, 200, 1], [900, 300, 1, 0, 2000, 64, 1000, 60, 0, 77])
+
+
+def _long_call(page_size, head_dim, causal, gen, lens=LONG_MIX, heads=(8, 2), **kw):
+    lens_q, lens_k = lens
+    heads_q, heads_kv = heads
+    if page_size is None:  # dense: (batch, capacity, heads_kv, d), NaN past each length
+        capacity = max(lens_k) + 7
+        k_cache = torch.full((len(lens_k), capacity, heads_kv, head_dim), float("nan"), device="cuda",
+                             dtype=torch.bfloat16)
+        v_cache = k_cache.clone()
+        k_seqs = [torch.randn(n, heads_kv, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+                  for n in lens_k]
+        v_seqs = [torch.randn_like(k) for k in k_seqs]
+        for b, n in enumerate(lens_k):
+            k_cache[b, :n], v_cache[b, :n] = k_seqs[b], v_seqs[b]
+        table = None
+    else:
+        k_seqs, v_seqs, k_cache, v_cache, table = _paged_cache(lens_k, heads_kv, head_dim, page_size, gen)
+    q = torch.randn(sum(lens_q), heads_q, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    call = lambda splits, out: fa3.attention_varlen(
+        q, k_cache, v_cache, _cu(lens_q), None, max(lens_q), max(lens_k), block_table=table,
+        seqused_k=torch.tensor(lens_k, dtype=torch.int32, device="cuda"), causal=causal, return_lse=True,
+        out=out, num_splits=splits, **kw)
+    return q, k_seqs, v_seqs, call
+
+
+@gpu
+@pytest.mark.parametrize("page_size", [None, 16, 32, 64, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_long_entries_over_cache(page_size, causal):
+    """A step of decodes and prompt chunks over a dense cache and pages of 16 to 256 (one TMA box a
+    page, or a key block a box): the chunks run on K5, the decodes on S1 (split 1, 3 or planned),
+    every row against the float64 reference; out poisoned, the cache NaN past each length."""
+    gen = torch.Generator(device="cuda").manual_seed(70 + (page_size or 0) + causal)
+    q, k_seqs, v_seqs, call = _long_call(page_size, 128, causal, gen)
+    ref = _reference(list(torch.split(q, LONG_MIX[0])), k_seqs, v_seqs, causal)
+    for splits in (1, 3, 0):
+        out = torch.full_like(q, float("nan"))
+        _, lse = call(splits, out)
+        _check(out, lse, ref, f"page {page_size}, causal {causal}, splits {splits}")
+
+
+@gpu
+@pytest.mark.parametrize("head_dim, page_size", [(64, 16), (96, 16), (192, 16), (256, 16), (256, 64), (64, 128)])
+def test_long_entries_head_dims(head_dim, page_size):
+    """Each head dim's K5 tiles (d96 192 x 96 causal, d192 80-key packed tiles, d256 64-key tiles:
+    pages of 64 hold whole blocks there) over small and whole-block pages."""
+    gen = torch.Generator(device="cuda").manual_seed(head_dim + page_size)
+    q, k_seqs, v_seqs, call = _long_call(page_size, head_dim, True, gen)
+    ref = _reference(list(torch.split(q, LONG_MIX[0])), k_seqs, v_seqs, True)
+    out = torch.full_like(q, float("nan"))
+    _, lse = call(0, out)
+    _check(out, lse, ref, f"d{head_dim}, page {page_size}")
+
+
+@gpu
+def test_long_entries_window_softcap_sinks():
+    """gpt-oss-style serving: a sliding window, capped scores and sinks, on both kernels of the call."""
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    sinks = torch.randn(8, device="cuda", generator=gen) * 2
+    q, k_seqs, v_seqs, call = _long_call(16, 64, True, gen, window_size=(200, 0), softcap=15.0, sinks=sinks)
+    ref = []
+    for o, lse in _reference(list(torch.split(q, LONG_MIX[0])), k_seqs, v_seqs, True, (200, 0), 15.0):
+        total = torch.logaddexp(lse, sinks.double()[:, None])
+        ref.append((o * torch.exp(lse - total).t()[..., None], total))
+    out = torch.full_like(q, float("nan"))
+    _, lse = call(0, out)
+    _check(out, lse, ref, "window + softcap + sinks")
+
+
+@gpu
+def test_long_entries_in_cuda_graph():
+    """A captured mixed step with a prompt chunk, replayed with new lengths, pages and queries: the
+    K5 launch finds its entries on the GPU, as S1 does, and equals an eager call."""
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    lens_q, lens_k = [1, 700, 1, 300], [100, 1500, 40, 300]
+    _, _, k_cache, v_cache, table = _paged_cache([2048] * 4, 2, 128, 16, gen, spare_pages=0)
+    q = torch.randn(sum(lens_q), 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    cu_q = _cu(lens_q)
+    seqused = torch.tensor(lens_k, dtype=torch.int32, device="cuda")
+    step = lambda: fa3.attention_varlen(q, k_cache, v_cache, cu_q, None, 1000, 2048, block_table=table,
+                                        seqused_k=seqused, causal=True)
+    step()  # compiles
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    seqused.copy_(torch.tensor([1000, 7, 1300, 129], dtype=torch.int32))
+    cu_q.copy_(_cu([200, 1, 600, 201]))
+    table.copy_(table.flip(1))
+    q.normal_(generator=gen)
+    graph.replay()
+    assert rel_err(out, step()) < 1e-6
+
+
 @gpu
 @pytest.mark.parametrize("page_size", [None, 16])
 def test_kvcache_packed_queries_equal_unpacked(page_size):
@@ -534,6 +631,33 @@ def test_split_plan_from_shapes():
     assert split_plan.plan_splits(spec, 16, 1, 32, 8, 8192, mask, 132, 128, True) == 2
     assert split_plan.plan_splits(spec, 1, 1, 32, 8, 32768, mask, 132, 128, True) == 33
     assert split_plan.plan_splits(spec, 64, 1, 32, 8, 4096, mask, 132, 128, True) == 1
+
+
+def test_long_entries_plan():
+    """Which calls run their long entries on K5, with which page layout (fa3.cache_prefill)."""
+    from fa3 import cache_prefill
+
+    s1 = fa3.registry.get("s1")
+    long_q = s1.config["long_queries"]
+    q = torch.empty(10, 8, 128)
+    plan = lambda page_size, max_q=long_q, packed=True, fp8=False, offsets=False, d=128, causal=True: \
+        cache_prefill.plan(s1, q.new_empty(10, 8, d), torch.empty(4, page_size or 64, 2, d),
+                           None if page_size is None else torch.empty(1, 1), max_q, causal, False, packed, fp8,
+                           offsets)
+    assert plan(None) == cache_prefill.Plan(long_q, False, 0)  # dense: a key block a box
+    assert plan(128) == cache_prefill.Plan(long_q, True, 0) and plan(256).page_rows == 0
+    assert plan(16).page_rows == 16 and plan(32).page_rows == 32 and plan(64).page_rows == 64
+    assert plan(64, d=256).page_rows == 0  # d256's 64-key tiles: a page holds a whole block
+    assert plan(16, d=96).page_rows == 16 and plan(32, d=96).page_rows == 32  # causal d96: 96-key tiles
+    assert plan(32, d=96, causal=False) is None  # 112-key tiles
+    assert plan(32, d=192) is None and plan(16, d=192).page_rows == 16  # d192's 80-key packed tiles
+    for refused in (plan(1), plan(8), plan(48), plan(16, max_q=long_q - 1), plan(16, packed=False),
+                    plan(16, fp8=True), plan(16, offsets=True)):
+        assert refused is None
+    # the tiles the plan assumes are the kernel's (its constructor asserts them), at every head dim
+    for d in (64, 96, 128, 192, 256):
+        for causal, local in ((False, False), (True, False), (True, True)):
+            assert cache_prefill.tiles(d, causal, local)["tile_n"] % 16 == 0
 
 
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])

@@ -128,14 +128,20 @@ def handoff_tail(handoff, done: Int32):
 # `rows` (the packed tensor's total rows; None: trust the offsets) clamps each entry's span as
 # seqlen.packed_span does, so that the tile numbering and the tiles' own lengths agree, and bad
 # offsets can neither add tiles past the tensor nor make a count negative.
+# `lengths` (static (low, high), or None): only entries of low <= length < high queries get tiles,
+# so that two kernels can share one packed batch by its entries' lengths (a serving step's decodes
+# on S1, its prompt chunks on K5: kernels/k5_cache.py), each writing only its own entries' rows.
 
 
 @cute.jit
 def _entry_blocks(mCuSeqlens: cute.Tensor, entry: Int32, tile_m: cutlass.Constexpr, rows=None,
-                  rows_per_query=None) -> Int32:
+                  rows_per_query=None, lengths=None) -> Int32:
     blocks = Int32(0)
     if entry < mCuSeqlens.shape[0] - 1:
         _, length = seqlen.packed_span(mCuSeqlens, entry, rows)
+        if cutlass.const_expr(lengths is not None):  # another kernel's entry: no tiles here
+            if length < lengths[0] or length >= lengths[1]:
+                length = 0
         if cutlass.const_expr(rows_per_query is not None):  # packed GQA: a tile row per (query, head)
             length = length * rows_per_query
         blocks = (length + tile_m - 1) // tile_m
@@ -143,18 +149,19 @@ def _entry_blocks(mCuSeqlens: cute.Tensor, entry: Int32, tile_m: cutlass.Constex
 
 
 @cute.jit
-def varlen_blocks(mCuSeqlens: cute.Tensor, tile_m: cutlass.Constexpr, rows=None) -> Int32:
+def varlen_blocks(mCuSeqlens: cute.Tensor, tile_m: cutlass.Constexpr, rows=None, lengths=None) -> Int32:
     """Q tiles of the whole packed batch (every lane of the calling warp gets the total)."""
     lane = cute.arch.lane_idx()
     total = Int32(0)
     for chunk in cutlass.range(0, mCuSeqlens.shape[0] - 1, 32, unroll=1):
-        total += cute.arch.warp_reduction_sum(_entry_blocks(mCuSeqlens, chunk + lane, tile_m, rows))
+        total += cute.arch.warp_reduction_sum(_entry_blocks(mCuSeqlens, chunk + lane, tile_m, rows,
+                                                            lengths=lengths))
     return total
 
 
 @cute.jit
 def varlen_tile(block: Int32, mCuSeqlens: cute.Tensor, tile_m: cutlass.Constexpr, rows=None,
-                rows_per_query=None):
+                rows_per_query=None, lengths=None):
     """(entry, its Q tile index, its Q tile count) of packed Q tile `block` < varlen_blocks; a
     whole warp calls it. A `block` past the last tile gives a tile count of 0. `rows_per_query`:
     tile rows per query (the query heads a packed-GQA tile holds per query position)."""
@@ -165,7 +172,7 @@ def varlen_tile(block: Int32, mCuSeqlens: cute.Tensor, tile_m: cutlass.Constexpr
     entry, m_block, blocks = Int32(0), Int32(0), Int32(0)
     searching = chunk < entries
     while searching:
-        count = _entry_blocks(mCuSeqlens, chunk + lane, tile_m, rows, rows_per_query)
+        count = _entry_blocks(mCuSeqlens, chunk + lane, tile_m, rows, rows_per_query, lengths)
         running = count  # inclusive scan over the lanes
         for i in cutlass.range_constexpr(5):
             below = cute.arch.shuffle_sync_up(running, 1 << i)
@@ -217,6 +224,7 @@ class AttentionTileSchedule:
     every entry's span); window (None, or the sliding window's edges)."""
 
     causal_group_waves = 2  # causal head groups: tiles for this many waves of CTAs
+    query_lengths = None  # varlen: the entries this kernel takes by query count (_entry_blocks)
 
     @cute.jit
     def tile_coords(self, tile: Int32, seqlen_q: Int32, heads_q: Int32, batch: Int32):
@@ -256,13 +264,18 @@ class AttentionTileSchedule:
             # groups included (one head's tiles of every entry in a row, the order before, ran
             # 2-7% slower, 5% on the ragged benchmark batch)
             head, block = tile % mQ.shape[2], tile // mQ.shape[2]
-            batch, m_block, blocks = varlen_tile(block, params.cu_q, self.tile_m, params.rows_q)
+            batch, m_block, blocks = varlen_tile(block, params.cu_q, self.tile_m, params.rows_q,
+                                                 lengths=self.query_lengths)
             if cutlass.const_expr(self.causal):
                 m_block = blocks - 1 - m_block
-            return m_block, head, batch, seqlen.from_cu_seqlens(params.cu_q, params.cu_k, batch,
-                                                                params.rows_q, params.rows_k)
+            return m_block, head, batch, self.entry_lengths(batch, params)
         m_block, head, batch = self.tile_coords(tile, mQ.shape[0], mQ.shape[2], mQ.shape[3])
         return m_block, head, batch, seqlen.fixed(mQ.shape[0], seqlen_k)
+
+    def entry_lengths(self, batch: Int32, params):
+        """Entry `batch` of a packed batch (common/seqlen.py): keys packed as the queries are (a
+        KV cache's subclass reads them from the cache)."""
+        return seqlen.from_cu_seqlens(params.cu_q, params.cu_k, batch, params.rows_q, params.rows_k)
 
     @cute.jit
     def kv_range(self, m_block: Int32, seq, params):

@@ -24,6 +24,12 @@ def make_load(mX: cute.Tensor, staged_layout, tile_shape):
     return _tiled_atom(cpasync.CopyBulkTensorTileG2SOp(), mX, staged_layout, tile_shape)
 
 
+def make_load_box(mX: cute.Tensor, box_layout, tile_shape):
+    """(atom, tma_tensor) loading `tile_shape` boxes of mX into SMEM of `box_layout` (one box's
+    layout, e.g. a few rows of a stage: kernels/k5_cache.py's pages)."""
+    return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mX, box_layout, tile_shape)
+
+
 def make_load_multicast(mX: cute.Tensor, staged_layout, tile_shape, ctas: int):
     """(atom, tma_tensor) for boxes that `ctas` CTAs of a cluster load together: each issues a
     1/ctas slice of the box (see partition_multicast) and the copy engine writes it into every
