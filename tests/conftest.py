@@ -138,8 +138,8 @@ i32 = lambda *values: torch.tensor(values, dtype=torch.int32, device="cuda")
 def index_problem(entry):
     """((q, k, v), args): a packed batch of two sequences (entry "varlen"), one query token
     against a dense or a paged KV cache ("dense"; "paged": pages of 64, "paged16": of 16; k and v
-    being the caches), or packed queries over a paged cache ("cachevarlen"); `args` holds the
-    index tensors by argument name."""
+    being the caches), or packed queries over a paged cache ("cachevarlen"; "cachechunks": one
+    entry long enough for K5); `args` holds the index tensors by argument name."""
     if entry == "varlen":
         return ((rand(300, 4, 128), rand(300, 2, 128), rand(300, 2, 128)),
                 {"cu_seqlens_q": i32(0, 100, 300), "cu_seqlens_k": i32(0, 100, 300)})
@@ -148,6 +148,11 @@ def index_problem(entry):
         return ((rand(5, 8, 128), k_cache, rand(*k_cache.shape)),
                 {"cu_seqlens_q": i32(0, 2, 5), "seqused_k": i32(10, 192),
                  "block_table": torch.arange(32, dtype=torch.int32, device="cuda").view(2, 16)})
+    if entry == "cachechunks":  # a 200-token prompt chunk (K5) and a decode (S1) over pages of 16
+        k_cache = rand(64, 16, 2, 128)
+        return ((rand(201, 8, 128), k_cache, rand(*k_cache.shape)),
+                {"cu_seqlens_q": i32(0, 200, 201), "seqused_k": i32(300, 192),
+                 "block_table": torch.arange(64, dtype=torch.int32, device="cuda").view(2, 32)})
     paged = entry in ("paged", "paged16")
     page = 16 if entry == "paged16" else 64
     k_cache = rand(512 // page, page, 2, 128) if paged else rand(2, 256, 2, 128)

@@ -75,6 +75,19 @@ elif case == "kvcache-gather":  # pages of 16 (cp.async row gathers), decodes an
         cu = i32([0, 1, 65, 66, 100])  # a decode, a 64-token chunk, a decode, a 34-token chunk
         outs.append(fa3.attention_varlen(rand(100, 16, 128), *pages, cu, None, 64, 4000, causal=True,
                                          block_table=table, seqused_k=lengths, num_splits=splits))
+elif case == "kvcache-chunks":  # prompt chunks on K5 over the cache beside decodes on S1, CTAs looping
+    lengths = i32([3000, 1, 1300, 77, 2047])  # ragged: each chunk's first K/V block has rows past its keys
+    cu = i32([0, 1000, 1001, 1500, 1501, 1630])  # chunks of 1000, 499, 129 queries; two decodes
+    for page in (16, 64, None):
+        if page is None:
+            cache = rand(5, 4096, 2, 128), rand(5, 4096, 2, 128)
+            table = None
+        else:
+            cache = rand(4096 // page * 5, page, 2, 128), rand(4096 // page * 5, page, 2, 128)
+            table = torch.randperm(4096 // page * 5, device="cuda").to(torch.int32).view(5, -1)
+        for causal in (True, False):  # the dynamic schedule, the static one
+            outs.append(fa3.attention_varlen(rand(1630, 16, 128), *cache, cu, None, 1000, 3000, causal=causal,
+                                             block_table=table, seqused_k=lengths))
 elif case == "kvcache-fp8":  # an FP8 cache: pages of 64 (TMA) and of 16 (gathers), descales per head
     f8 = lambda t: t.to(torch.float8_e4m3fn)
     lengths = i32([4000, 1, 300, 2047])
@@ -112,7 +125,7 @@ print("done")
 '''
 
 RACE_CASES = ["forward-causal", "forward-causal-d64", "forward-causal-d96", "forward-d96", "forward", "varlen",
-              "kvcache", "kvcache-gather", "gemm", "fp8", "fp8-gemm", "kvcache-fp8"]
+              "kvcache", "kvcache-gather", "kvcache-chunks", "gemm", "fp8", "fp8-gemm", "kvcache-fp8"]
 
 
 @pytest.mark.parametrize("head_dim", [64, 96, 128])
@@ -168,6 +181,10 @@ if entry in ("varlen", "fp8varlen"):
     if not fp8:  # the packed backward too: dQ's tile slots, the postprocess's search, dK/dV rows
         q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
         fa3.attention_varlen(q, k, v, args["cu_seqlens_q"], args["cu_seqlens_k"], causal=True).sum().backward()
+elif entry == "cachechunks":  # the prompt chunk on K5, the decode on S1
+    for causal in (True, False):
+        fa3.attention_varlen(q, k, v, args["cu_seqlens_q"], None, 200, 512, block_table=args["block_table"],
+                             seqused_k=args["seqused_k"], causal=causal)
 else:
     for splits in (1, 0):
         fa3.attention_with_kvcache(q, k, v, cache_seqlens=args["cache_seqlens"],
@@ -196,6 +213,10 @@ MEM_CASES = {
     "fp8-paged-seqlens-past-capacity": ("fp8paged", "cache_seqlens", 1, 100000),
     "fp8-paged-table-past-pool": ("fp8paged", "block_table", [1, 0], 100000),
     "fp8-paged16-table-negative": ("fp8paged16", "block_table", [1, 1], -7),
+    "chunks-seqused-past-capacity": ("cachechunks", "seqused_k", 0, 100000),
+    "chunks-table-past-pool": ("cachechunks", "block_table", [0, 3], 100000),
+    "chunks-table-negative": ("cachechunks", "block_table", [0, 0], -7),
+    "chunks-cu-q-past-total": ("cachechunks", "cu_seqlens_q", 1, 400),
 }
 
 
