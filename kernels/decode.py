@@ -42,6 +42,8 @@ not 101 x the chunk's 128; the grid's bound (min(batch x tiles of max_seqlen_q, 
 group / tile_m) + batch)) leaves a few tiles with no rows, which load and store nothing. O, LSE and
 the partials are stored at the entry's rows, so one combine serves both layouts. A decode is an entry
 of one query; a chunk of a prompt, a longer one: one launch serves a serving engine's whole step.
+Where the host sends the long entries (long_queries or more queries) to K5 in the same call
+(kernels/k5_cache.py, fa3/cache_prefill.py), `max_queries` gives them no tiles here.
 
 An FP8 cache is S1 plus one idea, dequantizing in SMEM: `Fp8SplitKVAttention`
 (kernels/decode_fp8.py).

@@ -36,6 +36,7 @@ from .common import paged, pipeline, seqlen, tma
 from .k5 import EPILOGUE_BARRIER, WarpSpecializedAttention
 
 NO_LIMIT = 1 << 30  # queries: an entry bound that no packed batch reaches
+PAGE_ROWS_REGISTER_SPLIT = (32, 232)  # (producer, consumer) registers beside two consumer warpgroups
 
 
 class CacheAttention(WarpSpecializedAttention):
@@ -53,6 +54,10 @@ class CacheAttention(WarpSpecializedAttention):
         assert page_rows == 0 or (paged and self.tile_n % page_rows == 0 and page_rows % 8 == 0), \
             f"pages of {page_rows} rows do not tile {self.tile_n}-key blocks"
         self.paged, self.page_rows = paged, page_rows
+        if page_rows and self.consumer_wgs == 2:
+            # a box per page: the producer warp's copies spilled 56-100 bytes at 24 registers (d128,
+            # the GPU machine's ptxas); 32 / 232 spill nothing and time the same (H100)
+            self.producer_regs, self.consumer_regs = PAGE_ROWS_REGISTER_SPLIT
         self.query_lengths = (min_queries, NO_LIMIT)
 
     # ---------------------------------------------------------------- host side
