@@ -48,23 +48,28 @@ def tiles(head_dim: int, causal: bool, local: bool) -> dict:
     return cfg
 
 
-def plan(spec, q, k_cache, block_table, max_seqlen_q: int, causal: bool, local: bool, packed: bool,
-         fp8: bool, offsets: bool) -> Plan | None:
+def plan(spec, head_dim: int, page_size: int | None, max_seqlen_q: int, causal: bool, local: bool,
+         packed: bool, fp8: bool, offsets: bool) -> Plan | None:
     """How the call's long entries run on K5, or None: the whole call on S1 (no packed queries, no
     entry that long, an FP8 cache, keys at offsets (a left-padded cache, tokens appended in the
-    kernel's call), or pages no TMA box fits)."""
+    kernel's call), or pages no TMA box fits). page_size: None for a dense cache."""
     min_queries = spec.config.get("long_queries", 0)
     if not (packed and min_queries) or fp8 or offsets or max_seqlen_q < min_queries:
         return None
-    tile_n = tiles(q.shape[-1], causal, local)["tile_n"]
+    tile_n = tiles(head_dim, causal, local)["tile_n"]
     page_rows = 0
-    if block_table is not None:
-        page_size = k_cache.shape[1]
+    if page_size is not None:
         if page_size % tile_n:
             if tile_n % page_size or page_size % 16:
                 return None
             page_rows = page_size
-    return Plan(min_queries, block_table is not None, page_rows)
+    return Plan(min_queries, page_size is not None, page_rows)
+
+
+def split_queries(p: Plan | None, max_seqlen_q: int) -> int:
+    """The longest query run S1 sees (what its split plan counts): below p.min_queries when the long
+    entries go to K5."""
+    return max_seqlen_q if p is None else min(max_seqlen_q, p.min_queries - 1)
 
 
 def launch(p: Plan, q, k_cache, v_cache, cache_seqlens, block_table, cu_seqlens_q, out, lse, mask,

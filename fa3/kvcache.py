@@ -277,13 +277,12 @@ def launch_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, capaci
     gather = paged and reads_by_gather(spec, k_cache.shape[1])
     mask = masking.masking(causal, window, softcap, scale)
     # entries of long_queries queries or more (prompt chunks) on K5 after S1 (fa3/cache_prefill.py)
-    long = cache_prefill.plan(spec, q, k_cache, block_table, seqlen_q, mask.causal, mask.local, packed, fp8,
-                              cache_leftpad is not None or appended != 0)
+    long = cache_prefill.plan(spec, head_dim, k_cache.shape[1] if paged else None, seqlen_q, mask.causal,
+                              mask.local, packed, fp8, cache_leftpad is not None or appended != 0)
     if num_splits <= 0:
         keys = capacity if max_seqlen_k < 0 else min(capacity, max_seqlen_k)
-        short_q = seqlen_q if long is None else min(seqlen_q, long.min_queries - 1)  # S1's entries
-        num_splits = plan_splits(spec, batch, short_q, heads_q, heads_kv, keys, mask,
-                                 _checks.sm_count(device.index), head_dim, gather, fp8)
+        num_splits = plan_splits(spec, batch, cache_prefill.split_queries(long, seqlen_q), heads_q, heads_kv, keys,
+                                 mask, _checks.sm_count(device.index), head_dim, gather, fp8)
     planes = 1 if packed else batch
     if num_splits > 1:
         o_partial = torch.empty(num_splits, planes, rows_q, heads_q, head_dim, dtype=torch.float32,

@@ -107,8 +107,10 @@ def get_scheduler_metadata(batch_size: int, max_seqlen_q: int, max_seqlen_k: int
     cache_seqlens' device holding the split count (num_splits if > 0), for code that keeps the
     metadata in a buffer and passes it back as attention_varlen(..., scheduler_metadata=...),
     which accepts and checks it. page_size (row gathers below 64) and qkv_dtype (float8_e4m3fn: an
-    FP8 cache) enter the plan; headdim_v, cu_seqlens_q, cu_seqlens_k_new, cache_leftpad,
-    max_seqlen_k_new and pack_gqa do not change it and are accepted for the signature."""
+    FP8 cache) enter the plan, and so do cu_seqlens_q and cache_leftpad where they send long
+    entries to K5 (fa3/cache_prefill.py: S1 then plans for the short ones only); headdim_v,
+    cu_seqlens_k_new, max_seqlen_k_new and pack_gqa do not change it and are accepted for the
+    signature."""
     if headdim_v not in (None, headdim):
         raise ValueError(f"headdim_v={headdim_v} != headdim={headdim}: fa3 needs the same head_dim for q, k, v")
     if num_heads_kv <= 0 or num_heads_q % num_heads_kv:
@@ -120,8 +122,15 @@ def get_scheduler_metadata(batch_size: int, max_seqlen_q: int, max_seqlen_k: int
         mask = masking.masking(bool(causal), tuple(window_size), 1.0 if has_softcap else 0.0, 1.0)
         sms = max(1, _checks.sm_count(device.index if device.index is not None else 0) - sm_margin)
         gather = page_size is not None and reads_by_gather(spec, page_size)
-        num_splits = plan_splits(spec, batch_size, max_seqlen_q, num_heads_q, num_heads_kv, max_seqlen_k,
-                                 mask, sms, headdim, gather, qkv_dtype == torch.float8_e4m3fn)
+        # as the call plans it: a packed call's long entries go to K5 (imported here: cache_prefill
+        # compiles through _compile, which imports this module)
+        from .cache_prefill import plan, split_queries
+
+        fp8 = qkv_dtype == torch.float8_e4m3fn
+        long = plan(spec, headdim, page_size, max_seqlen_q, mask.causal, mask.local, cu_seqlens_q is not None,
+                    fp8, cache_leftpad is not None)
+        num_splits = plan_splits(spec, batch_size, split_queries(long, max_seqlen_q), num_heads_q, num_heads_kv,
+                                 max_seqlen_k, mask, sms, headdim, gather, fp8)
     return torch.full((1,), num_splits, dtype=torch.int32, device=device)
 
 

@@ -50,6 +50,19 @@ def _paged_cache(lens, heads_kv, d, page_size, gen, spare_pages=3):
     return k_seqs, v_seqs, k_pool, v_pool, table.cuda()
 
 
+def _dense_cache(lens, heads_kv, d, gen, spare_rows=5):
+    """Per-sequence dense K/V and the same in a (batch, capacity, heads_kv, d) cache, NaN past each
+    length: returns (k_seqs, v_seqs, k_cache, v_cache)."""
+    capacity = max(lens) + spare_rows
+    k_cache = torch.full((len(lens), capacity, heads_kv, d), float("nan"), device="cuda", dtype=torch.bfloat16)
+    v_cache = k_cache.clone()
+    k_seqs = [torch.randn(n, heads_kv, d, device="cuda", dtype=torch.bfloat16, generator=gen) for n in lens]
+    v_seqs = [torch.randn(n, heads_kv, d, device="cuda", dtype=torch.bfloat16, generator=gen) for n in lens]
+    for b, n in enumerate(lens):
+        k_cache[b, :n], v_cache[b, :n] = k_seqs[b], v_seqs[b]
+    return k_seqs, v_seqs, k_cache, v_cache
+
+
 def _reference(q_seqs, k_seqs, v_seqs, causal, window_size=(-1, -1), softcap=0.0):
     """Per sequence, float64: [(out (len_q, heads_q, d), lse (heads_q, len_q))]."""
     result = []
@@ -143,13 +156,7 @@ def test_varlen_over_paged_cache(page_size, case, causal):
     gen = torch.Generator(device="cuda").manual_seed(case * 11 + (page_size or 0))
     heads_q, heads_kv, d = 8, 2, 128
     if page_size is None:  # a dense cache: (batch, capacity, heads_kv, d), seqused_k < capacity
-        capacity = max(lens_k) + 5
-        k_cache = torch.full((len(lens_k), capacity, heads_kv, d), float("nan"), device="cuda", dtype=torch.bfloat16)
-        v_cache = k_cache.clone()
-        k_seqs = [torch.randn(n, heads_kv, d, device="cuda", dtype=torch.bfloat16, generator=gen) for n in lens_k]
-        v_seqs = [torch.randn(n, heads_kv, d, device="cuda", dtype=torch.bfloat16, generator=gen) for n in lens_k]
-        for b, n in enumerate(lens_k):
-            k_cache[b, :n], v_cache[b, :n] = k_seqs[b], v_seqs[b]
+        k_seqs, v_seqs, k_cache, v_cache = _dense_cache(lens_k, heads_kv, d, gen)
         table = None
     else:
         k_seqs, v_seqs, k_cache, v_cache, table = _paged_cache(lens_k, heads_kv, d, page_size, gen)
@@ -237,15 +244,7 @@ def _long_call(page_size, head_dim, causal, gen, lens=LONG_MIX, heads=(8, 2), **
     lens_q, lens_k = lens
     heads_q, heads_kv = heads
     if page_size is None:  # dense: (batch, capacity, heads_kv, d), NaN past each length
-        capacity = max(lens_k) + 7
-        k_cache = torch.full((len(lens_k), capacity, heads_kv, head_dim), float("nan"), device="cuda",
-                             dtype=torch.bfloat16)
-        v_cache = k_cache.clone()
-        k_seqs = [torch.randn(n, heads_kv, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
-                  for n in lens_k]
-        v_seqs = [torch.randn_like(k) for k in k_seqs]
-        for b, n in enumerate(lens_k):
-            k_cache[b, :n], v_cache[b, :n] = k_seqs[b], v_seqs[b]
+        k_seqs, v_seqs, k_cache, v_cache = _dense_cache(lens_k, heads_kv, head_dim, gen, spare_rows=7)
         table = None
     else:
         k_seqs, v_seqs, k_cache, v_cache, table = _paged_cache(lens_k, heads_kv, head_dim, page_size, gen)
@@ -299,30 +298,6 @@ def test_long_entries_window_softcap_sinks():
     out = torch.full_like(q, float("nan"))
     _, lse = call(0, out)
     _check(out, lse, ref, "window + softcap + sinks")
-
-
-@gpu
-def test_long_entries_in_cuda_graph():
-    """A captured mixed step with a prompt chunk, replayed with new lengths, pages and queries: the
-    K5 launch finds its entries on the GPU, as S1 does, and equals an eager call."""
-    gen = torch.Generator(device="cuda").manual_seed(12)
-    lens_q, lens_k = [1, 700, 1, 300], [100, 1500, 40, 300]
-    _, _, k_cache, v_cache, table = _paged_cache([2048] * 4, 2, 128, 16, gen, spare_pages=0)
-    q = torch.randn(sum(lens_q), 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
-    cu_q = _cu(lens_q)
-    seqused = torch.tensor(lens_k, dtype=torch.int32, device="cuda")
-    step = lambda: fa3.attention_varlen(q, k_cache, v_cache, cu_q, None, 1000, 2048, block_table=table,
-                                        seqused_k=seqused, causal=True)
-    step()  # compiles
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-    seqused.copy_(torch.tensor([1000, 7, 1300, 129], dtype=torch.int32))
-    cu_q.copy_(_cu([200, 1, 600, 201]))
-    table.copy_(table.flip(1))
-    q.normal_(generator=gen)
-    graph.replay()
-    assert rel_err(out, step()) < 1e-6
 
 
 @gpu
@@ -407,26 +382,33 @@ def test_kvcache_packed_appends(page_size):
     assert torch.equal(k_cache.nan_to_num(), before.nan_to_num())
 
 
+GRAPH_STEPS = [  # (page size, (query, key) lengths captured, then replayed, max_seqlen_q)
+    (16, ([1, 1, 16, 1], [100, 1, 40, 2000]), ([2, 1, 13, 3], [1500, 7, 16, 1]), 16),
+    (64, ([1, 1, 16, 1], [100, 1, 40, 2000]), ([2, 1, 13, 3], [1500, 7, 16, 1]), 16),
+    # prompt chunks on K5 beside decodes on S1: both find their entries on the GPU
+    (16, ([1, 700, 1, 300], [100, 1500, 40, 300]), ([200, 1, 600, 201], [1000, 7, 1300, 129]), 1000),
+]
+
+
 @gpu
-@pytest.mark.parametrize("page_size", [16, 64])
-def test_varlen_over_cache_in_cuda_graph(page_size):
+@pytest.mark.parametrize("page_size, captured, replayed, max_q", GRAPH_STEPS)
+def test_varlen_over_cache_in_cuda_graph(page_size, captured, replayed, max_q):
     """A mixed step captured once and replayed with new lengths, new pages and new queries (no host
     sync, no planning in the replay): it equals an eager call on the new values."""
-    gen = torch.Generator(device="cuda").manual_seed(page_size)
-    lens_q, lens_k = [1, 1, 16, 1], [100, 1, 40, 2000]
+    gen = torch.Generator(device="cuda").manual_seed(page_size + max_q)
     _, _, k_cache, v_cache, table = _paged_cache([2048] * 4, 8, 128, page_size, gen, spare_pages=0)
-    q = torch.randn(sum(lens_q), 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
-    cu_q = _cu(lens_q)
-    seqused = torch.tensor(lens_k, dtype=torch.int32, device="cuda")
-    meta = fa3.get_scheduler_metadata(4, 16, 2048, 32, 8, 128, seqused, causal=True, page_size=page_size)
-    step = lambda: fa3.attention_varlen(q, k_cache, v_cache, cu_q, None, 16, 2048, block_table=table,
+    q = torch.randn(sum(captured[0]), 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    cu_q = _cu(captured[0])
+    seqused = torch.tensor(captured[1], dtype=torch.int32, device="cuda")
+    meta = fa3.get_scheduler_metadata(4, max_q, 2048, 32, 8, 128, seqused, causal=True, page_size=page_size)
+    step = lambda: fa3.attention_varlen(q, k_cache, v_cache, cu_q, None, max_q, 2048, block_table=table,
                                         seqused_k=seqused, causal=True, scheduler_metadata=meta)
     step()  # compiles
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = step()
-    seqused.copy_(torch.tensor([1500, 7, 16, 1], dtype=torch.int32))
-    cu_q.copy_(_cu([2, 1, 13, 3]))
+    seqused.copy_(torch.tensor(replayed[1], dtype=torch.int32))
+    cu_q.copy_(_cu(replayed[0]))
     table.copy_(table.flip(1))
     q.normal_(generator=gen)
     graph.replay()
@@ -639,11 +621,8 @@ def test_long_entries_plan():
 
     s1 = fa3.registry.get("s1")
     long_q = s1.config["long_queries"]
-    q = torch.empty(10, 8, 128)
     plan = lambda page_size, max_q=long_q, packed=True, fp8=False, offsets=False, d=128, causal=True: \
-        cache_prefill.plan(s1, q.new_empty(10, 8, d), torch.empty(4, page_size or 64, 2, d),
-                           None if page_size is None else torch.empty(1, 1), max_q, causal, False, packed, fp8,
-                           offsets)
+        cache_prefill.plan(s1, d, page_size, max_q, causal, False, packed, fp8, offsets)
     assert plan(None) == cache_prefill.Plan(long_q, False, 0)  # dense: a key block a box
     assert plan(128) == cache_prefill.Plan(long_q, True, 0) and plan(256).page_rows == 0
     assert plan(16).page_rows == 16 and plan(32).page_rows == 32 and plan(64).page_rows == 64
@@ -658,6 +637,26 @@ def test_long_entries_plan():
     for d in (64, 96, 128, 192, 256):
         for causal, local in ((False, False), (True, False), (True, True)):
             assert cache_prefill.tiles(d, causal, local)["tile_n"] % 16 == 0
+
+
+def test_scheduler_metadata_plans_as_the_call(monkeypatch):
+    """get_scheduler_metadata counts what the call will: with packed queries whose longest run goes
+    to K5, S1's split plan covers the short entries only."""
+    from fa3 import _checks, cache_prefill
+
+    monkeypatch.setattr(_checks, "sm_count", lambda index: 132)
+    spec, mask = fa3.registry.get("s1"), fa3.masking.masking(True, (-1, -1), 0.0, 1.0)
+    lens, cu = torch.tensor([30000], dtype=torch.int32), torch.tensor([0, 1000], dtype=torch.int32)
+    long = cache_prefill.plan(spec, 128, 16, 1000, True, False, True, False, False)
+    short_runs = split_plan.plan_splits(spec, 1, long.min_queries - 1, 32, 8, 32768, mask, 132, 128, True)
+    whole_run = split_plan.plan_splits(spec, 1, 1000, 32, 8, 32768, mask, 132, 128, True)
+    assert short_runs != whole_run
+    meta = lambda **kw: int(fa3.get_scheduler_metadata(1, 1000, 32768, 32, 8, 128, lens, page_size=16, causal=True,
+                                                        **kw)[0])
+    assert meta(cu_seqlens_q=cu) == short_runs
+    assert meta() == whole_run  # batched queries: S1 takes the whole call
+    assert meta(cu_seqlens_q=cu, qkv_dtype=torch.float8_e4m3fn) == \
+        split_plan.plan_splits(spec, 1, 1000, 32, 8, 32768, mask, 132, 128, True, True)  # FP8: S1 only
 
 
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
