@@ -8,7 +8,7 @@ layers of a model pass the same offsets and cache lengths, and only the first on
 Nothing may synchronize while a CUDA graph is captured or torch.compile traces, so there (and in
 direct calls of the torch.ops.fa3 ops) the values are not read on the host; the kernels clamp
 instead: lengths to [0, capacity], page indices to [0, num_pages), and an append's first position
-to [0, capacity - new_tokens] (fa3.kvcache.append_to_cache). Clamped values give meaningless
+to [0, capacity - new_tokens] (fa3.cache_append.append_to_cache). Clamped values give meaningless
 results, never reads or writes outside the tensors.
 """
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import fa3
-from fa3 import _checks, index_checks, kvcache
+from fa3 import _checks, cache_append, index_checks
 
 from conftest import INDEX_PROBLEMS, MEMCHECK, compute_sanitizer, raises_with, run_script
 
@@ -179,7 +179,7 @@ def test_append_clamps_unchecked_values(paged):
     else:
         cache, table, seqlens = torch.zeros(2, CAPACITY, 2, 8), None, _lengths(-7, 100000)
     v_cache = torch.zeros_like(cache)
-    kvcache.append_to_cache(cache, v_cache, k, k, seqlens, table, CAPACITY)
+    cache_append.append_to_cache(cache, v_cache, k, k, seqlens, table, CAPACITY)
     if paged:  # entry 0 at the end of its last page (3); entry 1's page -7 clamped to page 0
         assert torch.equal(cache[3, PAGE - new:], k[0]) and torch.equal(cache[0, :new], k[1])
     else:  # -7 -> position 0; 100000 -> the last `new` positions
