@@ -367,7 +367,7 @@ def get_cache_prefill(spec, dtype, head_dim, causal, paged, page_rows, min_queri
     return fn
 
 
-def _build_combine(dtype, head_dim, sinks=False, extra_options=""):
+def _build_combine(dtype, head_dim, sinks=False, max_queries=0, extra_options=""):
     cutlass, cute = _dsl.import_cute()
     from .kernels.combine import SplitKVCombine
 
@@ -376,16 +376,20 @@ def _build_combine(dtype, head_dim, sinks=False, extra_options=""):
     args = [sig.unit_last(cute, f32, splits, b, sq, hq, head_dim), sig.unit_last(cute, f32, splits, b, hq, sq),
             sig.unit_last(cute, dt, b, sq, hq, head_dim, align=2), sig.unit_last(cute, f32, b, hq, sq),
             sig.fake_tensor(cute, f32, (cute.sym_int64(),), (1,), align=4)]
-    return _compile_kernel(SplitKVCombine(dt, head_dim, sinks), args, extra_options)
+    args.append(sig.fake_tensor(cute, cutlass.Int32, (cute.sym_int64(),), (1,), align=4))  # cu_seqlens_q
+    return _compile_kernel(SplitKVCombine(dt, head_dim, sinks, max_queries), args, extra_options)
 
 
-def get_combine(dtype, head_dim, sinks=False):
-    """The split-KV combine kernel: FP32 partial O and LSE (and the sinks) -> O, LSE."""
-    fast_key = ("combine", dtype, head_dim, sinks)
+def get_combine(dtype, head_dim, sinks=False, max_queries=0):
+    """The split-KV combine kernel: FP32 partial O and LSE (and the sinks) -> O, LSE; max_queries:
+    a packed call's rows of entries that long or longer are skipped (K5 writes them)."""
+    fast_key = ("combine", dtype, head_dim, sinks, max_queries)
     fn = _FAST.get(fast_key)
     if fn is None:
-        key = ("combine", str(dtype), head_dim, bool(sinks), _dsl.TARGET_ARCH, _dsl.version())
-        fn = _FAST[fast_key] = _cached(key, lambda: _build_combine(dtype, head_dim, sinks))
+        # (the key names the cu_seqlens_q argument: entries cached before it took one are not loaded)
+        key = ("combine", str(dtype), head_dim, bool(sinks), ("cu_seqlens_q", int(max_queries)),
+               _dsl.TARGET_ARCH, _dsl.version())
+        fn = _FAST[fast_key] = _cached(key, lambda: _build_combine(dtype, head_dim, sinks, max_queries))
     return fn
 
 

@@ -257,8 +257,9 @@ def launch_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, capaci
     fn(q4, k_cache, v_cache, cache_seqlens, table, out4, lse3, o_partial, lse_partial, mask.scale_log2,
        appended, mask.left, mask.right, mask.softcap_scale, cu, seqlen_q,
        cache_leftpad if leftpad else _launch.stand_in(device), sinks, *descales)
-    if num_splits > 1:  # (it also writes the long entries' rows, from unwritten partials: K5 follows)
-        _compile.get_combine(out.dtype, head_dim, has_sinks)(o_partial, lse_partial, out4, lse3, sinks)
+    if num_splits > 1:  # (the long entries' rows have no partials: it skips them)
+        min_long = 0 if long is None else long.min_queries
+        _compile.get_combine(out.dtype, head_dim, has_sinks, min_long)(o_partial, lse_partial, out4, lse3, sinks, cu)
     if long is not None:
         cache_prefill.launch(long, q, k_cache, v_cache, cache_seqlens, block_table, cu, out, lse, mask,
                              sinks if has_sinks else None)

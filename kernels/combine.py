@@ -3,11 +3,15 @@
 S1 (kernels/decode.py) splits each sequence's keys across CTAs when batch x heads cannot fill the
 SMs; each split writes its O_i (normalised by its own row sum) and lse_i. The exact result is the
 softmax-weighted sum of the parts: LSE = log sum_i exp(lse_i), O = sum_i exp(lse_i - LSE) O_i.
+Where a packed call's long entries are K5's (`max_queries`: kernels/k5_cache.py), their rows have
+no partials and are skipped: each warp finds its row's entry from cu_seqlens_q.
 """
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
+
+from .common import seqlen
 
 
 class SplitKVCombine:
@@ -19,26 +23,32 @@ class SplitKVCombine:
 
     warps = 4
 
-    def __init__(self, dtype, head_dim: int, sinks: bool = False):
+    def __init__(self, dtype, head_dim: int, sinks: bool = False, max_queries: int = 0):
         self.dtype, self.head_dim, self.sinks = dtype, head_dim, sinks
+        self.max_queries = max_queries  # packed: rows of entries this long or longer are not S1's
 
     @cute.jit
     def __call__(self, mOacc: cute.Tensor, mLSEacc: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-                 mSinks: cute.Tensor, stream):
+                 mSinks: cute.Tensor, mCuSeqlensQ: cute.Tensor, stream):
+        """mCuSeqlensQ: the packed queries' offsets (read with max_queries only)."""
         _, batch, seqlen_q, heads_q, _ = mOacc.shape
         rows = batch * seqlen_q * heads_q
-        self.kernel(mOacc, mLSEacc, mO, mLSE, mSinks).launch(
+        self.kernel(mOacc, mLSEacc, mO, mLSE, mSinks, mCuSeqlensQ).launch(
             grid=[cute.ceil_div(rows, self.warps), 1, 1], block=[32 * self.warps, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mOacc: cute.Tensor, mLSEacc: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-               mSinks: cute.Tensor):
+               mSinks: cute.Tensor, mCuSeqlensQ: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         block, _, _ = cute.arch.block_idx()
         lane = cute.arch.lane_idx()
         splits, batch_size, seqlen_q, heads_q, _ = mOacc.shape
         row = block * self.warps + tidx // 32
-        if row < batch_size * seqlen_q * heads_q:
+        mine = row < batch_size * seqlen_q * heads_q
+        if cutlass.const_expr(self.max_queries > 0):  # (warp-uniform: one row a warp)
+            if mine:
+                mine = seqlen.packed_entry_length(mCuSeqlensQ, row // heads_q % seqlen_q, seqlen_q) < self.max_queries
+        if mine:
             head = row % heads_q
             query = row // heads_q % seqlen_q
             batch = row // (heads_q * seqlen_q)

@@ -175,10 +175,13 @@ def test_fp8_gemm_compiles(name, row_scales):
     assert report.spill_bytes == 0 and not report.serialized_wgmma
 
 
-def test_sinks_combine_compiles():
-    """The split-KV combine with the sinks as one more term compiles without spilling."""
-    report = _compile.build_report(_compile._build_combine, torch.bfloat16, 128, sinks=True)
+@pytest.mark.parametrize("max_queries", [0, 128])
+def test_sinks_combine_compiles(max_queries):
+    """The split-KV combine with the sinks as one more term compiles without spilling; with
+    max_queries it finds each row's entry (a warp ballot over cu_seqlens_q) to skip K5's rows."""
+    report = _compile.build_report(_compile._build_combine, torch.bfloat16, 128, sinks=True, max_queries=max_queries)
     assert "ex2.approx" in report.ptx and report.registers and report.spill_bytes == 0
+    assert ("vote.sync.ballot" in report.ptx) == bool(max_queries)
 
 
 @pytest.mark.parametrize("head_dim,head_dim_v,layout", [(64, None, ()), (96, None, ()), (256, None, ()),

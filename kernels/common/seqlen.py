@@ -66,6 +66,28 @@ def packed_span(mCuSeqlens: cute.Tensor, entry: Int32, total):
 
 
 @cute.jit
+def packed_entry_length(mCuSeqlens: cute.Tensor, row: Int32, total) -> Int32:
+    """The length of the packed entry holding `row` (spans clamped as packed_span), 0 if none; a
+    whole warp calls it: each lane takes one entry of a chunk of 32, a ballot names the holder."""
+    lane = cute.arch.lane_idx()
+    entries = mCuSeqlens.shape[0] - 1
+    length = Int32(0)
+    chunk = Int32(0)
+    searching = chunk < entries
+    while searching:
+        entry = cutlass.min(chunk + lane, entries - 1)
+        start, count = packed_span(mCuSeqlens, entry, total)
+        holds = cute.arch.vote_ballot_sync(chunk + lane < entries and start <= row and row < start + count)
+        if holds != 0:
+            length = cute.arch.shuffle_sync(count, cute.arch.popc((holds & -holds) - 1))
+            searching = False
+        else:
+            chunk += 32
+            searching = chunk < entries
+    return length
+
+
+@cute.jit
 def from_cu_seqlens(mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, batch: Int32, total_q=None,
                     total_k=None):
     """Entry `batch` of a packed variable-length batch: its rows are [cu[batch], cu[batch + 1]) of
