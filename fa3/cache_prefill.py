@@ -67,9 +67,11 @@ def plan(spec, head_dim: int, page_size: int | None, max_seqlen_q: int, causal: 
 
 
 def split_queries(p: Plan | None, max_seqlen_q: int) -> int:
-    """The longest query run S1 sees (what its split plan counts): below p.min_queries when the long
-    entries go to K5."""
-    return max_seqlen_q if p is None else min(max_seqlen_q, p.min_queries - 1)
+    """The query run S1's split plan counts per entry: the longest, or 1 when the long entries go to
+    K5. Then the entries S1 keeps are planned as decodes: a prompt chunk beside three decodes of 30k
+    keys took 1.1 ms with the chunk's length counted (one CTA per decode and KV head, each reading
+    30k keys); entries of up to long_queries - 1 queries over-split at worst (more, shorter CTAs)."""
+    return max_seqlen_q if p is None else 1
 
 
 def launch(p: Plan, q, k_cache, v_cache, cache_seqlens, block_table, cu_seqlens_q, out, lse, mask,
