@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from . import _checks, _compile, _launch, registry
+from .kernels import k5_tiles
 
 RUNG = "k5.5"  # the attention rung whose tiles and schedule the chunks run on
 
@@ -35,16 +36,10 @@ class Plan:
 
 
 def tiles(head_dim: int, causal: bool, local: bool) -> dict:
-    """RUNG's configuration at head_dim with K5's own adjustments for a packed batch (kernels/k5.py:
-    a window on two warpgroups, causal d96's narrower K/V tiles, d192's 80-key packed tiles), so
-    that the page layout is chosen for the tiles the kernel will have (its constructor checks)."""
+    """RUNG's configuration at head_dim with the tiles K5 compiles for a packed batch
+    (kernels/k5_tiles.py, which K5 itself applies), so that the page layout is chosen for them."""
     cfg = registry.get(RUNG).config_for(head_dim)
-    if local and cfg["tile_m"] == 192:
-        cfg["tile_m"] = 128
-    if causal and head_dim == 96 and cfg["tile_m"] == 192:
-        cfg["tile_n"] = min(cfg["tile_n"], 96)
-    if head_dim == 192:
-        cfg["tile_n"] = min(cfg["tile_n"], 80)
+    cfg["tile_m"], cfg["tile_n"] = k5_tiles.adjust(cfg["tile_m"], cfg["tile_n"], head_dim, causal, True, local)
     return cfg
 
 

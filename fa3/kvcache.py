@@ -236,6 +236,7 @@ def launch_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, capaci
     # entries of long_queries queries or more (prompt chunks) on K5 after S1 (fa3/cache_prefill.py)
     long = cache_prefill.plan(spec, head_dim, k_cache.shape[1] if paged else None, seqlen_q, mask.causal,
                               mask.local, packed, fp8, cache_leftpad is not None or appended != 0)
+    s1_max_queries = 0 if long is None else long.min_queries  # S1 (and its combine) skip K5's entries
     if num_splits <= 0:
         keys = capacity if max_seqlen_k < 0 else min(capacity, max_seqlen_k)
         num_splits = plan_splits(spec, batch, cache_prefill.split_queries(long, seqlen_q), heads_q, heads_kv, keys,
@@ -250,16 +251,15 @@ def launch_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, capaci
     leftpad, has_sinks = cache_leftpad is not None, sinks is not None
     sinks = _launch.sinks_ready(sinks) if has_sinks else _launch.stand_in(device, torch.float32)
     fn = _compile.get_kvcache(spec, q.dtype, head_dim, mask.causal, paged, mask.local, mask.softcap,
-                              gather, packed, leftpad, has_sinks, out.dtype if fp8 else None,
-                              0 if long is None else long.min_queries)
+                              gather, packed, leftpad, has_sinks, out.dtype if fp8 else None, s1_max_queries)
     descales = descales or (_dummy("descale", device),) * 3
     table = block_table if paged else _dummy("table", device)
     fn(q4, k_cache, v_cache, cache_seqlens, table, out4, lse3, o_partial, lse_partial, mask.scale_log2,
        appended, mask.left, mask.right, mask.softcap_scale, cu, seqlen_q,
        cache_leftpad if leftpad else _launch.stand_in(device), sinks, *descales)
-    if num_splits > 1:  # (the long entries' rows have no partials: it skips them)
-        min_long = 0 if long is None else long.min_queries
-        _compile.get_combine(out.dtype, head_dim, has_sinks, min_long)(o_partial, lse_partial, out4, lse3, sinks, cu)
+    if num_splits > 1:
+        _compile.get_combine(out.dtype, head_dim, has_sinks, s1_max_queries)(o_partial, lse_partial, out4, lse3,
+                                                                            sinks, cu)
     if long is not None:
         cache_prefill.launch(long, q, k_cache, v_cache, cache_seqlens, block_table, cu, out, lse, mask,
                              sinks if has_sinks else None)

@@ -38,6 +38,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass import pipeline as dsl_pipeline
 
+from . import k5_tiles
 from .common import epilogue, mma, pipeline, scheduler, seqlen, smem, softmax, tma
 from .common.pingpong import PingPong
 from .common.scheduler import AttentionTileSchedule
@@ -60,18 +61,7 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, ForwardMainloop,
                  intra_wg_overlap: bool = True, dynamic_schedule: bool = False,
                  varlen: bool = False, local: bool = False, softcap: bool = False,
                  sinks: bool = False, head_dim_v: int | None = None, rescale_vote: bool = True):
-        if local and tile_m == 192:
-            # three 160-register warpgroups have no room for the window's state (680 bytes of
-            # spills at d64): a windowed kernel takes two warpgroups on 128-row tiles
-            tile_m = 128
-        if causal and head_dim == 96 and tile_m == 192:
-            # causal d96: 96-wide K/V tiles, 5% faster than 112 at 2k (fewer masked columns on the
-            # diagonal), within 1% from 8k
-            tile_n = min(tile_n, 96)
-        if varlen and head_dim == 192 and head_dim_v in (None, 192) and tile_n > 80:
-            # likewise a packed batch's offsets and bounds beside 96-wide S tiles at d192 (36
-            # bytes of spills): 80-wide K/V tiles
-            tile_n = 80
+        tile_m, tile_n = k5_tiles.adjust(tile_m, tile_n, head_dim, causal, varlen, local, head_dim_v)
         super().__init__(dtype, head_dim, causal, tile_m, tile_n, kv_stages, pv_on_wgmma=True)
         # V's (and O's) head dim, where it differs from Q's and K's (DeepSeek's (192, 128)): only
         # V's ring, P V and the epilogue see it

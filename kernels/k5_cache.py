@@ -46,11 +46,7 @@ class CacheAttention(WarpSpecializedAttention):
         (num_pages, page_size, heads_kv, d) with a block table, else (batch, capacity, heads_kv,
         d); page_rows: 0 where a page holds whole key blocks, else the page size (one TMA box per
         page)."""
-        tile_n = config.get("tile_n")
         super().__init__(dtype, head_dim, causal, varlen=True, **config)
-        # the host chose the page layout for these tiles (fa3/cache_prefill.py): K5's own
-        # adjustments must not have moved them
-        assert tile_n in (None, self.tile_n), f"tile_n {tile_n} became {self.tile_n}"
         assert page_rows == 0 or (paged and self.tile_n % page_rows == 0 and page_rows % 8 == 0), \
             f"pages of {page_rows} rows do not tile {self.tile_n}-key blocks"
         self.paged, self.page_rows = paged, page_rows
