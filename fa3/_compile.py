@@ -295,8 +295,9 @@ def kvcache_key(spec, dtype, head_dim, causal, paged=False, local=False, softcap
     layout = (bool(gather), bool(varlen), bool(leftpad))  # row gathers, packed queries, left padding
     out = (("out", str(out_dtype)),) if out_dtype not in (None, dtype) else ()
     out += (("max_queries", int(max_queries)),) if max_queries else ()
+    # ("entry_order",): the signature with the entries' order (entries cached before it are not loaded)
     return (spec.name, str(dtype), head_dim, bool(causal), bool(paged), *((variant,) if any(variant) else ()),
-            *((("gather_varlen_leftpad",) + layout,) if any(layout) else ()), *out,
+            *((("gather_varlen_leftpad",) + layout,) if any(layout) else ()), *out, ("entry_order",),
             tuple(sorted(spec.config_for(head_dim).items())), _dsl.TARGET_ARCH, _dsl.version())
 
 

@@ -158,9 +158,9 @@ def cache_prefill_args(dtype, head_dim):
 def kvcache_args(dtype, head_dim, out_dtype=None):
     """Fake (q, k_cache, v_cache, cache_seqlens, block_table, out, lse, out_partial, lse_partial,
     scale_log2, appended, window edges, softcap scale, cu_seqlens_q, max_seqlen_q, cache_leftpad,
-    sinks, q/k/v descales): see kernels/decode.py. The cache is (planes, rows, heads_kv, d), planes
-    being batch entries (dense) or pages (paged); every extent is dynamic (packed queries: q is (1,
-    total_q, heads_q, d) and cache_seqlens has its own extent). `dtype`: q's and the cache's; out
+    entry order, sinks, q/k/v descales): see kernels/decode.py. The cache is (planes, rows, heads_kv,
+    d), planes being batch entries (dense) or pages (paged); every extent is dynamic (packed
+    queries: q is (1, total_q, heads_q, d) and cache_seqlens has its own extent). `dtype`: q's and the cache's; out
     has out_dtype (default dtype); the descales are (batch, heads_kv) FP32 (1-element stand-ins
     unless FP8)."""
     cutlass, cute = _dsl.import_cute()
@@ -180,5 +180,6 @@ def kvcache_args(dtype, head_dim, out_dtype=None):
             i32(0), i32(0), f32(1.0),  # (appended,) window edges, softcap scale
             fake_tensor(cute, i32, (b_cu,), (1,), align=4), i32(1),  # cu_seqlens_q, max_seqlen_q
             fake_tensor(cute, i32, (b_pad,), (1,), align=4),  # cache_leftpad
+            fake_tensor(cute, cutlass.Int64, (cute.sym_int64(),), (1,), align=8),  # the entries' order, or a stand-in
             fake_tensor(cute, f32, (cute.sym_int64(),), (1,), align=4),  # sinks (or a stand-in)
             descale(), descale(), descale()]

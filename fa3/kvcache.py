@@ -27,7 +27,7 @@ import torch
 
 from . import _checks, _compile, _dispatch, _launch, cache_prefill, index_checks, masking, registry
 from .cache_append import append_packed, append_to_cache
-from .split_plan import plan_splits, reads_by_gather
+from .split_plan import ctas_per_sm, entry_order, plan_splits, reads_by_gather, s1_ctas
 
 
 def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kernel, window_size, softcap,
@@ -248,6 +248,10 @@ def launch_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, capaci
         lse_partial = torch.empty(num_splits, planes, heads_q, rows_q, dtype=torch.float32, device=device)
     else:
         o_partial, lse_partial = _dummy("o_partial", device, head_dim), _dummy("lse_partial", device)
+    # the longest entries first when the CTAs take several waves (needs no sync)
+    slots = _checks.sm_count(device.index) * ctas_per_sm(spec, head_dim, gather, fp8)
+    order = entry_order(cache_seqlens, s1_ctas(spec, batch, seqlen_q, heads_q, heads_kv, num_splits,
+                                               rows_q if packed else None), slots)
     leftpad, has_sinks = cache_leftpad is not None, sinks is not None
     sinks = _launch.sinks_ready(sinks) if has_sinks else _launch.stand_in(device, torch.float32)
     fn = _compile.get_kvcache(spec, q.dtype, head_dim, mask.causal, paged, mask.local, mask.softcap,
@@ -256,7 +260,8 @@ def launch_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, capaci
     table = block_table if paged else _dummy("table", device)
     fn(q4, k_cache, v_cache, cache_seqlens, table, out4, lse3, o_partial, lse_partial, mask.scale_log2,
        appended, mask.left, mask.right, mask.softcap_scale, cu, seqlen_q,
-       cache_leftpad if leftpad else _launch.stand_in(device), sinks, *descales)
+       cache_leftpad if leftpad else _launch.stand_in(device),
+       _launch.stand_in(device, torch.int64) if order is None else order, sinks, *descales)
     if num_splits > 1:
         _compile.get_combine(out.dtype, head_dim, has_sinks, s1_max_queries)(o_partial, lse_partial, out4, lse3,
                                                                             sinks, cu)

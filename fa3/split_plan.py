@@ -91,6 +91,29 @@ def plan_splits(spec, batch: int, max_seqlen_q: int, heads_q: int, heads_kv: int
                           ctas_per_sm(spec, head_dim, gather, fp8))
 
 
+def s1_ctas(spec, batch: int, seqlen_q: int, heads_q: int, heads_kv: int, num_splits: int,
+            total_q: int | None = None) -> int:
+    """CTAs of s1's grid (kernels/decode.py): splits x KV heads x Q tiles, the packed grid's bound
+    when total_q (packed queries) is given."""
+    tile_m, group = spec.config["tile_m"], heads_q // heads_kv
+    tiles = batch * -(-max(seqlen_q, 1) * group // tile_m)
+    if total_q is not None:
+        tiles = max(1, min(tiles, -(-total_q * group // tile_m) + batch))
+    return num_splits * heads_kv * tiles
+
+
+def entry_order(seqlens: torch.Tensor, ctas: int, slots: int):
+    """The entries longest first (int64 indices, on the device), when s1's CTAs take more than one wave of
+    the SMs' slots, else None (the entries in their own order). Each CTA's time is its entry's key
+    count, and the GPU starts CTAs in grid order: a short entry launched last fills a gap, a long
+    one launched last runs alone while the other SMs idle (126 decodes of 512-3512 keys in
+    increasing order: 411 us at pages of 16, 363 with every entry of the mean length). A stable
+    sort of the lengths on the device: no host sync, and a captured graph replays it."""
+    if ctas <= slots or seqlens.shape[0] < 2:
+        return None
+    return torch.argsort(seqlens, descending=True, stable=True)
+
+
 def get_scheduler_metadata(batch_size: int, max_seqlen_q: int, max_seqlen_k: int, num_heads_q: int,
                            num_heads_kv: int, headdim: int, cache_seqlens: torch.Tensor,
                            qkv_dtype=torch.bfloat16, headdim_v=None, cu_seqlens_q=None,

@@ -101,7 +101,7 @@ class SplitKVAttention:
                  mBlockTable: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mOacc: cute.Tensor,
                  mLSEacc: cute.Tensor, scale_log2: Float32, appended: Int32, window_left: Int32,
                  window_right: Int32, softcap_scale: Float32, mCuSeqlensQ: cute.Tensor,
-                 max_seqlen_q: Int32, mLeftpad: cute.Tensor, mSinks: cute.Tensor,
+                 max_seqlen_q: Int32, mLeftpad: cute.Tensor, mOrder: cute.Tensor, mSinks: cute.Tensor,
                  mQDescale: cute.Tensor, mKDescale: cute.Tensor, mVDescale: cute.Tensor, stream):
         """mQ (batch, seqlen_q, heads_q, d); mK/mV the cache; mO/mLSE the result when there is one
         split, else mOacc (splits, batch, seqlen_q, heads_q, d) and mLSEacc (splits, batch,
@@ -110,7 +110,8 @@ class SplitKVAttention:
         batch 1, the queries of entry b at rows [cu[b], cu[b + 1]) of mCuSeqlensQ (batch + 1,),
         max_seqlen_q their longest (it sizes the grid); otherwise both are unread. mLeftpad (batch,):
         where each entry's keys start in a dense cache (the leftpad variant; unread otherwise).
-        mQ/mK/mVDescale (batch, heads_kv) FP32: the FP8 descales (unread stand-ins otherwise)."""
+        mOrder (batch,) int64: the entries longest first (fa3.split_plan.entry_order), or a 1-element
+        stand-in for the entries in their own order. mQ/mK/mVDescale (batch, heads_kv) FP32: the FP8 descales (unread stand-ins otherwise)."""
         batch, seqlen_q, heads_q, _ = mQ.shape
         heads_kv = mK.shape[2]
         group = heads_q // heads_kv
@@ -122,7 +123,8 @@ class SplitKVAttention:
             batch = mCuSeqlensQ.shape[0] - 1
             tiles = cutlass.min(batch * cute.ceil_div(max_seqlen_q * group, self.tile_m),
                                 cute.ceil_div(seqlen_q * group, self.tile_m) + batch)
-            grid = [mOacc.shape[0], cutlass.max(tiles, 1), heads_kv]
+            # KV heads inside tiles: with mOrder, the CTAs launched first are the longest entry's
+            grid = [mOacc.shape[0], heads_kv, cutlass.max(tiles, 1)]
         sQ_layout = smem.tile_layout(self.dtype, self.tile_m, self.head_dim)
         sKV_layout = smem.tile_layout(self.cache_dtype, self.tile_n, self.head_dim, self.kv_stages)
         sKV16_layout = smem.tile_layout(self.dtype, self.tile_n, self.head_dim)  # fp8: the converted tiles
@@ -140,7 +142,7 @@ class SplitKVAttention:
         smem.check_plan(SharedStorage.size_in_bytes(), self.planned_smem_bytes, "S1")
         self.kernel(mQ, tma_k, tK, tma_v, tV, mCacheSeqlens, mBlockTable, mO, mLSE, mOacc, mLSEacc,
                     scale_log2, appended, window_left, window_right, softcap_scale, mCuSeqlensQ,
-                    mLeftpad, mSinks, (mQDescale, mKDescale, mVDescale), sQ_layout, sKV_layout,
+                    mLeftpad, mOrder, mSinks, (mQDescale, mKDescale, mVDescale), sQ_layout, sKV_layout,
                     sKV16_layout, SharedStorage).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
@@ -165,7 +167,8 @@ class SplitKVAttention:
                mV: cute.Tensor, mCacheSeqlens: cute.Tensor, mBlockTable: cute.Tensor, mO: cute.Tensor,
                mLSE: cute.Tensor, mOacc: cute.Tensor, mLSEacc: cute.Tensor, scale_log2: Float32,
                appended: Int32, window_left: Int32, window_right: Int32, softcap_scale: Float32,
-               mCuSeqlensQ: cute.Tensor, mLeftpad: cute.Tensor, mSinks: cute.Tensor, descales,
+               mCuSeqlensQ: cute.Tensor, mLeftpad: cute.Tensor, mOrder: cute.Tensor, mSinks: cute.Tensor,
+               descales,
                sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
                sKV16_layout: cute.ComposedLayout, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
@@ -179,9 +182,9 @@ class SplitKVAttention:
         if cutlass.const_expr(self.varlen):
             # grid (splits, Q tiles of every entry in a row, heads_kv): each warp finds its tile's
             # entry from cu_seqlens_q (common/scheduler.py); a tile past the last holds no rows
-            split, tile, head_kv = cute.arch.block_idx()
+            split, head_kv, tile = cute.arch.block_idx()
             batch, m_block, entry_tiles = scheduler.varlen_tile(tile, mCuSeqlensQ, self.tile_m, mQ.shape[1],
-                                                                group, self.query_lengths)
+                                                                group, self.query_lengths, mOrder)
             # queries at rows offset_q.. of the one packed plane
             seq = seqlen.from_cache_packed(mCuSeqlensQ, mCacheSeqlens, batch, appended, capacity,
                                            mQ.shape[1])
@@ -190,6 +193,8 @@ class SplitKVAttention:
             seq.seqlen_q = cutlass.min(seq.seqlen_q, entry_tiles * self.tile_m)
         else:
             split, head_tile, batch = cute.arch.block_idx()
+            if mOrder.shape[0] == cute.arch.grid_dim()[2]:  # the longest entries first
+                batch = Int32(mOrder[batch])
             q_tiles = cute.arch.grid_dim()[1] // heads_kv
             head_kv, m_block = head_tile // q_tiles, head_tile % q_tiles
             seq = seqlen.from_cache(mCacheSeqlens, batch, mQ.shape[1], appended, capacity,

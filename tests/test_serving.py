@@ -182,6 +182,42 @@ def test_varlen_over_paged_cache(page_size, case, causal):
 
 
 @gpu
+@pytest.mark.parametrize("page_size", [None, 16, 64])
+@pytest.mark.parametrize("causal", [False, True])
+def test_many_entries_longest_first(page_size, causal):
+    """A step with more s1 CTAs than the SMs hold at once, so that they take the entries longest
+    first (split_plan.entry_order): 300 entries of shuffled key lengths (0 and 1 among them),
+    decodes beside entries of 3 and 0 queries, packed; and the same batch as (batch, 2) queries."""
+    gen = torch.Generator(device="cuda").manual_seed(300 + (page_size or 0) + causal)
+    n, heads_q, heads_kv, d = 300, 8, 2, 128
+    lens_k = [0, 1] + torch.randint(1, 1500, (n - 2,), generator=torch.Generator().manual_seed(7)).tolist()
+    lens_k = [lens_k[i] for i in torch.randperm(n, generator=torch.Generator().manual_seed(8)).tolist()]
+    lens_q = [3 if b % 50 == 7 else 0 if b % 50 == 9 else 1 for b in range(n)]
+    if page_size is None:
+        k_seqs, v_seqs, k_cache, v_cache = _dense_cache(lens_k, heads_kv, d, gen)
+        table = None
+    else:
+        k_seqs, v_seqs, k_cache, v_cache, table = _paged_cache(lens_k, heads_kv, d, page_size, gen)
+    spec = fa3.registry.get("s1")
+    gather = page_size is not None and split_plan.reads_by_gather(spec, page_size)
+    slots = fa3._checks.sm_count(0) * split_plan.ctas_per_sm(spec, d, gather)
+    assert split_plan.s1_ctas(spec, n, 3, heads_q, heads_kv, 1, total_q=sum(lens_q)) > slots  # ordered
+    seqused_k = torch.tensor(lens_k, dtype=torch.int32, device="cuda")
+    q = torch.randn(sum(lens_q), heads_q, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    ref = _reference(list(torch.split(q, lens_q)), k_seqs, v_seqs, causal)
+    out = torch.full_like(q, float("nan"))
+    _, lse = fa3.attention_varlen(q, k_cache, v_cache, _cu(lens_q), None, 3, max(lens_k), block_table=table,
+                                  seqused_k=seqused_k, causal=causal, return_lse=True, out=out)
+    _check(out, lse, ref, f"packed, page {page_size}")
+    q2 = torch.randn(n, 2, heads_q, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    ref = _reference(list(q2), k_seqs, v_seqs, causal)
+    out2 = torch.full_like(q2, float("nan"))
+    _, lse2 = fa3.attention_with_kvcache(q2, k_cache, v_cache, cache_seqlens=seqused_k, block_table=table,
+                                         causal=causal, return_lse=True, out=out2)
+    _check(out2.flatten(0, 1), lse2.transpose(0, 1).flatten(1), ref, f"batched, page {page_size}")
+
+
+@gpu
 @pytest.mark.parametrize("splits", [1, 3])
 def test_varlen_over_paged_cache_with_sinks(splits):
     """gpt-oss served by vLLM: flash_attn_varlen_func(..., s_aux=sinks) over 16-token pages. A sink
@@ -597,6 +633,21 @@ def test_packed_append_value_checks_on_host_copies():
         check([0, 2, 5], lengths=torch.tensor([20, -1], dtype=torch.int32))
     with pytest.raises(ValueError, match=r"cu_seqlens_q\[-1\] = 3"):
         check([0, 2, 5], cu_q=[0, 1, 3])
+
+
+def test_entry_order_longest_first():
+    """s1's CTAs take the entries longest first once they need more than one wave of the SMs
+    (split_plan.entry_order: a stable sort on the device, so equal lengths keep their order)."""
+    spec = fa3.registry.get("s1")
+    lens = torch.tensor([5, 3000, 0, 700, 3000, 1], dtype=torch.int32)
+    assert split_plan.entry_order(lens, ctas=264, slots=264) is None  # one wave: nothing to order
+    assert split_plan.entry_order(lens[:1], ctas=1000, slots=264) is None
+    order = split_plan.entry_order(lens, ctas=265, slots=264)
+    assert order.dtype == torch.int64 and order.tolist() == [1, 4, 3, 0, 5, 2]
+    # the CTA count: splits x KV heads x Q tiles (packed: the grid's bound by total_q)
+    assert split_plan.s1_ctas(spec, 126, 1, 32, 8, 1) == 126 * 8
+    assert split_plan.s1_ctas(spec, 4, 100, 32, 8, 2) == 2 * 8 * 4 * 7
+    assert split_plan.s1_ctas(spec, 100, 1000, 32, 8, 1, total_q=1100) == 8 * (69 + 100)
 
 
 def test_split_plan_from_shapes():

@@ -161,18 +161,27 @@ def varlen_blocks(mCuSeqlens: cute.Tensor, tile_m: cutlass.Constexpr, rows=None,
 
 @cute.jit
 def varlen_tile(block: Int32, mCuSeqlens: cute.Tensor, tile_m: cutlass.Constexpr, rows=None,
-                rows_per_query=None, lengths=None):
+                rows_per_query=None, lengths=None, order=None):
     """(entry, its Q tile index, its Q tile count) of packed Q tile `block` < varlen_blocks; a
     whole warp calls it. A `block` past the last tile gives a tile count of 0. `rows_per_query`:
-    tile rows per query (the query heads a packed-GQA tile holds per query position)."""
+    tile rows per query (the query heads a packed-GQA tile holds per query position). `order` (a
+    tensor of one index per entry, or a 1-element stand-in): the tiles are numbered over the
+    entries in that order (the longest first: fa3.split_plan.entry_order)."""
     lane = cute.arch.lane_idx()
     entries = mCuSeqlens.shape[0] - 1
+    ordered = False
+    if cutlass.const_expr(order is not None):
+        ordered = order.shape[0] == entries
     before = Int32(0)  # tiles of the entries before this chunk
     chunk = Int32(0)
     entry, m_block, blocks = Int32(0), Int32(0), Int32(0)
     searching = chunk < entries
     while searching:
-        count = _entry_blocks(mCuSeqlens, chunk + lane, tile_m, rows, rows_per_query, lengths)
+        lane_entry = chunk + lane
+        if cutlass.const_expr(order is not None):
+            if ordered and lane_entry < entries:
+                lane_entry = Int32(order[lane_entry])
+        count = _entry_blocks(mCuSeqlens, lane_entry, tile_m, rows, rows_per_query, lengths)
         running = count  # inclusive scan over the lanes
         for i in cutlass.range_constexpr(5):
             below = cute.arch.shuffle_sync_up(running, 1 << i)
@@ -182,6 +191,8 @@ def varlen_tile(block: Int32, mCuSeqlens: cute.Tensor, tile_m: cutlass.Constexpr
         if holds != 0:
             first = cute.arch.popc((holds & -holds) - 1)  # the lowest lane whose range holds it
             entry = chunk + first
+            if cutlass.const_expr(order is not None):
+                entry = cute.arch.shuffle_sync(lane_entry, first)
             blocks = cute.arch.shuffle_sync(count, first)
             m_block = block - before - cute.arch.shuffle_sync(running, first) + blocks
             searching = False
