@@ -394,6 +394,24 @@ def get_combine(dtype, head_dim, sinks=False, max_queries=0):
     return fn
 
 
+def _build_entry_order(extra_options=""):
+    cutlass, cute = _dsl.import_cute()
+    from .kernels.entry_order import EntryOrder
+
+    args = [sig.fake_tensor(cute, cutlass.Int32, (cute.sym_int64(),), (1,), align=4),
+            sig.fake_tensor(cute, cutlass.Int64, (cute.sym_int64(),), (1,), align=8), cutlass.Int32(1)]
+    return _compile_kernel(EntryOrder(), args, extra_options)
+
+
+def get_entry_order():
+    """The KV-cache entries longest first (kernels/entry_order.py): (lengths int32, order int64,
+    max_length)."""
+    fn = _FAST.get("entry_order")
+    if fn is None:
+        fn = _FAST["entry_order"] = _cached(("entry_order", _dsl.TARGET_ARCH, _dsl.version()), _build_entry_order)
+    return fn
+
+
 @dataclass
 class CompileReport:
     ptx: str

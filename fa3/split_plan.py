@@ -102,16 +102,13 @@ def s1_ctas(spec, batch: int, seqlen_q: int, heads_q: int, heads_kv: int, num_sp
     return num_splits * heads_kv * tiles
 
 
-def entry_order(seqlens: torch.Tensor, ctas: int, slots: int):
-    """The entries longest first (int64 indices, on the device), when s1's CTAs take more than one wave of
-    the SMs' slots, else None (the entries in their own order). Each CTA's time is its entry's key
-    count, and the GPU starts CTAs in grid order: a short entry launched last fills a gap, a long
-    one launched last runs alone while the other SMs idle (126 decodes of 512-3512 keys in
-    increasing order: 411 us at pages of 16, 363 with every entry of the mean length). A stable
-    sort of the lengths on the device: no host sync, and a captured graph replays it."""
-    if ctas <= slots or seqlens.shape[0] < 2:
-        return None
-    return torch.argsort(seqlens, descending=True, stable=True)
+def longest_first(batch: int, ctas: int, slots: int) -> bool:
+    """Whether s1 takes the entries longest first (kernels/entry_order.py sorts them on the
+    device): when its CTAs need more than one wave of the SMs' slots. Each CTA's time is its
+    entry's key count and the GPU starts CTAs in grid order: a short entry launched last fills a
+    gap, a long one launched last runs alone while the other SMs idle (126 decodes of 512-3512 keys
+    in increasing order: 411 us at pages of 16, 363 with every entry of the mean length)."""
+    return batch > 1 and ctas > slots
 
 
 def get_scheduler_metadata(batch_size: int, max_seqlen_q: int, max_seqlen_k: int, num_heads_q: int,

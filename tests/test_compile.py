@@ -184,6 +184,13 @@ def test_sinks_combine_compiles(max_queries):
     assert ("vote.sync.ballot" in report.ptx) == bool(max_queries)
 
 
+def test_entry_order_compiles():
+    """The KV-cache entries' sort (kernels/entry_order.py): a histogram of shared atomics, a scan,
+    one slot per entry, in one CTA."""
+    report = _compile.build_report(_compile._build_entry_order)
+    assert "atom.shared" in report.ptx and "shfl.sync.up" in report.ptx and report.spill_bytes == 0
+
+
 @pytest.mark.parametrize("head_dim,head_dim_v,layout", [(64, None, ()), (96, None, ()), (256, None, ()),
                                                         (192, 128, ()), (64, None, (True, 128, True)),
                                                         (256, None, (True, 64, True)), (128, None, (True, 64, False))],

@@ -186,7 +186,7 @@ def test_varlen_over_paged_cache(page_size, case, causal):
 @pytest.mark.parametrize("causal", [False, True])
 def test_many_entries_longest_first(page_size, causal):
     """A step with more s1 CTAs than the SMs hold at once, so that they take the entries longest
-    first (split_plan.entry_order): 300 entries of shuffled key lengths (0 and 1 among them),
+    first (kernels/entry_order.py): 300 entries of shuffled key lengths (0 and 1 among them),
     decodes beside entries of 3 and 0 queries, packed; and the same batch as (batch, 2) queries."""
     gen = torch.Generator(device="cuda").manual_seed(300 + (page_size or 0) + causal)
     n, heads_q, heads_kv, d = 300, 8, 2, 128
@@ -215,6 +215,22 @@ def test_many_entries_longest_first(page_size, causal):
     _, lse2 = fa3.attention_with_kvcache(q2, k_cache, v_cache, cache_seqlens=seqused_k, block_table=table,
                                          causal=causal, return_lse=True, out=out2)
     _check(out2.flatten(0, 1), lse2.transpose(0, 1).flatten(1), ref, f"batched, page {page_size}")
+
+
+@gpu
+@pytest.mark.parametrize("entries", [1, 126, 3000])
+def test_entry_order_sorts_any_lengths(entries):
+    """The device sort s1's order comes from: a permutation of the entries, lengths non-increasing
+    to within one bucket (max_length / 1023 keys), whatever the values (negative, past max_length)."""
+    from fa3 import _compile
+
+    gen = torch.Generator(device="cuda").manual_seed(entries)
+    lens = torch.randint(-50, 5000, (entries,), dtype=torch.int32, device="cuda", generator=gen)
+    order = torch.full((entries,), -1, dtype=torch.int64, device="cuda")
+    _compile.get_entry_order()(lens, order, 4000)
+    assert sorted(order.tolist()) == list(range(entries))
+    steps = lens.clamp(0, 4000)[order].diff()
+    assert (steps <= 4000 / 1023 + 1).all(), steps.max()
 
 
 @gpu
@@ -637,13 +653,11 @@ def test_packed_append_value_checks_on_host_copies():
 
 def test_entry_order_longest_first():
     """s1's CTAs take the entries longest first once they need more than one wave of the SMs
-    (split_plan.entry_order: a stable sort on the device, so equal lengths keep their order)."""
+    (split_plan.longest_first; kernels/entry_order.py sorts them on the device)."""
     spec = fa3.registry.get("s1")
-    lens = torch.tensor([5, 3000, 0, 700, 3000, 1], dtype=torch.int32)
-    assert split_plan.entry_order(lens, ctas=264, slots=264) is None  # one wave: nothing to order
-    assert split_plan.entry_order(lens[:1], ctas=1000, slots=264) is None
-    order = split_plan.entry_order(lens, ctas=265, slots=264)
-    assert order.dtype == torch.int64 and order.tolist() == [1, 4, 3, 0, 5, 2]
+    assert not split_plan.longest_first(6, ctas=264, slots=264)  # one wave: nothing to order
+    assert not split_plan.longest_first(1, ctas=1000, slots=264)
+    assert split_plan.longest_first(6, ctas=265, slots=264)
     # the CTA count: splits x KV heads x Q tiles (packed: the grid's bound by total_q)
     assert split_plan.s1_ctas(spec, 126, 1, 32, 8, 1) == 126 * 8
     assert split_plan.s1_ctas(spec, 4, 100, 32, 8, 2) == 2 * 8 * 4 * 7
