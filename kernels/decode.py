@@ -180,7 +180,7 @@ class SplitKVAttention:
         if cutlass.const_expr(self.paged):
             capacity = mBlockTable.shape[1] * mK.shape[0]
         if cutlass.const_expr(self.varlen):
-            # grid (splits, Q tiles of every entry in a row, heads_kv): each warp finds its tile's
+            # grid (splits, heads_kv, Q tiles of every entry in a row): each warp finds its tile's
             # entry from cu_seqlens_q (common/scheduler.py); a tile past the last holds no rows
             split, head_kv, tile = cute.arch.block_idx()
             batch, m_block, entry_tiles = scheduler.varlen_tile(tile, mCuSeqlensQ, self.tile_m, mQ.shape[1],
@@ -199,55 +199,58 @@ class SplitKVAttention:
             head_kv, m_block = head_tile // q_tiles, head_tile % q_tiles
             seq = seqlen.from_cache(mCacheSeqlens, batch, mQ.shape[1], appended, capacity,
                                     mLeftpad if cutlass.const_expr(self.leftpad) else None)
-        q_plane = 0 if cutlass.const_expr(self.varlen) else batch
-        if cutlass.const_expr(not self.gather):
-            if warp_idx == 0:
-                tma.prefetch(tma_k, tma_v)
-
-        whole = cutlass.memory.SmemAllocator().allocate(SharedStorage)
-        storage = self.ring_storage(whole)
-        if cutlass.const_expr(self.gather):
-            kv_pipe = pipeline.create_gather(storage.kv_barriers.data_ptr(), self.kv_stages,
-                                             self.num_threads)
-        else:
-            kv_pipe = pipeline.create(storage.kv_barriers.data_ptr(), self.kv_stages, 4,
-                                      2 * smem.stage_bytes(self.cache_dtype, sKV_layout))
-        pipeline.init_done()
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)[None, None, 0]
-        sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
-        sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
-
-        window = (window_left, window_right) if cutlass.const_expr(self.local) else None
-        scale_log2, softcap_scale, o_scale = self.fold_descales(descales, batch, head_kv, scale_log2, softcap_scale)
-        # this split's share of the key blocks the tile sees (none when the tile holds no query)
-        blocks_end = mask.n_block_max(m_block, self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k,
-                                      self.causal, rows_per_query=group, window=window)
-        blocks_start = mask.n_block_min(m_block, self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k,
-                                        rows_per_query=group, window=window)
-        blocks = cutlass.max(blocks_end - blocks_start, 0)
+        # a tile past the last entry's (the grid is sized for graph replay, and its last CTAs run
+        # in the tail) returns at once: no barriers, no loads, no rows
+        has_work = True
         if cutlass.const_expr(self.varlen):
-            if entry_tiles == 0:  # a tile past the last entry's
-                blocks = 0
-        per_split = (blocks + num_splits - 1) // num_splits
-        first = blocks_start + split * per_split
-        n_blocks = cutlass.max(cutlass.min(blocks_end, first + per_split) - first, 0)
-        last = first + n_blocks - 1  # visited first
+            has_work = entry_tiles > 0
+        if has_work:
+            q_plane = 0 if cutlass.const_expr(self.varlen) else batch
+            if cutlass.const_expr(not self.gather):
+                if warp_idx == 0:
+                    tma.prefetch(tma_k, tma_v)
 
-        kv_producer = pipeline.producer_state(self.kv_stages)
-        loads = (kv_pipe, tma_k, mK, tma_v, mV, sK, sV, mBlockTable, head_kv, batch, seq, tidx)
-        if self.is_kv_producer(warp_idx):
-            for _ in cutlass.range(cutlass.min(self.kv_stages, n_blocks), unroll=1):
-                kv_producer = self.load_kv(kv_producer, last - kv_producer.count, *loads)
-        if n_blocks > 0:  # (CTA-uniform: the gather syncs the CTA)
-            self.load_q(mQ, sQ, tidx, m_block, head_kv, group, q_plane, seq)
+            whole = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+            storage = self.ring_storage(whole)
+            if cutlass.const_expr(self.gather):
+                kv_pipe = pipeline.create_gather(storage.kv_barriers.data_ptr(), self.kv_stages,
+                                                 self.num_threads)
+            else:
+                kv_pipe = pipeline.create(storage.kv_barriers.data_ptr(), self.kv_stages, 4,
+                                          2 * smem.stage_bytes(self.cache_dtype, sKV_layout))
+            pipeline.init_done()
+            sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)[None, None, 0]
+            sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+            sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
 
-        row0 = m_block * self.tile_m
-        blocks = (n_blocks, last, m_block, group, seq, scale_log2, window, softcap_scale)
-        ctx, kv_producer = self.attend(whole, sQ, sKV16_layout, kv_pipe, kv_producer, loads, warp_idx, blocks)
-        if self.is_kv_producer(warp_idx):
-            pipeline.tail(kv_pipe, kv_producer)
-        self.store(ctx, mO, mLSE, mOacc, mLSEacc, mSinks, split, num_splits, row0, head_kv, group,
-                   q_plane, seq, scale_log2, o_scale)
+            window = (window_left, window_right) if cutlass.const_expr(self.local) else None
+            scale_log2, softcap_scale, o_scale = self.fold_descales(descales, batch, head_kv, scale_log2, softcap_scale)
+            # this split's share of the key blocks the tile sees (none when the tile holds no query)
+            blocks_end = mask.n_block_max(m_block, self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k,
+                                          self.causal, rows_per_query=group, window=window)
+            blocks_start = mask.n_block_min(m_block, self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k,
+                                            rows_per_query=group, window=window)
+            blocks = cutlass.max(blocks_end - blocks_start, 0)
+            per_split = (blocks + num_splits - 1) // num_splits
+            first = blocks_start + split * per_split
+            n_blocks = cutlass.max(cutlass.min(blocks_end, first + per_split) - first, 0)
+            last = first + n_blocks - 1  # visited first
+
+            kv_producer = pipeline.producer_state(self.kv_stages)
+            loads = (kv_pipe, tma_k, mK, tma_v, mV, sK, sV, mBlockTable, head_kv, batch, seq, tidx)
+            if self.is_kv_producer(warp_idx):
+                for _ in cutlass.range(cutlass.min(self.kv_stages, n_blocks), unroll=1):
+                    kv_producer = self.load_kv(kv_producer, last - kv_producer.count, *loads)
+            if n_blocks > 0:  # (CTA-uniform: the gather syncs the CTA)
+                self.load_q(mQ, sQ, tidx, m_block, head_kv, group, q_plane, seq)
+
+            row0 = m_block * self.tile_m
+            blocks = (n_blocks, last, m_block, group, seq, scale_log2, window, softcap_scale)
+            ctx, kv_producer = self.attend(whole, sQ, sKV16_layout, kv_pipe, kv_producer, loads, warp_idx, blocks)
+            if self.is_kv_producer(warp_idx):
+                pipeline.tail(kv_pipe, kv_producer)
+            self.store(ctx, mO, mLSE, mOacc, mLSEacc, mSinks, split, num_splits, row0, head_kv, group,
+                       q_plane, seq, scale_log2, o_scale)
 
     def fold_descales(self, descales, batch: Int32, head_kv: Int32, scale_log2: Float32,
                       softcap_scale: Float32):
