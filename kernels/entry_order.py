@@ -17,6 +17,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
+from .common import scheduler
+
 
 class EntryOrder:
     num_threads = 1024
@@ -57,22 +59,13 @@ class EntryOrder:
 
         # exclusive scan of the counts: within each warp, then over the warps' totals
         count = counts[tidx]
-        running = count
-        for i in cutlass.range_constexpr(5):
-            below = cute.arch.shuffle_sync_up(running, 1 << i)
-            if lane >= (1 << i):
-                running += below
+        running = scheduler.warp_inclusive_sum(count, lane)
         if lane == 31:
             warp_totals[warp] = running
         cute.arch.sync_threads()
         if warp == 0:
             total = warp_totals[lane]
-            inclusive = total
-            for i in cutlass.range_constexpr(5):
-                below = cute.arch.shuffle_sync_up(inclusive, 1 << i)
-                if lane >= (1 << i):
-                    inclusive += below
-            warp_totals[lane] = inclusive - total
+            warp_totals[lane] = scheduler.warp_inclusive_sum(total, lane) - total
         cute.arch.sync_threads()
         counts[tidx] = warp_totals[warp] + running - count  # now each bucket's next free slot
         cute.arch.sync_threads()

@@ -160,6 +160,17 @@ def varlen_blocks(mCuSeqlens: cute.Tensor, tile_m: cutlass.Constexpr, rows=None,
 
 
 @cute.jit
+def warp_inclusive_sum(value: Int32, lane: Int32) -> Int32:
+    """The sum of `value` over lanes 0..lane of the calling warp (Hillis-Steele: five shuffles)."""
+    running = value
+    for i in cutlass.range_constexpr(5):
+        below = cute.arch.shuffle_sync_up(running, 1 << i)
+        if lane >= (1 << i):
+            running += below
+    return running
+
+
+@cute.jit
 def varlen_tile(block: Int32, mCuSeqlens: cute.Tensor, tile_m: cutlass.Constexpr, rows=None,
                 rows_per_query=None, lengths=None, order=None):
     """(entry, its Q tile index, its Q tile count) of packed Q tile `block` < varlen_blocks; a
@@ -182,11 +193,7 @@ def varlen_tile(block: Int32, mCuSeqlens: cute.Tensor, tile_m: cutlass.Constexpr
             if ordered and lane_entry < entries:
                 lane_entry = Int32(order[lane_entry])
         count = _entry_blocks(mCuSeqlens, lane_entry, tile_m, rows, rows_per_query, lengths)
-        running = count  # inclusive scan over the lanes
-        for i in cutlass.range_constexpr(5):
-            below = cute.arch.shuffle_sync_up(running, 1 << i)
-            if lane >= (1 << i):
-                running += below
+        running = warp_inclusive_sum(count, lane)
         holds = cute.arch.vote_ballot_sync(before + running > block)
         if holds != 0:
             first = cute.arch.popc((holds & -holds) - 1)  # the lowest lane whose range holds it
