@@ -139,7 +139,8 @@ def index_problem(entry):
     """((q, k, v), args): a packed batch of two sequences (entry "varlen"), one query token
     against a dense or a paged KV cache ("dense"; "paged": pages of 64, "paged16": of 16; k and v
     being the caches), or packed queries over a paged cache ("cachevarlen"; "cachechunks": one
-    entry long enough for K5); `args` holds the index tensors by argument name."""
+    entry long enough for K5; "cachemany": 150 decodes, which S1 takes longest first); `args`
+    holds the index tensors by argument name."""
     if entry == "varlen":
         return ((rand(300, 4, 128), rand(300, 2, 128), rand(300, 2, 128)),
                 {"cu_seqlens_q": i32(0, 100, 300), "cu_seqlens_k": i32(0, 100, 300)})
@@ -153,6 +154,12 @@ def index_problem(entry):
         return ((rand(201, 8, 128), k_cache, rand(*k_cache.shape)),
                 {"cu_seqlens_q": i32(0, 200, 201), "seqused_k": i32(300, 192),
                  "block_table": torch.arange(64, dtype=torch.int32, device="cuda").view(2, 32)})
+    if entry == "cachemany":  # 150 decodes over pages of 16: more S1 CTAs than a wave, so sorted
+        k_cache = rand(300, 16, 2, 128)
+        return ((rand(150, 8, 128), k_cache, rand(*k_cache.shape)),
+                {"cu_seqlens_q": torch.arange(151, dtype=torch.int32, device="cuda"),
+                 "seqused_k": torch.arange(150, dtype=torch.int32, device="cuda") * 7 % 32 + 1,
+                 "block_table": torch.arange(300, dtype=torch.int32, device="cuda").view(150, 2)})
     paged = entry in ("paged", "paged16")
     page = 16 if entry == "paged16" else 64
     k_cache = rand(512 // page, page, 2, 128) if paged else rand(2, 256, 2, 128)

@@ -181,10 +181,10 @@ if entry in ("varlen", "fp8varlen"):
     if not fp8:  # the packed backward too: dQ's tile slots, the postprocess's search, dK/dV rows
         q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
         fa3.attention_varlen(q, k, v, args["cu_seqlens_q"], args["cu_seqlens_k"], causal=True).sum().backward()
-elif entry == "cachechunks":  # the prompt chunk on K5, the decode on S1
+elif entry in ("cachechunks", "cachemany"):  # the prompt chunk on K5, the decode on S1; decodes sorted
     for causal in (True, False):
-        fa3.attention_varlen(q, k, v, args["cu_seqlens_q"], None, 200, 512, block_table=args["block_table"],
-                             seqused_k=args["seqused_k"], causal=causal)
+        fa3.attention_varlen(q, k, v, args["cu_seqlens_q"], None, 200 if entry == "cachechunks" else 1, 512,
+                             block_table=args["block_table"], seqused_k=args["seqused_k"], causal=causal)
 else:
     for splits in (1, 0):
         fa3.attention_with_kvcache(q, k, v, cache_seqlens=args["cache_seqlens"],
@@ -217,6 +217,10 @@ MEM_CASES = {
     "chunks-table-past-pool": ("cachechunks", "block_table", [0, 3], 100000),
     "chunks-table-negative": ("cachechunks", "block_table", [0, 0], -7),
     "chunks-cu-q-past-total": ("cachechunks", "cu_seqlens_q", 1, 400),
+    "many-seqused-past-capacity": ("cachemany", "seqused_k", 5, 100000),  # the sort's lengths too
+    "many-seqused-negative": ("cachemany", "seqused_k", 6, -7),
+    "many-table-past-pool": ("cachemany", "block_table", [7, 1], 100000),
+    "many-cu-q-negative": ("cachemany", "cu_seqlens_q", 40, -5),
 }
 
 
