@@ -10,7 +10,9 @@
         needed), skipping what is there, so that a deployment's first calls load in milliseconds.
         GEMM rungs are compiled for every operand layout (--fp8: the FP8 GEMM, C in --dtype); the
         KV-cache rung dense, paged and with row gathers, each also for packed queries (--fp8: on
-        an FP8 cache, O in --dtype); FP8 attention also for packed batches (cache_configs).
+        an FP8 cache, O in --dtype), and what a cache call launches beside it: the combine, the
+        entries' sort and K5 over the cache for prompt chunks (_compile.kvcache_companions); FP8
+        attention also for packed batches (cache_configs).
     python -m fa3 demo
         On a Hopper GPU: fa3.attention (fastest rung) on batch 2, seqlen 4096, 16 heads, head_dim 128,
         bf16, causal and not; error against torch SDPA and TFLOP/s. Without one: compiles every
@@ -219,6 +221,8 @@ def cmd_warm_cache(args) -> int:
     failures = 0
     for spec in specs:
         fp8_inputs = args.fp8 and spec.family in (registry.GEMM, registry.KVCACHE)  # e4m3 in, dtype out
+        in_dtype = torch.float8_e4m3fn if fp8_inputs else dtype
+        entries = []  # (label, fill)
         for static in cache_configs(spec, args.head_dim, args.causal, args.fp8, dtype):
             label = describe(spec, dtype, args.head_dim, args.causal, fp8_inputs)
             if spec.family == registry.GEMM:
@@ -226,10 +230,15 @@ def cmd_warm_cache(args) -> int:
                 label += " row-wise" if static.get("row_scales") else ""
             else:
                 label += "".join(f" {k}" for k in ("varlen", "paged", "gather", "short") if static.get(k))
+            entries.append((label, lambda static=static: _compile.fill_disk_cache(spec, in_dtype, **static)))
+        if spec.family == registry.KVCACHE:  # what a cache call launches beside the rung
+            for what, key, build in _compile.kvcache_companions(spec, in_dtype, args.head_dim, args.causal):
+                label = f"{describe(spec, dtype, args.head_dim, args.causal, fp8_inputs)} {what}"
+                entries.append((label, lambda key=key, build=build: _compile.fill_disk_cache_entry(key, build)))
+        for label, fill in entries:
             start = time.perf_counter()
             try:
-                path, compiled = _compile.fill_disk_cache(spec, torch.float8_e4m3fn if fp8_inputs else dtype,
-                                                          **static)
+                path, compiled = fill()
             except Exception as exc:  # report and go on
                 print(f"{label}: compile FAILED: {type(exc).__name__}: {exc}", flush=True)
                 failures += 1

@@ -295,9 +295,8 @@ def kvcache_key(spec, dtype, head_dim, causal, paged=False, local=False, softcap
     layout = (bool(gather), bool(varlen), bool(leftpad))  # row gathers, packed queries, left padding
     out = (("out", str(out_dtype)),) if out_dtype not in (None, dtype) else ()
     out += (("max_queries", int(max_queries)),) if max_queries else ()
-    # ("entry_order",): the signature with the entries' order (entries cached before it are not loaded)
     return (spec.name, str(dtype), head_dim, bool(causal), bool(paged), *((variant,) if any(variant) else ()),
-            *((("gather_varlen_leftpad",) + layout,) if any(layout) else ()), *out, ("entry_order",),
+            *((("gather_varlen_leftpad",) + layout,) if any(layout) else ()), *out,
             tuple(sorted(spec.config_for(head_dim).items())), _dsl.TARGET_ARCH, _dsl.version())
 
 
@@ -387,11 +386,15 @@ def get_combine(dtype, head_dim, sinks=False, max_queries=0):
     fast_key = ("combine", dtype, head_dim, sinks, max_queries)
     fn = _FAST.get(fast_key)
     if fn is None:
-        # (the key names the cu_seqlens_q argument: entries cached before it took one are not loaded)
-        key = ("combine", str(dtype), head_dim, bool(sinks), ("cu_seqlens_q", int(max_queries)),
-               _dsl.TARGET_ARCH, _dsl.version())
-        fn = _FAST[fast_key] = _cached(key, lambda: _build_combine(dtype, head_dim, sinks, max_queries))
+        fn = _FAST[fast_key] = _cached(combine_key(dtype, head_dim, sinks, max_queries),
+                                       lambda: _build_combine(dtype, head_dim, sinks, max_queries))
     return fn
+
+
+def combine_key(dtype, head_dim, sinks=False, max_queries=0) -> tuple:
+    # (the key names the cu_seqlens_q argument: entries cached before it took one are not loaded)
+    return ("combine", str(dtype), head_dim, bool(sinks), ("cu_seqlens_q", int(max_queries)), _dsl.TARGET_ARCH,
+            _dsl.version())
 
 
 def _build_entry_order(extra_options=""):
@@ -408,8 +411,43 @@ def get_entry_order():
     max_length)."""
     fn = _FAST.get("entry_order")
     if fn is None:
-        fn = _FAST["entry_order"] = _cached(("entry_order", _dsl.TARGET_ARCH, _dsl.version()), _build_entry_order)
+        fn = _FAST["entry_order"] = _cached(entry_order_key(), _build_entry_order)
     return fn
+
+
+def entry_order_key() -> tuple:
+    return ("entry_order", _dsl.TARGET_ARCH, _dsl.version())
+
+
+def kvcache_companions(spec, dtype, head_dim, causal) -> list[tuple[str, tuple, object]]:
+    """(label, key, build) of the kernels a call against a KV cache launches beside `spec` (s1),
+    for `python -m fa3 compile --warm-cache`: the split-KV combine, the entries' sort and, for a
+    16-bit cache, K5 over the cache for a packed call's prompt chunks (dense or pages holding whole
+    key blocks, and pages of 16 rows) with the combine that skips K5's rows. `dtype`: the cache's."""
+    from . import cache_prefill
+
+    out_dtype = torch.bfloat16 if dtype == torch.float8_e4m3fn else dtype
+    items = [("combine", combine_key(out_dtype, head_dim), lambda: _build_combine(out_dtype, head_dim)),
+             ("entry order", entry_order_key(), _build_entry_order)]
+    min_queries = spec.config.get("long_queries", 0)
+    if dtype == torch.float8_e4m3fn or not min_queries:
+        return items
+    items.append(("combine skipping K5's rows", combine_key(dtype, head_dim, max_queries=min_queries),
+                  lambda: _build_combine(dtype, head_dim, max_queries=min_queries)))
+    tile_n = cache_prefill.tiles(head_dim, causal, False)["tile_n"]
+    layouts = []  # (paged, page_rows) for a dense cache, whole-block pages, and vLLM's 16 and 64
+    for page_size in (None, tile_n, 16, 64):
+        p = cache_prefill.plan(spec, head_dim, page_size, min_queries, causal, False, True, False, False)
+        if p is not None and (p.paged, p.page_rows) not in layouts:
+            layouts.append((p.paged, p.page_rows))
+    rung = registry.get(cache_prefill.RUNG)
+    for paged, page_rows in layouts:
+        static = (head_dim, causal, paged, page_rows, min_queries)
+        label = "K5 over the cache, " + ("dense" if not paged else f"pages of {page_rows} rows" if page_rows
+                                         else f"pages of a multiple of {tile_n} rows")
+        items.append((label, cache_prefill_key(rung, dtype, *static),
+                      lambda static=static: _build_cache_prefill(rung, dtype, *static)))
+    return items
 
 
 @dataclass
@@ -470,8 +508,14 @@ def fill_disk_cache(spec, dtype=torch.bfloat16, **static):
     """Compile into the disk cache unless a valid entry is there (no GPU needed: for deployments).
     Returns (entry path or None if the cache is off or unwritable, whether it compiled)."""
     _dsl.pin_target_arch()  # before anything imports cutlass
-    key = KEYS[spec.family](spec, dtype, **static)
+    return fill_disk_cache_entry(KEYS[spec.family](spec, dtype, **static),
+                                 lambda: BUILDERS[spec.family](spec, dtype, **static))
+
+
+def fill_disk_cache_entry(key, build):
+    """fill_disk_cache for any key and its builder (a rung's companion kernels: kvcache_companions)."""
+    _dsl.pin_target_arch()  # before anything imports cutlass
     path = _disk_cache.has(key)
     if path is not None:
         return path, False
-    return _disk_cache.save(key, BUILDERS[spec.family](spec, dtype, **static)), True
+    return _disk_cache.save(key, build()), True

@@ -330,7 +330,15 @@ def test_warm_cache_configs_fit_every_family(fp8):
 
 
 def test_cli_warm_cache_kvcache_rung(cache_dir, capsys):
-    """The KV-cache rung warms dense, paged and gathered kernels, with and without packed queries."""
+    """The KV-cache rung warms dense, paged and gathered kernels, with and without packed queries,
+    and what a cache call launches beside them: the combine (also skipping K5's rows), the entries'
+    sort, and K5 over the cache (dense, whole-block pages, pages of 16 and 64 rows)."""
     assert cli.main(["compile", "--warm-cache", "--kernel", "s1", "--head-dim", "64"]) == 0
     out = capsys.readouterr().out
-    assert out.count("compiled in") == 6 and "FAILED" not in out
+    assert out.count("compiled in") == 6 + 7 and "FAILED" not in out
+    assert "entry order" in out and out.count("K5 over the cache") == 4
+    s1 = registry.get("s1")
+    for key in (_compile.entry_order_key(), _compile.combine_key(BF16, 64, max_queries=s1.config["long_queries"]),
+                _compile.cache_prefill_key(registry.get("k5.5"), BF16, 64, False, True, 16,
+                                           s1.config["long_queries"])):
+        assert _disk_cache.has(key) is not None, key  # the entries the calls look for
