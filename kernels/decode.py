@@ -34,12 +34,17 @@ consumers fence the async proxy before WGMMA reads it. Sequence lengths come fro
 (common/seqlen.py); causal masks align to the bottom right as everywhere in fa3.
 
 Packed queries (`varlen`): q is one (total_q, heads_q, d) plane, entry b's queries at rows
-[cu_seqlens_q[b], cu_seqlens_q[b + 1]) (seqlen.from_cache_packed). The grid is (splits, Q tiles,
-heads_kv): the Q tiles of every entry numbered in a row (entry b has ceil(len_b * group / tile_m)),
+[cu_seqlens_q[b], cu_seqlens_q[b + 1]) (seqlen.from_cache_packed). The grid is (splits, heads_kv,
+Q tiles): the Q tiles of every entry numbered in a row (entry b has ceil(len_b * group / tile_m)),
 each CTA finding its entry from cu_seqlens_q with a warp scan (scheduler.varlen_tile, as k5's packed
 batches), so a step of 100 decodes beside one 2k-token chunk launches about 230 tiles per KV head,
 not 101 x the chunk's 128; the grid's bound (min(batch x tiles of max_seqlen_q, ceil(total_q x
-group / tile_m) + batch)) leaves a few tiles with no rows, which load and store nothing. O, LSE and
+group / tile_m) + batch)) leaves a few tiles with no rows, which return at once.
+
+**Longest first.** When the CTAs take more than one wave of the SMs, the host passes `mOrder`, the
+entries sorted by key count on the GPU (kernels/entry_order.py): entry tiles are numbered in that
+order (packed) or the grid's batch index goes through it, so the longest entries start first and
+the short ones fill the last wave (126 decodes of 512-3512 keys: 411 -> 359 us at pages of 16). O, LSE and
 the partials are stored at the entry's rows, so one combine serves both layouts. A decode is an entry
 of one query; a chunk of a prompt, a longer one: one launch serves a serving engine's whole step.
 Where the host sends the long entries (long_queries or more queries) to K5 in the same call
@@ -110,8 +115,9 @@ class SplitKVAttention:
         batch 1, the queries of entry b at rows [cu[b], cu[b + 1]) of mCuSeqlensQ (batch + 1,),
         max_seqlen_q their longest (it sizes the grid); otherwise both are unread. mLeftpad (batch,):
         where each entry's keys start in a dense cache (the leftpad variant; unread otherwise).
-        mOrder (batch,) int64: the entries longest first (fa3.split_plan.entry_order), or a 1-element
-        stand-in for the entries in their own order. mQ/mK/mVDescale (batch, heads_kv) FP32: the FP8 descales (unread stand-ins otherwise)."""
+        mOrder (batch,) int64: the entries longest first (kernels/entry_order.py), or a 1-element
+        stand-in for the entries in their own order. mQ/mK/mVDescale (batch, heads_kv) FP32: the
+        FP8 descales (unread stand-ins otherwise)."""
         batch, seqlen_q, heads_q, _ = mQ.shape
         heads_kv = mK.shape[2]
         group = heads_q // heads_kv
