@@ -13,13 +13,15 @@ as the first layer of a step does), and "no index checks" leaves the checks out;
 run the same call on q, k and v quantized to e4m3 per tensor, with descales (bf16 out; its "rel
 err" is the quantization's, against fa3's bf16). Cases (bf16, d128, GQA 32 query / 8 KV heads, one
 new query per sequence): batch 16 x 8k keys,
-batch 1 x 32k, batch 64 x 4k, each dense and paged (pages of 16, 64 and 256, permuted; 16 is
-vLLM's default and is read by row gathers, 64 and 256 by TMA). Every
-sequence holds the full number of keys. Each row prints the GPU time per call (CUDA events,
+batch 1 x 32k, batch 64 x 4k, and a serving step's decodes, batch 126 of 512-3512 keys in a
+shuffled order ("b126 x 512-3512", where the order of the CTAs matters), each dense and paged
+(pages of 16, 64 and 256, permuted; 16 is vLLM's default and is read by row gathers, 64 and 256 by
+TMA). In the other cases every sequence holds the full number of keys. Each row prints the GPU time per call (CUDA events,
 median), the K/V bytes read per microsecond, and that rate's share of the device-to-device
 copy bandwidth measured in the same run (bytes read + written per second by a large copy).
-SDPA peers see the cache as dense (batch, heads, keys, d) tensors with enable_gqa; flash-attn-4
-runs its varlen entry with seqused_k (and page_table for the paged rows).
+SDPA peers see the cache as dense (batch, heads, keys, d) tensors with enable_gqa (uniform cases
+only: they take no per-sequence lengths); flash-attn-4 runs its varlen entry with seqused_k (and
+page_table for the paged rows).
 
 Varlen prefill (causal, same heads): 32 prompts of 100-4000 tokens (seeded), packed, against the
 same prompts padded to the longest (fa3.attention and cuDNN on the padded batch: what a user without
@@ -44,7 +46,10 @@ from timing import attention_flops, format_table, measure, tflops
 import fa3
 
 HEADS_Q, HEADS_KV, D = 32, 8, 128
-CASES = [(16, 8192), (1, 32768), (64, 4096)]  # (batch, keys)
+CASES = [(16, 8192), (1, 32768), (64, 4096), (126, 3584)]  # (batch, keys: the longest)
+# the last case's lengths: a serving step's decodes, 512-3512 keys in a shuffled order (s1 takes them
+# longest first: kernels/entry_order.py); the others hold `keys` each
+RAGGED = {126: [512 + 24 * i for i in range(126)]}
 
 
 def copy_bandwidth_gbs() -> float:
@@ -55,11 +60,19 @@ def copy_bandwidth_gbs() -> float:
     return 2 * src.numel() * 4 / (ms * 1e-3) / 1e9
 
 
+def case_lengths(batch, keys) -> list[int]:
+    """Each sequence's keys: `keys`, or the ragged case's lengths in a fixed shuffled order."""
+    if batch not in RAGGED:
+        return [keys] * batch
+    order = torch.randperm(batch, generator=torch.Generator().manual_seed(0)).tolist()
+    return [RAGGED[batch][i] for i in order]
+
+
 def make_case(batch, keys, page_size, gen):
     q = torch.randn(batch, 1, HEADS_Q, D, device="cuda", dtype=torch.bfloat16, generator=gen)
     k = torch.randn(batch, keys, HEADS_KV, D, device="cuda", dtype=torch.bfloat16, generator=gen)
     v = torch.randn_like(k)
-    seqlens = torch.full((batch,), keys, dtype=torch.int32, device="cuda")
+    seqlens = torch.tensor(case_lengths(batch, keys), dtype=torch.int32, device="cuda")
     if page_size is None:
         return q, k, v, seqlens, None
     per_seq = keys // page_size
@@ -111,7 +124,7 @@ def runners(q, k, v, seqlens, table, peers):
     call8 = lambda: fa3.attention_with_kvcache(q8, k8, v8, cache_seqlens=seqlens, block_table=table,
                                                q_descale=sq, k_descale=sk, v_descale=sv)
     out.update({"fa3 FP8 cache": call8, "fa3 FP8 cache (graph)": graphed(call8)})
-    if table is None:
+    if table is None and bool((seqlens == k.shape[1]).all()):  # SDPA attends to every key
         qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         for name, backend in (("sdpa-cudnn", "CUDNN_ATTENTION"), ("sdpa-flash", "FLASH_ATTENTION")):
             if name in peers:
@@ -275,7 +288,7 @@ def decode_rows(peers, gen):
     for batch, keys in CASES:
         for page_size in (None, 16, 64, 256):
             q, k, v, seqlens, table = make_case(batch, keys, page_size, gen)
-            kv_bytes = 2 * batch * keys * HEADS_KV * D * 2
+            kv_bytes = 2 * sum(case_lengths(batch, keys)) * HEADS_KV * D * 2
             ref = fa3.attention_with_kvcache(q, k, v, cache_seqlens=seqlens, block_table=table)
             for name, fn in runners(q, k, v, seqlens, table, peers).items():
                 try:
@@ -291,7 +304,8 @@ def decode_rows(peers, gen):
                     records.append(dict(batch=batch, keys=keys, page_size=page_size, runner=name, error=reason))
                     continue
                 gbs = kv_bytes // (2 if "FP8" in name else 1) / (us * 1e-6) / 1e9  # (1-byte elements)
-                case = f"b{batch} x {keys // 1024}k " + ("dense" if page_size is None else f"page {page_size}")
+                lengths = f"{min(RAGGED[batch])}-{max(RAGGED[batch])}" if batch in RAGGED else f"{keys // 1024}k"
+                case = f"b{batch} x {lengths} " + ("dense" if page_size is None else f"page {page_size}")
                 row = [case, name, f"{us:.1f}", f"{gbs:.0f}", f"{gbs / copy_gbs:.0%}", f"{err:.1e}"]
                 print("  ".join(row), flush=True)
                 rows.append(row)
