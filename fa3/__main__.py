@@ -11,7 +11,7 @@
         GEMM rungs are compiled for every operand layout (--fp8: the FP8 GEMM, C in --dtype); the
         KV-cache rung dense, paged and with row gathers, each also for packed queries (--fp8: on
         an FP8 cache, O in --dtype), and what a cache call launches beside it: the combine, the
-        entries' sort and K5 over the cache for prompt chunks (_compile.kvcache_companions); FP8
+        entries' sort and K5 over the cache for prompt chunks (_compile_kvcache.kvcache_companions); FP8
         attention also for packed batches (cache_configs).
     python -m fa3 demo
         On a Hopper GPU: fa3.attention (fastest rung) on batch 2, seqlen 4096, 16 heads, head_dim 128,
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _compile, _disk_cache, _dsl, registry
+from . import _compile, _compile_kvcache, _disk_cache, _dsl, registry
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DEMO_SHAPE = dict(batch=2, seqlen=4096, heads=16, head_dim=128)
@@ -232,7 +232,7 @@ def cmd_warm_cache(args) -> int:
                 label += "".join(f" {k}" for k in ("varlen", "paged", "gather", "short") if static.get(k))
             entries.append((label, lambda static=static: _compile.fill_disk_cache(spec, in_dtype, **static)))
         if spec.family == registry.KVCACHE:  # what a cache call launches beside the rung
-            for what, key, build in _compile.kvcache_companions(spec, in_dtype, args.head_dim, args.causal):
+            for what, key, build in _compile_kvcache.kvcache_companions(spec, in_dtype, args.head_dim, args.causal):
                 label = f"{describe(spec, dtype, args.head_dim, args.causal, fp8_inputs)} {what}"
                 entries.append((label, lambda key=key, build=build: _compile.fill_disk_cache_entry(key, build)))
         for label, fill in entries:

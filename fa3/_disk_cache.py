@@ -138,13 +138,16 @@ def _host_isa() -> str:
 
 
 def _source_digest() -> str:
-    """SHA-256 over the sources that decide what a kernel compiles to: the kernels package and the
-    compile module. A source edit invalidates entries even without a version bump."""
+    """SHA-256 over the sources that decide what a kernel compiles to: the kernels package, the
+    compile modules (builders and keys) and the fake signatures they compile against. A source edit
+    invalidates entries even without a version bump."""
     h = hashlib.sha256()
     spec = importlib.util.find_spec("fa3.kernels")
     roots = [Path(p) for p in (spec.submodule_search_locations or [])] if spec else []
     files = [(root, p) for root in roots for p in sorted(root.rglob("*.py"))]
-    files.append((Path(__file__).parent, Path(__file__).parent / "_compile.py"))
+    here = Path(__file__).parent
+    files += [(here, here / name) for name in ("_compile.py", "_compile_core.py", "_compile_kvcache.py",
+                                               "_signatures.py")]
     for root, p in files:
         h.update(p.relative_to(root).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
     return h.hexdigest()

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _checks, _compile, _launch, registry
+from . import _checks, _compile_kvcache, _launch, registry
 from .kernels import k5_tiles
 
 RUNG = "k5.5"  # the attention rung whose tiles and schedule the chunks run on
@@ -76,7 +76,7 @@ def launch(p: Plan, q, k_cache, v_cache, cache_seqlens, block_table, cu_seqlens_
     each entry attends to, clamped into the cache by the kernel)."""
     rung = registry.get(RUNG)
     device, head_dim = q.device, q.shape[-1]
-    fn = _compile.get_cache_prefill(rung, q.dtype, head_dim, mask.causal, p.paged, p.page_rows, p.min_queries,
+    fn = _compile_kvcache.get_cache_prefill(rung, q.dtype, head_dim, mask.causal, p.paged, p.page_rows, p.min_queries,
                                     mask.local, mask.softcap, sinks is not None)
     table = block_table if p.paged else _launch.stand_in(device).view(1, 1)
     fn(_launch.tma_ready(q.unsqueeze(0)), k_cache, v_cache, out.unsqueeze(0), lse.unsqueeze(0), mask.scale_log2,

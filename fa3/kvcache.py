@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from . import _checks, _compile, _dispatch, _launch, cache_prefill, index_checks, masking, registry
+from . import _checks, _compile_kvcache, _dispatch, _launch, cache_prefill, index_checks, masking, registry
 from .cache_append import append_packed, append_to_cache
 from .split_plan import ctas_per_sm, longest_first, plan_splits, reads_by_gather, s1_ctas
 
@@ -255,10 +255,10 @@ def launch_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, capaci
     ctas = s1_ctas(spec, batch, s1_queries, heads_q, heads_kv, num_splits, rows_q if packed else None)
     if longest_first(batch, ctas, _checks.sm_count(device.index) * ctas_per_sm(spec, head_dim, gather, fp8)):
         order = torch.empty(batch, dtype=torch.int64, device=device)
-        _compile.get_entry_order()(cache_seqlens, order, keys)
+        _compile_kvcache.get_entry_order()(cache_seqlens, order, keys)
     leftpad, has_sinks = cache_leftpad is not None, sinks is not None
     sinks = _launch.sinks_ready(sinks) if has_sinks else _launch.stand_in(device, torch.float32)
-    fn = _compile.get_kvcache(spec, q.dtype, head_dim, mask.causal, paged, mask.local, mask.softcap,
+    fn = _compile_kvcache.get_kvcache(spec, q.dtype, head_dim, mask.causal, paged, mask.local, mask.softcap,
                               gather, packed, leftpad, has_sinks, out.dtype if fp8 else None, s1_max_queries)
     descales = descales or (_dummy("descale", device),) * 3
     table = block_table if paged else _dummy("table", device)
@@ -266,7 +266,7 @@ def launch_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, capaci
        appended, mask.left, mask.right, mask.softcap_scale, cu, s1_queries,
        cache_leftpad if leftpad else _launch.stand_in(device), order, sinks, *descales)
     if num_splits > 1:
-        _compile.get_combine(out.dtype, head_dim, has_sinks, s1_max_queries)(o_partial, lse_partial, out4, lse3,
+        _compile_kvcache.get_combine(out.dtype, head_dim, has_sinks, s1_max_queries)(o_partial, lse_partial, out4, lse3,
                                                                             sinks, cu)
     if long is not None:
         cache_prefill.launch(long, q, k_cache, v_cache, cache_seqlens, block_table, cu, out, lse, mask,

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import fa3
-from fa3 import _compile, registry
+from fa3 import _compile_core, registry
 from fa3.reference import attention_reference
 
 from conftest import HEAD_DIM_PARAM, rel_err
@@ -149,11 +149,11 @@ def test_packed_qkv_strides_and_scale(kernel):
 def test_new_shapes_do_not_recompile():
     q, k, v = _inputs((1, 100, 100, 2, 2), 64, torch.bfloat16, seed=1)
     fa3.attention(q, k, v, kernel="k2")
-    n = len(_compile._CACHE)
+    n = len(_compile_core.CACHE)
     for shape in [(3, 77, 310, 4, 2), (1, 1, 5, 8, 1)]:
         q, k, v = _inputs(shape, 64, torch.bfloat16, seed=2)
         fa3.attention(q, k, v, kernel="k2")
-    assert len(_compile._CACHE) == n
+    assert len(_compile_core.CACHE) == n
 
 
 def test_empty_inputs():

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import fa3.__main__ as cli
-from fa3 import _compile, _dsl, matmul, registry
+from fa3 import _compile, _compile_kvcache, _dsl, matmul, registry
 
 cli.prepare_dsl_env()  # before the first compile imports cutlass: sm_90a, no PTX files in the cwd
 
@@ -144,7 +144,7 @@ def test_cache_prefill_compiles(head_dim, causal, paged, page_rows):
     from fa3 import cache_prefill
 
     spec = registry.get(cache_prefill.RUNG)
-    report = _compile.build_report(_compile._build_cache_prefill, spec, torch.bfloat16, head_dim, causal, paged,
+    report = _compile.build_report(_compile_kvcache.build_cache_prefill, spec, torch.bfloat16, head_dim, causal, paged,
                                    page_rows, 128)
     assert "cp.async.bulk.tensor.4d.shared::cta.global" in report.ptx and "setmaxnreg" in report.ptx
     assert report.spill_bytes == 0 and not report.serialized_wgmma
@@ -179,7 +179,7 @@ def test_fp8_gemm_compiles(name, row_scales):
 def test_sinks_combine_compiles(max_queries):
     """The split-KV combine with the sinks as one more term compiles without spilling; with
     max_queries it finds each row's entry (a warp ballot over cu_seqlens_q) to skip K5's rows."""
-    report = _compile.build_report(_compile._build_combine, torch.bfloat16, 128, sinks=True, max_queries=max_queries)
+    report = _compile.build_report(_compile_kvcache.build_combine, torch.bfloat16, 128, sinks=True, max_queries=max_queries)
     assert "ex2.approx" in report.ptx and report.registers and report.spill_bytes == 0
     assert ("vote.sync.ballot" in report.ptx) == bool(max_queries)
 
@@ -187,7 +187,7 @@ def test_sinks_combine_compiles(max_queries):
 def test_entry_order_compiles():
     """The KV-cache entries' sort (kernels/entry_order.py): a histogram of shared atomics, a scan,
     one slot per entry, in one CTA."""
-    report = _compile.build_report(_compile._build_entry_order)
+    report = _compile.build_report(_compile_kvcache.build_entry_order)
     assert "atom.shared" in report.ptx and "shfl.sync.up" in report.ptx and report.spill_bytes == 0
 
 
@@ -235,8 +235,8 @@ def test_sinks_are_in_the_compile_keys():
     assert _compile.attention_key(spec, torch.bfloat16, 128, True) != \
         _compile.attention_key(spec, torch.bfloat16, 128, True, sinks=True)
     s1 = registry.get("s1")
-    assert _compile.kvcache_key(s1, torch.bfloat16, 128, True) != \
-        _compile.kvcache_key(s1, torch.bfloat16, 128, True, sinks=True)
+    assert _compile_kvcache.kvcache_key(s1, torch.bfloat16, 128, True) != \
+        _compile_kvcache.kvcache_key(s1, torch.bfloat16, 128, True, sinks=True)
 
 
 def test_short_queries_pick_their_tiles():

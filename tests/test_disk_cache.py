@@ -20,7 +20,7 @@ import torch
 
 import fa3
 import fa3.__main__ as cli
-from fa3 import _compile, _disk_cache, _dsl, registry
+from fa3 import _compile, _compile_core, _compile_kvcache, _disk_cache, _dsl, registry
 
 BF16 = torch.bfloat16
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,8 +31,8 @@ def cache_dir(tmp_path, monkeypatch):
     root = tmp_path / "cache"
     monkeypatch.setenv("FA3_CACHE_DIR", str(root))
     monkeypatch.delenv("FA3_DISK_CACHE", raising=False)
-    monkeypatch.setattr(_compile, "_CACHE", {})  # a fresh process, as far as the cache can tell
-    monkeypatch.setattr(_compile, "_FAST", {})
+    monkeypatch.setattr(_compile_core, "CACHE", {})  # a fresh process, as far as the cache can tell
+    monkeypatch.setattr(_compile_core, "FAST", {})
     return root
 
 
@@ -209,52 +209,52 @@ KEY = ("k5.3", "torch.bfloat16", 128, False)
 
 
 def new_process(monkeypatch):
-    monkeypatch.setattr(_compile, "_CACHE", {})
-    monkeypatch.setattr(_compile, "_FAST", {})
+    monkeypatch.setattr(_compile_core, "CACHE", {})
+    monkeypatch.setattr(_compile_core, "FAST", {})
 
 
 def test_compile_once_then_load(stand_in_dsl, cache_dir, monkeypatch):
     build, built = stand_in_dsl
-    assert _compile._cached(KEY, build)() == ("built", b"kernel 0")
-    assert _compile._cached(KEY, build)() == ("built", b"kernel 0")  # in memory
+    assert _compile_core.cached(KEY, build)() == ("built", b"kernel 0")
+    assert _compile_core.cached(KEY, build)() == ("built", b"kernel 0")  # in memory
     assert len(entries(cache_dir)) == 1
     new_process(monkeypatch)
-    assert _compile._cached(KEY, build)() == ("loaded", b"kernel 0")
+    assert _compile_core.cached(KEY, build)() == ("loaded", b"kernel 0")
     assert built == [b"kernel 0"]
     new_process(monkeypatch)
-    assert _compile._cached(KEY[:-1] + (True,), build)() == ("built", b"kernel 1")  # another key
+    assert _compile_core.cached(KEY[:-1] + (True,), build)() == ("built", b"kernel 1")  # another key
     assert len(entries(cache_dir)) == 2
 
 
 def test_damaged_entry_self_heals(stand_in_dsl, cache_dir, monkeypatch, caplog):
     build, built = stand_in_dsl
-    _compile._cached(KEY, build)
+    _compile_core.cached(KEY, build)
     (entry,) = entries(cache_dir)
     entry.write_bytes(entry.read_bytes()[:-3])
     new_process(monkeypatch)
-    assert _compile._cached(KEY, build)() == ("built", b"kernel 1") and "damaged" in caplog.text
+    assert _compile_core.cached(KEY, build)() == ("built", b"kernel 1") and "damaged" in caplog.text
     new_process(monkeypatch)
-    assert _compile._cached(KEY, build)() == ("loaded", b"kernel 1")
+    assert _compile_core.cached(KEY, build)() == ("loaded", b"kernel 1")
 
 
 def test_unloadable_entry_self_heals(stand_in_dsl, cache_dir, monkeypatch, caplog):
     build, built = stand_in_dsl
-    _compile._cached(KEY, lambda: build(b"unloadable"))
+    _compile_core.cached(KEY, lambda: build(b"unloadable"))
     new_process(monkeypatch)
-    assert _compile._cached(KEY, build)() == ("built", b"kernel 1") and "cannot load" in caplog.text
+    assert _compile_core.cached(KEY, build)() == ("built", b"kernel 1") and "cannot load" in caplog.text
     new_process(monkeypatch)
-    assert _compile._cached(KEY, build)() == ("loaded", b"kernel 1")
+    assert _compile_core.cached(KEY, build)() == ("loaded", b"kernel 1")
 
 
 def test_cache_off_or_unwritable_still_compiles(stand_in_dsl, cache_dir, monkeypatch, caplog, tmp_path):
     build, built = stand_in_dsl
     monkeypatch.setenv("FA3_DISK_CACHE", "0")
-    assert _compile._cached(KEY, build)() == ("built", b"kernel 0") and not entries(cache_dir)
+    assert _compile_core.cached(KEY, build)() == ("built", b"kernel 0") and not entries(cache_dir)
     monkeypatch.delenv("FA3_DISK_CACHE")
     (tmp_path / "a-file").write_text("not a folder")
     monkeypatch.setenv("FA3_CACHE_DIR", str(tmp_path / "a-file"))
     new_process(monkeypatch)
-    assert _compile._cached(KEY, build)() == ("built", b"kernel 1") and "cannot write" in caplog.text
+    assert _compile_core.cached(KEY, build)() == ("built", b"kernel 1") and "cannot write" in caplog.text
 
 
 # ----------------------------------------------------------------------------- the real DSL
@@ -338,7 +338,7 @@ def test_cli_warm_cache_kvcache_rung(cache_dir, capsys):
     assert out.count("compiled in") == 6 + 7 and "FAILED" not in out
     assert "entry order" in out and out.count("K5 over the cache") == 4
     s1 = registry.get("s1")
-    for key in (_compile.entry_order_key(), _compile.combine_key(BF16, 64, max_queries=s1.config["long_queries"]),
-                _compile.cache_prefill_key(registry.get("k5.5"), BF16, 64, False, True, 16,
+    for key in (_compile_kvcache.entry_order_key(), _compile_kvcache.combine_key(BF16, 64, max_queries=s1.config["long_queries"]),
+                _compile_kvcache.cache_prefill_key(registry.get("k5.5"), BF16, 64, False, True, 16,
                                            s1.config["long_queries"])):
         assert _disk_cache.has(key) is not None, key  # the entries the calls look for

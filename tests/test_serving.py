@@ -222,12 +222,12 @@ def test_many_entries_longest_first(page_size, causal):
 def test_entry_order_sorts_any_lengths(entries):
     """The device sort s1's order comes from: a permutation of the entries, lengths non-increasing
     to within one bucket (max_length / 1023 keys), whatever the values (negative, past max_length)."""
-    from fa3 import _compile
+    from fa3 import _compile_kvcache
 
     gen = torch.Generator(device="cuda").manual_seed(entries)
     lens = torch.randint(-50, 5000, (entries,), dtype=torch.int32, device="cuda", generator=gen)
     order = torch.full((entries,), -1, dtype=torch.int64, device="cuda")
-    _compile.get_entry_order()(lens, order, 4000)
+    _compile_kvcache.get_entry_order()(lens, order, 4000)
     assert sorted(order.tolist()) == list(range(entries))
     steps = lens.clamp(0, 4000)[order].diff()
     assert (steps <= 4000 / 1023 + 1).all(), steps.max()

@@ -1,0 +1,47 @@
+"""The compile machinery every kernel family shares: the options, compiling against fake tensors
+for torch's stream, and the two caches in front of the builders (an in-process dict by full key,
+loaded from or saved to the disk cache, and the per-call fast lookup each family keys its own way).
+fa3/_compile.py and fa3/_compile_kvcache.py hold the families' keys, builders and getters.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from . import _disk_cache, _dsl
+
+LOCK = threading.Lock()
+CACHE: dict[tuple, object] = {}
+FAST: dict[tuple, object] = {}  # a family's short key (rung, dtype, head_dim, ...) -> compiled: the per-call lookup
+
+
+def options(extra: str = "") -> str:
+    return f"--enable-tvm-ffi --gpu-arch {_dsl.TARGET_ARCH} {extra}".strip()
+
+
+def compile_kernel(kernel, fake_args, extra_options):
+    """Compile for torch's current stream (TVM-FFI: called with plain torch tensors)."""
+    _, cute = _dsl.import_cute()
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return cute.compile(kernel, *fake_args, stream, options=options(extra_options))
+
+
+def cached(key, build):
+    """The kernel for `key` (a callable), loaded from the disk cache or built and stored there,
+    once even across threads, on first use."""
+    fn = CACHE.get(key)
+    if fn is None:
+        with LOCK:
+            fn = CACHE.get(key)
+            if fn is None:
+                fn = CACHE[key] = _load_or_build(key, build)
+    return fn
+
+
+def _load_or_build(key, build):
+    fn = _disk_cache.load(key)  # a hit does not import cutlass
+    if fn is None:
+        compiled = build()
+        _disk_cache.save(key, compiled)
+        fn = _disk_cache.fast_callable(compiled)
+    return fn

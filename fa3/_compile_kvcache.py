@@ -1,0 +1,174 @@
+"""The KV-cache family's kernels: keys, builders and getters of S1 (kernels/decode.py), K5 over the
+cache for a packed call's prompt chunks (kernels/k5_cache.py), the split-KV combine and the
+entries' sort (kernels/entry_order.py), and what --warm-cache fills beside S1. The shared compile
+machinery is fa3/_compile_core.py; the other families are fa3/_compile.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _compile_core as core
+from . import _dsl, registry, split_plan
+from . import _signatures as sig
+
+
+def kvcache_key(spec, dtype, head_dim, causal, paged=False, local=False, softcap=False, gather=False,
+                varlen=False, leftpad=False, sinks=False, out_dtype=None, max_queries=0) -> tuple:
+    variant = (bool(local), bool(softcap), bool(sinks))
+    layout = (bool(gather), bool(varlen), bool(leftpad))  # row gathers, packed queries, left padding
+    out = (("out", str(out_dtype)),) if out_dtype not in (None, dtype) else ()
+    out += (("max_queries", int(max_queries)),) if max_queries else ()
+    return (spec.name, str(dtype), head_dim, bool(causal), bool(paged), *((variant,) if any(variant) else ()),
+            *((("gather_varlen_leftpad",) + layout,) if any(layout) else ()), *out,
+            tuple(sorted(spec.config_for(head_dim).items())), _dsl.TARGET_ARCH, _dsl.version())
+
+
+def build_kvcache(spec, dtype, head_dim, causal, paged=False, local=False, softcap=False, gather=False,
+                   varlen=False, leftpad=False, sinks=False, out_dtype=None, max_queries=0, extra_options=""):
+    # an FP8 cache (and q): dequantized in SMEM to fp16 for the GEMMs, O in out_dtype (bf16 default)
+    fp8 = dtype == torch.float8_e4m3fn
+    out_dtype = out_dtype or (torch.bfloat16 if fp8 else dtype)
+    cls = spec.load_class()
+    if fp8:  # s1 plus dequantization in SMEM
+        from .kernels.decode_fp8 import Fp8SplitKVAttention as cls
+    kernel = cls(dtype=sig.cute_dtype(torch.float16 if fp8 else dtype), head_dim=head_dim, causal=causal,
+                 paged=paged, local=local, softcap=softcap, gather=gather, varlen=varlen, leftpad=leftpad,
+                 sinks=sinks, out_dtype=sig.cute_dtype(out_dtype), max_queries=max_queries,
+                 **split_plan.kernel_plan(spec, head_dim, paged and gather, fp8))
+    return core.compile_kernel(kernel, sig.kvcache_args(dtype, head_dim, out_dtype), extra_options)
+
+
+def get_kvcache(spec, dtype, head_dim, causal, paged, local=False, softcap=False, gather=False,
+                varlen=False, leftpad=False, sinks=False, out_dtype=None, max_queries=0):
+    """The compiled KV-cache kernel: paged (gather: pages that do not hold whole key blocks) or
+    dense (leftpad: keys from cache_leftpad on), packed queries (varlen; max_queries: only entries
+    of fewer queries, the rest being K5's) or (batch, seqlen_q) ones, with or without attention
+    sinks; `dtype` q's and the cache's (float8_e4m3fn: an FP8 cache, O in out_dtype)."""
+    fast_key = ("kvcache", spec.name, dtype, head_dim, causal, paged, local, softcap, gather, varlen, leftpad,
+                sinks, out_dtype, max_queries)
+    fn = core.FAST.get(fast_key)
+    if fn is None:
+        fn = core.FAST[fast_key] = core.cached(
+            kvcache_key(spec, dtype, head_dim, causal, paged, local, softcap, gather, varlen, leftpad, sinks,
+                        out_dtype, max_queries),
+            lambda: build_kvcache(spec, dtype, head_dim, causal, paged, local, softcap, gather, varlen,
+                                   leftpad, sinks, out_dtype, max_queries))
+    return fn
+
+
+def cache_prefill_key(spec, dtype, head_dim, causal, paged, page_rows, min_queries, local=False, softcap=False,
+                      sinks=False) -> tuple:
+    """K5 over a KV cache (kernels/k5_cache.py) on `spec`'s tiles (fa3.cache_prefill's rung)."""
+    from .cache_prefill import tiles
+
+    return ("cache_prefill", spec.name, str(dtype), head_dim, bool(causal), bool(paged), int(page_rows),
+            int(min_queries), (bool(local), bool(softcap), bool(sinks)),
+            tuple(sorted(tiles(head_dim, causal, local).items())), _dsl.TARGET_ARCH, _dsl.version())
+
+
+def build_cache_prefill(spec, dtype, head_dim, causal, paged, page_rows, min_queries, local=False,
+                         softcap=False, sinks=False, extra_options=""):
+    from .cache_prefill import tiles
+    from .kernels.k5_cache import CacheAttention
+
+    kernel = CacheAttention(dtype=sig.cute_dtype(dtype), head_dim=head_dim, causal=causal, paged=paged,
+                            page_rows=page_rows, min_queries=min_queries, local=local, softcap=softcap,
+                            sinks=sinks, **tiles(head_dim, causal, local))
+    return core.compile_kernel(kernel, sig.cache_prefill_args(dtype, head_dim), extra_options)
+
+
+def get_cache_prefill(spec, dtype, head_dim, causal, paged, page_rows, min_queries, local=False, softcap=False,
+                      sinks=False):
+    """The compiled K5 over a KV cache for a packed call's entries of min_queries or more queries:
+    paged (page_rows: pages smaller than a key block, one TMA box each; 0: whole blocks) or dense."""
+    static = (head_dim, causal, paged, page_rows, min_queries, local, softcap, sinks)
+    fast_key = ("cache_prefill", spec.name, dtype, *static)
+    fn = core.FAST.get(fast_key)
+    if fn is None:
+        fn = core.FAST[fast_key] = core.cached(cache_prefill_key(spec, dtype, *static),
+                                       lambda: build_cache_prefill(spec, dtype, *static))
+    return fn
+
+
+def build_combine(dtype, head_dim, sinks=False, max_queries=0, extra_options=""):
+    cutlass, cute = _dsl.import_cute()
+    from .kernels.combine import SplitKVCombine
+
+    dt, f32 = sig.cute_dtype(dtype), cutlass.Float32
+    b, sq, hq, splits = (cute.sym_int64() for _ in range(4))
+    args = [sig.unit_last(cute, f32, splits, b, sq, hq, head_dim), sig.unit_last(cute, f32, splits, b, hq, sq),
+            sig.unit_last(cute, dt, b, sq, hq, head_dim, align=2), sig.unit_last(cute, f32, b, hq, sq),
+            sig.fake_tensor(cute, f32, (cute.sym_int64(),), (1,), align=4)]
+    args.append(sig.fake_tensor(cute, cutlass.Int32, (cute.sym_int64(),), (1,), align=4))  # cu_seqlens_q
+    return core.compile_kernel(SplitKVCombine(dt, head_dim, sinks, max_queries), args, extra_options)
+
+
+def get_combine(dtype, head_dim, sinks=False, max_queries=0):
+    """The split-KV combine kernel: FP32 partial O and LSE (and the sinks) -> O, LSE; max_queries:
+    a packed call's rows of entries that long or longer are skipped (K5 writes them)."""
+    fast_key = ("combine", dtype, head_dim, sinks, max_queries)
+    fn = core.FAST.get(fast_key)
+    if fn is None:
+        fn = core.FAST[fast_key] = core.cached(combine_key(dtype, head_dim, sinks, max_queries),
+                                       lambda: build_combine(dtype, head_dim, sinks, max_queries))
+    return fn
+
+
+def combine_key(dtype, head_dim, sinks=False, max_queries=0) -> tuple:
+    # (the key names the cu_seqlens_q argument: entries cached before it took one are not loaded)
+    return ("combine", str(dtype), head_dim, bool(sinks), ("cu_seqlens_q", int(max_queries)), _dsl.TARGET_ARCH,
+            _dsl.version())
+
+
+def build_entry_order(extra_options=""):
+    cutlass, cute = _dsl.import_cute()
+    from .kernels.entry_order import EntryOrder
+
+    args = [sig.fake_tensor(cute, cutlass.Int32, (cute.sym_int64(),), (1,), align=4),
+            sig.fake_tensor(cute, cutlass.Int64, (cute.sym_int64(),), (1,), align=8), cutlass.Int32(1)]
+    return core.compile_kernel(EntryOrder(), args, extra_options)
+
+
+def get_entry_order():
+    """The KV-cache entries longest first (kernels/entry_order.py): (lengths int32, order int64,
+    max_length)."""
+    fn = core.FAST.get("entry_order")
+    if fn is None:
+        fn = core.FAST["entry_order"] = core.cached(entry_order_key(), build_entry_order)
+    return fn
+
+
+def entry_order_key() -> tuple:
+    return ("entry_order", _dsl.TARGET_ARCH, _dsl.version())
+
+
+def kvcache_companions(spec, dtype, head_dim, causal) -> list[tuple[str, tuple, object]]:
+    """(label, key, build) of the kernels a call against a KV cache launches beside `spec` (s1),
+    for `python -m fa3 compile --warm-cache`: the split-KV combine, the entries' sort and, for a
+    16-bit cache, K5 over the cache for a packed call's prompt chunks (dense or pages holding whole
+    key blocks, and pages of 16 rows) with the combine that skips K5's rows. `dtype`: the cache's."""
+    from . import cache_prefill
+
+    out_dtype = torch.bfloat16 if dtype == torch.float8_e4m3fn else dtype
+    items = [("combine", combine_key(out_dtype, head_dim), lambda: build_combine(out_dtype, head_dim)),
+             ("entry order", entry_order_key(), build_entry_order)]
+    min_queries = spec.config.get("long_queries", 0)
+    if dtype == torch.float8_e4m3fn or not min_queries:
+        return items
+    items.append(("combine skipping K5's rows", combine_key(dtype, head_dim, max_queries=min_queries),
+                  lambda: build_combine(dtype, head_dim, max_queries=min_queries)))
+    tile_n = cache_prefill.tiles(head_dim, causal, False)["tile_n"]
+    layouts = []  # (paged, page_rows) for a dense cache, whole-block pages, and vLLM's 16 and 64
+    for page_size in (None, tile_n, 16, 64):
+        p = cache_prefill.plan(spec, head_dim, page_size, min_queries, causal, False, True, False, False)
+        if p is not None and (p.paged, p.page_rows) not in layouts:
+            layouts.append((p.paged, p.page_rows))
+    rung = registry.get(cache_prefill.RUNG)
+    for paged, page_rows in layouts:
+        static = (head_dim, causal, paged, page_rows, min_queries)
+        label = "K5 over the cache, " + ("dense" if not paged else f"pages of {page_rows} rows" if page_rows
+                                         else f"pages of a multiple of {tile_n} rows")
+        items.append((label, cache_prefill_key(rung, dtype, *static),
+                      lambda static=static: build_cache_prefill(rung, dtype, *static)))
+    return items
