@@ -16,9 +16,10 @@ new query per sequence): batch 16 x 8k keys,
 batch 1 x 32k, batch 64 x 4k, and a serving step's decodes, batch 126 of 512-3512 keys in a
 shuffled order ("b126 x 512-3512", where the order of the CTAs matters), each dense and paged
 (pages of 16, 64 and 256, permuted; 16 is vLLM's default and is read by row gathers, 64 and 256 by
-TMA). In the other cases every sequence holds the full number of keys. Each row prints the GPU time per call (CUDA events,
-median), the K/V bytes read per microsecond, and that rate's share of the device-to-device
-copy bandwidth measured in the same run (bytes read + written per second by a large copy).
+TMA). In the other cases every sequence holds the full number of keys. Each row prints the GPU
+time per call (CUDA events, median), the K/V bytes read per microsecond, and that rate's share of
+the device-to-device copy bandwidth measured in the same run (bytes read + written per second by a
+large copy).
 SDPA peers see the cache as dense (batch, heads, keys, d) tensors with enable_gqa (uniform cases
 only: they take no per-sequence lengths); flash-attn-4 runs its varlen entry with seqused_k (and
 page_table for the paged rows).
@@ -288,7 +289,7 @@ def decode_rows(peers, gen):
     for batch, keys in CASES:
         for page_size in (None, 16, 64, 256):
             q, k, v, seqlens, table = make_case(batch, keys, page_size, gen)
-            kv_bytes = 2 * sum(case_lengths(batch, keys)) * HEADS_KV * D * 2
+            kv_bytes = 2 * int(seqlens.sum()) * HEADS_KV * D * 2
             ref = fa3.attention_with_kvcache(q, k, v, cache_seqlens=seqlens, block_table=table)
             for name, fn in runners(q, k, v, seqlens, table, peers).items():
                 try:

@@ -11,8 +11,9 @@
         GEMM rungs are compiled for every operand layout (--fp8: the FP8 GEMM, C in --dtype); the
         KV-cache rung dense, paged and with row gathers, each also for packed queries (--fp8: on
         an FP8 cache, O in --dtype), and what a cache call launches beside it: the combine, the
-        entries' sort and K5 over the cache for prompt chunks (_compile_kvcache.kvcache_companions); FP8
-        attention also for packed batches (cache_configs).
+        entries' sort and K5 over the cache for prompt chunks
+        (_compile_kvcache.kvcache_companions); FP8 attention also for packed batches
+        (cache_configs).
     python -m fa3 demo
         On a Hopper GPU: fa3.attention (fastest rung) on batch 2, seqlen 4096, 16 heads, head_dim 128,
         bf16, causal and not; error against torch SDPA and TFLOP/s. Without one: compiles every

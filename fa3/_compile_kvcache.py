@@ -146,8 +146,9 @@ def entry_order_key() -> tuple:
 def kvcache_companions(spec, dtype, head_dim, causal) -> list[tuple[str, tuple, object]]:
     """(label, key, build) of the kernels a call against a KV cache launches beside `spec` (s1),
     for `python -m fa3 compile --warm-cache`: the split-KV combine, the entries' sort and, for a
-    16-bit cache, K5 over the cache for a packed call's prompt chunks (dense or pages holding whole
-    key blocks, and pages of 16 rows) with the combine that skips K5's rows. `dtype`: the cache's."""
+    16-bit cache, K5 over the cache for a packed call's prompt chunks (dense, pages holding whole
+    key blocks, pages of 16 and 64 rows) with the combine that skips K5's rows. `dtype`: the
+    cache's."""
     from . import cache_prefill
 
     out_dtype = torch.bfloat16 if dtype == torch.float8_e4m3fn else dtype

@@ -160,9 +160,9 @@ def kvcache_args(dtype, head_dim, out_dtype=None):
     scale_log2, appended, window edges, softcap scale, cu_seqlens_q, max_seqlen_q, cache_leftpad,
     entry order, sinks, q/k/v descales): see kernels/decode.py. The cache is (planes, rows, heads_kv,
     d), planes being batch entries (dense) or pages (paged); every extent is dynamic (packed
-    queries: q is (1, total_q, heads_q, d) and cache_seqlens has its own extent). `dtype`: q's and the cache's; out
-    has out_dtype (default dtype); the descales are (batch, heads_kv) FP32 (1-element stand-ins
-    unless FP8)."""
+    queries: q is (1, total_q, heads_q, d) and cache_seqlens has its own extent). `dtype`: q's and
+    the cache's; out has out_dtype (default dtype); the descales are (batch, heads_kv) FP32
+    (1-element stand-ins unless FP8)."""
     cutlass, cute = _dsl.import_cute()
     dt, f32, i32 = cute_dtype(dtype), cutlass.Float32, cutlass.Int32
     out = cute_dtype(out_dtype or dtype)

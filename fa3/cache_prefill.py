@@ -76,8 +76,8 @@ def launch(p: Plan, q, k_cache, v_cache, cache_seqlens, block_table, cu_seqlens_
     each entry attends to, clamped into the cache by the kernel)."""
     rung = registry.get(RUNG)
     device, head_dim = q.device, q.shape[-1]
-    fn = _compile_kvcache.get_cache_prefill(rung, q.dtype, head_dim, mask.causal, p.paged, p.page_rows, p.min_queries,
-                                    mask.local, mask.softcap, sinks is not None)
+    fn = _compile_kvcache.get_cache_prefill(rung, q.dtype, head_dim, mask.causal, p.paged, p.page_rows,
+                                            p.min_queries, mask.local, mask.softcap, sinks is not None)
     table = block_table if p.paged else _launch.stand_in(device).view(1, 1)
     fn(_launch.tma_ready(q.unsqueeze(0)), k_cache, v_cache, out.unsqueeze(0), lse.unsqueeze(0), mask.scale_log2,
        _checks.HOPPER_SMS[device], _launch.tile_counter(rung, mask.causal, device), cu_seqlens_q, cache_seqlens,

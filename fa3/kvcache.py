@@ -240,9 +240,10 @@ def launch_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, capaci
     # S1's longest query run: its grid's bound (K5's entries get no tiles there)
     s1_queries = seqlen_q if long is None else min(seqlen_q, long.min_queries - 1)
     keys = capacity if max_seqlen_k < 0 else min(capacity, max_seqlen_k)
+    sms = _checks.HOPPER_SMS[device]  # (check_kvcache, eager or in the op, checked the device)
     if num_splits <= 0:
         num_splits = plan_splits(spec, batch, cache_prefill.split_queries(long, seqlen_q), heads_q, heads_kv, keys,
-                                 mask, _checks.sm_count(device.index), head_dim, gather, fp8)
+                                 mask, sms, head_dim, gather, fp8)
     planes = 1 if packed else batch
     if num_splits > 1:
         o_partial = torch.empty(num_splits, planes, rows_q, heads_q, head_dim, dtype=torch.float32,
@@ -253,21 +254,22 @@ def launch_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, capaci
     # the longest entries first when the CTAs take several waves (sorted on the device: no sync)
     order = _launch.stand_in(device, torch.int64)
     ctas = s1_ctas(spec, batch, s1_queries, heads_q, heads_kv, num_splits, rows_q if packed else None)
-    if longest_first(batch, ctas, _checks.sm_count(device.index) * ctas_per_sm(spec, head_dim, gather, fp8)):
+    if longest_first(batch, ctas, sms * ctas_per_sm(spec, head_dim, gather, fp8)):
         order = torch.empty(batch, dtype=torch.int64, device=device)
         _compile_kvcache.get_entry_order()(cache_seqlens, order, keys)
     leftpad, has_sinks = cache_leftpad is not None, sinks is not None
     sinks = _launch.sinks_ready(sinks) if has_sinks else _launch.stand_in(device, torch.float32)
     fn = _compile_kvcache.get_kvcache(spec, q.dtype, head_dim, mask.causal, paged, mask.local, mask.softcap,
-                              gather, packed, leftpad, has_sinks, out.dtype if fp8 else None, s1_max_queries)
+                                      gather, packed, leftpad, has_sinks, out.dtype if fp8 else None,
+                                      s1_max_queries)
     descales = descales or (_dummy("descale", device),) * 3
     table = block_table if paged else _dummy("table", device)
     fn(q4, k_cache, v_cache, cache_seqlens, table, out4, lse3, o_partial, lse_partial, mask.scale_log2,
        appended, mask.left, mask.right, mask.softcap_scale, cu, s1_queries,
        cache_leftpad if leftpad else _launch.stand_in(device), order, sinks, *descales)
     if num_splits > 1:
-        _compile_kvcache.get_combine(out.dtype, head_dim, has_sinks, s1_max_queries)(o_partial, lse_partial, out4, lse3,
-                                                                            sinks, cu)
+        combine = _compile_kvcache.get_combine(out.dtype, head_dim, has_sinks, s1_max_queries)
+        combine(o_partial, lse_partial, out4, lse3, sinks, cu)
     if long is not None:
         cache_prefill.launch(long, q, k_cache, v_cache, cache_seqlens, block_table, cu, out, lse, mask,
                              sinks if has_sinks else None)

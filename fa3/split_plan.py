@@ -143,7 +143,7 @@ def get_scheduler_metadata(batch_size: int, max_seqlen_q: int, max_seqlen_k: int
         sms = max(1, _checks.sm_count(device.index if device.index is not None else 0) - sm_margin)
         gather = page_size is not None and reads_by_gather(spec, page_size)
         # as the call plans it: a packed call's long entries go to K5 (imported here: cache_prefill
-        # compiles through _compile, which imports this module)
+        # compiles through _compile_kvcache, which imports this module)
         from .cache_prefill import plan, split_queries
 
         fp8 = qkv_dtype == torch.float8_e4m3fn

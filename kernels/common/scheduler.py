@@ -177,7 +177,7 @@ def varlen_tile(block: Int32, mCuSeqlens: cute.Tensor, tile_m: cutlass.Constexpr
     whole warp calls it. A `block` past the last tile gives a tile count of 0. `rows_per_query`:
     tile rows per query (the query heads a packed-GQA tile holds per query position). `order` (a
     tensor of one index per entry, or a 1-element stand-in): the tiles are numbered over the
-    entries in that order (the longest first: fa3.split_plan.entry_order)."""
+    entries in that order (the longest first: kernels/entry_order.py)."""
     lane = cute.arch.lane_idx()
     entries = mCuSeqlens.shape[0] - 1
     ordered = False
