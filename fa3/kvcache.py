@@ -27,7 +27,7 @@ import torch
 
 from . import _checks, _compile_kvcache, _dispatch, _launch, cache_prefill, index_checks, masking, registry
 from .cache_append import append_packed, append_to_cache
-from .split_plan import ctas_per_sm, longest_first, plan_splits, reads_by_gather, s1_ctas
+from .split_plan import call_plan
 
 
 def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kernel, window_size, softcap,
@@ -231,19 +231,13 @@ def launch_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, capaci
         return out.zero_(), lse.fill_(float("-inf"))
     heads_kv = k_cache.shape[2]
     paged = block_table is not None
-    gather = paged and reads_by_gather(spec, k_cache.shape[1])
-    mask = masking.masking(causal, window, softcap, scale)
-    # entries of long_queries queries or more (prompt chunks) on K5 after S1 (fa3/cache_prefill.py)
-    long = cache_prefill.plan(spec, head_dim, k_cache.shape[1] if paged else None, seqlen_q, mask.causal,
-                              mask.local, packed, fp8, cache_leftpad is not None or appended != 0)
-    s1_max_queries = 0 if long is None else long.min_queries  # S1 (and its combine) skip K5's entries
-    # S1's longest query run: its grid's bound (K5's entries get no tiles there)
-    s1_queries = seqlen_q if long is None else min(seqlen_q, long.min_queries - 1)
     keys = capacity if max_seqlen_k < 0 else min(capacity, max_seqlen_k)
     sms = _checks.HOPPER_SMS[device]  # (check_kvcache, eager or in the op, checked the device)
-    if num_splits <= 0:
-        num_splits = plan_splits(spec, batch, cache_prefill.split_queries(long, seqlen_q), heads_q, heads_kv, keys,
-                                 mask, sms, head_dim, gather, fp8)
+    plan = call_plan(spec, head_dim, batch, seqlen_q, rows_q if packed else None, heads_q, heads_kv,
+                     k_cache.shape[1] if paged else None, keys, causal, window, softcap, scale, fp8,
+                     cache_leftpad is not None or appended != 0, num_splits, sms)
+    mask, long, num_splits = plan.mask, plan.long, plan.num_splits
+    s1_max_queries = 0 if long is None else long.min_queries  # S1 (and its combine) skip K5's entries
     planes = 1 if packed else batch
     if num_splits > 1:
         o_partial = torch.empty(num_splits, planes, rows_q, heads_q, head_dim, dtype=torch.float32,
@@ -253,19 +247,18 @@ def launch_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, capaci
         o_partial, lse_partial = _dummy("o_partial", device, head_dim), _dummy("lse_partial", device)
     # the longest entries first when the CTAs take several waves (sorted on the device: no sync)
     order = _launch.stand_in(device, torch.int64)
-    ctas = s1_ctas(spec, batch, s1_queries, heads_q, heads_kv, num_splits, rows_q if packed else None)
-    if longest_first(batch, ctas, sms * ctas_per_sm(spec, head_dim, gather, fp8)):
+    if plan.longest_first:
         order = torch.empty(batch, dtype=torch.int64, device=device)
         _compile_kvcache.get_entry_order()(cache_seqlens, order, keys)
     leftpad, has_sinks = cache_leftpad is not None, sinks is not None
     sinks = _launch.sinks_ready(sinks) if has_sinks else _launch.stand_in(device, torch.float32)
     fn = _compile_kvcache.get_kvcache(spec, q.dtype, head_dim, mask.causal, paged, mask.local, mask.softcap,
-                                      gather, packed, leftpad, has_sinks, out.dtype if fp8 else None,
+                                      plan.gather, packed, leftpad, has_sinks, out.dtype if fp8 else None,
                                       s1_max_queries)
     descales = descales or (_dummy("descale", device),) * 3
     table = block_table if paged else _dummy("table", device)
     fn(q4, k_cache, v_cache, cache_seqlens, table, out4, lse3, o_partial, lse_partial, mask.scale_log2,
-       appended, mask.left, mask.right, mask.softcap_scale, cu, s1_queries,
+       appended, mask.left, mask.right, mask.softcap_scale, cu, plan.s1_queries,
        cache_leftpad if leftpad else _launch.stand_in(device), order, sinks, *descales)
     if num_splits > 1:
         combine = _compile_kvcache.get_combine(out.dtype, head_dim, has_sinks, s1_max_queries)

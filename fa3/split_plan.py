@@ -6,6 +6,8 @@ CTAs share an SM. `get_scheduler_metadata` is flash-attn 3's name for computing 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from . import _checks, _dispatch, masking, registry
@@ -111,6 +113,51 @@ def longest_first(batch: int, ctas: int, slots: int) -> bool:
     return batch > 1 and ctas > slots
 
 
+class CallPlan(NamedTuple):
+    """What a call against a KV cache decides from host integers alone."""
+    mask: masking.Masking
+    gather: bool  # pages read by row gathers
+    long: object  # cache_prefill.Plan: the entries K5 takes, or None
+    s1_queries: int  # S1's longest query run: its grid's bound (K5's entries get no tiles there)
+    num_splits: int
+    longest_first: bool  # S1 takes the entries in the order the device sorts them
+
+
+_PLANS: dict = {}
+
+
+def call_plan(spec, head_dim: int, batch: int, seqlen_q: int, total_q: int | None, heads_q: int, heads_kv: int,
+              page_size: int | None, keys: int, causal: bool, window, softcap: float, scale: float, fp8: bool,
+              offsets: bool, num_splits: int, sm_count: int) -> CallPlan:
+    """The plan of a call against a KV cache: its masking, whether pages are gathered, which entries
+    K5 takes (fa3/cache_prefill.py), the splits (num_splits <= 0: plan_splits) and whether S1 takes
+    the entries longest first. total_q: packed queries' rows (None: (batch, seqlen_q) queries);
+    page_size: None for a dense cache; keys: the most a sequence holds; offsets: keys start past
+    position 0 (a left-padded cache, tokens appended in the call). Memoized by its arguments: a
+    decode loop's calls repeat them, and the plan is tens of microseconds of Python."""
+    key = (spec.name, head_dim, batch, seqlen_q, total_q, heads_q, heads_kv, page_size, keys, causal,
+           tuple(window), softcap, scale, fp8, offsets, num_splits, sm_count)
+    plan = _PLANS.get(key)
+    if plan is None:
+        # imported here: cache_prefill compiles through _compile_kvcache, which imports this module
+        from . import cache_prefill
+
+        mask = masking.masking(causal, tuple(window), softcap, scale)
+        gather = page_size is not None and reads_by_gather(spec, page_size)
+        long = cache_prefill.plan(spec, head_dim, page_size, seqlen_q, mask.causal, mask.local, total_q is not None,
+                                  fp8, offsets)
+        s1_queries = seqlen_q if long is None else min(seqlen_q, long.min_queries - 1)
+        if num_splits <= 0:
+            num_splits = plan_splits(spec, batch, cache_prefill.split_queries(long, seqlen_q), heads_q, heads_kv,
+                                     keys, mask, sm_count, head_dim, gather, fp8)
+        ctas = s1_ctas(spec, batch, s1_queries, heads_q, heads_kv, num_splits, total_q)
+        sort = longest_first(batch, ctas, sm_count * ctas_per_sm(spec, head_dim, gather, fp8))
+        if len(_PLANS) > 256:  # shapes that change every call (a serving step's) must not grow it
+            _PLANS.clear()
+        plan = _PLANS[key] = CallPlan(mask, gather, long, s1_queries, num_splits, sort)
+    return plan
+
+
 def get_scheduler_metadata(batch_size: int, max_seqlen_q: int, max_seqlen_k: int, num_heads_q: int,
                            num_heads_kv: int, headdim: int, cache_seqlens: torch.Tensor,
                            qkv_dtype=torch.bfloat16, headdim_v=None, cu_seqlens_q=None,
@@ -138,19 +185,15 @@ def get_scheduler_metadata(batch_size: int, max_seqlen_q: int, max_seqlen_k: int
     masking.check_window(window_size, 1.0 if has_softcap else 0.0)
     spec = _dispatch.memo_rung(_dispatch.family_rung, registry.KVCACHE, None, headdim, "q and the cache")
     device = cache_seqlens.device
-    if num_splits <= 0:
-        mask = masking.masking(bool(causal), tuple(window_size), 1.0 if has_softcap else 0.0, 1.0)
-        sms = max(1, _checks.sm_count(device.index if device.index is not None else 0) - sm_margin)
-        gather = page_size is not None and reads_by_gather(spec, page_size)
-        # as the call plans it: a packed call's long entries go to K5 (imported here: cache_prefill
-        # compiles through _compile_kvcache, which imports this module)
-        from .cache_prefill import plan, split_queries
-
-        fp8 = qkv_dtype == torch.float8_e4m3fn
-        long = plan(spec, headdim, page_size, max_seqlen_q, mask.causal, mask.local, cu_seqlens_q is not None,
-                    fp8, cache_leftpad is not None)
-        num_splits = plan_splits(spec, batch_size, split_queries(long, max_seqlen_q), num_heads_q, num_heads_kv,
-                                 max_seqlen_k, mask, sms, headdim, gather, fp8)
+    # given splits need no SM count (nor a GPU to read it from)
+    sms = max(1, _checks.sm_count(device.index if device.index is not None else 0) - sm_margin) \
+        if num_splits <= 0 else 1
+    # as the call plans it: a packed call's long entries go to K5 (S1 then plans for the short ones);
+    # total_q, unknown here, bounds S1's grid only, not the splits
+    num_splits = call_plan(spec, headdim, batch_size, max_seqlen_q, None if cu_seqlens_q is None else max_seqlen_q,
+                           num_heads_q, num_heads_kv, page_size, max_seqlen_k, bool(causal), window_size,
+                           1.0 if has_softcap else 0.0, 1.0, qkv_dtype == torch.float8_e4m3fn,
+                           cache_leftpad is not None, num_splits, sms).num_splits
     return torch.full((1,), num_splits, dtype=torch.int32, device=device)
 
 

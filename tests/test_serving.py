@@ -680,6 +680,28 @@ def test_split_plan_from_shapes():
     assert split_plan.plan_splits(spec, 64, 1, 32, 8, 4096, mask, 132, 128, True) == 1
 
 
+def test_call_plan_memo():
+    """A call's plan (split_plan.call_plan) is computed once per set of host integers and equals
+    its parts: a decode loop repeats the arguments and gets the stored plan back; any argument
+    that changes gives a fresh one."""
+    spec = fa3.registry.get("s1")
+    args = dict(spec=spec, head_dim=128, batch=1, seqlen_q=1, total_q=None, heads_q=32, heads_kv=8, page_size=None,
+                keys=32768, causal=True, window=(-1, -1), softcap=0.0, scale=0.125, fp8=False, offsets=False,
+                num_splits=0, sm_count=132)
+    plan = split_plan.call_plan(**args)
+    assert split_plan.call_plan(**args) is plan
+    assert plan.num_splits == 16 and not plan.gather and plan.long is None and not plan.longest_first
+    assert plan.mask.causal and plan.mask.scale_log2 == pytest.approx(0.125 * 1.4426950408889634)
+    assert split_plan.call_plan(**{**args, "page_size": 16}).num_splits == 33  # gathers: 2 CTAs an SM
+    assert split_plan.call_plan(**{**args, "num_splits": 3}).num_splits == 3
+    many = split_plan.call_plan(**{**args, "batch": 126, "keys": 4096})
+    assert many.num_splits == 1 and many.longest_first  # 1008 CTAs: more than a wave
+    packed = split_plan.call_plan(**{**args, "seqlen_q": 1024, "total_q": 1100, "page_size": 64})
+    assert packed.long is not None and packed.s1_queries == spec.config["long_queries"] - 1
+    with pytest.raises(ValueError, match="softmax_scale"):  # checked on the way in, never stored
+        split_plan.call_plan(**{**args, "scale": float("nan")})
+
+
 def test_long_entries_plan():
     """Which calls run their long entries on K5, with which page layout (fa3.cache_prefill)."""
     from fa3 import cache_prefill
