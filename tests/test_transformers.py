@@ -118,11 +118,34 @@ def test_padded_training_mapping_on_cpu(kind, padding, monkeypatch):
     assert rel_err(got, want) < 1e-4
 
 
-def test_generation_mapping_on_cpu(monkeypatch):
-    """Decode steps over a left-padded cache (every new query real: no gather or scatter of q)
-    give eager's tokens and logits."""
+def _reference_kvcache(q, k_cache, v_cache, cache_seqlens, cache_leftpad, causal, softmax_scale, window_size,
+                       softcap, sinks):
+    """attention_with_kvcache over a left-padded dense cache: row b's keys [leftpad, seqlens)."""
+    rows = []
+    for b, (start, end) in enumerate(zip(cache_leftpad.tolist(), cache_seqlens.tolist())):
+        rows.append(_reference_attention(q[b:b + 1], k_cache[b:b + 1, start:end], v_cache[b:b + 1, start:end],
+                                         causal, softmax_scale, window_size, softcap, sinks))
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt_oss"])
+def test_generation_mapping_on_cpu(kind, monkeypatch):
+    """Decode steps over a left-padded cache (every new query real) read it in place through
+    attention_with_kvcache's cache_leftpad, and give eager's tokens and logits (gpt-oss: sinks, and
+    sliding layers, whose window cache transformers passes without a mask); the padded prompt goes
+    through the variable-length path."""
+    calls = []
+
+    def kvcache(q, k_cache, v_cache, *, cache_seqlens, cache_leftpad, causal, softmax_scale, window_size,
+                softcap, sinks):
+        calls.append(q.shape[1])
+        return _reference_kvcache(q, k_cache, v_cache, cache_seqlens, cache_leftpad, causal, softmax_scale,
+                                  window_size, softcap, sinks)
+
+    monkeypatch.setattr(fa3_hf, "attention", _reference_attention)
     monkeypatch.setattr(fa3_hf, "packed_attention", _reference_varlen)
-    model = make_model("llama", "cpu", torch.float32)
+    monkeypatch.setattr(fa3_hf, "attention_with_kvcache", kvcache)
+    model = make_model(kind, "cpu", torch.float32)
     ids, mask = batch("cpu", "left")
     runs = {}
     for impl in ("fa3", "eager"):
@@ -131,6 +154,26 @@ def test_generation_mapping_on_cpu(monkeypatch):
                                     output_logits=True, return_dict_in_generate=True, pad_token_id=0)
     assert torch.equal(runs["fa3"].sequences, runs["eager"].sequences)
     assert rel_err(torch.stack(runs["fa3"].logits), torch.stack(runs["eager"].logits)) < 1e-4
+    assert calls and set(calls) == {1}  # the decode steps, one new query each, read the cache in place
+
+
+def test_decode_plan_reads_left_padding_in_place():
+    """Which decode masks read the cache in place (_LeftPadded: each row's padding, then its keys,
+    the new queries among them) and which are unpadded through gathers."""
+    build = fa3_hf._UnpadPlan._build
+    mask = torch.ones(3, 10, dtype=torch.long)
+    mask[1, :4] = 0
+    mask[2, :9] = 0
+    plan = build(mask, 1, True)
+    assert isinstance(plan, fa3_hf._LeftPadded)
+    assert plan.leftpad.tolist() == [0, 4, 9] and plan.lengths.tolist() == [10, 10, 10]
+    assert plan.leftpad.dtype == plan.lengths.dtype == torch.int32
+    assert not isinstance(build(mask, 2, True), fa3_hf._LeftPadded)  # row 2's second query is padding
+    assert not isinstance(build(mask, 1, False), fa3_hf._LeftPadded)  # gradients wanted, or traced
+    holes = mask.clone()
+    holes[0, 5] = 0  # not left padding
+    assert not isinstance(build(holes, 1, True), fa3_hf._LeftPadded)
+    assert not isinstance(build(mask, 10, True), fa3_hf._LeftPadded)  # a prompt, not a decode step
 
 
 def test_refusals():
@@ -167,19 +210,22 @@ def test_gradients_match(kind, padding):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("padding", ["none", "left"])
-def test_generation_matches_sdpa(padding):
-    model = make_model("llama", "cuda", torch.bfloat16)
+@pytest.mark.parametrize("kind,padding", [("llama", "none"), ("llama", "left"), ("gpt_oss", "left")])
+def test_generation_matches_sdpa(kind, padding):
+    """Greedy tokens through transformers' cache (left padding: decode steps read it in place with
+    cache_leftpad) against sdpa's (eager's for gpt-oss, whose sinks sdpa does not take)."""
+    model = make_model(kind, "cuda", torch.bfloat16)
     ids, mask = batch("cuda", padding)
+    ref = "eager" if kind == "gpt_oss" else "sdpa"
     runs = {}
-    for impl in ("fa3", "sdpa"):
+    for impl in ("fa3", ref):
         model.set_attn_implementation(impl)
         runs[impl] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False,
                                     output_logits=True, return_dict_in_generate=True, pad_token_id=0)
     for row in range(ids.shape[0]):
-        a, b = runs["fa3"].sequences[row, 40:], runs["sdpa"].sequences[row, 40:]
+        a, b = runs["fa3"].sequences[row, 40:], runs[ref].sequences[row, 40:]
         differ = (a != b).nonzero()
         if len(differ):  # the first difference must be a near tie of sdpa's top two logits
             step = int(differ[0])
-            top2 = runs["sdpa"].logits[step][row].float().topk(2).values
+            top2 = runs[ref].logits[step][row].float().topk(2).values
             assert float(top2[0] - top2[1]) < 0.05, f"row {row} differs at step {step}"

@@ -12,8 +12,10 @@ causal: the W most recent keys, as transformers' own masks), `softcap` as Gemma 
 (differentiable: training updates them). The mask
 is flash-attention's (transformers' `flash_attention_mask`): None when nothing is padded, else the
 2-D (batch, keys) padding mask, and then the batch is unpadded into fa3.attention_varlen (right- or
-left-padded prompts, padded training batches, and decode steps over padded caches). Generation uses
-transformers' own cache: each step attends to the whole cache, bottom-right aligned. Training runs
+left-padded prompts, padded training batches); decode steps over a left-padded cache (every new
+query real, each row's padding before its keys) read transformers' cache in place through
+fa3.attention_with_kvcache's cache_leftpad, with no gather. Generation uses transformers' own
+cache: each step attends to the whole cache, bottom-right aligned. Training runs
 fa3's backward, padded batches included (the varlen backward; gradients of padded rows are 0).
 
 Refused with a clear error, never approximated: dropout > 0 while training (fa3 has no attention
@@ -23,10 +25,12 @@ dropout), output_attentions and an arbitrary additive mask.
 from __future__ import annotations
 
 import weakref
+from typing import NamedTuple
 
 import torch
 
 from ..interface import attention
+from ..kvcache import attention_with_kvcache
 from ..varlen import packed_attention
 
 NAME = "fa3"
@@ -43,26 +47,41 @@ def _cu_seqlens(lengths: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
 
 
+class _LeftPadded(NamedTuple):
+    """A decode step's mask, each row's padding before its keys and its new queries real: the cache
+    is read in place (attention_with_kvcache, cache_leftpad)."""
+    lengths: torch.Tensor  # int32 (batch,): every row holds all the keys
+    leftpad: torch.Tensor  # int32 (batch,): where each row's keys start
+
+
 class _UnpadPlan:
-    """The gather indices and offsets of one padding mask, computed once per forward: every layer
-    gets the same mask tensor, and computing them (`nonzero`) synchronizes with the host. Reused
+    """How one padding mask is applied, computed once per forward: every layer gets the same mask
+    tensor, and reading it (`nonzero`, or the left-padding test) synchronizes with the host. Reused
     only for that very tensor object (a weak reference) at the same version."""
 
     def __init__(self):
         self._key, self._plan = None, None
 
-    def get(self, mask: torch.Tensor, seqlen_q: int):
+    def get(self, mask: torch.Tensor, seqlen_q: int, in_place: bool):
         key = self._key
-        if key is not None and key[0]() is mask and key[1:] == (mask._version, seqlen_q):
+        if key is not None and key[0]() is mask and key[1:] == (mask._version, seqlen_q, in_place):
             return self._plan
-        plan = self._build(mask, seqlen_q)
+        plan = self._build(mask, seqlen_q, in_place)
         if not torch.compiler.is_compiling():
-            self._key, self._plan = (weakref.ref(mask), mask._version, seqlen_q), plan
+            self._key, self._plan = (weakref.ref(mask), mask._version, seqlen_q, in_place), plan
         return plan
 
     @staticmethod
-    def _build(mask, seqlen_q):
+    def _build(mask, seqlen_q, in_place):
+        """A _LeftPadded plan where in_place allows and the mask is left padding with every query
+        real (one host sync), else the gather indices and offsets of the real tokens."""
         mask = mask.bool()
+        if in_place and seqlen_q < mask.shape[1]:
+            lengths = mask.sum(1, dtype=torch.int32)
+            leftpad = mask.shape[1] - lengths
+            starts = torch.arange(mask.shape[1], device=mask.device)[None, :] >= leftpad[:, None]
+            if bool(torch.equal(starts, mask) and (lengths >= seqlen_q).all()):
+                return _LeftPadded(torch.full_like(lengths, mask.shape[1]), leftpad)
         q_mask = mask[:, -seqlen_q:]  # the queries are the last seqlen_q positions (decode: the new ones)
         return (q_mask.flatten().nonzero().squeeze(1), mask.flatten().nonzero().squeeze(1),
                 _cu_seqlens(q_mask.sum(1, dtype=torch.int32)), _cu_seqlens(mask.sum(1, dtype=torch.int32)))
@@ -73,9 +92,17 @@ _PLAN = _UnpadPlan()
 
 def _unpadded(q, k, v, mask, causal, scaling, window, softcap, sinks=None):
     """Padded (batch, seqlen, heads, d) q/k/v and a (batch, keys) padding mask -> fa3.attention_varlen
-    on the real tokens -> the padded layout again (padded query rows are 0)."""
+    on the real tokens -> the padded layout again (padded query rows are 0); or, for a decode step
+    over a left-padded cache (no gradient wanted), attention_with_kvcache over it in place."""
     batch, seqlen_q = q.shape[:2]
-    q_index, k_index, cu_q, cu_k = _PLAN.get(mask, seqlen_q)
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))
+    in_place = not grad and not torch.compiler.is_compiling() and mask.shape[1] == k.shape[1]
+    plan = _PLAN.get(mask, seqlen_q, in_place)
+    if isinstance(plan, _LeftPadded):
+        return attention_with_kvcache(q, k, v, cache_seqlens=plan.lengths, cache_leftpad=plan.leftpad,
+                                      causal=causal, softmax_scale=scaling, window_size=window,
+                                      softcap=softcap, sinks=sinks)
+    q_index, k_index, cu_q, cu_k = plan
     # every query real (decode steps: the new tokens): no gather, no scatter back
     all_queries = q_index.shape[0] == batch * seqlen_q
     q_packed = q.flatten(0, 1) if all_queries else q.flatten(0, 1)[q_index]
