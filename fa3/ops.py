@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks, _dispatch, _launch, backward, fp8, interface, kvcache, masking, matmul, varlen
+from . import _checks, _dispatch, _launch, backward, fp8, interface, kvcache, kvcache_checks, masking, matmul, varlen
 
 _ATTENTION_SCHEMA = ("(Tensor q, Tensor k, Tensor v, bool causal, float softmax_scale, str kernel, "
                      "bool deterministic=False, str? backward_kernel=None, int window_left=-1, "
@@ -256,12 +256,12 @@ def attention_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, appended,
     (None: bf16)."""
     window = (window_left, window_right)
     packed = cu_seqlens_q is not None
-    spec, seqlens, capacity, _, max_q = kvcache.check_kvcache(
+    spec, seqlens, capacity, _, max_q = kvcache_checks.check_kvcache(
         q, k_cache, v_cache, None, None, cache_seqlens, block_table, kernel, window, softcap, cu_seqlens_q,
         max_seqlen_q if packed else None, cache_leftpad=cache_leftpad)
     _checks.check_rung_sinks(spec, sinks, q.shape[-2], q.device)
-    descales = kvcache.check_descales(q, (q_descale, k_descale, v_descale), seqlens.shape[0], k_cache.shape[2])
-    kvcache.check_out_dtype(out_dtype, q, descales)
+    descales = kvcache_checks.check_descales(q, (q_descale, k_descale, v_descale), seqlens.shape[0], k_cache.shape[2])
+    kvcache_checks.check_out_dtype(out_dtype, q, descales)
     return kvcache.launch_kvcache(spec, q, k_cache, v_cache, seqlens, block_table, capacity, appended,
                                   causal, softmax_scale, num_splits, window, softcap, cu_seqlens_q, max_q,
                                   max_seqlen_k, None, cache_leftpad, sinks, descales, out_dtype)

@@ -201,6 +201,27 @@ def test_eager_append_refused_before_writing(monkeypatch):
     assert not kc.any() and not vc.any()
 
 
+def test_host_lengths_need_no_device_copy(monkeypatch):
+    """An int cache_seqlens over a dense cache is checked on the host (check_kvcache): the call
+    starts no device-to-host copy (and so no sync) for it; a tensor of lengths is copied."""
+    from fa3 import kvcache
+
+    copies = []
+    monkeypatch.setattr(_checks, "check_hopper", lambda device, name: None)
+    monkeypatch.setattr(index_checks, "values_checkable", lambda device: True)
+    monkeypatch.setattr(index_checks, "start_host_copy", lambda tensors: copies.append(len(tensors)) or
+                        ([t.clone() for t in tensors], lambda: None))
+    monkeypatch.setattr(kvcache, "launch_kvcache", lambda spec, q, *a, **kw: (torch.zeros_like(q), None))
+    kc = torch.zeros(2, CAPACITY, 2, 128, dtype=BF16)
+    q = torch.randn(2, 1, 8, 128, dtype=BF16)
+    fa3.attention_with_kvcache(q, kc, kc, cache_seqlens=100)
+    assert copies == []
+    raises_with(fa3.attention_with_kvcache, ValueError, "cache_seqlens", q=q, k_cache=kc, v_cache=kc,
+                cache_seqlens=CAPACITY + 1)
+    fa3.attention_with_kvcache(q, kc, kc, cache_seqlens=_lengths(100, 7))
+    assert copies == [1]
+
+
 # ----------------------------------------------------------------------------- GPU: subprocesses
 # name -> (entry, argument, index, bad value, new tokens appended, words of the eager message)
 CASES = {

@@ -169,12 +169,12 @@ def test_fp8_cache_op_out_dtype():
     q = cpu_cache()[0]
     ones = (torch.ones(2, 2),) * 3
     for ok in (None, torch.bfloat16, torch.float16):
-        fa3.kvcache.check_out_dtype(ok, q, ones)
-    raises_with(fa3.kvcache.check_out_dtype, TypeError, "out_dtype=torch.float32", "FP8 cache",
+        fa3.kvcache_checks.check_out_dtype(ok, q, ones)
+    raises_with(fa3.kvcache_checks.check_out_dtype, TypeError, "out_dtype=torch.float32", "FP8 cache",
                 out_dtype=torch.float32, q=q, descales=ones)
     q16 = q.to(torch.bfloat16)
-    fa3.kvcache.check_out_dtype(torch.bfloat16, q16, None)
-    raises_with(fa3.kvcache.check_out_dtype, TypeError, "out_dtype=torch.float16", "torch.bfloat16",
+    fa3.kvcache_checks.check_out_dtype(torch.bfloat16, q16, None)
+    raises_with(fa3.kvcache_checks.check_out_dtype, TypeError, "out_dtype=torch.float16", "torch.bfloat16",
                 out_dtype=torch.float16, q=q16, descales=None)
 
 

@@ -9,6 +9,7 @@ import torch
 
 import fa3
 from fa3 import split_plan
+from fa3.reference import attention_reference
 
 from conftest import HEAD_DIM_PARAM, HAS_HOPPER, cache_reference, make_kv_cache, raises_with, rel_err
 
@@ -81,6 +82,51 @@ def test_kvcache_window_and_softcap(window_size, softcap, page_size):
                                               num_splits=splits, return_lse=True)
         assert rel_err(out, ref_o) < TOL, f"num_splits={splits}: {rel_err(out, ref_o)}"
         assert torch.allclose(lse, ref_lse, atol=1e-2, rtol=1e-3), f"num_splits={splits}"
+
+
+@gpu
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("seqlen_q, variant", [(1, "plain"), (3, "plain"), (2, "window-softcap-sinks")])
+def test_attention_decode_steps_run_on_s1(head_dim, seqlen_q, variant):
+    """fa3.attention's forward-only decode steps over a long context go to S1
+    (kvcache.decodes_over_keys) and match the float reference; lse too; and they equal
+    attention_with_kvcache on the same keys bit for bit (the same kernel), poisoned out= included."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    batch, seqlen_k, heads_q, heads_kv = 2, 9000, 8, 2  # 9000 keys: not a multiple of any tile
+    q = torch.randn(batch, seqlen_q, heads_q, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(batch, seqlen_k, heads_kv, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v = torch.randn_like(k)
+    assert fa3.kvcache.decodes_over_keys(q, k, v)
+    kw = dict(causal=True)
+    if variant != "plain":
+        kw.update(window_size=(700, 0), softcap=15.0,
+                  sinks=torch.randn(heads_q, device="cuda", generator=gen))
+    out = torch.full_like(q, float("nan"))
+    got, lse = fa3.attention(q, k, v, return_lse=True, out=out, **kw)
+    assert got is out
+    ref, ref_lse = attention_reference(q, k, v, window_size=kw.get("window_size", (-1, -1)),
+                                                     softcap=kw.get("softcap", 0.0), sinks=kw.get("sinks"),
+                                                     causal=True)
+    assert rel_err(got, ref) < TOL and torch.allclose(lse, ref_lse, atol=1e-2, rtol=1e-3)
+    same = fa3.attention_with_kvcache(q, k, v, cache_seqlens=seqlen_k, **kw)
+    assert torch.equal(got, same)
+
+
+def test_decode_routing_decision():
+    """Which forward-only calls fa3.attention sends to S1: few queries (a KV head's query rows in one
+    tile), more keys than queries, K and V of 32 MiB or more, v's head dim as q's, TMA-aligned."""
+    def call(batch=1, seqlen_q=1, seqlen_k=8192, heads_q=32, heads_kv=8, d=128, dv=None):
+        q = torch.empty(batch, seqlen_q, heads_q, d, dtype=torch.bfloat16, device="meta")
+        k = torch.empty(batch, seqlen_k, heads_kv, d, dtype=torch.bfloat16, device="meta")
+        v = torch.empty(batch, seqlen_k, heads_kv, dv or d, dtype=torch.bfloat16, device="meta")
+        return fa3.kvcache.decodes_over_keys(q, k, v)
+
+    assert call() and call(seqlen_q=16) and call(batch=64, seqlen_k=4096) and call(d=256, seqlen_k=4096)
+    assert not call(seqlen_q=17)  # 17 x 4 query rows: past one 64-row tile
+    assert not call(seqlen_k=4096)  # 16 MiB of K and V: K5
+    assert not call(seqlen_q=8192)  # a prompt, not a decode step
+    assert not call(dv=64)  # v's head dim differs: K5
+    assert not call(d=32, seqlen_k=1 << 15)  # no KV-cache rung for the head dim
 
 
 @gpu

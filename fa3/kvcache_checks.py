@@ -1,0 +1,164 @@
+"""The arguments of a call against a KV cache, checked before anything launches or is written
+(fa3.attention_with_kvcache, fa3.attention_varlen over a cache, and their custom ops): tensors,
+shapes, strides, dtypes (an FP8 cache and its descales), the cache's layout (dense or paged), new
+tokens to append, packed queries and appends, left padding, and host lengths. The index values on
+the device (lengths, page indices, offsets) are fa3/index_checks.py's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _checks, _dispatch, index_checks, masking, registry
+
+
+def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kernel, window_size, softcap,
+                  cu_seqlens_q=None, max_seqlen_q=None, lengths_name="cache_seqlens", cache_leftpad=None,
+                  cu_seqlens_k_new=None):
+    """The arguments of a call against a KV cache (attention_with_kvcache; attention_varlen over a
+    cache, whose lengths are `seqused_k`: `lengths_name`); returns (spec, the lengths as an int32
+    tensor, capacity, new tokens of every sequence (0 for packed appends), max_seqlen_q). Packed
+    queries (cu_seqlens_q given): q is (total_q, heads_q, d) and max_seqlen_q defaults to total_q
+    (a bound that needs no sync). Packed appends (cu_seqlens_k_new given): k and v are (total_new,
+    heads_kv, d), sequence b's rows [cu_seqlens_k_new[b], cu_seqlens_k_new[b + 1])."""
+    packed = cu_seqlens_q is not None
+    packed_new = cu_seqlens_k_new is not None
+    dtypes = _checks.SUPPORTED_DTYPES
+    if getattr(q, "dtype", None) in _checks.FP8_LIKE or getattr(k_cache, "dtype", None) in _checks.FP8_LIKE:
+        dtypes = _checks.FP8_DTYPES  # an FP8 cache: q, k_cache and v_cache all e4m3
+        if isinstance(q, torch.Tensor) and q.dtype not in _checks.FP8_LIKE:
+            raise TypeError(f"k_cache has dtype {k_cache.dtype} but q has {q.dtype}: an FP8 cache takes FP8 "
+                            "queries (as FlashAttention-3): q8, q_descale = fa3.quantize_fp8(q)")
+    _checks.check_tensor(q, "q", 3 if packed else 4, dtypes=dtypes)
+    _checks.check_tensor(k_cache, "k_cache", 4, q.dtype, dtypes=dtypes)
+    _checks.check_tensor(v_cache, "v_cache", 4, q.dtype, dtypes=dtypes)
+    if packed:
+        (total_q, heads_q, head_dim), seqlen_q = q.shape, None
+        _checks.check_offsets(cu_seqlens_q, "cu_seqlens_q", q.device)
+        batch = cu_seqlens_q.shape[0] - 1
+        if max_seqlen_q is None:
+            max_seqlen_q = total_q
+        elif not isinstance(max_seqlen_q, int) or max_seqlen_q < 0:
+            raise ValueError(f"max_seqlen_q must be an int >= 0 (the longest entry of cu_seqlens_q), got "
+                             f"{max_seqlen_q!r}; pass None to use q.shape[0]")
+    else:
+        batch, seqlen_q, heads_q, head_dim = q.shape
+    masking.check_window(window_size, softcap)
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must have "
+                         "the same shape")
+    planes, rows, heads_kv, cache_dim = k_cache.shape
+    if cache_dim != head_dim:
+        raise ValueError(f"q has head_dim {head_dim} but the cache has {cache_dim}")
+    if heads_kv == 0 or heads_q % heads_kv:
+        raise ValueError(f"heads_q={heads_q} must be a multiple of the cache's heads_kv={heads_kv}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        s = t.stride()
+        if t.data_ptr() % 16 or any(x % 8 for x in s[:3]) or t.device != q.device:
+            raise ValueError(f"{name} must be on {q.device} with a 16-byte aligned base and strides "
+                             "(the kernel reads it with TMA and the cache is updated in place, so fa3 "
+                             f"cannot copy it): allocate it with torch.empty(...) contiguous")
+    if block_table is None:
+        if planes != batch:
+            raise ValueError(f"a dense k_cache must have batch {batch} ({'cu_seqlens_q' if packed else 'q'}'s)"
+                             f" in dimension 0, got {planes}; for a paged cache pass block_table")
+        capacity = rows
+    else:
+        if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 \
+                or block_table.dim() != 2 or block_table.shape[0] != batch:
+            raise ValueError(f"block_table must be an int32 tensor of shape (batch={batch}, max_pages), "
+                             f"got {getattr(block_table, 'dtype', type(block_table))} "
+                             f"{tuple(getattr(block_table, 'shape', ()))}: use .to(torch.int32)")
+        if block_table.device != q.device or block_table.stride(-1) != 1:
+            raise ValueError(f"block_table must be on {q.device} and contiguous in its last dimension")
+        if rows == 0:
+            raise ValueError("page_size = k_cache.shape[1] = 0: a paged cache is (num_pages, page_size, "
+                             "heads_kv, head_dim) with pages of at least one token")
+        capacity = block_table.shape[1] * rows
+    appended = 0
+    if (k is None) != (v is None):
+        raise ValueError("pass both k and v (the new tokens to append), or neither")
+    if packed_new and k is None:
+        raise ValueError("cu_seqlens_k_new holds the offsets of packed new k and v: pass k and v "
+                         "(total_new, heads_kv, head_dim), or leave cu_seqlens_k_new at None")
+    if k is not None:
+        if packed and not packed_new:
+            raise NotImplementedError("new k/v beside cu_seqlens_q (packed queries) are packed too: pass "
+                                      "k and v as (total_new, heads_kv, head_dim) with their offsets "
+                                      "cu_seqlens_k_new, or write the new tokens into the cache first")
+        _checks.check_tensor(k, "k", 3 if packed_new else 4, q.dtype, dtypes=dtypes)
+        _checks.check_tensor(v, "v", 3 if packed_new else 4, q.dtype, dtypes=dtypes)
+        if packed_new:
+            _checks.check_offsets(cu_seqlens_k_new, "cu_seqlens_k_new", q.device, batch=batch,
+                                  batch_source="cu_seqlens_q" if packed else "q.shape[0]")
+            if k.shape != v.shape or k.shape[1:] != (heads_kv, head_dim):
+                raise ValueError(f"k and v with cu_seqlens_k_new must both be (total_new, heads_kv={heads_kv}, "
+                                 f"head_dim={head_dim}), got {tuple(k.shape)} and {tuple(v.shape)}")
+        elif k.shape != v.shape or k.shape[0] != batch or k.shape[2:] != (heads_kv, head_dim):
+            raise ValueError(f"k and v must both be (batch={batch}, new_tokens, heads_kv={heads_kv}, "
+                             f"head_dim={head_dim}), got {tuple(k.shape)} and {tuple(v.shape)}")
+        if k.device != q.device or v.device != q.device:
+            name, t = ("k", k) if k.device != q.device else ("v", v)
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; put them on one GPU")
+        appended = 0 if packed_new else k.shape[1]
+        _checks.check_no_overlap(v_cache, "v_cache", (("k_cache", k_cache),),
+                                 "appending the new k and v would write one over the other")
+        if appended > capacity:
+            raise ValueError(f"{appended} new tokens do not fit a cache of {capacity} per sequence")
+        if block_table is not None and k.shape[0] * k.shape[1] and planes == 0:
+            raise ValueError("k_cache has no pages (shape[0] = 0): the new tokens have nowhere to go")
+    cache_seqlens = seqlens_tensor(cache_seqlens, batch, q.device, capacity, appended, block_table, rows,
+                                    lengths_name)
+    if cache_leftpad is not None:
+        if block_table is not None or packed or packed_new:
+            raise NotImplementedError("cache_leftpad is for a dense cache with (batch, seqlen_q) queries (as in "
+                                      "flash-attn): not with block_table, cu_seqlens_q or cu_seqlens_k_new")
+        if not isinstance(cache_leftpad, torch.Tensor) or cache_leftpad.dtype != torch.int32 \
+                or cache_leftpad.shape != (batch,) or cache_leftpad.device != q.device:
+            raise ValueError(f"cache_leftpad must be an int32 tensor of shape (batch={batch},) on {q.device}, got "
+                             f"{getattr(cache_leftpad, 'dtype', type(cache_leftpad).__name__)} "
+                             f"{tuple(getattr(cache_leftpad, 'shape', ()))}: use .to(torch.int32)")
+    spec = _dispatch.memo_rung(_dispatch.family_rung, registry.KVCACHE, kernel, head_dim,
+                               "q and the cache")
+    _checks.check_hopper(q.device, "q")
+    return spec, cache_seqlens, capacity, appended, seqlen_q if not packed else max_seqlen_q
+
+
+def check_descales(q, descales, batch: int, heads_kv: int):
+    """An FP8 cache's (q_descale, k_descale, v_descale) as the kernel takes them (float32 (batch,
+    heads_kv) each; None or one element broadcast); None for a 16-bit call, which takes none."""
+    if q.dtype not in _checks.FP8_DTYPES:
+        if any(t is not None for t in descales):
+            raise ValueError(f"q_descale, k_descale and v_descale apply to an FP8 cache (float8_e4m3fn q, "
+                             f"k_cache and v_cache); q has dtype {q.dtype}: drop the descales")
+        return None
+    return tuple(_checks.check_descale(t, name, batch, heads_kv, q.device)
+                 for t, name in zip(descales, ("q_descale", "k_descale", "v_descale")))
+
+
+def check_out_dtype(out_dtype, q, descales) -> None:
+    """The op's out_dtype: bf16 or fp16 with an FP8 cache (None: bf16), q's dtype (or None) otherwise."""
+    allowed = _checks.SUPPORTED_DTYPES if descales is not None else (q.dtype,)
+    if out_dtype is not None and out_dtype not in allowed:
+        cache = "an FP8 cache" if descales is not None else f"a {q.dtype} cache"
+        raise TypeError(f"out_dtype={out_dtype}: {cache} writes {' or '.join(map(str, allowed))}; pass one "
+                        "of those, or None")
+
+
+def seqlens_tensor(cache_seqlens, batch, device, capacity, appended, block_table, page_size,
+                    name="cache_seqlens"):
+    if cache_seqlens is None:
+        raise ValueError(f"{name} is required: int32 (batch={batch},), the keys each sequence holds in "
+                         "the cache")
+    if isinstance(cache_seqlens, int):  # a host value: checked in every call
+        index_checks.check_cache_lengths([cache_seqlens], capacity, appended, block_table, page_size,
+                                         indexed=False, lengths_name=name)
+        return torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
+    if not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.dtype != torch.int32 \
+            or cache_seqlens.shape != (batch,):
+        raise ValueError(f"{name} must be an int or an int32 tensor of shape (batch={batch},), "
+                         f"got {getattr(cache_seqlens, 'dtype', type(cache_seqlens).__name__)} "
+                         f"{tuple(getattr(cache_seqlens, 'shape', ()))}: use .to(torch.int32)")
+    if cache_seqlens.device != device:
+        raise ValueError(f"{name} is on {cache_seqlens.device} but q is on {device}")
+    return cache_seqlens.contiguous()
