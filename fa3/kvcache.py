@@ -21,11 +21,12 @@ small copy); captured and traced calls cannot, and rely on clamping: the kernel 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
-from . import _checks, _compile_kvcache, _dispatch, _launch, cache_prefill, index_checks, registry
+from . import _checks, _compile_kvcache, _dispatch, _launch, cache_prefill, index_checks, masking, registry
 from .cache_append import append_packed, append_to_cache
 from .kvcache_checks import check_descales, check_kvcache
 from .split_plan import call_plan
@@ -132,19 +133,23 @@ def decodes_over_keys(q, k, v) -> bool:
     it the GPU work is small beside either launch), aligned for TMA."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
-    if not any(head_dim in registry.get(name).head_dims for name in registry.available_kernels(registry.KVCACHE)):
+    if seqlen_q >= seqlen_k or 2 * k.numel() * k.element_size() < DECODE_MIN_KV_BYTES or v.shape[3] != head_dim \
+            or head_dim not in _kv_head_dims():
         return False
     spec = _dispatch.memo_rung(_dispatch.family_rung, registry.KVCACHE, None, head_dim, "q and the cache")
-    return v.shape[3] == head_dim and seqlen_q < seqlen_k \
-        and seqlen_q * (heads_q // heads_kv) <= spec.config["tile_m"] \
-        and 2 * k.numel() * k.element_size() >= DECODE_MIN_KV_BYTES \
-        and all(_launch.tma_ready(t) is t for t in (k, v))
+    return seqlen_q * (heads_q // heads_kv) <= spec.config["tile_m"] and all(_launch.tma_ready(t) is t for t in (k, v))
+
+
+@functools.cache
+def _kv_head_dims() -> frozenset:
+    return frozenset(d for name in registry.available_kernels(registry.KVCACHE) for d in registry.get(name).head_dims)
 
 
 def decode_attention(q, k, v, causal: bool, scale: float, out=None, window=(-1, -1), softcap: float = 0.0,
                      sinks=None):
     """(out, lse) of fa3.attention's call on S1 (decodes_over_keys said so; arguments validated):
     k and v as a dense cache in which every sequence holds all its keys."""
+    masking.check_scale(scale)  # (fa3.attention checks it where it computes a Masking)
     batch, seqlen_k, device = q.shape[0], k.shape[1], q.device
     spec = _dispatch.memo_rung(_dispatch.family_rung, registry.KVCACHE, None, q.shape[3], "q and the cache")
     lengths = _FULL_LENGTHS.get((device, batch, seqlen_k))
@@ -183,6 +188,7 @@ def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, sof
         sinks = sinks.detach()  # inference: no gradient flows through a cache call
     window = tuple(window_size)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    masking.check_scale(scale)  # (launch_kvcache's plan reads the device's SM count first)
     max_seqlen_k = -1 if max_seqlen_k is None else int(max_seqlen_k)
     # eager: the index values are checked on the host (where values_checkable(q.device)), unless
     # this thread checked these very tensors, unmodified, last

@@ -262,6 +262,7 @@ def attention_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, appended,
     _checks.check_rung_sinks(spec, sinks, q.shape[-2], q.device)
     descales = kvcache_checks.check_descales(q, (q_descale, k_descale, v_descale), seqlens.shape[0], k_cache.shape[2])
     kvcache_checks.check_out_dtype(out_dtype, q, descales)
+    masking.check_scale(softmax_scale)
     return kvcache.launch_kvcache(spec, q, k_cache, v_cache, seqlens, block_table, capacity, appended,
                                   causal, softmax_scale, num_splits, window, softcap, cu_seqlens_q, max_q,
                                   max_seqlen_k, None, cache_leftpad, sinks, descales, out_dtype)

@@ -92,7 +92,7 @@ def test_attention_decode_steps_run_on_s1(head_dim, seqlen_q, variant):
     (kvcache.decodes_over_keys) and match the float reference; lse too; and they equal
     attention_with_kvcache on the same keys bit for bit (the same kernel), poisoned out= included."""
     gen = torch.Generator(device="cuda").manual_seed(5)
-    batch, seqlen_k, heads_q, heads_kv = 2, 9000, 8, 2  # 9000 keys: not a multiple of any tile
+    batch, seqlen_k, heads_q, heads_kv = 2, 9000, 32, 8  # 9000 keys: not a multiple of any tile; K, V >= 32 MiB
     q = torch.randn(batch, seqlen_q, heads_q, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
     k = torch.randn(batch, seqlen_k, heads_kv, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
     v = torch.randn_like(k)
