@@ -24,17 +24,20 @@ def empty_output(q, v) -> torch.Tensor:
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 
-def tma_ready(t: torch.Tensor) -> torch.Tensor:
-    """Kernels assume 16-byte aligned base and strides (TMA's rule). Views that already satisfy it,
-    such as q/k/v sliced from one packed qkv tensor, pass through without a copy; others are
-    copied once into a fresh (aligned) contiguous tensor."""
-    s0, s1, s2, s3 = t.stride()  # (batch, seqlen, heads, head_dim)
+def tma_aligned(t: torch.Tensor) -> bool:
+    """Whether a (batch, seqlen, heads, head_dim) tensor has the 16-byte aligned base and strides
+    kernels assume (TMA's rule), and a unit-stride last dimension. (Stride 0, an expanded tensor
+    such as the gradient of a .sum(), does not count as aligned.)"""
+    s0, s1, s2, s3 = t.stride()
     e = 16 // t.element_size()  # elements in 16 bytes: 8 bf16/fp16, 16 FP8
-    # (stride 0: an expanded tensor, such as the gradient of a .sum(), is copied too)
-    if t.data_ptr() % 16 == 0 and s0 % e == 0 and s1 % e == 0 and s2 % e == 0 and s3 == 1 \
-            and s0 and s1 and s2:
-        return t
-    return t.clone(memory_format=torch.contiguous_format)
+    return t.data_ptr() % 16 == 0 and s0 % e == 0 and s1 % e == 0 and s2 % e == 0 and s3 == 1 \
+        and bool(s0 and s1 and s2)
+
+
+def tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """t itself where tma_aligned (views such as q/k/v sliced from one packed qkv tensor pass
+    without a copy), else a fresh (aligned) contiguous copy."""
+    return t if tma_aligned(t) else t.clone(memory_format=torch.contiguous_format)
 
 
 def sinks_ready(sinks: torch.Tensor) -> torch.Tensor:

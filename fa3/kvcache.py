@@ -137,7 +137,7 @@ def decodes_over_keys(q, k, v) -> bool:
             or head_dim not in _kv_head_dims():
         return False
     spec = _dispatch.memo_rung(_dispatch.family_rung, registry.KVCACHE, None, head_dim, "q and the cache")
-    return seqlen_q * (heads_q // heads_kv) <= spec.config["tile_m"] and all(_launch.tma_ready(t) is t for t in (k, v))
+    return seqlen_q * (heads_q // heads_kv) <= spec.config["tile_m"] and _launch.tma_aligned(k) and _launch.tma_aligned(v)
 
 
 @functools.cache

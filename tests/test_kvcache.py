@@ -127,6 +127,9 @@ def test_decode_routing_decision():
     assert not call(seqlen_q=8192)  # a prompt, not a decode step
     assert not call(dv=64)  # v's head dim differs: K5
     assert not call(d=32, seqlen_k=1 << 15)  # no KV-cache rung for the head dim
+    q = torch.empty(1, 1, 32, 128, dtype=torch.bfloat16, device="meta")
+    wide = torch.empty(1, 8192, 8, 132, dtype=torch.bfloat16, device="meta")[..., :128]  # heads 132 apart
+    assert not fa3.kvcache.decodes_over_keys(q, wide, wide)  # K5's path copies it; S1 reads it by TMA
 
 
 @gpu
