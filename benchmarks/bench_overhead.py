@@ -2,7 +2,8 @@
 
     python benchmarks/bench_overhead.py [--calls 2000] [--no-first-call] [--json FILE]
 
-Per-call: wall microseconds per call of back-to-back calls (perf_counter around --calls calls, then
+Per-call (small attention problems, one decode step over a dense cache, small GEMMs): wall
+microseconds per call of back-to-back calls (perf_counter around --calls calls, then
 one synchronize; best of three rounds), beside the GPU's own time per call (20 calls captured in a
 CUDA graph and replayed: no host in the way). Where wall > GPU the host is the bottleneck, and the
 wall time is what it spends: validation, allocation and launch. A breakdown of fa3.attention's
@@ -37,6 +38,8 @@ from fa3 import _checks, _compile, _dispatch, _launch, interface, masking, regis
 # (batch, seqlen, heads, head_dim, causal): the first is the shape the overhead issue measured
 ATTENTION_SHAPES = [(1, 128, 16, 128, False), (1, 128, 16, 128, True)]
 GEMM_SHAPES = [(128, 1024, 1024), (1024, 4096, 1024)]  # M, N, K
+# (batch, keys, heads_q, heads_kv, head_dim): one decode step, dense cache
+DECODE_SHAPES = [(1, 8192, 32, 8, 128)]
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -87,6 +90,26 @@ def attention_runners(q, k, v, causal):
     return runners, notes
 
 
+def decode_runners(batch, keys, heads_q, heads_kv, head_dim, gen):
+    """One decode step over a dense cache: fa3.attention (a forward-only decode step goes to the
+    KV-cache kernel), attention_with_kvcache with the lengths as a tensor (an eager call checks
+    their values once per tensor object: the model's layers share them) and as an int (checked on
+    the host), and SDPA (its default backend) beside."""
+    q = torch.randn(batch, 1, heads_q, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(batch, keys, heads_kv, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+            for _ in range(2))
+    lengths = torch.full((batch,), keys, dtype=torch.int32, device="cuda")
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    return [
+        ("fa3.attention", None, lambda: fa3.attention(q, k, v, causal=True)),
+        ("attention_with_kvcache", None, lambda: fa3.attention_with_kvcache(q, k, v, cache_seqlens=lengths,
+                                                                            causal=True)),
+        ("attention_with_kvcache int", None, lambda: fa3.attention_with_kvcache(q, k, v, cache_seqlens=keys,
+                                                                                causal=True)),
+        ("sdpa", None, lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)),
+    ]
+
+
 def measure_row(label: str, runners, calls: int) -> list[dict]:
     rows = []
     for name, context, call in runners:
@@ -113,6 +136,9 @@ def per_call(calls: int) -> list[dict]:
             progress(f"  {note}")
         label = f"attn b{batch} s{seqlen} h{heads} d{head_dim}{' causal' if causal else ''}"
         rows += measure_row(label, runners, calls)
+    for batch, keys, heads_q, heads_kv, head_dim in DECODE_SHAPES:
+        rows += measure_row(f"decode b{batch} x {keys} {heads_q}/{heads_kv} d{head_dim}",
+                            decode_runners(batch, keys, heads_q, heads_kv, head_dim, gen), calls)
     for m, n, k in GEMM_SHAPES:
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
         b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16, generator=gen)
