@@ -120,7 +120,6 @@ def launch_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, capaci
 
 
 DECODE_MIN_KV_BYTES = 32 << 20  # K and V at least this large: reading them outweighs S1's extra launch
-_FULL_LENGTHS: dict = {}
 
 
 def decodes_over_keys(q, k, v) -> bool:
@@ -152,12 +151,9 @@ def decode_attention(q, k, v, causal: bool, scale: float, out=None, window=(-1, 
     masking.check_scale(scale)  # (fa3.attention checks it where it computes a Masking)
     batch, seqlen_k, device = q.shape[0], k.shape[1], q.device
     spec = _dispatch.memo_rung(_dispatch.family_rung, registry.KVCACHE, None, q.shape[3], "q and the cache")
-    lengths = _FULL_LENGTHS.get((device, batch, seqlen_k))
-    if lengths is None:  # read-only in every kernel: one tensor serves every call of these shapes
-        if len(_FULL_LENGTHS) > 64:
-            _FULL_LENGTHS.clear()
-        lengths = _FULL_LENGTHS[(device, batch, seqlen_k)] = torch.full(
-            (batch,), seqlen_k, dtype=torch.int32, device=device)
+    # made per call, on the call's stream: a tensor kept across calls could be read on another
+    # stream before its fill ran, or filled only by a graph that captured its first use
+    lengths = torch.full((batch,), seqlen_k, dtype=torch.int32, device=device)
     return launch_kvcache(spec, _launch.tma_ready(q), k, v, lengths, None, seqlen_k, 0, causal, scale, 0,
                           window, softcap, out=out, sinks=sinks)
 
