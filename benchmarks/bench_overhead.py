@@ -39,7 +39,7 @@ from fa3 import _checks, _compile, _dispatch, _launch, interface, masking, regis
 ATTENTION_SHAPES = [(1, 128, 16, 128, False), (1, 128, 16, 128, True)]
 GEMM_SHAPES = [(128, 1024, 1024), (1024, 4096, 1024)]  # M, N, K
 # (batch, keys, heads_q, heads_kv, head_dim): one decode step, dense cache
-DECODE_SHAPES = [(1, 8192, 32, 8, 128)]
+DECODE_SHAPES = [(1, 16384, 32, 8, 128)]  # K and V 64 MiB: fa3.attention takes the KV-cache kernel
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 

@@ -48,7 +48,11 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     softcap: > 0 caps the scores as Gemma 2: s -> softcap * tanh(s / softcap) (s scaled first).
         Both are differentiable (the backward rungs compile them as the forward does).
     return_lse: also return the fp32 log-sum-exp of each row, (batch, heads_q, seqlen_q).
-    kernel: a rung of fa3.available_kernels("attention"); None picks the fastest.
+    kernel: a rung of fa3.available_kernels("attention"); None picks the fastest. A forward-only
+        eager call shaped like a decode step over a long context (a KV head's queries in one tile,
+        K and V of 32 MiB or more) runs on the KV-cache kernel (rung s1, the keys split across
+        CTAs; fa3.kvcache.decodes_over_keys); traced, compiled and differentiated calls, and calls
+        that name a rung, run the attention rung.
     out: optional preallocated output, shaped like q, same dtype and device, contiguous.
     deterministic: make the backward bitwise reproducible (dQ's FP32 partial sums are added in a
         fixed order; measured cost in worklog/backward.md). The forward is deterministic anyway.

@@ -130,13 +130,19 @@ def decodes_over_keys(q, k, v) -> bool:
     SMs, where K5 runs one CTA per query head and reads every key there. Also: more keys than
     queries, v's head dim as q's, S1's head dims, K and V of DECODE_MIN_KV_BYTES or more (below
     it the GPU work is small beside either launch), aligned for TMA."""
-    batch, seqlen_q, heads_q, head_dim = q.shape
-    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+    seqlen_q, head_dim, seqlen_k = q.shape[1], q.shape[3], k.shape[1]
     if seqlen_q >= seqlen_k or 2 * k.numel() * k.element_size() < DECODE_MIN_KV_BYTES or v.shape[3] != head_dim \
             or head_dim not in _kv_head_dims():
         return False
-    spec = _dispatch.memo_rung(_dispatch.family_rung, registry.KVCACHE, None, head_dim, "q and the cache")
-    return seqlen_q * (heads_q // heads_kv) <= spec.config["tile_m"] and _launch.tma_aligned(k) and _launch.tma_aligned(v)
+    return decode_rows_fit(q, k) and _launch.tma_aligned(k) and _launch.tma_aligned(v)
+
+
+def decode_rows_fit(q, k) -> bool:
+    """Whether a KV head's query rows (seqlen_q x the query heads sharing it) fit one S1 tile, the
+    shape S1 is built for: more rows take several Q tiles, where K5 (a prompt) is the better kernel.
+    q and k (batch, seqlen, heads, d) with a head dim that has a KV-cache rung."""
+    spec = _dispatch.memo_rung(_dispatch.family_rung, registry.KVCACHE, None, q.shape[3], "q and the cache")
+    return q.shape[1] * (q.shape[2] // k.shape[2]) <= spec.config["tile_m"]
 
 
 @functools.cache
@@ -149,6 +155,8 @@ def decode_attention(q, k, v, causal: bool, scale: float, out=None, window=(-1, 
     """(out, lse) of fa3.attention's call on S1 (decodes_over_keys said so; arguments validated):
     k and v as a dense cache in which every sequence holds all its keys."""
     masking.check_scale(scale)  # (fa3.attention checks it where it computes a Masking)
+    if q.requires_grad or k.requires_grad or v.requires_grad:  # (under no_grad) as launch_attention
+        q, k, v = _launch.detached(q, k, v)
     batch, seqlen_k, device = q.shape[0], k.shape[1], q.device
     spec = _dispatch.memo_rung(_dispatch.family_rung, registry.KVCACHE, None, q.shape[3], "q and the cache")
     # made per call, on the call's stream: a tensor kept across calls could be read on another

@@ -185,9 +185,9 @@ def get_scheduler_metadata(batch_size: int, max_seqlen_q: int, max_seqlen_k: int
     masking.check_window(window_size, 1.0 if has_softcap else 0.0)
     spec = _dispatch.memo_rung(_dispatch.family_rung, registry.KVCACHE, None, headdim, "q and the cache")
     device = cache_seqlens.device
-    # given splits need no SM count (nor a GPU to read it from)
-    sms = max(1, _checks.sm_count(device.index if device.index is not None else 0) - sm_margin) \
-        if num_splits <= 0 else 1
+    if num_splits > 0:  # given: nothing to plan (nor an SM count to read)
+        return torch.full((1,), num_splits, dtype=torch.int32, device=device)
+    sms = max(1, _checks.sm_count(device.index if device.index is not None else 0) - sm_margin)
     # as the call plans it: a packed call's long entries go to K5 (S1 then plans for the short ones);
     # total_q, unknown here, bounds S1's grid only, not the splits
     num_splits = call_plan(spec, headdim, batch_size, max_seqlen_q, None if cu_seqlens_q is None else max_seqlen_q,

@@ -85,28 +85,32 @@ def test_kvcache_window_and_softcap(window_size, softcap, page_size):
 
 
 @gpu
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.parametrize("seqlen_q, variant", [(1, "plain"), (3, "plain"), (2, "window-softcap-sinks")])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
+@pytest.mark.parametrize("seqlen_q, variant", [(1, "plain"), (3, "plain"), (2, "window-softcap-sinks"),
+                                               (1, "fp16-non-causal-window")])
 def test_attention_decode_steps_run_on_s1(head_dim, seqlen_q, variant):
     """fa3.attention's forward-only decode steps over a long context go to S1
     (kvcache.decodes_over_keys) and match the float reference; lse too; and they equal
     attention_with_kvcache on the same keys bit for bit (the same kernel), poisoned out= included."""
     gen = torch.Generator(device="cuda").manual_seed(5)
     batch, seqlen_k, heads_q, heads_kv = 2, 9000, 32, 8  # 9000 keys: not a multiple of any tile; K, V >= 32 MiB
-    q = torch.randn(batch, seqlen_q, heads_q, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
-    k = torch.randn(batch, seqlen_k, heads_kv, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    dtype = torch.float16 if variant.startswith("fp16") else torch.bfloat16
+    q = torch.randn(batch, seqlen_q, heads_q, head_dim, device="cuda", dtype=dtype, generator=gen)
+    k = torch.randn(batch, seqlen_k, heads_kv, head_dim, device="cuda", dtype=dtype, generator=gen)
     v = torch.randn_like(k)
     assert fa3.kvcache.decodes_over_keys(q, k, v)
     kw = dict(causal=True)
-    if variant != "plain":
+    if variant == "window-softcap-sinks":
         kw.update(window_size=(700, 0), softcap=15.0,
                   sinks=torch.randn(heads_q, device="cuda", generator=gen))
+    elif variant != "plain":  # a window on both sides of the query's place (bottom-right aligned)
+        kw.update(causal=False, window_size=(500, 20))
     out = torch.full_like(q, float("nan"))
     got, lse = fa3.attention(q, k, v, return_lse=True, out=out, **kw)
     assert got is out
     ref, ref_lse = attention_reference(q, k, v, window_size=kw.get("window_size", (-1, -1)),
-                                                     softcap=kw.get("softcap", 0.0), sinks=kw.get("sinks"),
-                                                     causal=True)
+                                       softcap=kw.get("softcap", 0.0), sinks=kw.get("sinks"), causal=kw["causal"])
+
     assert rel_err(got, ref) < TOL and torch.allclose(lse, ref_lse, atol=1e-2, rtol=1e-3)
     same = fa3.attention_with_kvcache(q, k, v, cache_seqlens=seqlen_k, **kw)
     assert torch.equal(got, same)

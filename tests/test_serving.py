@@ -700,6 +700,11 @@ def test_call_plan_memo():
     assert packed.long is not None and packed.s1_queries == spec.config["long_queries"] - 1
     with pytest.raises(ValueError, match="softmax_scale"):  # checked on the way in, never stored
         split_plan.call_plan(**{**args, "scale": float("nan")})
+    # every argument is in the key: changing any one gives a plan of its own
+    for name, value in dict(head_dim=64, batch=2, seqlen_q=2, total_q=1, heads_q=16, heads_kv=4, page_size=64,
+                            keys=1000, causal=False, window=(8, 0), softcap=5.0, scale=0.5, fp8=True, offsets=True,
+                            num_splits=2, sm_count=114).items():
+        assert split_plan.call_plan(**{**args, name: value}) is not plan, name
 
 
 def test_long_entries_plan():

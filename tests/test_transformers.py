@@ -175,6 +175,29 @@ def test_decode_plan_reads_left_padding_in_place():
     assert not isinstance(build(holes, 1, True), fa3_hf._LeftPadded)
     assert not isinstance(build(mask, 10, True), fa3_hf._LeftPadded)  # a prompt, not a decode step
 
+    # the layer's side: in place only for a cache attention_with_kvcache reads as it is, few queries
+    calls = []
+
+    def kvcache(q, k, v, **kw):
+        calls.append(q.shape)
+        return q
+
+    monkeyplan = fa3_hf._UnpadPlan()
+    q, k = torch.randn(3, 1, 8, 128), torch.randn(3, 10, 2, 128)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fa3_hf, "attention_with_kvcache", kvcache)
+        mp.setattr(fa3_hf, "packed_attention", _reference_varlen)
+        mp.setattr(fa3_hf, "_PLAN", monkeyplan)
+        with torch.no_grad():
+            fa3_hf._unpadded(q, k, k, mask, True, None, (-1, -1), 0.0)
+            assert len(calls) == 1
+            fa3_hf._unpadded(q, k, k[..., :64], mask, True, None, (-1, -1), 0.0)  # v's head dim differs
+            wide = torch.randn(3, 10, 2, 130)[..., :128]  # heads 520 bytes apart: not TMA-aligned
+            fa3_hf._unpadded(q, wide, wide, mask, True, None, (-1, -1), 0.0)
+            fa3_hf._unpadded(torch.randn(3, 17, 8, 128), torch.randn(3, 30, 2, 128), torch.randn(3, 30, 2, 128),
+                             torch.ones(3, 30, dtype=torch.long), True, None, (-1, -1), 0.0)  # 17 x 4 rows
+        assert len(calls) == 1
+
 
 def test_refusals():
     model = make_model("llama", "cpu", torch.float32).train()  # dropout is refused while training

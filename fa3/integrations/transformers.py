@@ -29,8 +29,9 @@ from typing import NamedTuple
 
 import torch
 
+from .._launch import tma_aligned
 from ..interface import attention
-from ..kvcache import attention_with_kvcache
+from ..kvcache import attention_with_kvcache, decode_rows_fit
 from ..varlen import packed_attention
 
 NAME = "fa3"
@@ -80,7 +81,7 @@ class _UnpadPlan:
             lengths = mask.sum(1, dtype=torch.int32)
             leftpad = mask.shape[1] - lengths
             starts = torch.arange(mask.shape[1], device=mask.device)[None, :] >= leftpad[:, None]
-            if bool(torch.equal(starts, mask) and (lengths >= seqlen_q).all()):
+            if bool(((starts == mask).all() & (lengths >= seqlen_q).all()).item()):  # the one sync
                 return _LeftPadded(torch.full_like(lengths, mask.shape[1]), leftpad)
         q_mask = mask[:, -seqlen_q:]  # the queries are the last seqlen_q positions (decode: the new ones)
         return (q_mask.flatten().nonzero().squeeze(1), mask.flatten().nonzero().squeeze(1),
@@ -96,7 +97,9 @@ def _unpadded(q, k, v, mask, causal, scaling, window, softcap, sinks=None):
     over a left-padded cache (no gradient wanted), attention_with_kvcache over it in place."""
     batch, seqlen_q = q.shape[:2]
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))
-    in_place = not grad and not torch.compiler.is_compiling() and mask.shape[1] == k.shape[1]
+    # in place: the cache as attention_with_kvcache reads it (TMA-aligned, k and v alike), few queries
+    in_place = not grad and not torch.compiler.is_compiling() and mask.shape[1] == k.shape[1] \
+        and k.shape == v.shape and tma_aligned(k) and tma_aligned(v) and decode_rows_fit(q, k)
     plan = _PLAN.get(mask, seqlen_q, in_place)
     if isinstance(plan, _LeftPadded):
         return attention_with_kvcache(q, k, v, cache_seqlens=plan.lengths, cache_leftpad=plan.leftpad,
@@ -111,11 +114,12 @@ def _unpadded(q, k, v, mask, causal, scaling, window, softcap, sinks=None):
     out, _ = packed_attention(q_packed, k.flatten(0, 1)[k_index], v.flatten(0, 1)[k_index], cu_q, cu_k,
                               seqlen_q, None, causal, scaling, window, softcap, None, check_values=False,
                               sinks=sinks)
+    shape = (batch, seqlen_q, q.shape[2], v.shape[3])  # v's head dim (DeepSeek-style: not q's)
     if all_queries:
-        return out.view(q.shape)
-    padded = q.new_zeros(batch * seqlen_q, *q.shape[2:])
+        return out.view(shape)
+    padded = q.new_zeros(batch * seqlen_q, *shape[2:])
     padded[q_index] = out
-    return padded.view_as(q)
+    return padded.view(shape)
 
 
 def fa3_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
