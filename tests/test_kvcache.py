@@ -136,6 +136,22 @@ def test_decode_routing_decision():
     assert not fa3.kvcache.decodes_over_keys(q, wide, wide)  # K5's path copies it; S1 reads it by TMA
 
 
+def test_attention_routes_decode_steps(no_device_check, monkeypatch):
+    """fa3.attention's dispatch: a forward-only decode step with kernel=None goes to
+    kvcache.decode_attention; a named rung, a call that needs gradients, or a prompt does not."""
+    from fa3 import interface, kvcache
+
+    taken = []
+    monkeypatch.setattr(kvcache, "decode_attention", lambda q, *a, **kw: taken.append("s1") or (q, None))
+    monkeypatch.setattr(interface, "launch_attention", lambda spec, q, *a, **kw: taken.append(spec.name) or (q, None))
+    q = torch.empty(1, 1, 32, 128, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(1, 8192, 8, 128, dtype=torch.bfloat16, device="meta")
+    fa3.attention(q, k, k, causal=True)
+    fa3.attention(q, k, k, causal=True, kernel="k5.5")
+    fa3.attention(torch.empty(1, 8192, 32, 128, dtype=torch.bfloat16, device="meta"), k, k, causal=True)
+    assert taken == ["s1", "k5.5", fa3.registry.fastest(fa3.registry.ATTENTION, 128).name]
+
+
 @gpu
 def test_kvcache_splits_agree_and_rows_with_no_key_are_zero():
     gen = torch.Generator(device="cuda").manual_seed(1)
