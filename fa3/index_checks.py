@@ -200,7 +200,8 @@ def _unchanged_key(tensors, bounds):
         return None
 
 
-def _nothing():
+def nothing():
+    """The `wait` of a check with nothing left to read on the device."""
     pass
 
 
@@ -220,9 +221,9 @@ def _start_check(tensors, bounds, check, device=None):
             if ref() is not t:
                 break
         else:
-            return _nothing
+            return nothing
     if device is not None and not values_checkable(device):
-        return _nothing
+        return nothing
     host, copied = start_host_copy(tensors)
     refs = [weakref.ref(t) for t in tensors] if key is not None else None
 
@@ -245,7 +246,7 @@ def start_cache_check(cache_seqlens: torch.Tensor, block_table, capacity: int, a
     for a bad entry among those the sequences use (serving engines leave the rest stale or -1)."""
     batch = cache_seqlens.shape[0]
     if batch == 0:
-        return _nothing
+        return nothing
     paged = block_table is not None and block_table.shape[1] > 0
     tensors = [cache_seqlens] + ([block_table] if paged else [])
     return _start_check(tensors, (capacity, appended, page_size, num_pages),
@@ -279,7 +280,7 @@ def start_packed_cache_check(cu_seqlens_q: torch.Tensor, total_q: int, max_seqle
     longer than max_seqlen_q): one copy of the three tensors, remembered as start_cache_check's.
     The cache checks' messages name the lengths `lengths_name` (seqused_k in attention_varlen)."""
     if seqused_k.shape[0] == 0:
-        return _nothing
+        return nothing
     paged = block_table is not None and block_table.shape[1] > 0
     tensors = [cu_seqlens_q, seqused_k] + ([block_table] if paged else [])
     bounds = ("packed", total_q, max_seqlen_q, capacity, page_size, num_pages)
@@ -320,7 +321,7 @@ def start_leftpad_check(cache_leftpad: torch.Tensor, cache_seqlens: torch.Tensor
     """start_cache_check for a left-padded dense cache (flash-attn's cache_leftpad): the lengths,
     and each sequence's first position in [0, cache_seqlens[b]]; one copy of both tensors."""
     if cache_seqlens.shape[0] == 0:
-        return _nothing
+        return nothing
     tensors = [cache_seqlens, cache_leftpad]
     bounds = ("leftpad", capacity, appended, page_size)
 

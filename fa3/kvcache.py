@@ -21,7 +21,6 @@ small copy); captured and traced calls cannot, and rely on clamping: the kernel 
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -132,7 +131,7 @@ def decodes_over_keys(q, k, v) -> bool:
     it the GPU work is small beside either launch), aligned for TMA."""
     seqlen_q, head_dim, seqlen_k = q.shape[1], q.shape[3], k.shape[1]
     if seqlen_q >= seqlen_k or 2 * k.numel() * k.element_size() < DECODE_MIN_KV_BYTES or v.shape[3] != head_dim \
-            or head_dim not in _kv_head_dims():
+            or not registry.available_kernels(registry.KVCACHE, head_dim):
         return False
     return decode_rows_fit(q, k) and _launch.tma_aligned(k) and _launch.tma_aligned(v)
 
@@ -143,11 +142,6 @@ def decode_rows_fit(q, k) -> bool:
     q and k (batch, seqlen, heads, d) with a head dim that has a KV-cache rung."""
     spec = _dispatch.memo_rung(_dispatch.family_rung, registry.KVCACHE, None, q.shape[3], "q and the cache")
     return q.shape[1] * (q.shape[2] // k.shape[2]) <= spec.config["tile_m"]
-
-
-@functools.cache
-def _kv_head_dims() -> frozenset:
-    return frozenset(d for name in registry.available_kernels(registry.KVCACHE) for d in registry.get(name).head_dims)
 
 
 def decode_attention(q, k, v, causal: bool, scale: float, out=None, window=(-1, -1), softcap: float = 0.0,
@@ -164,10 +158,6 @@ def decode_attention(q, k, v, causal: bool, scale: float, out=None, window=(-1, 
     lengths = torch.full((batch,), seqlen_k, dtype=torch.int32, device=device)
     return launch_kvcache(spec, _launch.tma_ready(q), k, v, lengths, None, seqlen_k, 0, causal, scale, 0,
                           window, softcap, out=out, sinks=sinks)
-
-
-def _checked_on_host():
-    pass
 
 
 def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, softmax_scale, window_size,
@@ -208,7 +198,7 @@ def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, sof
         wait = index_checks.start_leftpad_check(cache_leftpad, seqlens, capacity, appended, k_cache.shape[1],
                                                 q.device)
     elif host_lengths and block_table is None:
-        wait = _checked_on_host  # a host length, checked by check_kvcache; a dense cache has no table
+        wait = index_checks.nothing  # a host length, checked by check_kvcache; a dense cache has no table
     else:
         wait = index_checks.start_cache_check(seqlens, block_table, capacity, appended, k_cache.shape[1],
                                               k_cache.shape[0], q.device)
