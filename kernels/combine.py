@@ -17,6 +17,12 @@ from .common import seqlen
 class SplitKVCombine:
     """O and LSE from the splits' FP32 partials: one warp per (batch, query, head) row.
 
+    The work is a few kilobytes a row; its time is round trips to L2. So each lane issues the loads
+    of its elements of `chunk` splits' partial rows at once (the first chunk before the LSEs are
+    even read: it does not depend on them), and the weights come from the LSEs already in L1:
+    about two round trips for up to `chunk` splits where one split at a time took one per split
+    (b1 x 16k, d128, 16 splits: 2.9 us against 5.4 on an H100; 64 splits 7.3 against 28.5).
+
     LSE = m + log(sum_i exp(lse_i - m)) with m = max_i lse_i; O = sum_i exp(lse_i - LSE) O_i. Splits
     that saw no key carry lse = -inf and weigh 0; a row no split saw keeps O = 0, LSE = -inf.
     `sinks`: the head's sink is one more term of the sum, with no O (mSinks (heads_q,) FP32)."""
@@ -26,6 +32,9 @@ class SplitKVCombine:
     def __init__(self, dtype, head_dim: int, sinks: bool = False, max_queries: int = 0):
         self.dtype, self.head_dim, self.sinks = dtype, head_dim, sinks
         self.max_queries = max_queries  # packed: rows of entries this long or longer are not S1's
+        # splits whose partial rows are loaded together (one round trip to L2 for all of them):
+        # 64 registers a lane
+        self.chunk = 16 if head_dim <= 128 else 8
 
     @cute.jit
     def __call__(self, mOacc: cute.Tensor, mLSEacc: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
@@ -52,6 +61,10 @@ class SplitKVCombine:
             head = row % heads_q
             query = row // heads_q % seqlen_q
             batch = row // (heads_q * seqlen_q)
+            # the first chunk of partial O rows does not depend on the LSEs: its loads fly beside theirs
+            per_lane = self.head_dim // 32
+            parts = cute.make_rmem_tensor((self.chunk, per_lane), Float32)
+            self.load_chunk(parts, mOacc, 0, batch, query, head, lane)
             top = -Float32.inf
             for s in cutlass.range(lane, splits, 32, unroll=1):
                 top = cute.arch.fmax(top, mLSEacc[s, batch, head, query])
@@ -72,14 +85,30 @@ class SplitKVCombine:
             lse = -Float32.inf
             if total > Float32(0.0):
                 lse = offset + cute.math.log(total, fastmath=True)
-            acc = cute.make_rmem_tensor((self.head_dim // 32,), Float32)
+            acc = cute.make_rmem_tensor((per_lane,), Float32)
             acc.fill(0.0)
             if total > Float32(0.0):
-                for s in cutlass.range(splits, unroll=1):
-                    weight = cute.math.exp(mLSEacc[s, batch, head, query] - lse, fastmath=True)
-                    for i in cutlass.range_constexpr(self.head_dim // 32):
-                        acc[i] += weight * mOacc[s, batch, query, head, lane + 32 * i]
-            for i in cutlass.range_constexpr(self.head_dim // 32):
+                for first in cutlass.range(0, splits, self.chunk, unroll=1):
+                    if first > 0:
+                        self.load_chunk(parts, mOacc, first, batch, query, head, lane)
+                    for j in cutlass.range_constexpr(self.chunk):
+                        split = cutlass.min(first + j, splits - 1)
+                        weight = cute.math.exp(mLSEacc[split, batch, head, query] - lse, fastmath=True)
+                        if first + j >= splits:  # a clamped repeat of the last split
+                            weight = Float32(0.0)
+                        for i in cutlass.range_constexpr(per_lane):
+                            acc[i] += weight * parts[j, i]
+            for i in cutlass.range_constexpr(per_lane):
                 mO[batch, query, head, lane + 32 * i] = acc[i].to(self.dtype)
             if lane == 0:
                 mLSE[batch, head, query] = lse
+
+    @cute.jit
+    def load_chunk(self, parts: cute.Tensor, mOacc: cute.Tensor, first: cutlass.Int32, batch, query, head, lane):
+        """This lane's elements of the partial O rows of splits first .. first + chunk - 1, all issued
+        before any is used; indices past the last split repeat it (in bounds; weighed 0)."""
+        splits = mOacc.shape[0]
+        for j in cutlass.range_constexpr(self.chunk):
+            split = cutlass.min(first + j, splits - 1)
+            for i in cutlass.range_constexpr(self.head_dim // 32):
+                parts[j, i] = mOacc[split, batch, query, head, lane + 32 * i]
