@@ -51,7 +51,7 @@ def _dummy(kind, device, head_dim=None):
 def launch_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, capacity: int, appended: int,
                    causal: bool, scale: float, num_splits: int, window=(-1, -1), softcap: float = 0.0,
                    cu_seqlens_q=None, max_seqlen_q: int = 0, max_seqlen_k: int = -1, out=None,
-                   cache_leftpad=None, sinks=None, descales=None, out_dtype=None):
+                   cache_leftpad=None, sinks=None, descales=None, out_dtype=None, full: bool = False):
     """(out, lse) of rung `spec`; arguments are validated (`capacity`: keys a sequence can hold, from
     `check_kvcache`) and the new tokens already appended. Packed queries (cu_seqlens_q): q and out
     are (total_q, heads_q, d), lse (heads_q, total_q), and the kernel sees them as a batch of one
@@ -59,7 +59,7 @@ def launch_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, capaci
     (-1: unknown, the capacity) bounds the keys for the split plan; cache_leftpad (batch,): where
     each sequence's keys start in a dense cache. descales: an FP8 cache's (q, k, v) descales,
     float32 (batch, heads_kv) each; out, unless given, in out_dtype (None: bf16 for an FP8 cache,
-    q's dtype otherwise)."""
+    q's dtype otherwise). full: every sequence holds all `capacity` keys (no order to sort)."""
     device, head_dim = q.device, q.shape[-1]
     packed, fp8 = cu_seqlens_q is not None, descales is not None
     if out is None:
@@ -96,7 +96,7 @@ def launch_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, capaci
         o_partial, lse_partial = _dummy("o_partial", device, head_dim), _dummy("lse_partial", device)
     # the longest entries first when the CTAs take several waves (sorted on the device: no sync)
     order = _launch.stand_in(device, torch.int64)
-    if plan.longest_first:
+    if plan.longest_first and not full:
         order = torch.empty(batch, dtype=torch.int64, device=device)
         _compile_kvcache.get_entry_order()(cache_seqlens, order, keys)
     leftpad, has_sinks = cache_leftpad is not None, sinks is not None
@@ -151,13 +151,32 @@ def decode_attention(q, k, v, causal: bool, scale: float, out=None, window=(-1, 
     masking.check_scale(scale)  # (fa3.attention checks it where it computes a Masking)
     if q.requires_grad or k.requires_grad or v.requires_grad:  # (under no_grad) as launch_attention
         q, k, v = _launch.detached(q, k, v)
-    batch, seqlen_k, device = q.shape[0], k.shape[1], q.device
+    seqlen_k = k.shape[1]
     spec = _dispatch.memo_rung(_dispatch.family_rung, registry.KVCACHE, None, q.shape[3], "q and the cache")
-    # made per call, on the call's stream: a tensor kept across calls could be read on another
-    # stream before its fill ran, or filled only by a graph that captured its first use
-    lengths = torch.full((batch,), seqlen_k, dtype=torch.int32, device=device)
-    return launch_kvcache(spec, _launch.tma_ready(q), k, v, lengths, None, seqlen_k, 0, causal, scale, 0,
-                          window, softcap, out=out, sinks=sinks)
+    return launch_kvcache(spec, _launch.tma_ready(q), k, v, full_lengths(q.shape[0], q.device), None, seqlen_k, 0,
+                          causal, scale, 0, window, softcap, out=out, sinks=sinks, full=True)
+
+
+FULL_LENGTH = 1 << 30  # past any cache's rows: S1 clamps a length to its cache's capacity
+_FULL_LENGTHS: dict = {}
+
+
+def full_lengths(batch: int, device) -> torch.Tensor:
+    """int32 (batch,) lengths of FULL_LENGTH, which S1 reads as "all of the cache's rows": the
+    lengths of fa3.attention's decode steps, with no fill kernel per call. Kept per device and
+    batch, made once outside any graph capture and waited for (so that any stream, or a graph
+    captured later, reads it filled); a capture that comes first makes its own, on its stream."""
+    key = (device, batch)
+    lengths = _FULL_LENGTHS.get(key)
+    if lengths is None:
+        lengths = torch.full((batch,), FULL_LENGTH, dtype=torch.int32, device=device)
+        if torch.cuda.is_current_stream_capturing():
+            return lengths
+        torch.cuda.current_stream(device).synchronize()
+        if len(_FULL_LENGTHS) > 64:
+            _FULL_LENGTHS.clear()
+        _FULL_LENGTHS[key] = lengths
+    return lengths
 
 
 def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, softmax_scale, window_size,

@@ -116,6 +116,37 @@ def test_attention_decode_steps_run_on_s1(head_dim, seqlen_q, variant):
     assert torch.equal(got, same)
 
 
+
+@gpu
+def test_attention_decode_steps_in_a_graph_first():
+    """fa3.attention's decode steps read a lengths tensor kept per device and batch: a CUDA graph that
+    captures its first use makes its own (filled on replay), and one made eagerly serves later
+    graphs; a batch of several waves (no entry sort: every sequence holds all keys) is right too."""
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    for batch, seqlen_k in [(3, 8192), (160, 1100)]:  # 160 x 8 KV heads: several waves of S1's CTAs
+        q = torch.randn(batch, 1, 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+        k = torch.randn(batch, seqlen_k, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+        v = torch.randn_like(k)
+        fa3.attention(q[:1], k[:1], v[:1], causal=True)  # compiled outside the capture
+        assert fa3.kvcache.decodes_over_keys(q, k, v) or batch == 160
+        fa3.kvcache._FULL_LENGTHS.clear()
+        out = torch.full_like(q, float("nan"))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fa3.kvcache.decode_attention(q, k, v, True, 128 ** -0.5, out=out)
+        assert not fa3.kvcache._FULL_LENGTHS  # a capture does not keep what it made
+        graph.replay()
+        ref = attention_reference(q, k, v, causal=True)[0]
+        assert rel_err(out, ref) < TOL
+        eager = fa3.kvcache.decode_attention(q, k, v, True, 128 ** -0.5)[0]
+        assert fa3.kvcache._FULL_LENGTHS and torch.equal(eager, out)
+        out.fill_(float("nan"))
+        graph2 = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph2):
+            fa3.kvcache.decode_attention(q, k, v, True, 128 ** -0.5, out=out)
+        graph2.replay()
+        assert torch.equal(eager, out)
+
 def test_decode_routing_decision():
     """Which forward-only calls fa3.attention sends to S1: few queries (a KV head's query rows in one
     tile), more keys than queries, K and V of 32 MiB or more, v's head dim as q's, TMA-aligned."""
