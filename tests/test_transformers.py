@@ -199,6 +199,31 @@ def test_decode_plan_reads_left_padding_in_place():
         assert len(calls) == 1
 
 
+
+def test_plans_kept_per_mask_for_alternating_layer_kinds(monkeypatch):
+    """A forward of a model with full and sliding layers passes two masks (transformers slices one per
+    layer kind), its layers alternating: each mask's plan is built once a forward (each build is a host
+    sync), not once a layer; a new forward's masks (new objects, or the same one written in place)
+    build again."""
+    builds = []
+    build = fa3_hf._UnpadPlan._build
+    monkeypatch.setattr(fa3_hf._UnpadPlan, "_build",
+                        staticmethod(lambda mask, seqlen_q, in_place: builds.append(1) or build(mask, seqlen_q, in_place)))
+    plans = fa3_hf._UnpadPlan()
+    full = torch.ones(3, 12, dtype=torch.long)
+    full[1, :5] = 0
+    sliding = full[:, -8:]
+    for layer in range(24):
+        mask = sliding if layer % 2 == 0 else full
+        plan = plans.get(mask, 1, True)
+        assert isinstance(plan, fa3_hf._LeftPadded) and plan.lengths.tolist() == [mask.shape[1]] * 3
+    assert len(builds) == 2
+    plans.get(full, 2, True)  # another query count: another plan
+    full[0, 0] = 0  # written in place: its version moved
+    plans.get(full, 1, True)
+    plans.get(full.clone(), 1, True)  # another object
+    assert len(builds) == 5
+
 def test_refusals():
     model = make_model("llama", "cpu", torch.float32).train()  # dropout is refused while training
     module = model.model.layers[0].self_attn

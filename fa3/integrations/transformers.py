@@ -56,20 +56,26 @@ class _LeftPadded(NamedTuple):
 
 
 class _UnpadPlan:
-    """How one padding mask is applied, computed once per forward: every layer gets the same mask
-    tensor, and reading it (`nonzero`, or the left-padding test) synchronizes with the host. Reused
-    only for that very tensor object (a weak reference) at the same version."""
+    """How a padding mask is applied, computed once per forward and mask: every layer of a kind gets
+    the same mask tensor, and reading it (`nonzero`, or the left-padding test) synchronizes with the
+    host. Models that mix full and sliding layers (gpt-oss, Gemma 2/3) get two masks a forward
+    (transformers slices one per layer kind), their layers alternating: a plan is kept for each of
+    the last `slots` masks, reused only for that very tensor object (a weak reference) at the same
+    version."""
+
+    slots = 4
 
     def __init__(self):
-        self._key, self._plan = None, None
+        self._plans = []  # [(key, plan)], the most recent first
 
     def get(self, mask: torch.Tensor, seqlen_q: int, in_place: bool):
-        key = self._key
-        if key is not None and key[0]() is mask and key[1:] == (mask._version, seqlen_q, in_place):
-            return self._plan
+        state = (mask._version, seqlen_q, in_place)
+        for key, plan in self._plans:
+            if key[0]() is mask and key[1:] == state:
+                return plan
         plan = self._build(mask, seqlen_q, in_place)
         if not torch.compiler.is_compiling():
-            self._key, self._plan = (weakref.ref(mask), mask._version, seqlen_q, in_place), plan
+            self._plans = [((weakref.ref(mask), *state), plan)] + self._plans[:self.slots - 1]
         return plan
 
     @staticmethod
