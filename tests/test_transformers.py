@@ -128,6 +128,15 @@ def _reference_kvcache(q, k_cache, v_cache, cache_seqlens, cache_leftpad, causal
     return torch.cat(rows)
 
 
+
+def _reference_kvcache_call(q, k_cache, v_cache, *, cache_seqlens, cache_leftpad=None, causal, softmax_scale,
+                            window_size, softcap, sinks):
+    """attention_with_kvcache's keyword call, on the float reference."""
+    if cache_leftpad is None:
+        cache_leftpad = torch.zeros_like(cache_seqlens)
+    return _reference_kvcache(q, k_cache, v_cache, cache_seqlens, cache_leftpad, causal, softmax_scale,
+                              window_size, softcap, sinks)
+
 @pytest.mark.parametrize("kind", ["llama", "gpt_oss"])
 def test_generation_mapping_on_cpu(kind, monkeypatch):
     """Decode steps over a left-padded cache (every new query real) read it in place through
@@ -157,10 +166,59 @@ def test_generation_mapping_on_cpu(kind, monkeypatch):
     assert calls and set(calls) == {1}  # the decode steps, one new query each, read the cache in place
 
 
+
+@pytest.mark.parametrize("kind", ["llama", "gpt_oss"])
+@pytest.mark.parametrize("padding", ["none", "left"])
+def test_static_cache_generation_on_cpu(kind, padding, monkeypatch):
+    """transformers' static cache (cache_implementation="static", what compiled generation uses) holds
+    rows past the tokens: with padding the mask is shorter than the cache and its rows are sliced off;
+    without, transformers passes no mask, and each row's keys come from its position ids. Eager's
+    tokens and logits (before: the empty rows were attended to)."""
+    monkeypatch.setattr(fa3_hf, "attention", _reference_attention)
+    monkeypatch.setattr(fa3_hf, "packed_attention", _reference_varlen)
+    monkeypatch.setattr(fa3_hf, "attention_with_kvcache", _reference_kvcache_call)
+    model = make_model(kind, "cpu", torch.float32)
+    ids, mask = batch("cpu", padding)
+    runs = {}
+    for impl in ("fa3", "eager"):
+        model.set_attn_implementation(impl)
+        runs[impl] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                                    output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+                                    cache_implementation="static")
+    assert torch.equal(runs["fa3"].sequences, runs["eager"].sequences)
+    assert rel_err(torch.stack(runs["fa3"].logits), torch.stack(runs["eager"].logits)) < 1e-4
+
+
+def test_static_cache_rows_that_differ_read_in_place(monkeypatch):
+    """Position ids whose rows end at different places (no mask) give each row its own key count,
+    read in place by the cache call; every row at the same place slices the cache instead."""
+    calls = []
+
+    def kvcache(q, k, v, *, cache_seqlens, **kw):
+        calls.append(cache_seqlens.tolist())
+        return _reference_kvcache_call(q, k, v, cache_seqlens=cache_seqlens,
+                                       cache_leftpad=torch.zeros_like(cache_seqlens), **kw)
+
+    monkeypatch.setattr(fa3_hf, "attention", _reference_attention)
+    monkeypatch.setattr(fa3_hf, "attention_with_kvcache", kvcache)
+    module = torch.nn.Module()
+    module.is_causal = True
+    q, k = torch.randn(3, 8, 1, 128), torch.randn(3, 4, 20, 128)
+    out, _ = fa3_hf.fa3_attention_forward(module, q, k, k, None, position_ids=torch.tensor([[6], [11], [3]]))
+    assert calls == [[7, 12, 4]]
+    for row, keys in enumerate((7, 12, 4)):
+        want = _reference_attention(q[row:row + 1].transpose(1, 2), k[row:row + 1, :, :keys].transpose(1, 2),
+                                    k[row:row + 1, :, :keys].transpose(1, 2), causal=True)
+        assert rel_err(out[row:row + 1], want) < 1e-5
+    out, _ = fa3_hf.fa3_attention_forward(module, q, k, k, None, position_ids=torch.tensor([[9]]))
+    want = _reference_attention(q.transpose(1, 2), k[:, :, :10].transpose(1, 2), k[:, :, :10].transpose(1, 2),
+                                causal=True)
+    assert len(calls) == 1 and rel_err(out, want) < 1e-5
+
 def test_decode_plan_reads_left_padding_in_place():
     """Which decode masks read the cache in place (_LeftPadded: each row's padding, then its keys,
     the new queries among them) and which are unpadded through gathers."""
-    build = fa3_hf._UnpadPlan._build
+    build = fa3_hf._unpad_plan
     mask = torch.ones(3, 10, dtype=torch.long)
     mask[1, :4] = 0
     mask[2, :9] = 0
@@ -182,7 +240,7 @@ def test_decode_plan_reads_left_padding_in_place():
         calls.append(q.shape)
         return q
 
-    monkeyplan = fa3_hf._UnpadPlan()
+    monkeyplan = fa3_hf._PerTensor(fa3_hf._unpad_plan)
     q, k = torch.randn(3, 1, 8, 128), torch.randn(3, 10, 2, 128)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(fa3_hf, "attention_with_kvcache", kvcache)
@@ -206,10 +264,8 @@ def test_plans_kept_per_mask_for_alternating_layer_kinds(monkeypatch):
     sync), not once a layer; a new forward's masks (new objects, or the same one written in place)
     build again."""
     builds = []
-    build = fa3_hf._UnpadPlan._build
-    monkeypatch.setattr(fa3_hf._UnpadPlan, "_build",
-                        staticmethod(lambda mask, seqlen_q, in_place: builds.append(1) or build(mask, seqlen_q, in_place)))
-    plans = fa3_hf._UnpadPlan()
+    plans = fa3_hf._PerTensor(lambda mask, seqlen_q, in_place: builds.append(1) or fa3_hf._unpad_plan(mask, seqlen_q,
+                                                                                                     in_place))
     full = torch.ones(3, 12, dtype=torch.long)
     full[1, :5] = 0
     sliding = full[:, -8:]
@@ -258,10 +314,13 @@ def test_gradients_match(kind, padding):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind,padding", [("llama", "none"), ("llama", "left"), ("gpt_oss", "left")])
-def test_generation_matches_sdpa(kind, padding):
+@pytest.mark.parametrize("kind,padding,cache", [("llama", "none", "dynamic"), ("llama", "left", "dynamic"),
+                                                ("gpt_oss", "left", "dynamic"), ("llama", "none", "static"),
+                                                ("gpt_oss", "left", "static")])
+def test_generation_matches_sdpa(kind, padding, cache):
     """Greedy tokens through transformers' cache (left padding: decode steps read it in place with
-    cache_leftpad) against sdpa's (eager's for gpt-oss, whose sinks sdpa does not take)."""
+    cache_leftpad; a static cache: only its rows that hold tokens) against sdpa's (eager's for
+    gpt-oss, whose sinks sdpa does not take)."""
     model = make_model(kind, "cuda", torch.bfloat16)
     ids, mask = batch("cuda", padding)
     ref = "eager" if kind == "gpt_oss" else "sdpa"
@@ -269,7 +328,8 @@ def test_generation_matches_sdpa(kind, padding):
     for impl in ("fa3", ref):
         model.set_attn_implementation(impl)
         runs[impl] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False,
-                                    output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+                                    output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+                                    cache_implementation=cache)
     for row in range(ids.shape[0]):
         a, b = runs["fa3"].sequences[row, 40:], runs[ref].sequences[row, 40:]
         differ = (a != b).nonzero()

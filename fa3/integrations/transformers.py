@@ -15,7 +15,11 @@ is flash-attention's (transformers' `flash_attention_mask`): None when nothing i
 left-padded prompts, padded training batches); decode steps over a left-padded cache (every new
 query real, each row's padding before its keys) read transformers' cache in place through
 fa3.attention_with_kvcache's cache_leftpad, with no gather. Generation uses transformers' own
-cache: each step attends to the whole cache, bottom-right aligned. Training runs
+cache: each step attends to the whole cache, bottom-right aligned. A static cache holds rows past
+its tokens: with a mask, the rows it covers are read (as transformers' flash-attention path slices
+them); without one (transformers drops an all-ones mask for implementations not named "flash..."),
+each row holds its last query's position + 1 keys (from position_ids: one sync a forward, or read
+in place by the cache call where rows differ or the call is traced). Training runs
 fa3's backward, padded batches included (the varlen backward; gradients of padded rows are 0).
 
 Refused with a clear error, never approximated: dropout > 0 while training (fa3 has no attention
@@ -55,46 +59,59 @@ class _LeftPadded(NamedTuple):
     leftpad: torch.Tensor  # int32 (batch,): where each row's keys start
 
 
-class _UnpadPlan:
-    """How a padding mask is applied, computed once per forward and mask: every layer of a kind gets
-    the same mask tensor, and reading it (`nonzero`, or the left-padding test) synchronizes with the
-    host. Models that mix full and sliding layers (gpt-oss, Gemma 2/3) get two masks a forward
-    (transformers slices one per layer kind), their layers alternating: a plan is kept for each of
-    the last `slots` masks, reused only for that very tensor object (a weak reference) at the same
-    version."""
+class _PerTensor:
+    """What is derived from a tensor every layer of a forward is passed (the padding mask, the
+    position ids), computed once: reading it synchronizes with the host. Kept for the last `slots`
+    tensors (models that mix full and sliding layers, gpt-oss and Gemma 2/3, get two masks a
+    forward, one per layer kind, their layers alternating), each reused only for that very tensor
+    object (a weak reference) at the same version and with the same further arguments."""
 
     slots = 4
 
-    def __init__(self):
-        self._plans = []  # [(key, plan)], the most recent first
+    def __init__(self, build):
+        self._build, self._entries = build, []  # [(weak reference, state, value)], the most recent first
 
-    def get(self, mask: torch.Tensor, seqlen_q: int, in_place: bool):
-        state = (mask._version, seqlen_q, in_place)
-        for key, plan in self._plans:
-            if key[0]() is mask and key[1:] == state:
-                return plan
-        plan = self._build(mask, seqlen_q, in_place)
+    def get(self, tensor: torch.Tensor, *args):
+        state = (tensor._version, *args)
+        for ref, seen, value in self._entries:
+            if ref() is tensor and seen == state:
+                return value
+        value = self._build(tensor, *args)
         if not torch.compiler.is_compiling():
-            self._plans = [((weakref.ref(mask), *state), plan)] + self._plans[:self.slots - 1]
-        return plan
-
-    @staticmethod
-    def _build(mask, seqlen_q, in_place):
-        """A _LeftPadded plan where in_place allows and the mask is left padding with every query
-        real (one host sync), else the gather indices and offsets of the real tokens."""
-        mask = mask.bool()
-        if in_place and seqlen_q < mask.shape[1]:
-            lengths = mask.sum(1, dtype=torch.int32)
-            leftpad = mask.shape[1] - lengths
-            starts = torch.arange(mask.shape[1], device=mask.device)[None, :] >= leftpad[:, None]
-            if bool(((starts == mask).all() & (lengths >= seqlen_q).all()).item()):  # the one sync
-                return _LeftPadded(torch.full_like(lengths, mask.shape[1]), leftpad)
-        q_mask = mask[:, -seqlen_q:]  # the queries are the last seqlen_q positions (decode: the new ones)
-        return (q_mask.flatten().nonzero().squeeze(1), mask.flatten().nonzero().squeeze(1),
-                _cu_seqlens(q_mask.sum(1, dtype=torch.int32)), _cu_seqlens(mask.sum(1, dtype=torch.int32)))
+            self._entries = [(weakref.ref(tensor), state, value)] + self._entries[:self.slots - 1]
+        return value
 
 
-_PLAN = _UnpadPlan()
+def _unpad_plan(mask, seqlen_q, in_place):
+    """How a padding mask is applied: a _LeftPadded plan where in_place allows and the mask is left
+    padding with every query real (one host sync), else the gather indices and offsets of the real
+    tokens."""
+    mask = mask.bool()
+    if in_place and seqlen_q < mask.shape[1]:
+        lengths = mask.sum(1, dtype=torch.int32)
+        leftpad = mask.shape[1] - lengths
+        starts = torch.arange(mask.shape[1], device=mask.device)[None, :] >= leftpad[:, None]
+        if bool(((starts == mask).all() & (lengths >= seqlen_q).all()).item()):  # the one sync
+            return _LeftPadded(torch.full_like(lengths, mask.shape[1]), leftpad)
+    q_mask = mask[:, -seqlen_q:]  # the queries are the last seqlen_q positions (decode: the new ones)
+    return (q_mask.flatten().nonzero().squeeze(1), mask.flatten().nonzero().squeeze(1),
+            _cu_seqlens(q_mask.sum(1, dtype=torch.int32)), _cu_seqlens(mask.sum(1, dtype=torch.int32)))
+
+
+def _filled_keys(position_ids, key_length):
+    """The keys each row of a step over a cache holds: its last query's position + 1, at most
+    key_length (transformers' static cache has rows past them that hold no token yet, and passes
+    no mask when nothing is padded). Eager: the count as an int where every row agrees (one host
+    sync), else int32 (rows,) counts; traced: the counts."""
+    lengths = (position_ids[:, -1] + 1).clamp(0, key_length).to(torch.int32)
+    if torch.compiler.is_compiling():
+        return lengths
+    low, high = (int(x) for x in torch.stack(lengths.aminmax()).tolist())  # the one sync
+    return high if low == high else lengths
+
+
+_PLAN = _PerTensor(_unpad_plan)  # padding masks
+_FILLED = _PerTensor(_filled_keys)  # position ids
 
 
 def _unpadded(q, k, v, mask, causal, scaling, window, softcap, sinks=None):
@@ -140,11 +157,32 @@ def fa3_attention_forward(module, query, key, value, attention_mask, dropout=0.0
                          "use attn_implementation='eager' to get them")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (batch, seqlen, heads, d) views
+    position_ids = kwargs.get("position_ids")
+    filled = None  # keys each row holds, where a static cache holds rows past them (no mask given)
+    if attention_mask is not None and attention_mask.dim() == 2 and k.shape[1] > attention_mask.shape[1]:
+        # a static cache: its rows past the mask hold no token yet (transformers' flash-attention
+        # path slices them off the same way)
+        k, v = k[:, :attention_mask.shape[1]], v[:, :attention_mask.shape[1]]
+    elif attention_mask is None and isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2 \
+            and q.shape[1] < k.shape[1]:
+        filled = _FILLED.get(position_ids, k.shape[1])
+        if isinstance(filled, int):
+            k, v, filled = k[:, :filled], v[:, :filled], None
     window = _window(sliding_window, k.shape[1])
     softcap = float(softcap or 0.0)
     sinks = kwargs.get("s_aux")
     if sinks is not None:  # (a differentiable cast: the model keeps its sinks in its own dtype)
         sinks = sinks.float()
+    if filled is not None:  # rows that differ, or traced: each row's count, the cache read in place
+        grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))
+        if grad or k.shape != v.shape or not (tma_aligned(k) and tma_aligned(v)):
+            raise ValueError(f"fa3 reads a static cache whose rows hold different numbers of tokens in place "
+                             f"(no gradient), and cannot here (k {tuple(k.shape)}, v {tuple(v.shape)}, "
+                             f"gradients wanted: {grad}); pass the attention_mask, or use a dynamic cache")
+        lengths = filled.expand(q.shape[0]).contiguous() if filled.shape[0] != q.shape[0] else filled
+        out = attention_with_kvcache(q, k, v, cache_seqlens=lengths, causal=causal, softmax_scale=scaling,
+                                     window_size=window, softcap=softcap, sinks=sinks)
+        return out, None
     if attention_mask is None:
         out = attention(q, k, v, causal=causal, softmax_scale=scaling, window_size=window, softcap=softcap,
                         sinks=sinks)
