@@ -214,6 +214,10 @@ def test_static_cache_rows_that_differ_read_in_place(monkeypatch):
     want = _reference_attention(q.transpose(1, 2), k[:, :, :10].transpose(1, 2), k[:, :, :10].transpose(1, 2),
                                 causal=True)
     assert len(calls) == 1 and rel_err(out, want) < 1e-5
+    module.is_causal = False  # cross-attention (an encoder's keys, all real): position ids say nothing of them
+    out, _ = fa3_hf.fa3_attention_forward(module, q, k, k, None, position_ids=torch.tensor([[9]]))
+    want = _reference_attention(q.transpose(1, 2), k.transpose(1, 2), k.transpose(1, 2))
+    assert len(calls) == 1 and rel_err(out, want) < 1e-5
 
 def test_decode_plan_reads_left_padding_in_place():
     """Which decode masks read the cache in place (_LeftPadded: each row's padding, then its keys,

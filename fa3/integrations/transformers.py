@@ -163,8 +163,8 @@ def fa3_attention_forward(module, query, key, value, attention_mask, dropout=0.0
         # a static cache: its rows past the mask hold no token yet (transformers' flash-attention
         # path slices them off the same way)
         k, v = k[:, :attention_mask.shape[1]], v[:, :attention_mask.shape[1]]
-    elif attention_mask is None and isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2 \
-            and q.shape[1] < k.shape[1]:
+    elif attention_mask is None and causal and isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2 \
+            and q.shape[1] < k.shape[1]:  # (causal: a decoder's own cache; cross-attention keys are all real)
         filled = _FILLED.get(position_ids, k.shape[1])
         if isinstance(filled, int):
             k, v, filled = k[:, :filled], v[:, :filled], None
