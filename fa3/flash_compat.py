@@ -66,6 +66,15 @@ def _sinks(**named):
     return sinks
 
 
+def _splits(num_splits) -> dict:
+    """flash-attn 3's num_splits is a cap (its scheduler picks each sequence's count from the lengths,
+    up to it; vLLM passes 16 under full CUDA graphs, for every batch): fa3's max_splits. 1 (no split)
+    and 0 (planned) mean the same in both."""
+    if isinstance(num_splits, int) and not isinstance(num_splits, bool) and num_splits > 1:
+        return {"max_splits": num_splits}
+    return {"num_splits": num_splits}
+
+
 def _descales(q, q_descale, k_descale, v_descale) -> dict:
     """FP8 descale factors as fa3's keywords: flash-attn applies them to FP8 inputs only, and so
     does this (for 16-bit inputs they are checked to be tensors, and not read)."""
@@ -89,7 +98,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
 
     Over a KV cache, as vLLM calls it (keywords of flash-attn 3 / vllm_flash_attn): k and v the
     cache (paged with block_table, any page size, or dense), seqused_k int32 (batch,) each
-    sequence's keys, cu_seqlens_k None, out= a preallocated output, num_splits (0: planned from
+    sequence's keys, cu_seqlens_k None, out= a preallocated output, num_splits (at most that many, as
+    flash-attn 3 reads it: fa3's max_splits; 0: planned from
     shapes), scheduler_metadata (fa3.get_scheduler_metadata), return_softmax_lse -> (out, lse).
     FP8 descales: with float8_e4m3fn q, k, v (packed, no cache), fa3's FP8 forward; with 16-bit
     inputs they are not read, as in flash-attn. s_aux (vLLM's name) or learnable_sink
@@ -101,7 +111,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
     return attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                             softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
                             deterministic=deterministic, block_table=block_table, seqused_k=seqused_k,
-                            out=out, num_splits=num_splits, scheduler_metadata=scheduler_metadata,
+                            out=out, **_splits(num_splits), scheduler_metadata=scheduler_metadata,
                             return_lse=return_softmax_lse,
                             sinks=_sinks(s_aux=s_aux, learnable_sink=learnable_sink), **descales)
 
@@ -148,6 +158,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                   max_seqlen_q=max_seqlen_q, cu_seqlens_k_new=cu_seqlens_k_new,
                                   cache_leftpad=cache_leftpad, causal=causal,
                                   softmax_scale=softmax_scale,
-                                  window_size=window_size, softcap=softcap, num_splits=num_splits,
+                                  window_size=window_size, softcap=softcap, **_splits(num_splits),
                                   return_lse=return_softmax_lse, sinks=_sinks(sinks=sinks, learnable_sink=learnable_sink),
                                   **_descales(q, q_descale, k_descale, v_descale))

@@ -28,7 +28,7 @@ import torch
 from . import _checks, _compile_kvcache, _dispatch, _launch, cache_prefill, index_checks, masking, registry
 from .cache_append import append_packed, append_to_cache
 from .kvcache_checks import check_descales, check_kvcache
-from .split_plan import call_plan
+from .split_plan import call_plan, split_request
 
 
 _DUMMIES: dict = {}
@@ -80,7 +80,9 @@ def launch_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, capaci
         return out.zero_(), lse.fill_(float("-inf"))
     heads_kv = k_cache.shape[2]
     paged = block_table is not None
-    keys = capacity if max_seqlen_k < 0 else min(capacity, max_seqlen_k)
+    # a capped request plans for the capacity: a CUDA graph captured with short sequences (vLLM captures
+    # with max_seqlen_k = 1) replays long ones
+    keys = capacity if max_seqlen_k < 0 or num_splits < 0 else min(capacity, max_seqlen_k)
     sms = _checks.HOPPER_SMS[device]  # (check_kvcache, eager or in the op, checked the device)
     plan = call_plan(spec, head_dim, batch, seqlen_q, rows_q if packed else None, heads_q, heads_kv,
                      k_cache.shape[1] if paged else None, keys, causal, window, softcap, scale, fp8,
@@ -251,7 +253,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
                            causal: bool = False, softmax_scale: float | None = None,
                            window_size=(-1, -1), softcap: float = 0.0, num_splits: int = 0,
                            return_lse: bool = False, kernel: str | None = None, sinks=None,
-                           q_descale=None, k_descale=None, v_descale=None, out=None):
+                           q_descale=None, k_descale=None, v_descale=None, out=None, max_splits: int = 0):
     """softmax(q K^T * softmax_scale) V over each sequence's cached keys, as flash-attn's
     flash_attn_with_kvcache.
 
@@ -282,6 +284,9 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     window_size, softcap: sliding window and capped scores, as fa3.attention (the window is
         aligned the same way, to each sequence's own length).
     num_splits: how many CTAs share each sequence's keys; 0 picks from the shapes and SM count.
+    max_splits: at most this many (flash-attn 3's num_splits: vLLM passes 16 under full CUDA
+        graphs): the count planned from the shapes and the cache's capacity (not max_seqlen_k: a
+        graph captured with short sequences replays long ones), capped; not with num_splits.
     sinks: optional attention sinks, a float32 (heads_q,) tensor, as fa3.attention (not
         differentiated here).
     q_descale, k_descale, v_descale: an FP8 cache (q, k_cache, v_cache, and k, v if given, all
@@ -309,7 +314,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     context survives.
     """
     out, lse = cache_attention(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale,
-                               window_size, softcap, num_splits, kernel, cu_seqlens_q, max_seqlen_q,
-                               out=out, cache_leftpad=cache_leftpad, sinks=sinks,
+                               window_size, softcap, split_request(num_splits, max_splits), kernel, cu_seqlens_q,
+                               max_seqlen_q, out=out, cache_leftpad=cache_leftpad, sinks=sinks,
                                descales=(q_descale, k_descale, v_descale), cu_seqlens_k_new=cu_seqlens_k_new)
     return (out, lse) if return_lse else out

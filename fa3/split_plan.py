@@ -16,6 +16,19 @@ MAX_SPLITS = 64
 MIN_BLOCKS_PER_SPLIT = 4  # below this a split's fixed costs outweigh the keys it reads
 
 
+def split_request(num_splits, max_splits=0) -> int:
+    """A call's split request as one int, as the KV-cache op takes it: n > 0 exactly n CTAs per
+    sequence's keys (num_splits), -n at most n (max_splits: flash-attn 3's num_splits, as vLLM
+    passes 16 under full CUDA graphs), 0 planned from the shapes."""
+    for name, n in (("num_splits", num_splits), ("max_splits", max_splits)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"{name} must be an int >= 0 (0: planned from the shapes), got {n!r}")
+    if num_splits and max_splits:
+        raise ValueError(f"num_splits={num_splits} (exactly) and max_splits={max_splits} (at most) both given: "
+                         "pass one")
+    return -max_splits if max_splits else num_splits
+
+
 def num_splits_for(batch, heads_kv, q_tiles, capacity, sm_count, tile_n=64, ctas_per_sm=1) -> int:
     """Splits of the key range so that batch x heads_kv x q_tiles x splits CTAs fill the SMs'
     CTA slots (ctas_per_sm each: one for the TMA ring, which takes most of the SMEM), each split
@@ -130,7 +143,8 @@ def call_plan(spec, head_dim: int, batch: int, seqlen_q: int, total_q: int | Non
               page_size: int | None, keys: int, causal: bool, window, softcap: float, scale: float, fp8: bool,
               offsets: bool, num_splits: int, sm_count: int) -> CallPlan:
     """The plan of a call against a KV cache: its masking, whether pages are gathered, which entries
-    K5 takes (fa3/cache_prefill.py), the splits (num_splits <= 0: plan_splits) and whether S1 takes
+    K5 takes (fa3/cache_prefill.py), the splits (num_splits as split_request encodes it: 0 plan_splits,
+    -n plan_splits capped at n) and whether S1 takes
     the entries longest first. total_q: packed queries' rows (None: (batch, seqlen_q) queries);
     page_size: None for a dense cache; keys: the most a sequence holds; offsets: keys start past
     position 0 (a left-padded cache, tokens appended in the call). Memoized by its arguments: a
@@ -147,9 +161,10 @@ def call_plan(spec, head_dim: int, batch: int, seqlen_q: int, total_q: int | Non
         long = cache_prefill.plan(spec, head_dim, page_size, seqlen_q, mask.causal, mask.local, total_q is not None,
                                   fp8, offsets)
         s1_queries = seqlen_q if long is None else min(seqlen_q, long.min_queries - 1)
-        if num_splits <= 0:
-            num_splits = plan_splits(spec, batch, cache_prefill.split_queries(long, seqlen_q), heads_q, heads_kv,
-                                     keys, mask, sm_count, head_dim, gather, fp8)
+        if num_splits <= 0:  # planned (0), or planned and capped (-cap: split_request)
+            planned = plan_splits(spec, batch, cache_prefill.split_queries(long, seqlen_q), heads_q, heads_kv,
+                                  keys, mask, sm_count, head_dim, gather, fp8)
+            num_splits = planned if num_splits == 0 else min(planned, -num_splits)
         ctas = s1_ctas(spec, batch, s1_queries, heads_q, heads_kv, num_splits, total_q)
         sort = longest_first(batch, ctas, sm_count * ctas_per_sm(spec, head_dim, gather, fp8))
         if len(_PLANS) > 256:  # shapes that change every call (a serving step's) must not grow it

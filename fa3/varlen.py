@@ -123,7 +123,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None
                      deterministic: bool = False, backward_kernel: str | None = None,
                      block_table=None, seqused_k=None, out=None, num_splits: int = 0,
                      scheduler_metadata=None, sinks=None, q_descale=None, k_descale=None,
-                     v_descale=None):
+                     v_descale=None, max_splits: int = 0):
     """Attention over a packed batch of variable-length sequences, as flash_attn_varlen_func.
 
     q: (total_q, heads_q, d); k, v: (total_k, heads_kv, d); bf16/fp16 on a Hopper GPU, d in
@@ -145,7 +145,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None
     a prefill a longer one); causal aligns each entry's queries to the end of its keys.
     max_seqlen_q bounds the grid (None: total_q), max_seqlen_k the keys for the split plan (None:
     the capacity); num_splits: CTAs per sequence's keys (0: planned from these shapes; see
-    fa3.get_scheduler_metadata; without a cache neither applies: keys are not split). No host
+    fa3.get_scheduler_metadata), max_splits: at most that many (as attention_with_kvcache's; without
+    a cache neither applies: keys are not split). No host
     sync besides the eager value checks (as fa3.attention_with_kvcache: skipped under CUDA-graph
     capture and torch.compile, where the kernel clamps), so the call captures in a CUDA graph at
     fixed shapes. Inference only.
@@ -167,7 +168,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None
                              "sequence holds in the cache")
         split_plan.check_scheduler_metadata(scheduler_metadata, q)
         out, lse = kvcache.cache_attention(q, k, v, None, None, seqused_k, block_table, causal, softmax_scale,
-                                           window_size, softcap, num_splits, kernel, cu_seqlens_q,
+                                           window_size, softcap, split_plan.split_request(num_splits, max_splits),
+                                           kernel, cu_seqlens_q,
                                            max_seqlen_q, max_seqlen_k, out, lengths_name="seqused_k", sinks=sinks,
                                            descales=(q_descale, k_descale, v_descale))
         return (out, lse) if return_lse else out

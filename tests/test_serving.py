@@ -707,6 +707,76 @@ def test_call_plan_memo():
         assert split_plan.call_plan(**{**args, name: value}) is not plan, name
 
 
+
+def test_capped_splits():
+    """max_splits (flash-attn 3's num_splits: a cap, which vLLM passes as 16 under full CUDA graphs for
+    every batch size) plans from the shapes and caps; encoded as -n for the op (split_request), with
+    clear errors for bad requests; the flash-attn names pass num_splits > 1 on as the cap."""
+    spec = fa3.registry.get("s1")
+    args = dict(spec=spec, head_dim=128, batch=1, seqlen_q=1, total_q=None, heads_q=32, heads_kv=8, page_size=16,
+                keys=32768, causal=True, window=(-1, -1), softcap=0.0, scale=0.125, fp8=False, offsets=False,
+                num_splits=split_plan.split_request(0, 16), sm_count=132)
+    assert split_plan.call_plan(**args).num_splits == 16  # 33 planned (two CTAs an SM), capped
+    assert split_plan.call_plan(**{**args, "num_splits": -64}).num_splits == 33
+    assert split_plan.call_plan(**{**args, "batch": 64}).num_splits == 1  # 512 CTAs fill the SMs: no split
+    assert split_plan.call_plan(**{**args, "batch": 4, "page_size": None}).num_splits == 4
+    assert split_plan.split_request(5) == 5 and split_plan.split_request(0) == 0
+    for bad in (dict(num_splits=-1), dict(num_splits=0, max_splits=-2), dict(num_splits=1.5), dict(num_splits=True),
+                dict(num_splits=2, max_splits=4)):
+        with pytest.raises(ValueError, match="splits"):
+            split_plan.split_request(**bad)
+
+    seen = []
+    record = lambda *a, **kw: seen.append({k: kw.get(k) for k in ("num_splits", "max_splits")})
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fa3.flash_compat, "attention_varlen", record)
+        mp.setattr(fa3.flash_compat, "attention_with_kvcache", record)
+        q = torch.empty(4, 8, 128, dtype=torch.bfloat16)
+        for n in (0, 1, 16):
+            fa3.flash_attn_varlen_func(q, q, q, None, seqused_k=q, num_splits=n)
+            fa3.flash_attn_with_kvcache(q, q, q, cache_seqlens=q, num_splits=n)
+    assert seen == [{"num_splits": 0, "max_splits": None}] * 2 + [{"num_splits": 1, "max_splits": None}] * 2 + \
+        [{"num_splits": None, "max_splits": 16}] * 2
+
+
+@gpu
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_vllm_full_graph_capture(page_size, monkeypatch):
+    """vLLM's full CUDA graphs: a decode step captured from its dummy run (every sequence one key long,
+    max_seqlen_k = 1, num_splits = 16) and replayed with the real lengths: right for them, out
+    poisoned before the replay; the splits planned for the cache's capacity (several at batch 3), not
+    for the dummy's one key."""
+    plans = []
+
+    def call_plan(*args, **kw):
+        plan = split_plan.call_plan(*args, **kw)
+        plans.append((args[8], plan.num_splits))  # (keys, splits)
+        return plan
+
+    monkeypatch.setattr(fa3.kvcache, "call_plan", call_plan)
+    gen = torch.Generator(device="cuda").manual_seed(71 + page_size)
+    lens = [3000, 700, 1]
+    k_seqs, v_seqs, k_pool, v_pool, table = _paged_cache(lens, 8, 128, page_size, gen)
+    q = torch.randn(len(lens), 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    seqused = torch.ones(len(lens), dtype=torch.int32, device="cuda")  # the dummy run's lengths
+    out = torch.empty_like(q)
+    step = lambda: fa3.flash_attn_varlen_func(q, k_pool, v_pool, _cu([1] * len(lens)), None, 1, 1, causal=True,
+                                             block_table=table, seqused_k=seqused, out=out, num_splits=16,
+                                             fa_version=3)
+    step()  # compiled outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    seqused.copy_(torch.tensor(lens, dtype=torch.int32))
+    out.fill_(float("nan"))
+    graph.replay()
+    ref = _reference(list(torch.split(q, 1)), k_seqs, v_seqs, True)
+    ref_o = torch.cat([o for o, _ in ref])
+    assert not out.isnan().any() and rel_err(out, ref_o) < TOL
+    capacity = table.shape[1] * page_size
+    assert plans[-1][0] == capacity and 1 < plans[-1][1] <= 16, plans
+
 def test_long_entries_plan():
     """Which calls run their long entries on K5, with which page layout (fa3.cache_prefill)."""
     from fa3 import cache_prefill
