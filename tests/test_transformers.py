@@ -130,10 +130,15 @@ def _reference_kvcache(q, k_cache, v_cache, cache_seqlens, cache_leftpad, causal
 
 
 def _reference_kvcache_call(q, k_cache, v_cache, *, cache_seqlens, cache_leftpad=None, causal, softmax_scale,
-                            window_size, softcap, sinks):
-    """attention_with_kvcache's keyword call, on the float reference."""
+                            window_size, softcap, sinks, cu_seqlens_q=None, max_seqlen_q=None):
+    """attention_with_kvcache's keyword call, on the float reference (packed queries: as many a row)."""
     if cache_leftpad is None:
         cache_leftpad = torch.zeros_like(cache_seqlens)
+    if cu_seqlens_q is not None:
+        assert cu_seqlens_q.tolist() == list(range(0, q.shape[0] + 1, max_seqlen_q))
+        out = _reference_kvcache(q.view(-1, max_seqlen_q, *q.shape[1:]), k_cache, v_cache, cache_seqlens,
+                                 cache_leftpad, causal, softmax_scale, window_size, softcap, sinks)
+        return out.flatten(0, 1)
     return _reference_kvcache(q, k_cache, v_cache, cache_seqlens, cache_leftpad, causal, softmax_scale,
                               window_size, softcap, sinks)
 
@@ -214,10 +219,19 @@ def test_static_cache_rows_that_differ_read_in_place(monkeypatch):
     want = _reference_attention(q.transpose(1, 2), k[:, :, :10].transpose(1, 2), k[:, :, :10].transpose(1, 2),
                                 causal=True)
     assert len(calls) == 1 and rel_err(out, want) < 1e-5
+    q3 = torch.randn(3, 8, 3, 128)  # three queries a row: packed (long ones would run on the prompt kernel)
+    out, _ = fa3_hf.fa3_attention_forward(module, q3, k, k, None, position_ids=torch.tensor([[4, 5, 6], [9, 10, 11],
+                                                                                            [1, 2, 3]]))
+    assert calls[-1] == [7, 12, 4]
+    for row, keys in enumerate((7, 12, 4)):
+        want = _reference_attention(q3[row:row + 1].transpose(1, 2), k[row:row + 1, :, :keys].transpose(1, 2),
+                                    k[row:row + 1, :, :keys].transpose(1, 2), causal=True)
+        assert rel_err(out[row:row + 1], want) < 1e-5
+    calls.clear()
     module.is_causal = False  # cross-attention (an encoder's keys, all real): position ids say nothing of them
     out, _ = fa3_hf.fa3_attention_forward(module, q, k, k, None, position_ids=torch.tensor([[9]]))
     want = _reference_attention(q.transpose(1, 2), k.transpose(1, 2), k.transpose(1, 2))
-    assert len(calls) == 1 and rel_err(out, want) < 1e-5
+    assert not calls and rel_err(out, want) < 1e-5
 
 def test_decode_plan_reads_left_padding_in_place():
     """Which decode masks read the cache in place (_LeftPadded: each row's padding, then its keys,

@@ -72,13 +72,14 @@ class _PerTensor:
         self._build, self._entries = build, []  # [(weak reference, state, value)], the most recent first
 
     def get(self, tensor: torch.Tensor, *args):
+        if torch.compiler.is_compiling():  # traced: built into the graph, nothing kept
+            return self._build(tensor, *args)
         state = (tensor._version, *args)
         for ref, seen, value in self._entries:
             if ref() is tensor and seen == state:
                 return value
         value = self._build(tensor, *args)
-        if not torch.compiler.is_compiling():
-            self._entries = [(weakref.ref(tensor), state, value)] + self._entries[:self.slots - 1]
+        self._entries = [(weakref.ref(tensor), state, value)] + self._entries[:self.slots - 1]
         return value
 
 
@@ -175,14 +176,23 @@ def fa3_attention_forward(module, query, key, value, attention_mask, dropout=0.0
         sinks = sinks.float()
     if filled is not None:  # rows that differ, or traced: each row's count, the cache read in place
         grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))
-        if grad or k.shape != v.shape or not (tma_aligned(k) and tma_aligned(v)):
+        # (traced: fake tensors have no address; the op checks the alignment when it runs)
+        aligned = torch.compiler.is_compiling() or (tma_aligned(k) and tma_aligned(v))
+        if grad or k.shape != v.shape or not aligned:
             raise ValueError(f"fa3 reads a static cache whose rows hold different numbers of tokens in place "
                              f"(no gradient), and cannot here (k {tuple(k.shape)}, v {tuple(v.shape)}, "
                              f"gradients wanted: {grad}); pass the attention_mask, or use a dynamic cache")
-        lengths = filled.expand(q.shape[0]).contiguous() if filled.shape[0] != q.shape[0] else filled
-        out = attention_with_kvcache(q, k, v, cache_seqlens=lengths, causal=causal, softmax_scale=scaling,
-                                     window_size=window, softcap=softcap, sinks=sinks)
-        return out, None
+        batch, seqlen_q = q.shape[:2]
+        lengths = filled.expand(batch).contiguous() if filled.shape[0] != batch else filled
+        kw = dict(cache_seqlens=lengths, causal=causal, softmax_scale=scaling, window_size=window, softcap=softcap,
+                  sinks=sinks)
+        if seqlen_q == 1:
+            return attention_with_kvcache(q, k, v, **kw), None
+        # several queries a row (a prompt): packed, so that long ones run on the prompt kernel
+        cu_seqlens_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device=q.device)
+        out = attention_with_kvcache(q.reshape(batch * seqlen_q, *q.shape[2:]), k, v, cu_seqlens_q=cu_seqlens_q,
+                                     max_seqlen_q=seqlen_q, **kw)
+        return out.view(batch, seqlen_q, *out.shape[1:]), None
     if attention_mask is None:
         out = attention(q, k, v, causal=causal, softmax_scale=scaling, window_size=window, softcap=softcap,
                         sinks=sinks)
