@@ -19,7 +19,9 @@ cache: each step attends to the whole cache, bottom-right aligned. A static cach
 its tokens: with a mask, the rows it covers are read (as transformers' flash-attention path slices
 them); without one (transformers drops an all-ones mask for implementations not named "flash..."),
 each row holds its last query's position + 1 keys (from position_ids: one sync a forward, or read
-in place by the cache call where rows differ or the call is traced). Training runs
+in place by the cache call where rows differ or the call is traced). A flattened batch (padding-free
+training: one row, no mask, each sequence's position ids from 0, or transformers' cu_seq_lens_q/k
+kwargs) runs as the variable-length batch it is, never attending across sequences. Training runs
 fa3's backward, padded batches included (the varlen backward; gradients of padded rows are 0).
 
 Refused with a clear error, never approximated: dropout > 0 while training (fa3 has no attention
@@ -111,8 +113,24 @@ def _filled_keys(position_ids, key_length):
     return high if low == high else lengths
 
 
+def _packed_spans(position_ids):
+    """Where the sequences of a flattened batch start (transformers' padding-free training, as
+    DataCollatorWithFlattening builds it: one row, each sequence's positions counting from 0):
+    (cu_seqlens int32, longest) or None when the row is one sequence. Host syncs: the starts'
+    count and the longest."""
+    positions = position_ids.reshape(-1)
+    starts = (positions == 0).nonzero().reshape(-1)
+    if starts.numel() == 0 or starts[0] != 0:  # the row's first token starts a sequence whatever its position
+        starts = torch.cat([starts.new_zeros(1), starts])
+    if starts.numel() == 1:
+        return None
+    cu_seqlens = torch.cat([starts, starts.new_full((1,), positions.numel())]).to(torch.int32)
+    return cu_seqlens, int(cu_seqlens.diff().max())
+
+
 _PLAN = _PerTensor(_unpad_plan)  # padding masks
-_FILLED = _PerTensor(_filled_keys)  # position ids
+_FILLED = _PerTensor(_filled_keys)  # position ids over a cache
+_PACKED = _PerTensor(_packed_spans)  # position ids of a flattened batch
 
 
 def _unpadded(q, k, v, mask, causal, scaling, window, softcap, sinks=None):
@@ -174,6 +192,21 @@ def fa3_attention_forward(module, query, key, value, attention_mask, dropout=0.0
     sinks = kwargs.get("s_aux")
     if sinks is not None:  # (a differentiable cast: the model keeps its sinks in its own dtype)
         sinks = sinks.float()
+    if attention_mask is None and q.shape[0] == 1 and q.shape[1] == k.shape[1] > 1:
+        # one row, no cache: maybe several sequences packed (padding-free training); transformers' flash
+        # kwargs when the collator made them (no sync), else the position ids
+        spans = None
+        if kwargs.get("cu_seq_lens_q") is not None and kwargs.get("cu_seq_lens_k") is not None:
+            spans = (kwargs["cu_seq_lens_q"].to(torch.int32), kwargs["cu_seq_lens_k"].to(torch.int32),
+                     int(kwargs.get("max_length_q") or q.shape[1]), int(kwargs.get("max_length_k") or k.shape[1]))
+        elif isinstance(position_ids, torch.Tensor) and position_ids.numel() == q.shape[1]:
+            found = _PACKED.get(position_ids)
+            spans = None if found is None else (found[0], found[0], found[1], found[1])
+        if spans is not None:
+            cu_q, cu_k, max_q, max_k = spans
+            out, _ = packed_attention(q[0], k[0], v[0], cu_q, cu_k, max_q, max_k, causal, scaling, window, softcap,
+                                      None, check_values=False, sinks=sinks)
+            return out[None], None
     if filled is not None:  # rows that differ, or traced: each row's count, the cache read in place
         grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))
         # (traced: fake tensors have no address; the op checks the alignment when it runs)
