@@ -7,7 +7,9 @@ microseconds per call of back-to-back calls (perf_counter around --calls calls, 
 one synchronize; best of three rounds), beside the GPU's own time per call (20 calls captured in a
 CUDA graph and replayed: no host in the way). Where wall > GPU the host is the bottleneck, and the
 wall time is what it spends: validation, allocation and launch. A breakdown of fa3.attention's
-host path follows (validation, the direct-call check, allocation, the compiled kernel's own call). Runners: fa3.attention (eager, the default rung), the same into a
+host path follows (validation, the direct-call check, allocation, the compiled kernel's own call), and
+one of a decode step's (fa3.attention's route to the KV-cache kernel, the cache call's checks, its
+four allocations, the S1 and combine calls alone). Runners: fa3.attention (eager, the default rung), the same into a
 preallocated out=, torch.ops.fa3.attention (through the dispatcher, as compiled graphs call it),
 SDPA forced to flash and to cuDNN, flash-attn-4 (flash_attn.cute.flash_attn_func) when it imports;
 fa3.gemm beside torch.matmul.
@@ -33,7 +35,7 @@ from timing import format_table, median_ms, progress, write_json
 import torch
 
 import fa3
-from fa3 import _checks, _compile, _dispatch, _launch, interface, masking, registry
+from fa3 import _checks, _compile, _compile_kvcache, _dispatch, _launch, interface, kvcache, kvcache_checks, masking, registry
 
 # (batch, seqlen, heads, head_dim, causal): the first is the shape the overhead issue measured
 ATTENTION_SHAPES = [(1, 128, 16, 128, False), (1, 128, 16, 128, True)]
@@ -180,6 +182,57 @@ def breakdown(calls: int) -> list[dict]:
     return rows
 
 
+def recorded_launch(getter: str, call):
+    """(compiled kernel, its arguments) of the kernel `call` launches through
+    _compile_kvcache.<getter> (the arguments as that call prepared them)."""
+    real, box = getattr(_compile_kvcache, getter), {}
+
+    def recording_getter(*args, **kwargs):
+        fn = real(*args, **kwargs)
+        return lambda *launch_args: (box.setdefault("call", (fn, launch_args)), fn(*launch_args))
+
+    setattr(_compile_kvcache, getter, recording_getter)
+    try:
+        call()
+    finally:
+        setattr(_compile_kvcache, getter, real)
+    return box["call"]
+
+
+def decode_breakdown(calls: int) -> list[dict]:
+    """Where a decode step's host time goes (the first decode problem, fa3.attention's route and the
+    cache call with tensor lengths): each piece timed alone, back to back; the kernels' calls with
+    their arguments as the call prepared them."""
+    batch, keys, heads_q, heads_kv, head_dim = DECODE_SHAPES[0]
+    q = torch.randn(batch, 1, heads_q, head_dim, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(batch, keys, heads_kv, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    lengths = torch.full((batch,), keys, dtype=torch.int32, device="cuda")
+    step = lambda: fa3.attention_with_kvcache(q, k, v, cache_seqlens=lengths, causal=True)
+    s1, s1_args = recorded_launch("get_kvcache", step)
+    combine, combine_args = recorded_launch("get_combine", step)
+    splits = combine_args[0].shape[0]
+    pieces = [
+        ("fa3.attention (routed to S1)", lambda: fa3.attention(q, k, v, causal=True)),
+        ("validation (check_attention)", lambda: interface.check_attention(q, k, v, None)),
+        ("decodes_over_keys", lambda: kvcache.decodes_over_keys(q, k, v)),
+        ("attention_with_kvcache, all of it", step),
+        ("check_kvcache", lambda: kvcache_checks.check_kvcache(q, k, v, None, None, lengths, None, None, (-1, -1),
+                                                               0.0)),
+        ("four allocations (out, lse, partials)", lambda: (
+            torch.empty_like(q), torch.empty(batch, heads_q, 1, device="cuda"),
+            torch.empty(splits, batch, 1, heads_q, head_dim, device="cuda"),
+            torch.empty(splits, batch, heads_q, 1, device="cuda"))),
+        (f"S1 call alone ({len(s1_args)} arguments)", lambda: s1(*s1_args)),
+        ("combine call alone", lambda: combine(*combine_args)),
+    ]
+    rows = []
+    for name, call in pieces:
+        us = wall_us(call, calls)
+        rows.append({"piece": name, "wall_us": us})
+        progress(f"  {name:<40} {us:8.2f} us")
+    return rows
+
+
 def first_calls() -> list[dict]:
     """first_call.py in fresh processes: an empty disk cache, then the one it filled."""
     rows = []
@@ -213,6 +266,8 @@ def main() -> int:
                        [[r["problem"], r["runner"], r["wall_us"], r["gpu_us"]] for r in rows]))
     progress("fa3.attention's host path, piece by piece:")
     pieces = breakdown(args.calls)
+    progress(f"a decode step's host path, piece by piece ({DECODE_SHAPES[0]}):")
+    pieces += decode_breakdown(args.calls)
     cold = [] if args.no_first_call else first_calls()
     if cold:
         print(format_table(["first call with", "import s", "attention s", "gemm s", "compiled"],
