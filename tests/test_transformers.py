@@ -275,6 +275,43 @@ def test_packed_sequences_on_cpu(kind, given, monkeypatch):
     cu, longest = fa3_hf._packed_spans(torch.tensor([[3, 4, 0, 1, 2, 0]]))  # the first token starts one anyway
     assert cu.tolist() == [0, 2, 5, 6] and cu.dtype == torch.int32 and longest == 3
 
+
+def _more_configs():
+    """Other families' attention as transformers wires it (sliding layers in Qwen3 / Gemma 3 /
+    Cohere2 / StarCoder2, QK norms, Phi-3's fused projections)."""
+    common = dict(vocab_size=256, hidden_size=512, intermediate_size=512, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, attention_dropout=0.0, max_position_embeddings=256)
+    return {
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(common, head_dim=128, use_sliding_window=True,
+                                                          sliding_window=16, max_window_layers=1)),
+        "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(common, head_dim=128, sliding_window=16,
+                                                                 query_pre_attn_scalar=128)),
+        "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(common, pad_token_id=0)),
+        "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", dict(common, head_dim=128, sliding_window=16)),
+    }
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "gemma3", "phi3", "cohere2"])
+def test_more_architectures_on_cpu(kind, monkeypatch):
+    """Left-padded logits and greedy generation with a static cache give eager's, for families the
+    other tests do not build."""
+    monkeypatch.setattr(fa3_hf, "attention", _reference_attention)
+    monkeypatch.setattr(fa3_hf, "packed_attention", _reference_varlen)
+    monkeypatch.setattr(fa3_hf, "attention_with_kvcache", _reference_kvcache_call)
+    config, model_cls, kwargs = _more_configs()[kind]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(getattr(transformers, config)(**kwargs)).eval()
+    ids, mask = batch("cpu", "left")
+    assert rel_err(logits_of(model, "fa3", ids, mask, "left"), logits_of(model, "eager", ids, mask, "left")) < 1e-5
+    runs = {}
+    for impl in ("fa3", "eager"):
+        model.set_attn_implementation(impl)
+        runs[impl] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
+                                    output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+                                    cache_implementation="static")
+    assert torch.equal(runs["fa3"].sequences, runs["eager"].sequences)
+    assert rel_err(torch.stack(runs["fa3"].logits), torch.stack(runs["eager"].logits)) < 1e-5
+
 def test_decode_plan_reads_left_padding_in_place():
     """Which decode masks read the cache in place (_LeftPadded: each row's padding, then its keys,
     the new queries among them) and which are unpadded through gathers."""
