@@ -739,6 +739,28 @@ def test_capped_splits():
         [{"num_splits": None, "max_splits": 16}] * 2
 
 
+
+@gpu
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_vllm_query_layout(page_size):
+    """vLLM's q is a view of the fused QKV projection's output: (tokens, heads_q, d) with a token stride
+    of (heads_q + 2 heads_kv) d. A step of decodes and a prompt chunk on such a q equals the same step on
+    a contiguous copy, bit for bit, and the float64 reference."""
+    gen = torch.Generator(device="cuda").manual_seed(72 + page_size)
+    lens_q, lens_k = [1, 1, 300, 1], [900, 1, 700, 4100]
+    k_seqs, v_seqs, k_pool, v_pool, table = _paged_cache(lens_k, 8, 128, page_size, gen)
+    qkv = torch.randn(sum(lens_q), (32 + 2 * 8) * 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    q = qkv[:, :32 * 128].view(-1, 32, 128)
+    assert not q.is_contiguous()
+    seqused = torch.tensor(lens_k, dtype=torch.int32, device="cuda")
+    run = lambda query: fa3.flash_attn_varlen_func(query, k_pool, v_pool, _cu(lens_q), None, max(lens_q), max(lens_k),
+                                                   causal=True, block_table=table, seqused_k=seqused,
+                                                   return_softmax_lse=True)
+    out, lse = run(q)
+    want, want_lse = run(q.contiguous())
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    _check(out, lse, _reference(list(torch.split(q, lens_q)), k_seqs, v_seqs, True), f"page {page_size}")
+
 @gpu
 @pytest.mark.parametrize("page_size", [16, 64])
 def test_vllm_full_graph_capture(page_size, monkeypatch):
