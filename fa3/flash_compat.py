@@ -122,7 +122,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
                             return_softmax_lse=False, *, page_table=None, cu_seqlens_q=None,
                             max_seqlen_q=None, cu_seqlens_k_new=None, scheduler_metadata=None,
-                            q_descale=None, k_descale=None, v_descale=None, sinks=None, learnable_sink=None):
+                            q_descale=None, k_descale=None, v_descale=None, sinks=None, learnable_sink=None,
+                            out=None, pack_gqa=None, sm_margin=0, attention_chunk=0, ver=None):
     """flash_attn.flash_attn_with_kvcache: new k/v (if given) are written into the cache in place at
     cache_seqlens, then q attends to each sequence's cache -> out, or (out, softmax_lse).
     cache_leftpad: where each sequence's keys start in a left-padded dense cache. flash-attn 3's
@@ -131,7 +132,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     flash-attn 3 does), scheduler_metadata,
     FP8 descales (an FP8 cache: float8_e4m3fn q,
     k_cache, v_cache; not read with 16-bit inputs), sinks
-    (SGLang's name) or learnable_sink (flash-attn-4's): attention sinks, fa3's `sinks`."""
+    (SGLang's name) or learnable_sink (flash-attn-4's): attention sinks, fa3's `sinks`; out= a
+    preallocated output; pack_gqa (a hint: fa3's cache kernel always packs the query heads of a KV
+    head), sm_margin and attention_chunk at their defaults, and ver (SGLang's kernel selector) 3."""
     for name, value in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
                         ("cache_batch_idx", cache_batch_idx), ("alibi_slopes", alibi_slopes)):
         if value is not None:
@@ -144,7 +147,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             raise TypeError(f"cu_seqlens_k_new must be a tensor or None, not {type(cu_seqlens_k_new).__name__}")
         if k is None and v is None:
             cu_seqlens_k_new = None
-    del rotary_interleaved  # only meaningful with rotary_cos/sin
+    del rotary_interleaved, pack_gqa  # only meaningful with rotary_cos/sin; a hint fa3 always follows
+    _refuse("ver", ver, None if ver is None else 3, "fa3 is FlashAttention-3: ver=4 selects flash-attn-4 in SGLang")
+    _refuse("sm_margin", sm_margin, 0, "fa3's split plan uses every SM")
+    _refuse("attention_chunk", attention_chunk, 0, "chunked local attention is not implemented; a sliding "
+            "window is (window_size)")
     if page_table is not None:
         if block_table is not None:
             raise ValueError("pass block_table or page_table (the same argument), not both")
@@ -160,4 +167,5 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                   softmax_scale=softmax_scale,
                                   window_size=window_size, softcap=softcap, **_splits(num_splits),
                                   return_lse=return_softmax_lse, sinks=_sinks(sinks=sinks, learnable_sink=learnable_sink),
+                                  out=out,
                                   **_descales(q, q_descale, k_descale, v_descale))

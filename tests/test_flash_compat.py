@@ -34,7 +34,8 @@ FLASH_ATTN_3_KEYWORDS = {
     "flash_attn_varlen_func": {"seqused_k", "return_softmax_lse", "out", "scheduler_metadata", "num_splits",
                                "q_descale", "k_descale", "v_descale", "fa_version", "s_aux"},
     "flash_attn_with_kvcache": {"page_table", "cu_seqlens_q", "max_seqlen_q", "cu_seqlens_k_new",
-                                "scheduler_metadata", "q_descale", "k_descale", "v_descale", "sinks"},
+                                "scheduler_metadata", "q_descale", "k_descale", "v_descale", "sinks", "out",
+                                "pack_gqa", "sm_margin", "attention_chunk", "ver"},
 }
 
 
@@ -80,6 +81,20 @@ def test_kvcache_refuses_what_fa3_lacks(option):
     raises_with(fa3.flash_attn_with_kvcache, NotImplementedError, option, q=q, k_cache=k, v_cache=v,
                 cache_seqlens=4, **{option: torch.zeros(1)})
 
+
+
+def test_kvcache_takes_sglangs_keywords():
+    """SGLang's cache calls pass ver=3 (its kernel selector), out=, and flash-attn 3's pack_gqa; they
+    reach fa3's checks (CPU tensors: refused for their device). ver=4 (flash-attn-4), an SM margin and
+    chunked local attention are refused by name."""
+    q, k, v = _qkv()
+    out = torch.empty_like(q)
+    raises_with(fa3.flash_attn_with_kvcache, ValueError, "cpu", q=q, k_cache=k, v_cache=v, cache_seqlens=4,
+                ver=3, out=out, pack_gqa=True)
+    for option, words in ((dict(ver=4), ("ver=4", "flash-attn-4")), (dict(sm_margin=8), ("sm_margin=8",)),
+                          (dict(attention_chunk=8192), ("attention_chunk=8192", "window_size"))):
+        raises_with(fa3.flash_attn_with_kvcache, NotImplementedError, *words, q=q, k_cache=k, v_cache=v,
+                    cache_seqlens=4, **option)
 
 def test_kvcache_cu_seqlens_k_new_without_new_keys_is_ignored():
     """SGLang passes cu_seqlens_k_new on every cache call, with k=v=None (the new tokens are in the
