@@ -745,7 +745,8 @@ def test_capped_splits():
 def test_vllm_query_layout(page_size):
     """vLLM's q is a view of the fused QKV projection's output: (tokens, heads_q, d) with a token stride
     of (heads_q + 2 heads_kv) d. A step of decodes and a prompt chunk on such a q equals the same step on
-    a contiguous copy, bit for bit, and the float64 reference."""
+    a contiguous copy, bit for bit, and the float64 reference; so does the cache in vLLM's "HND"
+    layout (heads outermost within a page)."""
     gen = torch.Generator(device="cuda").manual_seed(72 + page_size)
     lens_q, lens_k = [1, 1, 300, 1], [900, 1, 700, 4100]
     k_seqs, v_seqs, k_pool, v_pool, table = _paged_cache(lens_k, 8, 128, page_size, gen)
@@ -760,6 +761,14 @@ def test_vllm_query_layout(page_size):
     want, want_lse = run(q.contiguous())
     assert torch.equal(out, want) and torch.equal(lse, want_lse)
     _check(out, lse, _reference(list(torch.split(q, lens_q)), k_seqs, v_seqs, True), f"page {page_size}")
+    # vLLM's "HND" cache layout: each page's heads outermost in memory, the same (pages, page_size,
+    # heads_kv, d) view with other strides
+    k_hnd, v_hnd = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k_pool, v_pool))
+    assert not k_hnd.is_contiguous() and torch.equal(k_hnd, k_pool)
+    out_hnd, lse_hnd = fa3.flash_attn_varlen_func(q, k_hnd, v_hnd, _cu(lens_q), None, max(lens_q), max(lens_k),
+                                                  causal=True, block_table=table, seqused_k=seqused,
+                                                  return_softmax_lse=True)
+    assert torch.equal(out_hnd, want) and torch.equal(lse_hnd, want_lse)
 
 @gpu
 @pytest.mark.parametrize("page_size", [16, 64])
