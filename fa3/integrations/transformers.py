@@ -21,7 +21,9 @@ them); without one (transformers drops an all-ones mask for implementations not 
 each row holds its last query's position + 1 keys (from position_ids: one sync a forward, or read
 in place by the cache call where rows differ or the call is traced). A flattened batch (padding-free
 training: one row, no mask, each sequence's position ids from 0, or transformers' cu_seq_lens_q/k
-kwargs) runs as the variable-length batch it is, never attending across sequences. Training runs
+kwargs) runs as the variable-length batch it is, never attending across sequences; under
+torch.compile only the kwargs are read (finding the sequences in the position ids would break the
+graph at every layer: DataCollatorWithFlattening(return_flash_attn_kwargs=True) provides them). Training runs
 fa3's backward, padded batches included (the varlen backward; gradients of padded rows are 0).
 
 Refused with a clear error, never approximated: dropout > 0 while training (fa3 has no attention
@@ -199,7 +201,8 @@ def fa3_attention_forward(module, query, key, value, attention_mask, dropout=0.0
         if kwargs.get("cu_seq_lens_q") is not None and kwargs.get("cu_seq_lens_k") is not None:
             spans = (kwargs["cu_seq_lens_q"].to(torch.int32), kwargs["cu_seq_lens_k"].to(torch.int32),
                      int(kwargs.get("max_length_q") or q.shape[1]), int(kwargs.get("max_length_k") or k.shape[1]))
-        elif isinstance(position_ids, torch.Tensor) and position_ids.numel() == q.shape[1]:
+        elif isinstance(position_ids, torch.Tensor) and position_ids.numel() == q.shape[1] \
+                and not torch.compiler.is_compiling():  # (traced: finding them would break every layer's graph)
             found = _PACKED.get(position_ids)
             spans = None if found is None else (found[0], found[0], found[1], found[1])
         if spans is not None:
