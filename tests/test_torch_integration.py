@@ -173,3 +173,31 @@ def test_second_process_loads_from_the_disk_cache(tmp_path):
     slow = {k: second[k] for k in ("attention_first_s", "gemm_first_s") if second[k] > FIRST_CALL_BUDGET_S}
     if slow:
         warnings.warn(f"first calls with a warm disk cache took {slow} (budget {FIRST_CALL_BUDGET_S} s)")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_tensors_on_a_gpu_other_than_the_current_one():
+    """A model split across GPUs (transformers' device_map="auto") calls fa3 on tensors of cuda:1
+    while cuda:0 is the current device: forward, backward, the decode route and the cache call give
+    what the same calls give with cuda:1 current, and the current device is left as it was."""
+    assert torch.cuda.current_device() == 0
+    gen = torch.Generator(device="cuda:1").manual_seed(8)
+    q, k, v = (torch.randn(2, 1000, 8, 128, device="cuda:1", dtype=BF16, generator=gen, requires_grad=True)
+               for _ in range(3))
+    dq = torch.randn_like(q)
+    qd = torch.randn(1, 1, 32, 128, device="cuda:1", dtype=BF16, generator=gen)
+    kd, vd = (torch.randn(1, 16384, 8, 128, device="cuda:1", dtype=BF16, generator=gen) for _ in range(2))
+
+    def calls():
+        out = fa3.attention(q, k, v, causal=True, deterministic=True)  # (bitwise repeatable gradients)
+        grads = torch.autograd.grad(out, (q, k, v), dq)
+        decode = fa3.attention(qd, kd, vd, causal=True)  # K and V of 64 MiB: the KV-cache kernel
+        cached = fa3.attention_with_kvcache(qd, kd, vd, cache_seqlens=9000, causal=True)
+        return [out, *grads, decode, cached]
+
+    got = calls()
+    assert torch.cuda.current_device() == 0
+    with torch.cuda.device(1):
+        want = calls()
+    for a, b in zip(got, want):
+        assert a.device == torch.device("cuda:1") and torch.equal(a, b)
