@@ -147,7 +147,8 @@ class _Staging:
     of back-to-back calls closer together, but cost host-bound calls 30-50% more: worklog
     adoption.md.)"""
 
-    def __init__(self):
+    def __init__(self, device):
+        self.device = device
         self.copied = torch.cuda.Event()
         self.host = torch.empty(0, dtype=torch.int32)
 
@@ -162,7 +163,9 @@ class _Staging:
             views.append(self.host[start:start + t.numel()].view(t.shape))
             views[-1].copy_(t, non_blocking=True)
             start += t.numel()
-        self.copied.record()
+        # on the tensors' device's stream, where the copies went (not the current device's: a model
+        # split across GPUs calls with cuda:1 tensors while cuda:0 is current)
+        self.copied.record(torch.cuda.current_stream(self.device))
         return views
 
 
@@ -175,7 +178,7 @@ def _staging(device) -> _Staging:
         per_device = _PER_THREAD.staging = {}
     staging = per_device.get(device)
     if staging is None:
-        staging = per_device[device] = _Staging()
+        staging = per_device[device] = _Staging(device)
     return staging
 
 

@@ -192,7 +192,8 @@ def test_tensors_on_a_gpu_other_than_the_current_one():
         out = fa3.attention(q, k, v, causal=True, deterministic=True)  # (bitwise repeatable gradients)
         grads = torch.autograd.grad(out, (q, k, v), dq)
         decode = fa3.attention(qd, kd, vd, causal=True)  # K and V of 64 MiB: the KV-cache kernel
-        cached = fa3.attention_with_kvcache(qd, kd, vd, cache_seqlens=9000, causal=True)
+        lengths = torch.full((1,), 9000, dtype=torch.int32, device="cuda:1")  # checked on the host
+        cached = fa3.attention_with_kvcache(qd, kd, vd, cache_seqlens=lengths, causal=True)
         return [out, *grads, decode, cached]
 
     got = calls()
@@ -201,3 +202,9 @@ def test_tensors_on_a_gpu_other_than_the_current_one():
         want = calls()
     for a, b in zip(got, want):
         assert a.device == torch.device("cuda:1") and torch.equal(a, b)
+    # the host check waits for its copy on cuda:1's stream (queued behind this work), not cuda:0's
+    busy = fa3.attention(q.detach(), k.detach(), v.detach(), causal=True)  # queue work ahead of the copy
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        fa3.attention_with_kvcache(qd, kd, vd, cache_seqlens=torch.full((1,), 20000, dtype=torch.int32,
+                                                                        device="cuda:1"))
+    assert torch.isfinite(busy).all()
