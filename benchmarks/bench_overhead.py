@@ -174,11 +174,16 @@ def breakdown(calls: int) -> list[dict]:
         ("launch_attention (allocates lse)", lambda: interface.launch_attention(spec, q, k, v, causal, 0.1, out)),
         ("compiled kernel call alone", lambda: fn(*args)),
     ]
+    return time_pieces(pieces, calls)
+
+
+def time_pieces(pieces, calls: int) -> list[dict]:
+    """Wall microseconds per call of each (name, call), back to back, printed as they come."""
     rows = []
     for name, call in pieces:
         us = wall_us(call, calls)
         rows.append({"piece": name, "wall_us": us})
-        progress(f"  {name:<34} {us:8.2f} us")
+        progress(f"  {name:<40} {us:8.2f} us")
     return rows
 
 
@@ -225,12 +230,7 @@ def decode_breakdown(calls: int) -> list[dict]:
         (f"S1 call alone ({len(s1_args)} arguments)", lambda: s1(*s1_args)),
         ("combine call alone", lambda: combine(*combine_args)),
     ]
-    rows = []
-    for name, call in pieces:
-        us = wall_us(call, calls)
-        rows.append({"piece": name, "wall_us": us})
-        progress(f"  {name:<40} {us:8.2f} us")
-    return rows
+    return time_pieces(pieces, calls)
 
 
 def first_calls() -> list[dict]:

@@ -82,7 +82,6 @@ def test_kvcache_refuses_what_fa3_lacks(option):
                 cache_seqlens=4, **{option: torch.zeros(1)})
 
 
-
 def test_kvcache_takes_sglangs_keywords():
     """SGLang's cache calls pass ver=3 (its kernel selector), out=, and flash-attn 3's pack_gqa; they
     reach fa3's checks (CPU tensors: refused for their device). ver=4 (flash-attn-4), an SM margin and

@@ -116,7 +116,6 @@ def test_attention_decode_steps_run_on_s1(head_dim, seqlen_q, variant):
     assert torch.equal(got, same)
 
 
-
 @gpu
 def test_attention_decode_steps_in_a_graph_first():
     """fa3.attention's decode steps read a lengths tensor kept per device and batch: a CUDA graph that

@@ -707,7 +707,6 @@ def test_call_plan_memo():
         assert split_plan.call_plan(**{**args, name: value}) is not plan, name
 
 
-
 def test_capped_splits():
     """max_splits (flash-attn 3's num_splits: a cap, which vLLM passes as 16 under full CUDA graphs for
     every batch size) plans from the shapes and caps; encoded as -n for the op (split_request), with
@@ -737,7 +736,6 @@ def test_capped_splits():
             fa3.flash_attn_with_kvcache(q, q, q, cache_seqlens=q, num_splits=n)
     assert seen == [{"num_splits": 0, "max_splits": None}] * 2 + [{"num_splits": 1, "max_splits": None}] * 2 + \
         [{"num_splits": None, "max_splits": 16}] * 2
-
 
 
 @gpu

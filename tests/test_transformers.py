@@ -66,6 +66,21 @@ def logits_of(model, impl, ids, mask, padding):
     return out.float() * mask[..., None]  # padded positions do not count
 
 
+def greedy_runs(model, ids, mask, impls, max_new_tokens, **generate_kwargs):
+    """{impl: model.generate(...)} for each attention implementation, greedy, with its logits."""
+    runs = {}
+    for impl in impls:
+        model.set_attn_implementation(impl)
+        runs[impl] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                    do_sample=False, output_logits=True, return_dict_in_generate=True,
+                                    pad_token_id=0, **generate_kwargs)
+    return runs
+
+
+def assert_same_generation(runs, tol):
+    assert torch.equal(runs["fa3"].sequences, runs["eager"].sequences)
+    assert rel_err(torch.stack(runs["fa3"].logits), torch.stack(runs["eager"].logits)) < tol
+
 # ----------------------------------------------------------------------------- CPU: the mapping
 def _reference_attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
                          sinks=None):
@@ -128,7 +143,6 @@ def _reference_kvcache(q, k_cache, v_cache, cache_seqlens, cache_leftpad, causal
     return torch.cat(rows)
 
 
-
 def _reference_kvcache_call(q, k_cache, v_cache, *, cache_seqlens, cache_leftpad=None, causal, softmax_scale,
                             window_size, softcap, sinks, cu_seqlens_q=None, max_seqlen_q=None):
     """attention_with_kvcache's keyword call, on the float reference (packed queries: as many a row)."""
@@ -161,15 +175,8 @@ def test_generation_mapping_on_cpu(kind, monkeypatch):
     monkeypatch.setattr(fa3_hf, "attention_with_kvcache", kvcache)
     model = make_model(kind, "cpu", torch.float32)
     ids, mask = batch("cpu", "left")
-    runs = {}
-    for impl in ("fa3", "eager"):
-        model.set_attn_implementation(impl)
-        runs[impl] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
-                                    output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-    assert torch.equal(runs["fa3"].sequences, runs["eager"].sequences)
-    assert rel_err(torch.stack(runs["fa3"].logits), torch.stack(runs["eager"].logits)) < 1e-4
+    assert_same_generation(greedy_runs(model, ids, mask, ("fa3", "eager"), 4), 1e-4)
     assert calls and set(calls) == {1}  # the decode steps, one new query each, read the cache in place
-
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt_oss"])
@@ -184,14 +191,7 @@ def test_static_cache_generation_on_cpu(kind, padding, monkeypatch):
     monkeypatch.setattr(fa3_hf, "attention_with_kvcache", _reference_kvcache_call)
     model = make_model(kind, "cpu", torch.float32)
     ids, mask = batch("cpu", padding)
-    runs = {}
-    for impl in ("fa3", "eager"):
-        model.set_attn_implementation(impl)
-        runs[impl] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
-                                    output_logits=True, return_dict_in_generate=True, pad_token_id=0,
-                                    cache_implementation="static")
-    assert torch.equal(runs["fa3"].sequences, runs["eager"].sequences)
-    assert rel_err(torch.stack(runs["fa3"].logits), torch.stack(runs["eager"].logits)) < 1e-4
+    assert_same_generation(greedy_runs(model, ids, mask, ("fa3", "eager"), 4, cache_implementation="static"), 1e-4)
 
 
 def test_static_cache_rows_that_differ_read_in_place(monkeypatch):
@@ -303,14 +303,7 @@ def test_more_architectures_on_cpu(kind, monkeypatch):
     model = getattr(transformers, model_cls)(getattr(transformers, config)(**kwargs)).eval()
     ids, mask = batch("cpu", "left")
     assert rel_err(logits_of(model, "fa3", ids, mask, "left"), logits_of(model, "eager", ids, mask, "left")) < 1e-5
-    runs = {}
-    for impl in ("fa3", "eager"):
-        model.set_attn_implementation(impl)
-        runs[impl] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
-                                    output_logits=True, return_dict_in_generate=True, pad_token_id=0,
-                                    cache_implementation="static")
-    assert torch.equal(runs["fa3"].sequences, runs["eager"].sequences)
-    assert rel_err(torch.stack(runs["fa3"].logits), torch.stack(runs["eager"].logits)) < 1e-5
+    assert_same_generation(greedy_runs(model, ids, mask, ("fa3", "eager"), 3, cache_implementation="static"), 1e-5)
 
 def test_decode_plan_reads_left_padding_in_place():
     """Which decode masks read the cache in place (_LeftPadded: each row's padding, then its keys,
@@ -352,7 +345,6 @@ def test_decode_plan_reads_left_padding_in_place():
             fa3_hf._unpadded(torch.randn(3, 17, 8, 128), torch.randn(3, 30, 2, 128), torch.randn(3, 30, 2, 128),
                              torch.ones(3, 30, dtype=torch.long), True, None, (-1, -1), 0.0)  # 17 x 4 rows
         assert len(calls) == 1
-
 
 
 def test_plans_kept_per_mask_for_alternating_layer_kinds(monkeypatch):
@@ -410,7 +402,6 @@ def test_gradients_match(kind, padding):
     assert torch.isfinite(got).all() and rel_err(got, want) < 5e-2
 
 
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["llama", "gpt_oss"])
 def test_packed_sequences_match_eager(kind):
@@ -438,12 +429,7 @@ def test_generation_matches_sdpa(kind, padding, cache):
     model = make_model(kind, "cuda", torch.bfloat16)
     ids, mask = batch("cuda", padding)
     ref = "eager" if kind == "gpt_oss" else "sdpa"
-    runs = {}
-    for impl in ("fa3", ref):
-        model.set_attn_implementation(impl)
-        runs[impl] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False,
-                                    output_logits=True, return_dict_in_generate=True, pad_token_id=0,
-                                    cache_implementation=cache)
+    runs = greedy_runs(model, ids, mask, ("fa3", ref), 16, cache_implementation=cache)
     for row in range(ids.shape[0]):
         a, b = runs["fa3"].sequences[row, 40:], runs[ref].sequences[row, 40:]
         differ = (a != b).nonzero()
