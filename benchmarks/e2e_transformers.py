@@ -4,7 +4,7 @@ attn_implementation="sdpa" and "fa3", timed and compared side by side.
     python benchmarks/e2e_transformers.py [--layers 4] [--seqlen 8192] [--only train,...]
                                           [--profile] [--json FILE]
 
-Four workloads, bf16 on one GPU:
+Workloads, bf16 on one GPU:
   prefill       a padded batch (4 prompts of seqlen, 3/4, 1/2 and 1/4 of it, left-padded):
                 forward only; logits compared on the real tokens.
   train         one training step (forward + backward) on batch 2 x seqlen, unpadded; losses compared.
@@ -12,6 +12,8 @@ Four workloads, bf16 on one GPU:
                 fa3 runs the packed (varlen) forward and backward; losses compared.
   generate      4 left-padded prompts of 512..2048 tokens, 64 new tokens, greedy, transformers'
                 cache; tokens compared (a first difference must be a near tie of sdpa's top two).
+  generate-b1   the same for one unpadded prompt of 4096 tokens (no mask: a host-bound loop).
+  generate-static  the 4 prompts with cache_implementation="static" (rows past the tokens).
 Times are medians of --repeats runs after a warm-up run (CUDA-synchronized wall time).
 --profile prints each implementation's 12 most expensive GPU kernels per workload (one run).
 """
@@ -121,21 +123,24 @@ def train(model, args, gen, pad):
     return [name, times, f"loss rel. diff {diff:.1e}"], True
 
 
-def generate(model, args, gen):
-    """Greedy generation through transformers' cache; tokens compared."""
+def generate(model, args, gen, lengths=(2048, 1536, 1024, 512), cache=None, label="generate 64 tokens (4 prompts)"):
+    """Greedy generation through transformers' cache (`cache`: its cache_implementation, None: the
+    default dynamic one); tokens compared."""
     model.eval()
-    ids, mask = padded([2048, 1536, 1024, 512], 2048, gen)
+    longest = max(lengths)
+    ids, mask = padded(list(lengths), longest, gen)
+    extra = {} if cache is None else {"cache_implementation": cache}
     times, runs = {}, {}
     for impl in IMPLS:
         model.set_attn_implementation(impl)
         times[impl], runs[impl] = timed(
             lambda: model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=64, do_sample=False,
-                                   output_logits=True, return_dict_in_generate=True, pad_token_id=0),
-            args.repeats, args.profile, f"generate {impl}")
-        progress(f"generate     {impl:5s} {times[impl]:8.2f} ms")
+                                   output_logits=True, return_dict_in_generate=True, pad_token_id=0, **extra),
+            args.repeats, args.profile, f"{label} {impl}")
+        progress(f"{label}  {impl:5s} {times[impl]:8.2f} ms")
     same, ties, bad = 0, 0, 0
     for row in range(ids.shape[0]):
-        x, y = runs["fa3"].sequences[row, 2048:], runs["sdpa"].sequences[row, 2048:]
+        x, y = runs["fa3"].sequences[row, longest:], runs["sdpa"].sequences[row, longest:]
         differ = (x != y).nonzero()
         if not len(differ):
             same += 1
@@ -146,13 +151,16 @@ def generate(model, args, gen):
             ties += 1
         else:
             bad += 1
-    return (["generate 64 tokens (4 prompts)", times,
-             f"{same}/4 identical, {ties} near-tie divergences, {bad} unexplained"], bad == 0)
+    return ([label, times, f"{same}/{len(lengths)} identical, {ties} near-tie divergences, {bad} unexplained"],
+            bad == 0)
 
 
 IMPLS = ("sdpa", "fa3")
 WORKLOADS = {"prefill": prefill, "train": lambda m, a, g: train(m, a, g, pad=False),
-             "train-padded": lambda m, a, g: train(m, a, g, pad=True), "generate": generate}
+             "train-padded": lambda m, a, g: train(m, a, g, pad=True), "generate": generate,
+             "generate-b1": lambda m, a, g: generate(m, a, g, (4096,), label="generate 64 tokens (1 prompt, 4096)"),
+             "generate-static": lambda m, a, g: generate(m, a, g, cache="static",
+                                                         label="generate 64 tokens (4 prompts, static cache)")}
 
 
 def main(argv=None) -> int:
