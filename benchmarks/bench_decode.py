@@ -21,8 +21,8 @@ time per call (CUDA events, median), the K/V bytes read per microsecond, and tha
 the device-to-device copy bandwidth measured in the same run (bytes read + written per second by a
 large copy).
 SDPA peers see the cache as dense (batch, heads, keys, d) tensors with enable_gqa (uniform cases
-only: they take no per-sequence lengths); flash-attn-4 runs its varlen entry with seqused_k (and
-page_table for the paged rows).
+only: they take no per-sequence lengths), eager and replayed from a CUDA graph; flash-attn-4 runs
+its varlen entry with seqused_k (and page_table for the paged rows).
 
 Varlen prefill (causal, same heads): 32 prompts of 100-4000 tokens (seeded), packed, against the
 same prompts padded to the longest (fa3.attention and cuDNN on the padded batch: what a user without
@@ -134,7 +134,8 @@ def runners(q, k, v, seqlens, table, peers):
                 def call(b=b):
                     with torch.nn.attention.sdpa_kernel([b]):
                         return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
-                out[name] = call
+                # replayed too: batch-1 decodes are host-bound eager, and cuDNN splits the keys as fa3 does
+                out.update({name: call, f"{name} (graph)": graphed(call)})
     if "fa4" in peers:
         try:
             from flash_attn.cute import flash_attn_varlen_func
