@@ -30,6 +30,20 @@ def _refuse(name: str, given, unset, why: str) -> None:
         raise NotImplementedError(f"{name}={given!r} is not supported by fa3 ({why}); leave it at {unset!r}")
 
 
+def _check_fa3_options(qv=None, attention_chunk=0, sm_margin=0, seqused_q=None) -> None:
+    """flash-attn 3's options beyond flash-attn 2's, at the values fa3 implements (pack_gqa, a hint,
+    is accepted by the callers: fa3 packs the query heads of a KV head where that pays)."""
+    if qv is not None:
+        raise NotImplementedError("qv (a second query part for DeepSeek's absorbed MLA) is not supported by fa3; "
+                                  "leave it at None")
+    if seqused_q is not None:
+        raise NotImplementedError("seqused_q is not supported by fa3: the queries of entry b are all of "
+                                  "cu_seqlens_q's rows [b, b + 1); leave it at None")
+    _refuse("attention_chunk", attention_chunk, 0, "chunked local attention is not implemented; a sliding "
+            "window is (window_size)")
+    _refuse("sm_margin", sm_margin, 0, "fa3's kernels and split plan use every SM")
+
+
 def _check_common(dropout_p, alibi_slopes, return_attn_probs):
     _refuse("dropout_p", dropout_p, 0.0, "attention dropout is not implemented; apply dropout elsewhere")
     if alibi_slopes is not None:
@@ -41,13 +55,18 @@ def _check_common(dropout_p, alibi_slopes, return_attn_probs):
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                     softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                    learnable_sink=None, q_descale=None, k_descale=None, v_descale=None):
+                    learnable_sink=None, q_descale=None, k_descale=None, v_descale=None, qv=None,
+                    attention_chunk=0, num_splits=1, pack_gqa=None, sm_margin=0):
     """flash_attn.flash_attn_func: q (batch, seqlen_q, heads_q, d), k and v (batch, seqlen_k,
     heads_kv, d) -> out shaped like q. Differentiable (window and softcap included).
     learnable_sink: flash-attn-4's name for attention sinks (fa3.attention's `sinks`: float32
     (heads_q,); a 16-bit one is cast). q/k/v_descale (flash-attn 3's): with float8_e4m3fn q, k, v,
-    fa3's FP8 forward; with 16-bit inputs they are not read, as in flash-attn."""
+    fa3's FP8 forward; with 16-bit inputs they are not read, as in flash-attn. flash-attn 3's other
+    keywords are taken at the values fa3 implements: num_splits and pack_gqa (speed hints; the
+    result is the same), qv None, attention_chunk and sm_margin 0."""
     _check_common(dropout_p, alibi_slopes, return_attn_probs)
+    _check_fa3_options(qv, attention_chunk, sm_margin)
+    del num_splits, pack_gqa  # (keys are split only over a KV cache; GQA packing is fa3's choice)
     return attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                      softcap=softcap, deterministic=deterministic, sinks=_sinks(learnable_sink=learnable_sink),
                      **_descales(q, q_descale, k_descale, v_descale))
@@ -92,7 +111,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
                            alibi_slopes=None, deterministic=False, return_attn_probs=False,
                            block_table=None, *, seqused_k=None, return_softmax_lse=False, out=None,
                            scheduler_metadata=None, num_splits=0, q_descale=None, k_descale=None,
-                           v_descale=None, fa_version=None, s_aux=None, learnable_sink=None):
+                           v_descale=None, fa_version=None, s_aux=None, learnable_sink=None, seqused_q=None,
+                           qv=None, attention_chunk=0, pack_gqa=None, sm_margin=0):
     """flash_attn.flash_attn_varlen_func: q (total_q, heads_q, d), k and v (total_k, heads_kv, d),
     int32 cumulative offsets -> out shaped like q; differentiable (as fa3.attention_varlen).
 
@@ -105,6 +125,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
     inputs they are not read, as in flash-attn. s_aux (vLLM's name) or learnable_sink
     (flash-attn-4's): attention sinks, fa3's `sinks`."""
     _check_common(dropout_p, alibi_slopes, return_attn_probs)
+    _check_fa3_options(qv, attention_chunk, sm_margin, seqused_q)
+    del pack_gqa  # a hint: fa3 packs the query heads of a KV head where that pays
     descales = _descales(q, q_descale, k_descale, v_descale)
     _refuse("fa_version", fa_version, None if fa_version is None else 3, "fa3 is FlashAttention-3")
     window_size = (-1, -1) if window_size is None else window_size  # (flash-attn 3's default)
@@ -149,9 +171,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             cu_seqlens_k_new = None
     del rotary_interleaved, pack_gqa  # only meaningful with rotary_cos/sin; a hint fa3 always follows
     _refuse("ver", ver, None if ver is None else 3, "fa3 is FlashAttention-3: ver=4 selects flash-attn-4 in SGLang")
-    _refuse("sm_margin", sm_margin, 0, "fa3's split plan uses every SM")
-    _refuse("attention_chunk", attention_chunk, 0, "chunked local attention is not implemented; a sliding "
-            "window is (window_size)")
+    _check_fa3_options(attention_chunk=attention_chunk, sm_margin=sm_margin)
     if page_table is not None:
         if block_table is not None:
             raise ValueError("pass block_table or page_table (the same argument), not both")

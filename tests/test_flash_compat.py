@@ -29,10 +29,11 @@ FLASH_ATTN = {
                                "return_softmax_lse=False",
 }
 # flash-attn 3's serving keywords (keyword-only after flash-attn 2's parameters), as vLLM and SGLang pass them
+FA3_OPTIONS = {"qv", "attention_chunk", "pack_gqa", "sm_margin"}  # flash-attn 3's, at the values fa3 implements
 FLASH_ATTN_3_KEYWORDS = {
-    "flash_attn_func": {"q_descale", "k_descale", "v_descale"},
+    "flash_attn_func": {"q_descale", "k_descale", "v_descale", "num_splits"} | FA3_OPTIONS,
     "flash_attn_varlen_func": {"seqused_k", "return_softmax_lse", "out", "scheduler_metadata", "num_splits",
-                               "q_descale", "k_descale", "v_descale", "fa_version", "s_aux"},
+                               "q_descale", "k_descale", "v_descale", "fa_version", "s_aux", "seqused_q"} | FA3_OPTIONS,
     "flash_attn_with_kvcache": {"page_table", "cu_seqlens_q", "max_seqlen_q", "cu_seqlens_k_new",
                                 "scheduler_metadata", "q_descale", "k_descale", "v_descale", "sinks", "out",
                                 "pack_gqa", "sm_margin", "attention_chunk", "ver"},
@@ -81,6 +82,25 @@ def test_kvcache_refuses_what_fa3_lacks(option):
     raises_with(fa3.flash_attn_with_kvcache, NotImplementedError, option, q=q, k_cache=k, v_cache=v,
                 cache_seqlens=4, **{option: torch.zeros(1)})
 
+
+
+def test_flash_attn_3_options():
+    """Code written for flash-attn 3's interface passes num_splits and pack_gqa (speed hints: taken, the
+    call reaches fa3's checks, here refused for its CPU tensors); qv, seqused_q, attention_chunk and
+    sm_margin at other values than fa3 implements are refused by name."""
+    q, k, v = _qkv()
+    cu = torch.tensor([0, 16], dtype=torch.int32)
+    raises_with(fa3.flash_attn_func, ValueError, "cpu", q=q, k=k, v=v, causal=True, num_splits=4, pack_gqa=True)
+    raises_with(fa3.flash_attn_varlen_func, ValueError, "cpu", q=q[0], k=k[0], v=v[0], cu_seqlens_q=cu,
+                cu_seqlens_k=cu, max_seqlen_q=16, max_seqlen_k=16, pack_gqa=False)
+    refused = ((dict(qv=q), ("qv",)), (dict(attention_chunk=4096), ("attention_chunk=4096",)),
+               (dict(sm_margin=4), ("sm_margin=4",)))
+    for option, words in refused:
+        raises_with(fa3.flash_attn_func, NotImplementedError, *words, q=q, k=k, v=v, **option)
+        raises_with(fa3.flash_attn_varlen_func, NotImplementedError, *words, q=q[0], k=k[0], v=v[0],
+                    cu_seqlens_q=cu, cu_seqlens_k=cu, **option)
+    raises_with(fa3.flash_attn_varlen_func, NotImplementedError, "seqused_q", q=q[0], k=k[0], v=v[0],
+                cu_seqlens_q=cu, cu_seqlens_k=cu, seqused_q=torch.tensor([16], dtype=torch.int32))
 
 def test_kvcache_takes_sglangs_keywords():
     """SGLang's cache calls pass ver=3 (its kernel selector), out=, and flash-attn 3's pack_gqa; they
