@@ -187,8 +187,10 @@ def fa3_attention_forward(module, query, key, value, attention_mask, dropout=0.0
     elif attention_mask is None and causal and isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2 \
             and q.shape[1] < k.shape[1]:  # (causal: a decoder's own cache; cross-attention keys are all real)
         filled = _FILLED.get(position_ids, k.shape[1])
-        if isinstance(filled, int):
-            k, v, filled = k[:, :filled], v[:, :filled], None
+        if isinstance(filled, int):  # every row alike: the rows past them sliced off (a dynamic cache has none)
+            if filled < k.shape[1]:
+                k, v = k[:, :filled], v[:, :filled]
+            filled = None
     window = _window(sliding_window, k.shape[1])
     softcap = float(softcap or 0.0)
     sinks = kwargs.get("s_aux")
@@ -215,9 +217,10 @@ def fa3_attention_forward(module, query, key, value, attention_mask, dropout=0.0
         # (traced: fake tensors have no address; the op checks the alignment when it runs)
         aligned = torch.compiler.is_compiling() or (tma_aligned(k) and tma_aligned(v))
         if grad or k.shape != v.shape or not aligned:
-            raise ValueError(f"fa3 reads a static cache whose rows hold different numbers of tokens in place "
-                             f"(no gradient), and cannot here (k {tuple(k.shape)}, v {tuple(v.shape)}, "
-                             f"gradients wanted: {grad}); pass the attention_mask, or use a dynamic cache")
+            raise ValueError(f"fa3 reads a static cache in place by each row's token count (rows that differ, or "
+                             f"under torch.compile), which takes no gradient and needs k and v alike and "
+                             f"TMA-aligned; here k {tuple(k.shape)}, v {tuple(v.shape)}, gradients wanted: {grad}: "
+                             "pass the attention_mask, or use a dynamic cache")
         batch, seqlen_q = q.shape[:2]
         lengths = filled.expand(batch).contiguous() if filled.shape[0] != batch else filled
         kw = dict(cache_seqlens=lengths, causal=causal, softmax_scale=scaling, window_size=window, softcap=softcap,
