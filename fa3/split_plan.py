@@ -6,6 +6,7 @@ CTAs share an SM. `get_scheduler_metadata` is flash-attn 3's name for computing 
 
 from __future__ import annotations
 
+import operator
 from typing import NamedTuple
 
 import torch
@@ -20,9 +21,16 @@ def split_request(num_splits, max_splits=0) -> int:
     """A call's split request as one int, as the KV-cache op takes it: n > 0 exactly n CTAs per
     sequence's keys (num_splits), -n at most n (max_splits: flash-attn 3's num_splits, as vLLM
     passes 16 under full CUDA graphs), 0 planned from the shapes."""
+    counts = []
     for name, n in (("num_splits", num_splits), ("max_splits", max_splits)):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        try:  # any integer (numpy's too), not a bool or a float
+            count = operator.index(n) if not isinstance(n, bool) else -1
+        except TypeError:
+            count = -1
+        if count < 0:
             raise ValueError(f"{name} must be an int >= 0 (0: planned from the shapes), got {n!r}")
+        counts.append(count)
+    num_splits, max_splits = counts
     if num_splits and max_splits:
         raise ValueError(f"num_splits={num_splits} (exactly) and max_splits={max_splits} (at most) both given: "
                          "pass one")
