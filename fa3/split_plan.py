@@ -194,9 +194,10 @@ def get_scheduler_metadata(batch_size: int, max_seqlen_q: int, max_seqlen_k: int
     most keys, window, SM count), so there is nothing to precompute on the device: a call with
     these shapes and num_splits=0 derives the same count on the host, in microseconds, with no
     device read, and a captured graph replays it. The plan is returned as an int32 tensor (1,) on
-    cache_seqlens' device holding the split count (num_splits if > 0), for code that keeps the
-    metadata in a buffer and passes it back as attention_varlen(..., scheduler_metadata=...),
-    which accepts and checks it. page_size (row gathers below 64) and qkv_dtype (float8_e4m3fn: an
+    cache_seqlens' device holding the split count (num_splits if > 0: flash-attn 3's cap, which the
+    call itself applies to its own plan, as the flash-attn names pass num_splits on as max_splits),
+    for code that keeps the metadata in a buffer and passes it back as attention_varlen(...,
+    scheduler_metadata=...), which accepts and checks it. page_size (row gathers below 64) and qkv_dtype (float8_e4m3fn: an
     FP8 cache) enter the plan, and so do cu_seqlens_q and cache_leftpad where they send long
     entries to K5 (fa3/cache_prefill.py: S1 then plans for the short ones only); headdim_v,
     cu_seqlens_k_new, max_seqlen_k_new and pack_gqa do not change it and are accepted for the
