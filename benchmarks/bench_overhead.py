@@ -187,21 +187,25 @@ def time_pieces(pieces, calls: int) -> list[dict]:
     return rows
 
 
-def recorded_launch(getter: str, call):
-    """(compiled kernel, its arguments) of the kernel `call` launches through
-    _compile_kvcache.<getter> (the arguments as that call prepared them)."""
-    real, box = getattr(_compile_kvcache, getter), {}
+def recorded_launches(getters, call) -> dict:
+    """{getter: (compiled kernel, its arguments)} of the kernels one `call` launches through
+    _compile_kvcache.<getter> for each of `getters` (the arguments as that call prepared them)."""
+    real, recorded = {g: getattr(_compile_kvcache, g) for g in getters}, {}
 
-    def recording_getter(*args, **kwargs):
-        fn = real(*args, **kwargs)
-        return lambda *launch_args: (box.setdefault("call", (fn, launch_args)), fn(*launch_args))
+    def recording(getter):
+        def get(*args, **kwargs):
+            fn = real[getter](*args, **kwargs)
+            return lambda *launch_args: (recorded.setdefault(getter, (fn, launch_args)), fn(*launch_args))
+        return get
 
-    setattr(_compile_kvcache, getter, recording_getter)
+    for getter in getters:
+        setattr(_compile_kvcache, getter, recording(getter))
     try:
         call()
     finally:
-        setattr(_compile_kvcache, getter, real)
-    return box["call"]
+        for getter in getters:
+            setattr(_compile_kvcache, getter, real[getter])
+    return recorded
 
 
 def decode_breakdown(calls: int) -> list[dict]:
@@ -213,8 +217,8 @@ def decode_breakdown(calls: int) -> list[dict]:
     k, v = (torch.randn(batch, keys, heads_kv, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     lengths = torch.full((batch,), keys, dtype=torch.int32, device="cuda")
     step = lambda: fa3.attention_with_kvcache(q, k, v, cache_seqlens=lengths, causal=True)
-    s1, s1_args = recorded_launch("get_kvcache", step)
-    combine, combine_args = recorded_launch("get_combine", step)
+    launches = recorded_launches(("get_kvcache", "get_combine"), step)
+    (s1, s1_args), (combine, combine_args) = launches["get_kvcache"], launches["get_combine"]
     splits = combine_args[0].shape[0]
     pieces = [
         ("fa3.attention (routed to S1)", lambda: fa3.attention(q, k, v, causal=True)),

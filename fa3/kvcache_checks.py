@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks, _dispatch, index_checks, masking, registry
+from . import _checks, _dispatch, _launch, index_checks, masking, registry
 
 
 def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kernel, window_size, softcap,
@@ -53,8 +53,7 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kernel,
     if heads_kv == 0 or heads_q % heads_kv:
         raise ValueError(f"heads_q={heads_q} must be a multiple of the cache's heads_kv={heads_kv}")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        s = t.stride()
-        if t.data_ptr() % 16 or any(x % 8 for x in s[:3]) or t.device != q.device:
+        if t.device != q.device or not _launch.tma_aligned(t):  # (in 16 bytes, not 8 elements: FP8 too)
             raise ValueError(f"{name} must be on {q.device} with a 16-byte aligned base and strides "
                              "(the kernel reads it with TMA and the cache is updated in place, so fa3 "
                              f"cannot copy it): allocate it with torch.empty(...) contiguous")

@@ -162,6 +162,10 @@ def test_fp8_cache_checks(no_device_check):
                 k_cache=b16[1], v_cache=b16[2], q_descale=torch.ones(2, 2), **call)
     raises_with(fa3.attention_with_kvcache, TypeError, "k", "float8_e4m3fn", q=q, k_cache=k, v_cache=v,
                 k=torch.randn(2, 1, 2, 64, dtype=torch.bfloat16), v=torch.randn(2, 1, 2, 64).to(FP8), **call)
+    # heads 72 one-byte elements apart: a multiple of 8 elements, not of 16 bytes (TMA's rule)
+    narrow = torch.zeros(*k.shape[:3], 72).to(FP8)[..., :64]
+    raises_with(fa3.attention_with_kvcache, ValueError, "k_cache", "16-byte aligned", q=q, k_cache=narrow,
+                v_cache=v, **call)
 
 
 def test_fp8_cache_op_out_dtype():

@@ -52,6 +52,11 @@ def _window(sliding_window, key_length):
     return (sliding_window - 1, sliding_window - 1)
 
 
+def _wants_grad(*tensors) -> bool:
+    """Whether autograd records this call: then the cache call (no gradient) cannot serve it."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def _cu_seqlens(lengths: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
 
@@ -140,7 +145,7 @@ def _unpadded(q, k, v, mask, causal, scaling, window, softcap, sinks=None):
     on the real tokens -> the padded layout again (padded query rows are 0); or, for a decode step
     over a left-padded cache (no gradient wanted), attention_with_kvcache over it in place."""
     batch, seqlen_q = q.shape[:2]
-    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))
+    grad = _wants_grad(q, k, v, sinks)
     # in place: the cache as attention_with_kvcache reads it (TMA-aligned, k and v alike), few queries
     in_place = not grad and not torch.compiler.is_compiling() and mask.shape[1] == k.shape[1] \
         and k.shape == v.shape and tma_aligned(k) and tma_aligned(v) and decode_rows_fit(q, k)
@@ -213,7 +218,7 @@ def fa3_attention_forward(module, query, key, value, attention_mask, dropout=0.0
                                       None, check_values=False, sinks=sinks)
             return out[None], None
     if filled is not None:  # rows that differ, or traced: each row's count, the cache read in place
-        grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))
+        grad = _wants_grad(q, k, v, sinks)
         # (traced: fake tensors have no address; the op checks the alignment when it runs)
         aligned = torch.compiler.is_compiling() or (tma_aligned(k) and tma_aligned(v))
         if grad or k.shape != v.shape or not aligned:
