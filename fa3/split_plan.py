@@ -200,7 +200,8 @@ def get_scheduler_metadata(batch_size: int, max_seqlen_q: int, max_seqlen_k: int
     qkv_dtype (float8_e4m3fn: an FP8 cache) enter the plan, and so do cu_seqlens_q and cache_leftpad where they send long
     entries to K5 (fa3/cache_prefill.py: S1 then plans for the short ones only); headdim_v,
     cu_seqlens_k_new, max_seqlen_k_new and pack_gqa do not change it and are accepted for the
-    signature."""
+    signature. sm_margin is accepted too, and the plan counts every SM: the call runs on all of them
+    (the flash names refuse sm_margin != 0), and a plan for fewer would not be the call's."""
     if headdim_v not in (None, headdim):
         raise ValueError(f"headdim_v={headdim_v} != headdim={headdim}: fa3 needs the same head_dim for q, k, v")
     if num_heads_kv <= 0 or num_heads_q % num_heads_kv:
@@ -210,7 +211,7 @@ def get_scheduler_metadata(batch_size: int, max_seqlen_q: int, max_seqlen_k: int
     device = cache_seqlens.device
     if num_splits > 0:  # given: nothing to plan (nor an SM count to read)
         return torch.full((1,), num_splits, dtype=torch.int32, device=device)
-    sms = max(1, _checks.sm_count(device.index if device.index is not None else 0) - sm_margin)
+    sms = _checks.sm_count(device.index if device.index is not None else 0)
     # as the call plans it: a packed call's long entries go to K5 (S1 then plans for the short ones);
     # total_q, unknown here, bounds S1's grid only, not the splits
     num_splits = call_plan(spec, headdim, batch_size, max_seqlen_q, None if cu_seqlens_q is None else max_seqlen_q,

@@ -850,6 +850,11 @@ def test_scheduler_metadata_plans_as_the_call(monkeypatch):
     assert meta() == whole_run  # batched queries: S1 takes the whole call
     assert meta(cu_seqlens_q=cu, qkv_dtype=torch.float8_e4m3fn) == \
         split_plan.plan_splits(spec, 1, 1000, 32, 8, 32768, mask, 132, 128, True, True)  # FP8: S1 only
+    # the call runs on every SM, so the plan counts them all (a decode's splits depend on the count)
+    decode = lambda **kw: int(fa3.get_scheduler_metadata(1, 1, 32768, 32, 8, 128, lens, page_size=16, causal=True,
+                                                          **kw)[0])
+    assert decode(sm_margin=66) == decode() == split_plan.plan_splits(spec, 1, 1, 32, 8, 32768, mask, 132, 128, True)
+    assert split_plan.plan_splits(spec, 1, 1, 32, 8, 32768, mask, 66, 128, True) != decode()
 
 
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
