@@ -5,11 +5,14 @@ against its family, the head dim and the variants the call needs (window, softca
 that name the argument. Eager calls remember what they resolved (memo_rung: one dict lookup).
 
 Direct calls: a plain eager call runs an op's implementation itself (direct_call_ok); traced
-calls, dispatch and function modes, functorch transforms, autograd and the profiler go through
-torch.ops.fa3 (fa3.ops).
+calls, dispatch and function modes, functorch transforms and autograd go through torch.ops.fa3
+(fa3.ops). Under torch.profiler a direct call runs inside a range named as its op (op_range), so
+profiles name it as they would the op, without the dispatcher and without the op's copy into out=.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -28,17 +31,26 @@ _profiling = torch._C._autograd._profiler_enabled
 def direct_call_ok(*tensors) -> bool:
     """Whether calling an op's implementation directly does exactly what dispatching through
     torch.ops.fa3 would: not traced (torch.compile, torch.export), no dispatch or function modes
-    (FakeTensorMode, FlopCounterMode, ...), no functorch transforms, plain tensors that need no
-    autograd, and no profiler (which should see the op by name). The dispatcher costs ~10 us a
-    call; the eager wrappers skip it when this holds."""
-    if tracing() or dispatch_modes() or _function_modes() \
-            or _functorch_transforms() or _profiling():
+    (FakeTensorMode, FlopCounterMode, ...), no functorch transforms, and plain tensors that need no
+    autograd. The dispatcher costs ~10 us a call; the eager wrappers skip it when this holds (and
+    name the call for a profiler with op_range)."""
+    if tracing() or dispatch_modes() or _function_modes() or _functorch_transforms():
         return False
     grad = torch.is_grad_enabled()
     for t in tensors:
         if type(t) is not torch.Tensor or (grad and t.requires_grad):
             return False
     return True
+
+
+_NO_RANGE = contextlib.nullcontext()
+
+
+def op_range(op: str):
+    """The context a direct call runs in: under torch.profiler a range named `op` ("fa3::attention",
+    ...), so profiles show the call by its op's name; otherwise nothing. (Dispatching to the op
+    instead would cost the dispatcher, and a functional op's result must be copied into out=.)"""
+    return torch.profiler.record_function(op) if _profiling() else _NO_RANGE
 
 
 # (resolver, arguments) -> rung, for arguments the resolver accepted: eager calls skip the registry

@@ -116,13 +116,16 @@ def _backward(spec, tensors, cu_seqlens, causal, softmax_scale, window_size, sof
     _dispatch.check_variants(spec, masking.masking(causal, window, softcap, scale), "backward_kernel")
     direct = _dispatch.direct_call_ok(*tensors) and (sinks is None or _dispatch.direct_call_ok(sinks))
     if cu_seqlens is None and direct:
-        grads = launch_attention_backward(spec, *tensors, causal, scale, deterministic, window, softcap, sinks)
+        with _dispatch.op_range("fa3::attention_backward"):
+            grads = launch_attention_backward(spec, *tensors, causal, scale, deterministic, window, softcap,
+                                              sinks)
     elif cu_seqlens is None:
         grads = torch.ops.fa3.attention_backward(*tensors, causal, scale, spec.name, deterministic, window[0],
                                                  window[1], softcap, sinks)
     elif direct:
-        grads = launch_varlen_backward(spec, *tensors, *cu_seqlens, causal, scale, deterministic, window,
-                                       softcap, sinks)
+        with _dispatch.op_range("fa3::attention_varlen_backward"):
+            grads = launch_varlen_backward(spec, *tensors, *cu_seqlens, causal, scale, deterministic, window,
+                                           softcap, sinks)
     else:
         grads = torch.ops.fa3.attention_varlen_backward(*tensors, *cu_seqlens, causal, scale, spec.name,
                                                         deterministic, window[0], window[1], softcap, sinks)

@@ -164,7 +164,8 @@ def attention_fp8(q, k, v, q_descale, k_descale, v_descale, *, causal, softmax_s
     out_dtype = torch.bfloat16 if out is None else out.dtype
     cu = cu_seqlens or (None, None)
     if _dispatch.direct_call_ok(q, k, v, *descales, *(t for t in cu if t is not None)):
-        result, lse = launch_attention_fp8(spec, q, k, v, descales, mask, out_dtype, out, cu_seqlens)
+        with _dispatch.op_range("fa3::attention_fp8"):
+            result, lse = launch_attention_fp8(spec, q, k, v, descales, mask, out_dtype, out, cu_seqlens)
     else:
         result, lse = torch.ops.fa3.attention_fp8(q, k, v, *descales, causal, scale, spec.name,
                                                   window[0], window[1], float(softcap), out_dtype, *cu)

@@ -101,10 +101,11 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
             _dispatch.check_variants(backward_spec, mask, "backward_kernel")
     _checks.check_rung_sinks(spec, sinks, q.shape[2], q.device)
     if _dispatch.direct_call_ok(q, k, v) and (sinks is None or _dispatch.direct_call_ok(sinks)):
-        if kernel is None and kvcache.decodes_over_keys(q, k, v):  # a decode step: S1 (no gradient here)
-            out, lse = kvcache.decode_attention(q, k, v, causal, scale, out, window, softcap, sinks)
-        else:
-            out, lse = launch_attention(spec, q, k, v, causal, scale, out, window, softcap, sinks)
+        with _dispatch.op_range("fa3::attention"):
+            if kernel is None and kvcache.decodes_over_keys(q, k, v):  # a decode step: S1 (no gradient)
+                out, lse = kvcache.decode_attention(q, k, v, causal, scale, out, window, softcap, sinks)
+            else:
+                out, lse = launch_attention(spec, q, k, v, causal, scale, out, window, softcap, sinks)
     else:
         if backward_spec is None:  # the op names one, never run without gradients
             backward_spec = _dispatch.memo_rung(_dispatch.backward_rung, backward_kernel, q.shape[3],

@@ -232,9 +232,10 @@ def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, sof
         append_to_cache(k_cache, v_cache, k, v, seqlens, block_table, capacity)
     if _dispatch.direct_call_ok(q, k_cache, v_cache, *(descales or ())) and \
             (sinks is None or _dispatch.direct_call_ok(sinks)):
-        out, lse = launch_kvcache(spec, q, k_cache, v_cache, seqlens, block_table, capacity, appended,
-                                  bool(causal), scale, int(num_splits), window, softcap, cu_seqlens_q, max_q,
-                                  max_seqlen_k, out, cache_leftpad, sinks, descales)
+        with _dispatch.op_range("fa3::attention_kvcache"):
+            out, lse = launch_kvcache(spec, q, k_cache, v_cache, seqlens, block_table, capacity, appended,
+                                      bool(causal), scale, int(num_splits), window, softcap, cu_seqlens_q,
+                                      max_q, max_seqlen_k, out, cache_leftpad, sinks, descales)
     else:
         out_dtype = None if descales is None else (torch.bfloat16 if out is None else out.dtype)
         result, lse = torch.ops.fa3.attention_kvcache(q, k_cache, v_cache, seqlens, block_table, appended,

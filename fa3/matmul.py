@@ -206,7 +206,8 @@ def gemm(a, b, *, out=None, kernel: str | None = None, scale_a=None, scale_b=Non
         return gemm_fp8(a, b, scale_a, scale_b, out, out_dtype, kernel)
     spec = check_gemm(a, b, out, kernel)
     if _dispatch.direct_call_ok(a, b):
-        return launch_gemm(spec, a, b, out)
+        with _dispatch.op_range("fa3::gemm"):
+            return launch_gemm(spec, a, b, out)
     result = torch.ops.fa3.gemm(a, b, spec.name)
     return result if out is None else out.copy_(result)  # the op is functional
 
@@ -327,6 +328,7 @@ def gemm_fp8(a, b, scale_a, scale_b, out, out_dtype, kernel):
     """fa3.gemm's FP8 branch (the public docstring is fa3.gemm's)."""
     spec, scales, out_dtype = check_gemm_fp8(a, b, scale_a, scale_b, out, out_dtype, kernel)
     if _dispatch.direct_call_ok(a, b, *scales):
-        return launch_gemm(spec, a, b, out, scales, out_dtype)
+        with _dispatch.op_range("fa3::gemm_fp8"):
+            return launch_gemm(spec, a, b, out, scales, out_dtype)
     result = torch.ops.fa3.gemm_fp8(a, b, *scales, spec.name, out_dtype)
     return result if out is None else out.copy_(result)

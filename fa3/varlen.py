@@ -33,8 +33,9 @@ def packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     # (unchecked, e.g. a tensor) takes the long tiles, as an unknown one does
     rows = max_seqlen_q if isinstance(max_seqlen_q, int) else None
     if _dispatch.direct_call_ok(q, k, v) and (sinks is None or _dispatch.direct_call_ok(sinks)):
-        return launch_varlen(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, bool(causal), scale, window, softcap,
-                             out, sinks, rows)
+        with _dispatch.op_range("fa3::attention_varlen"):
+            return launch_varlen(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, bool(causal), scale, window,
+                                 softcap, out, sinks, rows)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                               or getattr(sinks, "requires_grad", False))
     # v's head dim matters to the backward only when there is one (a forward rung took it already)

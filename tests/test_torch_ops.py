@@ -125,8 +125,24 @@ def test_direct_call_only_for_plain_eager_tensors():
         assert not _dispatch.direct_call_ok(mode.from_tensor(t))
         assert not _dispatch.direct_call_ok(t)  # a dispatch mode is active
     assert not _dispatch.direct_call_ok(torch.nn.Parameter(t))  # a subclass
-    with torch.profiler.profile():  # the profiler should see fa3::attention by name
-        assert not _dispatch.direct_call_ok(t)
+    with torch.profiler.profile():  # the profiler sees direct calls by name (op_range)
+        assert _dispatch.direct_call_ok(t)
+
+
+def test_profiled_calls_run_direct_under_their_op_name(no_device_check, monkeypatch):
+    """Under torch.profiler an eager call still runs its implementation directly, writing into out=
+    (no functional op whose result is then copied), inside a range named as the op."""
+    from fa3 import interface
+
+    written = []
+    monkeypatch.setattr(interface, "launch_attention",
+                        lambda spec, q, k, v, causal, scale, out, *a: written.append(out) or (out, None))
+    q = meta(1, 128, 4, 64)
+    out = torch.empty_like(q)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        assert fa3.attention(q, q, q, out=out) is out
+    assert written and written[0] is out
+    assert "fa3::attention" in {e.key for e in prof.key_averages()}
 
 
 @pytest.mark.parametrize("heads_kv", [4, 1], ids=["mha", "mqa"])
