@@ -238,6 +238,10 @@ KERNELS: dict[str, KernelSpec] = {
             "k5.5 on FP8 e4m3 q/k/v: e4m3 WGMMA (k32) for both GEMMs, V^T from a transpose kernel, P rounded "
             "to e4m3 in registers in the A operand's order, descales folded into the scales",
             config=FP8_CONFIG, per_head_dim=FP8_TILES, ptx_promises=FP8_PTX, ptx_forbids=FP8_FORBIDS,
+            # the default at d128 and d256 (H100: 1.08-1.47x f2 at d256 from 2k, 1.01-1.12x at d128
+            # from 8k); at d64 f2 serves: 1.03-1.16x f1 at 512-2k, within 3% from 8k (two
+            # sessions' tables and a probe), with no V^T kernel nor its V-sized buffer
+            default_head_dims=(128, 256),
             speed_rank=1, persistent=True, variants=VARIANTS,
         ),
         KernelSpec(
