@@ -367,9 +367,10 @@ def test_fp8_descale_forms(form):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel", FP8_RUNGS)
 @pytest.mark.parametrize("variant", ["window", "softcap", "out_fp16", "no_keys_for_first_rows"])
-def test_fp8_variants(kernel, variant):
+@pytest.mark.parametrize("d", [64, 128])  # d64: f2 is the default there
+def test_fp8_variants(kernel, variant, d):
     (q8, k8, v8), scales, (q, k, v) = quantized(2, 700 if variant != "no_keys_for_first_rows" else 900,
-                                                500, 4, 2, 128, seed=9)
+                                                500, 4, 2, d, seed=9)
     kwargs, ref_kwargs = {}, {}
     if variant == "window":
         kwargs = ref_kwargs = dict(window_size=(100, 30))
@@ -384,7 +385,7 @@ def test_fp8_variants(kernel, variant):
     if variant == "out_fp16":
         assert out is kwargs["out"] and out.dtype == torch.float16
     ref_out, ref_lse = attention_reference(q, k, v, dtype=torch.float64, **ref_kwargs)
-    check(out, lse, ref_out, ref_lse, f"{kernel} {variant}")
+    check(out, lse, ref_out, ref_lse, f"{kernel} {variant} d{d}")
 
 
 @pytest.mark.gpu
