@@ -16,14 +16,12 @@ Everything else is validated by the fa3 function each one calls.
 
 from __future__ import annotations
 
-import operator
-
 import torch
 
 from . import _checks
 from .interface import attention
 from .kvcache import attention_with_kvcache
-from .split_plan import check_scheduler_metadata
+from .split_plan import check_scheduler_metadata, split_count
 from .varlen import attention_varlen
 
 
@@ -91,11 +89,8 @@ def _splits(num_splits) -> dict:
     """flash-attn 3's num_splits is a cap (its scheduler picks each sequence's count from the lengths,
     up to it; vLLM passes 16 under full CUDA graphs, for every batch): fa3's max_splits. 1 (no split)
     and 0 (planned) mean the same in both."""
-    try:  # (the integers split_request takes; anything else goes on as num_splits, which it refuses)
-        cap = operator.index(num_splits) if not isinstance(num_splits, bool) else 0
-    except TypeError:
-        cap = 0
-    return {"max_splits": num_splits} if cap > 1 else {"num_splits": num_splits}
+    # (anything but an integer goes on as num_splits, which split_request refuses)
+    return {"max_splits": num_splits} if split_count(num_splits) > 1 else {"num_splits": num_splits}
 
 
 def _descales(q, q_descale, k_descale, v_descale) -> dict:

@@ -17,16 +17,24 @@ MAX_SPLITS = 64
 MIN_BLOCKS_PER_SPLIT = 4  # below this a split's fixed costs outweigh the keys it reads
 
 
+def split_count(n) -> int:
+    """n as a split count: any integer (numpy's too) as an int, -1 for anything else (a bool, a
+    float, None), which split_request refuses."""
+    if isinstance(n, bool):
+        return -1
+    try:
+        return operator.index(n)
+    except TypeError:
+        return -1
+
+
 def split_request(num_splits, max_splits=0) -> int:
     """A call's split request as one int, as the KV-cache op takes it: n > 0 exactly n CTAs per
     sequence's keys (num_splits), -n at most n (max_splits: flash-attn 3's num_splits, as vLLM
     passes 16 under full CUDA graphs), 0 planned from the shapes."""
     counts = []
     for name, n in (("num_splits", num_splits), ("max_splits", max_splits)):
-        try:  # any integer (numpy's too), not a bool or a float
-            count = operator.index(n) if not isinstance(n, bool) else -1
-        except TypeError:
-            count = -1
+        count = split_count(n)
         if count < 0:
             raise ValueError(f"{name} must be an int >= 0 (0: planned from the shapes), got {n!r}")
         counts.append(count)
