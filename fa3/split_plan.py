@@ -161,9 +161,10 @@ def call_plan(spec, head_dim: int, batch: int, seqlen_q: int, total_q: int | Non
     """The plan of a call against a KV cache: its masking, whether pages are gathered, which entries
     K5 takes (fa3/cache_prefill.py), the splits (num_splits as split_request encodes it: 0
     plan_splits, -n plan_splits capped at n) and whether S1 takes the entries longest first.
-    total_q: packed queries' rows (None: (batch, seqlen_q) queries); page_size: None for a dense cache; keys: the most a sequence holds; offsets: keys start past
-    position 0 (a left-padded cache, tokens appended in the call). Memoized by its arguments: a
-    decode loop's calls repeat them, and the plan is tens of microseconds of Python."""
+    total_q: packed queries' rows (None: (batch, seqlen_q) queries); page_size: None for a dense
+    cache; keys: the most a sequence holds; offsets: keys start past position 0 (a left-padded
+    cache, tokens appended in the call). Memoized by its arguments: a decode loop's calls repeat
+    them, and the plan is tens of microseconds of Python."""
     key = (spec.name, head_dim, batch, seqlen_q, total_q, heads_q, heads_kv, page_size, keys, causal,
            tuple(window), softcap, scale, fp8, offsets, num_splits, sm_count)
     plan = _PLANS.get(key)
@@ -205,8 +206,9 @@ def get_scheduler_metadata(batch_size: int, max_seqlen_q: int, max_seqlen_k: int
     call itself applies to its own plan, as the flash-attn names pass num_splits on as max_splits),
     for code that keeps the metadata in a buffer and passes it back as attention_varlen(...,
     scheduler_metadata=...), which accepts and checks it. page_size (row gathers below 64) and
-    qkv_dtype (float8_e4m3fn: an FP8 cache) enter the plan, and so do cu_seqlens_q and cache_leftpad where they send long
-    entries to K5 (fa3/cache_prefill.py: S1 then plans for the short ones only); headdim_v,
+    qkv_dtype (float8_e4m3fn: an FP8 cache) enter the plan, and so do cu_seqlens_q and
+    cache_leftpad where they send long entries to K5 (fa3/cache_prefill.py: S1 then plans for the
+    short ones only); headdim_v,
     cu_seqlens_k_new, max_seqlen_k_new and pack_gqa do not change it and are accepted for the
     signature. sm_margin is accepted too, and the plan counts every SM: the call runs on all of them
     (the flash names refuse sm_margin != 0), and a plan for fewer would not be the call's."""

@@ -170,8 +170,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None
         split_plan.check_scheduler_metadata(scheduler_metadata, q)
         out, lse = kvcache.cache_attention(q, k, v, None, None, seqused_k, block_table, causal, softmax_scale,
                                            window_size, softcap, split_plan.split_request(num_splits, max_splits),
-                                           kernel, cu_seqlens_q,
-                                           max_seqlen_q, max_seqlen_k, out, lengths_name="seqused_k", sinks=sinks,
+                                           kernel, cu_seqlens_q, max_seqlen_q, max_seqlen_k, out,
+                                           lengths_name="seqused_k", sinks=sinks,
                                            descales=(q_descale, k_descale, v_descale))
         return (out, lse) if return_lse else out
     if cu_seqlens_k is None:

@@ -23,8 +23,8 @@ in place by the cache call where rows differ or the call is traced). A flattened
 training: one row, no mask, each sequence's position ids from 0, or transformers' cu_seq_lens_q/k
 kwargs) runs as the variable-length batch it is, never attending across sequences; under
 torch.compile only the kwargs are read (finding the sequences in the position ids would break the
-graph at every layer: DataCollatorWithFlattening(return_flash_attn_kwargs=True) provides them). Training runs
-fa3's backward, padded batches included (the varlen backward; gradients of padded rows are 0).
+graph at every layer: DataCollatorWithFlattening(return_flash_attn_kwargs=True) provides them).
+Training runs fa3's backward, padded batches included (the varlen backward; gradients of padded rows are 0).
 
 Refused with a clear error, never approximated: dropout > 0 while training (fa3 has no attention
 dropout), output_attentions and an arbitrary additive mask.
