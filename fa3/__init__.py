@@ -37,6 +37,9 @@
                                                         "kvcache" or "gemm"
     fa3.quantize_fp8(x, granularity="tensor"|"head"|"block", hadamard=False) -> (x_fp8, descale)
     fa3.dequantize_fp8(x_fp8, descale), fa3.hadamard_rotate(x, seed=0)   FP8 helpers (fa3.quantize)
+    fa3.set_index_checks("deferred"|"strict"|"off"), fa3.check_index_values()
+                                            when bad index values (cu_seqlens, cache_seqlens,
+                                            block_table) raise (fa3.index_checks)
 
 head_dim 64, 96, 128, 192 or 256 (q, k and v alike; FP8: 64, 128 or 256); sinks: gpt-oss's
 attention sinks, one float32 logit per query head (16-bit inputs).
@@ -63,9 +66,10 @@ from .context_parallel import context_parallel_attention  # noqa: E402
 from . import ops  # noqa: E402,F401  (registers torch.ops.fa3.attention and torch.ops.fa3.gemm)
 from .registry import available_kernels  # noqa: E402
 from .quantize import dequantize_fp8, hadamard_rotate, quantize_fp8  # noqa: E402
+from .index_checks import check_index_values, set_index_checks  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["attention", "attention_varlen", "attention_with_kvcache", "get_scheduler_metadata", "gemm", "available_kernels",
            "attention_backward", "attention_varlen_backward", "context_parallel_attention",
            "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "quantize_fp8",
-           "dequantize_fp8", "hadamard_rotate", "__version__"]
+           "dequantize_fp8", "hadamard_rotate", "set_index_checks", "check_index_values", "__version__"]

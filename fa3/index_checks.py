@@ -1,21 +1,28 @@
-"""Host checks of the values of index arguments: cu_seqlens_q/k, cache_seqlens and block_table.
+"""Checks of the values of index arguments: cu_seqlens_q/k, cache_seqlens, block_table and the like.
 
-Kernels read these on the GPU, and a bad value would send a load or a store outside its tensor.
-Eager calls copy what the checks need to the host (one small copy and one sync) and refuse bad
-values with a ValueError naming the argument, the entry, the value, the bound and the fix. A call
-that passes the tensors the last passing check saw, unmodified, skips the copy (_start_check): the
-layers of a model pass the same offsets and cache lengths, and only the first one syncs.
-Nothing may synchronize while a CUDA graph is captured or torch.compile traces, so there (and in
-direct calls of the torch.ops.fa3 ops) the values are not read on the host; the kernels clamp
-instead: lengths to [0, capacity], page indices to [0, num_pages), and an append's first position
-to [0, capacity - new_tokens] (fa3.cache_append.append_to_cache). Clamped values give meaningless
-results, never reads or writes outside the tensors.
+Kernels read these on the GPU, and a bad value would send a load or a store outside its tensor, so
+the kernels clamp every index they read: lengths to [0, capacity], page indices to [0, num_pages),
+query offsets into q's rows, and an append's first position to [0, capacity - new_tokens]
+(fa3.cache_append.append_to_cache). Clamped values give meaningless results, never reads or writes
+outside the tensors, and the CUDA context survives.
+
+What the user is told (set_index_checks): an eager call copies the values to pinned host memory
+behind its kernels and does not wait ("deferred", the default); the first fa3 call of the thread
+that finds the copy done checks them, and raises ValueError naming the argument, the entry, the
+value, the bound and the fix (before that call runs); check_index_values() waits and raises the
+same. "strict" waits for the copy in the call and raises before it returns (an append or an out=
+is refused before anything is written): one host sync, for debugging. "off" never reads values. A call that passes the
+tensors the last check saw, unmodified, copies nothing (_start_check): the layers of a model pass
+the same offsets and cache lengths. Nothing may read values while a CUDA graph is captured or
+torch.compile traces, nor in direct calls of the torch.ops.fa3 ops: there only the clamps apply.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
+from typing import NamedTuple
 
 import torch
 
@@ -138,14 +145,48 @@ def check_block_table(lengths, table, appended, page_size: int, num_pages: int,
                          f"[0, {num_pages}): fix the table, or allocate the pages it names")
 
 
-class _Staging:
-    """Per device and thread: a pinned int32 host buffer (grown on demand, reused) and an event.
+# ----------------------------------------------------------------------------- when values are checked
+DEFERRED, STRICT, OFF = "deferred", "strict", "off"
+MODES = (DEFERRED, STRICT, OFF)
+_mode = os.environ.get("FA3_INDEX_CHECKS", DEFERRED).strip().lower() or DEFERRED
+if _mode not in MODES:
+    raise ValueError(f"FA3_INDEX_CHECKS={_mode!r}; it must be one of {MODES}")
+MAX_PENDING = 64  # deferred checks a thread may have in flight before it waits for the oldest
 
-    The copy is enqueued on the caller's stream before its kernel, and the host waits for it after
-    launching the kernel: the kernel queues behind the copy, so the GPU stays busy while the host
-    waits, and the host runs at most one call ahead. (A side stream for the copy kept the kernels
-    of back-to-back calls closer together, but cost host-bound calls 30-50% more: worklog
-    adoption.md.)"""
+
+def set_index_checks(mode: str) -> str:
+    """When eager calls check the values of their index tensors (cu_seqlens_q/k, cache_seqlens,
+    seqused_k, block_table, cache_leftpad, cu_seqlens_k_new); returns the mode it replaces.
+
+    "deferred" (the default; FA3_INDEX_CHECKS sets it at import): the call copies the values to
+    pinned host memory behind its kernels and returns without waiting; the kernels clamp bad
+    values (nothing outside a tensor is read or written). The first fa3 call that finds the copy
+    done checks the values and raises ValueError naming the argument, the entry and the value, and
+    fa3.check_index_values() waits for every copy and raises the same. No call synchronizes.
+    "strict": the call waits for the copy and raises before it returns (an append or an out= is
+    refused before anything is written): one host sync per call with new index tensors, for
+    debugging.
+    "off": values are never read on the host (the kernels clamp, as under CUDA-graph capture)."""
+    global _mode
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r}; it must be one of {MODES}")
+    previous, _mode = _mode, mode
+    return previous
+
+
+def check_index_values() -> None:
+    """Wait for this thread's deferred index checks (set_index_checks) and raise the first bad value
+    as ValueError. A synchronizing call: for the end of a step, or a test."""
+    _settle(wait=True)
+
+
+class _Staging:
+    """A pinned int32 host buffer (grown on demand, reused once its check is done) and the event
+    its copy records, for one device and thread.
+
+    The copy is enqueued on the caller's stream before its kernel: it reads the values the kernel
+    reads. (A side stream for the copy kept the kernels of back-to-back calls closer together, but
+    cost host-bound calls 30-50% more: worklog adoption.md.)"""
 
     def __init__(self, device):
         self.device = device
@@ -168,28 +209,40 @@ class _Staging:
         self.copied.record(torch.cuda.current_stream(self.device))
         return views
 
+    def __call__(self):
+        """Wait until the views hold the values."""
+        self.copied.synchronize()
+
+    def done(self) -> bool:
+        return self.copied.query()
+
+    def release(self):
+        """The buffer may be filled again (its views are read)."""
+        _free_stagings(self.device).append(self)
+
 
 _PER_THREAD = threading.local()
 
 
-def _staging(device) -> _Staging:
-    per_device = getattr(_PER_THREAD, "staging", None)
+def _free_stagings(device) -> list:
+    per_device = getattr(_PER_THREAD, "free", None)
     if per_device is None:
-        per_device = _PER_THREAD.staging = {}
-    staging = per_device.get(device)
-    if staging is None:
-        staging = per_device[device] = _Staging(device)
-    return staging
+        per_device = _PER_THREAD.free = {}
+    free = per_device.get(device)
+    if free is None:
+        free = per_device[device] = []
+    return free
 
 
 def start_host_copy(tensors):
     """(host views of the int32 `tensors`, `copied`): calling copied() waits until the views hold
-    the values. CUDA tensors are copied through _Staging; CPU ones (the tests) are their own
-    views."""
+    the values. CUDA tensors are copied through a _Staging (a free one of this thread and device:
+    one whose check is pending keeps its buffer); CPU ones (the tests) are their own views."""
     if not tensors[0].is_cuda:
-        return list(tensors), lambda: None
-    staging = _staging(tensors[0].device)
-    return staging.copy(tensors), staging.copied.synchronize
+        return list(tensors), nothing
+    free = _free_stagings(tensors[0].device)
+    staging = free.pop() if free else _Staging(tensors[0].device)
+    return staging.copy(tensors), staging
 
 
 def _unchanged_key(tensors, bounds):
@@ -208,12 +261,55 @@ def nothing():
     pass
 
 
+class _Pending(NamedTuple):
+    staging: _Staging
+    host: list
+    check: object  # check(host views): raises ValueError
+    key: tuple | None
+
+
+def raise_pending() -> None:
+    """Raise the first bad value among this thread's deferred checks whose copies are done (no
+    wait): the entry points call it first, so a call after a bad one raises before it runs."""
+    if getattr(_PER_THREAD, "pending", None):
+        _settle(wait=False)
+
+
+def _settle(wait: bool) -> None:
+    """Check the deferred copies in order: all of them (waiting for each) when `wait`, else those
+    done, up to the first not done. A bad value's check is forgotten (the same tensors are copied
+    again) and raised with what it means now."""
+    pending = getattr(_PER_THREAD, "pending", None)
+    while pending:
+        first = pending[0]
+        if wait:
+            first.staging()
+        elif not first.staging.done():
+            return
+        pending.pop(0)
+        try:
+            first.check(first.host)
+        except ValueError as exc:
+            last = getattr(_PER_THREAD, "checked", None)
+            if last is not None and last[0] == first.key:
+                _PER_THREAD.checked = None
+            raise ValueError(f"{exc} (found after the fa3 call that passed it had returned: its kernels "
+                             "clamped the bad values, so its output, and an append into the cache, are "
+                             "meaningless; fa3.set_index_checks('strict') refuses such a call before it "
+                             "runs)") from None
+        finally:
+            first.staging.release()
+
+
 def _start_check(tensors, bounds, check, device=None):
-    """Copy `tensors` to the host and return `wait`, which waits for the copy and calls
-    check(host views); a check that passes is remembered, and a later call of this thread with
-    the same tensors, unmodified (see _unchanged_key), and the same `bounds` skips the copy
-    and the check: a model's layers pass the same cache_seqlens and block_table, and only the
-    first of them needs them. The key is taken here, when the copy is enqueued.
+    """Start checking the values of `tensors` (check(host views) raises ValueError) and return
+    `wait`: in strict mode it waits for the copy and checks; deferred (CUDA tensors), the check is
+    queued (raise_pending, check_index_values) and `wait` does nothing; CPU tensors (the tests) are
+    checked by `wait` at once. A check that passes (deferred: that is started) is remembered, and a
+    later call of this thread with the same tensors, unmodified (see _unchanged_key), and the same
+    `bounds` skips the copy and the check: a model's layers pass the same cache_seqlens and
+    block_table, and only the first of them needs them. The key is taken here, when the copy is
+    enqueued.
     `device`: the call's; where values_checkable(device) says no, `wait` does nothing. It is asked
     only when the memo misses (it costs an eager decode call more host time than the memo). None
     (the tests' CPU tensors): always checked."""
@@ -225,15 +321,30 @@ def _start_check(tensors, bounds, check, device=None):
                 break
         else:
             return nothing
-    if device is not None and not values_checkable(device):
+    if device is not None and (_mode == OFF or not values_checkable(device)):
         return nothing
     host, copied = start_host_copy(tensors)
-    refs = [weakref.ref(t) for t in tensors] if key is not None else None
+    remembered = (key, [weakref.ref(t) for t in tensors]) if key is not None else None
+    if _mode == DEFERRED and isinstance(copied, _Staging):
+        pending = getattr(_PER_THREAD, "pending", None)
+        if pending is None:
+            pending = _PER_THREAD.pending = []
+        pending.append(_Pending(copied, host, check, key))
+        _PER_THREAD.checked = remembered
+        if len(pending) > MAX_PENDING:  # the host is far ahead of the GPU: wait for the oldest
+            first = pending[0]
+            first.staging()
+            _settle(wait=False)
+        return nothing
 
     def wait():
-        copied()
-        check(host)
-        _PER_THREAD.checked = (key, refs) if key is not None else None
+        try:
+            copied()
+            check(host)
+        finally:
+            if isinstance(copied, _Staging):
+                copied.release()
+        _PER_THREAD.checked = remembered
     return wait
 
 

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from . import _checks, _dispatch, _launch, fp8, kvcache, masking
+from . import _checks, _dispatch, _launch, fp8, index_checks, kvcache, masking
 
 
 def check_attention(q, k, v, kernel):
@@ -78,6 +78,7 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     sizes or seqlens do not recompile. Kernels launch on torch's current CUDA stream without
     synchronizing the host, so calls can be captured in CUDA graphs (after a first eager call).
     """
+    index_checks.raise_pending()  # an earlier call's bad index values (deferred checks)
     if fp8.is_fp8_call(q, q_descale, k_descale, v_descale):
         return fp8.attention_fp8(q, k, v, q_descale, k_descale, v_descale, causal=causal,
                                  softmax_scale=softmax_scale, window=window_size, softcap=softcap,

@@ -14,9 +14,9 @@ An FP8 cache: q, k_cache and v_cache in float8_e4m3fn with q/k/v_descale (batch,
 (vLLM's and SGLang's call; one element for a whole tensor); the kernel dequantizes each K/V tile
 in SMEM, so the cache is read at one byte an element; out is bf16 (or out='s dtype).
 
-Eager calls check the values of cache_seqlens and block_table on the host (fa3.index_checks: one
-small copy); captured and traced calls cannot, and rely on clamping: the kernel clamps lengths to
-[0, capacity] and page indices to [0, num_pages), fa3.cache_append the append's positions.
+The kernel clamps lengths to [0, capacity] and page indices to [0, num_pages), fa3.cache_append the
+append's positions; eager calls also check the values of cache_seqlens and block_table on the host
+without waiting for them (fa3.index_checks: a copy behind the kernels, raised by a later call).
 """
 
 from __future__ import annotations
@@ -188,6 +188,7 @@ def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, sof
     """The body of every call against a KV cache: check, check the index values (eager), append,
     launch (directly, or through torch.ops.fa3.attention_kvcache), return (out, lse). descales:
     (q_descale, k_descale, v_descale) as given (an FP8 cache)."""
+    index_checks.raise_pending()  # an earlier call's bad index values (deferred checks)
     host_lengths = isinstance(seqlens, int)  # checked on the host by check_kvcache: no copy needed
     spec, seqlens, capacity, appended, max_q = check_kvcache(
         q, k_cache, v_cache, k, v, seqlens, block_table, kernel, window_size, softcap, cu_seqlens_q,
@@ -300,19 +301,20 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     with cu_seqlens_q). Not differentiable (inference). Runs on torch's current stream, so a
     decode step can be captured in a CUDA graph.
 
-    Bad values: an eager call copies cache_seqlens (and, paged, the smallest and largest page index
-    the sequences use; packed, cu_seqlens_q) to the host, one small copy and one sync, and raises
-    ValueError naming the argument, the batch entry, the value and the bound: a length outside
-    [0, capacity], an append past the capacity, a block_table entry outside [0, num_pages) among
-    the first ceil((cache_seqlens[b] + new_tokens) / page_size) of row b (entries past those are
-    never read, and may hold anything), or offsets that do not start at 0, decrease, end past
-    total_q or exceed max_seqlen_q. An append is refused before it writes. While a CUDA graph is
-    captured or torch.compile traces, values cannot be read on the host (nor in direct calls of
-    torch.ops.fa3.attention_kvcache): lengths are clamped to [0, capacity], page indices to
-    [0, num_pages) and query offsets into q's rows, and an append past the capacity writes its
-    tokens at the last new_tokens positions (clamped page indices included). The results of bad
-    values are then meaningless, but no kernel reads or writes outside its tensors and the CUDA
-    context survives.
+    Bad values: lengths are clamped to [0, capacity], page indices to [0, num_pages) and query
+    offsets into q's rows, and an append past the capacity writes its tokens at the last
+    new_tokens positions (clamped page indices included): the results are then meaningless, but no
+    kernel reads or writes outside its tensors and the CUDA context survives. An eager call also
+    copies cache_seqlens (and block_table, cu_seqlens_q, ...) to pinned host memory behind its
+    kernels without waiting (fa3.set_index_checks: "deferred"), and the next fa3 call that finds
+    the copy done, or fa3.check_index_values(), raises ValueError naming the argument, the batch
+    entry, the value and the bound: a length outside [0, capacity], an append past the capacity,
+    a block_table entry outside [0, num_pages) among the first ceil((cache_seqlens[b] +
+    new_tokens) / page_size) of row b (entries past those are never read, and may hold
+    anything), or offsets that do not start at 0, decrease, end past total_q or exceed
+    max_seqlen_q. fa3.set_index_checks("strict") raises in the call itself (one host sync), and
+    refuses an append before it writes. While a CUDA graph is captured or torch.compile traces
+    (and in direct calls of torch.ops.fa3.attention_kvcache) values are not read on the host.
     """
     out, lse = cache_attention(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale,
                                window_size, softcap, split_request(num_splits, max_splits), kernel, cu_seqlens_q,

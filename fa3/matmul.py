@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks, _compile, _dispatch, _launch, registry
+from . import _checks, _compile, _dispatch, _launch, index_checks, registry
 
 _TMA_BYTES = 16  # TMA's alignment for row strides and base addresses
 K_TILE_BYTES = 128  # a K tile's row, as kernels/gemm.py sizes it: 64 16-bit or 128 FP8 elements
@@ -201,6 +201,7 @@ def gemm(a, b, *, out=None, kernel: str | None = None, scale_a=None, scale_b=Non
     wrapper: it traces under torch.compile and torch.export, can be captured in CUDA graphs, and
     is differentiable (dA = dC B^T and dB = A^T dC on the same kernels, through transposed views).
     """
+    index_checks.raise_pending()  # an earlier call's bad index values (deferred checks)
     if (isinstance(a, torch.Tensor) and a.dtype in _checks.FP8_LIKE) or scale_a is not None \
             or scale_b is not None or out_dtype is not None:
         return gemm_fp8(a, b, scale_a, scale_b, out, out_dtype, kernel)

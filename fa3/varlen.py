@@ -148,8 +148,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None
     the capacity); num_splits: CTAs per sequence's keys (0: planned from these shapes; see
     fa3.get_scheduler_metadata), max_splits: at most that many (as attention_with_kvcache's; without
     a cache neither applies: keys are not split). No host
-    sync besides the eager value checks (as fa3.attention_with_kvcache: skipped under CUDA-graph
-    capture and torch.compile, where the kernel clamps), so the call captures in a CUDA graph at
+    sync (the eager value checks are deferred, as fa3.attention_with_kvcache's, and skipped under
+    CUDA-graph capture and torch.compile; the kernel clamps), so the call captures in a CUDA graph at
     fixed shapes. Inference only.
 
     FP8: float8_e4m3fn q, k, v with q/k/v_descale float32 (sequences, heads_kv) (or one element),
@@ -157,9 +157,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None
     FP8 cache (fa3.attention_with_kvcache's: vLLM's call with an FP8 cache).
 
     Without a cache: differentiable in q, k and v, as fa3.attention (the backward rungs compile
-    packed batches too). The offsets are checked on the host (one small copy) except while a CUDA
-    graph is captured or torch.compile traces; the kernels themselves need no host sync.
+    packed batches too). The offsets' values are checked on the host without a sync
+    (fa3.set_index_checks: a copy behind the kernels, raised by a later call), except while a
+    CUDA graph is captured or torch.compile traces; the kernels clamp them.
     """
+    index_checks.raise_pending()  # an earlier call's bad index values (deferred checks)
     if block_table is not None or seqused_k is not None:
         if cu_seqlens_k is not None:
             raise ValueError("cu_seqlens_k must be None with block_table/seqused_k: the keys of entry b "

@@ -222,6 +222,104 @@ def test_host_lengths_need_no_device_copy(monkeypatch):
     assert copies == [1]
 
 
+def _deferrable_copies(monkeypatch):
+    """CPU stand-ins for the device copies (whose completion the list `done` controls), and every
+    device readable: the deferred path as a GPU call takes it. Returns (done, copies)."""
+    done, copies = [False], []
+
+    class Copy(index_checks._Staging):
+        def __init__(self):
+            pass
+
+        def __call__(self):
+            done[0] = True
+
+        def done(self):
+            return done[0]
+
+        def release(self):
+            pass
+
+    monkeypatch.setattr(index_checks, "start_host_copy",
+                        lambda ts: copies.append(1) or ([t.clone() for t in ts], Copy()))
+    monkeypatch.setattr(index_checks, "values_checkable", lambda device: True)
+    return done, copies
+
+
+def _start(seqlens, table=None, appended=0):
+    page_size = CAPACITY if table is None else PAGE
+    capacity = CAPACITY if table is None else table.shape[1] * PAGE
+    return index_checks.start_cache_check(seqlens, table, capacity, appended, page_size, PAGES, torch.device("cpu"))
+
+
+@pytest.fixture
+def index_mode():
+    """Restores the index-check mode a test sets."""
+    previous = index_checks.set_index_checks(index_checks.DEFERRED)
+    yield index_checks.set_index_checks
+    index_checks.set_index_checks(previous)
+
+
+def test_deferred_checks_raise_later_without_waiting(monkeypatch, index_mode):
+    """Deferred (the default): the call returns at once; the first later call that finds the copy
+    done raises (raise_pending never waits); check_index_values waits; each bad value is reported
+    once, and its check forgotten (the same tensors, still bad, are copied and refused again)."""
+    done, copies = _deferrable_copies(monkeypatch)
+    seqlens = _lengths(100000, 3)
+    _start(seqlens)()  # nothing raised, nothing waited for
+    assert copies == [1]
+    index_checks.raise_pending()  # the copy is not done: nothing to say yet
+    done[0] = True
+    with pytest.raises(ValueError, match=r"cache_seqlens\[0\] = 100000 .*found after the fa3 call"):
+        index_checks.raise_pending()
+    index_checks.raise_pending()
+    index_checks.check_index_values()  # reported once
+    done[0] = False
+    _start(seqlens, appended=0)()
+    assert copies == [1, 1]  # the failed check was not remembered
+    with pytest.raises(ValueError, match=r"cache_seqlens\[0\] = 100000"):
+        index_checks.check_index_values()  # waits for the copy (done[0] becomes True)
+    good = _lengths(3, 4)
+    done[0] = False
+    for _ in range(3):  # a model's layers: one copy, remembered while it is pending
+        _start(good)()
+    assert copies == [1, 1, 1]
+    index_checks.check_index_values()
+
+
+def test_deferred_checks_raise_in_order_and_bound_the_queue(monkeypatch, index_mode):
+    """Checks settle in the order their calls came; past MAX_PENDING the oldest is waited for."""
+    done, _ = _deferrable_copies(monkeypatch)
+    _start(_lengths(3, -7))()
+    _start(_lengths(100000, 3))()
+    with pytest.raises(ValueError, match=r"cache_seqlens\[1\] = -7"):
+        index_checks.check_index_values()
+    with pytest.raises(ValueError, match=r"cache_seqlens\[0\] = 100000"):
+        index_checks.check_index_values()
+    monkeypatch.setattr(index_checks, "MAX_PENDING", 2)
+    done[0] = False
+    for n in range(3):
+        _start(_lengths(n, n))()
+    assert done[0]  # the third waited for the first
+    index_checks.check_index_values()
+
+
+def test_strict_and_off_modes(monkeypatch, index_mode):
+    """strict: the call's wait raises (after waiting for its copy); off: nothing is copied."""
+    done, copies = _deferrable_copies(monkeypatch)
+    index_mode(index_checks.STRICT)
+    wait = _start(_lengths(3, 257))
+    assert not done[0]
+    with pytest.raises(ValueError, match=r"cache_seqlens\[1\] = 257"):
+        wait()
+    index_mode(index_checks.OFF)
+    _start(_lengths(3, 257))()
+    assert copies == [1]
+    index_checks.check_index_values()
+    with pytest.raises(ValueError, match="mode='eager'.*deferred"):
+        index_mode("eager")
+
+
 # ----------------------------------------------------------------------------- GPU: subprocesses
 # name -> (entry, argument, index, bad value, new tokens appended, words of the eager message)
 CASES = {
@@ -282,19 +380,45 @@ good = args[argument].clone()
 expected = call()  # compiles, with good values
 torch.cuda.synchronize()
 
-# (a) eager: refused, naming the value; a refused append writes nothing
+def refused(run, when):
+    """The ValueError that run() raises, with the case's words; `when` names the step."""
+    try:
+        run()
+    except ValueError as exc:
+        message = str(exc)
+    else:
+        raise SystemExit(f"FAIL: {when}: the bad value was not reported")
+    missing = [w for w in words if w not in message]
+    assert not missing, f"{when}: {missing} not in the message: {message}"
+    return message
+
+
+# (a) eager, strict: refused in the call, naming the value; a refused append writes nothing
 before = [c.clone() for c in caches]
 args[argument][index] = value
-try:
-    call()
-    raise SystemExit("FAIL: the eager call accepted the bad value")
-except ValueError as exc:
-    message = str(exc)
-missing = [w for w in words if w not in message]
-assert not missing, f"{missing} not in the message: {message}"
+previous = fa3.set_index_checks("strict")
+message = refused(call, "strict")
+fa3.set_index_checks(previous)
 torch.cuda.synchronize()
 assert all(torch.equal(a, b) for a, b in zip(before, caches)), "the refused call wrote into the cache"
-print("eager:", message)
+print("strict:", message)
+
+# (a') eager, deferred (the default): the call returns (its kernels clamp), and the error comes
+# from fa3.check_index_values(), or from the next call once the copy is done; no sync in the call
+for caught_by in ("check_index_values", "next call"):
+    for c, b in zip(caches, before):
+        c.copy_(b)
+    torch.cuda.set_sync_debug_mode("error")
+    call()
+    torch.cuda.set_sync_debug_mode(0)
+    if caught_by == "check_index_values":
+        message = refused(fa3.check_index_values, caught_by)
+    else:
+        torch.cuda.synchronize()
+        message = refused(call, caught_by)
+    assert "found after the fa3 call" in message, message
+    fa3.check_index_values()  # nothing left pending
+print("deferred:", message)
 
 # (b) captured with good values, replayed with the bad one: clamped, no error
 args[argument].copy_(good)
