@@ -25,7 +25,7 @@ tracing = torch.compiler.is_compiling
 dispatch_modes = torch._C._len_torch_dispatch_stack
 _function_modes = torch._C._is_torch_function_mode_enabled
 _functorch_transforms = torch._C._are_functorch_transforms_active
-_profiling = torch._C._autograd._profiler_enabled
+profiling = torch._C._autograd._profiler_enabled  # torch.profiler is recording
 
 
 def direct_call_ok(*tensors) -> bool:
@@ -50,7 +50,7 @@ def op_range(op: str):
     """The context a direct call runs in: under torch.profiler a range named `op` ("fa3::attention",
     ...), so profiles show the call by its op's name; otherwise nothing. (Dispatching to the op
     instead would cost the dispatcher, and a functional op's result must be copied into out=.)"""
-    return torch.profiler.record_function(op) if _profiling() else _NO_RANGE
+    return torch.profiler.record_function(op) if profiling() else _NO_RANGE
 
 
 # (resolver, arguments) -> rung, for arguments the resolver accepted: eager calls skip the registry

@@ -63,12 +63,44 @@ def stand_in(device, dtype=torch.int32) -> torch.Tensor:
     return t
 
 
+class _CounterRing:
+    """Zeroed int32 tile counters of one stream, handed out one per call: when all have been
+    taken, one memset on that stream (ordered after every kernel that used them) zeroes them all
+    again. A causal call then costs no fill kernel of its own."""
+
+    size = 1024
+
+    def __init__(self, device):
+        self.block = torch.zeros(self.size, dtype=torch.int32, device=device)
+        self.counters = list(self.block.split(1))
+        self.next = 0
+
+    def take(self) -> torch.Tensor:
+        if self.next == self.size:
+            self.block.zero_()
+            self.next = 0
+        self.next += 1
+        return self.counters[self.next - 1]
+
+
+_COUNTER_RINGS: dict = {}  # (device, the current stream's handle) -> _CounterRing
+
+
 def tile_counter(spec, causal: bool, device) -> torch.Tensor:
-    """The GMEM counter a dynamically scheduled rung hands tiles out from: zeroed per call (on the
-    call's stream, so graphs capture it). Static schedules never touch it: one shared stand-in."""
-    if causal and spec.config.get("dynamic_schedule"):
+    """The GMEM counter a dynamically scheduled rung hands tiles out from, reading 0 at launch: the
+    next of the current stream's ring of zeroed counters (a stream runs its kernels in order, so a
+    counter is zeroed again only after its kernel), or, while a CUDA graph is captured, a fresh
+    zeroed one (the graph replays its memset). Static schedules never touch it: one shared
+    stand-in."""
+    if not (causal and spec.config.get("dynamic_schedule")):
+        return stand_in(device)
+    if torch.cuda.is_current_stream_capturing():
         return torch.zeros(1, dtype=torch.int32, device=device)
-    return stand_in(device)
+    key = (device, torch._C._cuda_getCurrentRawStream(device.index))
+    ring = _COUNTER_RINGS.get(key)
+    if ring is None:
+        ring = _COUNTER_RINGS[key] = _CounterRing(device)
+    return ring.take()
 
 
 def run_attention(spec, dtype, head_dim: int, mask: masking.Masking, args: list, device,

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from . import _checks, _dispatch, _launch, fp8, index_checks, kvcache, masking
+from . import _checks, _compile, _dispatch, _launch, fp8, index_checks, kvcache, masking
 
 
 def check_attention(q, k, v, kernel):
@@ -79,6 +79,21 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     synchronizing the host, so calls can be captured in CUDA graphs (after a first eager call).
     """
     index_checks.raise_pending()  # an earlier call's bad index values (deferred checks)
+    # a plain call like one that ran before: its launch is prepared (prepare_plain)
+    plain = out is None and sinks is None and kernel is None and not softcap and q_descale is None \
+        and k_descale is None and v_descale is None and window_size == (-1, -1) and type(causal) is bool \
+        and (softmax_scale is None or type(softmax_scale) is float) and not _dispatch.tracing()
+    if plain:
+        try:
+            key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
+                   q.device, k.device, v.device, causal, softmax_scale)
+            launch = _PLAIN_LAUNCHES.get(key)
+        except (AttributeError, TypeError):  # not tensors (check_attention names them), symbolic shapes
+            key = launch = plain = None
+        if launch is not None and _dispatch.direct_call_ok(q, k, v) and not _dispatch.profiling() \
+                and not (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:
+            out, lse = launch(q, k, v)
+            return (out, lse) if return_lse else out
     if fp8.is_fp8_call(q, q_descale, k_descale, v_descale):
         return fp8.attention_fp8(q, k, v, q_descale, k_descale, v_descale, causal=causal,
                                  softmax_scale=softmax_scale, window=window_size, softcap=softcap,
@@ -107,6 +122,10 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
                 out, lse = kvcache.decode_attention(q, k, v, causal, scale, out, window, softcap, sinks)
             else:
                 out, lse = launch_attention(spec, q, k, v, causal, scale, out, window, softcap, sinks)
+                if plain:
+                    if len(_PLAIN_LAUNCHES) >= 256:  # shapes that change every call: bounded
+                        _PLAIN_LAUNCHES.clear()
+                    _PLAIN_LAUNCHES[key] = prepare_plain(spec, q, k, v, causal, scale)
     else:
         if backward_spec is None:  # the op names one, never run without gradients
             backward_spec = _dispatch.memo_rung(_dispatch.backward_rung, backward_kernel, q.shape[3],
@@ -116,6 +135,47 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
                                               window[0], window[1], float(softcap), sinks)
         out = result if out is None else out.copy_(result)  # the op is functional
     return (out, lse) if return_lse else out
+
+
+# the key of a plain call (q, k, v's shapes, strides, dtypes and devices; causal; softmax_scale) ->
+# its prepared launch, for calls that passed every check with q, k and v as they are
+_PLAIN_LAUNCHES: dict = {}
+
+
+def prepare_plain(spec, q, k, v, causal: bool, scale: float):
+    """The launch of rung `spec` for a plain call (no out=, window, softcap, sinks or FP8) that ran
+    with these q, k, v (checked and launched by launch_attention): a function of (q, k, v) that
+    allocates out and lse and calls the compiled kernel with its other arguments made once, for
+    later calls with the same shapes, strides, dtypes and devices, and 16-byte aligned data (what
+    launch_attention's tma_ready would pass as they are). None where launch_attention does more
+    (no keys, an empty output, v's head dim apart, a scores workspace)."""
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    device = q.device
+    if q.numel() == 0 or k.shape[1] == 0 or v.shape[3] != head_dim or spec.needs_scores_workspace \
+            or device not in _checks.HOPPER_SMS or not all(_launch.tma_aligned(t) for t in (q, k, v)):
+        return None
+    mask = masking.masking(causal, (-1, -1), 0.0, scale)
+    fn = _compile.get_attention(spec, q.dtype, head_dim, mask.causal, False, False, False, False, None,
+                                spec.is_short(head_dim, None, mask.causal, seqlen_q))
+    counted = spec.persistent and mask.causal and spec.config.get("dynamic_schedule")
+    lead = [mask.scale_log2] + ([_checks.HOPPER_SMS[device]] if spec.persistent else [])
+    tail = [] if not spec.variants else [_launch.stand_in(device), _launch.stand_in(device), mask.left, mask.right,
+                                         mask.softcap_scale, _launch.stand_in(device, torch.float32)]
+    if spec.persistent and not counted:
+        lead.append(_launch.tile_counter(spec, False, device))
+    lse_shape = (batch, heads_q, seqlen_q)
+
+    def launch(q, k, v):
+        if q.requires_grad or k.requires_grad or v.requires_grad:  # (under no_grad) as launch_attention
+            q, k, v = _launch.detached(q, k, v)
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=device)
+        if counted:
+            fn(q, k, v, out, lse, *lead, _launch.tile_counter(spec, True, device), *tail)
+        else:
+            fn(q, k, v, out, lse, *lead, *tail)
+        return out, lse
+    return launch
 
 
 def launch_attention(spec, q, k, v, causal: bool, scale: float, out=None, window=(-1, -1),

@@ -91,9 +91,7 @@ def launch_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, capaci
     s1_max_queries = 0 if long is None else long.min_queries  # S1 (and its combine) skip K5's entries
     planes = 1 if packed else batch
     if num_splits > 1:
-        o_partial = torch.empty(num_splits, planes, rows_q, heads_q, head_dim, dtype=torch.float32,
-                                device=device)
-        lse_partial = torch.empty(num_splits, planes, heads_q, rows_q, dtype=torch.float32, device=device)
+        o_partial, lse_partial = split_partials(num_splits, planes, rows_q, heads_q, head_dim, device)
     else:
         o_partial, lse_partial = _dummy("o_partial", device, head_dim), _dummy("lse_partial", device)
     # the longest entries first when the CTAs take several waves (sorted on the device: no sync)
@@ -118,6 +116,29 @@ def launch_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, capaci
         cache_prefill.launch(long, q, k_cache, v_cache, cache_seqlens, block_table, cu, out, lse, mask,
                              sinks if has_sinks else None)
     return out, lse
+
+
+_PARTIALS: dict = {}  # (device, stream handle, shape) -> (o_partial, lse_partial)
+
+
+def split_partials(num_splits: int, planes: int, rows: int, heads_q: int, head_dim: int, device):
+    """The FP32 partial outputs (num_splits, planes, rows, heads_q, head_dim) and LSEs (num_splits,
+    planes, heads_q, rows) that S1's splits write and the combine reads: kept per stream and shape
+    and reused by the next call on that stream (its kernels run after this call's combine has read
+    them), with no allocation per call; fresh ones while a CUDA graph is captured (the graph owns
+    them)."""
+    o_shape, lse_shape = (num_splits, planes, rows, heads_q, head_dim), (num_splits, planes, heads_q, rows)
+    if torch.cuda.is_current_stream_capturing():
+        return (torch.empty(o_shape, dtype=torch.float32, device=device),
+                torch.empty(lse_shape, dtype=torch.float32, device=device))
+    key = (device, torch._C._cuda_getCurrentRawStream(device.index), o_shape)
+    partials = _PARTIALS.get(key)
+    if partials is None:
+        if len(_PARTIALS) >= 32:  # shapes that change every call: bounded
+            _PARTIALS.clear()
+        partials = _PARTIALS[key] = (torch.empty(o_shape, dtype=torch.float32, device=device),
+                                     torch.empty(lse_shape, dtype=torch.float32, device=device))
+    return partials
 
 
 DECODE_MIN_KV_BYTES = 32 << 20  # K and V at least this large: reading them outweighs S1's extra launch

@@ -202,15 +202,70 @@ def gemm(a, b, *, out=None, kernel: str | None = None, scale_a=None, scale_b=Non
     is differentiable (dA = dC B^T and dB = A^T dC on the same kernels, through transposed views).
     """
     index_checks.raise_pending()  # an earlier call's bad index values (deferred checks)
+    # (traced calls never read the memo: compiled graphs must not guard on its contents)
+    plain = out is None and kernel is None and scale_a is None and scale_b is None and out_dtype is None \
+        and not _dispatch.tracing()
+    if plain:  # a call like one that ran before: its launch is prepared (prepare_plain_gemm)
+        try:
+            key = (a.shape, b.shape, a.stride(), b.stride(), a.dtype, b.dtype, a.device, b.device)
+            launch = _PLAIN_GEMMS.get(key)
+        except (AttributeError, TypeError):  # not tensors (check_gemm names them), symbolic shapes
+            key = launch = None
+        if launch is not None and _dispatch.direct_call_ok(a, b) and not _dispatch.profiling() \
+                and not (a.data_ptr() | b.data_ptr()) % _TMA_BYTES:
+            return launch(a, b)
     if (isinstance(a, torch.Tensor) and a.dtype in _checks.FP8_LIKE) or scale_a is not None \
             or scale_b is not None or out_dtype is not None:
         return gemm_fp8(a, b, scale_a, scale_b, out, out_dtype, kernel)
     spec = check_gemm(a, b, out, kernel)
     if _dispatch.direct_call_ok(a, b):
         with _dispatch.op_range("fa3::gemm"):
-            return launch_gemm(spec, a, b, out)
+            result = launch_gemm(spec, a, b, out)
+        if plain and key is not None:
+            if len(_PLAIN_GEMMS) >= 256:  # shapes that change every call: bounded
+                _PLAIN_GEMMS.clear()
+            _PLAIN_GEMMS[key] = prepare_plain_gemm(spec, a, b)
+        return result
     result = torch.ops.fa3.gemm(a, b, spec.name)
     return result if out is None else out.copy_(result)  # the op is functional
+
+
+# the key of a plain call (a and b's shapes, strides, dtypes and devices) -> its prepared launch
+_PLAIN_GEMMS: dict = {}
+
+
+def prepare_plain_gemm(spec, a, b):
+    """launch_gemm's launch for a plain bf16/fp16 call (no out=, FP8 or named rung) that ran with
+    these a and b, made once: a function of (a, b) that allocates the output (and a split-K
+    workspace) and calls the compiled GEMM, for later calls with the same shapes, strides, dtypes
+    and devices and 16-byte aligned data. None where launch_gemm does more (an empty or K = 0
+    problem, operands TMA cannot read as they are, a ragged N, a ladder rung)."""
+    (m, k), n = a.shape, b.shape[1]
+    ready_a, ready_b = _aligned_view(a), _aligned_view(b)
+    if m == 0 or n == 0 or k == 0 or ready_a is None or ready_b is None or ready_a[0] is not a \
+            or ready_b[0] is not b or n % _tma_elems(a) or spec.cls != "PersistentGemm" \
+            or a.device not in _checks.HOPPER_SMS:
+        return None
+    device, dtype = a.device, a.dtype
+    sm_count = _checks.HOPPER_SMS[device]
+    tile_m, tile_n = _tile_shape(m, n, sm_count)
+    tiles = tile_overrides(tile_m, tile_n) + a_box_rows(m, ready_a[1])
+    output_tiles = _tiles(m, n, tile_m, tile_n)
+    splits = _split_count(output_tiles, k, sm_count, K_TILE_BYTES // a.element_size(), fp8=False)
+    fn = _compile.get_gemm(spec, dtype, ready_a[1], ready_b[1], tiles, None, False)
+    scales = (_launch.stand_in(device, torch.float32),) * 2
+    workspace_size = output_tiles * splits * tile_m * tile_n
+
+    def launch(a, b):
+        if a.requires_grad or b.requires_grad:  # (under no_grad) as launch_gemm
+            a, b = _launch.detached(a, b)
+        out = torch.empty(m, n, dtype=dtype, device=device)
+        counters, workspace = SPLIT_BUFFERS.get(device, sm_count)
+        if splits > 1:
+            workspace = torch.empty(workspace_size, dtype=torch.float32, device=device)
+        fn(a, b, out, sm_count, workspace, counters, splits, *scales)
+        return out
+    return launch
 
 
 def launch_gemm(spec, a, b, out=None, scales=None, out_dtype=None):

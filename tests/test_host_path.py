@@ -1,0 +1,154 @@
+"""The host path of a call: no host sync in the steady state of any entry point, prepared launches
+of repeated plain calls that compute what the full path computes, and the causal rungs' ring of
+zeroed tile counters.
+
+GPU: every entry point, after a warm-up call, runs under torch.cuda.set_sync_debug_mode("error")
+with fresh index tensors (so that their deferred checks copy them again); a repeated plain
+fa3.attention / fa3.gemm call (its prepared launch) against the first call's result; more causal
+calls than a ring holds, on two streams.
+CPU: the counter ring's hand-out and re-zeroing.
+"""
+
+import pytest
+import torch
+
+import fa3
+from fa3 import _launch
+
+from conftest import rel_err
+
+BF16 = torch.bfloat16
+
+
+def test_counter_ring_hands_out_zeroed_counters_and_zeroes_them_again():
+    ring = _launch._CounterRing(torch.device("cpu"))
+    taken = [ring.take() for _ in range(ring.size)]
+    assert len({t.data_ptr() for t in taken}) == ring.size and all(t.shape == (1,) for t in taken)
+    for t in taken:
+        t += 5  # what the kernels leave behind
+    again = ring.take()  # the ring is spent: all of it is zeroed, the first handed out again
+    assert again.data_ptr() == taken[0].data_ptr() and not ring.block.any()
+
+
+def _rand(*shape, dtype=BF16):
+    return torch.randn(*shape, device="cuda", dtype=dtype)
+
+
+def _i32(*values):
+    return torch.tensor(values, dtype=torch.int32, device="cuda")
+
+
+def _entry_points():
+    """(name, call) for each entry point; a call makes its index tensors afresh (a new step)."""
+    q, k, v = (_rand(2, 300, 8, 128) for _ in range(3))
+    kv_grad = [t.clone().requires_grad_() for t in (q, k, v)]
+    qd = _rand(1, 1, 32, 128)
+    kd, vd = _rand(1, 16384, 8, 128), _rand(1, 16384, 8, 128)  # 64 MiB: the decode route (S1)
+    qp, kp, vp = _rand(500, 8, 128), _rand(500, 2, 128), _rand(500, 2, 128)
+    k_cache, v_cache = _rand(2, 512, 2, 128), _rand(2, 512, 2, 128)
+    pages_k, pages_v = _rand(32, 16, 2, 128), _rand(32, 16, 2, 128)
+    table = torch.arange(32, dtype=torch.int32, device="cuda").view(2, 16)
+    new = _rand(2, 1, 2, 128)
+    a, b = _rand(256, 1024), _rand(1024, 512)
+    q8, k8, v8 = (fa3.quantize_fp8(t)[0] for t in (q, k, v))
+
+    def backward():
+        out = fa3.attention(*kv_grad, causal=True)
+        out.backward(torch.ones_like(out))
+
+    return [
+        ("attention", lambda: fa3.attention(q, k, v)),
+        ("attention causal", lambda: fa3.attention(q, k, v, causal=True)),
+        ("attention window softcap", lambda: fa3.attention(q, k, v, window_size=(64, 0), softcap=20.0)),
+        ("attention decode route", lambda: fa3.attention(qd, kd, vd, causal=True)),
+        ("attention backward", backward),
+        ("attention fp8", lambda: fa3.attention(q8, k8, v8, causal=True)),
+        ("attention_varlen", lambda: fa3.attention_varlen(qp, kp, vp, _i32(0, 200, 500), _i32(0, 300, 500),
+                                                          causal=True)),
+        ("attention_varlen over a paged cache", lambda: fa3.attention_varlen(
+            qp[:5], pages_k, pages_v, _i32(0, 2, 5), None, 3, 256, causal=True, block_table=table.clone(),
+            seqused_k=_i32(100, 250))),
+        ("attention_with_kvcache dense, append", lambda: fa3.attention_with_kvcache(
+            qd[:, :, :8].expand(2, 1, 8, 128).contiguous(), k_cache, v_cache, new, new,
+            cache_seqlens=_i32(10, 300), causal=True)),
+        ("attention_with_kvcache paged", lambda: fa3.attention_with_kvcache(
+            _rand(2, 1, 8, 128), pages_k, pages_v, cache_seqlens=_i32(100, 250), block_table=table.clone(),
+            causal=True)),
+        ("flash_attn_func", lambda: fa3.flash_attn_func(q, k, v, causal=True)),
+        ("flash_attn_varlen_func", lambda: fa3.flash_attn_varlen_func(
+            qp, kp, vp, _i32(0, 200, 500), _i32(0, 300, 500), 300, 300, causal=True)),
+        ("flash_attn_with_kvcache", lambda: fa3.flash_attn_with_kvcache(
+            _rand(2, 1, 8, 128), pages_k, pages_v, cache_seqlens=_i32(100, 250), block_table=table.clone(),
+            causal=True)),
+        ("gemm", lambda: fa3.gemm(a, b)),
+        ("gemm split-K", lambda: fa3.gemm(a[:64], _rand(1024, 256))),
+    ]
+
+
+@pytest.mark.gpu
+def test_no_host_sync_in_any_entry_point():
+    """After a warm-up call (compiles, first allocations), no call synchronizes the host: the
+    index checks are deferred (their copies run behind the kernels) and nothing else waits."""
+    calls = _entry_points()
+    for _, call in calls:
+        call()
+    torch.cuda.synchronize()
+    fa3.check_index_values()
+    failed = []
+    for name, call in calls:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            call()
+            call()
+        except RuntimeError as exc:
+            failed.append(f"{name}: {str(exc).splitlines()[0]}")
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    fa3.check_index_values()  # and the good values passed their deferred checks
+    assert not failed, "\n".join(failed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_prepared_attention_launch_computes_the_same(causal):
+    """The second plain call of a shape runs its prepared launch: the same result as the first
+    (the forward is deterministic), also for new tensors of that shape and for packed-qkv views."""
+    q, k, v = (_rand(2, 333, 8, 128) for _ in range(3))
+    first = fa3.attention(q, k, v, causal=causal)
+    assert torch.equal(fa3.attention(q, k, v, causal=causal), first)
+    qkv = torch.stack([q, k, v], dim=2)  # (2, 333, 3, 8, 128): strided views, aligned
+    views = qkv.unbind(2)
+    assert torch.equal(fa3.attention(*views, causal=causal), first)
+    assert torch.equal(fa3.attention(*views, causal=causal), first)
+    q2 = _rand(2, 333, 8, 128)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        *(t.transpose(1, 2).float() for t in (q2, k, v)), is_causal=causal).transpose(1, 2)
+    out, lse = fa3.attention(q2, k, v, causal=causal, return_lse=True)
+    assert rel_err(out, ref) < 1e-2 and lse.shape == (2, 8, 333)
+    with torch.no_grad():  # tensors that require grad, under no_grad: detached views
+        assert torch.equal(fa3.attention(q.requires_grad_(), k, v, causal=causal), first)
+
+
+@pytest.mark.gpu
+def test_prepared_gemm_launch_computes_the_same():
+    for m, n, k in ((128, 1024, 1024), (1024, 4096, 1024), (64, 256, 4096)):
+        a, b = _rand(m, k), _rand(k, n)
+        first = fa3.gemm(a, b)
+        assert torch.equal(fa3.gemm(a, b), first)
+        assert rel_err(fa3.gemm(a, b), a.float() @ b.float()) < 1e-2
+        a2 = _rand(m, k)
+        assert rel_err(fa3.gemm(a2, b), a2.float() @ b.float()) < 1e-2
+
+
+@pytest.mark.gpu
+def test_causal_counter_ring_wraps_on_each_stream():
+    """More causal calls than a ring holds, on the default stream and on a side stream: each
+    result equals the first (a counter not zeroed again would skip tiles)."""
+    q, k, v = (_rand(1, 384, 4, 128) for _ in range(3))
+    first = fa3.attention(q, k, v, causal=True)
+    side = torch.cuda.Stream()
+    for stream in (torch.cuda.current_stream(), side):
+        with torch.cuda.stream(stream):
+            outs = [fa3.attention(q, k, v, causal=True) for _ in range(_launch._CounterRing.size + 8)]
+        torch.cuda.synchronize()
+        assert all(torch.equal(o, first) for o in outs[-16:])
