@@ -39,7 +39,10 @@ def _i32(*values):
 
 
 def _entry_points():
-    """(name, call) for each entry point; a call makes its index tensors afresh (a new step)."""
+    """(name, call) for each entry point; a call makes its index tensors afresh (a new step: device
+    copies of index tensors made here, since a tensor from host values is itself a host copy)."""
+    cu_q, cu_k, cu_cache = _i32(0, 200, 500), _i32(0, 300, 500), _i32(0, 2, 5)
+    lengths, cache_lengths = _i32(100, 250), _i32(10, 300)
     q, k, v = (_rand(2, 300, 8, 128) for _ in range(3))
     kv_grad = [t.clone().requires_grad_() for t in (q, k, v)]
     qd = _rand(1, 1, 32, 128)
@@ -63,22 +66,22 @@ def _entry_points():
         ("attention decode route", lambda: fa3.attention(qd, kd, vd, causal=True)),
         ("attention backward", backward),
         ("attention fp8", lambda: fa3.attention(q8, k8, v8, causal=True)),
-        ("attention_varlen", lambda: fa3.attention_varlen(qp, kp, vp, _i32(0, 200, 500), _i32(0, 300, 500),
+        ("attention_varlen", lambda: fa3.attention_varlen(qp, kp, vp, cu_q.clone(), cu_k.clone(),
                                                           causal=True)),
         ("attention_varlen over a paged cache", lambda: fa3.attention_varlen(
-            qp[:5], pages_k, pages_v, _i32(0, 2, 5), None, 3, 256, causal=True, block_table=table.clone(),
-            seqused_k=_i32(100, 250))),
+            qp[:5], pages_k, pages_v, cu_cache.clone(), None, 3, 256, causal=True, block_table=table.clone(),
+            seqused_k=lengths.clone())),
         ("attention_with_kvcache dense, append", lambda: fa3.attention_with_kvcache(
             qd[:, :, :8].expand(2, 1, 8, 128).contiguous(), k_cache, v_cache, new, new,
-            cache_seqlens=_i32(10, 300), causal=True)),
+            cache_seqlens=cache_lengths.clone(), causal=True)),
         ("attention_with_kvcache paged", lambda: fa3.attention_with_kvcache(
-            _rand(2, 1, 8, 128), pages_k, pages_v, cache_seqlens=_i32(100, 250), block_table=table.clone(),
+            _rand(2, 1, 8, 128), pages_k, pages_v, cache_seqlens=lengths.clone(), block_table=table.clone(),
             causal=True)),
         ("flash_attn_func", lambda: fa3.flash_attn_func(q, k, v, causal=True)),
         ("flash_attn_varlen_func", lambda: fa3.flash_attn_varlen_func(
-            qp, kp, vp, _i32(0, 200, 500), _i32(0, 300, 500), 300, 300, causal=True)),
+            qp, kp, vp, cu_q.clone(), cu_k.clone(), 300, 300, causal=True)),
         ("flash_attn_with_kvcache", lambda: fa3.flash_attn_with_kvcache(
-            _rand(2, 1, 8, 128), pages_k, pages_v, cache_seqlens=_i32(100, 250), block_table=table.clone(),
+            _rand(2, 1, 8, 128), pages_k, pages_v, cache_seqlens=lengths.clone(), block_table=table.clone(),
             causal=True)),
         ("gemm", lambda: fa3.gemm(a, b)),
         ("gemm split-K", lambda: fa3.gemm(a[:64], _rand(1024, 256))),
