@@ -131,11 +131,11 @@ def runners(q, k, v, seqlens, table, peers):
             if name in peers:
                 b = getattr(torch.nn.attention.SDPBackend, backend)
 
-                def call(b=b):
+                def sdpa(b=b):  # (not `call`: call_rewritten reads that name when it runs)
                     with torch.nn.attention.sdpa_kernel([b]):
                         return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
                 # replayed too: batch-1 decodes are host-bound eager, and cuDNN splits the keys as fa3 does
-                out.update({name: call, f"{name} (graph)": graphed(call)})
+                out.update({name: sdpa, f"{name} (graph)": graphed(sdpa)})
     if "fa4" in peers:
         try:
             from flash_attn.cute import flash_attn_varlen_func
