@@ -8,6 +8,7 @@ Batch, seqlens and heads are dynamic in the compiled kernels, so new shapes neve
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -120,12 +121,14 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
         with _dispatch.op_range("fa3::attention"):
             if kernel is None and kvcache.decodes_over_keys(q, k, v):  # a decode step: S1 (no gradient)
                 out, lse = kvcache.decode_attention(q, k, v, causal, scale, out, window, softcap, sinks)
+                prepare = kvcache.prepare_decode
             else:
                 out, lse = launch_attention(spec, q, k, v, causal, scale, out, window, softcap, sinks)
-                if plain:
-                    if len(_PLAIN_LAUNCHES) >= 256:  # shapes that change every call: bounded
-                        _PLAIN_LAUNCHES.clear()
-                    _PLAIN_LAUNCHES[key] = prepare_plain(spec, q, k, v, causal, scale)
+                prepare = functools.partial(prepare_plain, spec)
+        if plain:
+            if len(_PLAIN_LAUNCHES) >= 256:  # shapes that change every call: bounded
+                _PLAIN_LAUNCHES.clear()
+            _PLAIN_LAUNCHES[key] = prepare(q, k, v, causal, scale)
     else:
         if backward_spec is None:  # the op names one, never run without gradients
             backward_spec = _dispatch.memo_rung(_dispatch.backward_rung, backward_kernel, q.shape[3],

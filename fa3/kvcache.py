@@ -60,62 +60,93 @@ def launch_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, capaci
     each sequence's keys start in a dense cache. descales: an FP8 cache's (q, k, v) descales,
     float32 (batch, heads_kv) each; out, unless given, in out_dtype (None: bf16 for an FP8 cache,
     q's dtype otherwise). full: every sequence holds all `capacity` keys (no order to sort)."""
-    device, head_dim = q.device, q.shape[-1]
-    packed, fp8 = cu_seqlens_q is not None, descales is not None
-    if out is None:
-        out = torch.empty(q.shape, dtype=out_dtype or (torch.bfloat16 if fp8 else q.dtype), device=device)
-    if packed:
-        (total_q, heads_q, _), batch, seqlen_q = q.shape, cu_seqlens_q.shape[0] - 1, max(max_seqlen_q, 1)
-        lse = torch.empty(heads_q, total_q, dtype=torch.float32, device=device)
-        q4, out4, lse3, cu = q.unsqueeze(0), out.unsqueeze(0), lse.unsqueeze(0), cu_seqlens_q
-        rows_q = total_q
-    else:
-        batch, seqlen_q, heads_q, _ = q.shape
-        lse = torch.empty(batch, heads_q, seqlen_q, dtype=torch.float32, device=device)
-        q4, out4, lse3, cu = q, out, lse, _launch.stand_in(device)
-        rows_q = seqlen_q
-    if out.numel() == 0:
+    fp8 = descales is not None
+    out_dtype = out.dtype if out is not None else out_dtype or (torch.bfloat16 if fp8 else q.dtype)
+    launch = CacheLaunch(spec, q, k_cache, block_table is not None, capacity, appended, causal, scale, num_splits,
+                         window, softcap, cu_seqlens_q, max_seqlen_q, max_seqlen_k, cache_leftpad is not None,
+                         sinks is not None, fp8, out_dtype, full)
+    return launch(q, k_cache, v_cache, cache_seqlens, block_table, cu_seqlens_q, out, cache_leftpad, sinks,
+                  descales)
+
+
+class CacheLaunch:
+    """A call against a KV cache, planned from what is static in it (shapes, dtypes, the variants
+    present, the split plan, the compiled kernels); calling it with the call's tensors allocates
+    the outputs and launches (launch_kvcache's arguments, validated). Repeated calls of one shape
+    keep it (fa3.kvcache.cache_attention's memo) and pay only the allocations and launches."""
+
+    def __init__(self, spec, q, k_cache, paged: bool, capacity: int, appended: int, causal: bool, scale: float,
+                 num_splits: int, window, softcap: float, cu_seqlens_q, max_seqlen_q: int, max_seqlen_k: int,
+                 leftpad: bool, has_sinks: bool, fp8: bool, out_dtype, full: bool):
+        device, head_dim = q.device, q.shape[-1]
+        self.device, self.out_dtype, self.packed = device, out_dtype, cu_seqlens_q is not None
+        self.paged, self.leftpad, self.has_sinks, self.appended = paged, leftpad, has_sinks, appended
+        if self.packed:
+            (total_q, heads_q, _), batch, seqlen_q = q.shape, cu_seqlens_q.shape[0] - 1, max(max_seqlen_q, 1)
+            self.lse_shape, rows_q = (heads_q, total_q), total_q
+        else:
+            batch, seqlen_q, heads_q, _ = q.shape
+            self.lse_shape, rows_q = (batch, heads_q, seqlen_q), seqlen_q
+        self.batch = batch
+        self.empty = q.numel() == 0  # (out has q's shape)
+        if self.empty or batch == 0:
+            return
+        heads_kv = k_cache.shape[2]
+        # a capped request plans for the capacity: a CUDA graph captured with short sequences (vLLM captures
+        # with max_seqlen_k = 1) replays long ones
+        self.keys = capacity if max_seqlen_k < 0 or num_splits < 0 else min(capacity, max_seqlen_k)
+        sms = _checks.HOPPER_SMS[device]  # (check_kvcache, eager or in the op, checked the device)
+        plan = call_plan(spec, head_dim, batch, seqlen_q, rows_q if self.packed else None, heads_q, heads_kv,
+                         k_cache.shape[1] if paged else None, self.keys, causal, window, softcap, scale, fp8,
+                         leftpad or appended != 0, num_splits, sms)
+        self.mask, self.long, self.num_splits, self.s1_queries = plan.mask, plan.long, plan.num_splits, plan.s1_queries
+        s1_max_queries = 0 if plan.long is None else plan.long.min_queries  # S1 (and its combine) skip K5's
+        self.sort = plan.longest_first and not full  # the longest entries first (sorted on the device)
+        self.partials_shape = (self.num_splits, 1 if self.packed else batch, rows_q, heads_q, head_dim)
+        self.fn = _compile_kvcache.get_kvcache(spec, q.dtype, head_dim, self.mask.causal, paged, self.mask.local,
+                                               self.mask.softcap, plan.gather, self.packed, leftpad, has_sinks,
+                                               out_dtype if fp8 else None, s1_max_queries)
+        self.combine = (_compile_kvcache.get_combine(out_dtype, head_dim, has_sinks, s1_max_queries)
+                        if self.num_splits > 1 else None)
+        self.order = _compile_kvcache.get_entry_order() if self.sort else None
+        self.no_partials = (_dummy("o_partial", device, head_dim), _dummy("lse_partial", device))
+        self.no_descales = (_dummy("descale", device),) * 3
+
+    def __call__(self, q, k_cache, v_cache, cache_seqlens, block_table, cu_seqlens_q=None, out=None,
+                 cache_leftpad=None, sinks=None, descales=None):
+        """(out, lse): the launch, for tensors of the planned shapes (validated)."""
+        device = self.device
+        if out is None:
+            out = torch.empty(q.shape, dtype=self.out_dtype, device=device)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=device)
+        if self.empty:
+            return out, lse
+        if self.batch == 0:  # packed rows that no entry holds
+            return out.zero_(), lse.fill_(float("-inf"))
+        if self.packed:
+            q4, out4, lse3, cu = q.unsqueeze(0), out.unsqueeze(0), lse.unsqueeze(0), cu_seqlens_q
+        else:
+            q4, out4, lse3, cu = q, out, lse, _launch.stand_in(device)
+        if self.combine is not None:
+            o_partial, lse_partial = split_partials(*self.partials_shape, device)
+        else:
+            o_partial, lse_partial = self.no_partials
+        order = _launch.stand_in(device, torch.int64)
+        if self.order is not None:
+            order = torch.empty(self.batch, dtype=torch.int64, device=device)
+            self.order(cache_seqlens, order, self.keys)
+        sinks = _launch.sinks_ready(sinks) if self.has_sinks else _launch.stand_in(device, torch.float32)
+        mask = self.mask
+        self.fn(q4, k_cache, v_cache, cache_seqlens, block_table if self.paged else _dummy("table", device), out4,
+                lse3, o_partial, lse_partial, mask.scale_log2, self.appended, mask.left, mask.right,
+                mask.softcap_scale, cu, self.s1_queries, cache_leftpad if self.leftpad else _launch.stand_in(device),
+                order, sinks, *(descales or self.no_descales))
+        if self.combine is not None:
+            self.combine(o_partial, lse_partial, out4, lse3, sinks, cu)
+        if self.long is not None:
+            cache_prefill.launch(self.long, q, k_cache, v_cache, cache_seqlens, block_table, cu, out, lse, mask,
+                                 sinks if self.has_sinks else None)
         return out, lse
-    if batch == 0:  # packed rows that no entry holds
-        return out.zero_(), lse.fill_(float("-inf"))
-    heads_kv = k_cache.shape[2]
-    paged = block_table is not None
-    # a capped request plans for the capacity: a CUDA graph captured with short sequences (vLLM captures
-    # with max_seqlen_k = 1) replays long ones
-    keys = capacity if max_seqlen_k < 0 or num_splits < 0 else min(capacity, max_seqlen_k)
-    sms = _checks.HOPPER_SMS[device]  # (check_kvcache, eager or in the op, checked the device)
-    plan = call_plan(spec, head_dim, batch, seqlen_q, rows_q if packed else None, heads_q, heads_kv,
-                     k_cache.shape[1] if paged else None, keys, causal, window, softcap, scale, fp8,
-                     cache_leftpad is not None or appended != 0, num_splits, sms)
-    mask, long, num_splits = plan.mask, plan.long, plan.num_splits
-    s1_max_queries = 0 if long is None else long.min_queries  # S1 (and its combine) skip K5's entries
-    planes = 1 if packed else batch
-    if num_splits > 1:
-        o_partial, lse_partial = split_partials(num_splits, planes, rows_q, heads_q, head_dim, device)
-    else:
-        o_partial, lse_partial = _dummy("o_partial", device, head_dim), _dummy("lse_partial", device)
-    # the longest entries first when the CTAs take several waves (sorted on the device: no sync)
-    order = _launch.stand_in(device, torch.int64)
-    if plan.longest_first and not full:
-        order = torch.empty(batch, dtype=torch.int64, device=device)
-        _compile_kvcache.get_entry_order()(cache_seqlens, order, keys)
-    leftpad, has_sinks = cache_leftpad is not None, sinks is not None
-    sinks = _launch.sinks_ready(sinks) if has_sinks else _launch.stand_in(device, torch.float32)
-    fn = _compile_kvcache.get_kvcache(spec, q.dtype, head_dim, mask.causal, paged, mask.local, mask.softcap,
-                                      plan.gather, packed, leftpad, has_sinks, out.dtype if fp8 else None,
-                                      s1_max_queries)
-    descales = descales or (_dummy("descale", device),) * 3
-    table = block_table if paged else _dummy("table", device)
-    fn(q4, k_cache, v_cache, cache_seqlens, table, out4, lse3, o_partial, lse_partial, mask.scale_log2,
-       appended, mask.left, mask.right, mask.softcap_scale, cu, plan.s1_queries,
-       cache_leftpad if leftpad else _launch.stand_in(device), order, sinks, *descales)
-    if num_splits > 1:
-        combine = _compile_kvcache.get_combine(out.dtype, head_dim, has_sinks, s1_max_queries)
-        combine(o_partial, lse_partial, out4, lse3, sinks, cu)
-    if long is not None:
-        cache_prefill.launch(long, q, k_cache, v_cache, cache_seqlens, block_table, cu, out, lse, mask,
-                             sinks if has_sinks else None)
-    return out, lse
 
 
 _PARTIALS: dict = {}  # (device, stream handle, shape) -> (o_partial, lse_partial)
@@ -180,6 +211,25 @@ def decode_attention(q, k, v, causal: bool, scale: float, out=None, window=(-1, 
                           causal, scale, 0, window, softcap, out=out, sinks=sinks, full=True)
 
 
+def prepare_decode(q, k, v, causal: bool, scale: float):
+    """decode_attention's launch for a plain fa3.attention call (no out=, window, softcap or sinks)
+    that ran with these q, k, v, planned once: a function of (q, k, v) for later calls with the
+    same shapes, strides, dtypes and devices and 16-byte aligned data (fa3.interface's memo); None
+    where decode_attention would copy q."""
+    if q.device not in _checks.HOPPER_SMS or not _launch.tma_aligned(q):
+        return None
+    spec = _dispatch.memo_rung(_dispatch.family_rung, registry.KVCACHE, None, q.shape[3], "q and the cache")
+    launch = CacheLaunch(spec, q, k, False, k.shape[1], 0, causal, scale, 0, (-1, -1), 0.0, None, 0, -1, False,
+                         False, False, q.dtype, True)
+    lengths = full_lengths(q.shape[0], q.device)
+
+    def run(q, k, v):
+        if q.requires_grad or k.requires_grad or v.requires_grad:  # (under no_grad) as decode_attention
+            q, k, v = _launch.detached(q, k, v)
+        return launch(q, k, v, lengths, None)
+    return run
+
+
 FULL_LENGTH = 1 << 30  # past any cache's rows: S1 clamps a length to its cache's capacity
 _FULL_LENGTHS: dict = {}
 
@@ -202,6 +252,23 @@ def full_lengths(batch: int, device) -> torch.Tensor:
     return lengths
 
 
+# the static part of a plain call against a cache (cache_attention's key) -> (its index check, its CacheLaunch)
+_CACHE_CALLS: dict = {}
+
+
+def _index_check(q, k_cache, capacity: int, max_q: int, lengths_name: str):
+    """start(lengths, block_table, cu_seqlens_q) -> wait: a plain call's index check (as
+    cache_attention starts it) with its bounds made once."""
+    device, total_q, page_size, num_pages = q.device, q.shape[0], k_cache.shape[1], k_cache.shape[0]
+
+    def start(lengths, block_table, cu_seqlens_q):
+        if cu_seqlens_q is not None:
+            return index_checks.start_packed_cache_check(cu_seqlens_q, total_q, max_q, lengths, block_table,
+                                                         capacity, page_size, num_pages, lengths_name, device)
+        return index_checks.start_cache_check(lengths, block_table, capacity, 0, page_size, num_pages, device)
+    return start
+
+
 def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, softmax_scale, window_size,
                     softcap, num_splits, kernel, cu_seqlens_q=None, max_seqlen_q=None, max_seqlen_k=None,
                     out=None, lengths_name="cache_seqlens", cache_leftpad=None, sinks=None,
@@ -210,6 +277,32 @@ def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, sof
     launch (directly, or through torch.ops.fa3.attention_kvcache), return (out, lse). descales:
     (q_descale, k_descale, v_descale) as given (an FP8 cache)."""
     index_checks.raise_pending()  # an earlier call's bad index values (deferred checks)
+    # a plain call (no append, out=, left padding, sinks, FP8, window or softcap; lengths in a tensor)
+    # like one that ran before: its checks passed for these shapes, and its launch is planned
+    plain = k is None and cu_seqlens_k_new is None and cache_leftpad is None and sinks is None and out is None \
+        and descales[0] is None and descales[1] is None and descales[2] is None and kernel is None \
+        and not softcap and window_size == (-1, -1) and type(causal) is bool and type(seqlens) is torch.Tensor \
+        and (softmax_scale is None or type(softmax_scale) is float) and not _dispatch.tracing()
+    if plain:
+        try:
+            key = (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), k_cache.dtype,
+                   k_cache.device, v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device, seqlens.shape,
+                   seqlens.stride(), seqlens.dtype, seqlens.device,
+                   None if block_table is None else (block_table.shape, block_table.stride(), block_table.dtype,
+                                                     block_table.device),
+                   None if cu_seqlens_q is None else (cu_seqlens_q.shape, cu_seqlens_q.stride(), cu_seqlens_q.dtype,
+                                                      cu_seqlens_q.device),
+                   max_seqlen_q, max_seqlen_k, causal, softmax_scale, num_splits, lengths_name)
+            prepared = _CACHE_CALLS.get(key)
+        except (AttributeError, TypeError):  # not tensors (check_kvcache names them), symbolic shapes
+            key = prepared = plain = None
+        if prepared is not None and _dispatch.direct_call_ok(q, k_cache, v_cache) and not _dispatch.profiling() \
+                and not (k_cache.data_ptr() | v_cache.data_ptr()) % 16:
+            start_check, launch = prepared
+            wait = start_check(seqlens, block_table, cu_seqlens_q)
+            out, lse = launch(q, k_cache, v_cache, seqlens, block_table, cu_seqlens_q)
+            wait()
+            return out, lse
     host_lengths = isinstance(seqlens, int)  # checked on the host by check_kvcache: no copy needed
     spec, seqlens, capacity, appended, max_q = check_kvcache(
         q, k_cache, v_cache, k, v, seqlens, block_table, kernel, window_size, softcap, cu_seqlens_q,
@@ -258,6 +351,13 @@ def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, sof
             out, lse = launch_kvcache(spec, q, k_cache, v_cache, seqlens, block_table, capacity, appended,
                                       bool(causal), scale, int(num_splits), window, softcap, cu_seqlens_q,
                                       max_q, max_seqlen_k, out, cache_leftpad, sinks, descales)
+        if plain and q.device in _checks.HOPPER_SMS:  # remembered: the plan of this call, once more
+            if len(_CACHE_CALLS) >= 256:  # shapes that change every call: bounded
+                _CACHE_CALLS.clear()
+            _CACHE_CALLS[key] = (_index_check(q, k_cache, capacity, max_q, lengths_name),
+                                 CacheLaunch(spec, q, k_cache, block_table is not None, capacity, 0, causal, scale,
+                                             int(num_splits), window, 0.0, cu_seqlens_q, max_q, max_seqlen_k,
+                                             False, False, False, q.dtype, False))
     else:
         out_dtype = None if descales is None else (torch.bfloat16 if out is None else out.dtype)
         result, lse = torch.ops.fa3.attention_kvcache(q, k_cache, v_cache, seqlens, block_table, appended,

@@ -155,3 +155,66 @@ def test_causal_counter_ring_wraps_on_each_stream():
             outs = [fa3.attention(q, k, v, causal=True) for _ in range(_launch._CounterRing.size + 8)]
         torch.cuda.synchronize()
         assert all(torch.equal(o, first) for o in outs[-16:])
+
+
+def _cache_reference(q, k_cache, v_cache, lengths, table=None):
+    """Each sequence's one query over its first lengths[b] keys (pages in table order when paged)."""
+    from fa3.reference import attention_reference
+
+    outs = []
+    for b, n in enumerate(lengths.tolist()):
+        if table is None:
+            keys, values = k_cache[b:b + 1, :n], v_cache[b:b + 1, :n]
+        else:
+            pages = table[b]
+            keys = k_cache[pages].reshape(1, -1, *k_cache.shape[2:])[:, :n]
+            values = v_cache[pages].reshape(1, -1, *v_cache.shape[2:])[:, :n]
+        outs.append(attention_reference(q[b:b + 1], keys, values)[0])
+    return torch.cat(outs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["dense", "paged", "packed"])
+def test_prepared_cache_launch_computes_the_same(layout):
+    """A repeated plain call against a cache runs the plan remembered from its first call: the
+    first call's output for the same values, and the reference's for lengths rewritten in place
+    and for new tensors of the same shapes (a later decode step); vLLM's packed call too."""
+    batch, heads_q, heads_kv, d = 3, 16, 4, 128
+    if layout == "dense":
+        k_cache, v_cache, table = _rand(batch, 4096, heads_kv, d), _rand(batch, 4096, heads_kv, d), None
+    else:  # pages of 16, permuted
+        k_cache, v_cache = _rand(batch * 256, 16, heads_kv, d), _rand(batch * 256, 16, heads_kv, d)
+        table = torch.randperm(batch * 256, device="cuda").view(batch, 256).to(torch.int32)
+    lengths = _i32(4096, 1000, 77)
+
+    def call(q, lengths):
+        if layout == "packed":
+            return fa3.attention_varlen(q.view(batch, heads_q, d), k_cache, v_cache,
+                                        torch.arange(batch + 1, dtype=torch.int32, device="cuda"), None, 1, None,
+                                        block_table=table, seqused_k=lengths).view(batch, 1, heads_q, d)
+        return fa3.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, block_table=table)
+
+    q = _rand(batch, 1, heads_q, d)
+    first = call(q, lengths)
+    assert torch.equal(call(q, lengths), first)
+    assert rel_err(first, _cache_reference(q, k_cache, v_cache, lengths, table)) < 1e-2
+    lengths.copy_(_i32(5, 4000, 2048))  # in place: the same tensor, new values
+    q2 = _rand(batch, 1, heads_q, d)
+    for q_step, lengths_step in ((q2, lengths), (q2, lengths.clone())):
+        got = call(q_step, lengths_step)
+        assert rel_err(got, _cache_reference(q_step, k_cache, v_cache, lengths_step, table)) < 1e-2
+    fa3.check_index_values()
+
+
+@pytest.mark.gpu
+def test_prepared_decode_route_computes_the_same():
+    """fa3.attention's decode route (a forward-only step over 32 MiB or more of K and V) remembered:
+    the same output again, and the reference's for new queries."""
+    k, v = _rand(1, 16384, 8, 128), _rand(1, 16384, 8, 128)
+    q = _rand(1, 1, 32, 128)
+    first = fa3.attention(q, k, v, causal=True)
+    assert torch.equal(fa3.attention(q, k, v, causal=True), first)
+    q2 = _rand(1, 1, 32, 128)
+    from fa3.reference import attention_reference
+
+    assert rel_err(fa3.attention(q2, k, v, causal=True), attention_reference(q2, k, v)[0]) < 1e-2
