@@ -200,6 +200,7 @@ def recorded_launches(getters, call) -> dict:
 
     for getter in getters:
         setattr(_compile_kvcache, getter, recording(getter))
+    kvcache._CACHE_CALLS.clear()  # the call plans afresh (a remembered plan holds its kernels already)
     try:
         call()
     finally:

@@ -218,3 +218,20 @@ def test_prepared_decode_route_computes_the_same():
     from fa3.reference import attention_reference
 
     assert rel_err(fa3.attention(q2, k, v, causal=True), attention_reference(q2, k, v)[0]) < 1e-2
+
+
+@pytest.mark.gpu
+def test_capture_right_after_an_eager_call_with_a_pending_check():
+    """An eager call leaves its index check pending; a CUDA graph captured next must not touch it
+    (an event query during capture would invalidate the capture), and the check settles after."""
+    k_cache, v_cache = _rand(2, 512, 2, 128), _rand(2, 512, 2, 128)
+    q, lengths = _rand(2, 1, 8, 128), _i32(10, 300)
+    step = lambda: fa3.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths.clone(), causal=True)
+    expected = step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, expected)
+    fa3.check_index_values()
