@@ -49,6 +49,29 @@ def no_device_check(monkeypatch):
     monkeypatch.setattr(_checks, "check_hopper", lambda device, name: None)
 
 
+@pytest.fixture(autouse=True)
+def settled_index_checks():
+    """A test's deferred index checks settle before the next test starts: a bad value a test left
+    behind fails that test, not the one after it."""
+    yield
+    from fa3 import index_checks
+
+    index_checks.check_index_values()
+
+
+@pytest.fixture
+def strict_index_checks():
+    """Index values checked within the call (fa3.set_index_checks("strict")): for tests that assert
+    a bad value is refused by the call that passes it, before anything is written. The default,
+    deferred mode (the error raised by a later call) is tests/test_bad_values.py's and
+    tests/test_host_path.py's."""
+    import fa3
+
+    previous = fa3.set_index_checks("strict")
+    yield
+    fa3.set_index_checks(previous)
+
+
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     """||x - ref|| / ||ref||, computed in float64; NaN anywhere makes it NaN (and fails)."""
     x, ref = x.double(), ref.double()

@@ -92,6 +92,7 @@ def _entry_points():
 def test_no_host_sync_in_any_entry_point():
     """After a warm-up call (compiles, first allocations), no call synchronizes the host: the
     index checks are deferred (their copies run behind the kernels) and nothing else waits."""
+    assert fa3.set_index_checks("deferred") == "deferred"  # (the default: nothing set it otherwise)
     calls = _entry_points()
     for _, call in calls:
         call()

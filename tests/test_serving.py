@@ -381,6 +381,7 @@ def test_kvcache_packed_queries_equal_unpacked(page_size):
 
 
 @gpu
+@pytest.mark.usefixtures("strict_index_checks")  # (it asserts a bad append is refused before writing)
 @pytest.mark.parametrize("page_size", [None, 1, 16, 64])
 def test_kvcache_packed_appends(page_size):
     """cu_seqlens_k_new: each sequence appends its own number of new tokens (0 included, to an empty
@@ -468,6 +469,7 @@ def test_varlen_over_cache_in_cuda_graph(page_size, captured, replayed, max_q):
 
 
 @gpu
+@pytest.mark.usefixtures("strict_index_checks")  # (it asserts a bad left padding is refused in the call)
 @pytest.mark.parametrize("new_tokens", [0, 1])
 def test_kvcache_leftpad(new_tokens):
     """flash-attn's cache_leftpad: sequence b's keys are cache positions [leftpad[b],
@@ -504,6 +506,7 @@ def test_kvcache_leftpad(new_tokens):
 
 # ----------------------------------------------------------------------------- bad values, on the GPU
 @gpu
+@pytest.mark.usefixtures("strict_index_checks")
 def test_bad_values_over_cache_refused_before_writing():
     """Bad cu_seqlens_q / seqused_k / block_table values: a ValueError naming them, and out= is
     left as it was (nothing written)."""
@@ -540,6 +543,7 @@ def _cpu_call(**over):
     return args
 
 
+@pytest.mark.usefixtures("strict_index_checks")  # (on a GPU its tensors' values are checked in the call)
 def test_varlen_over_cache_argument_checks():
     call = fa3.attention_varlen
     raises_with(call, ValueError, "block_table", "int32", **_cpu_call(block_table=torch.zeros(2, 3)))
