@@ -50,9 +50,12 @@ def check_offset_values(cu_q, cu_k, total_q, total_k, max_seqlen_q, max_seqlen_k
 def check_offset_list(name, cu, total, total_name, max_len=None, max_name=None):
     """Host offsets (a list) `name`: start at 0, never decrease, end at `total` (`total_name`), no
     entry longer than max_len (None: unbounded)."""
+    lengths = [b - a for a, b in zip(cu, cu[1:])]
+    if cu[0] == 0 and cu[-1] == total and (not lengths or (min(lengths) >= 0 and (max_len is None
+                                                                                  or max(lengths) <= max_len))):
+        return  # good offsets (most calls): no search for the first bad entry
     if cu[0] != 0:
         raise ValueError(f"{name}[0] = {cu[0]}; offsets start at 0")
-    lengths = [b - a for a, b in zip(cu, cu[1:])]
     bad = next((i for i, length in enumerate(lengths) if length < 0), None)
     if bad is not None:
         raise ValueError(f"{name} decreases at entry {bad + 1} ({cu[bad]} -> {cu[bad + 1]}); "
@@ -97,9 +100,14 @@ def check_cache_lengths(lengths, capacity: int, appended, block_table, page_size
     list: each entry's, for packed appends).
     `page_size` is k_cache.shape[1] (the dense capacity when block_table is None); the messages
     name the lengths `lengths_name` (attention_varlen's are seqused_k)."""
-    added = appended if isinstance(appended, list) else [appended] * len(lengths)
-    if min(lengths, default=0) >= 0 and max(map(sum, zip(lengths, added)), default=0) <= capacity:
-        return
+    if not isinstance(appended, list):
+        if min(lengths, default=0) >= 0 and max(lengths, default=0) + appended <= capacity:
+            return
+        added = [appended] * len(lengths)
+    else:
+        added = appended
+        if min(lengths, default=0) >= 0 and max(map(sum, zip(lengths, added)), default=0) <= capacity:
+            return
     for b, (n, appended) in enumerate(zip(lengths, added)):
         if 0 <= n and n + appended <= capacity:
             continue
@@ -385,9 +393,6 @@ def _check_cache_values(lengths, table, block_table, capacity: int, appended, pa
 
 
 # ----------------------------------------------------------------------------- packed queries over a KV cache
-_NO_KEYS = torch.zeros(1, dtype=torch.int32)  # offsets [0]: a packed call over a cache has no cu_seqlens_k
-
-
 def start_packed_cache_check(cu_seqlens_q: torch.Tensor, total_q: int, max_seqlen_q: int,
                              seqused_k: torch.Tensor, block_table, capacity: int, page_size: int,
                              num_pages: int, lengths_name: str = "cache_seqlens", device=None):
@@ -402,7 +407,7 @@ def start_packed_cache_check(cu_seqlens_q: torch.Tensor, total_q: int, max_seqle
     bounds = ("packed", total_q, max_seqlen_q, capacity, page_size, num_pages)
 
     def check(host):
-        check_offset_values(host[0], _NO_KEYS, total_q, 0, max_seqlen_q, None)
+        check_offset_list("cu_seqlens_q", host[0].tolist(), total_q, "q.shape[0]", max_seqlen_q, "max_seqlen_q")
         _check_cache_values(host[1], host[2] if paged else None, block_table, capacity, 0, page_size,
                             num_pages, lengths_name)
     return _start_check(tensors, bounds, check, device)

@@ -348,16 +348,18 @@ def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, sof
     if _dispatch.direct_call_ok(q, k_cache, v_cache, *(descales or ())) and \
             (sinks is None or _dispatch.direct_call_ok(sinks)):
         with _dispatch.op_range("fa3::attention_kvcache"):
-            out, lse = launch_kvcache(spec, q, k_cache, v_cache, seqlens, block_table, capacity, appended,
-                                      bool(causal), scale, int(num_splits), window, softcap, cu_seqlens_q,
-                                      max_q, max_seqlen_k, out, cache_leftpad, sinks, descales)
-        if plain and q.device in _checks.HOPPER_SMS:  # remembered: the plan of this call, once more
-            if len(_CACHE_CALLS) >= 256:  # shapes that change every call: bounded
-                _CACHE_CALLS.clear()
-            _CACHE_CALLS[key] = (_index_check(q, k_cache, capacity, max_q, lengths_name),
-                                 CacheLaunch(spec, q, k_cache, block_table is not None, capacity, 0, causal, scale,
-                                             int(num_splits), window, 0.0, cu_seqlens_q, max_q, max_seqlen_k,
-                                             False, False, False, q.dtype, False))
+            if plain and q.device in _checks.HOPPER_SMS:  # planned, launched and remembered
+                launch = CacheLaunch(spec, q, k_cache, block_table is not None, capacity, 0, causal, scale,
+                                     int(num_splits), window, 0.0, cu_seqlens_q, max_q, max_seqlen_k, False, False,
+                                     False, q.dtype, False)
+                out, lse = launch(q, k_cache, v_cache, seqlens, block_table, cu_seqlens_q)
+                if len(_CACHE_CALLS) >= 256:  # shapes that change every call: bounded
+                    _CACHE_CALLS.clear()
+                _CACHE_CALLS[key] = (_index_check(q, k_cache, capacity, max_q, lengths_name), launch)
+            else:
+                out, lse = launch_kvcache(spec, q, k_cache, v_cache, seqlens, block_table, capacity, appended,
+                                          bool(causal), scale, int(num_splits), window, softcap, cu_seqlens_q,
+                                          max_q, max_seqlen_k, out, cache_leftpad, sinks, descales)
     else:
         out_dtype = None if descales is None else (torch.bfloat16 if out is None else out.dtype)
         result, lse = torch.ops.fa3.attention_kvcache(q, k_cache, v_cache, seqlens, block_table, appended,
