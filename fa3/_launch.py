@@ -103,21 +103,30 @@ def tile_counter(spec, causal: bool, device) -> torch.Tensor:
     return ring.take()
 
 
-def run_attention(spec, dtype, head_dim: int, mask: masking.Masking, args: list, device,
-                  cu_seqlens=None, sinks=None, head_dim_v=None, rows=None):
-    """Append the runtime arguments after (q, k, v, o, lse[, scores]) and launch: the scale, the
-    persistent ones, and the variants' (cu_seqlens_q/k when varlen, window edges, softcap scale,
-    the sinks (heads_q,) FP32). head_dim_v: V's head dim where it differs from head_dim; rows: the
-    longest query sequence's length where known (it picks the rung's tiles for short ones)."""
+def attention_kernel(spec, dtype, head_dim: int, mask: masking.Masking, device, cu_seqlens=None, sinks=None,
+                     head_dim_v=None, rows=None):
+    """(the compiled forward, the runtime arguments before the tile counter, those after it): what
+    follows (q, k, v, o, lse[, scores]) is the scale, the persistent ones (the SM count, then the
+    tile counter: the caller's, tile_counter), and the variants' (cu_seqlens_q/k when varlen, window
+    edges, softcap scale, the sinks (heads_q,) FP32). head_dim_v: V's head dim where it differs from
+    head_dim; rows: the longest query sequence's length where known (it picks the rung's tiles for
+    short ones)."""
     short = spec.is_short(head_dim, head_dim_v, mask.causal, rows)
     fn = _compile.get_attention(spec, dtype, head_dim, mask.causal, cu_seqlens is not None,
                                 mask.local, mask.softcap, sinks is not None, head_dim_v, short)
-    args.append(mask.scale_log2)
-    if spec.persistent:
-        args.append(_checks.HOPPER_SMS[device])
-        args.append(tile_counter(spec, mask.causal, device))
+    lead = [mask.scale_log2] + ([_checks.HOPPER_SMS[device]] if spec.persistent else [])
+    tail = []
     if spec.variants:
         cu_q, cu_k = cu_seqlens if cu_seqlens is not None else (stand_in(device),) * 2
-        args += [cu_q, cu_k, mask.left, mask.right, mask.softcap_scale,
-                 stand_in(device, torch.float32) if sinks is None else sinks]
-    fn(*args)
+        tail = [cu_q, cu_k, mask.left, mask.right, mask.softcap_scale,
+                stand_in(device, torch.float32) if sinks is None else sinks]
+    return fn, lead, tail
+
+
+def run_attention(spec, dtype, head_dim: int, mask: masking.Masking, args: list, device,
+                  cu_seqlens=None, sinks=None, head_dim_v=None, rows=None):
+    """Launch the forward with (q, k, v, o, lse[, scores]) = `args` and its runtime arguments
+    (attention_kernel's, with this call's tile counter)."""
+    fn, lead, tail = attention_kernel(spec, dtype, head_dim, mask, device, cu_seqlens, sinks, head_dim_v, rows)
+    counter = [tile_counter(spec, mask.causal, device)] if spec.persistent else []
+    fn(*args, *lead, *counter, *tail)

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from . import _checks, _compile, _dispatch, _launch, fp8, index_checks, kvcache, masking
+from . import _checks, _dispatch, _launch, fp8, index_checks, kvcache, masking
 
 
 def check_attention(q, k, v, kernel):
@@ -158,14 +158,10 @@ def prepare_plain(spec, q, k, v, causal: bool, scale: float):
             or device not in _checks.HOPPER_SMS or not all(_launch.tma_aligned(t) for t in (q, k, v)):
         return None
     mask = masking.masking(causal, (-1, -1), 0.0, scale)
-    fn = _compile.get_attention(spec, q.dtype, head_dim, mask.causal, False, False, False, False, None,
-                                spec.is_short(head_dim, None, mask.causal, seqlen_q))
-    counted = spec.persistent and mask.causal and spec.config.get("dynamic_schedule")
-    lead = [mask.scale_log2] + ([_checks.HOPPER_SMS[device]] if spec.persistent else [])
-    tail = [] if not spec.variants else [_launch.stand_in(device), _launch.stand_in(device), mask.left, mask.right,
-                                         mask.softcap_scale, _launch.stand_in(device, torch.float32)]
+    fn, lead, tail = _launch.attention_kernel(spec, q.dtype, head_dim, mask, device, rows=seqlen_q)
+    counted = spec.persistent and mask.causal and spec.config.get("dynamic_schedule")  # a counter a call
     if spec.persistent and not counted:
-        lead.append(_launch.tile_counter(spec, False, device))
+        lead.append(_launch.tile_counter(spec, False, device))  # (the shared stand-in)
     lse_shape = (batch, heads_q, seqlen_q)
 
     def launch(q, k, v):
