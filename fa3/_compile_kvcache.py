@@ -60,21 +60,18 @@ def get_kvcache(spec, dtype, head_dim, causal, paged, local=False, softcap=False
 def cache_prefill_key(spec, dtype, head_dim, causal, paged, page_rows, min_queries, local=False, softcap=False,
                       sinks=False) -> tuple:
     """K5 over a KV cache (kernels/k5_cache.py) on `spec`'s tiles (fa3.cache_prefill's rung)."""
-    from .cache_prefill import tiles
-
     return ("cache_prefill", spec.name, str(dtype), head_dim, bool(causal), bool(paged), int(page_rows),
             int(min_queries), (bool(local), bool(softcap), bool(sinks)),
-            tuple(sorted(tiles(head_dim, causal, local).items())), _dsl.TARGET_ARCH, _dsl.version())
+            tuple(sorted(split_plan.prefill_tiles(head_dim, causal, local).items())), _dsl.TARGET_ARCH, _dsl.version())
 
 
 def build_cache_prefill(spec, dtype, head_dim, causal, paged, page_rows, min_queries, local=False,
                          softcap=False, sinks=False, extra_options=""):
-    from .cache_prefill import tiles
     from .kernels.k5_cache import CacheAttention
 
     kernel = CacheAttention(dtype=sig.cute_dtype(dtype), head_dim=head_dim, causal=causal, paged=paged,
                             page_rows=page_rows, min_queries=min_queries, local=local, softcap=softcap,
-                            sinks=sinks, **tiles(head_dim, causal, local))
+                            sinks=sinks, **split_plan.prefill_tiles(head_dim, causal, local))
     return core.compile_kernel(kernel, sig.cache_prefill_args(dtype, head_dim), extra_options)
 
 
@@ -149,8 +146,6 @@ def kvcache_companions(spec, dtype, head_dim, causal) -> list[tuple[str, tuple, 
     16-bit cache, K5 over the cache for a packed call's prompt chunks (dense, pages holding whole
     key blocks, pages of 16 and 64 rows) with the combine that skips K5's rows. `dtype`: the
     cache's."""
-    from . import cache_prefill
-
     out_dtype = torch.bfloat16 if dtype == torch.float8_e4m3fn else dtype
     items = [("combine", combine_key(out_dtype, head_dim), lambda: build_combine(out_dtype, head_dim)),
              ("entry order", entry_order_key(), build_entry_order)]
@@ -159,13 +154,13 @@ def kvcache_companions(spec, dtype, head_dim, causal) -> list[tuple[str, tuple, 
         return items
     items.append(("combine skipping K5's rows", combine_key(dtype, head_dim, max_queries=min_queries),
                   lambda: build_combine(dtype, head_dim, max_queries=min_queries)))
-    tile_n = cache_prefill.tiles(head_dim, causal, False)["tile_n"]
+    tile_n = split_plan.prefill_tiles(head_dim, causal, False)["tile_n"]
     layouts = []  # (paged, page_rows) for a dense cache, whole-block pages, and vLLM's 16 and 64
     for page_size in (None, tile_n, 16, 64):
-        p = cache_prefill.plan(spec, head_dim, page_size, min_queries, causal, False, True, False, False)
+        p = split_plan.prefill_plan(spec, head_dim, page_size, min_queries, causal, False, True, False, False)
         if p is not None and (p.paged, p.page_rows) not in layouts:
             layouts.append((p.paged, p.page_rows))
-    rung = registry.get(cache_prefill.RUNG)
+    rung = registry.get(split_plan.PREFILL_RUNG)
     for paged, page_rows in layouts:
         static = (head_dim, causal, paged, page_rows, min_queries)
         label = "K5 over the cache, " + ("dense" if not paged else f"pages of {page_rows} rows" if page_rows

@@ -1,17 +1,20 @@
-"""The split plan of a call against a KV cache: how many CTAs share each sequence's keys, decided
-from host integers alone (no device read, so CUDA graphs replay it), and the SMEM plan of the
-KV-cache kernel (kernels/decode.py) that it depends on: how deep the K/V ring is and how many
-CTAs share an SM. `get_scheduler_metadata` is flash-attn 3's name for computing it ahead.
+"""The plan of a call against a KV cache, decided from host integers alone (no device read, so
+CUDA graphs replay it): how many CTAs share each sequence's keys, the SMEM plan of the KV-cache
+kernel (kernels/decode.py) that it depends on (how deep the K/V ring is and how many CTAs share an
+SM), and which entries of a packed call run on K5 as prompt chunks, on which tiles (launched by
+fa3.cache_prefill). `get_scheduler_metadata` is flash-attn 3's name for computing it ahead.
 """
 
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 from . import _checks, _dispatch, masking, registry
+from .kernels import k5_tiles
 
 MAX_SPLITS = 64
 MIN_BLOCKS_PER_SPLIT = 4  # below this a split's fixed costs outweigh the keys it reads
@@ -142,11 +145,57 @@ def longest_first(batch: int, ctas: int, slots: int) -> bool:
     return batch > 1 and ctas > slots
 
 
+# ----------------------------------------------------------------------------- prompt chunks on K5
+PREFILL_RUNG = "k5.5"  # the attention rung whose tiles and schedule a packed call's prompt chunks run on
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """K5's static configuration for one call's long entries."""
+    min_queries: int  # entries of this many queries or more
+    paged: bool
+    page_rows: int  # 0: a page holds whole key blocks (or a dense cache); else one box per page
+
+
+def prefill_tiles(head_dim: int, causal: bool, local: bool) -> dict:
+    """PREFILL_RUNG's configuration at head_dim with the tiles K5 compiles for a packed batch
+    (kernels/k5_tiles.py, which K5 itself applies), so that the page layout is chosen for them."""
+    cfg = registry.get(PREFILL_RUNG).config_for(head_dim)
+    cfg["tile_m"], cfg["tile_n"] = k5_tiles.adjust(cfg["tile_m"], cfg["tile_n"], head_dim, causal, True, local)
+    return cfg
+
+
+def prefill_plan(spec, head_dim: int, page_size: int | None, max_seqlen_q: int, causal: bool, local: bool,
+                 packed: bool, fp8: bool, offsets: bool) -> PrefillPlan | None:
+    """How the call's long entries run on K5, or None: the whole call on S1 (no packed queries, no
+    entry that long, an FP8 cache, keys at offsets (a left-padded cache, tokens appended in the
+    kernel's call), or pages no TMA box fits). page_size: None for a dense cache."""
+    min_queries = spec.config.get("long_queries", 0)
+    if not (packed and min_queries) or fp8 or offsets or max_seqlen_q < min_queries:
+        return None
+    tile_n = prefill_tiles(head_dim, causal, local)["tile_n"]
+    page_rows = 0
+    if page_size is not None:
+        if page_size % tile_n:
+            if tile_n % page_size or page_size % 16:
+                return None
+            page_rows = page_size
+    return PrefillPlan(min_queries, page_size is not None, page_rows)
+
+
+def split_queries(p: PrefillPlan | None, max_seqlen_q: int) -> int:
+    """The query run S1's split plan counts per entry: the longest, or 1 when the long entries go to
+    K5. Then the entries S1 keeps are planned as decodes: a prompt chunk beside three decodes of 30k
+    keys took 1.1 ms with the chunk's length counted (one CTA per decode and KV head, each reading
+    30k keys); entries of up to long_queries - 1 queries over-split at worst (more, shorter CTAs)."""
+    return max_seqlen_q if p is None else 1
+
+
 class CallPlan(NamedTuple):
     """What a call against a KV cache decides from host integers alone."""
     mask: masking.Masking
     gather: bool  # pages read by row gathers
-    long: object  # cache_prefill.Plan: the entries K5 takes, or None
+    long: PrefillPlan | None  # the entries K5 takes
     s1_queries: int  # S1's longest query run: its grid's bound (K5's entries get no tiles there)
     num_splits: int
     longest_first: bool  # S1 takes the entries in the order the device sorts them
@@ -169,16 +218,13 @@ def call_plan(spec, head_dim: int, batch: int, seqlen_q: int, total_q: int | Non
            tuple(window), softcap, scale, fp8, offsets, num_splits, sm_count)
     plan = _PLANS.get(key)
     if plan is None:
-        # imported here: cache_prefill compiles through _compile_kvcache, which imports this module
-        from . import cache_prefill
-
         mask = masking.masking(causal, tuple(window), softcap, scale)
         gather = page_size is not None and reads_by_gather(spec, page_size)
-        long = cache_prefill.plan(spec, head_dim, page_size, seqlen_q, mask.causal, mask.local, total_q is not None,
+        long = prefill_plan(spec, head_dim, page_size, seqlen_q, mask.causal, mask.local, total_q is not None,
                                   fp8, offsets)
         s1_queries = seqlen_q if long is None else min(seqlen_q, long.min_queries - 1)
         if num_splits <= 0:  # planned (0), or planned and capped (-cap: split_request)
-            planned = plan_splits(spec, batch, cache_prefill.split_queries(long, seqlen_q), heads_q, heads_kv,
+            planned = plan_splits(spec, batch, split_queries(long, seqlen_q), heads_q, heads_kv,
                                   keys, mask, sm_count, head_dim, gather, fp8)
             num_splits = planned if num_splits == 0 else min(planned, -num_splits)
         ctas = s1_ctas(spec, batch, s1_queries, heads_q, heads_kv, num_splits, total_q)

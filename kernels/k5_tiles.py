@@ -1,6 +1,6 @@
 """K5's tiles per variant: where a variant cannot keep the rung's tiles (plain Python, no DSL, so
-that the host asks the same rules without importing the DSL: fa3/cache_prefill.py chooses its page
-layout for the tiles the kernel will have)."""
+that the host asks the same rules without importing the DSL: fa3/split_plan.py chooses a packed
+call's page layout for the tiles the kernel will have)."""
 
 
 def adjust(tile_m: int, tile_n: int, head_dim: int, causal: bool, varlen: bool, local: bool,

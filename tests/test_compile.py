@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import fa3.__main__ as cli
-from fa3 import _compile, _compile_kvcache, _dsl, matmul, registry
+from fa3 import _compile, _compile_kvcache, _dsl, matmul, registry, split_plan
 
 cli.prepare_dsl_env()  # before the first compile imports cutlass: sm_90a, no PTX files in the cwd
 
@@ -141,9 +141,7 @@ def test_variants_compile(name, static, promises):
 def test_cache_prefill_compiles(head_dim, causal, paged, page_rows):
     """K5 over a KV cache (a serving step's prompt chunks): a TMA box per page or per key block,
     no spills, WGMMAs not serialized."""
-    from fa3 import cache_prefill
-
-    spec = registry.get(cache_prefill.RUNG)
+    spec = registry.get(split_plan.PREFILL_RUNG)
     report = _compile.build_report(_compile_kvcache.build_cache_prefill, spec, torch.bfloat16, head_dim, causal, paged,
                                    page_rows, 128)
     assert "cp.async.bulk.tensor.4d.shared::cta.global" in report.ptx and "setmaxnreg" in report.ptx

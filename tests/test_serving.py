@@ -813,15 +813,14 @@ def test_vllm_full_graph_capture(page_size, monkeypatch):
     assert plans[-1][0] == capacity and 1 < plans[-1][1] <= 16, plans
 
 def test_long_entries_plan():
-    """Which calls run their long entries on K5, with which page layout (fa3.cache_prefill)."""
-    from fa3 import cache_prefill
+    """Which calls run their long entries on K5, with which page layout (split_plan.prefill_plan)."""
 
     s1 = fa3.registry.get("s1")
     long_q = s1.config["long_queries"]
     plan = lambda page_size, max_q=long_q, packed=True, fp8=False, offsets=False, d=128, causal=True: \
-        cache_prefill.plan(s1, d, page_size, max_q, causal, False, packed, fp8, offsets)
-    assert plan(None) == cache_prefill.Plan(long_q, False, 0)  # dense: a key block a box
-    assert plan(128) == cache_prefill.Plan(long_q, True, 0) and plan(256).page_rows == 0
+        split_plan.prefill_plan(s1, d, page_size, max_q, causal, False, packed, fp8, offsets)
+    assert plan(None) == split_plan.PrefillPlan(long_q, False, 0)  # dense: a key block a box
+    assert plan(128) == split_plan.PrefillPlan(long_q, True, 0) and plan(256).page_rows == 0
     assert plan(16).page_rows == 16 and plan(32).page_rows == 32 and plan(64).page_rows == 64
     assert plan(64, d=256).page_rows == 0  # d256's 64-key tiles: a page holds a whole block
     assert plan(16, d=96).page_rows == 16 and plan(32, d=96).page_rows == 32  # causal d96: 96-key tiles
@@ -833,18 +832,18 @@ def test_long_entries_plan():
     # the tiles the plan assumes are the kernel's (its constructor asserts them), at every head dim
     for d in (64, 96, 128, 192, 256):
         for causal, local in ((False, False), (True, False), (True, True)):
-            assert cache_prefill.tiles(d, causal, local)["tile_n"] % 16 == 0
+            assert split_plan.prefill_tiles(d, causal, local)["tile_n"] % 16 == 0
 
 
 def test_scheduler_metadata_plans_as_the_call(monkeypatch):
     """get_scheduler_metadata counts what the call will: with packed queries whose longest run goes
     to K5, S1's split plan covers the short entries only."""
-    from fa3 import _checks, cache_prefill
+    from fa3 import _checks
 
     monkeypatch.setattr(_checks, "sm_count", lambda index: 132)
     spec, mask = fa3.registry.get("s1"), fa3.masking.masking(True, (-1, -1), 0.0, 1.0)
     lens, cu = torch.tensor([30000], dtype=torch.int32), torch.tensor([0, 1000], dtype=torch.int32)
-    assert cache_prefill.plan(spec, 128, 16, 1000, True, False, True, False, False) is not None  # K5 takes it
+    assert split_plan.prefill_plan(spec, 128, 16, 1000, True, False, True, False, False) is not None  # K5 takes it
     short_runs = split_plan.plan_splits(spec, 1, 1, 32, 8, 32768, mask, 132, 128, True)
     whole_run = split_plan.plan_splits(spec, 1, 1000, 32, 8, 32768, mask, 132, 128, True)
     assert short_runs != whole_run
