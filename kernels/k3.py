@@ -25,10 +25,11 @@ import cutlass.cute as cute
 from cutlass import Float32, Int64
 
 from .common import mask, pipeline, smem, tma
+from .common.attention_tiles import StagedQkvLoads
 from .k2 import FusedTiledAttention
 
 
-class TmaRingAttention(FusedTiledAttention):
+class TmaRingAttention(StagedQkvLoads, FusedTiledAttention):
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 64, tile_n: int = 64,
                  kv_stages: int = 2):
         super().__init__(dtype, head_dim, causal, tile_m, tile_n)
@@ -58,20 +59,7 @@ class TmaRingAttention(FusedTiledAttention):
             block=[self.num_threads, 1, 1], stream=stream)
 
     kv_pipelines = 1  # K and V share one full barrier per stage (K5 splits them)
-    q_stages = 1  # one Q tile per CTA (K5's persistent CTAs may load the next while computing)
-
-    def make_loads(self, mQ, mK, mV):
-        """SMEM layouts of Q (one tile) and K/V (a ring of kv_stages), and their TMA atoms."""
-        sQ_layout = smem.tile_layout(self.dtype, self.tile_m, self.head_dim, self.q_stages)
-        sKV_layout = smem.tile_layout(self.dtype, self.tile_n, self.head_dim, self.kv_stages)
-        loads = (*tma.make_load(tma.seq_major(mQ), sQ_layout, (self.tile_m, self.head_dim)),
-                 *tma.make_load(tma.seq_major(mK), sKV_layout, (self.tile_n, self.head_dim)),
-                 *tma.make_load(tma.seq_major(mV), self.v_layout(), (self.tile_n, self.head_dim_v)))
-        return sQ_layout, sKV_layout, loads
-
-    def v_layout(self):
-        """V's ring: (tile_n, head_dim_v) tiles, K's layout unless V's head dim differs (K5)."""
-        return smem.tile_layout(self.dtype, self.tile_n, self.head_dim_v, self.kv_stages)
+    q_stages = 1  # one Q tile per CTA (make_loads: common/attention_tiles.py)
 
     def p_smem_elems(self) -> int:
         """P goes through SMEM (fp32, rows padded by one word) for the scalar P V."""

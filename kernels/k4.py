@@ -20,17 +20,16 @@ Both wait for each WGMMA before using its result (wait_group(0)): GEMMs, softmax
 next stage still serialise within a CTA. K5 overlaps them.
 """
 
-from types import SimpleNamespace
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
 from .common import mask, mma, softmax
+from .common.attention_tiles import WgmmaTileState
 from .k3 import TmaRingAttention
 
 
-class WgmmaAttention(TmaRingAttention):
+class WgmmaAttention(WgmmaTileState, TmaRingAttention):
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 128, tile_n: int = 128,
                  kv_stages: int = 2, pv_on_wgmma: bool = True):
         super().__init__(dtype, head_dim, causal, tile_m, tile_n, kv_stages)
@@ -40,51 +39,18 @@ class WgmmaAttention(TmaRingAttention):
         else:
             assert tile_m == 64, "K4.1 keeps K3's 4-threads-per-row softmax: tile_m = 64"
 
-    # V's SMEM tile as P V's B operand: (tile_n, d) read through a transposed view (MN-major, 16-bit
-    # types), or (FP8, "K") already stored transposed as (d, tile_n)
-    v_major = "MN"
-
     def p_smem_elems(self) -> int:
         return 8 if self.pv_on_wgmma else super().p_smem_elems()  # K4.2: P stays in registers
 
     # ---------------------------------------------------------------- compute hooks
     def compute_setup(self, sQ, sK, sV, sP, tidx, m_block, seqlen_q, seqlen_k):
-        """Fragments and accumulators for the tile: the QK^T MMA (both substages), then either K3's
-        per-row state (K4.1, as `ctx.k3`) or the P V MMA and register softmax state (K4.2)."""
-        qk = mma.tiled_mma(self.dtype, self.tile_m, self.tile_n)
-        mma_tidx = tidx % (128 * (self.tile_m // 64))
-        thr_qk, wg_qk = qk.get_slice(mma_tidx), mma.warpgroup_slice(qk, mma_tidx)
-        ctx = SimpleNamespace(
-            qk=qk, thr_qk=thr_qk,
-            tSrQ=mma.fragment_A(wg_qk, sQ), tSrK=mma.fragment_B(wg_qk, sK),
-            s_coords=mma.rows_cols(thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))),
-            m_block=m_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k, tidx=tidx)
+        """Fragments and accumulators for the tile: the QK^T MMA, then either K3's per-row state
+        (K4.1, as `ctx.k3`) or the P V MMA and register softmax state (K4.2: WgmmaTileState's)."""
         if cutlass.const_expr(not self.pv_on_wgmma):
-            ctx.k3 = super().compute_setup(sQ, sK, sV, sP, tidx, m_block, seqlen_q, seqlen_k)
+            ctx = self.scores_setup(sQ, sK, tidx, m_block, seqlen_q, seqlen_k)
+            ctx.k3 = TmaRingAttention.compute_setup(self, sQ, sK, sV, sP, tidx, m_block, seqlen_q, seqlen_k)
             return ctx
-        ctx.pv = mma.tiled_mma(self.dtype, self.tile_m, self.head_dim_v, b_major=self.v_major, a_in_regs=True)
-        thr_pv = ctx.pv.get_slice(tidx)
-        sVt = mma.transpose_view(sV) if self.v_major == "MN" else sV
-        ctx.tOrVt = mma.fragment_B(mma.warpgroup_slice(ctx.pv, mma_tidx), sVt)
-        ctx.acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((self.tile_m, self.head_dim_v)), Float32)
-        ctx.acc_o.fill(0.0)
-        ctx.o_coords = mma.rows_cols(thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v))))
-        ctx.row_max, ctx.row_sum = softmax.row_state(cute.size(ctx.s_coords, mode=[0]))
-        ctx.sink_log2 = None  # an attention sink in the exp2 domain (K5's sinks variant sets it)
-        ctx.o_scale = None  # O's scale beyond 1/l (K5's FP8 subclass: v_descale)
-        return ctx
-
-    # P is computed as 2^p_offset_log2 times the probabilities (finalize undoes it; FP8: 8)
-    p_offset_log2 = 0
-
-    def row_output(self, ctx, r, scale_log2: Float32):
-        """(O's scale, LSE) of accumulator row r: 1/l (times ctx.o_scale) and the natural-log LSE,
-        the sink and P's offset accounted for: every epilogue's one formula."""
-        inv_sum, lse = softmax.finalize(ctx.row_max[r], ctx.row_sum[r], scale_log2, 4, ctx.sink_log2,
-                                        self.p_offset_log2)
-        if cutlass.const_expr(ctx.o_scale is not None):
-            inv_sum = inv_sum * ctx.o_scale
-        return inv_sum, lse
+        return WgmmaTileState.compute_setup(self, sQ, sK, sV, sP, tidx, m_block, seqlen_q, seqlen_k)
 
     @cute.jit
     def scores_wgmma(self, qk, thr_qk, tSrQ, tSrK, stage):
@@ -140,22 +106,6 @@ class WgmmaAttention(TmaRingAttention):
     @cute.jit
     def compute_epilogue(self, ctx, mO, mLSE, batch, head, scale_log2: Float32):
         if cutlass.const_expr(not self.pv_on_wgmma):
-            super().compute_epilogue(ctx.k3, mO, mLSE, batch, head, scale_log2)
+            TmaRingAttention.compute_epilogue(self, ctx.k3, mO, mLSE, batch, head, scale_log2)
         else:
             self.store_o_registers(ctx, mO, mLSE, batch, head, scale_log2, 0)
-
-    @cute.jit
-    def store_o_registers(self, ctx, mO, mLSE, batch, head, scale_log2: Float32, row_offset):
-        """O / l and LSE straight from the accumulator, rows past seqlen_q dropped; rows sit at
-        row_offset + row of (batch, rows, heads, d) mO and (batch, heads, rows) mLSE (a packed
-        varlen sequence's offset, else 0)."""
-        o_mn = mma.rows_cols(ctx.acc_o)
-        for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
-            inv_sum, lse = self.row_output(ctx, r, scale_log2)
-            row = ctx.m_block * self.tile_m + ctx.o_coords[r, 0][0]
-            if row < ctx.seqlen_q:
-                for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
-                    mO[batch, row_offset + row, head, ctx.o_coords[r, c][1]] = \
-                        (o_mn[r, c] * inv_sum).to(mO.element_type)
-                if ctx.tidx % 4 == 0:
-                    mLSE[batch, head, row_offset + row] = lse

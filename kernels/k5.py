@@ -21,7 +21,10 @@ Substages (flags and tiles; all five are one class):
     K5.5  + dynamic schedule (causal): after tile blockIdx, a CTA takes whichever tile a GMEM
           counter hands out next, so CTAs that drew short tiles take more (common/scheduler.py).
 The consumers' per-tile math (both mainloops, the softmax step, P's conversion) is the
-ForwardMainloop mixin (k5_mainloop.py); this module holds the roles, the loads and the epilogue.
+ForwardMainloop mixin (k5_mainloop.py); the tile state (the two WGMMAs' fragments, O's accumulator,
+the row softmax state, O's finalization) and the Q/K/V stage loads are common/attention_tiles.py's,
+which K4 (the rung this one's math comes from) uses too; this module holds the roles, the loads'
+pipelines and the epilogue. No teaching rung is a base class.
 Epilogue: O (scaled by 1/l) and LSE are written once from registers; with attention sinks (a
 compile-time variant) each query head's sink logit joins l and the LSE there (softmax.finalize),
 and nowhere else: the mainloop is unchanged.
@@ -40,9 +43,9 @@ from cutlass import pipeline as dsl_pipeline
 
 from . import k5_tiles
 from .common import epilogue, mma, pipeline, scheduler, seqlen, smem, softmax, tma
+from .common.attention_tiles import StagedQkvLoads, WgmmaTileState
 from .common.pingpong import PingPong
 from .common.scheduler import AttentionTileSchedule
-from .k4 import WgmmaAttention
 from .k5_mainloop import ForwardMainloop
 
 # consumer warpgroups -> (producer, consumer) registers per thread: 128 * (p + n * c) <= 64K
@@ -52,7 +55,7 @@ TURN_BARRIER = 2  # named barriers 2, 3 (, 4): the ping-pong turns, one per cons
 EPI_STAGES = 2  # SMEM buffers the O store cycles through
 
 
-class WarpSpecializedAttention(AttentionTileSchedule, PingPong, ForwardMainloop, WgmmaAttention):
+class WarpSpecializedAttention(AttentionTileSchedule, PingPong, ForwardMainloop, WgmmaTileState, StagedQkvLoads):
     kv_pipelines = 2  # separate K and V barriers
     turn_barrier = TURN_BARRIER  # PingPong's first barrier
 
@@ -62,7 +65,8 @@ class WarpSpecializedAttention(AttentionTileSchedule, PingPong, ForwardMainloop,
                  varlen: bool = False, local: bool = False, softcap: bool = False,
                  sinks: bool = False, head_dim_v: int | None = None, rescale_vote: bool = True):
         tile_m, tile_n = k5_tiles.adjust(tile_m, tile_n, head_dim, causal, varlen, local, head_dim_v)
-        super().__init__(dtype, head_dim, causal, tile_m, tile_n, kv_stages, pv_on_wgmma=True)
+        self.dtype, self.head_dim, self.causal = dtype, head_dim, causal
+        self.tile_m, self.tile_n, self.kv_stages = tile_m, tile_n, kv_stages
         # V's (and O's) head dim, where it differs from Q's and K's (DeepSeek's (192, 128)): only
         # V's ring, P V and the epilogue see it
         self.head_dim_v = head_dim_v or head_dim
