@@ -11,9 +11,9 @@ behind its kernels and does not wait ("deferred", the default); the first fa3 ca
 that finds the copy done checks them, and raises ValueError naming the argument, the entry, the
 value, the bound and the fix (before that call runs); check_index_values() waits and raises the
 same. "strict" waits for the copy in the call and raises before it returns (an append or an out=
-is refused before anything is written): one host sync, for debugging. "off" never reads values. A call that passes the
-tensors the last check saw, unmodified, copies nothing (_start_check): the layers of a model pass
-the same offsets and cache lengths. Nothing may read values while a CUDA graph is captured or
+is refused before anything is written): one host sync, for debugging. "off" never reads values.
+A call that passes the tensors the last check saw, unmodified, copies nothing (_start_check): the
+layers of a model pass the same offsets and cache lengths. Nothing may read values while a CUDA graph is captured or
 torch.compile traces, nor in direct calls of the torch.ops.fa3 ops: there only the clamps apply.
 """
 

@@ -275,8 +275,8 @@ def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, sof
                     descales=(None, None, None), cu_seqlens_k_new=None):
     """The body of every call against a KV cache: check, check the index values (eager), append,
     launch (directly, or through torch.ops.fa3.attention_kvcache), return (out, lse). descales:
-    (q_descale, k_descale, v_descale) as given (an FP8 cache)."""
-    index_checks.raise_pending()  # an earlier call's bad index values (deferred checks)
+    (q_descale, k_descale, v_descale) as given (an FP8 cache). Its callers (the public entry points)
+    raise an earlier call's bad index values first (index_checks.raise_pending)."""
     # a plain call (no append, out=, left padding, sinks, FP8, window or softcap; lengths in a tensor)
     # like one that ran before: its checks passed for these shapes, and its launch is planned
     plain = k is None and cu_seqlens_k_new is None and cache_leftpad is None and sinks is None and out is None \
@@ -439,6 +439,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     refuses an append before it writes. While a CUDA graph is captured or torch.compile traces
     (and in direct calls of torch.ops.fa3.attention_kvcache) values are not read on the host.
     """
+    index_checks.raise_pending()  # an earlier call's bad index values (deferred checks)
     out, lse = cache_attention(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale,
                                window_size, softcap, split_request(num_splits, max_splits), kernel, cu_seqlens_q,
                                max_seqlen_q, out=out, cache_leftpad=cache_leftpad, sinks=sinks,
