@@ -5,7 +5,9 @@ thousands of queries) into one call over its paged cache (vLLM's varlen call wit
 block_table). S1 (kernels/decode.py) packs a KV head's query heads into 64-row tiles on one
 warpgroup: right for decodes, which only read the cache, and slow for a chunk, which is
 compute-bound. This kernel is K5.5 (producer warp, ping-pong consumer warpgroups, the intra-
-warpgroup overlap, the dynamic causal schedule) plus one idea: the keys come from the cache.
+warpgroup overlap, the dynamic causal schedule) plus one idea: the keys come from the cache. It
+composes what K5 is made of (the roles of common/warp_specialized_forward.py, the mainloop of
+k5_mainloop.py) with its own launch and the loads' hooks below.
 
 * Entries: queries packed as K5's varlen batches (cu_seqlens_q); entry b's keys are the first
   seqused_k[b] rows of its cache (seqlen.from_cache_packed). Only entries of at least
@@ -33,13 +35,14 @@ from cutlass import Float32, Int32
 from cutlass import pipeline as dsl_pipeline
 
 from .common import paged, pipeline, seqlen, tma
-from .k5 import EPILOGUE_BARRIER, WarpSpecializedAttention
+from .common.warp_specialized_forward import EPILOGUE_BARRIER, WarpSpecializedForward
+from .k5_mainloop import ForwardMainloop
 
 NO_LIMIT = 1 << 30  # queries: an entry bound that no packed batch reaches
 PAGE_ROWS_REGISTER_SPLIT = (32, 232)  # (producer, consumer) registers beside two consumer warpgroups
 
 
-class CacheAttention(WarpSpecializedAttention):
+class CacheAttention(WarpSpecializedForward, ForwardMainloop):
     def __init__(self, dtype, head_dim: int, causal: bool, paged: bool = False, page_rows: int = 0,
                  min_queries: int = 1, **config):
         """config: K5's (tiles, stages, flags, variants; varlen is implied). paged: the cache is

@@ -6,7 +6,8 @@ read and write of V, 29 us for 16k tokens, 3-12% of a call at 2k). F2 loads V's 
 K's, into a ring the consumers never read; the producer warpgroup's idle warps 1-3 transpose each
 landed stage into a second ring, V^T, which P V reads (`kv_pipelines = 3`: K, V and V^T barriers;
 the V^T ring after V's in SMEM, V's `value_load_stages` deep: one at d256, where two of each do
-not fit beside the 128-key K tiles). Warp 0 issues the copies as in K5; the consumers are F1's.
+not fit beside the 128-key K tiles). Warp 0 issues the copies as in K5; the consumers are F1's:
+the FP8 forward's math is common/fp8_forward.py's, which both compose (neither builds on the other).
 
 The transpose, per 16 keys x 32 bytes of d (one warp instruction each way; of each 32 bytes of d,
 the three warps take every third group of 16 keys):
@@ -30,7 +31,7 @@ launch's 3 x 168 (32 + 2 x 240 hung the consumers). F2 runs 32 / 232 at d64-d128
 warpgroups (24 spilled beside a window's state) and K5's 24 / 240 at d256 (its consumers spill at
 232); the transposing loops stay dynamic (unrolled over the d blocks, their addresses spilled).
 
-Constraints: F1's (head_dim 64/128/256: multiples of 32; tile_n a multiple of 32).
+Constraints: F1's (head_dim 64/128/256: multiples of 32; tile_n 64 or 128).
 """
 
 import cutlass
@@ -41,8 +42,8 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .common import pipeline, smem
-from .k5 import WarpSpecializedAttention
-from .k5_fp8 import Fp8Attention
+from .common.fp8_forward import Fp8Forward
+from .k5_mainloop import ForwardMainloop
 
 KEY_GROUP, D_BLOCK = 16, 32  # keys and d bytes one ldmatrix/stmatrix pair moves
 TRANSPOSE_WARPS = 3  # the producer warpgroup's warps 1-3 (warp 0 issues the copies)
@@ -67,7 +68,7 @@ def stmatrix_x4(addr: Int32, r0: Int32, r1: Int32, r2: Int32, r3: Int32, *, loc=
         has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
-class Fp8TransposingAttention(Fp8Attention):
+class Fp8TransposingAttention(Fp8Forward, ForwardMainloop):
     kv_pipelines = 3  # K, V (TMA -> producer warp), V^T (producer warp -> consumers)
     value_transposed_by_host = False  # the call passes V's rows (F1: V^T from fa3.fp8.transpose_v)
 
@@ -76,8 +77,8 @@ class Fp8TransposingAttention(Fp8Attention):
                  intra_wg_overlap: bool = True, dynamic_schedule: bool = False,
                  varlen: bool = False, local: bool = False, softcap: bool = False,
                  value_load_stages: int | None = None):
-        """F1's arguments; `value_load_stages`: V's TMA ring depth (default kv_stages, the V^T
-        ring's)."""
+        """Fp8Forward's arguments; `value_load_stages`: V's TMA ring depth (default kv_stages, the
+        V^T ring's)."""
         super().__init__(dtype, head_dim, causal, tile_m, tile_n, kv_stages, q_stages, pingpong,
                          intra_wg_overlap, dynamic_schedule, varlen, local, softcap)
         if self.consumer_wgs == 2 and head_dim <= 128:
@@ -93,11 +94,7 @@ class Fp8TransposingAttention(Fp8Attention):
         assert self.tile_n in (64, 128), f"F2 transposes 64- or 128-key tiles, not {self.tile_n}"
         self.value_load_stages = value_load_stages or self.kv_stages
 
-    # ---------------------------------------------------------------- host side (F1's __call__)
-    def make_stage_loads(self, mQ, mK, mV):
-        """Q, K and V as K5 stages them (V's rows in K's layout)."""
-        return WarpSpecializedAttention.make_stage_loads(self, mQ, mK, mV)
-
+    # ---------------------------------------------------------------- host side (Fp8Forward's __call__)
     def v_layout(self):
         """V's rows as TMA lands them: K's tiles, value_load_stages deep."""
         return smem.tile_layout(self.dtype, self.tile_n, self.head_dim, self.value_load_stages)
@@ -106,12 +103,6 @@ class Fp8TransposingAttention(Fp8Attention):
         return cute.cosize(sV_layout) + cute.cosize(self.vt_layout())
 
     # ---------------------------------------------------------------- device side
-    def v_rows(self, mV, head_kv: Int32, batch: Int32, seq):
-        return WarpSpecializedAttention.v_rows(self, mV, head_kv, batch, seq)
-
-    def v_tiles(self, gV):
-        return WarpSpecializedAttention.v_tiles(self, gV)
-
     @cute.jit
     def value_rings(self, storage, barriers, sV_layout, consumer_warps: cutlass.Constexpr):
         """V's TMA ring (read by the producer warp alone) and V^T's (filled by it, read by P V)."""

@@ -3,16 +3,17 @@
     issue S = Q K_j^T; softmax (mask only on the tiles that need one, online max and sum); rescale
     O when a row's max moved; P rounded into the A operand's registers; issue O += P V_j
 
-Two orders of the same steps (a mixin of WarpSpecializedAttention, k5.py, which owns the roles,
-the pipelines and the epilogue):
+Two orders of the same steps (a mixin beside WarpSpecializedForward, which owns the roles, the
+pipelines and the epilogue: common/warp_specialized_forward.py; K5, the FP8 forward and K5 over a
+KV cache compose both):
     `mainloop` (K5.1/K5.2): one tile at a time; with ping-pong (common/pingpong.py) the other
         warpgroup's GEMMs run under this one's softmax.
     `mainloop_overlapped` (K5.3 on): S_j = Q K_j^T and O += P_{j-1} V_{j-1} in flight together,
         softmax(S_j) under P V; the first tile's S and the last tile's P V are its prologue and
         epilogue.
 K/V tiles are visited from the last to the first; `masked_tiles` splits them into the masked ones
-(ragged end, diagonal, a window's edges) and a steady-state loop with no mask code. FP8 (k5_fp8.py)
-replaces the three P hooks (`new_p`, `convert_p`, `p_operand`).
+(ragged end, diagonal, a window's edges) and a steady-state loop with no mask code. FP8
+(common/fp8_forward.py) replaces the three P hooks (`new_p`, `convert_p`, `p_operand`).
 """
 
 import cutlass

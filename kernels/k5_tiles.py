@@ -5,7 +5,8 @@ call's page layout for the tiles the kernel will have)."""
 
 def adjust(tile_m: int, tile_n: int, head_dim: int, causal: bool, varlen: bool, local: bool,
            head_dim_v: int | None = None) -> tuple[int, int]:
-    """(tile_m, tile_n) that K5 (kernels/k5.py) compiles for the rung's tiles and this variant."""
+    """(tile_m, tile_n) that K5 compiles for the rung's tiles and this variant (and the FP8 forward and
+    K5 over a KV cache: common/warp_specialized_forward.py applies it)."""
     if local and tile_m == 192:
         # three 160-register warpgroups have no room for the window's state (680 bytes of
         # spills at d64): a windowed kernel takes two warpgroups on 128-row tiles

@@ -292,7 +292,7 @@ class AttentionTileSchedule:
 
     def entry_lengths(self, batch: Int32, params):
         """Entry `batch` of a packed batch (common/seqlen.py): keys packed as the queries are (a
-        KV cache's subclass reads them from the cache)."""
+        KV cache's kernel, kernels/k5_cache.py, reads them from the cache)."""
         return seqlen.from_cu_seqlens(params.cu_q, params.cu_k, batch, params.rows_q, params.rows_k)
 
     @cute.jit
