@@ -29,13 +29,11 @@ def build_kvcache(spec, dtype, head_dim, causal, paged=False, local=False, softc
     # an FP8 cache (and q): dequantized in SMEM to fp16 for the GEMMs, O in out_dtype (bf16 default)
     fp8 = dtype == torch.float8_e4m3fn
     out_dtype = out_dtype or (torch.bfloat16 if fp8 else dtype)
-    cls = spec.load_class()
-    if fp8:  # s1 plus dequantization in SMEM
-        from .kernels.decode_fp8 import Fp8SplitKVAttention as cls
-    kernel = cls(dtype=sig.cute_dtype(torch.float16 if fp8 else dtype), head_dim=head_dim, causal=causal,
-                 paged=paged, local=local, softcap=softcap, gather=gather, varlen=varlen, leftpad=leftpad,
-                 sinks=sinks, out_dtype=sig.cute_dtype(out_dtype), max_queries=max_queries,
-                 **split_plan.kernel_plan(spec, head_dim, paged and gather, fp8))
+    kernel = spec.load_class()(dtype=sig.cute_dtype(torch.float16 if fp8 else dtype), head_dim=head_dim,
+                               causal=causal, paged=paged, local=local, softcap=softcap, gather=gather,
+                               varlen=varlen, leftpad=leftpad, sinks=sinks, out_dtype=sig.cute_dtype(out_dtype),
+                               max_queries=max_queries, fp8=fp8,
+                               **split_plan.kernel_plan(spec, head_dim, paged and gather, fp8))
     return core.compile_kernel(kernel, sig.kvcache_args(dtype, head_dim, out_dtype), extra_options)
 
 
