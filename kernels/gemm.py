@@ -73,7 +73,7 @@ class GemmBase:
         self.stages = stages or smem.stages_that_fit(stage_bytes, epi_bytes + _BARRIER_BYTES)
 
     def grid(self, tiles_m, tiles_n, sm_count, splits):
-        raise NotImplementedError
+        raise NotImplementedError  # the rung's
 
     # ---------------------------------------------------------------- host side
     @cute.jit
@@ -276,24 +276,19 @@ class StagedGemm(GemmBase):
             store_pipe.producer_tail()
 
 
-class PersistentGemm(GemmBase):
-    """G3: warp-specialized, persistent, L2-grouped GEMM (CUTLASS's "cooperative" schedule), with
-    split-K for problems whose output tiles cannot fill the SMs.
+class WarpSpecializedGemm(GemmBase):
+    """The kernel of G3 and G4: warp-specialized and persistent (CUTLASS's "cooperative" schedule).
+    A rung adds its schedule: `grid`, `unit_range` (this CTA's work units), `work_unit` (a unit's
+    output tile and K range) and `b_multicast`.
 
     Warpgroup 0 is the producer: all four warps drop to `producer_regs` registers (setmaxnreg is
     warpgroup-wide), and warp 0 alone streams A/B K tiles through the ring, tile after tile, never
     waiting for an MMA except through the ring's empty barriers. Warpgroups 1..n consume: they
     raise their registers to `mma_regs`, and together compute one (tile_m, tile_n) output tile
     (64 rows each), with G2's in-flight MMA step, then store it through SMEM with TMA while the
-    producer already fills the ring with the next tile's K tiles.
-
-    One CTA per SM (grid = min(work units, sm_count); the SM count is a runtime argument, so
-    compiling needs no GPU); CTA b takes work units b, b + grid, ... A work unit is one split of
-    one output tile (tiles in the grouped order of common/scheduler.py, a tile's splits adjacent
-    so that they run at once): split s covers K tiles [s * per_split, (s + 1) * per_split), the
-    host picks `splits` so that none is empty. With splits > 1 every split writes its FP32
-    partial to the workspace and the last to arrive sums them in order and stores the tile
-    (common/accum.sum_partials): deterministic, and no CTA waits for another.
+    producer already fills the ring with the next tile's K tiles. With splits > 1 (split-K) every
+    split writes its FP32 partial to the workspace and the last to arrive sums them in order and
+    stores the tile (common/accum.sum_partials): deterministic, and no CTA waits for another.
     Register budget at 384 threads: 128 x producer_regs + 256 x mma_regs <= 65536.
     """
 
@@ -308,27 +303,6 @@ class PersistentGemm(GemmBase):
         self.group_m = group_m
         self.producer_regs, self.mma_regs = producer_regs, mma_regs
         assert 128 * producer_regs + self.mma_threads * mma_regs <= 65536, "register file overcommitted"
-
-    def grid(self, tiles_m, tiles_n, sm_count, splits):
-        return [scheduler.persistent_grid(tiles_m * tiles_n * splits, sm_count), 1, 1]
-
-    def unit_range(self, tiles_m: Int32, tiles_n: Int32, splits: Int32):
-        """(first, count, step) of this CTA's work units."""
-        return cute.arch.block_idx()[0], tiles_m * tiles_n * splits, cute.arch.grid_dim()[0]
-
-    def b_multicast(self) -> tuple:
-        """() or (the multicast mask of a B copy,)."""
-        return ()
-
-    @cute.jit
-    def work_unit(self, unit: Int32, splits: Int32, tiles_m: Int32, tiles_n: Int32, k_tiles: Int32):
-        """(tile, m_tile, n_tile, split, first K tile, K tiles) of work unit `unit`."""
-        tile = unit // splits
-        split = unit - tile * splits
-        m_tile, n_tile = scheduler.grouped_tile(tile, tiles_m, tiles_n, self.group_m)
-        per_split = (k_tiles + splits - 1) // splits
-        k_first = split * per_split
-        return tile, m_tile, n_tile, split, k_first, cutlass.min(per_split, k_tiles - k_first)
 
     @cute.kernel
     def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
@@ -384,8 +358,41 @@ class PersistentGemm(GemmBase):
                 store_pipe.producer_tail()
 
 
-class ClusterGemm(PersistentGemm):
-    """G4: G3 on 2-CTA clusters along M with TMA multicast of B.
+class PersistentGemm(WarpSpecializedGemm):
+    """G3: WarpSpecializedGemm on L2-grouped tiles, with split-K for problems whose output tiles
+    cannot fill the SMs.
+
+    One CTA per SM (grid = min(work units, sm_count); the SM count is a runtime argument, so
+    compiling needs no GPU); CTA b takes work units b, b + grid, ... A work unit is one split of
+    one output tile (tiles in the grouped order of common/scheduler.py, a tile's splits adjacent
+    so that they run at once): split s covers K tiles [s * per_split, (s + 1) * per_split), the
+    host picks `splits` so that none is empty.
+    """
+
+    def grid(self, tiles_m, tiles_n, sm_count, splits):
+        return [scheduler.persistent_grid(tiles_m * tiles_n * splits, sm_count), 1, 1]
+
+    def unit_range(self, tiles_m: Int32, tiles_n: Int32, splits: Int32):
+        """(first, count, step) of this CTA's work units."""
+        return cute.arch.block_idx()[0], tiles_m * tiles_n * splits, cute.arch.grid_dim()[0]
+
+    def b_multicast(self) -> tuple:
+        """() or (the multicast mask of a B copy,)."""
+        return ()
+
+    @cute.jit
+    def work_unit(self, unit: Int32, splits: Int32, tiles_m: Int32, tiles_n: Int32, k_tiles: Int32):
+        """(tile, m_tile, n_tile, split, first K tile, K tiles) of work unit `unit`."""
+        tile = unit // splits
+        split = unit - tile * splits
+        m_tile, n_tile = scheduler.grouped_tile(tile, tiles_m, tiles_n, self.group_m)
+        per_split = (k_tiles + splits - 1) // splits
+        k_first = split * per_split
+        return tile, m_tile, n_tile, split, k_first, cutlass.min(per_split, k_tiles - k_first)
+
+
+class ClusterGemm(WarpSpecializedGemm):
+    """G4: G3's kernel (WarpSpecializedGemm) on 2-CTA clusters along M with TMA multicast of B.
 
     The two CTAs of a cluster compute vertically adjacent output tiles (2p, n) and (2p + 1, n),
     which need the same B tile. Each CTA's producer loads its own A tile and half of the B tile,
