@@ -15,28 +15,24 @@ word so that the 8 rows a warp reads at once fall in different banks.
 
 Constraints: head_dim 64/128/256; tile_m = 64 (4 threads a row); K and V share one buffer, so the
 kernel loads, computes, syncs and loads again: no overlap of memory and math (K3 adds it).
-The compute body (scores, softmax_step, accumulate_pv, epilogue) is reused unchanged by K3.
+The compute body (thread_row, scores, softmax_step, store_p, accumulate_pv, epilogue) is
+common/scalar_tile.py's, which K3 runs on each stage of its ring; this rung's own is the kernel
+around it: one buffer, plain loads.
 """
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from .common import mask, softmax
+from .common import mask
+from .common.scalar_tile import ScalarTileMath
 
-THREADS_PER_ROW = 4
 PAD = 2  # elements (one 4-byte word of 16-bit data) added to each SMEM row
 
 
-class FusedTiledAttention:
-    def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 64, tile_n: int = 64):
-        self.dtype = dtype
-        self.head_dim = head_dim
-        self.head_dim_v = head_dim  # V's and O's (K5 takes another)
-        self.causal = causal
-        self.tile_m = tile_m
-        self.tile_n = tile_n
-        self.num_threads = tile_m * THREADS_PER_ROW
+class FusedTiledAttention(ScalarTileMath):
+    """One CTA per (Q tile, head, batch); the constructor is ScalarTileMath's (dtype, head_dim,
+    causal, tile_m, tile_n)."""
 
     # ---------------------------------------------------------------- host side
     @cute.jit
@@ -96,19 +92,6 @@ class FusedTiledAttention:
         self.epilogue(acc_o, row_max, row_sum, mO, mLSE, batch, head, row_global, lane, scale_log2)
 
     @cute.jit
-    def thread_row(self, tidx, m_block, seqlen_q, seqlen_k):
-        """(row in tile, lane in quad, global row, one past its last visible key column)."""
-        row = tidx // THREADS_PER_ROW
-        row_global = m_block * self.tile_m + row
-        return row, tidx % THREADS_PER_ROW, row_global, mask.col_limit(row_global, seqlen_q, seqlen_k, self.causal)
-
-    def row_accumulators(self):
-        """O accumulator (d/4 columns), running max and running (partial) sum of this thread's row."""
-        acc_o = cute.make_rmem_tensor((self.head_dim // THREADS_PER_ROW,), Float32)
-        acc_o.fill(0.0)
-        return (acc_o, *softmax.row_state(1))
-
-    @cute.jit
     def load_tile(self, gX: cute.Tensor, sX: cute.Tensor, valid_rows: Int32, tidx: Int32):
         """Plain loads of a (rows, d) tile, coalesced along d; rows past the end read as zero."""
         rows = cute.size(sX, mode=[0])
@@ -119,50 +102,3 @@ class FusedTiledAttention:
             if r < valid_rows:
                 val = gX[r, c]
             sX[r, c] = val
-
-    @cute.jit
-    def scores(self, sQ: cute.Tensor, sK: cute.Tensor, row: Int32, lane: Int32) -> cute.Tensor:
-        """This thread's tile_n/4 scores of its row: s[i] = Q[row, :] . K[lane + 4 i, :] (unscaled)."""
-        s = cute.make_rmem_tensor((1, self.tile_n // THREADS_PER_ROW), Float32)  # (rows, cols)
-        s.fill(0.0)
-        for d in cutlass.range(self.head_dim, unroll=4):
-            q = sQ[row, d].to(Float32)
-            for i in cutlass.range_constexpr(self.tile_n // THREADS_PER_ROW):
-                s[0, i] += q * sK[lane + THREADS_PER_ROW * i, d].to(Float32)
-        return s
-
-    @cute.jit
-    def softmax_step(self, s: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor,
-                     acc_o: cute.Tensor, visible_cols: Int32, lane: Int32, scale_log2: Float32):
-        """Mask columns >= visible_cols (tile-relative), update m and l, turn s into P, rescale O."""
-        for i in cutlass.range_constexpr(self.tile_n // THREADS_PER_ROW):
-            if lane + THREADS_PER_ROW * i >= visible_cols:
-                s[0, i] = -Float32.inf
-        correction = softmax.online_update(s, row_max, row_sum, scale_log2, THREADS_PER_ROW)
-        for i in cutlass.range_constexpr(cute.size(acc_o)):
-            acc_o[i] = acc_o[i] * correction[0]
-
-    @cute.jit
-    def store_p(self, p: cute.Tensor, sP: cute.Tensor, row: Int32, lane: Int32):
-        for i in cutlass.range_constexpr(self.tile_n // THREADS_PER_ROW):
-            sP[row, lane + THREADS_PER_ROW * i] = p[0, i]
-
-    @cute.jit
-    def accumulate_pv(self, sP: cute.Tensor, sV: cute.Tensor, acc_o: cute.Tensor, row: Int32, lane: Int32):
-        """O[row, lane + 4 i] += sum_c P[row, c] V[c, lane + 4 i]."""
-        for c in cutlass.range(self.tile_n, unroll=4):
-            p = sP[row, c]
-            for i in cutlass.range_constexpr(cute.size(acc_o)):
-                acc_o[i] += p * sV[c, lane + THREADS_PER_ROW * i].to(Float32)
-
-    @cute.jit
-    def epilogue(self, acc_o: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor,
-                 mO: cute.Tensor, mLSE: cute.Tensor, batch: Int32, head: Int32, row_global: Int32,
-                 lane: Int32, scale_log2: Float32):
-        """O = acc / l and LSE, written once; rows past seqlen_q are dropped."""
-        inv_sum, lse = softmax.finalize(row_max[0], row_sum[0], scale_log2, THREADS_PER_ROW)
-        if row_global < mO.shape[1]:
-            for i in cutlass.range_constexpr(cute.size(acc_o)):
-                mO[batch, row_global, head, lane + THREADS_PER_ROW * i] = (acc_o[i] * inv_sum).to(self.dtype)
-            if lane == 0:
-                mLSE[batch, head, row_global] = lse

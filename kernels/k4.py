@@ -1,8 +1,10 @@
 """K4: K3's TMA ring, with the math moved onto WGMMA from swizzled SMEM.
 
-The ring, the barriers, the SMEM layouts and the TMA atoms are K3's, unchanged: the 128-byte
-swizzled tiles TMA writes are exactly what `wgmma.mma_async` reads, which is why K3 already used
-them. Only the three compute hooks change.
+The ring, the barriers, the SMEM layouts and the TMA atoms are K3's, unchanged (common/tma_ring.py,
+common/attention_tiles.py): the 128-byte swizzled tiles TMA writes are exactly what
+`wgmma.mma_async` reads, which is why K3 already used them. Only the three compute hooks change;
+K4.2's tile state is common/attention_tiles.py's (K5 runs on it), K4.1 keeps K3's scalar row state
+and softmax (common/scalar_tile.py).
 
 K4.1 (`pv_on_wgmma=False`): S = Q K^T is one warpgroup's WGMMA (tile_m = 64). The FP32 accumulator
     is spilled to the P buffer in SMEM and the rest is K3's: every thread reads back its quad share
@@ -26,13 +28,15 @@ from cutlass import Float32
 
 from .common import mask, mma, softmax
 from .common.attention_tiles import WgmmaTileState
-from .k3 import TmaRingAttention
+from .common.scalar_tile import ScalarTileMath
+from .common.tma_ring import TmaRingKernel
 
 
-class WgmmaAttention(WgmmaTileState, TmaRingAttention):
+class WgmmaAttention(WgmmaTileState, TmaRingKernel, ScalarTileMath):
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 128, tile_n: int = 128,
                  kv_stages: int = 2, pv_on_wgmma: bool = True):
-        super().__init__(dtype, head_dim, causal, tile_m, tile_n, kv_stages)
+        super().__init__(dtype, head_dim, causal, tile_m, tile_n)
+        self.kv_stages = kv_stages
         self.pv_on_wgmma = pv_on_wgmma
         if pv_on_wgmma:
             self.num_threads = 128 * (tile_m // 64)  # one warpgroup per 64 rows
@@ -48,7 +52,7 @@ class WgmmaAttention(WgmmaTileState, TmaRingAttention):
         (K4.1, as `ctx.k3`) or the P V MMA and register softmax state (K4.2: WgmmaTileState's)."""
         if cutlass.const_expr(not self.pv_on_wgmma):
             ctx = self.scores_setup(sQ, sK, tidx, m_block, seqlen_q, seqlen_k)
-            ctx.k3 = TmaRingAttention.compute_setup(self, sQ, sK, sV, sP, tidx, m_block, seqlen_q, seqlen_k)
+            ctx.k3 = ScalarTileMath.compute_setup(self, sQ, sK, sV, sP, tidx, m_block, seqlen_q, seqlen_k)
             return ctx
         return WgmmaTileState.compute_setup(self, sQ, sK, sV, sP, tidx, m_block, seqlen_q, seqlen_k)
 
@@ -106,6 +110,6 @@ class WgmmaAttention(WgmmaTileState, TmaRingAttention):
     @cute.jit
     def compute_epilogue(self, ctx, mO, mLSE, batch, head, scale_log2: Float32):
         if cutlass.const_expr(not self.pv_on_wgmma):
-            TmaRingAttention.compute_epilogue(self, ctx.k3, mO, mLSE, batch, head, scale_log2)
+            ScalarTileMath.compute_epilogue(self, ctx.k3, mO, mLSE, batch, head, scale_log2)
         else:
             self.store_o_registers(ctx, mO, mLSE, batch, head, scale_log2, 0)
