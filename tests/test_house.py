@@ -77,16 +77,19 @@ def test_the_circle_finder_finds_circles():
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-@pytest.mark.parametrize("family", [registry.ATTENTION, registry.ATTENTION_FP8])
-def test_production_forward_inherits_no_teaching_rung(family):
-    """K5's rungs, the FP8 forward and K5 over a cache compose kernels/common/ pieces: none of the
-    teaching rungs' classes is among their bases (a change to a lesson cannot change them)."""
+@pytest.mark.parametrize("family", [registry.ATTENTION, registry.ATTENTION_FP8, registry.KVCACHE,
+                                    registry.GEMM])
+def test_forward_rows_stand_on_no_rows_class(family):
+    """The forward's rungs (the lessons K1-K4 too), the FP8 forward, S1, K5 over a cache and the
+    GEMMs compose kernels/common/ pieces (and their own file's): no other row's class, of any
+    family, is among their bases, so a change to one rung (a lesson included) cannot change
+    another. Rows that are configurations of one class share it."""
     _dsl.pin_target_arch()
-    teaching = {registry.get(name).load_class() for name in TEACHING_FORWARD}
+    rows = {name: spec.load_class() for name, spec in registry.KERNELS.items()}
     from fa3.kernels.k5_cache import CacheAttention
 
-    classes = [registry.get(n).load_class() for n in registry.available_kernels(family)
-               if n not in TEACHING_FORWARD and not n.startswith("k3")]
-    assert classes
-    for cls in classes + [CacheAttention]:
-        assert not teaching & set(cls.__mro__), f"{cls.__name__} stands on {teaching & set(cls.__mro__)}"
+    names = registry.available_kernels(family)
+    assert names
+    for cls in [rows[n] for n in names] + ([CacheAttention] if family == registry.KVCACHE else []):
+        others = set(rows.values()) - {cls}
+        assert not others & set(cls.__mro__), f"{cls.__name__} stands on {others & set(cls.__mro__)}"
