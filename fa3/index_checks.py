@@ -269,6 +269,12 @@ def nothing():
     pass
 
 
+def nothing_to_start(*index_tensors):
+    """The check of a call with no index tensor to read (one host length, a dense cache): its
+    `wait` is `nothing`."""
+    return nothing
+
+
 class _Pending(NamedTuple):
     staging: _Staging
     host: list

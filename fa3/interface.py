@@ -14,6 +14,7 @@ import math
 import torch
 
 from . import _checks, _dispatch, _launch, fp8, index_checks, kvcache, masking
+from ._memo import BoundedMemo
 
 
 def check_attention(q, k, v, kernel):
@@ -86,13 +87,12 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
         and (softmax_scale is None or type(softmax_scale) is float) and not _dispatch.tracing()
     if plain:
         try:
-            key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
-                   q.device, k.device, v.device, causal, softmax_scale)
+            key = plain_key(q, k, v, causal, softmax_scale)
             launch = _PLAIN_LAUNCHES.get(key)
         except (AttributeError, TypeError):  # not tensors (check_attention names them), symbolic shapes
             key = launch = plain = None
         if launch is not None and _dispatch.direct_call_ok(q, k, v) and not _dispatch.profiling() \
-                and not (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:
+                and data_aligned(q, k, v):
             out, lse = launch(q, k, v)
             return (out, lse) if return_lse else out
     if fp8.is_fp8_call(q, q_descale, k_descale, v_descale):
@@ -126,9 +126,7 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
                 out, lse = launch_attention(spec, q, k, v, causal, scale, out, window, softcap, sinks)
                 prepare = functools.partial(prepare_plain, spec)
         if plain:
-            if len(_PLAIN_LAUNCHES) >= 256:  # shapes that change every call: bounded
-                _PLAIN_LAUNCHES.clear()
-            _PLAIN_LAUNCHES[key] = prepare(q, k, v, causal, scale)
+            _PLAIN_LAUNCHES.remember(key, prepare(q, k, v, causal, scale))
     else:
         if backward_spec is None:  # the op names one, never run without gradients
             backward_spec = _dispatch.memo_rung(_dispatch.backward_rung, backward_kernel, q.shape[3],
@@ -142,7 +140,20 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
 
 # the key of a plain call (q, k, v's shapes, strides, dtypes and devices; causal; softmax_scale) ->
 # its prepared launch, for calls that passed every check with q, k and v as they are
-_PLAIN_LAUNCHES: dict = {}
+_PLAIN_LAUNCHES = BoundedMemo()
+
+
+def plain_key(q, k, v, causal: bool, softmax_scale) -> tuple:
+    """What a prepared launch (prepare_plain) assumes of a call: q, k and v's shapes, strides,
+    dtypes and devices, causal and the scale as given."""
+    return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
+            q.device, k.device, v.device, causal, softmax_scale)
+
+
+def data_aligned(q, k, v) -> bool:
+    """The one thing a prepared launch checks per call beyond its key: 16-byte aligned data (its
+    key holds the strides)."""
+    return not (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16
 
 
 def prepare_plain(spec, q, k, v, causal: bool, scale: float):

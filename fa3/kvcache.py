@@ -26,6 +26,7 @@ import math
 import torch
 
 from . import _checks, _compile_kvcache, _dispatch, _launch, cache_prefill, index_checks, masking, registry
+from ._memo import BoundedMemo
 from .cache_append import append_packed, append_to_cache
 from .kvcache_checks import check_descales, check_kvcache
 from .split_plan import call_plan, split_request
@@ -149,7 +150,7 @@ class CacheLaunch:
         return out, lse
 
 
-_PARTIALS: dict = {}  # (device, stream handle, shape) -> (o_partial, lse_partial)
+_PARTIALS = BoundedMemo(32)  # (device, stream handle, shape) -> (o_partial, lse_partial)
 
 
 def split_partials(num_splits: int, planes: int, rows: int, heads_q: int, head_dim: int, device):
@@ -165,10 +166,8 @@ def split_partials(num_splits: int, planes: int, rows: int, heads_q: int, head_d
     key = (device, torch._C._cuda_getCurrentRawStream(device.index), o_shape)
     partials = _PARTIALS.get(key)
     if partials is None:
-        if len(_PARTIALS) >= 32:  # shapes that change every call: bounded
-            _PARTIALS.clear()
-        partials = _PARTIALS[key] = (torch.empty(o_shape, dtype=torch.float32, device=device),
-                                     torch.empty(lse_shape, dtype=torch.float32, device=device))
+        partials = _PARTIALS.remember(key, (torch.empty(o_shape, dtype=torch.float32, device=device),
+                                            torch.empty(lse_shape, dtype=torch.float32, device=device)))
     return partials
 
 
@@ -231,7 +230,7 @@ def prepare_decode(q, k, v, causal: bool, scale: float):
 
 
 FULL_LENGTH = 1 << 30  # past any cache's rows: S1 clamps a length to its cache's capacity
-_FULL_LENGTHS: dict = {}
+_FULL_LENGTHS = BoundedMemo(64)
 
 
 def full_lengths(batch: int, device) -> torch.Tensor:
@@ -246,14 +245,12 @@ def full_lengths(batch: int, device) -> torch.Tensor:
         if torch.cuda.is_current_stream_capturing():
             return lengths
         torch.cuda.current_stream(device).synchronize()
-        if len(_FULL_LENGTHS) > 64:
-            _FULL_LENGTHS.clear()
-        _FULL_LENGTHS[key] = lengths
+        _FULL_LENGTHS.remember(key, lengths)
     return lengths
 
 
 # the static part of a plain call against a cache (cache_attention's key) -> (its index check, its CacheLaunch)
-_CACHE_CALLS: dict = {}
+_CACHE_CALLS = BoundedMemo()
 
 
 def _index_check(q, k_cache, capacity: int, max_q: int, lengths_name: str):
@@ -277,17 +274,19 @@ def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, sof
     launch (directly, or through torch.ops.fa3.attention_kvcache), return (out, lse). descales:
     (q_descale, k_descale, v_descale) as given (an FP8 cache). Its callers (the public entry points)
     raise an earlier call's bad index values first (index_checks.raise_pending)."""
-    # a plain call (no append, out=, left padding, sinks, FP8, window or softcap; lengths in a tensor)
+    # a plain call (no append, out=, left padding, sinks, FP8, window or softcap; lengths in a tensor or an int)
     # like one that ran before: its checks passed for these shapes, and its launch is planned
     plain = k is None and cu_seqlens_k_new is None and cache_leftpad is None and sinks is None and out is None \
         and descales[0] is None and descales[1] is None and descales[2] is None and kernel is None \
-        and not softcap and window_size == (-1, -1) and type(causal) is bool and type(seqlens) is torch.Tensor \
+        and not softcap and window_size == (-1, -1) and type(causal) is bool \
+        and (type(seqlens) is torch.Tensor or type(seqlens) is int) \
         and (softmax_scale is None or type(softmax_scale) is float) and not _dispatch.tracing()
     if plain:
+        host_length = type(seqlens) is int  # one length for every sequence: checked here, not copied
         try:
             key = (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), k_cache.dtype,
-                   k_cache.device, v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device, seqlens.shape,
-                   seqlens.stride(), seqlens.dtype, seqlens.device,
+                   k_cache.device, v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device,
+                   int if host_length else (seqlens.shape, seqlens.stride(), seqlens.dtype, seqlens.device),
                    None if block_table is None else (block_table.shape, block_table.stride(), block_table.dtype,
                                                      block_table.device),
                    None if cu_seqlens_q is None else (cu_seqlens_q.shape, cu_seqlens_q.stride(), cu_seqlens_q.dtype,
@@ -298,11 +297,14 @@ def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, sof
             key = prepared = plain = None
         if prepared is not None and _dispatch.direct_call_ok(q, k_cache, v_cache) and not _dispatch.profiling() \
                 and not (k_cache.data_ptr() | v_cache.data_ptr()) % 16:
-            start_check, launch = prepared
-            wait = start_check(seqlens, block_table, cu_seqlens_q)
-            out, lse = launch(q, k_cache, v_cache, seqlens, block_table, cu_seqlens_q)
-            wait()
-            return out, lse
+            start_check, launch, capacity = prepared
+            if not host_length or 0 <= seqlens <= capacity:  # (a bad int: check_kvcache's message below)
+                if host_length:
+                    seqlens = torch.full((launch.batch,), seqlens, dtype=torch.int32, device=q.device)
+                wait = start_check(seqlens, block_table, cu_seqlens_q)
+                out, lse = launch(q, k_cache, v_cache, seqlens, block_table, cu_seqlens_q)
+                wait()
+                return out, lse
     host_lengths = isinstance(seqlens, int)  # checked on the host by check_kvcache: no copy needed
     spec, seqlens, capacity, appended, max_q = check_kvcache(
         q, k_cache, v_cache, k, v, seqlens, block_table, kernel, window_size, softcap, cu_seqlens_q,
@@ -353,9 +355,9 @@ def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, sof
                                      int(num_splits), window, 0.0, cu_seqlens_q, max_q, max_seqlen_k, False, False,
                                      False, q.dtype, False)
                 out, lse = launch(q, k_cache, v_cache, seqlens, block_table, cu_seqlens_q)
-                if len(_CACHE_CALLS) >= 256:  # shapes that change every call: bounded
-                    _CACHE_CALLS.clear()
-                _CACHE_CALLS[key] = (_index_check(q, k_cache, capacity, max_q, lengths_name), launch)
+                check = index_checks.nothing_to_start if host_length and block_table is None \
+                    else _index_check(q, k_cache, capacity, max_q, lengths_name)
+                _CACHE_CALLS.remember(key, (check, launch, capacity))
             else:
                 out, lse = launch_kvcache(spec, q, k_cache, v_cache, seqlens, block_table, capacity, appended,
                                           bool(causal), scale, int(num_splits), window, softcap, cu_seqlens_q,

@@ -17,6 +17,8 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+from ._memo import BoundedMemo
+
 LOG2E = math.log2(math.e)
 UNBOUNDED = 1 << 30  # a window side of -1, as the kernels take it (kernels/common/mask.py)
 
@@ -43,7 +45,7 @@ def masked(causal, window_size) -> bool:
     return bool(causal) or tuple(window_size) != (-1, -1)
 
 
-_PLAIN: dict = {}  # (causal, softmax_scale) -> the Masking of a call with neither window nor softcap
+_PLAIN = BoundedMemo(64)  # (causal, softmax_scale) -> the Masking of a call with neither window nor softcap
 
 
 def check_window(window_size, softcap) -> tuple[int, int]:
@@ -75,11 +77,9 @@ def masking(causal: bool, window_size, softcap: float, scale: float) -> Masking:
         mask = _PLAIN.get((causal, scale))
         if mask is None:
             check_scale(scale)  # once per scale: a NaN key is never found again, and checked each call
-            if len(_PLAIN) > 64:  # scales that change every call must not grow it without bound
-                _PLAIN.clear()
-            mask = _PLAIN[(causal, scale)] = Masking(
+            mask = _PLAIN.remember((causal, scale), Masking(
                 causal=bool(causal), local=False, left=UNBOUNDED, right=UNBOUNDED, softcap=False,
-                scale_log2=scale * LOG2E, softcap_scale=1.0)
+                scale_log2=scale * LOG2E, softcap_scale=1.0))
         return mask
     left, right = check_window(window_size, softcap)
     check_scale(scale)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from . import _checks, _compile, _dispatch, _launch, index_checks, registry
+from ._memo import BoundedMemo
 
 _TMA_BYTES = 16  # TMA's alignment for row strides and base addresses
 K_TILE_BYTES = 128  # a K tile's row, as kernels/gemm.py sizes it: 64 16-bit or 128 FP8 elements
@@ -207,12 +208,12 @@ def gemm(a, b, *, out=None, kernel: str | None = None, scale_a=None, scale_b=Non
         and not _dispatch.tracing()
     if plain:  # a call like one that ran before: its launch is prepared (prepare_plain_gemm)
         try:
-            key = (a.shape, b.shape, a.stride(), b.stride(), a.dtype, b.dtype, a.device, b.device)
+            key = plain_gemm_key(a, b)
             launch = _PLAIN_GEMMS.get(key)
         except (AttributeError, TypeError):  # not tensors (check_gemm names them), symbolic shapes
             key = launch = None
         if launch is not None and _dispatch.direct_call_ok(a, b) and not _dispatch.profiling() \
-                and not (a.data_ptr() | b.data_ptr()) % _TMA_BYTES:
+                and gemm_data_aligned(a, b):
             return launch(a, b)
     if (isinstance(a, torch.Tensor) and a.dtype in _checks.FP8_LIKE) or scale_a is not None \
             or scale_b is not None or out_dtype is not None:
@@ -222,16 +223,25 @@ def gemm(a, b, *, out=None, kernel: str | None = None, scale_a=None, scale_b=Non
         with _dispatch.op_range("fa3::gemm"):
             result = launch_gemm(spec, a, b, out)
         if plain and key is not None:
-            if len(_PLAIN_GEMMS) >= 256:  # shapes that change every call: bounded
-                _PLAIN_GEMMS.clear()
-            _PLAIN_GEMMS[key] = prepare_plain_gemm(spec, a, b)
+            _PLAIN_GEMMS.remember(key, prepare_plain_gemm(spec, a, b))
         return result
     result = torch.ops.fa3.gemm(a, b, spec.name)
     return result if out is None else out.copy_(result)  # the op is functional
 
 
 # the key of a plain call (a and b's shapes, strides, dtypes and devices) -> its prepared launch
-_PLAIN_GEMMS: dict = {}
+_PLAIN_GEMMS = BoundedMemo()
+
+
+def plain_gemm_key(a, b) -> tuple:
+    """What a prepared GEMM launch (prepare_plain_gemm) assumes of a call: a and b's shapes,
+    strides, dtypes and devices."""
+    return (a.shape, b.shape, a.stride(), b.stride(), a.dtype, b.dtype, a.device, b.device)
+
+
+def gemm_data_aligned(a, b) -> bool:
+    """What a prepared GEMM launch checks per call beyond its key: TMA-aligned data."""
+    return not (a.data_ptr() | b.data_ptr()) % _TMA_BYTES
 
 
 def prepare_plain_gemm(spec, a, b):

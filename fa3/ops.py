@@ -45,6 +45,7 @@ from __future__ import annotations
 import torch
 
 from . import _checks, _dispatch, _launch, backward, fp8, interface, kvcache, kvcache_checks, masking, matmul, varlen
+from ._memo import BoundedMemo
 
 _ATTENTION_SCHEMA = ("(Tensor q, Tensor k, Tensor v, bool causal, float softmax_scale, str kernel, "
                      "bool deterministic=False, str? backward_kernel=None, int window_left=-1, "
@@ -59,12 +60,27 @@ _BACKWARD_SCHEMA = ("(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Ten
 def attention(q, k, v, causal, softmax_scale, kernel, deterministic=False, backward_kernel=None,
               window_left=-1, window_right=-1, softcap=0.0, sinks=None):
     """(out, lse) of rung `kernel`: out shaped like q (contiguous), lse (batch, heads_q, seqlen_q) fp32.
-    `deterministic` and `backward_kernel` are for the backward (None: the fastest rung)."""
+    `deterministic` and `backward_kernel` are for the backward (None: the fastest rung).
+    A plain call (no window, softcap or sinks) like one that passed the checks runs its prepared
+    launch (interface.prepare_plain), as fa3.attention's eager calls do."""
+    plain = window_left == -1 and window_right == -1 and not softcap and sinks is None
+    if plain:
+        key = (kernel, interface.plain_key(q, k, v, causal, softmax_scale))
+        launch = _PLAIN_LAUNCHES.get(key)
+        if launch is not None and interface.data_aligned(q, k, v):
+            return launch(q, k, v)
     spec = interface.check_attention(q, k, v, kernel)
     window = (window_left, window_right)
     _dispatch.check_variants(spec, masking.masking(causal, window, softcap, softmax_scale), "kernel")
     _checks.check_rung_sinks(spec, sinks, q.shape[-2], q.device)
-    return interface.launch_attention(spec, q, k, v, causal, softmax_scale, None, window, softcap, sinks)
+    result = interface.launch_attention(spec, q, k, v, causal, softmax_scale, None, window, softcap, sinks)
+    if plain:
+        _PLAIN_LAUNCHES.remember(key, interface.prepare_plain(spec, q, k, v, causal, softmax_scale))
+    return result
+
+
+# (rung, a plain call's key) -> its prepared launch: the op's calls that passed the checks
+_PLAIN_LAUNCHES = BoundedMemo()
 
 
 def _sinks_grad_like(sinks, q):
@@ -123,8 +139,19 @@ attention.register_autograd(_attention_grads, setup_context=_save_for_backward)
 
 @torch.library.custom_op("fa3::gemm", mutates_args=(), schema="(Tensor a, Tensor b, str kernel) -> Tensor")
 def gemm(a, b, kernel):
-    """a @ b with rung `kernel`: a new contiguous (M, N) tensor in a's dtype."""
-    return matmul.launch_gemm(matmul.check_gemm(a, b, None, kernel), a, b)
+    """a @ b with rung `kernel`: a new contiguous (M, N) tensor in a's dtype (a call like one that
+    passed the checks: its prepared launch, matmul.prepare_plain_gemm)."""
+    key = (kernel, matmul.plain_gemm_key(a, b))
+    launch = _PLAIN_GEMMS.get(key)
+    if launch is not None and matmul.gemm_data_aligned(a, b):
+        return launch(a, b)
+    spec = matmul.check_gemm(a, b, None, kernel)
+    result = matmul.launch_gemm(spec, a, b)
+    _PLAIN_GEMMS.remember(key, matmul.prepare_plain_gemm(spec, a, b))
+    return result
+
+
+_PLAIN_GEMMS = BoundedMemo()  # (rung, a plain GEMM's key) -> its prepared launch
 
 
 @gemm.register_fake

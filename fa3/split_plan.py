@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 
 from . import _checks, _dispatch, masking, registry
+from ._memo import BoundedMemo
 from .kernels import k5_tiles
 
 MAX_SPLITS = 64
@@ -201,7 +202,7 @@ class CallPlan(NamedTuple):
     longest_first: bool  # S1 takes the entries in the order the device sorts them
 
 
-_PLANS: dict = {}
+_PLANS = BoundedMemo()
 
 
 def call_plan(spec, head_dim: int, batch: int, seqlen_q: int, total_q: int | None, heads_q: int, heads_kv: int,
@@ -229,9 +230,7 @@ def call_plan(spec, head_dim: int, batch: int, seqlen_q: int, total_q: int | Non
             num_splits = planned if num_splits == 0 else min(planned, -num_splits)
         ctas = s1_ctas(spec, batch, s1_queries, heads_q, heads_kv, num_splits, total_q)
         sort = longest_first(batch, ctas, sm_count * ctas_per_sm(spec, head_dim, gather, fp8))
-        if len(_PLANS) > 256:  # shapes that change every call (a serving step's) must not grow it
-            _PLANS.clear()
-        plan = _PLANS[key] = CallPlan(mask, gather, long, s1_queries, num_splits, sort)
+        plan = _PLANS.remember(key, CallPlan(mask, gather, long, s1_queries, num_splits, sort))
     return plan
 
 

@@ -208,6 +208,31 @@ def test_prepared_cache_launch_computes_the_same(layout):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("paged", [False, True])
+def test_prepared_cache_launch_with_an_int_length(paged):
+    """cache_seqlens as one int (flash-attn's form) is remembered too: each call's int is checked on
+    the host and becomes the lengths the kernel reads, so a new value gives the reference's output
+    and a bad one is refused by name, as on the first call."""
+    batch, heads_q, heads_kv, d = 2, 16, 4, 128
+    if paged:
+        k_cache, v_cache = _rand(batch * 256, 16, heads_kv, d), _rand(batch * 256, 16, heads_kv, d)
+        table = torch.randperm(batch * 256, device="cuda").view(batch, 256).to(torch.int32)
+    else:
+        k_cache, v_cache, table = _rand(batch, 4096, heads_kv, d), _rand(batch, 4096, heads_kv, d), None
+    q = _rand(batch, 1, heads_q, d)
+    call = lambda n: fa3.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=n, block_table=table)
+    first = call(3000)
+    assert torch.equal(call(3000), first)
+    for n in (3000, 17, 4096):
+        got = call(n)
+        assert rel_err(got, _cache_reference(q, k_cache, v_cache, _i32(n, n), table)) < 1e-2
+    for n in (4097, -1):
+        with pytest.raises(ValueError, match="cache_seqlens"):
+            call(n)
+    fa3.check_index_values()
+
+
+@pytest.mark.gpu
 def test_prepared_decode_route_computes_the_same():
     """fa3.attention's decode route (a forward-only step over 32 MiB or more of K and V) remembered:
     the same output again, and the reference's for new queries."""
