@@ -2,9 +2,9 @@
 
     python benchmarks/bench_overhead.py [--calls 2000] [--no-first-call] [--json FILE]
 
-Per-call (small attention problems, one decode step over a dense cache, small GEMMs): wall
-microseconds per call of back-to-back calls (perf_counter around --calls calls, then
-one synchronize; best of three rounds), beside the GPU's own time per call (20 calls captured in a
+Per-call (small attention problems, a forward and backward, one decode step over a dense cache,
+small GEMMs): wall microseconds per call of back-to-back calls (perf_counter around --calls calls,
+then one synchronize; best of three rounds), beside the GPU's own time per call (20 calls captured in a
 CUDA graph and replayed: no host in the way). Where wall > GPU the host is the bottleneck, and the
 wall time is what it spends: validation, allocation and launch. A breakdown of fa3.attention's
 host path follows (validation, the direct-call check, allocation, the compiled kernel's own call), and
@@ -40,6 +40,9 @@ from fa3 import _checks, _compile, _compile_kvcache, _dispatch, _launch, interfa
 # (batch, seqlen, heads, head_dim, causal): the first is the shape the overhead issue measured
 ATTENTION_SHAPES = [(1, 128, 16, 128, False), (1, 128, 16, 128, True)]
 GEMM_SHAPES = [(128, 1024, 1024), (1024, 4096, 1024)]  # M, N, K
+# (batch, seqlen, heads, head_dim, causal): a forward and backward (torch.autograd.grad), whose
+# host part is the backward's checks, allocations and launches on top of the forward's
+TRAIN_SHAPES = [(1, 128, 16, 128, True)]
 # (batch, keys, heads_q, heads_kv, head_dim): one decode step, dense cache
 DECODE_SHAPES = [(1, 16384, 32, 8, 128)]  # K and V 64 MiB: fa3.attention takes the KV-cache kernel
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -92,6 +95,22 @@ def attention_runners(q, k, v, causal):
     return runners, notes
 
 
+def train_runners(q, k, v, causal):
+    """(name, context, call): one forward and backward of fa3.attention, and of SDPA's flash and
+    cuDNN backends (gradients by torch.autograd.grad: nothing accumulates between calls)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    dout = torch.randn_like(q)
+    qt, kt, vt, dout_t = (t.transpose(1, 2) for t in (q, k, v, dout))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    fa3_step = lambda: torch.autograd.grad(fa3.attention(q, k, v, causal=causal), (q, k, v), dout)
+    sdpa_step = lambda: torch.autograd.grad(sdpa(qt, kt, vt, is_causal=causal), (q, k, v), dout_t)
+    return [("fa3.attention + backward", None, fa3_step),
+            ("sdpa-flash + backward", lambda: sdpa_kernel(SDPBackend.FLASH_ATTENTION), sdpa_step),
+            ("sdpa-cudnn + backward", lambda: sdpa_kernel(SDPBackend.CUDNN_ATTENTION), sdpa_step)]
+
+
 def decode_runners(batch, keys, heads_q, heads_kv, head_dim, gen):
     """One decode step over a dense cache: fa3.attention (a forward-only decode step goes to the
     KV-cache kernel), attention_with_kvcache with the lengths as a tensor (an eager call checks
@@ -138,6 +157,11 @@ def per_call(calls: int) -> list[dict]:
             progress(f"  {note}")
         label = f"attn b{batch} s{seqlen} h{heads} d{head_dim}{' causal' if causal else ''}"
         rows += measure_row(label, runners, calls)
+    for batch, seqlen, heads, head_dim, causal in TRAIN_SHAPES:
+        q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16,
+                               generator=gen) for _ in range(3))
+        label = f"train b{batch} s{seqlen} h{heads} d{head_dim}{' causal' if causal else ''}"
+        rows += measure_row(label, train_runners(q, k, v, causal), calls)
     for batch, keys, heads_q, heads_kv, head_dim in DECODE_SHAPES:
         rows += measure_row(f"decode b{batch} x {keys} {heads_q}/{heads_kv} d{head_dim}",
                             decode_runners(batch, keys, heads_q, heads_kv, head_dim, gen), calls)
