@@ -115,20 +115,25 @@ FP8_PTX = ("wgmma.mma_async", ".e4m3.e4m3", "cvt.rn.satfinite.e4m3x2.f32", "setm
 FP8_FORBIDS = ("cvt.f32.bf16", "ld.shared.u8", "ld.shared.b8", "ld.shared.u16", "ld.shared.b16")
 
 
-def _swapped_backward(name: str, module: str, cls: str, summary: str, *, head_dims: tuple,
-                      speed_rank: int, value_head_dims: tuple = (), tile_m: int = 64,
+# the production backward: one kernel class, each rung a configuration of its flags (b1, the
+# lesson, is a class of its own)
+_BWD_MODULE, _BWD_CLASS = "bwd_ws", "WarpSpecializedBackward"
+
+
+def _swapped_backward(name: str, summary: str, *, flags: dict, head_dims: tuple, speed_rank: int,
+                      value_head_dims: tuple = (), tile_m: int = 64,
                       deterministic_head_dims: tuple = ()) -> KernelSpec:
-    """A rung of the S^T backward line (b3 on): 64-row Q tiles (b8: 128) against 128-row K/V
-    tiles, two Q stages, dQ by bulk reduce-adds, each column's statistics by shuffles (or from SMEM).
-    Deterministic calls without a mask go to b2 (`deterministic_masked_only`); with one, b4 at d96
-    and b7 at d128 once their writer passes counters on a step late (H100, locked clocks, causal
-    2k: 4-6% fewer cycles than b2's; 8k: level to 1.4% fewer). Without a mask b2 is level or ahead:
-    ascending walks at d128 2k 2.191 / 2.174 Mcycles (b2 / b7), 8k 3% ahead of b7 and 18% of b4
+    """A rung of the S^T backward line (b3 on, `scores_transposed` and `flags`): 64-row Q tiles
+    (b8: 128) against 128-row K/V tiles, two Q stages, dQ by bulk reduce-adds, each column's
+    statistics by shuffles (or from SMEM), causal head groups capped at about one wave of CTAs.
+    Deterministic calls without a mask go to b2 (`deterministic_masked_only`), which is level or
+    ahead there; with one, b4 at d96 and b7 at d128, whose writer passes counters on a step late
     (worklog/backward.md)."""
-    return KernelSpec(name, BACKWARD, module, cls, summary, deterministic_head_dims=deterministic_head_dims,
-                      deterministic_masked_only=True,
-                      config={"tile_m": tile_m, "tile_n": 128, "q_stages": 2}, head_dims=head_dims,
-                      value_head_dims=value_head_dims,
+    return KernelSpec(name, BACKWARD, _BWD_MODULE, _BWD_CLASS, summary,
+                      deterministic_head_dims=deterministic_head_dims, deterministic_masked_only=True,
+                      config={"tile_m": tile_m, "tile_n": 128, "q_stages": 2, "scores_transposed": True,
+                              "head_group_ctas": 132, **flags},
+                      head_dims=head_dims, value_head_dims=value_head_dims,
                       ptx_promises=_BWD_SWAPPED_PTX, ptx_forbids=_BWD_WS_FORBIDS,
                       speed_rank=speed_rank, variants=VARIANTS)
 
@@ -265,7 +270,7 @@ KERNELS: dict[str, KernelSpec] = {
             speed_rank=1, variants=VARIANTS,
         ),
         KernelSpec(
-            "b2", BACKWARD, "bwd_ws", "WarpSpecializedBackward",
+            "b2", BACKWARD, _BWD_MODULE, _BWD_CLASS,
             "+ warp specialization (loader warp, dQ-writer warp, two consumer warpgroups, "
             "setmaxnreg), S/dP and dQ/dV/dK in flight together, dQ by one bulk reduce-add per tile",
             config={"tile_m": 64, "tile_n": 128, "q_stages": 2},
@@ -287,42 +292,55 @@ KERNELS: dict[str, KernelSpec] = {
         # and 64-row ones lose to b2's 128-row tiles; d=192/256: dK and dV leave no registers. b2
         # serves them. d=96 as flash-attn-4 runs it (64 x 128, S^T): no spills.
         _swapped_backward(
-            "b3", "bwd_swap", "SwappedBackward",
+            "b3",
             "+ S^T = K Q^T: P^T and dS^T stay in registers as the A operands of dV and dK, dS "
             "written once (for dQ) into one of two buffers, one consumer barrier per Q tile",
-            head_dims=(96, 128), speed_rank=3),
+            flags={"dv_under_dp": True}, head_dims=(96, 128), speed_rank=3),
         _swapped_backward(
-            "b4", "bwd_split_dq", "SplitDqBackward",
+            "b4",
             "+ the dQ share handed to the writer per warpgroup (each half its own reduce-add "
             "and barriers) through two buffers returned a tile late, in fragment order",
+            # the statistics through SMEM; dV after dS^T, each column's LSE read where used; causal
+            # CTAs head after head (head groups measured slower here, worklog/backward.md)
+            flags={"dq_per_warpgroup": True, "stats_in_smem": True, "head_groups": False},
             head_dims=(96, 128), speed_rank=4, deterministic_head_dims=(96,)),  # b3's head dims
         # 64-row Q tiles: 80 (FlashAttention-3's and flash-attn-4's non-causal d128 tile) ran 4-10%
         # slower here (worklog/backward.md)
         _swapped_backward(
-            "b6", "bwd_dq_t", "TransposedDqBackward",
+            "b6",
             "b3 + dQ computed transposed (dQ^T = K^T dS^T: the Q tile is no WGMMA's M), dV issued "
             "after dS^T",
-            head_dims=(128,), speed_rank=5),
+            flags={"dq_transposed": True}, head_dims=(128,), speed_rank=5),
         _swapped_backward(
-            "b7", "bwd_split_dq_t", "SplitTransposedDqBackward",
+            "b7",
             "b6 + b4's dQ hand-off: each warpgroup's transposed dQ share through its own two "
             "buffers, met by the writer alone",
+            # and b4's SMEM statistics, read where used; head groups kept (faster here than b4's
+            # order, worklog/backward.md)
+            flags={"dq_transposed": True, "dq_per_warpgroup": True, "stats_in_smem": True},
             # b6's head dims: dQ^T stacks d over the warpgroups in 64-row WGMMA atoms; v's head
             # dim 64 on dO, V and dV^T's MMA (P^T and dS^T stay 64 x 128 register fragments)
             head_dims=(128,), value_head_dims=((128, 64),), speed_rank=6, deterministic_head_dims=(128,)),
         _swapped_backward(
-            "b8", "bwd_wide", "WideSplitDqBackward",
+            "b8",
             "b4 on 128 x 128 S^T tiles at d64: dS^T from the rounded P^T (S^T's FP32 registers "
             "die before dP^T lands) multiplied in 16-bit pairs, one dQ buffer a warpgroup",
+            # one dQ buffer a warpgroup (two do not fit beside 128-row Q/dO stages); dV under dP^T
+            # from the rounded P^T; each column's LSE read where used (32 columns a thread held
+            # ahead cost more than the wait)
+            flags={"dq_per_warpgroup": True, "dq_buffers": 1, "stats_in_smem": True, "head_groups": False,
+                   "ds_from_rounded_p": True, "ds_in_pairs": True, "dv_under_dp": True},
             # H200: 1.04-1.10x b2 at d64 (2k-16k, causal and not), dQ / dK errors 1.4x b2's
             # (worklog/backward.md)
             head_dims=(64,), tile_m=128, speed_rank=7),
         KernelSpec(
-            "b9", BACKWARD, "bwd_dkv_t", "TransposedDkvBackward",
+            "b9", BACKWARD, _BWD_MODULE, _BWD_CLASS,
             "b2 + dK and dV computed transposed (head dim on the WGMMA's M), one dO stage beside two "
             "Q stages: 96-key tiles and a dQ buffer per warpgroup at d192, 64-key tiles and one dQ "
             "buffer the warpgroups share in turns at d256",
-            config={"tile_m": 64, "tile_n": 96, "q_stages": 2},
+            # dQ through mbarriers: at d256 one share buffer the warpgroups take in turns
+            config={"tile_m": 64, "tile_n": 96, "q_stages": 2, "dkv_transposed": True,
+                    "dq_per_warpgroup": True, "dq_mbarriers": True},
             # d256: 64-key tiles (cuDNN's width) fit beside two Q stages once dO has one stage of
             # its own: under locked clocks 18-20% fewer cycles than 48-key tiles with two Q/dO
             # stages, 5% fewer than cuDNN causal 8k (worklog/backward.md)

@@ -19,7 +19,8 @@ from .common import accum, mma, seqlen, smem, tma
 
 class DkvEpilogue:
     # GQA (FP32 dK/dV summed over each group, not deterministic): rows out of SMEM by 1-D bulk
-    # reduce-adds instead of one scalar atomic per element (`add_dkv_rows`; B2 on: measured faster)
+    # reduce-adds instead of one scalar atomic per element (`add_dkv_rows`; the warp-specialized
+    # kernel's: measured faster)
     dkv_bulk_add = False
 
     @cute.jit

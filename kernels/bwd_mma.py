@@ -1,9 +1,11 @@
 """The backward's five GEMMs (the table in bwd.py's docstring): their tiled MMAs, every operand
 fragment (SMEM descriptors, transposed views where a GEMM reads a tile the other way round), the
-dK/dV accumulators, and the calls that issue them. A mixin of AttentionBackward; the rungs change
-the tiles and views through the hooks (`score_tile`, `dkv_tile`, `dkv_view`, `tiled_mmas`,
-`dkv_mma`, `operand_fragments`, `dkv_operands`, `dv_operands`): B3 on computes S^T and dP^T, B6
-dQ^T, B9 dK^T and dV^T.
+dK/dV accumulators, and the calls that issue them. A mixin of both backward kernels; the
+warp-specialized one (bwd_ws.py) changes the tiles and views through the hooks (`score_tile`,
+`dkv_tile`, `dkv_view`, `tiled_mmas`, `dkv_mma`, `operand_fragments`, `dkv_operands`,
+`dv_operands`, `issue_dkv`) by flag: `scores_transposed` computes S^T and dP^T
+(bwd_transposed_scores.py), `dq_transposed` dQ^T (bwd_transposed_dq.py), `dkv_transposed` dK^T
+and dV^T (bwd_transposed_dkv.py).
 """
 
 from types import SimpleNamespace
@@ -50,7 +52,7 @@ class BackwardMmas:
         return 4 if mma.n_share(*self.score_tile(), self.mma_warpgroups) % 16 == 0 else 2
 
     def dkv_tile(self, head_dim: int | None = None):
-        """The (rows, cols) of the dK and dV accumulators: (keys, d) (B9: transposed); dV's with
+        """The (rows, cols) of the dK and dV accumulators: (keys, d) (`dkv_transposed`: (d, keys)); dV's with
         `head_dim` = head_dim_v."""
         return self.tile_n, head_dim or self.head_dim
 
@@ -81,7 +83,7 @@ class BackwardMmas:
             tdQrdS=mma.fragment_A(wg_dq, s.sdS), tdQrKt=mma.fragment_B(wg_dq, t(s.sK)))
 
     def dkv_operands(self, s, wg_dkv) -> dict:
-        """dV's and dK's (A, B) fragments: P^T and dO^T, dS^T and Q^T (B9: their transposes)."""
+        """dV's and dK's (A, B) fragments: P^T and dO^T, dS^T and Q^T (`dkv_transposed`: their transposes)."""
         t = mma.transpose_view
         # (dV's own where V's head dim differs: mma_setup)
         dv = self.dv_operands(s, wg_dkv) if self.head_dim_v == self.head_dim else {}

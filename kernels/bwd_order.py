@@ -28,14 +28,14 @@ behind whatever is left of the others. Instead heads (and batch entries) go in g
 heads interleaved tile by tile (common/scheduler.py, head_group_tile): the CTAs of one tile index of
 the whole group start together, longest first, and the group's Q, dO and dQ accumulator (the rows
 every K/V tile of a head walks) fit in L2 together (`l2_bytes`); the S^T rungs also cap a group at
-about one wave of CTAs (`head_group_ctas`: 33 heads of 16 K/V tiles at d64 2k made four waves
-share L2 and ran up to 8% slower at 1k). Each head's CTAs keep their order. Ordered walks without
+about one wave of CTAs (`head_group_ctas`: at d64 2k, 33 heads of 16 K/V tiles made four waves
+share L2). Each head's CTAs keep their order. Ordered walks without
 a mask group heads too (`ordered_head_groups`): a head's CTAs pass each Q tile's counter along in
 K/V order, and with one head in flight that chain is the critical path; a group gives the SMs
 other heads' chains to run while one waits. Not a rotated walk (below): it would need the whole
-group's K/V tiles resident at once. Which rungs group is a class setting: b4 and b8 (dQ handed
-whole to the writer) measured 3-9% faster causal without groups, b7 and b9 2-5% faster with them
-(worklog/backward.md, "Head groups per rung").
+group's K/V tiles resident at once. Which rungs group is a flag of the kernel (`head_groups`, set
+by the registry's rows): b4 and b8 launch head after head, b2, b3, b6, b7 and b9 in groups, as
+each measured faster (worklog/backward.md).
 
 A CTA may only wait for CTAs launched before it, or for CTAs that are resident with it: the GPU
 launches CTAs in order as earlier ones finish, so a wait on one that cannot launch until the waiter

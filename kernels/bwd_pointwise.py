@@ -1,6 +1,6 @@
 """The backward's pointwise steps, S -> P and dP -> dS, on a consumer thread's accumulator
-registers (the (rows, cols) view of common/mma.py), with each row's statistics (B1/B2's S; B3's
-S^T reads them per column: bwd_swap.py):
+registers (the (rows, cols) view of common/mma.py), with each row's statistics (S = Q K^T; the
+transposed scores read them per column: bwd_transposed_scores.py):
 
     P  = exp2(S * scale_log2 - LSE * log2 e)   after the softcap and the mask
     dS = P * (dP - D)                          times 1 - t^2 for capped scores
@@ -10,7 +10,7 @@ pairs: each pair of adjacent columns' dP - D rounded into one 32-bit pair and mu
 pair in 16-bit arithmetic (one mul.rn.bf16x2), which is also dS's rounding for the GEMMs. P's
 FP32 registers then die at P's rounding, before dP lands, and P is never widened back. It costs
 accuracy (one more rounding of dP - D: dQ and dK errors about 1.4x; worklog/backward.md, b8).
-A mixin of AttentionBackward.
+A mixin of both backward kernels (kernels/bwd.py, kernels/bwd_ws.py).
 """
 
 import cutlass
@@ -22,7 +22,8 @@ from .common import mask, mma, softmax
 
 class PointwiseGradients:
     # dS multiplied in 16-bit pairs from the rounded P (`paired_score_grads`; capped scores keep
-    # the FP32 product: their 1 - t^2 needs P's logarithm). B8's; prepared for B2 and B9.
+    # the FP32 product: their 1 - t^2 needs P's logarithm). b8's, on the transposed scores;
+    # prepared for the row-major ones (b2, b9)
     ds_in_pairs = False
 
     def pairs_make_ds(self) -> bool:

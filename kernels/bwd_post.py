@@ -1,4 +1,5 @@
-"""The backward's postprocess for dQ accumulated in fragment order (B2 on).
+"""The backward's postprocess for dQ accumulated in fragment order (the warp-specialized kernel,
+b2 on).
 
 Those rungs hand each warpgroup's FP32 dQ share of a Q tile to the writer warp in the order the
 warpgroup holds it in registers ("fragment order": thread t's element i at 512 (i / 4) + 4 t + i % 4

@@ -1,37 +1,71 @@
-"""B2: B1's math, warp-specialized, with FlashAttention-3's overlaps and a dQ writer warp.
+"""The production backward: one warp-specialized kernel whose techniques are flags. The registry's
+rows b2 to b9 are its configurations (fa3/registry.py); B1 (bwd.py) is the lesson it starts from,
+with B1's math and the pieces B1 shares (bwd_setup.py, bwd_mma.py, bwd_pointwise.py,
+common/statistics.py, bwd_order.py, bwd_dkv_store.py), but it does not build on B1's class.
 
 Roles (block = 384 threads):
     warpgroup 0 gives its registers away (setmaxnreg.dec to 24 in all four warps):
         warp 0, the loader: K_j and V_j once, then Q_i and dO_i into the ring, one stage ahead of
             the consumers and never waiting on them except for a free stage;
         warp 1, the dQ writer: per Q tile, waits until the consumers have put this K/V tile's dQ_i
-            share (FP32) in SMEM, in fragment order (below), adds it to global memory with one
-            1-D bulk reduce-add, and hands the buffer back once the bulk copy has read it.
+            share (FP32) in SMEM, in fragment order, adds it to global memory with a 1-D bulk
+            reduce-add, and hands the buffer back once the bulk copy has read it
+            (bwd_dq_handoff.py).
     warpgroups 1 and 2, the consumers (setmaxnreg.inc to 240): the five GEMMs, as in B1, but
         S and dP are issued together and P = exp2(...) runs while dP is in flight; dQ, dV and dK
         are issued together and dQ is handed to the writer while dV and dK run. The thousands of
-        scalar FP32 atomics of B1 per Q tile become one bulk reduction the consumers do not wait for.
-Named barriers (consumer threads + the writer warp): DQ_EMPTY (the writer gives the SMEM buffer
-back; it starts with one credit) and DQ_FULL (the consumers filled it). Deterministic: the writer
-waits for this Q tile's counter to reach this K/V tile's turn (`dq_turn`) before its reduce-add,
-waits for the reduction to complete, then bumps the counter (common/accum.py).
+        scalar FP32 atomics of B1 per Q tile become bulk reductions the consumers do not wait for.
+Deterministic: the writer waits for this Q tile's counter to reach this K/V tile's turn
+(`dq_turn`, bwd_order.py) before its reduce-add, waits for the reduction to complete, then bumps
+the counter (common/accum.py). Unordered (neither deterministic nor `ordered_dq`), each CTA starts
+its walk over the Q tiles at a different tile (`walk_start`).
 
-Unordered (neither deterministic nor `ordered_dq`), each CTA starts its walk over the Q tiles at a
-different tile (`walk_start`).
+The flags (the constructor's; all off is b2, B1's GEMMs warp-specialized). Each selects pieces at
+trace time, so each configuration's code is only its own:
 
-dQ in fragment order: each consumer thread stores its FP32 dQ share in the order its registers hold
-it (element i of thread t of a warpgroup at 512 (i / 4) + 4 t + i % 4 of the warpgroup's share: a
-16-byte store per 4 registers, a warp's 32 stores contiguous), and the writer adds the shares with
-one 1-D bulk reduce-add into an accumulator of whole Q tiles laid out the same way, head-major
-(batch, heads, Q tiles, tile_m x d; packed batches: each entry's tiles in `packed_q_tile` slots). The
-postprocess (bwd_post.py) reads the fragments back through this rung's own dQ partition. Measured
-on an H200 against the earlier form, a swizzled (tile_m, d) SMEM tile and one TMA tensor
-reduce-add per tile (8-byte pair stores, the box in the accumulator's row-major layout):
-1.02-1.09x at d64/d192/d256 (2k / 8k, causal and not); B4 gained 1.05-1.10x at d96 and B7
-0.98-1.04x at d128 on an H100 (worklog/backward.md).
+    scores_transposed   S^T = K Q^T and dP^T = V dO^T: P^T and dS^T stay in registers as the A
+                        operands of dV and dK, dS^T is written once (for dQ) into one of two
+                        buffers, one consumer barrier per Q tile, the statistics per column
+                        (bwd_transposed_scores.py). With it: `dv_under_dp` (dV issued under dP^T,
+                        else after dS^T), `ds_from_rounded_p` (dS^T from the rounded P^T; with
+                        `ds_in_pairs` in 16-bit pairs, bwd_pointwise.py).
+    dq_transposed       dQ^T = K^T dS^T on the transposed scores (bwd_transposed_dq.py).
+    dkv_transposed      dK^T += Q^T dS and dV^T += dO^T P, the head dim on the WGMMA's M, for the
+                        wide head dims (bwd_transposed_dkv.py).
+    dq_per_warpgroup    each warpgroup's dQ share handed to the writer on its own, through
+                        `dq_buffers` buffers returned a tile late; with `dq_mbarriers` through
+                        mbarriers, one share buffer the warpgroups take in turns
+                        (`shared_dq_buffer`) or one each (bwd_dq_handoff.py).
+    stats_in_smem       LSE * log2 e and D through SMEM with the Q/dO TMA (common/statistics.py);
+                        with the transposed scores read where used, or ahead (`prefetch_stats`,
+                        `stat_group`).
+    head_groups, head_group_ctas   the causal (and ordered) launch order in head groups, capped
+                        at about one wave of CTAs (bwd_order.py).
+    rotated_walk        ordered walks without a mask start at their own Q tiles (bwd_order.py).
+    ordered_dq, do_stages   as B1's (bwd_setup.py): dQ in the deterministic order for speed; dO
+                        in a ring of its own with fewer stages.
 
-Packed batches (varlen) and constraints: as B1. SMEM (bf16): d=128: Q/dO 2 x 32 KB, K/V 64 KB, P/dS 32 KB, dQ 32 KB = 192 KB;
-d=256 takes one Q/dO stage (64 KB), K/V 64 KB, P/dS 16 KB, dQ 64 KB = 208 KB.
+The rungs, as the registry configures them:
+
+    b2  no flag: S, dP, P and dS row-major (P and dS through SMEM), dQ handed off whole.
+    b3  scores_transposed, dV under dP^T.
+    b4  b3 with dq_per_warpgroup (two buffers), stats_in_smem, dV after dS^T, no head groups.
+    b6  b3 with dq_transposed, dV after dS^T.
+    b7  b6 with b4's hand-off and stats_in_smem (head groups kept).
+    b8  b4 on 128 x 128 S^T tiles at d64: ds_from_rounded_p and ds_in_pairs (S^T's FP32
+        registers die before dP^T lands), one dQ buffer a warpgroup (two do not fit beside
+        128-row Q/dO stages), dV under dP^T, each column's LSE read where used.
+    b9  dkv_transposed, one dO stage, dQ through mbarriers (d256: one share buffer in turns).
+
+Constraints: head_dim 64/96/128/192/256 as the registry's rows serve them; tile_m a multiple of
+64 (16 with dq_transposed: the Q tile is then no WGMMA's M), tile_n of 64 (16 with
+dkv_transposed: the keys are N of dK^T/dV^T and of S, dP, 8 a warpgroup); the transposed scores
+take 128-key tiles, two Q stages and dO on the Q ring (their module docstring); the per-warpgroup
+hand-off on named barriers takes the transposed scores' consume step (its buffers follow the Q
+stage), the one through mbarriers the row-major one (it counts Q tiles). Packed batches: as B1,
+each entry's dQ in whole-tile slots of the fragment-order accumulator. SMEM (bf16, b2): d=128 Q/dO
+2 x 32 KB, K/V 64 KB, P/dS 32 KB, dQ 32 KB = 192 KB; d=256 one Q/dO stage (64 KB), K/V 64 KB,
+P/dS 16 KB, dQ 64 KB = 208 KB.
 """
 
 from typing import Optional
@@ -41,49 +75,213 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
-from .bwd import AttentionBackward
-from .common import accum, mma, pipeline, smem, tma
+from .bwd_dkv_store import DkvEpilogue
+from .bwd_dq_handoff import DqHandoff
+from .bwd_mma import BackwardMmas
+from .bwd_order import DqOrder
+from .bwd_pointwise import PointwiseGradients
+from .bwd_setup import BackwardSetup
+from .bwd_transposed_dkv import TransposedDkv
+from .bwd_transposed_dq import TransposedDq
+from .bwd_transposed_scores import TransposedScores
+from .common import mma, pipeline, smem, tma
+from .common.statistics import QueryStatistics
 
 PRODUCER_REGS, CONSUMER_REGS = 24, 240
 CONSUMER_BARRIER = 1  # the consumer warpgroups among themselves (0 is __syncthreads)
-DQ_EMPTY, DQ_FULL = 2, 3  # consumers + the dQ writer warp
 
 
-class WarpSpecializedBackward(AttentionBackward):
-    # the host reads it: dQ accumulated in fragment order (the module docstring), converted by the
-    # rung's FragmentDqPostprocess (B1: row-major, by atomics)
+class WarpSpecializedBackward(BackwardSetup, QueryStatistics, DqOrder, DkvEpilogue, BackwardMmas,
+                              PointwiseGradients, TransposedScores, TransposedDq, TransposedDkv,
+                              DqHandoff):
+    """The pieces are mixins; the hooks below pick among them by flag (the module docstring)."""
+    # the host reads it: dQ accumulated in fragment order (bwd_dq_handoff.py), converted by
+    # FragmentDqPostprocess (B1: row-major, by atomics)
     FRAGMENT_DQ = True
-    # GQA dK/dV by bulk reduce-adds of SMEM rows (bwd.py): H200, GQA 4, b7 d128 against the scalar
-    # atomics +5/+2% non-causal 2k/8k, +8/-2% causal; b2 d64 +2/+2/+5/-2% (worklog/backward.md)
+    # GQA dK/dV by bulk reduce-adds of SMEM rows (bwd_dkv_store.py), not scalar atomics
     dkv_bulk_add = True
 
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 64, tile_n: int = 128,
                  q_stages: int = 2, deterministic: bool = False, local: bool = False,
                  softcap: bool = False, varlen: bool = False, ordered_dq: bool = False,
-                 head_dim_v: int | None = None, do_stages: int = 0, rotated_walk: bool = False):
+                 head_dim_v: int | None = None, do_stages: int = 0, rotated_walk: bool = False, *,
+                 scores_transposed: bool = False, dq_transposed: bool = False,
+                 dkv_transposed: bool = False, dq_per_warpgroup: bool = False, dq_buffers: int = 2,
+                 dq_mbarriers: bool = False, shared_dq_buffer: bool = True,
+                 ds_from_rounded_p: bool = False, ds_in_pairs: bool = False, dv_under_dp: bool = False,
+                 stats_in_smem: bool = False, prefetch_stats: bool = False, stat_group: int = 0,
+                 head_groups: bool = True, head_group_ctas: int = 0):
+        self.scores_transposed = scores_transposed
+        self.dq_transposed = dq_transposed
+        self.dkv_transposed = dkv_transposed
+        # the dQ hand-off (bwd_dq_handoff.py): whole, or per warpgroup through `dq_buffers`
+        # buffers (one where two do not fit), or per warpgroup through mbarriers, one share
+        # buffer in turns (`shared_dq_buffer`) or, where SMEM allows, one each
+        self.dq_per_warpgroup, self.dq_buffers = dq_per_warpgroup, dq_buffers
+        self.dq_mbarriers, self.shared_dq_buffer = dq_mbarriers, shared_dq_buffer
+        # dS^T = P^T (dP^T - D) from the bf16 P^T the dV GEMM reads, so S^T's FP32 accumulator
+        # dies at the rounding, before dP^T lands (what makes b8's 128 x 128 tiles fit at d64);
+        # `ds_in_pairs` (bwd_pointwise.py) multiplies in 16-bit pairs without widening P^T back
+        self.ds_from_rounded_p, self.ds_in_pairs = ds_from_rounded_p, ds_in_pairs
+        # dV issued from P^T's registers while dP^T is still in flight (its scores then wait for
+        # the register operand), or after dS^T, when S^T's and dP^T's FP32 registers are free
+        self.dv_under_dp = dv_under_dp
+        # the statistics through SMEM (common/statistics.py); read into registers between issuing
+        # S^T/dP^T and waiting for S^T (`prefetch_stats`: the exp2 then does not wait on SMEM),
+        # or where used, `stat_group` columns together ahead of their exp2s (0: each column's just
+        # before its own)
+        self.stats_in_smem, self.prefetch_stats = stats_in_smem, prefetch_stats
+        self.stat_group = stat_group
+        # the causal launch order (bwd_order.py): head groups (the dQ hand-off per warpgroup on
+        # named barriers runs faster without them at d64/d96), and a cap on a group's CTAs (the
+        # transposed scores: about one wave of CTAs, 132 SMs, rather than 50 MB of L2)
+        self.head_groups, self.head_group_ctas = head_groups, head_group_ctas
+        # ordered walks without a mask ascend unless the registry rotates them (`rotated_walk`: b2
+        # at d256): with the late counter bump on wide K/V tiles, ascending walks in head groups
+        # ran faster than rotated ones at d64-d128 (worklog/backward.md)
+        self.rotated_ordered_walk = rotated_walk
         super().__init__(dtype, head_dim, causal, tile_m, tile_n, q_stages, deterministic, local,
                          softcap, varlen, ordered_dq, head_dim_v, do_stages)
-        # ordered walks without a mask ascend unless the registry rotates them (`rotated_walk`: b2
-        # at d256): with the late counter bump on wide K/V tiles, ascending walks in head groups ran
-        # 8-10% faster than rotated ones at d96/d128 2k-4k, and 4% at d64 (H100, locked clocks;
-        # worklog/backward.md)
-        self.rotated_ordered_walk = rotated_walk
         assert not (self.split_do and self.smem_stats), "D rides with dO: statistics from registers"
+        assert not (scores_transposed and dkv_transposed), "dK^T and dV^T read P and dS from SMEM"
+        if scores_transposed:
+            assert q_stages == 2, "the two dS^T buffers follow the Q stage index"
+            assert not self.split_do, "dO rides on the Q ring (consume_step_t)"
+            assert tile_n == 128, "each of the two consumer warpgroups owns 64 keys"
+            assert ds_from_rounded_p or not ds_in_pairs, "dS^T in pairs needs P^T rounded first"
+        else:
+            assert not (dq_transposed or ds_from_rounded_p), "dQ^T and the rounded P^T need S^T"
+        if dq_per_warpgroup and not dq_mbarriers:
+            assert scores_transposed, "the dQ buffers follow the Q stage index (consume_step_t)"
+        if dq_mbarriers:
+            assert dq_per_warpgroup and not scores_transposed, \
+                "the mbarrier turns count Q tiles (consume_step_rows)"
         self.consumer_threads = 128 * self.mma_warpgroups
         self.num_threads = 128 + self.consumer_threads
 
+    # ---------------------------------------------------------------- settings of the flags
+    @property
+    def p_in_smem(self) -> bool:
+        """P goes through SMEM for dV, except on the transposed scores (P^T stays in registers)."""
+        return not self.scores_transposed
+
+    @property
+    def q_tile_multiple(self) -> int:
+        """Q tiles are M of S and dQ (whole 64-row WGMMA atoms); dQ^T takes them as N."""
+        return 16 if self.dq_transposed else 64
+
+    @property
+    def kv_tile_multiple(self) -> int:
+        """K/V tiles are M of dK/dV; dK^T and dV^T take them as N (8 a warpgroup)."""
+        return 16 if self.dkv_transposed else 64
+
+    @property
+    def dq_turn_barriers(self) -> int:
+        """The dQ hand-off's mbarriers (`dq_mbarriers`): full and empty a warpgroup."""
+        return 2 * self.mma_warpgroups if self.dq_mbarriers else 0
+
+    @property
+    def defers_dq_bump(self) -> bool:
+        """The late counter bump (bwd_order.py) holds a tile's buffer until the next tile's adds
+        are issued: the per-warpgroup hand-off needs a second buffer to hand that tile off into."""
+        if self.dq_per_warpgroup and not self.dq_mbarriers:
+            return super().defers_dq_bump and self.dq_buffers >= 2
+        return super().defers_dq_bump
+
+    # ---------------------------------------------------------------- host side: the pieces' hooks
+    def smem_layouts(self, head_dim: int | None = None, stages: int | None = None):
+        """B1's layouts (bwd_setup.py); the transposed scores' dS^T buffers; the transposed
+        dK/dV's own."""
+        if self.dkv_transposed:
+            return self.dkv_t_layouts(head_dim, stages)
+        sQ_layout, sKV_layout, sPdS_layout = super().smem_layouts(head_dim, stages)
+        if self.scores_transposed:
+            sPdS_layout = self.scores_t_layout()
+        return sQ_layout, sKV_layout, sPdS_layout
+
+    def make_pipelines(self, storage, sQ_layout, sKV_layout, consumer_warps):
+        pipes = super().make_pipelines(storage, sQ_layout, sKV_layout, consumer_warps)
+        if self.dq_mbarriers:
+            self.init_dq_turns(storage.dq_turns.data_ptr())  # made visible by pipeline.init_done
+        return pipes
+
+    def smem_tensors(self, storage, sQ_layout, sKV_layout, sPdS_layout):
+        s = super().smem_tensors(storage, sQ_layout, sKV_layout, sPdS_layout)
+        if self.dq_mbarriers:
+            s.dq_turns = storage.dq_turns.data_ptr()
+        return s
+
+    # ---------------------------------------------------------------- the GEMMs' hooks (bwd_mma.py)
+    def score_tile(self):
+        if self.scores_transposed:
+            return self.tile_n, self.tile_m  # S^T: (keys, queries)
+        return super().score_tile()
+
+    def tiled_mmas(self):
+        """(S and dP, dV and dK, dQ) tiled MMAs, each in the form the flags pick."""
+        if not self.scores_transposed:
+            return super().tiled_mmas()
+        sdp, dkv = self.scores_t_mma(), self.dkv_mma(self.head_dim)
+        return sdp, dkv, self.dq_t_mma() if self.dq_transposed else self.dq_mma_from_ds_t()
+
+    def dkv_mma(self, head_dim: int):
+        if self.dkv_transposed:
+            return self.dkv_t_mma(head_dim)
+        if self.scores_transposed:
+            return self.dkv_mma_a_in_regs(head_dim)
+        return super().dkv_mma(head_dim)
+
+    def dkv_tile(self, head_dim: int | None = None):
+        return self.dkv_t_tile(head_dim) if self.dkv_transposed else super().dkv_tile(head_dim)
+
+    def dkv_view(self, tile: cute.Tensor) -> cute.Tensor:
+        return mma.transpose_view(tile) if self.dkv_transposed else tile
+
+    def operand_fragments(self, s, wg_sdp, wg_dkv, wg_dq) -> dict:
+        if self.scores_transposed:
+            return self.scores_t_fragments(s, wg_sdp, wg_dkv, wg_dq)
+        return super().operand_fragments(s, wg_sdp, wg_dkv, wg_dq)
+
+    def dkv_operands(self, s, wg_dkv) -> dict:
+        return self.dkv_t_operands(s, wg_dkv) if self.dkv_transposed else super().dkv_operands(s, wg_dkv)
+
+    def dv_operands(self, s, wg_dv) -> dict:
+        if self.dkv_transposed:
+            return self.dv_t_operands(s, wg_dv)
+        if self.scores_transposed:
+            return self.dv_operands_p_in_regs(s, wg_dv)
+        return super().dv_operands(s, wg_dv)
+
+    def dq_fragments(self, s, wg_dq) -> dict:
+        """dQ's operands on the transposed scores: dQ = dS K, or dQ^T = K^T dS^T."""
+        return self.dq_t_fragments(s, wg_dq) if self.dq_transposed else self.dq_fragments_from_ds_t(s, wg_dq)
+
+    def dq_view(self, tile: cute.Tensor) -> cute.Tensor:
+        """A (tile_m, d) tensor seen in the shape of the dQ accumulator (dQ^T: transposed)."""
+        return mma.transpose_view(tile) if self.dq_transposed else tile
+
+    def issue_dkv(self, ctx, s, stage, do_stage=None):
+        if self.dkv_transposed:
+            return self.issue_dkv_t(ctx, s, stage, do_stage)
+        return super().issue_dkv(ctx, s, stage, do_stage)
+
+    def dkv_to_smem(self, ctx, frag: cute.Tensor, sX: cute.Tensor, tiled: cute.TiledMma):
+        if self.dkv_transposed:
+            return self.dkv_t_to_smem(ctx, frag, sX, tiled)
+        return super().dkv_to_smem(ctx, frag, sX, tiled)
+
+    def dq_gemm(self, ctx, stage):
+        """Issue dQ_i (or dQ_i^T) from dS^T's SMEM buffer `stage` (transposed scores)."""
+        return self.dq_t_gemm(ctx, stage) if self.dq_transposed else self.dq_gemm_from_ds_t(ctx, stage)
+
+    # ---------------------------------------------------------------- the statistics' hooks
+    def stat_count(self, ctx) -> int:
+        return self.col_stat_count(ctx) if self.scores_transposed else super().stat_count(ctx)
+
+    def stat_index(self, ctx, r: int):
+        return self.col_stat_index(ctx, r) if self.scores_transposed else super().stat_index(ctx, r)
+
     # ---------------------------------------------------------------- host side
-    def half_elems(self) -> int:
-        """FP32 elements of one warpgroup's dQ share of a Q tile."""
-        return self.tile_m * self.head_dim // self.mma_warpgroups
-
-    def dq_smem_elems(self) -> int:
-        return cute.cosize(self.sdq_layout())
-
-    def sdq_layout(self):
-        """The FP32 dQ_i share in fragment order: (half_elems, warpgroups), unswizzled."""
-        return cute.make_layout((self.half_elems(), self.mma_warpgroups))
-
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                  mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor,
@@ -160,11 +358,10 @@ class WarpSpecializedBackward(AttentionBackward):
         walk at a different Q tile (rotated by n_block), so the CTAs of one head do not all reduce
         into the same dQ tile at once; under a mask each walk already starts at its own first Q
         tile (the diagonal's), and rotating it made two CTAs of a head walk the same tiles in step
-        (b7/b8 causal, H100: 0.3-4.4% slower, worklog/backward.md). Ordered without a mask: in
-        order (the counters hand each tile from n to n + 1), or, where rotated (`rotated_walk`: b2
-        at d256) and the entry has no more K/V tiles than Q tiles, each walk `rotation_step` Q tiles
-        after the last (`rotates_ordered`; `dq_turn` ranks the adds in the order the walks bring
-        them)."""
+        (slower, worklog/backward.md). Ordered without a mask: in order (the counters hand each
+        tile from n to n + 1), or, where rotated (`rotated_walk`: b2 at d256) and the entry has no
+        more K/V tiles than Q tiles, each walk `rotation_step` Q tiles after the last
+        (`rotates_ordered`; `dq_turn` ranks the adds in the order the walks bring them)."""
         start = m_first
         if cutlass.const_expr(not self.ordered_dq and not (self.causal or self.local)):
             start = m_first + n_block % cutlass.max(m_end - m_first, 1)
@@ -203,61 +400,16 @@ class WarpSpecializedBackward(AttentionBackward):
         if cutlass.const_expr(self.split_do):
             pipeline.tail(do_pipe, pipeline.state_at(self.do_stages, m_end - m_first, producer=True))
 
-    @cute.jit
-    def write_dq(self, mdQacc, s, mLock, n_block: Int32, head: Int32, batch: Int32,
-                 start: Int32, m_first: Int32, m_end: Int32, seq, window, lane: Int32):
-        """dQ writer warp: per Q tile, one bulk reduce-add of the consumers' FP32 shares."""
-        handoff = self.consumer_threads + 32
-        cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=handoff)  # the first credit
-        prev_m = m_first  # (`defers_dq_bump`: the Q tile whose counter is still to be passed on)
-        defer = self.defers_now(seq)
-        for i in cutlass.range(m_end - m_first, unroll=1):
-            m_block = self.m_block_at(i, start, m_first, m_end)
-            cute.arch.barrier(barrier_id=DQ_FULL, number_of_threads=handoff)
-            if cutlass.const_expr(self.ordered_dq):
-                counter = self.wait_dq_turn(mLock, seq, m_block, n_block, head, batch, window, lane,
-                                            cute.arch.sync_warp)
-            if lane == 0:  # both warpgroups' shares, back to back in SMEM and in the tile
-                self.reduce_fragments(mdQacc, s.sdQ[None, 0].iterator, seq, m_block, head, batch,
-                                      self.mma_warpgroups * self.half_elems())
-            cute.arch.cp_async_bulk_commit_group()
-            if defer:
-                if i > 0:  # the previous tile's sums have landed: pass its counter on
-                    cute.arch.cp_async_bulk_wait_group(1, read=False)
-                    self.pass_on_late(mLock, seq, prev_m, head, batch, lane)
-                prev_m = m_block
-                cute.arch.cp_async_bulk_wait_group(0, read=True)  # the buffer has been read
-            elif cutlass.const_expr(self.ordered_dq):
-                cute.arch.cp_async_bulk_wait_group(0, read=False)  # the sums have landed
-                accum.ordered_end(counter, lane, cute.arch.sync_warp)
-            else:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)  # the buffer has been read
-            cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=handoff)
-        cute.arch.cp_async_bulk_wait_group(0, read=False)
-        if defer and m_end > m_first:
-            self.pass_on_late(mLock, seq, prev_m, head, batch, lane)
-
-    @cute.jit
-    def reduce_fragments(self, mdQacc: cute.Tensor, src, seq, m_block: Int32, head: Int32, batch: Int32,
-                         elems: cutlass.Constexpr, offset: cutlass.Constexpr = 0):
-        """One 1-D bulk reduce-add of `elems` FP32 from SMEM `src` into Q tile m_block's elements
-        `offset` on (a Q tile's tile_m x d elements are contiguous in the head-major accumulator)."""
-        tile = accum.elem_ptr(mdQacc, self.dq_tile_origin(seq, m_block, head, batch))
-        tma.bulk_reduce_add_f32(src, tile + offset, elems * 4)
-
-    @cute.jit
-    def dq_tile_origin(self, seq, m_block: Int32, head: Int32, batch: Int32):
-        """(batch, row, head, 0) of Q tile m_block's first element in the fragment-order accumulator,
-        seen as (batch, rows, heads, d): row m_block * tile_m of the entry's plane, or, packed, of
-        the entry's `packed_q_tile` slot in the one plane."""
-        origin = (batch, m_block * self.tile_m, head, 0)
-        if cutlass.const_expr(self.varlen):
-            origin = (0, self.packed_q_tile(seq, m_block, batch) * self.tile_m, head, 0)
-        return origin
-
-    @cute.jit
     def consume_step(self, ctx, s, q_pipe, q_state, m_block: Int32, n_block: Int32, scale_log2: Float32,
                      do_pipe=None):
+        """One Q tile against this CTA's K/V tile: `consume_step_rows`, or on the transposed
+        scores `consume_step_t` (bwd_transposed_scores.py)."""
+        step = self.consume_step_t if self.scores_transposed else self.consume_step_rows
+        return step(ctx, s, q_pipe, q_state, m_block, n_block, scale_log2, do_pipe)
+
+    @cute.jit
+    def consume_step_rows(self, ctx, s, q_pipe, q_state, m_block: Int32, n_block: Int32, scale_log2: Float32,
+                          do_pipe=None):
         """One Q tile: S and dP in flight together, P under dP; dQ handed off under dV and dK.
         `split_do`: dO_i waited for between S and dP, released once dV is done."""
         consumers = self.consumer_threads
@@ -304,42 +456,3 @@ class WarpSpecializedBackward(AttentionBackward):
         lse2, dsum = self.stats(ctx, m_block)
         pipeline.consume_wait(q_pipe, q_state)
         return lse2, dsum
-
-    @cute.jit
-    def hand_off_dq(self, ctx, s, acc_dq: cute.Tensor, buffer: Int32 = 0, step: Int32 = 0):
-        """Wait for the writer to free the SMEM dQ buffer, fill this warpgroup's share in fragment
-        order, tell the writer. (`buffer`: B2, B3 and B6 have one; `step`: the Q tile's count, for
-        B9's turns.)"""
-        handoff = self.consumer_threads + 32
-        cute.arch.barrier(barrier_id=DQ_EMPTY, number_of_threads=handoff)
-        warpgroup_idx = cute.arch.make_warp_uniform(ctx.tidx // 128)
-        self.store_fragment(acc_dq, s.sdQ[None, warpgroup_idx], ctx.tidx % 128)
-        cute.arch.fence_view_async_shared()  # generic-proxy writes, read by the bulk copy
-        cute.arch.barrier_arrive(barrier_id=DQ_FULL, number_of_threads=handoff)
-
-    def dq_coords(self, tidx):
-        """(row, column) in the (tile_m, d) dQ tile of each element of consumer thread tidx's dQ
-        fragment, in the fragment's order (`dq_view`: B7's accumulator is dQ^T)."""
-        return self.tiled_mmas()[2].get_slice(tidx).partition_C(
-            self.dq_view(cute.make_identity_tensor((self.tile_m, self.head_dim))))
-
-    def dq_view(self, tile: cute.Tensor) -> cute.Tensor:
-        """A (tile_m, d) tensor seen in the shape of the dQ accumulator."""
-        return tile
-
-    @staticmethod
-    def fragment_view(flat: cute.Tensor, t) -> cute.Tensor:
-        """Thread t's elements of a warpgroup's dQ share in fragment order: element i at
-        512 (i / 4) + 4 t + i % 4, as (4, n / 4) (each column one 16-byte vector)."""
-        n = cute.size(flat) // 128
-        # (16-byte aligned: the share starts on 16 bytes and a thread's offset is 16 t bytes)
-        return cute.make_tensor((flat.iterator + 4 * t).align(16), cute.make_layout((4, n // 4), stride=(1, 512)))
-
-    @cute.jit
-    def store_fragment(self, acc_dq: cute.Tensor, sdQ_half: cute.Tensor, t: Int32):
-        """This thread's dQ fragment into its warpgroup's SMEM share in fragment order: one 16-byte
-        store per 4 registers, a warp's 32 stores contiguous (no bank conflicts)."""
-        dst = self.fragment_view(sdQ_half, t)
-        src = cute.make_tensor(acc_dq.iterator, cute.make_layout(dst.shape))
-        for j in cutlass.range_constexpr(cute.size(dst, mode=[1])):
-            cute.autovec_copy(src[None, j], dst[None, j])

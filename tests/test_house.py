@@ -1,5 +1,6 @@
 """The house's rules, checked on the CPU: no import circle inside fa3/ (imports inside functions
-included), and the production forward kernels built from kernels/common/, not on teaching rungs.
+included), the production forward kernels built from kernels/common/, not on teaching rungs, and
+no rung's class built on another rung's (the production backward: one class, its rungs flags).
 """
 
 import ast
@@ -93,3 +94,39 @@ def test_forward_rows_stand_on_no_rows_class(family):
     for cls in [rows[n] for n in names] + ([CacheAttention] if family == registry.KVCACHE else []):
         others = set(rows.values()) - {cls}
         assert not others & set(cls.__mro__), f"{cls.__name__} stands on {others & set(cls.__mro__)}"
+
+
+
+TEACHING_BACKWARD = ("b1",)  # its class: a standalone lesson
+
+
+def _row_classes() -> dict:
+    """Every registry row's name -> its kernel class."""
+    _dsl.pin_target_arch()
+    return {name: spec.load_class() for name, spec in registry.KERNELS.items()}
+
+
+def test_production_backward_is_one_class_of_flags():
+    """b2-b9 are configurations (flags) of one kernel class, which has no rung's class among its
+    bases: not b1's (the lesson: both compose the shared pieces), nor any other row's."""
+    classes = _row_classes()
+    production = {classes[n] for n in registry.available_kernels(registry.BACKWARD)
+                  if n not in TEACHING_BACKWARD}
+    assert len(production) == 1, f"the production backward is {len(production)} classes"
+    (cls,) = production
+    rungs = set(classes.values()) - {cls}
+    assert not rungs & set(cls.__mro__), f"{cls.__name__} stands on {rungs & set(cls.__mro__)}"
+    teaching = {classes[n] for n in TEACHING_BACKWARD}
+    assert not teaching & set(cls.__mro__) and cls not in set().union(*(t.__mro__ for t in teaching))
+
+
+def test_backward_rows_stand_on_no_rows_class():
+    """The backward's rows, b1 included: no other row's class, of any family, is among their
+    bases (test_forward_rows_stand_on_no_rows_class checks the other families the same way)."""
+    classes = _row_classes()
+    names = registry.available_kernels(registry.BACKWARD)
+    assert names
+    for name in names:
+        cls = classes[name]
+        others = set(classes.values()) - {cls}
+        assert not others & set(cls.__mro__), f"{name}: {cls.__name__} stands on {others & set(cls.__mro__)}"

@@ -7,10 +7,11 @@ its statistics unchecked. A consumer thread needs the values of the queries its 
 fragments hold, in one of two ways:
 
     registers (every rung): `stats` loads this thread's `stat_count` values of Q tile m_block from
-        global memory before the tile's GEMMs are issued (B1: its rows; B3's transposed scores:
-        2 a 64-column block, the other columns fetched by shuffles where used, bwd_swap.py);
-    SMEM (`stats_in_smem`, B7): the loader brings each Q tile's tile_m values of both with its Q
-        and dO, on the same stage barrier, and the consumers read each value where they use it.
+        global memory before the tile's GEMMs are issued (B1: its rows; the transposed scores,
+        b3 on: 2 a 64-column block, the other columns fetched by shuffles where used,
+        kernels/bwd_transposed_scores.py);
+    SMEM (`stats_in_smem`: b4, b7, b8): the loader brings each Q tile's tile_m values of both with
+        its Q and dO, on the same stage barrier, and the consumers read each value where they use it.
         Not in the ordered dQ walk (B7's deterministic variant spills 24 B with them).
 """
 
@@ -22,7 +23,8 @@ from . import tma
 
 
 class QueryStatistics:
-    """Mixin of AttentionBackward (which sets tile_m, q_stages, varlen and ordered_dq)."""
+    """Mixin of the backward kernels (their constructor, kernels/bwd_setup.py, sets tile_m,
+    q_stages, varlen and ordered_dq; the warp-specialized one sets `stats_in_smem` by flag)."""
     stats_in_smem = False
 
     # ---------------------------------------------------------------- SMEM statistics (host side)
