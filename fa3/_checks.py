@@ -244,3 +244,17 @@ def check_offsets(cu, name: str, device, batch=None, batch_source: str = "cu_seq
                          f"{f' = {batch + 1} ({batch_source} has batch {batch})' if batch is not None else ''}")
     if cu.stride(0) != 1:
         raise ValueError(f"{name} must be contiguous: pass {name}.contiguous()")
+
+
+def check_attention(q, k, v, kernel):
+    """fa3.attention's q, k, v (batch, seqlen, heads, head_dim) and rung; returns the rung's spec
+    (the forward's check, and the backward's of the same tensors)."""
+    q_shape, k_shape = check_qkv(q, k, v, KV_LAYOUT)
+    if k_shape[0] != q_shape[0]:
+        raise ValueError(f"q has batch {q_shape[0]} but k and v have batch {k_shape[0]}")
+    spec = _dispatch.memo_rung(_dispatch.attention_rung, kernel, q_shape[3])
+    head_dim_v = v.shape[3]
+    if head_dim_v != q_shape[3]:
+        _dispatch.check_value_head_dim(spec, q_shape[3], head_dim_v, "kernel")
+    check_hopper(q.device, "q")
+    return spec

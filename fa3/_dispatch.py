@@ -4,9 +4,9 @@ Rungs: `kernel=None` picks the fastest rung of a family for the head dim; a name
 against its family, the head dim and the variants the call needs (window, softcap), in messages
 that name the argument. Eager calls remember what they resolved (memo_rung: one dict lookup).
 
-Direct calls: a plain eager call runs an op's implementation itself (direct_call_ok); traced
-calls, dispatch and function modes, functorch transforms and autograd go through torch.ops.fa3
-(fa3.ops). Under torch.profiler a direct call runs inside a range named as its op (op_range), so
+Direct calls: a plain eager call runs an op's implementation itself (direct_call_ok), and an
+eager call that needs gradients runs fa3's own autograd.Function (eager_autograd_ok); traced
+calls, dispatch and function modes and functorch transforms go through torch.ops.fa3 (fa3.ops). Under torch.profiler a direct call runs inside a range named as its op (op_range), so
 profiles name it as they would the op, without the dispatcher and without the op's copy into out=.
 """
 
@@ -41,6 +41,16 @@ def direct_call_ok(*tensors) -> bool:
         if type(t) is not torch.Tensor or (grad and t.requires_grad):
             return False
     return True
+
+
+def eager_autograd_ok(*tensors) -> bool:
+    """Whether a call that needs gradients may run through fa3's own torch.autograd.Function
+    instead of the op's autograd registration (fa3.backward.DifferentiableAttention): eager, as
+    direct_call_ok, but the tensors may require grad. The op's registration costs its dispatch and
+    a schema walk per call; compiled graphs and transforms still go through the op."""
+    if tracing() or dispatch_modes() or _function_modes() or _functorch_transforms():
+        return False
+    return all(type(t) is torch.Tensor for t in tensors)
 
 
 _NO_RANGE = contextlib.nullcontext()

@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from . import _checks, _compile, _dispatch, _launch, interface, masking, varlen
+from . import _checks, _compile, _dispatch, _launch, masking, varlen
 
 
 def check_backward(dout, q, k, v, out, lse, kernel, cu_seqlens=None, sinks=None, deterministic=False,
@@ -32,7 +32,7 @@ def check_backward(dout, q, k, v, out, lse, kernel, cu_seqlens=None, sinks=None,
     `masked` (masking.masked): whether the call has a causal mask or window (picks kernel=None's
     deterministic rung)."""
     if cu_seqlens is None:
-        interface.check_attention(q, k, v, None)
+        _checks.check_attention(q, k, v, None)
         batch, seqlen_q, heads_q, head_dim = q.shape
         lse_shape, lse_layout = (batch, heads_q, seqlen_q), "(batch, heads_q, seqlen_q)"
     else:
@@ -130,6 +130,33 @@ def _backward(spec, tensors, cu_seqlens, causal, softmax_scale, window_size, sof
         grads = torch.ops.fa3.attention_varlen_backward(*tensors, *cu_seqlens, causal, scale, spec.name,
                                                         deterministic, window[0], window[1], softcap, sinks)
     return tuple(grads) if sinks is not None else tuple(grads[:3])
+
+
+class DifferentiableAttention(torch.autograd.Function):
+    """fa3.attention's eager calls that need gradients: the forward launched as given, the
+    backward launched directly (launch_attention_backward with the rung chosen at the call). The
+    same kernels and saved tensors as the op's autograd registration (fa3.ops), without its
+    dispatch; traced calls, modes and transforms use the op. Arguments are checked by the caller.
+    apply(forward, q, k, v, causal, scale, backward_spec, deterministic, window, softcap) -> (out, lse):
+    forward(q, k, v) returns (out, lse); lse is not differentiable."""
+
+    @staticmethod
+    def forward(ctx, forward, q, k, v, causal, scale, backward_spec, deterministic, window, softcap):
+        out, lse = forward(q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.launch = (backward_spec, causal, scale, deterministic, window, softcap)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        spec, causal, scale, deterministic, window, softcap = ctx.launch
+        with _dispatch.op_range("fa3::attention_backward"):
+            dq, dk, dv, _ = launch_attention_backward(spec, dout, q, k, v, out, lse, causal, scale,
+                                                      deterministic, window, softcap)
+        return None, dq, dk, dv, None, None, None, None, None, None
 
 
 _NO_LOCK: dict[torch.device, torch.Tensor] = {}  # a stand-in for the counters when not deterministic

@@ -13,21 +13,9 @@ import math
 
 import torch
 
-from . import _checks, _dispatch, _launch, fp8, index_checks, kvcache, masking
+from . import _checks, _dispatch, _launch, backward, fp8, index_checks, kvcache, masking
+from ._checks import check_attention
 from ._memo import BoundedMemo
-
-
-def check_attention(q, k, v, kernel):
-    """fa3.attention's q, k, v (batch, seqlen, heads, head_dim) and rung; returns the rung's spec."""
-    q_shape, k_shape = _checks.check_qkv(q, k, v, _checks.KV_LAYOUT)
-    if k_shape[0] != q_shape[0]:
-        raise ValueError(f"q has batch {q_shape[0]} but k and v have batch {k_shape[0]}")
-    spec = _dispatch.memo_rung(_dispatch.attention_rung, kernel, q_shape[3])
-    head_dim_v = v.shape[3]
-    if head_dim_v != q_shape[3]:
-        _dispatch.check_value_head_dim(spec, q_shape[3], head_dim_v, "kernel")
-    _checks.check_hopper(q.device, "q")
-    return spec
 
 
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
@@ -127,6 +115,18 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
                 prepare = functools.partial(prepare_plain, spec)
         if plain:
             _PLAIN_LAUNCHES.remember(key, prepare(q, k, v, causal, scale))
+    elif out is None and sinks is None and q.device in _checks.HOPPER_SMS \
+            and _dispatch.eager_autograd_ok(q, k, v):  # gradients, eagerly: fa3's own autograd.Function
+        forward = None
+        if plain:  # (calls with gradients never take the decode route: a memo of their own)
+            forward = _GRAD_FORWARDS.get(key) or _GRAD_FORWARDS.remember(key, prepare_plain(spec, q, k, v, causal,
+                                                                                            scale))
+        if forward is None:
+            forward = functools.partial(launch_attention, spec, causal=causal, scale=scale, window=window,
+                                        softcap=softcap)
+        with _dispatch.op_range("fa3::attention"):
+            out, lse = backward.DifferentiableAttention.apply(forward, q, k, v, causal, scale, backward_spec,
+                                                              bool(deterministic), window, float(softcap))
     else:
         if backward_spec is None:  # the op names one, never run without gradients
             backward_spec = _dispatch.memo_rung(_dispatch.backward_rung, backward_kernel, q.shape[3],
@@ -141,6 +141,7 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
 # the key of a plain call (q, k, v's shapes, strides, dtypes and devices; causal; softmax_scale) ->
 # its prepared launch, for calls that passed every check with q, k and v as they are
 _PLAIN_LAUNCHES = BoundedMemo()
+_GRAD_FORWARDS = BoundedMemo()  # the same key -> the forward of a call that needs gradients
 
 
 def plain_key(q, k, v, causal: bool, softmax_scale) -> tuple:

@@ -233,6 +233,28 @@ def test_prepared_cache_launch_with_an_int_length(paged):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("window", [(-1, -1), (64, 0)])
+def test_eager_gradients_match_the_op(window):
+    """An eager call that needs gradients runs fa3's own autograd.Function; its output and
+    gradients are bitwise the op's (torch.ops.fa3.attention's autograd registration), GQA and a
+    deterministic backward, with and without a window, twice (the second from the remembered forward)."""
+    q = _rand(2, 200, 8, 128).requires_grad_()
+    k, v = (_rand(2, 300, 2, 128).requires_grad_() for _ in range(2))
+    dout = _rand(2, 200, 8, 128)
+    scale = 128 ** -0.5
+    rung = fa3.registry.fastest(fa3.registry.ATTENTION, 128).name
+    backward_rung = fa3.registry.fastest(fa3.registry.BACKWARD, 128, deterministic=True, masked=True).name
+    via_op, _ = torch.ops.fa3.attention(q, k, v, True, scale, rung, True, backward_rung, *window)
+    expected = (via_op, *torch.autograd.grad(via_op, (q, k, v), dout))
+    for _ in range(2):
+        out = fa3.attention(q, k, v, causal=True, window_size=window, deterministic=True)
+        assert out.grad_fn is not None and "DifferentiableAttention" in type(out.grad_fn).__name__
+        got = (out, *torch.autograd.grad(out, (q, k, v), dout))
+        for a, b in zip(got, expected):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
 def test_prepared_decode_route_computes_the_same():
     """fa3.attention's decode route (a forward-only step over 32 MiB or more of K and V) remembered:
     the same output again, and the reference's for new queries."""
