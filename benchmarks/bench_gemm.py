@@ -153,6 +153,7 @@ def tile_config(tile_m, tile_n, tile_k, stages) -> tuple:
 def sweep_tiles(shapes, dtype, *, warmup, repeats, max_call_s) -> tuple[list, list]:
     """(headers, rows): one row per sweep point, TFLOP/s per shape, then the cuBLAS row."""
     from fa3 import _compile, _signatures
+    from fa3.kernels.config import gemm_config
     from fa3.kernels.gemm import PersistentGemm
 
     spec = registry.get("g3")
@@ -167,8 +168,7 @@ def sweep_tiles(shapes, dtype, *, warmup, repeats, max_call_s) -> tuple[list, li
     rows = []
     for point in SWEEP:
         tiles = tile_config(*point)
-        config = {**spec.config, **dict(tiles)}
-        model = PersistentGemm(_signatures.cute_dtype(dtype), **config)
+        model = PersistentGemm(_signatures.cute_dtype(dtype), gemm_config(spec.config, tiles))
         smem_kb = model.stages * (point[0] + point[1]) * point[2] * 2 / 1024
         fn = _compile.get_gemm(spec, dtype, "row", "row", tiles)
         rates = []

@@ -4,9 +4,9 @@ benchmark process that asks for it (nothing is added to the package's registry o
     python benchmarks/bench_attention.py --backward --kernels b7,b7p --variant b7p=b7:prefetch_stats=1
     python benchmarks/bench_attention.py --backward --kernels b2,b2u --variant b2u=b2:ordered_dq=0
 
-A variant is NAME=BASE:key=value[,key=value...]. A key the rung's constructor takes (tile_m, tile_n,
-q_stages, ordered_dq, ...) overrides BASE's configuration at every head dim; any other key must be
-a class attribute of BASE's kernel class (prefetch_stats, dkv_bulk_add, ...)
+A variant is NAME=BASE:key=value[,key=value...]. A field of the rung's configuration
+(kernels/config.py: tile_m, tile_n, q_stages, ordered_dq, prefetch_stats, ...) overrides BASE's at
+every head dim; any other key must be a class attribute of BASE's kernel class (dkv_bulk_add, ...)
 and is set on a subclass made for the variant; `head_dims` (slash-separated, e.g. head_dims=64)
 replaces the head dims BASE serves. Values: integers, floats, true/false (1/0).
 
@@ -14,15 +14,14 @@ replaces the head dims BASE serves. Values: integers, floats, true/false (1/0).
 
 The variant joins `fa3.registry.KERNELS` with speed rank 0 (never picked by kernel=None), its class
 in a module made for the process (`fa3.kernels.variant_rows`: the registry loads rungs by module
-and class name). The class attributes also enter the variant's configuration, which is part of
-every compile-cache key, so a disk-cached kernel of an earlier variant of the same name with other
-settings is never reused; the subclass's constructor drops them before the base class sees them.
+and class name). The class attributes also enter the variant's configuration table
+(`class_attributes`), which is part of every compile-cache key, so a disk-cached kernel of an
+earlier variant of the same name with other settings is never reused.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import sys
 import types
 
@@ -66,27 +65,20 @@ def register(text: str) -> registry.KernelSpec:
     head_dims = values.pop("head_dims", base.head_dims)
     head_dims = head_dims if isinstance(head_dims, tuple) else (head_dims,)
     cls = base.load_class()
-    takes = set(inspect.signature(cls.__init__).parameters) - {"self"}
+    takes = {f.name for f in dataclasses.fields(base.config.base)}
     config = {k: v for k, v in values.items() if k in takes}
     attrs = {k: v for k, v in values.items() if k not in takes}
     unknown = [k for k in attrs if not hasattr(cls, k)]
     if unknown:
         raise ValueError(f"--variant {text!r}: {cls.__name__} has no setting {', '.join(unknown)} "
-                         f"(constructor arguments: {', '.join(sorted(takes))})")
-
-    def __init__(self, *args, **kwargs):
-        for key in attrs:  # (in the configuration only for the compile-cache keys)
-            kwargs.pop(key, None)
-        cls.__init__(self, *args, **kwargs)
-
-    variant = type(f"{cls.__name__}_{name.replace('.', '_')}", (cls,), {**attrs, "__init__": __init__})
+                         f"(configuration fields: {', '.join(sorted(takes))})")
+    variant = type(f"{cls.__name__}_{name.replace('.', '_')}", (cls,), attrs)
     module = sys.modules.setdefault(f"fa3.kernels.{MODULE}", types.ModuleType(f"fa3.kernels.{MODULE}"))
     setattr(module, variant.__name__, variant)
     spec = dataclasses.replace(
         base, name=name, module=MODULE, cls=variant.__name__, speed_rank=0, head_dims=head_dims,
         summary=f"{base_name} with {', '.join(f'{k}={v}' for k, v in values.items())}",
-        config={**base.config, **config, **attrs},
-        per_head_dim={hd: {**over, **config} for hd, over in base.per_head_dim.items()})
+        config=base.config.replaced(tuple(attrs.items()), **config))
     registry.KERNELS[name] = spec
     return spec
 

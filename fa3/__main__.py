@@ -191,7 +191,7 @@ def cache_configs(spec: registry.KernelSpec, head_dim: int, causal: bool, fp8: b
     `dtype`, per-tensor and row-wise scales."""
     if spec.family == registry.ATTENTION:  # (and the tiles for short query sequences, if any)
         return [{"head_dim": head_dim, "causal": causal, **({"short": True} if short else {})}
-                for short in (False, True)[:1 + spec.is_short(head_dim, None, causal, 1)]]
+                for short in (False, True)[:1 + spec.config.is_short(head_dim, None, causal, 1)]]
     if spec.family == registry.ATTENTION_FP8:
         return [{"head_dim": head_dim, "causal": causal, "varlen": varlen} for varlen in (False, True)]
     if spec.family == registry.BACKWARD:

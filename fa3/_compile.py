@@ -17,7 +17,6 @@ fa3/_compile_kvcache.py, the shared machinery (compile, the in-process caches) f
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import io
 import re
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from . import _compile_core as core
 from . import _compile_kvcache as kv
 from . import _disk_cache, _dsl, registry
 from . import _signatures as sig
+from .kernels import config
 
 
 def _key_dims(head_dim, head_dim_v):
@@ -36,21 +36,30 @@ def _key_dims(head_dim, head_dim_v):
     return head_dim if head_dim_v in (None, head_dim) else (head_dim, head_dim_v)
 
 
+def _attention_config(spec, head_dim, causal, varlen, local, head_dim_v, short):
+    return config.forward_config(spec.config, head_dim, head_dim_v, causal=bool(causal), varlen=bool(varlen),
+                                 local=bool(local), short=bool(short))
+
+
 def attention_key(spec, dtype, head_dim, causal, varlen=False, local=False, softcap=False,
                   sinks=False, head_dim_v=None, short=False) -> tuple:
-    cfg = spec.config_for(head_dim, head_dim_v, short)
+    cfg = _attention_config(spec, head_dim, causal, varlen, local, head_dim_v, short)
     variant = (bool(varlen), bool(local), bool(softcap), bool(sinks))
     return (spec.name, str(dtype), _key_dims(head_dim, head_dim_v), bool(causal), *((variant,) if any(variant) else ()),
-            tuple(sorted(cfg.items())), _dsl.TARGET_ARCH, _dsl.version())
+            config.key(spec.config, cfg), _dsl.TARGET_ARCH, _dsl.version())
 
 
 def _build_attention(spec, dtype, head_dim, causal, varlen=False, local=False, softcap=False,
                      sinks=False, head_dim_v=None, short=False, extra_options=""):
-    variant = dict(varlen=varlen, local=local, softcap=softcap, sinks=sinks) if spec.variants else {}
-    if head_dim_v not in (None, head_dim):
-        variant["head_dim_v"] = head_dim_v
-    kernel = spec.load_class()(dtype=sig.cute_dtype(dtype), head_dim=head_dim, causal=causal,
-                               **variant, **spec.config_for(head_dim, head_dim_v, short))
+    cfg = _attention_config(spec, head_dim, causal, varlen, local, head_dim_v, short)
+    static = dict(dtype=sig.cute_dtype(dtype), head_dim=head_dim, causal=causal)
+    if isinstance(cfg, config.LessonConfig):  # a lesson takes its tiles as arguments
+        kernel = spec.load_class()(**static, **cfg.kwargs())
+    else:
+        variant = dict(varlen=varlen, local=local, softcap=softcap, sinks=sinks) if spec.variants else {}
+        if head_dim_v not in (None, head_dim):
+            variant["head_dim_v"] = head_dim_v
+        kernel = spec.load_class()(**static, config=cfg, **variant)
     return core.compile_kernel(kernel, sig.attention_args(spec, dtype, head_dim, head_dim_v), extra_options)
 
 
@@ -58,13 +67,19 @@ def _build_attention(spec, dtype, head_dim, causal, varlen=False, local=False, s
 def _build_attention_fp8(spec, dtype, head_dim, causal, varlen=False, local=False, softcap=False,
                          extra_options=""):
     """`dtype`: the output's (q, k, v are e4m3)."""
-    kernel = spec.load_class()(dtype=sig.cute_dtype(dtype), head_dim=head_dim, causal=causal, varlen=varlen,
-                               local=local, softcap=softcap, **spec.config_for(head_dim))
+    cfg = config.fp8_forward_config(spec.config, head_dim, causal=bool(causal), varlen=bool(varlen),
+                                    local=bool(local))
+    kernel = spec.load_class()(dtype=sig.cute_dtype(dtype), head_dim=head_dim, causal=causal, config=cfg,
+                               varlen=varlen, local=local, softcap=softcap)
     return core.compile_kernel(kernel, sig.attention_fp8_args(spec, dtype, head_dim), extra_options)
 
 
 def attention_fp8_key(spec, dtype, head_dim, causal, varlen=False, local=False, softcap=False) -> tuple:
-    return attention_key(spec, dtype, head_dim, causal, varlen, local, softcap)
+    cfg = config.fp8_forward_config(spec.config, head_dim, causal=bool(causal), varlen=bool(varlen),
+                                    local=bool(local))
+    variant = (bool(varlen), bool(local), bool(softcap), False)
+    return (spec.name, str(dtype), head_dim, bool(causal), *((variant,) if any(variant) else ()),
+            config.key(spec.config, cfg), _dsl.TARGET_ARCH, _dsl.version())
 
 
 def get_attention_fp8(spec, out_dtype, head_dim, causal, varlen=False, local=False, softcap=False):
@@ -84,7 +99,7 @@ def get_attention(spec, dtype, head_dim, causal, varlen=False, local=False, soft
     path is one dict lookup; the full key (config, arch, DSL version) is built only on a miss.
     varlen/local/softcap/sinks: the variants of rungs that list them (registry `variants`);
     head_dim_v: V's head dim where it differs (registry `value_head_dims`); short: the rung's
-    tiles for short query sequences (registry `short_queries`)."""
+    tiles for short query sequences (its configuration's `short_queries`: kernels/config.py)."""
     fast_key = (spec.name, dtype, head_dim, causal, varlen, local, softcap, sinks, head_dim_v, short)
     fn = core.FAST.get(fast_key)
     if fn is None:
@@ -98,9 +113,9 @@ def get_attention(spec, dtype, head_dim, causal, varlen=False, local=False, soft
 # ----------------------------------------------------------------------------- backward
 def backward_key(spec, dtype, head_dim, causal, deterministic=False, gqa=False, local=False,
                  softcap=False, varlen=False, head_dim_v=None) -> tuple:
-    cfg = spec.config_for(head_dim, head_dim_v)
+    cfg = config.backward_config(spec.config, head_dim, head_dim_v)
     return (spec.name, str(dtype), _key_dims(head_dim, head_dim_v), bool(causal), bool(deterministic), bool(gqa),
-            bool(local), bool(softcap), bool(varlen), tuple(sorted(cfg.items())), _dsl.TARGET_ARCH,
+            bool(local), bool(softcap), bool(varlen), config.key(spec.config, cfg), _dsl.TARGET_ARCH,
             _dsl.version())
 
 
@@ -108,8 +123,9 @@ def _build_backward(spec, dtype, head_dim, causal, deterministic=False, gqa=Fals
                     softcap=False, varlen=False, head_dim_v=None, extra_options=""):
     value = {"head_dim_v": head_dim_v} if head_dim_v not in (None, head_dim) else {}
     kernel = spec.load_class()(dtype=sig.cute_dtype(dtype), head_dim=head_dim, causal=causal,
-                               deterministic=deterministic, local=local, softcap=softcap,
-                               varlen=varlen, **value, **spec.config_for(head_dim, head_dim_v))
+                               config=config.backward_config(spec.config, head_dim, head_dim_v),
+                               deterministic=deterministic, local=local, softcap=softcap, varlen=varlen,
+                               **value)
     return core.compile_kernel(kernel, sig.backward_args(dtype, head_dim, gqa, deterministic, head_dim_v),
                            extra_options)
 
@@ -174,7 +190,7 @@ def _build_postprocess(spec, dtype, head_dim, varlen=False, extra_options=""):
 
     dt = sig.cute_dtype(dtype)
     rung = spec.load_class()(dtype=dt, head_dim=head_dim, causal=False, varlen=varlen,
-                             **spec.config_for(head_dim))
+                             config=config.backward_config(spec.config, head_dim))
     b, rows, sq, h = (cute.sym_int64() for _ in range(4))
     args = [sig.unit_last(cute, cutlass.Float32, b, rows, h, head_dim, tma=True),
             sig.unit_last(cute, dt, b, sq, h, head_dim, tma=True), cutlass.Float32(1.0),
@@ -190,7 +206,8 @@ def get_backward_postprocess(spec, dtype, head_dim, varlen=False):
     fn = core.FAST.get(fast_key)
     if fn is None:
         key = ("bwd_post", spec.name, str(dtype), head_dim, varlen,
-               tuple(sorted(spec.config_for(head_dim).items())), _dsl.TARGET_ARCH, _dsl.version())
+               config.key(spec.config, config.backward_config(spec.config, head_dim)), _dsl.TARGET_ARCH,
+               _dsl.version())
         fn = core.FAST[fast_key] = core.cached(key, lambda: _build_postprocess(spec, dtype, head_dim, varlen))
     return fn
 
@@ -224,34 +241,32 @@ def get_value_transpose(head_dim, packed=False):
 GEMM_LAYOUTS = ("row", "col")
 
 
-def gemm_key(spec, dtype, a_layout, b_layout, out_dtype=None, row_scales=False) -> tuple:
+def gemm_key(spec, dtype, a_layout, b_layout, out_dtype=None, row_scales=False, tiles: tuple = ()) -> tuple:
     dtypes = str(dtype) if out_dtype in (None, dtype) else (str(dtype), str(out_dtype))
     return (spec.name, dtypes, a_layout, b_layout, *(("row_scales",) if row_scales else ()),
-            tuple(sorted(spec.config.items())), _dsl.TARGET_ARCH, _dsl.version())
+            config.key(spec.config, config.gemm_config(spec.config, tiles)), _dsl.TARGET_ARCH, _dsl.version())
 
 
 def _build_gemm(spec, dtype, a_layout="row", b_layout="row", out_dtype=None, row_scales=False,
-                extra_options=""):
+                tiles: tuple = (), extra_options=""):
     """`dtype`: A's and B's (e4m3: the scaled FP8 GEMM, C in `out_dtype`, per-tensor scales or
-    `row_scales`)."""
-    kernel = spec.load_class()(dtype=sig.cute_dtype(dtype), out_dtype=sig.cute_dtype(out_dtype or dtype),
-                               row_scales=row_scales, **spec.config)
+    `row_scales`); `tiles`: gemm_config's overrides of the rung's tiles."""
+    kernel = spec.load_class()(dtype=sig.cute_dtype(dtype), config=config.gemm_config(spec.config, tiles),
+                               out_dtype=sig.cute_dtype(out_dtype or dtype), row_scales=row_scales)
     return core.compile_kernel(kernel, sig.gemm_args(dtype, a_layout, b_layout, out_dtype), extra_options)
 
 
 def get_gemm(spec, dtype, a_layout, b_layout, tiles: tuple = (), out_dtype=None, row_scales=False):
     """The compiled GEMM for this rung, dtypes and operand layouts (compiled on first use); call it
-    as fn(a, b, c, sm_count, workspace, counters, splits, scale_a, scale_b). `tiles`: ((key,
-    value), ...) overrides of the rung's config (the tile shape the GEMM heuristic picks per
-    problem). Like get_attention, a hit is one dict lookup."""
+    as fn(a, b, c, sm_count, workspace, counters, splits, scale_a, scale_b). `tiles`: ((field,
+    value), ...) over the rung's configuration (the tile shape the GEMM heuristic picks per
+    problem: kernels/config.gemm_config). Like get_attention, a hit is one dict lookup."""
     fast_key = ("gemm", spec.name, dtype, a_layout, b_layout, tiles, out_dtype, row_scales)
     fn = core.FAST.get(fast_key)
     if fn is None:
-        if tiles:
-            spec = dataclasses.replace(spec, config={**spec.config, **dict(tiles)})
-        fn = core.FAST[fast_key] = core.cached(gemm_key(spec, dtype, a_layout, b_layout, out_dtype, row_scales),
-                                       lambda: _build_gemm(spec, dtype, a_layout, b_layout, out_dtype,
-                                                           row_scales))
+        fn = core.FAST[fast_key] = core.cached(
+            gemm_key(spec, dtype, a_layout, b_layout, out_dtype, row_scales, tiles),
+            lambda: _build_gemm(spec, dtype, a_layout, b_layout, out_dtype, row_scales, tiles))
     return fn
 
 

@@ -11,6 +11,12 @@ import torch
 from . import _compile_core as core
 from . import _dsl, registry, split_plan
 from . import _signatures as sig
+from .kernels import config
+
+
+def _decode_config(spec, dtype, head_dim, paged, gather):
+    return config.decode_config(spec.config, head_dim, gather=bool(paged and gather),
+                                fp8=dtype == torch.float8_e4m3fn)
 
 
 def kvcache_key(spec, dtype, head_dim, causal, paged=False, local=False, softcap=False, gather=False,
@@ -21,7 +27,8 @@ def kvcache_key(spec, dtype, head_dim, causal, paged=False, local=False, softcap
     out += (("max_queries", int(max_queries)),) if max_queries else ()
     return (spec.name, str(dtype), head_dim, bool(causal), bool(paged), *((variant,) if any(variant) else ()),
             *((("gather_varlen_leftpad",) + layout,) if any(layout) else ()), *out,
-            tuple(sorted(spec.config_for(head_dim).items())), _dsl.TARGET_ARCH, _dsl.version())
+            config.key(spec.config, _decode_config(spec, dtype, head_dim, paged, gather)), _dsl.TARGET_ARCH,
+            _dsl.version())
 
 
 def build_kvcache(spec, dtype, head_dim, causal, paged=False, local=False, softcap=False, gather=False,
@@ -30,10 +37,10 @@ def build_kvcache(spec, dtype, head_dim, causal, paged=False, local=False, softc
     fp8 = dtype == torch.float8_e4m3fn
     out_dtype = out_dtype or (torch.bfloat16 if fp8 else dtype)
     kernel = spec.load_class()(dtype=sig.cute_dtype(torch.float16 if fp8 else dtype), head_dim=head_dim,
-                               causal=causal, paged=paged, local=local, softcap=softcap, gather=gather,
+                               causal=causal, config=_decode_config(spec, dtype, head_dim, paged, gather),
+                               paged=paged, local=local, softcap=softcap, gather=gather,
                                varlen=varlen, leftpad=leftpad, sinks=sinks, out_dtype=sig.cute_dtype(out_dtype),
-                               max_queries=max_queries, fp8=fp8,
-                               **split_plan.kernel_plan(spec, head_dim, paged and gather, fp8))
+                               max_queries=max_queries, fp8=fp8)
     return core.compile_kernel(kernel, sig.kvcache_args(dtype, head_dim, out_dtype), extra_options)
 
 
@@ -58,18 +65,22 @@ def get_kvcache(spec, dtype, head_dim, causal, paged, local=False, softcap=False
 def cache_prefill_key(spec, dtype, head_dim, causal, paged, page_rows, min_queries, local=False, softcap=False,
                       sinks=False) -> tuple:
     """K5 over a KV cache (kernels/k5_cache.py) on `spec`'s tiles (fa3.cache_prefill's rung)."""
+    cfg = config.cache_prefill_config(spec.config, head_dim, causal=bool(causal), local=bool(local),
+                                      page_rows=int(page_rows))
     return ("cache_prefill", spec.name, str(dtype), head_dim, bool(causal), bool(paged), int(page_rows),
-            int(min_queries), (bool(local), bool(softcap), bool(sinks)),
-            tuple(sorted(split_plan.prefill_tiles(head_dim, causal, local).items())), _dsl.TARGET_ARCH, _dsl.version())
+            int(min_queries), (bool(local), bool(softcap), bool(sinks)), config.key(spec.config, cfg),
+            _dsl.TARGET_ARCH, _dsl.version())
 
 
 def build_cache_prefill(spec, dtype, head_dim, causal, paged, page_rows, min_queries, local=False,
                          softcap=False, sinks=False, extra_options=""):
     from .kernels.k5_cache import CacheAttention
 
-    kernel = CacheAttention(dtype=sig.cute_dtype(dtype), head_dim=head_dim, causal=causal, paged=paged,
-                            page_rows=page_rows, min_queries=min_queries, local=local, softcap=softcap,
-                            sinks=sinks, **split_plan.prefill_tiles(head_dim, causal, local))
+    cfg = config.cache_prefill_config(spec.config, head_dim, causal=bool(causal), local=bool(local),
+                                      page_rows=int(page_rows))
+    kernel = CacheAttention(dtype=sig.cute_dtype(dtype), head_dim=head_dim, causal=causal, config=cfg,
+                            paged=paged, page_rows=page_rows, min_queries=min_queries, local=local,
+                            softcap=softcap, sinks=sinks)
     return core.compile_kernel(kernel, sig.cache_prefill_args(dtype, head_dim), extra_options)
 
 
@@ -147,12 +158,12 @@ def kvcache_companions(spec, dtype, head_dim, causal) -> list[tuple[str, tuple, 
     out_dtype = torch.bfloat16 if dtype == torch.float8_e4m3fn else dtype
     items = [("combine", combine_key(out_dtype, head_dim), lambda: build_combine(out_dtype, head_dim)),
              ("entry order", entry_order_key(), build_entry_order)]
-    min_queries = spec.config.get("long_queries", 0)
+    min_queries = spec.config.base.long_queries
     if dtype == torch.float8_e4m3fn or not min_queries:
         return items
     items.append(("combine skipping K5's rows", combine_key(dtype, head_dim, max_queries=min_queries),
                   lambda: build_combine(dtype, head_dim, max_queries=min_queries)))
-    tile_n = split_plan.prefill_tiles(head_dim, causal, False)["tile_n"]
+    tile_n = split_plan.prefill_config(head_dim, causal, False).tile_n
     layouts = []  # (paged, page_rows) for a dense cache, whole-block pages, and vLLM's 16 and 64
     for page_size in (None, tile_n, 16, 64):
         p = split_plan.prefill_plan(spec, head_dim, page_size, min_queries, causal, False, True, False, False)

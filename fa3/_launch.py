@@ -92,7 +92,7 @@ def tile_counter(spec, causal: bool, device) -> torch.Tensor:
     counter is zeroed again only after its kernel), or, while a CUDA graph is captured, a fresh
     zeroed one (the graph replays its memset). Static schedules never touch it: one shared
     stand-in."""
-    if not (causal and spec.config.get("dynamic_schedule")):
+    if not (causal and spec.config.base.dynamic_schedule):
         return stand_in(device)
     if torch.cuda.is_current_stream_capturing():
         return torch.zeros(1, dtype=torch.int32, device=device)
@@ -111,7 +111,7 @@ def attention_kernel(spec, dtype, head_dim: int, mask: masking.Masking, device, 
     edges, softcap scale, the sinks (heads_q,) FP32). head_dim_v: V's head dim where it differs from
     head_dim; rows: the longest query sequence's length where known (it picks the rung's tiles for
     short ones)."""
-    short = spec.is_short(head_dim, head_dim_v, mask.causal, rows)
+    short = spec.config.is_short(head_dim, head_dim_v, mask.causal, rows)
     fn = _compile.get_attention(spec, dtype, head_dim, mask.causal, cu_seqlens is not None,
                                 mask.local, mask.softcap, sinks is not None, head_dim_v, short)
     lead = [mask.scale_log2] + ([_checks.HOPPER_SMS[device]] if spec.persistent else [])

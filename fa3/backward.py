@@ -22,6 +22,7 @@ import math
 import torch
 
 from . import _checks, _compile, _dispatch, _launch, masking, varlen
+from .kernels import config
 
 
 def check_backward(dout, q, k, v, out, lse, kernel, cu_seqlens=None, sinks=None, deterministic=False,
@@ -178,8 +179,8 @@ def launch_attention_backward(spec, dout, q, k, v, out, lse, causal: bool, scale
     dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     if dq.numel() == 0 or k.shape[1] == 0:  # nothing to differentiate, or no key: all gradients 0
         return dq.zero_(), dk.zero_(), dv.zero_(), _no_sink_grad(sinks, q)
-    cfg = spec.config_for(q.shape[3], v.shape[3])
-    tile_m = cfg["tile_m"]
+    cfg = config.backward_config(spec.config, q.shape[3], v.shape[3])
+    tile_m = cfg.tile_m
     q_tiles = -(-q.shape[1] // tile_m)
     # statistics padded to whole Q tiles: the kernel reads them unchecked (a Q tile that is not a
     # multiple of 64 reads its statistics in 64-row blocks: up to 63 rows more); dQ too: b1 adds
@@ -200,8 +201,8 @@ def launch_varlen_backward(spec, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqle
     if dq.numel() == 0 or k.shape[0] == 0:
         return dq.zero_(), dk.zero_(), dv.zero_(), _no_sink_grad(sinks, q)
     total_q, entries = q.shape[0], cu_seqlens_q.shape[0] - 1
-    cfg = spec.config_for(q.shape[2], v.shape[2])
-    tile_m = cfg["tile_m"]
+    cfg = config.backward_config(spec.config, q.shape[2], v.shape[2])
+    tile_m = cfg.tile_m
     # the statistics in whole-tile slots, each entry's tiles from its own (kernels/bwd_pre.py;
     # kernels/bwd.py, packed_q_tile), as many as the counters; dQ too in fragment order, else
     # packed, where a last Q tile may add its (zero) rows past the packed end (b1: tile_m rows of slack)
@@ -216,7 +217,7 @@ def launch_varlen_backward(spec, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqle
 def _run(spec, cfg, dout, q, k, v, out, lse, dq, dk, dv, causal, scale, deterministic, window, softcap,
          stat_rows: int, dq_rows: int, lock_tiles: int, cu_seqlens=None, sinks=None):
     """Preprocess, main kernel and postprocess into dq, dk, dv, all in the 4-D (batch, seqlen,
-    heads, d) layout; `cfg`: the rung's configuration at this head dim (the registry row's);
+    heads, d) layout; `cfg`: the rung's configuration at this head dim (config.backward_config);
     `stat_rows`, `dq_rows`, `lock_tiles`: the extents of the FP32 statistics, the dQ accumulator
     and the deterministic counters per (batch, head). Returns dsinks (sink_grad), or a (0,) tensor
     without sinks."""
@@ -237,7 +238,7 @@ def _run(spec, cfg, dout, q, k, v, out, lse, dq, dk, dv, causal, scale, determin
         dq_acc = torch.empty(batch, dq_rows, heads_q, head_dim, dtype=torch.float32, device=device)
     cu_q, cu_k = cu_seqlens if cu_seqlens is not None else (_launch.stand_in(device),) * 2
     packed = cu_seqlens is not None
-    _compile.get_backward_preprocess(dtype, head_dim, value_dim, packed, cfg["tile_m"], fragment_dq)(
+    _compile.get_backward_preprocess(dtype, head_dim, value_dim, packed, cfg.tile_m, fragment_dq)(
         out, dout, lse, lse2, dsum, dq_acc, cu_q)  # zeroes dq_acc
     if sinks is None:
         dsinks = _no_sink_grad(None, q)
@@ -254,7 +255,7 @@ def _run(spec, cfg, dout, q, k, v, out, lse, dq, dk, dv, causal, scale, determin
         dv_h = torch.empty(batch, seqlen_k, heads_q, head_dim_v, dtype=torch.float32, device=device)
     else:
         dk_h, dv_h = dk, dv
-    if deterministic or cfg.get("ordered_dq", False):  # the dQ turn counters
+    if deterministic or cfg.ordered_dq:  # the dQ turn counters
         lock = torch.zeros(batch, heads_q, lock_tiles, dtype=torch.int32, device=device)
     else:
         lock = _NO_LOCK.get(device)

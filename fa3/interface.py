@@ -171,7 +171,7 @@ def prepare_plain(spec, q, k, v, causal: bool, scale: float):
         return None
     mask = masking.masking(causal, (-1, -1), 0.0, scale)
     fn, lead, tail = _launch.attention_kernel(spec, q.dtype, head_dim, mask, device, rows=seqlen_q)
-    counted = spec.persistent and mask.causal and spec.config.get("dynamic_schedule")  # a counter a call
+    counted = spec.persistent and mask.causal and spec.config.base.dynamic_schedule  # a counter a call
     if spec.persistent and not counted:
         lead.append(_launch.tile_counter(spec, False, device))  # (the shared stand-in)
     lse_shape = (batch, heads_q, seqlen_q)

@@ -194,7 +194,7 @@ def decode_rows_fit(q, k) -> bool:
     shape S1 is built for: more rows take several Q tiles, where K5 (a prompt) is the better kernel.
     q and k (batch, seqlen, heads, d) with a head dim that has a KV-cache rung."""
     spec = _dispatch.memo_rung(_dispatch.family_rung, registry.KVCACHE, None, q.shape[3], "q and the cache")
-    return q.shape[1] * (q.shape[2] // k.shape[2]) <= spec.config["tile_m"]
+    return q.shape[1] * (q.shape[2] // k.shape[2]) <= spec.config.base.tile_m
 
 
 def decode_attention(q, k, v, causal: bool, scale: float, out=None, window=(-1, -1), softcap: float = 0.0,

@@ -1,17 +1,20 @@
 """The ladder of kernels: one table, read by the API, the CLI, the tests, the benchmarks and the docs.
 
-Each row names a rung, the class that implements it, the static configuration it is compiled with
-(per head dim where the tiles must change to fit SMEM or registers), and the PTX instructions it
-promises to emit: the CPU tests compile every row for sm_90a and check those strings.
+Each row names a rung, the class that implements it, its configurations (a table of
+kernels/config.py, where each family's choosing function and every tile, stage and flag is), and
+the PTX instructions it promises to emit: the CPU tests compile every row for sm_90a and check
+those strings.
 
-Substages are parameters, not copies: `k3.1`/`k3.2`/`k3.3` are one class with `kv_stages` 1/2/5.
-Adding a rung is adding a row.
+Substages are configurations, not copies: `k3.1`/`k3.2`/`k3.3` are one class with `kv_stages` 1/2/5.
+Adding a rung is adding a row (and its configuration).
 """
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
+
+from .kernels.config import RUNGS, LessonConfig, RungConfig
 
 ATTENTION = "attention"
 ATTENTION_FP8 = "attention_fp8"  # the forward on float8_e4m3fn q, k, v (with descales)
@@ -28,14 +31,8 @@ class KernelSpec:
     module: str  # relative to fa3.kernels
     cls: str
     summary: str
-    config: dict = field(default_factory=dict)
-    # head_dim (or (head_dim, head_dim_v)) -> overrides of `config` (tiles and stages that fit
-    # SMEM and registers)
-    per_head_dim: dict = field(default_factory=dict)
-    # head_dim -> (rows, causal rows, overrides): a call whose longest query sequence has fewer
-    # rows than that (non-causal, causal) takes `overrides` over per_head_dim's tiles: a tall Q
-    # tile wastes up to a third of its rows on short sequences (compiled as its own configuration)
-    short_queries: dict = field(default_factory=dict)
+    # its configurations (kernels/config.py: the table its family's choosing function reads)
+    config: RungConfig = field(default_factory=lambda: RungConfig(LessonConfig()))
     head_dims: tuple = (64, 128, 256)  # the scalar rungs; the WGMMA rungs that serve calls: HEAD_DIMS
     # (head_dim, head_dim_v) pairs with V's head dim different from Q's and K's
     value_head_dims: tuple = ()
@@ -60,23 +57,6 @@ class KernelSpec:
     # their runtime arguments (cu_seqlens, window edges, softcap scale; an attention rung also the
     # sinks) after the persistent ones.
     variants: tuple = ()
-
-    def config_for(self, head_dim: int | None = None, head_dim_v: int | None = None,
-                   short: bool = False) -> dict:
-        cfg = dict(self.config)
-        if head_dim is not None:
-            cfg.update(self.per_head_dim.get(head_dim, {}))
-            if head_dim_v not in (None, head_dim):
-                cfg.update(self.per_head_dim.get((head_dim, head_dim_v), {}))
-            if short and head_dim_v in (None, head_dim) and head_dim in self.short_queries:
-                cfg.update(self.short_queries[head_dim][2])
-        return cfg
-
-    def is_short(self, head_dim: int, head_dim_v: int | None, causal: bool, rows: int | None) -> bool:
-        """Whether a call with `rows` query rows in its longest sequence (None: unknown, taken as
-        long) takes the `short_queries` tiles."""
-        rule = self.short_queries.get(head_dim)
-        return rule is not None and rows is not None and head_dim_v in (None, head_dim) and rows < rule[bool(causal)]
 
     def load_class(self):
         return getattr(importlib.import_module(f"fa3.kernels.{self.module}"), self.cls)
@@ -103,12 +83,6 @@ _BWD_SWAPPED_PTX = _BWD_WS_PTX + ("shfl.sync.idx",)  # S^T: each column's statis
 _MMA_IN_FLIGHT = "wgmma.wait_group.sync.aligned \t1;"
 
 
-# The FP8 forward rungs' tiles: k5.5's, but d256's: FP8 K/V tiles hold half the bytes, so 128 keys
-# fit beside the 256-wide rows (H100: +7-24% over 64 keys; at d128 tile_n 160-224 and a third stage
-# measured within +-5% of 128 x 128, 2 stages)
-FP8_CONFIG = {"tile_m": 128, "tile_n": 128, "kv_stages": 2, "q_stages": 1, "pingpong": True,
-              "intra_wg_overlap": True, "dynamic_schedule": True}
-FP8_TILES = {64: {"kv_stages": 3, "tile_m": 192}, 256: {"tile_n": 128}}
 FP8_PTX = ("wgmma.mma_async", ".e4m3.e4m3", "cvt.rn.satfinite.e4m3x2.f32", "setmaxnreg",
            "cp.async.bulk.tensor", "bar.arrive")
 # no operand is read from SMEM into registers, and nothing is rounded to 16 bits but O
@@ -120,19 +94,14 @@ FP8_FORBIDS = ("cvt.f32.bf16", "ld.shared.u8", "ld.shared.b8", "ld.shared.u16", 
 _BWD_MODULE, _BWD_CLASS = "bwd_ws", "WarpSpecializedBackward"
 
 
-def _swapped_backward(name: str, summary: str, *, flags: dict, head_dims: tuple, speed_rank: int,
-                      value_head_dims: tuple = (), tile_m: int = 64,
-                      deterministic_head_dims: tuple = ()) -> KernelSpec:
-    """A rung of the S^T backward line (b3 on, `scores_transposed` and `flags`): 64-row Q tiles
-    (b8: 128) against 128-row K/V tiles, two Q stages, dQ by bulk reduce-adds, each column's
-    statistics by shuffles (or from SMEM), causal head groups capped at about one wave of CTAs.
-    Deterministic calls without a mask go to b2 (`deterministic_masked_only`), which is level or
-    ahead there; with one, b4 at d96 and b7 at d128, whose writer passes counters on a step late
-    (worklog/backward.md)."""
-    return KernelSpec(name, BACKWARD, _BWD_MODULE, _BWD_CLASS, summary,
+def _swapped_backward(name: str, summary: str, *, head_dims: tuple, speed_rank: int,
+                      value_head_dims: tuple = (), deterministic_head_dims: tuple = ()) -> KernelSpec:
+    """A rung of the S^T backward line (b3 on, `scores_transposed`; kernels/config.py): dQ by bulk
+    reduce-adds, each column's statistics by shuffles (or from SMEM). Deterministic calls without a
+    mask go to b2 (`deterministic_masked_only`), which is level or ahead there; with one, b4 at d96
+    and b7 at d128, whose writer passes counters on a step late (worklog/backward.md)."""
+    return KernelSpec(name, BACKWARD, _BWD_MODULE, _BWD_CLASS, summary, config=RUNGS[name],
                       deterministic_head_dims=deterministic_head_dims, deterministic_masked_only=True,
-                      config={"tile_m": tile_m, "tile_n": 128, "q_stages": 2, "scores_transposed": True,
-                              "head_group_ctas": 132, **flags},
                       head_dims=head_dims, value_head_dims=value_head_dims,
                       ptx_promises=_BWD_SWAPPED_PTX, ptx_forbids=_BWD_WS_FORBIDS,
                       speed_rank=speed_rank, variants=VARIANTS)
@@ -144,6 +113,7 @@ KERNELS: dict[str, KernelSpec] = {
         KernelSpec(
             "k1", ATTENTION, "k1", "NaiveAttention",
             "naive: S = QK^T in global memory, row softmax, O = PV (FP32 CUDA cores)",
+            config=RUNGS["k1"],
             ptx_promises=("ld.global", "ex2.approx", "fma.rn.f32"),
             ptx_forbids=("wgmma", "cp.async.bulk.tensor"),
             speed_rank=1, needs_scores_workspace=True,
@@ -151,7 +121,7 @@ KERNELS: dict[str, KernelSpec] = {
         KernelSpec(
             "k2", ATTENTION, "k2", "FusedTiledAttention",
             "fused FA2-style: Q tile in SMEM, K/V tiles through one SMEM buffer, online softmax",
-            config={"tile_m": 64, "tile_n": 64},
+            config=RUNGS["k2"],
             ptx_promises=_SCALAR_PTX + ("bar.sync", "shfl.sync.bfly"),
             ptx_forbids=("wgmma", "cp.async.bulk.tensor"),
             speed_rank=2,
@@ -160,9 +130,7 @@ KERNELS: dict[str, KernelSpec] = {
             KernelSpec(
                 f"k3.{i}", ATTENTION, "k3", "TmaRingAttention",
                 f"K2's math fed by TMA through a {stages}-stage K/V ring (Q loaded once)",
-                config={"tile_m": 64, "tile_n": 64, "kv_stages": stages},
-                # five 64-row stages of K and V at d=256 exceed 227 KB: halve the K/V tile there
-                per_head_dim={256: {"tile_n": 32}} if stages == 5 else {},
+                config=RUNGS[f"k3.{i}"],
                 ptx_promises=("cp.async.bulk.tensor", "mbarrier.try_wait", "ex2.approx"),
                 ptx_forbids=("wgmma",),
                 speed_rank=2 + i,
@@ -172,16 +140,14 @@ KERNELS: dict[str, KernelSpec] = {
         KernelSpec(
             "k4.1", ATTENTION, "k4", "WgmmaAttention",
             "K3 with S = QK^T on WGMMA from swizzled SMEM; softmax and PV still scalar",
-            config={"tile_m": 64, "tile_n": 64, "kv_stages": 2, "pv_on_wgmma": False},
+            config=RUNGS["k4.1"],
             ptx_promises=("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait"),
             speed_rank=6,
         ),
         KernelSpec(
             "k4.2", ATTENTION, "k4", "WgmmaAttention",
             "both GEMMs on WGMMA, softmax on the accumulator in registers, P as register A operand",
-            config={"tile_m": 128, "tile_n": 128, "kv_stages": 2, "pv_on_wgmma": True},
-            # d=256: O alone takes 128 registers a thread; a 64-wide K/V tile keeps S small
-            per_head_dim={256: {"tile_n": 64}},
+            config=RUNGS["k4.2"],
             ptx_promises=("wgmma.mma_async", "cp.async.bulk.tensor", "shfl.sync.bfly", "ex2.approx"),
             # no scalar GEMM left: nothing reads 16-bit operands from SMEM into FP32 registers
             ptx_forbids=("cvt.f32.bf16", "ld.shared"),
@@ -189,63 +155,33 @@ KERNELS: dict[str, KernelSpec] = {
         ),
         *[
             KernelSpec(
-                f"k5.{i}", ATTENTION, "k5", "WarpSpecializedAttention", summary,
-                # one Q buffer: a second measured no faster (and 2.3x slower causal at s=2k)
-                config={"tile_m": 128, "tile_n": 128, "kv_stages": 2, "q_stages": 1, **flags},
-                # d=64: softmax-bound, a third K/V stage measured +2-7% (and from k5.4 a third
-                # consumer warpgroup on 192-row tiles, 160 registers each); d=96 from k5.4 on: three
-                # warpgroups too, on 192 x 112 tiles (192 x 128 spills 240 bytes; FA3 C++ runs
-                # 192 x 144 with P through SMEM), 1.05-1.12x d128's 128 x 128 tiles non-causal
-                # (worklog/coverage.md; 64-byte swizzle, smem.py); d=128-256 need the 240-register
-                # budget of two warpgroups; d=192: two stages of 128-wide K/V tiles need
-                # 258 KB, 96-wide ones fit (FA3 C++ takes 96 for its paged/local d192 too);
-                # d=256: a 64-wide K/V tile fits in 227 KB and keeps S small beside the
-                # 128-register O accumulator
-                # (192, 128), DeepSeek's MLA prefill: V's 128-wide rows leave room for 128-wide
-                # K/V tiles again (216 KB)
-                # d=128 (K5.3 on): O rescaled on every tile, no warp vote (k5_mainloop.rescale_o)
-                per_head_dim={64: {"kv_stages": 3, **({"tile_m": 192} if i >= 4 else {})},
-                              **({96: {"tile_m": 192, "tile_n": 112}} if i >= 4 else {}),
-                              **({128: {"rescale_vote": False}} if i >= 3 else {}),
-                              192: {"tile_n": 96},
-                              256: {"tile_n": 64}, (192, 128): {"tile_n": 128}},
-                # short query sequences on 128-row tiles, where the 192-row ones measured slower
-                # (worklog/k5.md): d64 causal under 2k rows (+8-9% at 512-1k), d96 under 2k rows
-                # (4k causal) on 128 x 128
-                short_queries={64: (0, 2048, {"tile_m": 128}),
-                               96: (2048, 4096, {"tile_m": 128, "tile_n": 128})} if i >= 4 else {},
+                f"k5.{i}", ATTENTION, "k5", "WarpSpecializedAttention", summary, config=RUNGS[f"k5.{i}"],
                 head_dims=HEAD_DIMS, value_head_dims=VALUE_HEAD_DIMS,
                 ptx_promises=("wgmma.mma_async", "setmaxnreg", "cp.async.bulk.tensor", "bar.arrive"
-                              if flags["pingpong"] else "mbarrier.try_wait"),
+                              if RUNGS[f"k5.{i}"].base.pingpong else "mbarrier.try_wait"),
                 # no 16-bit operand is read from SMEM into registers; k5.5's consumers read the
                 # next tile's index from SMEM (ld.shared.b32), so only 16-bit loads are forbidden there
                 ptx_forbids=("cvt.f32.bf16", "ld.shared.u16", "ld.shared.b16", "ld.shared.v2.u16")
-                if flags.get("dynamic_schedule") else ("cvt.f32.bf16", "ld.shared"),
+                if RUNGS[f"k5.{i}"].base.dynamic_schedule else ("cvt.f32.bf16", "ld.shared"),
                 speed_rank=7 + i, persistent=True, variants=VARIANTS + (SINKS,),
             )
-            for i, summary, flags in (
-                (1, "warp specialization: TMA producer warp, two consumer warpgroups, setmaxnreg",
-                 {"pingpong": False, "intra_wg_overlap": False}),
-                (2, "+ ping-pong: the two consumer warpgroups take turns issuing GEMMs",
-                 {"pingpong": True, "intra_wg_overlap": False}),
-                (3, "+ intra-warpgroup overlap: softmax of S_j while P_{j-1} V_{j-1} runs",
-                 {"pingpong": True, "intra_wg_overlap": True}),
+            for i, summary in (
+                (1, "warp specialization: TMA producer warp, two consumer warpgroups, setmaxnreg"),
+                (2, "+ ping-pong: the two consumer warpgroups take turns issuing GEMMs"),
+                (3, "+ intra-warpgroup overlap: softmax of S_j while P_{j-1} V_{j-1} runs"),
                 (4, "+ three consumer warpgroups taking turns on 192-row Q tiles where registers "
-                    "allow (d64)",
-                 {"pingpong": True, "intra_wg_overlap": True}),
+                    "allow (d64)"),
                 (5, "+ causal tiles handed out longest-first from a GMEM counter (dynamic persistent "
-                    "schedule)",
-                 {"pingpong": True, "intra_wg_overlap": True, "dynamic_schedule": True}),
+                    "schedule)"),
             )
         ],
         KernelSpec(
             "f1", ATTENTION_FP8, "k5_fp8", "Fp8Attention",
             "k5.5 on FP8 e4m3 q/k/v: e4m3 WGMMA (k32) for both GEMMs, V^T from a transpose kernel, P rounded "
             "to e4m3 in registers in the A operand's order, descales folded into the scales",
-            config=FP8_CONFIG, per_head_dim=FP8_TILES, ptx_promises=FP8_PTX, ptx_forbids=FP8_FORBIDS,
-            # the default at d128 and d256 (H100: 1.08-1.47x f2 at d256 from 2k, 1.01-1.12x at d128
-            # from 8k); at d64 f2 serves: 1.03-1.16x f1 at 512-2k, within 3% from 8k (two
-            # sessions' tables and a probe), with no V^T kernel nor its V-sized buffer
+            config=RUNGS["f1"], ptx_promises=FP8_PTX, ptx_forbids=FP8_FORBIDS,
+            # the default at d128 and d256, where it led f2 (worklog/fp8.md); at d64 f2 serves, with no
+            # V^T kernel nor its V-sized buffer
             default_head_dims=(128, 256),
             speed_rank=1, persistent=True, variants=VARIANTS,
         ),
@@ -253,8 +189,7 @@ KERNELS: dict[str, KernelSpec] = {
             "f2", ATTENTION_FP8, "k5_fp8_vt", "Fp8TransposingAttention",
             "f1 with V's rows loaded by TMA and transposed in SMEM by the producer warp (ldmatrix.trans, "
             "prmt, stmatrix) into a V^T ring for P V: no transpose kernel before the call",
-            # d256: one V stage beside two V^T stages (two of each and 128-key tiles need 242 KB)
-            config=FP8_CONFIG, per_head_dim={**FP8_TILES, 256: {**FP8_TILES[256], "value_load_stages": 1}},
+            config=RUNGS["f2"],
             ptx_promises=FP8_PTX + ("ldmatrix.sync.aligned.m8n8.x4.trans", "stmatrix.sync.aligned.m8n8.x4"),
             ptx_forbids=FP8_FORBIDS, speed_rank=0, persistent=True, variants=VARIANTS,
         ),
@@ -262,9 +197,7 @@ KERNELS: dict[str, KernelSpec] = {
             "b1", BACKWARD, "bwd", "AttentionBackward",
             "backward: five WGMMAs per Q tile against one K/V tile, P and dS through SMEM, "
             "dQ by FP32 atomics, each GEMM waited for",
-            config={"tile_m": 64, "tile_n": 128, "q_stages": 2},
-            # d=192/256: dK and dV alone take 96/128 registers a thread; a 64-row K/V tile halves them
-            per_head_dim={192: {"tile_n": 64}, 256: {"tile_n": 64}}, head_dims=HEAD_DIMS,
+            config=RUNGS["b1"], head_dims=HEAD_DIMS,
             ptx_promises=("wgmma.mma_async", "cp.async.bulk.tensor", "global.add.f32", "stmatrix"),
             ptx_forbids=("setmaxnreg",),
             speed_rank=1, variants=VARIANTS,
@@ -273,15 +206,7 @@ KERNELS: dict[str, KernelSpec] = {
             "b2", BACKWARD, _BWD_MODULE, _BWD_CLASS,
             "+ warp specialization (loader warp, dQ-writer warp, two consumer warpgroups, "
             "setmaxnreg), S/dP and dQ/dV/dK in flight together, dQ by one bulk reduce-add per tile",
-            config={"tile_m": 64, "tile_n": 128, "q_stages": 2},
-            # d=192: 64-row K/V tiles as d256 (dK, dV: 96 registers a thread; a multiple of 64
-            # rows: P and dS fill whole swizzle atoms), two Q/dO stages still fit; d=256: the
-            # FP32 dQ buffer (64 KB) leaves room for one Q/dO stage. d=96 takes d128's tiles.
-            # d=256 also adds dQ in the deterministic order (ordered_dq): measured faster there, and
-            # its ordered walks without a mask rotate (64 x 64 tiles take no late counter bump:
-            # rotated 9% faster than ascending at 2k, H100 locked clocks)
-            per_head_dim={64: {"tile_m": 128}, 192: {"tile_n": 64},
-                          256: {"tile_n": 64, "q_stages": 1, "ordered_dq": True, "rotated_walk": True}},
+            config=RUNGS["b2"],
             # v's head dim on dO, V, dV and dV's MMA; Q, K, dQ and dK keep q's (d128's and d192's
             # tiles: the narrower V and dO only free SMEM and registers)
             head_dims=HEAD_DIMS, value_head_dims=VALUE_HEAD_DIMS,
@@ -295,29 +220,21 @@ KERNELS: dict[str, KernelSpec] = {
             "b3",
             "+ S^T = K Q^T: P^T and dS^T stay in registers as the A operands of dV and dK, dS "
             "written once (for dQ) into one of two buffers, one consumer barrier per Q tile",
-            flags={"dv_under_dp": True}, head_dims=(96, 128), speed_rank=3),
+            head_dims=(96, 128), speed_rank=3),
         _swapped_backward(
             "b4",
             "+ the dQ share handed to the writer per warpgroup (each half its own reduce-add "
             "and barriers) through two buffers returned a tile late, in fragment order",
-            # the statistics through SMEM; dV after dS^T, each column's LSE read where used; causal
-            # CTAs head after head (head groups measured slower here, worklog/backward.md)
-            flags={"dq_per_warpgroup": True, "stats_in_smem": True, "head_groups": False},
             head_dims=(96, 128), speed_rank=4, deterministic_head_dims=(96,)),  # b3's head dims
-        # 64-row Q tiles: 80 (FlashAttention-3's and flash-attn-4's non-causal d128 tile) ran 4-10%
-        # slower here (worklog/backward.md)
         _swapped_backward(
             "b6",
             "b3 + dQ computed transposed (dQ^T = K^T dS^T: the Q tile is no WGMMA's M), dV issued "
             "after dS^T",
-            flags={"dq_transposed": True}, head_dims=(128,), speed_rank=5),
+            head_dims=(128,), speed_rank=5),
         _swapped_backward(
             "b7",
             "b6 + b4's dQ hand-off: each warpgroup's transposed dQ share through its own two "
             "buffers, met by the writer alone",
-            # and b4's SMEM statistics, read where used; head groups kept (faster here than b4's
-            # order, worklog/backward.md)
-            flags={"dq_transposed": True, "dq_per_warpgroup": True, "stats_in_smem": True},
             # b6's head dims: dQ^T stacks d over the warpgroups in 64-row WGMMA atoms; v's head
             # dim 64 on dO, V and dV^T's MMA (P^T and dS^T stay 64 x 128 register fragments)
             head_dims=(128,), value_head_dims=((128, 64),), speed_rank=6, deterministic_head_dims=(128,)),
@@ -325,33 +242,18 @@ KERNELS: dict[str, KernelSpec] = {
             "b8",
             "b4 on 128 x 128 S^T tiles at d64: dS^T from the rounded P^T (S^T's FP32 registers "
             "die before dP^T lands) multiplied in 16-bit pairs, one dQ buffer a warpgroup",
-            # one dQ buffer a warpgroup (two do not fit beside 128-row Q/dO stages); dV under dP^T
-            # from the rounded P^T; each column's LSE read where used (32 columns a thread held
-            # ahead cost more than the wait)
-            flags={"dq_per_warpgroup": True, "dq_buffers": 1, "stats_in_smem": True, "head_groups": False,
-                   "ds_from_rounded_p": True, "ds_in_pairs": True, "dv_under_dp": True},
-            # H200: 1.04-1.10x b2 at d64 (2k-16k, causal and not), dQ / dK errors 1.4x b2's
-            # (worklog/backward.md)
-            head_dims=(64,), tile_m=128, speed_rank=7),
+            # faster than b2 at d64, with dQ and dK errors above b2's (worklog/backward.md)
+            head_dims=(64,), speed_rank=7),
         KernelSpec(
             "b9", BACKWARD, _BWD_MODULE, _BWD_CLASS,
             "b2 + dK and dV computed transposed (head dim on the WGMMA's M), one dO stage beside two "
             "Q stages: 96-key tiles and a dQ buffer per warpgroup at d192, 64-key tiles and one dQ "
             "buffer the warpgroups share in turns at d256",
-            # dQ through mbarriers: at d256 one share buffer the warpgroups take in turns
-            config={"tile_m": 64, "tile_n": 96, "q_stages": 2, "dkv_transposed": True,
-                    "dq_per_warpgroup": True, "dq_mbarriers": True},
-            # d256: 64-key tiles (cuDNN's width) fit beside two Q stages once dO has one stage of
-            # its own: under locked clocks 18-20% fewer cycles than 48-key tiles with two Q/dO
-            # stages, 5% fewer than cuDNN causal 8k (worklog/backward.md)
-            # d192: one dO stage too, and with the SMEM it frees a dQ buffer per warpgroup (no
-            # turns): 12% fewer cycles causal and not, at flash-attn-4's level
-            per_head_dim={192: {"do_stages": 1, "shared_dq_buffer": False}, 256: {"tile_n": 64, "do_stages": 1}},
+            config=RUNGS["b9"],
             head_dims=(192, 256), value_head_dims=((192, 128),),
-            # d256 too (H100 benchmark: 1.06-1.20x the better of cuDNN and flash-attn-4).
-            # Deterministic d256 stays on b2: b9's ordered walk on the 64-key tiles measured level
-            # causal and 11% slower without a mask (locked clocks, 8k; its ordered adds come in
-            # two halves, one a warpgroup)
+            # d256 too, ahead of cuDNN and flash-attn-4 there. Deterministic d256 stays on b2: b9's
+            # ordered walk on the 64-key tiles was not faster (its ordered adds come in two halves,
+            # one a warpgroup; worklog/backward.md)
             default_head_dims=(192, 256), deterministic_head_dims=(192,),
             ptx_promises=_BWD_WS_PTX + ("stmatrix.sync.aligned.m8n8.x4.trans",), ptx_forbids=_BWD_WS_FORBIDS,
             speed_rank=8, variants=VARIANTS,
@@ -360,46 +262,33 @@ KERNELS: dict[str, KernelSpec] = {
             "s1", KVCACHE, "decode", "SplitKVAttention",
             "KV-cache attention (dense or paged): query heads of a KV head packed into one 64-row "
             "tile, the key range split across CTAs, FP32 partials merged by a combine kernel",
-            # 64-key blocks: pages of a multiple of 64 hold whole blocks (one TMA box each), other
-            # page sizes are gathered row by row with cp.async (the `gather` layout); the ring is as
-            # deep as SMEM allows (memory-bound: bytes in flight are what matter). Queries may be
-            # packed by cu_seqlens_q (varlen). Gathers keep 3 stages: at d <= 128 two or more CTAs then
-            # share an SM, one's copies (issued by its only warpgroup) overlapping the other's math.
-            # An FP8 cache keeps 4 stages: two CTAs an SM up to d128 (kernels/decode.py).
-            # Packed calls whose longest entry has long_queries or more queries (a serving step's
-            # prompt chunks) run those entries on K5.5 in the same call (fa3/cache_prefill.py).
-            config={"tile_m": 64, "tile_n": 64, "max_kv_stages": 8, "gather_kv_stages": 3, "fp8_kv_stages": 4,
-                    "long_queries": 128},
-            head_dims=HEAD_DIMS,
+            # Queries may be packed by cu_seqlens_q (varlen). Packed calls whose longest entry has
+            # long_queries or more queries (a serving step's prompt chunks) run those entries on K5.5
+            # in the same call (fa3/cache_prefill.py).
+            config=RUNGS["s1"], head_dims=HEAD_DIMS,
             ptx_promises=("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait", "ex2.approx"),
             speed_rank=1, variants=("local", "softcap", "varlen", SINKS),
         ),
         *[
             KernelSpec(
-                name, GEMM, "gemm", cls, summary, config=config, head_dims=(),
+                name, GEMM, "gemm", cls, summary, config=RUNGS[name], head_dims=(),
                 ptx_promises=("wgmma.mma_async", "cp.async.bulk.tensor", "stmatrix") + promises,
                 ptx_forbids=forbids, speed_rank=rank,
             )
-            for name, cls, summary, config, promises, forbids, rank in (
+            for name, cls, summary, promises, forbids, rank in (
                 ("g1", "StagedGemm",
                  "TMA into one SMEM stage, one warpgroup, WGMMA from swizzled SMEM, wait every K tile",
-                 {"tile_m": 128, "tile_n": 128, "mma_warpgroups": 1, "stages": 1, "mmas_in_flight": 0},
                  (), (_MMA_IN_FLIGHT, "setmaxnreg"), 1),
                 ("g2", "StagedGemm",
                  "multi-stage TMA ring (depth from the SMEM budget), one K tile of WGMMA in flight",
-                 {"tile_m": 128, "tile_n": 256, "mma_warpgroups": 2, "stages": 0, "mmas_in_flight": 1},
                  (_MMA_IN_FLIGHT,), ("setmaxnreg",), 2),
                 ("g3", "PersistentGemm",
                  "warp-specialized (TMA producer warpgroup, 2 MMA warpgroups, setmaxnreg), persistent "
                  "grouped-raster tiles, TMA-store epilogue",
-                 {"tile_m": 128, "tile_n": 256, "mma_warpgroups": 2, "stages": 0, "mmas_in_flight": 1,
-                  "group_m": 16},
                  (_MMA_IN_FLIGHT, "setmaxnreg"), (), 3),
                 ("g4", "ClusterGemm",
                  "+ 2-CTA clusters along M: each B tile loaded once per cluster and multicast into "
                  "both CTAs' SMEM",
-                 {"tile_m": 128, "tile_n": 256, "mma_warpgroups": 2, "stages": 0, "mmas_in_flight": 1,
-                  "group_m": 16},
                  (_MMA_IN_FLIGHT, "setmaxnreg", "multicast::cluster"), (), 2),
             )
         ],

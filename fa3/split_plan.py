@@ -15,7 +15,7 @@ import torch
 
 from . import _checks, _dispatch, masking, registry
 from ._memo import BoundedMemo
-from .kernels import k5_tiles
+from .kernels import config
 
 MAX_SPLITS = 64
 MIN_BLOCKS_PER_SPLIT = 4  # below this a split's fixed costs outweigh the keys it reads
@@ -63,52 +63,21 @@ def num_splits_for(batch, heads_kv, q_tiles, capacity, sm_count, tile_n=64, ctas
 
 
 SM_SMEM_BYTES = 233472  # shared memory of one sm_90 SM (228 KB); each resident CTA also reserves 1 KB
-CTA_SMEM_BYTES = 232448  # the most one CTA may use (227 KB; kernels/common/smem.py's SMEM_CAPACITY)
 
 
 def reads_by_gather(spec, page_size: int) -> bool:
     """Pages that do not hold whole key blocks (tile_n rows) are read by cp.async row gathers
     (kernels/common/paged.py), the others by TMA, one box per block."""
-    return page_size % spec.config["tile_n"] != 0
-
-
-def smem_plan(spec, head_dim: int, gather: bool, fp8: bool = False) -> tuple[int, int, int]:
-    """(bytes beside the ring, K+V bytes per stage, stages) of s1's SMEM (kernels/decode.py compiles
-    it: kernel_plan): the ring as deep as SMEM allows beside the Q tile,
-    1 KB of barriers and (fp8) the two 16-bit tiles the GEMMs read, up to max_kv_stages; a gather
-    keeps gather_kv_stages, an FP8 cache (1-byte elements) fp8_kv_stages."""
-    cfg = spec.config_for(head_dim)
-    tile = cfg["tile_n"] * head_dim
-    fixed = cfg["tile_m"] * head_dim * 2 + 1024 + (2 * tile * 2 if fp8 else 0)
-    kv_bytes = 2 * tile * (1 if fp8 else 2)
-    stages = min(cfg["max_kv_stages"], (CTA_SMEM_BYTES - fixed) // kv_bytes)
-    if gather:
-        stages = min(stages, cfg["gather_kv_stages"])
-    if fp8:
-        stages = min(stages, cfg["fp8_kv_stages"])
-    return fixed, kv_bytes, stages
-
-
-def kv_stages(spec, head_dim: int, gather: bool, fp8: bool = False) -> int:
-    """The K+V ring depth s1 compiles."""
-    return smem_plan(spec, head_dim, gather, fp8)[2]
-
-
-def kernel_plan(spec, head_dim: int, gather: bool, fp8: bool = False) -> dict:
-    """What s1's constructor takes from the plan: its tiles, the ring depth, and the SMEM bytes its
-    SharedStorage may use (the kernel refuses to compile a larger one: ctas_per_sm counts on it)."""
-    cfg = spec.config_for(head_dim)
-    fixed, kv_bytes, stages = smem_plan(spec, head_dim, gather, fp8)
-    return dict(tile_m=cfg["tile_m"], tile_n=cfg["tile_n"], kv_stages=stages,
-                planned_smem_bytes=fixed + stages * kv_bytes)
+    return page_size % spec.config.base.tile_n != 0
 
 
 def ctas_per_sm(spec, head_dim: int, gather: bool, fp8: bool = False) -> int:
     """How many s1 CTAs share an SM: a bf16 TMA ring fills one SM's SMEM (1); a row gather's short
     ring, or an FP8 cache's, leaves room for more (2 at d128), so that one CTA's copies or
-    conversions, issued by its only warpgroup, overlap another's math."""
-    fixed, kv_bytes, stages = smem_plan(spec, head_dim, gather, fp8)
-    return max(1, SM_SMEM_BYTES // (fixed + stages * kv_bytes + 1024))
+    conversions, issued by its only warpgroup, overlap another's math (kernels/config.decode_config
+    plans the SMEM, which the kernel compiles)."""
+    planned = config.decode_config(spec.config, head_dim, gather=gather, fp8=fp8).planned_smem_bytes
+    return max(1, SM_SMEM_BYTES // (planned + 1024))
 
 
 def plan_splits(spec, batch: int, max_seqlen_q: int, heads_q: int, heads_kv: int, keys: int, mask,
@@ -119,10 +88,11 @@ def plan_splits(spec, batch: int, max_seqlen_q: int, heads_q: int, heads_kv: int
     gather: pages that are not a multiple of the key block; fp8: an FP8 cache). A window bounds the
     keys a query sees, whatever the cache holds. This is the whole split plan: a captured graph
     replays it."""
-    q_tiles = -(-max(max_seqlen_q, 1) * (heads_q // heads_kv) // spec.config["tile_m"])
+    tiles = spec.config.base
+    q_tiles = -(-max(max_seqlen_q, 1) * (heads_q // heads_kv) // tiles.tile_m)
     if mask.local:
         keys = min(keys, mask.left + mask.right + max(max_seqlen_q, 1))
-    return num_splits_for(batch, heads_kv, q_tiles, keys, sm_count, spec.config["tile_n"],
+    return num_splits_for(batch, heads_kv, q_tiles, keys, sm_count, tiles.tile_n,
                           ctas_per_sm(spec, head_dim, gather, fp8))
 
 
@@ -130,7 +100,7 @@ def s1_ctas(spec, batch: int, seqlen_q: int, heads_q: int, heads_kv: int, num_sp
             total_q: int | None = None) -> int:
     """CTAs of s1's grid (kernels/decode.py): splits x KV heads x Q tiles, the packed grid's bound
     when total_q (packed queries) is given."""
-    tile_m, group = spec.config["tile_m"], heads_q // heads_kv
+    tile_m, group = spec.config.base.tile_m, heads_q // heads_kv
     tiles = batch * -(-max(seqlen_q, 1) * group // tile_m)
     if total_q is not None:
         tiles = max(1, min(tiles, -(-total_q * group // tile_m) + batch))
@@ -158,12 +128,11 @@ class PrefillPlan:
     page_rows: int  # 0: a page holds whole key blocks (or a dense cache); else one box per page
 
 
-def prefill_tiles(head_dim: int, causal: bool, local: bool) -> dict:
-    """PREFILL_RUNG's configuration at head_dim with the tiles K5 compiles for a packed batch
-    (kernels/k5_tiles.py, which K5 itself applies), so that the page layout is chosen for them."""
-    cfg = registry.get(PREFILL_RUNG).config_for(head_dim)
-    cfg["tile_m"], cfg["tile_n"] = k5_tiles.adjust(cfg["tile_m"], cfg["tile_n"], head_dim, causal, True, local)
-    return cfg
+def prefill_config(head_dim: int, causal: bool, local: bool) -> config.ForwardConfig:
+    """PREFILL_RUNG's configuration over a KV cache at head_dim (kernels/config.cache_prefill_config:
+    a packed batch's tiles), so that the page layout is chosen for the tiles the kernel compiles."""
+    return config.cache_prefill_config(registry.get(PREFILL_RUNG).config, head_dim, causal=bool(causal),
+                                       local=bool(local))
 
 
 def prefill_plan(spec, head_dim: int, page_size: int | None, max_seqlen_q: int, causal: bool, local: bool,
@@ -171,10 +140,10 @@ def prefill_plan(spec, head_dim: int, page_size: int | None, max_seqlen_q: int, 
     """How the call's long entries run on K5, or None: the whole call on S1 (no packed queries, no
     entry that long, an FP8 cache, keys at offsets (a left-padded cache, tokens appended in the
     kernel's call), or pages no TMA box fits). page_size: None for a dense cache."""
-    min_queries = spec.config.get("long_queries", 0)
+    min_queries = spec.config.base.long_queries
     if not (packed and min_queries) or fp8 or offsets or max_seqlen_q < min_queries:
         return None
-    tile_n = prefill_tiles(head_dim, causal, local)["tile_n"]
+    tile_n = prefill_config(head_dim, causal, local).tile_n
     page_rows = 0
     if page_size is not None:
         if page_size % tile_n:

@@ -34,8 +34,8 @@ a mask group heads too (`ordered_head_groups`): a head's CTAs pass each Q tile's
 K/V order, and with one head in flight that chain is the critical path; a group gives the SMs
 other heads' chains to run while one waits. Not a rotated walk (below): it would need the whole
 group's K/V tiles resident at once. Which rungs group is a flag of the kernel (`head_groups`, set
-by the registry's rows): b4 and b8 launch head after head, b2, b3, b6, b7 and b9 in groups, as
-each measured faster (worklog/backward.md).
+by the rungs' configurations, kernels/config.py): b4 and b8 launch head after head, b2, b3, b6, b7
+and b9 in groups, as each measured faster (worklog/backward.md).
 
 A CTA may only wait for CTAs launched before it, or for CTAs that are resident with it: the GPU
 launches CTAs in order as earlier ones finish, so a wait on one that cannot launch until the waiter
@@ -52,7 +52,7 @@ from .common import accum, mask, scheduler
 
 class DqOrder:
     # ordered (deterministic) walks without a mask start at different Q tiles (`rotates_ordered`):
-    # B2 at d256 (the registry's `rotated_walk`); elsewhere every K/V tile walks its Q tiles from
+    # B2 at d256 (its configuration's `rotated_walk`); elsewhere every K/V tile walks its Q tiles from
     # the first (bwd_ws.py says why)
     rotated_ordered_walk = False
     # The rotated order makes a CTA wait for adds of higher-numbered K/V tiles of its head, so all

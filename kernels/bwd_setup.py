@@ -24,6 +24,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
 from .common import mask, mma, pipeline, scheduler, seqlen, smem, tma
+from .config import BackwardConfig
 
 
 class BackwardSetup:
@@ -35,10 +36,13 @@ class BackwardSetup:
     q_tile_multiple = 64  # Q tiles are M of S and dQ: whole 64-row WGMMA atoms (dQ^T: N of both)
     kv_tile_multiple = 64  # K/V tiles are M of dK/dV; P and dS rows fill a 128-byte swizzle atom
 
-    def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 64, tile_n: int = 128,
-                 q_stages: int = 2, deterministic: bool = False, local: bool = False,
-                 softcap: bool = False, varlen: bool = False, ordered_dq: bool = False,
-                 head_dim_v: int | None = None, do_stages: int = 0):
+    def __init__(self, dtype, head_dim: int, causal: bool, config: BackwardConfig,
+                 deterministic: bool = False, local: bool = False, softcap: bool = False,
+                 varlen: bool = False, head_dim_v: int | None = None):
+        """config: kernels/config.backward_config's (this mixin reads the tiles and stages, the
+        kernel its flags)."""
+        self.config = config
+        tile_m, tile_n, q_stages = config.tile_m, config.tile_n, config.q_stages
         assert tile_m % self.q_tile_multiple == 0 and tile_n % self.kv_tile_multiple == 0, \
             f"Q tiles of a multiple of {self.q_tile_multiple} rows, K/V tiles of {self.kv_tile_multiple} (WGMMA atoms, swizzle atoms)"
         self.dtype, self.head_dim, self.causal = dtype, head_dim, causal
@@ -49,12 +53,12 @@ class BackwardSetup:
         self.tile_m, self.tile_n, self.q_stages = tile_m, tile_n, q_stages
         # dO's stages (0: Q's, on Q's barriers); fewer (`split_do`: one) free SMEM, and dO then has
         # a ring of its own
-        self.do_stages = do_stages or q_stages
+        self.do_stages = config.do_stages or q_stages
         assert self.do_stages in (1, q_stages), "dO takes Q's stages or one"
         self.deterministic = deterministic
         # dQ added in a fixed K/V order (counters): deterministic, or chosen for speed (`ordered_dq`
-        # in the registry: b2 at d256, worklog/backward.md)
-        self.ordered_dq = deterministic or ordered_dq
+        # in kernels/config.py: b2 at d256)
+        self.ordered_dq = deterministic or config.ordered_dq
         self.num_threads = 128 * self.mma_warpgroups
 
     # ---------------------------------------------------------------- host side

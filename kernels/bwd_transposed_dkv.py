@@ -15,7 +15,7 @@ not halve, so there the warpgroups split the keys instead (48 of 96 each; P and 
 8 a warpgroup: 96 keys at d192 and 64 at d256. S, dP and dQ stay row-major (S and dP split the
 keys among the warpgroups).
 
-The registry's rows pair it with one dO stage (`do_stages` = 1, bwd_setup.py): dO_i comes in a
+Its configurations pair it with one dO stage (`do_stages` = 1, bwd_setup.py): dO_i comes in a
 ring of its own, waited for between S and dP and released as soon as dV^T is done, while Q keeps
 two stages. The SMEM it frees buys 64-key tiles at d256 (cuDNN's width; with two Q/dO stages only
 48 fit, flash-attn-4's) and a dQ buffer per warpgroup at d192; the dQ hand-off goes through

@@ -7,11 +7,11 @@ dV += P^T dO and dK += dS^T Q. Only dQ_i = dS K has the Q tile as its M. Compute
     dQ_i^T = K^T dS^T             (d, tile_m)       A = K^T  (MN-major, sK),  B = dS (MN-major, sdS^T)
 
 each warpgroup owns 64 of the d rows, and the Q tile only has to be a multiple of 16 (dQ^T takes
-it as its N; the registry's rows keep 64: 80-row tiles, FlashAttention-3's and flash-attn-4's d128
-tile without a mask, spilled here and ran slower, worklog/backward.md). A warpgroup's transposed
-share of dQ_i (its columns 64 w .. 64 w + 63) travels to the writer in fragment order as any dQ
-share does (bwd_dq_handoff.py), whole or per warpgroup; the postprocess reads the fragments back
-through the transposed partition (`dq_view`).
+it as its N; the configurations keep 64 (kernels/config.py): 80-row tiles, FlashAttention-3's and
+flash-attn-4's d128 tile without a mask, spilled here and ran slower, worklog/backward.md). A
+warpgroup's transposed share of dQ_i (its columns 64 w .. 64 w + 63) travels to the writer in
+fragment order as any dQ share does (bwd_dq_handoff.py), whole or per warpgroup; the postprocess
+reads the fragments back through the transposed partition (`dq_view`).
 
 Constraints: head_dim 128 (d stacked over the two warpgroups in 64-row WGMMA atoms). Registers a
 consumer thread at 64 x 128 tiles: S^T and dP^T 32 each, dV and dK 64 each, dQ^T 32.

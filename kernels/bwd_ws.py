@@ -1,7 +1,8 @@
 """The production backward: one warp-specialized kernel whose techniques are flags. The registry's
-rows b2 to b9 are its configurations (fa3/registry.py); B1 (bwd.py) is the lesson it starts from,
-with B1's math and the pieces B1 shares (bwd_setup.py, bwd_mma.py, bwd_pointwise.py,
-common/statistics.py, bwd_order.py, bwd_dkv_store.py), but it does not build on B1's class.
+rows b2 to b9 are its configurations (fa3/registry.py; their tables: kernels/config.py); B1
+(bwd.py) is the lesson it starts from, with B1's math and the pieces B1 shares (bwd_setup.py,
+bwd_mma.py, bwd_pointwise.py, common/statistics.py, bwd_order.py, bwd_dkv_store.py), but it does
+not build on B1's class.
 
 Roles (block = 384 threads):
     warpgroup 0 gives its registers away (setmaxnreg.dec to 24 in all four warps):
@@ -20,7 +21,7 @@ Deterministic: the writer waits for this Q tile's counter to reach this K/V tile
 the counter (common/accum.py). Unordered (neither deterministic nor `ordered_dq`), each CTA starts
 its walk over the Q tiles at a different tile (`walk_start`).
 
-The flags (the constructor's; all off is b2, B1's GEMMs warp-specialized). Each selects pieces at
+The flags (its BackwardConfig's; all off is b2, B1's GEMMs warp-specialized). Each selects pieces at
 trace time, so each configuration's code is only its own:
 
     scores_transposed   S^T = K Q^T and dP^T = V dO^T: P^T and dS^T stay in registers as the A
@@ -45,7 +46,7 @@ trace time, so each configuration's code is only its own:
     ordered_dq, do_stages   as B1's (bwd_setup.py): dQ in the deterministic order for speed; dO
                         in a ring of its own with fewer stages.
 
-The rungs, as the registry configures them:
+The rungs, as kernels/config.py configures them:
 
     b2  no flag: S, dP, P and dS row-major (P and dS through SMEM), dQ handed off whole.
     b3  scores_transposed, dV under dP^T.
@@ -57,10 +58,11 @@ The rungs, as the registry configures them:
         128-row Q/dO stages), dV under dP^T, each column's LSE read where used.
     b9  dkv_transposed, one dO stage, dQ through mbarriers (d256: one share buffer in turns).
 
-Constraints: head_dim 64/96/128/192/256 as the registry's rows serve them; tile_m a multiple of
-64 (16 with dq_transposed: the Q tile is then no WGMMA's M), tile_n of 64 (16 with
-dkv_transposed: the keys are N of dK^T/dV^T and of S, dP, 8 a warpgroup); the transposed scores
-take 128-key tiles, two Q stages and dO on the Q ring (their module docstring); the per-warpgroup
+Constraints: head_dim 64/96/128/192/256 as the registry's rows serve them (their tiles:
+kernels/config.py); tile_m a multiple of 64 (16 with dq_transposed: the Q tile is then no WGMMA's
+M), tile_n of 64 (16 with dkv_transposed: the keys are N of dK^T/dV^T and of S, dP, 8 a
+warpgroup); the transposed scores take 128-key tiles, two Q stages and dO on the Q ring (their
+module docstring); the per-warpgroup
 hand-off on named barriers takes the transposed scores' consume step (its buffers follow the Q
 stage), the one through mbarriers the row-major one (it counts Q tiles). Packed batches: as B1,
 each entry's dQ in whole-tile slots of the fragment-order accumulator. SMEM (bf16, b2): d=128 Q/dO
@@ -86,8 +88,8 @@ from .bwd_transposed_dq import TransposedDq
 from .bwd_transposed_scores import TransposedScores
 from .common import mma, pipeline, smem, tma
 from .common.statistics import QueryStatistics
+from .config import BackwardConfig
 
-PRODUCER_REGS, CONSUMER_REGS = 24, 240
 CONSUMER_BARRIER = 1  # the consumer warpgroups among themselves (0 is __syncthreads)
 
 
@@ -101,60 +103,53 @@ class WarpSpecializedBackward(BackwardSetup, QueryStatistics, DqOrder, DkvEpilog
     # GQA dK/dV by bulk reduce-adds of SMEM rows (bwd_dkv_store.py), not scalar atomics
     dkv_bulk_add = True
 
-    def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 64, tile_n: int = 128,
-                 q_stages: int = 2, deterministic: bool = False, local: bool = False,
-                 softcap: bool = False, varlen: bool = False, ordered_dq: bool = False,
-                 head_dim_v: int | None = None, do_stages: int = 0, rotated_walk: bool = False, *,
-                 scores_transposed: bool = False, dq_transposed: bool = False,
-                 dkv_transposed: bool = False, dq_per_warpgroup: bool = False, dq_buffers: int = 2,
-                 dq_mbarriers: bool = False, shared_dq_buffer: bool = True,
-                 ds_from_rounded_p: bool = False, ds_in_pairs: bool = False, dv_under_dp: bool = False,
-                 stats_in_smem: bool = False, prefetch_stats: bool = False, stat_group: int = 0,
-                 head_groups: bool = True, head_group_ctas: int = 0):
-        self.scores_transposed = scores_transposed
-        self.dq_transposed = dq_transposed
-        self.dkv_transposed = dkv_transposed
+    def __init__(self, dtype, head_dim: int, causal: bool, config: BackwardConfig,
+                 deterministic: bool = False, local: bool = False, softcap: bool = False,
+                 varlen: bool = False, head_dim_v: int | None = None):
+        """config: kernels/config.backward_config's (tiles, stages and the flags above)."""
+        self.scores_transposed = config.scores_transposed
+        self.dq_transposed = config.dq_transposed
+        self.dkv_transposed = config.dkv_transposed
         # the dQ hand-off (bwd_dq_handoff.py): whole, or per warpgroup through `dq_buffers`
         # buffers (one where two do not fit), or per warpgroup through mbarriers, one share
         # buffer in turns (`shared_dq_buffer`) or, where SMEM allows, one each
-        self.dq_per_warpgroup, self.dq_buffers = dq_per_warpgroup, dq_buffers
-        self.dq_mbarriers, self.shared_dq_buffer = dq_mbarriers, shared_dq_buffer
+        self.dq_per_warpgroup, self.dq_buffers = config.dq_per_warpgroup, config.dq_buffers
+        self.dq_mbarriers, self.shared_dq_buffer = config.dq_mbarriers, config.shared_dq_buffer
         # dS^T = P^T (dP^T - D) from the bf16 P^T the dV GEMM reads, so S^T's FP32 accumulator
         # dies at the rounding, before dP^T lands (what makes b8's 128 x 128 tiles fit at d64);
         # `ds_in_pairs` (bwd_pointwise.py) multiplies in 16-bit pairs without widening P^T back
-        self.ds_from_rounded_p, self.ds_in_pairs = ds_from_rounded_p, ds_in_pairs
+        self.ds_from_rounded_p, self.ds_in_pairs = config.ds_from_rounded_p, config.ds_in_pairs
         # dV issued from P^T's registers while dP^T is still in flight (its scores then wait for
         # the register operand), or after dS^T, when S^T's and dP^T's FP32 registers are free
-        self.dv_under_dp = dv_under_dp
+        self.dv_under_dp = config.dv_under_dp
         # the statistics through SMEM (common/statistics.py); read into registers between issuing
         # S^T/dP^T and waiting for S^T (`prefetch_stats`: the exp2 then does not wait on SMEM),
         # or where used, `stat_group` columns together ahead of their exp2s (0: each column's just
         # before its own)
-        self.stats_in_smem, self.prefetch_stats = stats_in_smem, prefetch_stats
-        self.stat_group = stat_group
+        self.stats_in_smem, self.prefetch_stats = config.stats_in_smem, config.prefetch_stats
+        self.stat_group = config.stat_group
         # the causal launch order (bwd_order.py): head groups (the dQ hand-off per warpgroup on
         # named barriers runs faster without them at d64/d96), and a cap on a group's CTAs (the
         # transposed scores: about one wave of CTAs, 132 SMs, rather than 50 MB of L2)
-        self.head_groups, self.head_group_ctas = head_groups, head_group_ctas
-        # ordered walks without a mask ascend unless the registry rotates them (`rotated_walk`: b2
-        # at d256): with the late counter bump on wide K/V tiles, ascending walks in head groups
+        self.head_groups, self.head_group_ctas = config.head_groups, config.head_group_ctas
+        # ordered walks without a mask ascend unless the configuration rotates them (`rotated_walk`:
+        # b2 at d256): with the late counter bump on wide K/V tiles, ascending walks in head groups
         # ran faster than rotated ones at d64-d128 (worklog/backward.md)
-        self.rotated_ordered_walk = rotated_walk
-        super().__init__(dtype, head_dim, causal, tile_m, tile_n, q_stages, deterministic, local,
-                         softcap, varlen, ordered_dq, head_dim_v, do_stages)
+        self.rotated_ordered_walk = config.rotated_walk
+        super().__init__(dtype, head_dim, causal, config, deterministic, local, softcap, varlen, head_dim_v)
         assert not (self.split_do and self.smem_stats), "D rides with dO: statistics from registers"
-        assert not (scores_transposed and dkv_transposed), "dK^T and dV^T read P and dS from SMEM"
-        if scores_transposed:
-            assert q_stages == 2, "the two dS^T buffers follow the Q stage index"
+        assert not (self.scores_transposed and self.dkv_transposed), "dK^T and dV^T read P and dS from SMEM"
+        if self.scores_transposed:
+            assert self.q_stages == 2, "the two dS^T buffers follow the Q stage index"
             assert not self.split_do, "dO rides on the Q ring (consume_step_t)"
-            assert tile_n == 128, "each of the two consumer warpgroups owns 64 keys"
-            assert ds_from_rounded_p or not ds_in_pairs, "dS^T in pairs needs P^T rounded first"
+            assert self.tile_n == 128, "each of the two consumer warpgroups owns 64 keys"
+            assert self.ds_from_rounded_p or not self.ds_in_pairs, "dS^T in pairs needs P^T rounded first"
         else:
-            assert not (dq_transposed or ds_from_rounded_p), "dQ^T and the rounded P^T need S^T"
-        if dq_per_warpgroup and not dq_mbarriers:
-            assert scores_transposed, "the dQ buffers follow the Q stage index (consume_step_t)"
-        if dq_mbarriers:
-            assert dq_per_warpgroup and not scores_transposed, \
+            assert not (self.dq_transposed or self.ds_from_rounded_p), "dQ^T and the rounded P^T need S^T"
+        if self.dq_per_warpgroup and not self.dq_mbarriers:
+            assert self.scores_transposed, "the dQ buffers follow the Q stage index (consume_step_t)"
+        if self.dq_mbarriers:
+            assert self.dq_per_warpgroup and not self.scores_transposed, \
                 "the mbarrier turns count Q tiles (consume_step_rows)"
         self.consumer_threads = 128 * self.mma_warpgroups
         self.num_threads = 128 + self.consumer_threads
@@ -328,7 +323,7 @@ class WarpSpecializedBackward(BackwardSetup, QueryStatistics, DqOrder, DkvEpilog
         start = self.walk_start(n_block, m_first, m_end, seq)
 
         if warp_idx < 4:
-            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            cute.arch.setmaxregister_decrease(self.config.producer_regs)
             if warp_idx == 0:
                 q_copies, kv_copies = self.tma_copies(tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV,
                                                       s, head, batch, seq, (tma_lse, mLSE2_tiles, tma_d, mD_tiles))
@@ -337,7 +332,7 @@ class WarpSpecializedBackward(BackwardSetup, QueryStatistics, DqOrder, DkvEpilog
                 self.write_dq(mdQacc, s, mLock, n_block, head, batch, start, m_first, m_end,
                               seq, window, tidx % 32)
         else:
-            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            cute.arch.setmaxregister_increase(self.config.consumer_regs)
             ctidx = tidx - 128
             ctx = self.consumer_setup(s, ctidx, seq, window, softcap_scale, mLSE2, mD, head, batch)
             pipeline.consume_wait(kv_pipe, pipeline.consumer_state(1))

@@ -84,17 +84,19 @@ from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import warpgroup
 
 from .common import mask, mma, paged, pipeline, scheduler, seqlen, smem, softmax, tma
+from .config import DecodeConfig
 
 CONVERT_ELEMS = 8  # elements one thread dequantizes at a time (FP8 cache): 8 bytes of e4m3 in, 16 bytes out
 
 
 class SplitKVAttention:
-    def __init__(self, dtype, head_dim: int, causal: bool, paged: bool = False, tile_m: int = 64,
-                 tile_n: int = 64, kv_stages: int = 2, planned_smem_bytes: int = 0, local: bool = False,
-                 softcap: bool = False, gather: bool = False, varlen: bool = False, leftpad: bool = False,
-                 sinks: bool = False, out_dtype=None, max_queries: int = 0, fp8: bool = False):
-        """kv_stages and planned_smem_bytes: the host's SMEM plan (fa3.split_plan.smem_plan, which
-        also decides how many CTAs share an SM); SharedStorage may not outgrow planned_smem_bytes.
+    def __init__(self, dtype, head_dim: int, causal: bool, config: DecodeConfig, paged: bool = False,
+                 local: bool = False, softcap: bool = False, gather: bool = False, varlen: bool = False,
+                 leftpad: bool = False, sinks: bool = False, out_dtype=None, max_queries: int = 0,
+                 fp8: bool = False):
+        """config: kernels/config.decode_config's (tiles, and the SMEM plan: kv_stages and
+        planned_smem_bytes, by which fa3.split_plan counts CTAs an SM); SharedStorage may not outgrow
+        planned_smem_bytes.
         max_queries (varlen; 0: none): only entries of fewer queries get tiles, the others being
         K5's in the same call (kernels/k5_cache.py). fp8: q and the cache in e4m3, `dtype` the
         16-bit type they are dequantized to (fp16)."""
@@ -112,11 +114,11 @@ class SplitKVAttention:
         self.query_lengths = (0, max_queries) if varlen and max_queries else None
         # a left-padded dense cache: entry b's keys start at row cache_leftpad[b] (flash-attn's)
         self.leftpad = leftpad and not paged
-        self.tile_m, self.tile_n = tile_m, tile_n
+        self.tile_m, self.tile_n = config.tile_m, config.tile_n
         self.num_threads = 128  # one warpgroup: tile_m = 64 rows
         # the ring: as deep as SMEM allows, shorter for gathers and FP8 caches so that CTAs share an
-        # SM (one's copies or conversions beside another's GEMMs): the host's plan
-        self.kv_stages, self.planned_smem_bytes = kv_stages, planned_smem_bytes
+        # SM (one's copies or conversions beside another's GEMMs): config.decode_config's plan
+        self.kv_stages, self.planned_smem_bytes = config.kv_stages, config.planned_smem_bytes
 
     # ---------------------------------------------------------------- host side
     @cute.jit

@@ -22,6 +22,7 @@ from cutlass.cute.nvgpu import warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from .common import accum, epilogue, mma, pipeline, scheduler, smem, tma
+from .config import GemmConfig
 
 EPI_STAGES = 4  # SMEM buffers for the stored subtiles (fewer if a tile has fewer subtiles)
 _BARRIER_BYTES = 1024  # pipeline barriers and alignment slack in the SMEM budget
@@ -40,9 +41,9 @@ class GemmBase:
     producer_warpgroups = 0  # warpgroups that only load (G3)
     cluster_m = 1  # CTAs per cluster along M, sharing (multicasting) each B tile (G4: 2)
 
-    def __init__(self, dtype, tile_m: int = 128, tile_n: int = 128, tile_k: int = 0,
-                 mma_warpgroups: int = 1, stages: int = 1, mmas_in_flight: int = 0, a_rows: int = 0,
-                 out_dtype=None, row_scales: bool = False):
+    def __init__(self, dtype, config: GemmConfig, out_dtype=None, row_scales: bool = False):
+        """config: kernels/config.gemm_config's (tiles, stages, MMA warpgroups, ...)."""
+        tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
         self.dtype = dtype  # A's and B's
         self.out_dtype = out_dtype or dtype  # C's
         self.scaled = dtype.width == 8  # FP8: C = scale_a * scale_b * (A B)
@@ -56,13 +57,13 @@ class GemmBase:
         # each A tile. Out-of-bounds rows of a TMA box cost time (a 1-row A in a 64-row box took
         # 1.6x as long as a full one); the rows below hold stale SMEM, which only reaches output
         # rows >= M, and those the store clips.
-        self.a_rows = a_rows or tile_m
+        self.a_rows = config.a_rows or tile_m
         assert self.a_rows <= tile_m and self.a_rows % 8 == 0
-        self.mma_warpgroups = mma_warpgroups
-        self.mma_threads = 128 * mma_warpgroups
-        self.num_threads = 128 * (mma_warpgroups + self.producer_warpgroups)
-        self.mmas_in_flight = mmas_in_flight
-        self.epi_tile = epilogue.subtile(tile_m, mma_warpgroups)
+        self.mma_warpgroups = config.mma_warpgroups
+        self.mma_threads = 128 * self.mma_warpgroups
+        self.num_threads = 128 * (self.mma_warpgroups + self.producer_warpgroups)
+        self.mmas_in_flight = config.mmas_in_flight
+        self.epi_tile = epilogue.subtile(tile_m, self.mma_warpgroups)
         subtiles = (tile_m // self.epi_tile[0]) * (tile_n // self.epi_tile[1])
         # buffers restart at 0 on each tile (persistent kernels): whole rounds per tile
         self.epi_stages = min(EPI_STAGES, subtiles)
@@ -70,7 +71,7 @@ class GemmBase:
         epi_bytes = self.epi_tile[0] * self.epi_tile[1] * self.epi_stages * self.out_dtype.width // 8
         stage_bytes = (tile_m + tile_n) * self.tile_k * dtype.width // 8
         # stages=0: as many as fit beside the epilogue buffers
-        self.stages = stages or smem.stages_that_fit(stage_bytes, epi_bytes + _BARRIER_BYTES)
+        self.stages = config.stages or smem.stages_that_fit(stage_bytes, epi_bytes + _BARRIER_BYTES)
 
     def grid(self, tiles_m, tiles_n, sm_count, splits):
         raise NotImplementedError  # the rung's
@@ -294,15 +295,12 @@ class WarpSpecializedGemm(GemmBase):
 
     producer_warpgroups = 1
 
-    def __init__(self, dtype, tile_m: int = 128, tile_n: int = 256, tile_k: int = 0,
-                 mma_warpgroups: int = 2, stages: int = 0, mmas_in_flight: int = 1,
-                 group_m: int = 16, producer_regs: int = 40, mma_regs: int = 232, a_rows: int = 0,
-                 out_dtype=None, row_scales: bool = False):
-        super().__init__(dtype, tile_m, tile_n, tile_k, mma_warpgroups, stages, mmas_in_flight, a_rows,
-                         out_dtype, row_scales)
-        self.group_m = group_m
-        self.producer_regs, self.mma_regs = producer_regs, mma_regs
-        assert 128 * producer_regs + self.mma_threads * mma_regs <= 65536, "register file overcommitted"
+    def __init__(self, dtype, config: GemmConfig, out_dtype=None, row_scales: bool = False):
+        super().__init__(dtype, config, out_dtype, row_scales)
+        self.group_m = config.group_m
+        self.producer_regs, self.mma_regs = config.producer_regs, config.mma_regs
+        assert 128 * self.producer_regs + self.mma_threads * self.mma_regs <= 65536, \
+            "register file overcommitted"
 
     @cute.kernel
     def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,

@@ -28,8 +28,9 @@ Epilogue: O (scaled by 1/l) and LSE are written once from registers; with attent
 compile-time variant) each query head's sink logit joins l and the LSE there (softmax.finalize),
 and nowhere else: the mainloop is unchanged.
 
-Constraints: head_dim 64/96/128/192/256 (tiles per head dim in the registry); the register split is
-24 / 240 (producer / two consumer warpgroups) or 32 / 160 (three), sum <= 64K registers per SM.
+Constraints: head_dim 64/96/128/192/256 (tiles per head dim: kernels/config.forward_config); the
+register split is 24 / 240 (producer / two consumer warpgroups) or 32 / 160 (three), sum <= 64K
+registers per SM.
 """
 
 from typing import Optional
@@ -43,7 +44,7 @@ from .k5_mainloop import ForwardMainloop
 
 
 class WarpSpecializedAttention(WarpSpecializedForward, ForwardMainloop):
-    """K5.1-K5.5 on 16-bit q, k, v (WarpSpecializedForward's constructor: tiles, stages, flags,
+    """K5.1-K5.5 on 16-bit q, k, v (WarpSpecializedForward's constructor: the configuration, the
     variants)."""
 
     # ---------------------------------------------------------------- host side

@@ -36,27 +36,26 @@ from cutlass import pipeline as dsl_pipeline
 
 from .common import paged, pipeline, seqlen, tma
 from .common.warp_specialized_forward import EPILOGUE_BARRIER, WarpSpecializedForward
+from .config import ForwardConfig
 from .k5_mainloop import ForwardMainloop
 
 NO_LIMIT = 1 << 30  # queries: an entry bound that no packed batch reaches
-PAGE_ROWS_REGISTER_SPLIT = (32, 232)  # (producer, consumer) registers beside two consumer warpgroups
 
 
 class CacheAttention(WarpSpecializedForward, ForwardMainloop):
-    def __init__(self, dtype, head_dim: int, causal: bool, paged: bool = False, page_rows: int = 0,
-                 min_queries: int = 1, **config):
-        """config: K5's (tiles, stages, flags, variants; varlen is implied). paged: the cache is
-        (num_pages, page_size, heads_kv, d) with a block table, else (batch, capacity, heads_kv,
-        d); page_rows: 0 where a page holds whole key blocks, else the page size (one TMA box per
-        page)."""
-        super().__init__(dtype, head_dim, causal, varlen=True, **config)
+    def __init__(self, dtype, head_dim: int, causal: bool, config: ForwardConfig, paged: bool = False,
+                 page_rows: int = 0, min_queries: int = 1, local: bool = False, softcap: bool = False,
+                 sinks: bool = False):
+        """config: kernels/config.cache_prefill_config's (K5's tiles for a packed batch; with a box
+        per page, the producer's registers for its copies). paged: the cache is (num_pages,
+        page_size, heads_kv, d) with a block table, else (batch, capacity, heads_kv, d); page_rows:
+        0 where a page holds whole key blocks, else the page size (one TMA box per page). The
+        variants as K5's (varlen is implied)."""
+        super().__init__(dtype, head_dim, causal, config, varlen=True, local=local, softcap=softcap,
+                         sinks=sinks)
         assert page_rows == 0 or (paged and self.tile_n % page_rows == 0 and page_rows % 8 == 0), \
             f"pages of {page_rows} rows do not tile {self.tile_n}-key blocks"
         self.paged, self.page_rows = paged, page_rows
-        if page_rows and self.consumer_wgs == 2:
-            # a box per page: the producer warp's copies spilled 56-100 bytes at 24 registers (d128,
-            # the GPU machine's ptxas); 32 / 232 spill nothing and time the same (H100)
-            self.producer_regs, self.consumer_regs = PAGE_ROWS_REGISTER_SPLIT
         self.query_lengths = (min_queries, NO_LIMIT)
 
     # ---------------------------------------------------------------- host side

@@ -17,7 +17,7 @@ intra-warpgroup overlap, dynamic schedule and epilogue are the warp-specialized 
     where entry b + 1's starts without the + 16 b).
 
 Constraints: head_dim 64/128/256, tile_n a multiple of 32 (the WGMMA's k); forward only. Tiles as
-K5.5's (registry).
+K5.5's (kernels/config.fp8_forward_config).
 """
 
 import cutlass

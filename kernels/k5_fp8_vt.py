@@ -29,7 +29,8 @@ raises a flag in SMEM and completes the next stage's full barrier without a copy
 Registers: setmaxnreg.inc only takes what .dec frees, so producer + 2 x consumer stays within the
 launch's 3 x 168 (32 + 2 x 240 hung the consumers). F2 runs 32 / 232 at d64-d128 with two consumer
 warpgroups (24 spilled beside a window's state) and K5's 24 / 240 at d256 (its consumers spill at
-232); the transposing loops stay dynamic (unrolled over the d blocks, their addresses spilled).
+232): kernels/config.fp8_forward_config. The transposing loops stay dynamic (unrolled over the d
+blocks, their addresses spilled).
 
 Constraints: F1's (head_dim 64/128/256: multiples of 32; tile_n 64 or 128).
 """
@@ -43,6 +44,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .common import pipeline, smem
 from .common.fp8_forward import Fp8Forward
+from .config import ForwardConfig
 from .k5_mainloop import ForwardMainloop
 
 KEY_GROUP, D_BLOCK = 16, 32  # keys and d bytes one ldmatrix/stmatrix pair moves
@@ -72,27 +74,18 @@ class Fp8TransposingAttention(Fp8Forward, ForwardMainloop):
     kv_pipelines = 3  # K, V (TMA -> producer warp), V^T (producer warp -> consumers)
     value_transposed_by_host = False  # the call passes V's rows (F1: V^T from fa3.fp8.transpose_v)
 
-    def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 128, tile_n: int = 128,
-                 kv_stages: int = 2, q_stages: int = 1, pingpong: bool = True,
-                 intra_wg_overlap: bool = True, dynamic_schedule: bool = False,
-                 varlen: bool = False, local: bool = False, softcap: bool = False,
-                 value_load_stages: int | None = None):
-        """Fp8Forward's arguments; `value_load_stages`: V's TMA ring depth (default kv_stages, the
-        V^T ring's)."""
-        super().__init__(dtype, head_dim, causal, tile_m, tile_n, kv_stages, q_stages, pingpong,
-                         intra_wg_overlap, dynamic_schedule, varlen, local, softcap)
-        if self.consumer_wgs == 2 and head_dim <= 128:
-            # the transposing warps' addresses beside warp 0's window state spilled at 24 (d128
-            # causal with a window); 32 + 2 x 232 stays within the launch's 3 x 168 (setmaxnreg.inc
-            # only takes what .dec frees). d256's consumers need their 240 (232: 160 bytes of spills)
-            self.producer_regs, self.consumer_regs = 32, 232
-        # key groups a transposing warp has in flight: two where the registers allow (ptxas
-        # placed the 24-32 producer registers differently per configuration; the CPU compile of
-        # every configuration found these spill-free)
-        self.transpose_unroll = 2 if head_dim == 64 else 1
+    def __init__(self, dtype, head_dim: int, causal: bool, config: ForwardConfig, varlen: bool = False,
+                 local: bool = False, softcap: bool = False):
+        """Fp8Forward's arguments; the configuration's `value_load_stages` (V's TMA ring depth),
+        `transpose_unroll` (key groups a transposing warp has in flight) and register split (the
+        transposing warps' addresses: 32 producer registers where two consumer warpgroups leave
+        room) are F2's: kernels/config.fp8_forward_config."""
+        super().__init__(dtype, head_dim, causal, config, varlen, local, softcap)
+        assert config.transposes_v, "F2 loads V into a ring of its own (value_load_stages)"
+        self.transpose_unroll = config.transpose_unroll
         # transpose_stage: a V^T row (tile_n bytes) is one swizzle atom wide
         assert self.tile_n in (64, 128), f"F2 transposes 64- or 128-key tiles, not {self.tile_n}"
-        self.value_load_stages = value_load_stages or self.kv_stages
+        self.value_load_stages = config.value_load_stages
 
     # ---------------------------------------------------------------- host side (Fp8Forward's __call__)
     def v_layout(self):

@@ -66,7 +66,7 @@ def test_short_and_long_query_tiles(head_dim, causal):
     `short_queries`: d96 under 2k rows, 4k causal; d64 causal under 2k): right on both sides of the
     threshold, ragged; a packed batch without max_seqlen_q (long tiles) agrees with the same batch
     given it (short tiles)."""
-    threshold = registry.get("k5.5").short_queries[head_dim][int(causal)]
+    threshold = registry.get("k5.5").config.short_queries[head_dim][int(causal)]
     for rows in (threshold - 77, threshold + 77):
         _check("k5.5", (1, rows, rows, 2, 1), head_dim, causal, seed=rows)
     g = torch.Generator(device="cuda").manual_seed(int(causal))

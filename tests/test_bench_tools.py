@@ -125,24 +125,28 @@ def test_bench_attention_default_column_calls_the_dispatch(monkeypatch):
 
 def test_variants_register_experiment_rows():
     """benchmarks/variants.py: a configuration value and a class attribute changed under a new name,
-    both in the compile-cache configuration; typos and taken names refused."""
+    both in the compile-cache key; typos and taken names refused."""
     variants = pytest.importorskip("variants")
     from fa3 import registry
+    from fa3.kernels import config
 
     try:
-        spec = variants.register("b7x=b7:prefetch_stats=true")
-        assert spec.load_class().prefetch_stats is True and spec.config_for(128)["prefetch_stats"] is True
-        assert registry.get("b7").load_class().prefetch_stats is False and spec.speed_rank == 0
-        d256 = variants.register("b2x=b2:ordered_dq=0").config_for(256)
-        assert d256["ordered_dq"] == 0 and d256["q_stages"] == 1  # over the per-head-dim row too
+        spec = variants.register("b7x=b7:prefetch_stats=true,dkv_bulk_add=false")
+        assert config.backward_config(spec.config, 128).prefetch_stats is True and spec.speed_rank == 0
+        assert not config.backward_config(registry.get("b7").config, 128).prefetch_stats
+        assert spec.load_class().dkv_bulk_add is False
+        assert registry.get("b7").load_class().dkv_bulk_add is True
+        assert ("dkv_bulk_add", False) in config.key(spec.config, config.backward_config(spec.config, 128))
+        d256 = config.backward_config(variants.register("b2x=b2:ordered_dq=0").config, 256)
+        assert d256.ordered_dq == 0 and d256.q_stages == 1  # over the per-head-dim row too
         with pytest.raises(ValueError, match="no setting prefetch_stat"):
             variants.register("b7y=b7:prefetch_stat=1")
         with pytest.raises(ValueError, match="already a rung"):
             variants.register("b7=b2:ordered_dq=1")
         # head_dims replaces the base's (b4 serves 96 and 128): the prepared d64 rung
         wide = variants.register("b8x=b4:tile_m=128,dq_buffers=1,ds_from_rounded_p=1,dv_under_dp=0,head_dims=64")
-        assert wide.head_dims == (64,) and wide.config_for(64)["tile_m"] == 128
-        assert "head_dims" not in wide.config and registry.get("b4").head_dims == (96, 128)
+        assert wide.head_dims == (64,) and config.backward_config(wide.config, 64).tile_m == 128
+        assert registry.get("b4").head_dims == (96, 128)
         assert variants.register("b2y=b2:ordered_dq=1,head_dims=64/128").head_dims == (64, 128)
     finally:
         for name in ("b7x", "b2x", "b7y", "b8x", "b2y"):

@@ -5,7 +5,6 @@ compiled at head_dim 128 causal, and at 64 and 256 non-causal where the rung sup
 each family's default rung at 96 (causal) and 192; GEMM rungs with their family's defaults. ptxas' registers and spills are printed for each.
 """
 
-import dataclasses
 import os
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import torch
 
 import fa3.__main__ as cli
 from fa3 import _compile, _compile_kvcache, _dsl, matmul, registry, split_plan
+from fa3.kernels import config
 
 cli.prepare_dsl_env()  # before the first compile imports cutlass: sm_90a, no PTX files in the cwd
 
@@ -154,9 +154,8 @@ def test_persistent_gemm_tile_shapes_compile(tile_m, tile_n, a_rows):
     """The tile shapes fa3.gemm picks per problem (and the short A box of M <= 32) compile for
     sm_90a with the rung's PTX, no spills."""
     spec = registry.get("g3")
-    overrides = {**dict(matmul.tile_overrides(tile_m, tile_n)), **dict(a_rows)}
-    spec = dataclasses.replace(spec, config={**spec.config, **overrides})
-    report = _compile.compile_report(spec, torch.bfloat16)
+    tiles = matmul.tile_overrides(tile_m, tile_n) + a_rows
+    report = _compile.compile_report(spec, torch.bfloat16, tiles=tiles)
     for promise in spec.ptx_promises:
         assert promise in report.ptx, f"{tile_m}x{tile_n}: {promise!r} missing"
     assert report.spill_bytes == 0, f"{tile_m}x{tile_n} spills"
@@ -243,15 +242,18 @@ def test_short_queries_pick_their_tiles():
     max_seqlen_q) take the long tiles; the two are separate compile-cache entries; d128-d256 have
     no rule."""
     spec = registry.get("k5.5")
-    assert spec.config_for(96)["tile_m"] == 192 and spec.config_for(96)["tile_n"] == 112
-    assert (spec.config_for(96, short=True)["tile_m"], spec.config_for(96, short=True)["tile_n"]) == (128, 128)
-    assert spec.is_short(96, None, False, 2047) and not spec.is_short(96, None, False, 2048)
-    assert spec.is_short(96, None, True, 4095) and not spec.is_short(96, None, True, 4096)
-    assert not spec.is_short(96, None, False, None)
-    assert spec.is_short(64, None, True, 2047) and not spec.is_short(64, None, True, 2048)
-    assert not spec.is_short(64, None, False, 1) and spec.config_for(64, short=True)["tile_m"] == 128
-    assert not any(spec.is_short(d, None, c, 1) for d in (128, 192, 256) for c in (False, True))
-    assert spec.config_for(128, short=True) == spec.config_for(128)
+    tiles = lambda d, short=False, causal=False: config.forward_config(spec.config, d, causal=causal,
+                                                                       short=short)
+    assert (tiles(96).tile_m, tiles(96).tile_n) == (192, 112) and tiles(96, causal=True).tile_n == 96
+    assert (tiles(96, short=True).tile_m, tiles(96, short=True).tile_n) == (128, 128)
+    rules = spec.config
+    assert rules.is_short(96, None, False, 2047) and not rules.is_short(96, None, False, 2048)
+    assert rules.is_short(96, None, True, 4095) and not rules.is_short(96, None, True, 4096)
+    assert not rules.is_short(96, None, False, None)
+    assert rules.is_short(64, None, True, 2047) and not rules.is_short(64, None, True, 2048)
+    assert not rules.is_short(64, None, False, 1) and tiles(64, short=True).tile_m == 128
+    assert not any(rules.is_short(d, None, c, 1) for d in (128, 192, 256) for c in (False, True))
+    assert tiles(128, short=True) == tiles(128)
     assert _compile.attention_key(spec, torch.bfloat16, 96, False) != \
         _compile.attention_key(spec, torch.bfloat16, 96, False, short=True)
 
@@ -408,9 +410,11 @@ def test_dq_counters_only_in_ordered_walks(causal):
         for head_dim in rung.head_dims:
             for deterministic in (False, True):
                 kernel = rung.load_class()(dtype=dtype, head_dim=head_dim, causal=causal,
-                                           deterministic=deterministic, **rung.config_for(head_dim))
+                                           config=config.backward_config(rung.config, head_dim),
+                                           deterministic=deterministic)
                 if kernel.defers_dq_bump:
                     assert kernel.ordered_dq, (name, head_dim, deterministic)
                     assert kernel.tile_n >= 2 * kernel.tile_m, (name, head_dim)
-    b2_d128 = cls(dtype=dtype, head_dim=128, causal=causal, deterministic=True, **spec.config_for(128))
+    b2_d128 = cls(dtype=dtype, head_dim=128, causal=causal, config=config.backward_config(spec.config, 128),
+                  deterministic=True)
     assert b2_d128.defers_dq_bump  # (the check above can fail)

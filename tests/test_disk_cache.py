@@ -58,8 +58,8 @@ def test_attention_key_changes_with_every_compiled_in_parameter(monkeypatch):
     base = key()
     variants = [key(dtype=torch.float16), key(head_dim=64), key(causal=True),
                 key(s=registry.get(registry.available_kernels(registry.ATTENTION)[0])),
-                key(s=replace(spec, config={**spec.config, "tile_n": 64})),
-                key(s=replace(spec, per_head_dim={128: {"kv_stages": 7}}))]
+                key(s=replace(spec, config=spec.config.replaced(tile_n=64))),
+                key(s=replace(spec, config=replace(spec.config, per_head_dim={128: {"kv_stages": 7}})))]
     monkeypatch.setattr(_dsl, "TARGET_ARCH", "sm_90")
     variants.append(key())
     monkeypatch.undo()
@@ -73,7 +73,8 @@ def test_gemm_key_changes_with_every_compiled_in_parameter(monkeypatch):
     key = lambda s=spec, dtype=BF16, a="row", b="row": _compile.gemm_key(s, dtype, a, b)
     base = key()
     variants = [key(dtype=torch.float16), key(a="col"), key(b="col"), key(s=registry.get("g1")),
-                key(s=replace(spec, config={**spec.config, "group_m": 8}))]
+                key(s=replace(spec, config=spec.config.replaced(group_m=8))),
+                _compile.gemm_key(spec, BF16, "row", "row", tiles=(("tile_n", 128),))]
     monkeypatch.setattr(_dsl, "version", lambda: "0.0.0")
     variants.append(key())
     assert len({base, *variants}) == len(variants) + 1
@@ -337,8 +338,9 @@ def test_cli_warm_cache_kvcache_rung(cache_dir, capsys):
     out = capsys.readouterr().out
     assert out.count("compiled in") == 6 + 7 and "FAILED" not in out
     assert "entry order" in out and out.count("K5 over the cache") == 4
-    s1 = registry.get("s1")
-    for key in (_compile_kvcache.entry_order_key(), _compile_kvcache.combine_key(BF16, 64, max_queries=s1.config["long_queries"]),
+    long_queries = registry.get("s1").config.base.long_queries
+    for key in (_compile_kvcache.entry_order_key(),
+                _compile_kvcache.combine_key(BF16, 64, max_queries=long_queries),
                 _compile_kvcache.cache_prefill_key(registry.get("k5.5"), BF16, 64, False, True, 16,
-                                           s1.config["long_queries"])):
+                                                   long_queries)):
         assert _disk_cache.has(key) is not None, key  # the entries the calls look for

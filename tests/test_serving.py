@@ -14,6 +14,7 @@ import torch
 
 import fa3
 from fa3 import index_checks, split_plan
+from fa3.kernels import config
 from fa3.reference import attention_reference
 
 from conftest import raises_with, rel_err
@@ -701,7 +702,7 @@ def test_call_plan_memo():
     many = split_plan.call_plan(**{**args, "batch": 126, "keys": 4096})
     assert many.num_splits == 1 and many.longest_first  # 1008 CTAs: more than a wave
     packed = split_plan.call_plan(**{**args, "seqlen_q": 1024, "total_q": 1100, "page_size": 64})
-    assert packed.long is not None and packed.s1_queries == spec.config["long_queries"] - 1
+    assert packed.long is not None and packed.s1_queries == spec.config.base.long_queries - 1
     with pytest.raises(ValueError, match="softmax_scale"):  # checked on the way in, never stored
         split_plan.call_plan(**{**args, "scale": float("nan")})
     # every argument is in the key: changing any one gives a plan of its own
@@ -816,7 +817,7 @@ def test_long_entries_plan():
     """Which calls run their long entries on K5, with which page layout (split_plan.prefill_plan)."""
 
     s1 = fa3.registry.get("s1")
-    long_q = s1.config["long_queries"]
+    long_q = s1.config.base.long_queries
     plan = lambda page_size, max_q=long_q, packed=True, fp8=False, offsets=False, d=128, causal=True: \
         split_plan.prefill_plan(s1, d, page_size, max_q, causal, False, packed, fp8, offsets)
     assert plan(None) == split_plan.PrefillPlan(long_q, False, 0)  # dense: a key block a box
@@ -832,7 +833,7 @@ def test_long_entries_plan():
     # the tiles the plan assumes are the kernel's (its constructor asserts them), at every head dim
     for d in (64, 96, 128, 192, 256):
         for causal, local in ((False, False), (True, False), (True, True)):
-            assert split_plan.prefill_tiles(d, causal, local)["tile_n"] % 16 == 0
+            assert split_plan.prefill_config(d, causal, local).tile_n % 16 == 0
 
 
 def test_scheduler_metadata_plans_as_the_call(monkeypatch):
@@ -862,16 +863,16 @@ def test_scheduler_metadata_plans_as_the_call(monkeypatch):
 
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
 def test_split_plan_knows_the_kernels_ring(head_dim):
-    """The host's SMEM plan, which s1 compiles (split_plan.kernel_plan; the kernel refuses a
+    """The SMEM plan s1 compiles and the host counts CTAs by (config.decode_config; the kernel refuses a
     SharedStorage larger than it), gives the ring depths and CTAs an SM the kernels were tuned for."""
     spec = fa3.registry.get("s1")
     # (gather, FP8 cache) -> stages: a TMA ring as deep as SMEM allows (up to 8), gathers 3, FP8 4
     stages = {(False, False): {64: 8, 96: 8, 128: 6, 192: 4, 256: 3}[head_dim], (True, False): 3,
               (False, True): 4, (True, True): 3}
     for (gather, fp8), want in stages.items():
-        plan = split_plan.kernel_plan(spec, head_dim, gather, fp8)
-        assert plan["kv_stages"] == want, (head_dim, gather, fp8)
-        assert plan["planned_smem_bytes"] <= split_plan.CTA_SMEM_BYTES
+        plan = config.decode_config(spec.config, head_dim, gather=gather, fp8=fp8)
+        assert plan.kv_stages == want, (head_dim, gather, fp8)
+        assert plan.planned_smem_bytes <= config.CTA_SMEM_BYTES
     assert split_plan.ctas_per_sm(spec, head_dim, False) == 1
     assert split_plan.ctas_per_sm(spec, head_dim, True) == {64: 3, 96: 2, 128: 2, 192: 1, 256: 1}[head_dim]
     assert split_plan.ctas_per_sm(spec, head_dim, True, fp8=True) == {64: 4, 96: 3, 128: 2, 192: 1, 256: 1}[head_dim]

@@ -11,6 +11,7 @@ import torch
 
 import fa3
 from fa3 import _compile, registry
+from fa3.kernels import config
 from fa3.reference import attention_reference
 
 from conftest import assert_close_to_reference, autograd_grads, raises_with, reference_grads, rel_err
@@ -104,7 +105,8 @@ def test_compile_keys_and_tiles():
     assert _compile.attention_key(spec, BF16, 128, True) == _compile.attention_key(spec, BF16, 128, True,
                                                                                   head_dim_v=128)
     # V's narrower rows leave room for 128-wide K/V tiles at (192, 128)
-    assert spec.config_for(192)["tile_n"] < spec.config_for(192, 128)["tile_n"] == 128
+    tiles = lambda *dims: config.forward_config(spec.config, *dims)
+    assert tiles(192).tile_n < tiles(192, 128).tile_n == 128
     b9 = registry.get("b9")
     assert _compile.backward_key(b9, BF16, 192, True) != _compile.backward_key(b9, BF16, 192, True, head_dim_v=128)
     assert _compile.backward_key(b9, BF16, 192, True) == _compile.backward_key(b9, BF16, 192, True, head_dim_v=192)

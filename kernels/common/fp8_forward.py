@@ -22,13 +22,14 @@ K5's (kernels/k5_mainloop.py) with the three P hooks below.
     into the exp2 scale (or, with softcap, into the tanh's scale), v_descale into 1/l at the end.
 
 Constraints: head_dim 64/128/256, tile_n a multiple of 32 (the WGMMA's k); forward only. Tiles as
-K5.5's (registry).
+K5.5's (kernels/config.fp8_forward_config).
 """
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
+from ..config import ForwardConfig
 from . import mma, smem
 from .warp_specialized_forward import WarpSpecializedForward
 
@@ -40,18 +41,12 @@ class Fp8Forward(WarpSpecializedForward):
     v_major = "K"  # P V reads V^T: (d, tile_n) tiles, keys contiguous
     p_offset_log2 = P_OFFSET_LOG2
 
-    def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 128, tile_n: int = 128,
-                 kv_stages: int = 2, q_stages: int = 1, pingpong: bool = True,
-                 intra_wg_overlap: bool = True, dynamic_schedule: bool = False,
-                 varlen: bool = False, local: bool = False, softcap: bool = False):
-        """`dtype` is the output's (bf16 or fp16); q, k and v are e4m3."""
-        if local and head_dim == 256 and tile_n > 64:
-            # the window's state beside 128-wide S tiles at d256 spills (408-484 bytes): K5.5's
-            # 64-wide tiles
-            tile_n = 64
-        assert tile_n % 32 == 0, "FP8 WGMMA is 32 keys deep: tile_n must be a multiple of 32"
-        super().__init__(cutlass.Float8E4M3FN, head_dim, causal, tile_m, tile_n, kv_stages, q_stages,
-                         pingpong, intra_wg_overlap, dynamic_schedule, varlen, local, softcap)
+    def __init__(self, dtype, head_dim: int, causal: bool, config: ForwardConfig, varlen: bool = False,
+                 local: bool = False, softcap: bool = False):
+        """`dtype` is the output's (bf16 or fp16); q, k and v are e4m3. `config`:
+        kernels/config.fp8_forward_config's."""
+        assert config.tile_n % 32 == 0, "FP8 WGMMA is 32 keys deep: tile_n must be a multiple of 32"
+        super().__init__(cutlass.Float8E4M3FN, head_dim, causal, config, varlen, local, softcap)
         self.out_dtype = dtype
 
     # ---------------------------------------------------------------- host side

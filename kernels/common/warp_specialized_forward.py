@@ -20,8 +20,12 @@ producer_helpers / after_loads (the V ring and what the producer warpgroup's oth
 V^T transpose), kv_source / produce_kv (a KV cache's pages), before_mainloop, tile_scales (FP8's
 descales). The mixin expects the mainloop (mainloop, mainloop_overlapped) beside it.
 
-Constraints: head_dim 64/96/128/192/256 (tiles per head dim in the registry); the register split is
-24 / 240 (producer / two consumer warpgroups) or 32 / 160 (three), sum <= 64K registers per SM.
+The static configuration (tiles, stages, flags, the register split) is a ForwardConfig, chosen
+per head dim and variant by kernels/config.py (forward_config, fp8_forward_config,
+cache_prefill_config); the constructor takes it as it is.
+
+Constraints: head_dim 64/96/128/192/256; tile_m 128 or 192 (one consumer warpgroup per 64 rows); the
+register split within 64K registers per SM (128 x (producer + consumer warpgroups x consumer)).
 """
 
 from types import SimpleNamespace
@@ -31,14 +35,12 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass import pipeline as dsl_pipeline
 
-from .. import k5_tiles
+from ..config import ForwardConfig
 from . import epilogue, mma, pipeline, scheduler, seqlen, smem, softmax, tma
 from .attention_tiles import StagedQkvLoads, WgmmaTileState
 from .pingpong import PingPong
 from .scheduler import AttentionTileSchedule
 
-# consumer warpgroups -> (producer, consumer) registers per thread: 128 * (p + n * c) <= 64K
-REGISTER_SPLIT = {2: (24, 240), 3: (32, 160)}
 EPILOGUE_BARRIER = 1  # named barrier among the consumer warpgroups (0 is __syncthreads)
 TURN_BARRIER = 2  # named barriers 2, 3 (, 4): the ping-pong turns, one per consumer warpgroup
 EPI_STAGES = 2  # SMEM buffers the O store cycles through
@@ -48,29 +50,28 @@ class WarpSpecializedForward(AttentionTileSchedule, PingPong, WgmmaTileState, St
     kv_pipelines = 2  # separate K and V barriers
     turn_barrier = TURN_BARRIER  # PingPong's first barrier
 
-    def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int = 128, tile_n: int = 128,
-                 kv_stages: int = 2, q_stages: int = 1, pingpong: bool = True,
-                 intra_wg_overlap: bool = True, dynamic_schedule: bool = False,
-                 varlen: bool = False, local: bool = False, softcap: bool = False,
-                 sinks: bool = False, head_dim_v: int | None = None, rescale_vote: bool = True):
-        tile_m, tile_n = k5_tiles.adjust(tile_m, tile_n, head_dim, causal, varlen, local, head_dim_v)
+    def __init__(self, dtype, head_dim: int, causal: bool, config: ForwardConfig, varlen: bool = False,
+                 local: bool = False, softcap: bool = False, sinks: bool = False,
+                 head_dim_v: int | None = None):
+        """`config`: kernels/config.py's choice for this head dim and variant."""
+        self.config = config
         self.dtype, self.head_dim, self.causal = dtype, head_dim, causal
-        self.tile_m, self.tile_n, self.kv_stages = tile_m, tile_n, kv_stages
+        self.tile_m, self.tile_n, self.kv_stages = config.tile_m, config.tile_n, config.kv_stages
         # V's (and O's) head dim, where it differs from Q's and K's (DeepSeek's (192, 128)): only
         # V's ring, P V and the epilogue see it
         self.head_dim_v = head_dim_v or head_dim
         # variants (static, each compiled on demand): packed variable-length batches, a sliding
         # window (mask.py), tanh-capped scores, attention sinks in the denominator (softmax.py)
         self.varlen, self.local, self.softcap, self.sinks = varlen, local, softcap, sinks
-        self.consumer_wgs = tile_m // 64
+        self.consumer_wgs = config.consumer_warpgroups
         self.num_threads = 128 * (1 + self.consumer_wgs)
-        self.producer_regs, self.consumer_regs = REGISTER_SPLIT[self.consumer_wgs]
-        self.pingpong = pingpong and self.consumer_wgs >= 2
-        self.intra_wg_overlap = intra_wg_overlap
-        self.rescale_vote = rescale_vote  # skip O's rescale when no row's max moved (k5_mainloop)
-        self.q_stages = q_stages
+        self.producer_regs, self.consumer_regs = config.producer_regs, config.consumer_regs
+        self.pingpong = config.pingpong and self.consumer_wgs >= 2
+        self.intra_wg_overlap = config.intra_wg_overlap
+        self.rescale_vote = config.rescale_vote  # skip O's rescale when no row's max moved (k5_mainloop)
+        self.q_stages = config.q_stages
         # causal tiles differ in length: hand them out from a GMEM counter (non-causal: static)
-        self.dynamic = dynamic_schedule and causal
+        self.dynamic = config.dynamic_schedule and causal
 
     # ---------------------------------------------------------------- host side
     def make_stage_loads(self, mQ, mK, mV):
