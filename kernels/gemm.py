@@ -54,9 +54,8 @@ class GemmBase:
         # tile_k=0: 128 bytes of each row (the 128-byte swizzle): 64 16-bit or 128 FP8 elements
         self.tile_m, self.tile_n, self.tile_k = tile_m, tile_n, tile_k or K_TILE_BYTES * 8 // dtype.width
         # a_rows < tile_m (M <= a_rows, row-major A only): TMA loads just the top a_rows rows of
-        # each A tile. Out-of-bounds rows of a TMA box cost time (a 1-row A in a 64-row box took
-        # 1.6x as long as a full one); the rows below hold stale SMEM, which only reaches output
-        # rows >= M, and those the store clips.
+        # each A tile. Out-of-bounds rows of a TMA box cost time (worklog/gemm.md); the rows below
+        # hold stale SMEM, which only reaches output rows >= M, and those the store clips.
         self.a_rows = config.a_rows or tile_m
         assert self.a_rows <= tile_m and self.a_rows % 8 == 0
         self.mma_warpgroups = config.mma_warpgroups
