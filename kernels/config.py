@@ -182,7 +182,7 @@ class RungConfig(Generic[C]):
 
 def key(rung: RungConfig, chosen) -> tuple:
     """A compile key's configuration: the chosen configuration's (field, value) pairs, and the
-    table's class attributes (str, int, bool and None only: the disk cache hashes the repr)."""
+    table's class attributes (plain values, whose repr the disk cache hashes)."""
     return tuple((f.name, getattr(chosen, f.name)) for f in fields(chosen)) + rung.class_attributes
 
 
