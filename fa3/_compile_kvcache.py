@@ -20,11 +20,12 @@ def _decode_config(spec, dtype, head_dim, paged, gather):
 
 
 def kvcache_key(spec, dtype, head_dim, causal, paged=False, local=False, softcap=False, gather=False,
-                varlen=False, leftpad=False, sinks=False, out_dtype=None, max_queries=0) -> tuple:
+                varlen=False, leftpad=False, sinks=False, out_dtype=None, max_queries=0, query_dtype=None) -> tuple:
     variant = (bool(local), bool(softcap), bool(sinks))
     layout = (bool(gather), bool(varlen), bool(leftpad))  # row gathers, packed queries, left padding
     out = (("out", str(out_dtype)),) if out_dtype not in (None, dtype) else ()
     out += (("max_queries", int(max_queries)),) if max_queries else ()
+    out += (("query", str(query_dtype)),) if query_dtype not in (None, dtype) else ()
     return (spec.name, str(dtype), head_dim, bool(causal), bool(paged), *((variant,) if any(variant) else ()),
             *((("gather_varlen_leftpad",) + layout,) if any(layout) else ()), *out,
             config.key(spec.config, _decode_config(spec, dtype, head_dim, paged, gather)), _dsl.TARGET_ARCH,
@@ -32,33 +33,39 @@ def kvcache_key(spec, dtype, head_dim, causal, paged=False, local=False, softcap
 
 
 def build_kvcache(spec, dtype, head_dim, causal, paged=False, local=False, softcap=False, gather=False,
-                   varlen=False, leftpad=False, sinks=False, out_dtype=None, max_queries=0, extra_options=""):
-    # an FP8 cache (and q): dequantized in SMEM to fp16 for the GEMMs, O in out_dtype (bf16 default)
+                   varlen=False, leftpad=False, sinks=False, out_dtype=None, max_queries=0, query_dtype=None,
+                   extra_options=""):
+    # an FP8 cache: dequantized in SMEM to fp16 for the GEMMs; q e4m3 (query_dtype None) with O in
+    # out_dtype (bf16 default), or bf16 / fp16 with O in out_dtype (q's default)
     fp8 = dtype == torch.float8_e4m3fn
-    out_dtype = out_dtype or (torch.bfloat16 if fp8 else dtype)
+    query_dtype = query_dtype or dtype
+    out_dtype = out_dtype or (torch.bfloat16 if query_dtype == torch.float8_e4m3fn else query_dtype)
+    # (16-bit q only over an FP8 cache: a 16-bit cache takes q of its own dtype)
+    sixteen_bit_q = {"query_dtype": sig.cute_dtype(query_dtype)} if query_dtype != dtype else {}
     kernel = spec.load_class()(dtype=sig.cute_dtype(torch.float16 if fp8 else dtype), head_dim=head_dim,
                                causal=causal, config=_decode_config(spec, dtype, head_dim, paged, gather),
                                paged=paged, local=local, softcap=softcap, gather=gather,
                                varlen=varlen, leftpad=leftpad, sinks=sinks, out_dtype=sig.cute_dtype(out_dtype),
-                               max_queries=max_queries, fp8=fp8)
-    return core.compile_kernel(kernel, sig.kvcache_args(dtype, head_dim, out_dtype), extra_options)
+                               max_queries=max_queries, fp8=fp8, **sixteen_bit_q)
+    return core.compile_kernel(kernel, sig.kvcache_args(dtype, head_dim, out_dtype, query_dtype), extra_options)
 
 
 def get_kvcache(spec, dtype, head_dim, causal, paged, local=False, softcap=False, gather=False,
-                varlen=False, leftpad=False, sinks=False, out_dtype=None, max_queries=0):
+                varlen=False, leftpad=False, sinks=False, out_dtype=None, max_queries=0, query_dtype=None):
     """The compiled KV-cache kernel: paged (gather: pages that do not hold whole key blocks) or
     dense (leftpad: keys from cache_leftpad on), packed queries (varlen; max_queries: only entries
     of fewer queries, the rest being K5's) or (batch, seqlen_q) ones, with or without attention
-    sinks; `dtype` q's and the cache's (float8_e4m3fn: an FP8 cache, O in out_dtype)."""
+    sinks; `dtype` the cache's and q's (float8_e4m3fn: an FP8 cache, O in out_dtype), or q's
+    query_dtype where it differs (bf16 / fp16 q over an FP8 cache)."""
     fast_key = ("kvcache", spec.name, dtype, head_dim, causal, paged, local, softcap, gather, varlen, leftpad,
-                sinks, out_dtype, max_queries)
+                sinks, out_dtype, max_queries, query_dtype)
     fn = core.FAST.get(fast_key)
     if fn is None:
         fn = core.FAST[fast_key] = core.cached(
             kvcache_key(spec, dtype, head_dim, causal, paged, local, softcap, gather, varlen, leftpad, sinks,
-                        out_dtype, max_queries),
+                        out_dtype, max_queries, query_dtype),
             lambda: build_kvcache(spec, dtype, head_dim, causal, paged, local, softcap, gather, varlen,
-                                   leftpad, sinks, out_dtype, max_queries))
+                                   leftpad, sinks, out_dtype, max_queries, query_dtype))
     return fn
 
 

@@ -155,16 +155,18 @@ def cache_prefill_args(dtype, head_dim):
             i32(0), i32(0), f32(1.0), vector(f32)]  # window edges, softcap scale, sinks
 
 
-def kvcache_args(dtype, head_dim, out_dtype=None):
+def kvcache_args(dtype, head_dim, out_dtype=None, query_dtype=None):
     """Fake (q, k_cache, v_cache, cache_seqlens, block_table, out, lse, out_partial, lse_partial,
     scale_log2, appended, window edges, softcap scale, cu_seqlens_q, max_seqlen_q, cache_leftpad,
     entry order, sinks, q/k/v descales): see kernels/decode.py. The cache is (planes, rows, heads_kv,
     d), planes being batch entries (dense) or pages (paged); every extent is dynamic (packed
-    queries: q is (1, total_q, heads_q, d) and cache_seqlens has its own extent). `dtype`: q's and
-    the cache's; out has out_dtype (default dtype); the descales are (batch, heads_kv) FP32
-    (1-element stand-ins unless FP8)."""
+    queries: q is (1, total_q, heads_q, d) and cache_seqlens has its own extent). `dtype`: the
+    cache's, and q's unless query_dtype is given (16-bit q over an FP8 cache); out has out_dtype
+    (default dtype); the descales are (batch, heads_kv) FP32 (1-element stand-ins where unread:
+    all three over a 16-bit cache, q's for 16-bit q)."""
     cutlass, cute = _dsl.import_cute()
     dt, f32, i32 = cute_dtype(dtype), cutlass.Float32, cutlass.Int32
+    qt = cute_dtype(query_dtype or dtype)
     out = cute_dtype(out_dtype or dtype)
     b, sq, hq, hkv, rows, planes, pages, splits = (cute.sym_int64() for _ in range(8))
     # the block table, the partials, the lengths and the query offsets have extents of their own:
@@ -172,7 +174,7 @@ def kvcache_args(dtype, head_dim, out_dtype=None):
     b_table, b_part, sq_part, hq_part, b_lens, b_cu, b_pad = (cute.sym_int64() for _ in range(7))
     cache = lambda: unit_last(cute, dt, planes, rows, hkv, head_dim, tma=True)
     descale = lambda: unit_last(cute, f32, cute.sym_int64(), cute.sym_int64())
-    return [unit_last(cute, dt, b, sq, hq, head_dim, align=dt.width // 8), cache(), cache(),
+    return [unit_last(cute, qt, b, sq, hq, head_dim, align=qt.width // 8), cache(), cache(),
             fake_tensor(cute, i32, (b_lens,), (1,), align=4), unit_last(cute, i32, b_table, pages),
             unit_last(cute, out, b, sq, hq, head_dim, align=2), unit_last(cute, f32, b, hq, sq),
             unit_last(cute, f32, splits, b_part, sq_part, hq_part, head_dim),

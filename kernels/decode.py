@@ -50,8 +50,9 @@ of one query; a chunk of a prompt, a longer one: one launch serves a serving eng
 Where the host sends the long entries (long_queries or more queries) to K5 in the same call
 (kernels/k5_cache.py, fa3/cache_prefill.py), `max_queries` gives them no tiles here.
 
-**An FP8 cache** (`fp8`: q, k_cache and v_cache in float8_e4m3fn, with descales (batch, heads_kv)
-FP32) is S1 plus one idea, dequantizing in SMEM. An FP8 cache halves the bytes a decode reads.
+**An FP8 cache** (`fp8`: k_cache and v_cache in float8_e4m3fn, with descales (batch, heads_kv)
+FP32; q in e4m3 with its own descale, or in bf16 / fp16 with none: `query_dtype`) is S1 plus one
+idea, dequantizing in SMEM. An FP8 cache halves the bytes a decode reads.
 WGMMA's FP8 form wants V K-major (V^T), which a paged cache does not hold, so the warpgroup
 dequantizes instead: each landed stage is converted into one 16-bit K and one 16-bit V tile (fp16:
 every e4m3 value is exact there; cvt.rn.f16x2.e4m3x2 converts two at a time), the GEMMs read those,
@@ -64,8 +65,11 @@ per key block (`mainloop_fp8`):
 (no GEMM is in flight across the loop's back edge: ptxas serializes WGMMAs whose accumulators
 are carried there, C7514), and the ring is short (`fp8_kv_stages`) so that two CTAs share an SM
 up to d128, one's conversions running beside the other's GEMMs. Q is converted as it is
-gathered. q_descale x k_descale of the CTA's KV head folds into the score scale (with softcap:
-into the tanh's), v_descale into O's normalisation; the output is bf16 or fp16 (`out_dtype`).
+gathered: e4m3 exactly; bf16 or fp16 after a power of two per warp's 16 rows that brings their
+largest |q| into [2^14, 2^15) (fp16 ends at 65504; exact for every element within 2^28 of that
+largest: load_q_scaled), whose inverse joins the warp's score scale. q_descale (e4m3 q) x
+k_descale of the CTA's KV head folds into the score scale (with softcap: into the tanh's),
+v_descale into O's normalisation; the output is bf16 or fp16 (`out_dtype`).
 Everything else is the 16-bit cache's: the split, packed GQA, pages and gathers, masks, sinks, the
 combine. SMEM at d128: Q 16 KB, four 16 KB FP8 stages, the two 16 KB fp16 tiles.
 
@@ -81,7 +85,9 @@ from typing import Optional
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import warpgroup
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .common import mask, mma, paged, pipeline, scheduler, seqlen, smem, softmax, tma
 from .config import DecodeConfig
@@ -89,21 +95,37 @@ from .config import DecodeConfig
 CONVERT_ELEMS = 8  # elements one thread dequantizes at a time (FP8 cache): 8 bytes of e4m3 in, 16 bytes out
 
 
+@dsl_user_op
+def float_bits(x: Float32, *, loc=None, ip=None) -> Int32:
+    """The bits of an FP32 value, as an Int32."""
+    return Int32(llvm.bitcast(T.i32(), Float32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+@dsl_user_op
+def bits_float(bits: Int32, *, loc=None, ip=None) -> Float32:
+    """The FP32 value of a bit pattern."""
+    return Float32(llvm.bitcast(T.f32(), Int32(bits).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
 class SplitKVAttention:
     def __init__(self, dtype, head_dim: int, causal: bool, config: DecodeConfig, paged: bool = False,
                  local: bool = False, softcap: bool = False, gather: bool = False, varlen: bool = False,
                  leftpad: bool = False, sinks: bool = False, out_dtype=None, max_queries: int = 0,
-                 fp8: bool = False):
+                 fp8: bool = False, query_dtype=None):
         """config: kernels/config.decode_config's (tiles, and the SMEM plan: kv_stages and
         planned_smem_bytes, by which fa3.split_plan counts CTAs an SM); SharedStorage may not outgrow
         planned_smem_bytes.
         max_queries (varlen; 0: none): only entries of fewer queries get tiles, the others being
-        K5's in the same call (kernels/k5_cache.py). fp8: q and the cache in e4m3, `dtype` the
-        16-bit type they are dequantized to (fp16)."""
+        K5's in the same call (kernels/k5_cache.py). fp8: the cache in e4m3, `dtype` the 16-bit
+        type it is dequantized to (fp16); q in query_dtype: e4m3 (None) with q_descale, or bf16 /
+        fp16 with none (load_q_scaled)."""
         self.dtype, self.head_dim, self.causal, self.paged = dtype, head_dim, causal, paged
-        # fp8: q and the cache in e4m3, dequantized in SMEM to `dtype` (fp16), the GEMMs' type
+        # fp8: the cache (and q, unless query_dtype is 16-bit) in e4m3, dequantized in SMEM to
+        # `dtype` (fp16), the GEMMs' type
         self.fp8 = fp8
         self.cache_dtype = cutlass.Float8E4M3FN if fp8 else dtype
+        # 16-bit q over an FP8 cache: scaled by a power of two into fp16's range as it is gathered
+        self.scales_q = fp8 and query_dtype is not None and query_dtype.width == 16
         self.out_dtype = out_dtype or dtype
         # a sliding window (mask.py), capped scores, attention sinks (softmax.finalize)
         self.local, self.softcap, self.sinks = local, softcap, sinks
@@ -278,8 +300,14 @@ class SplitKVAttention:
             if self.is_kv_producer(warp_idx):
                 for _ in cutlass.range(cutlass.min(self.kv_stages, n_blocks), unroll=1):
                     kv_producer = self.load_kv(kv_producer, last - kv_producer.count, *loads)
-            if n_blocks > 0:  # (CTA-uniform: the gather syncs the CTA)
-                self.load_q(mQ, sQ, tidx, m_block, head_kv, group, q_plane, seq)
+            if cutlass.const_expr(self.scales_q):
+                q_unscale = Float32(1.0)
+                if n_blocks > 0:
+                    q_unscale = self.load_q_scaled(mQ, sQ, tidx, m_block, head_kv, group, q_plane, seq)
+                scale_log2, softcap_scale = self.fold_query_scale(q_unscale, scale_log2, softcap_scale)
+            else:
+                if n_blocks > 0:  # (CTA-uniform: the gather syncs the CTA)
+                    self.load_q(mQ, sQ, tidx, m_block, head_kv, group, q_plane, seq)
 
             row0 = m_block * self.tile_m
             blocks = (n_blocks, last, m_block, group, seq, scale_log2, window, softcap_scale)
@@ -293,16 +321,25 @@ class SplitKVAttention:
                       softcap_scale: Float32):
         """(scale_log2, softcap_scale, O's scale): 16-bit caches have no descales; an FP8 cache's
         (one sequence, one KV head a CTA): q x k into the score scale (with softcap: the tanh's), v
-        into O's."""
+        into O's. 16-bit q has no q_descale (its stand-in is not read)."""
         if not self.fp8:
             return scale_log2, softcap_scale, Float32(1.0)
         q_descale, k_descale, v_descale = descales
-        qk_descale = q_descale[batch, head_kv] * k_descale[batch, head_kv]
+        if self.scales_q:
+            qk_descale = k_descale[batch, head_kv]
+        else:
+            qk_descale = q_descale[batch, head_kv] * k_descale[batch, head_kv]
         if self.softcap:
             softcap_scale = softcap_scale * qk_descale
         else:
             scale_log2 = scale_log2 * qk_descale
         return scale_log2, softcap_scale, v_descale[batch, head_kv]
+
+    def fold_query_scale(self, q_unscale: Float32, scale_log2: Float32, softcap_scale: Float32):
+        """(scale_log2, softcap_scale) with load_q_scaled's 2^-k folded in where q's descale goes."""
+        if self.softcap:
+            return scale_log2, softcap_scale * q_unscale
+        return scale_log2 * q_unscale, softcap_scale
 
     @cute.jit
     def attend(self, storage, sQ, sKV16_layout, kv_pipe, kv_producer, loads, warp_idx: Int32, blocks):
@@ -453,6 +490,50 @@ class SplitKVAttention:
         # generic-proxy writes, read by WGMMA through the async proxy
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()
+
+    @cute.jit
+    def load_q_scaled(self, mQ: cute.Tensor, sQ: cute.Tensor, tidx: Int32, m_block: Int32, head_kv: Int32,
+                      group: Int32, q_plane: Int32, seq) -> Float32:
+        """load_q for bf16 / fp16 q over an FP8 cache, whose GEMMs are fp16: warp w gathers the 16
+        rows its WGMMA accumulators hold (16w .. 16w + 15) and multiplies them by 2^k, k chosen from
+        their largest |q| (a, in FP32) so that a 2^k lies in [2^14, 2^15), fp16 reaching 65504
+        (k >= -113 for bf16's largest; k is at most 24, and 0 when a is inf). The products are
+        exact, and so is their conversion to fp16 for every element of at least a 2^-28 (bf16 and
+        fp16 carry at most 11 significant bits); smaller ones round to fp16's subnormals, an error
+        of at most a 2^-39. Returns 2^-k, folded into this warp's score scale (fold_query_scale).
+        Rows past the queries are zeros."""
+        rows_per_warp = 16  # a warp's rows of the m64 WGMMA accumulator
+        chunks_per_row = self.head_dim // 8
+        warp, lane = tidx // 32, tidx % 32
+        values = []  # this lane's chunks in FP32, kept until the warp's scale is known
+        largest = Float32(0.0)
+        for i in cutlass.range_constexpr(rows_per_warp * chunks_per_row // 32):
+            chunk = lane + i * 32
+            r = warp * rows_per_warp + chunk // chunks_per_row
+            packed = m_block * self.tile_m + r
+            query, head = packed // group, head_kv * group + packed % group
+            valid = query < seq.seqlen_q
+            query = cutlass.min(query, seq.seqlen_q - 1)  # a row that exists: loaded, then zeroed
+            for e in cutlass.range_constexpr(8):
+                x = mQ[q_plane, seq.offset_q + query, head, chunk % chunks_per_row * 8 + e].to(Float32)
+                x = x if valid else Float32(0.0)
+                largest = cute.arch.fmax(largest, cute.arch.fmax(x, -x))
+                values.append(x)
+        largest = cute.arch.warp_reduction_max(largest, threads_in_group=32)
+        exponent = (float_bits(largest) >> 23) & 0xFF  # biased; 255: inf (fmax drops NaN)
+        shift = cutlass.min(Int32(141) - exponent, Int32(24))  # 141 = 127 + 14
+        if exponent == 255:
+            shift = Int32(0)
+        scale = bits_float((Int32(127) + shift) << 23)
+        for i in cutlass.range_constexpr(rows_per_warp * chunks_per_row // 32):
+            chunk = lane + i * 32
+            r, c = warp * rows_per_warp + chunk // chunks_per_row, chunk % chunks_per_row * 8
+            for e in cutlass.range_constexpr(8):
+                sQ[r, c + e] = (values[i * 8 + e] * scale).to(self.dtype)
+        # generic-proxy writes, read by WGMMA through the async proxy
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.sync_threads()
+        return bits_float((Int32(127) - shift) << 23)
 
     @cute.jit
     def zero_rows_past_end(self, sV_stage: cute.Tensor, valid_rows: Int32, tidx: Int32):
