@@ -69,7 +69,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     del num_splits, pack_gqa  # (keys are split only over a KV cache; GQA packing is fa3's choice)
     return attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                      softcap=softcap, deterministic=deterministic, sinks=_sinks(learnable_sink=learnable_sink),
-                     **_descales(q, q_descale, k_descale, v_descale))
+                     **_descales(q, k, q_descale, k_descale, v_descale))
 
 
 def _sinks(**named):
@@ -93,15 +93,18 @@ def _splits(num_splits) -> dict:
     return {"max_splits": num_splits} if split_count(num_splits) > 1 else {"num_splits": num_splits}
 
 
-def _descales(q, q_descale, k_descale, v_descale) -> dict:
+def _descales(q, k, q_descale, k_descale, v_descale) -> dict:
     """FP8 descale factors as fa3's keywords: flash-attn applies them to FP8 inputs only, and so
-    does this (for 16-bit inputs they are checked to be tensors, and not read)."""
+    does this: all three with FP8 q; k_descale and v_descale with 16-bit q over an FP8 cache (k);
+    none otherwise (what is not passed on is checked to be a tensor or None, and not read)."""
     named = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
     if getattr(q, "dtype", None) in _checks.FP8_LIKE:
         return named
     for name, t in named.items():
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a tensor or None, got {type(t).__name__}")
+    if getattr(k, "dtype", None) in _checks.FP8_LIKE:
+        return {"k_descale": k_descale, "v_descale": v_descale}
     return {}
 
 
@@ -120,13 +123,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
     sequence's keys, cu_seqlens_k None, out= a preallocated output, num_splits (at most that many, as
     flash-attn 3 reads it: fa3's max_splits; 0: planned from
     shapes), scheduler_metadata (fa3.get_scheduler_metadata), return_softmax_lse -> (out, lse).
-    FP8 descales: with float8_e4m3fn q, k, v (packed, no cache), fa3's FP8 forward; with 16-bit
-    inputs they are not read, as in flash-attn. s_aux (vLLM's name) or learnable_sink
-    (flash-attn-4's): attention sinks, fa3's `sinks`."""
+    FP8 descales: with float8_e4m3fn q, k, v (packed, no cache), fa3's FP8 forward; over an FP8
+    cache, k_descale and v_descale its descales, and q_descale FP8 q's (with bf16 / fp16 q it is
+    not read); with 16-bit inputs they are not read, as in flash-attn. s_aux (vLLM's name) or
+    learnable_sink (flash-attn-4's): attention sinks, fa3's `sinks`."""
     _check_common(dropout_p, alibi_slopes, return_attn_probs)
     _check_fa3_options(qv, attention_chunk, sm_margin, seqused_q)
     del pack_gqa  # a hint: fa3 packs the query heads of a KV head where that pays
-    descales = _descales(q, q_descale, k_descale, v_descale)
+    descales = _descales(q, k, q_descale, k_descale, v_descale)
     _refuse("fa_version", fa_version, None if fa_version is None else 3, "fa3 is FlashAttention-3")
     window_size = (-1, -1) if window_size is None else window_size  # (flash-attn 3's default)
     return attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
@@ -151,8 +155,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     keywords too (SGLang's call): page_table (= block_table), cu_seqlens_q and max_seqlen_q (packed
     queries, several per sequence), cu_seqlens_k_new (packed new k/v; ignored without them, as
     flash-attn 3 does), scheduler_metadata,
-    FP8 descales (an FP8 cache: float8_e4m3fn q,
-    k_cache, v_cache; not read with 16-bit inputs), sinks
+    FP8 descales (an FP8 cache: float8_e4m3fn k_cache, v_cache, with FP8 q or bf16 / fp16 q, whose
+    q_descale is then not read; none is read with a 16-bit cache), sinks
     (SGLang's name) or learnable_sink (flash-attn-4's): attention sinks, fa3's `sinks`; out= a
     preallocated output; pack_gqa (a hint: fa3's cache kernel always packs the query heads of a KV
     head), sm_margin and attention_chunk at their defaults, and ver (SGLang's kernel selector) 3."""
@@ -187,4 +191,4 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                   window_size=window_size, softcap=softcap, **_splits(num_splits),
                                   return_lse=return_softmax_lse, sinks=_sinks(sinks=sinks, learnable_sink=learnable_sink),
                                   out=out,
-                                  **_descales(q, q_descale, k_descale, v_descale))
+                                  **_descales(q, k_cache, q_descale, k_descale, v_descale))

@@ -10,9 +10,11 @@ own keys). The kernel (kernels/decode.py) packs the query heads of each KV head 
 splits the key range across CTAs; `num_splits=0` picks the split count from shapes alone
 (fa3.split_plan: no host sync, so CUDA graphs capture the call).
 
-An FP8 cache: q, k_cache and v_cache in float8_e4m3fn with q/k/v_descale (batch, heads_kv) float32
-(vLLM's and SGLang's call; one element for a whole tensor); the kernel dequantizes each K/V tile
-in SMEM, so the cache is read at one byte an element; out is bf16 (or out='s dtype).
+An FP8 cache: k_cache and v_cache in float8_e4m3fn with k/v_descale (batch, heads_kv) float32
+(one element for a whole tensor), q in float8_e4m3fn with q_descale (vLLM's and SGLang's call; out
+bf16, or out='s dtype) or in bf16 / fp16 with none (out in q's dtype); the kernel dequantizes each
+K/V tile in SMEM, so the cache is read at one byte an element. New 16-bit k/v are quantized into
+it with k/v_descale.
 
 The kernel clamps lengths to [0, capacity] and page indices to [0, num_pages), fa3.cache_append the
 append's positions; eager calls also check the values of cache_seqlens and block_table on the host
@@ -59,10 +61,12 @@ def launch_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, capaci
     plane (grid sized by max_seqlen_q); otherwise q is (batch, seqlen_q, heads_q, d). max_seqlen_k
     (-1: unknown, the capacity) bounds the keys for the split plan; cache_leftpad (batch,): where
     each sequence's keys start in a dense cache. descales: an FP8 cache's (q, k, v) descales,
-    float32 (batch, heads_kv) each; out, unless given, in out_dtype (None: bf16 for an FP8 cache,
-    q's dtype otherwise). full: every sequence holds all `capacity` keys (no order to sort)."""
+    float32 (batch, heads_kv) each (q's None for 16-bit q); out, unless given, in out_dtype (None:
+    bf16 for FP8 q, q's dtype otherwise). full: every sequence holds all `capacity` keys (no order
+    to sort)."""
     fp8 = descales is not None
-    out_dtype = out.dtype if out is not None else out_dtype or (torch.bfloat16 if fp8 else q.dtype)
+    out_dtype = out.dtype if out is not None else out_dtype or (
+        torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype)
     launch = CacheLaunch(spec, q, k_cache, block_table is not None, capacity, appended, causal, scale, num_splits,
                          window, softcap, cu_seqlens_q, max_seqlen_q, max_seqlen_k, cache_leftpad is not None,
                          sinks is not None, fp8, out_dtype, full)
@@ -104,9 +108,10 @@ class CacheLaunch:
         s1_max_queries = 0 if plan.long is None else plan.long.min_queries  # S1 (and its combine) skip K5's
         self.sort = plan.longest_first and not full  # the longest entries first (sorted on the device)
         self.partials_shape = (self.num_splits, 1 if self.packed else batch, rows_q, heads_q, head_dim)
-        self.fn = _compile_kvcache.get_kvcache(spec, q.dtype, head_dim, self.mask.causal, paged, self.mask.local,
-                                               self.mask.softcap, plan.gather, self.packed, leftpad, has_sinks,
-                                               out_dtype if fp8 else None, s1_max_queries)
+        self.fn = _compile_kvcache.get_kvcache(spec, k_cache.dtype, head_dim, self.mask.causal, paged,
+                                               self.mask.local, self.mask.softcap, plan.gather, self.packed,
+                                               leftpad, has_sinks, out_dtype if fp8 else None, s1_max_queries,
+                                               q.dtype if q.dtype != k_cache.dtype else None)
         self.combine = (_compile_kvcache.get_combine(out_dtype, head_dim, has_sinks, s1_max_queries)
                         if self.num_splits > 1 else None)
         self.order = _compile_kvcache.get_entry_order() if self.sort else None
@@ -137,11 +142,14 @@ class CacheLaunch:
             order = torch.empty(self.batch, dtype=torch.int64, device=device)
             self.order(cache_seqlens, order, self.keys)
         sinks = _launch.sinks_ready(sinks) if self.has_sinks else _launch.stand_in(device, torch.float32)
+        q_descale, k_descale, v_descale = descales or self.no_descales
+        if q_descale is None:  # 16-bit q over an FP8 cache: not read
+            q_descale = self.no_descales[0]
         mask = self.mask
         self.fn(q4, k_cache, v_cache, cache_seqlens, block_table if self.paged else _dummy("table", device), out4,
                 lse3, o_partial, lse_partial, mask.scale_log2, self.appended, mask.left, mask.right,
                 mask.softcap_scale, cu, self.s1_queries, cache_leftpad if self.leftpad else _launch.stand_in(device),
-                order, sinks, *(descales or self.no_descales))
+                order, sinks, q_descale, k_descale, v_descale)
         if self.combine is not None:
             self.combine(o_partial, lse_partial, out4, lse3, sinks, cu)
         if self.long is not None:
@@ -309,7 +317,7 @@ def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, sof
     spec, seqlens, capacity, appended, max_q = check_kvcache(
         q, k_cache, v_cache, k, v, seqlens, block_table, kernel, window_size, softcap, cu_seqlens_q,
         max_seqlen_q, lengths_name, cache_leftpad, cu_seqlens_k_new)
-    descales = check_descales(q, descales, seqlens.shape[0], k_cache.shape[2])
+    descales = check_descales(q, k_cache, descales, seqlens.shape[0], k_cache.shape[2])
     inputs = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v))
     if out is not None and descales is not None:
         _checks.check_fp8_output(out, q, inputs)
@@ -343,14 +351,17 @@ def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, sof
     refuse_first = k is not None or out is not None  # refuse before anything is written
     if refuse_first:
         wait()
+    kv_descales = None if descales is None else descales[1:]  # (16-bit new k/v are quantized with them)
     if cu_seqlens_k_new is not None:  # the kernel attends over the lengths after the append
-        seqlens = append_packed(k_cache, v_cache, k, v, seqlens, cu_seqlens_k_new, block_table, capacity)
+        seqlens = append_packed(k_cache, v_cache, k, v, seqlens, cu_seqlens_k_new, block_table, capacity,
+                                kv_descales)
     elif k is not None:
-        append_to_cache(k_cache, v_cache, k, v, seqlens, block_table, capacity)
-    if _dispatch.direct_call_ok(q, k_cache, v_cache, *(descales or ())) and \
+        append_to_cache(k_cache, v_cache, k, v, seqlens, block_table, capacity, kv_descales)
+    if _dispatch.direct_call_ok(q, k_cache, v_cache, *(t for t in descales or () if t is not None)) and \
             (sinks is None or _dispatch.direct_call_ok(sinks)):
         with _dispatch.op_range("fa3::attention_kvcache"):
-            if plain and q.device in _checks.HOPPER_SMS:  # planned, launched and remembered
+            # planned, launched and remembered; not an FP8 cache, whose descales are the call's
+            if plain and descales is None and q.device in _checks.HOPPER_SMS:
                 launch = CacheLaunch(spec, q, k_cache, block_table is not None, capacity, 0, causal, scale,
                                      int(num_splits), window, 0.0, cu_seqlens_q, max_q, max_seqlen_k, False, False,
                                      False, q.dtype, False)
@@ -363,7 +374,7 @@ def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, sof
                                           bool(causal), scale, int(num_splits), window, softcap, cu_seqlens_q,
                                           max_q, max_seqlen_k, out, cache_leftpad, sinks, descales)
     else:
-        out_dtype = None if descales is None else (torch.bfloat16 if out is None else out.dtype)
+        out_dtype = None if descales is None or out is None else out.dtype  # (None: the op's default)
         result, lse = torch.ops.fa3.attention_kvcache(q, k_cache, v_cache, seqlens, block_table, appended,
                                                       bool(causal), scale, int(num_splits), spec.name,
                                                       window[0], window[1], float(softcap), cu_seqlens_q,
@@ -384,7 +395,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     """softmax(q K^T * softmax_scale) V over each sequence's cached keys, as flash-attn's
     flash_attn_with_kvcache.
 
-    q: (batch, seqlen_q, heads_q, d), bf16/fp16 (float8_e4m3fn with an FP8 cache), d in
+    q: (batch, seqlen_q, heads_q, d), bf16/fp16 (over an FP8 cache also float8_e4m3fn), d in
         64/96/128/192/256, heads_q a multiple of heads_kv;
         or, with cu_seqlens_q, (total_q, heads_q, d): entry b's queries are rows
         [cu_seqlens_q[b], cu_seqlens_q[b + 1]) (several tokens per sequence: speculative verify,
@@ -394,7 +405,9 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         order; any page size (multiples of 64 are read by TMA, others by cp.async row gathers).
     k, v: optional new tokens (batch, new_tokens, heads_kv, d), written into the cache at positions
         cache_seqlens[b] .. cache_seqlens[b] + new_tokens - 1 (in place) before attending; or, with
-        cu_seqlens_k_new, packed (total_new, heads_kv, d).
+        cu_seqlens_k_new, packed (total_new, heads_kv, d). In the cache's dtype, or, for an FP8
+        cache beside 16-bit q, in q's dtype: quantized, e4m3(k / k_descale) rounded to nearest
+        and saturating at +-448 (v likewise).
     cu_seqlens_k_new: optional int32 (batch + 1,) offsets of packed new k/v (required with them
         beside cu_seqlens_q): sequence b's new tokens are rows [cu_seqlens_k_new[b],
         cu_seqlens_k_new[b + 1]), any number per sequence, written at cache_seqlens[b] onwards;
@@ -416,10 +429,13 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         graph captured with short sequences replays long ones), capped; not with num_splits.
     sinks: optional attention sinks, a float32 (heads_q,) tensor, as fa3.attention (not
         differentiated here).
-    q_descale, k_descale, v_descale: an FP8 cache (q, k_cache, v_cache, and k, v if given, all
-        torch.float8_e4m3fn): float32 (batch, heads_kv) descales (or one element, or None for 1),
-        as vLLM and SGLang pass them; attention is computed on q * q_descale etc. (exactly: the
-        kernel dequantizes each tile in SMEM) and out is bf16 (or out='s dtype).
+    q_descale, k_descale, v_descale: an FP8 cache (k_cache, v_cache torch.float8_e4m3fn): float32
+        (batch, heads_kv) descales (or one element, or None for 1), as vLLM and SGLang pass them;
+        attention is computed on k_cache * k_descale etc. (exactly: the kernel dequantizes each
+        tile in SMEM). FP8 q (and k, v if given) with q_descale, out bf16 (or out='s dtype), or
+        bf16 / fp16 q with no q_descale, out in q's dtype (or out='s): the kernel scales q by a
+        power of two per 16 packed rows into fp16's range (its GEMMs' type; |q| beyond 65504
+        included) and converts it exactly, but for elements 2^28 below their rows' largest.
     out: optional preallocated output shaped like q, contiguous, in q's dtype (an FP8 cache: bf16
         or fp16); it is returned.
     Returns out shaped like q (and the fp32 lse: (batch, heads_q, seqlen_q), or (heads_q, total_q)

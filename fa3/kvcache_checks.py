@@ -1,8 +1,8 @@
 """The arguments of a call against a KV cache, checked before anything launches or is written
 (fa3.attention_with_kvcache, fa3.attention_varlen over a cache, and their custom ops): tensors,
-shapes, strides, dtypes (an FP8 cache and its descales), the cache's layout (dense or paged), new
-tokens to append, packed queries and appends, left padding, and host lengths. The index values on
-the device (lengths, page indices, offsets) are fa3/index_checks.py's.
+shapes, strides, dtypes (an FP8 cache, FP8 or 16-bit q over it, its descales), the cache's layout
+(dense or paged), new tokens to append, packed queries and appends, left padding, and host
+lengths. The index values on the device (lengths, page indices, offsets) are fa3/index_checks.py's.
 """
 
 from __future__ import annotations
@@ -23,15 +23,14 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kernel,
     heads_kv, d), sequence b's rows [cu_seqlens_k_new[b], cu_seqlens_k_new[b + 1])."""
     packed = cu_seqlens_q is not None
     packed_new = cu_seqlens_k_new is not None
-    dtypes = _checks.SUPPORTED_DTYPES
-    if getattr(q, "dtype", None) in _checks.FP8_LIKE or getattr(k_cache, "dtype", None) in _checks.FP8_LIKE:
-        dtypes = _checks.FP8_DTYPES  # an FP8 cache: q, k_cache and v_cache all e4m3
-        if isinstance(q, torch.Tensor) and q.dtype not in _checks.FP8_LIKE:
-            raise TypeError(f"k_cache has dtype {k_cache.dtype} but q has {q.dtype}: an FP8 cache takes FP8 "
-                            "queries (as FlashAttention-3): q8, q_descale = fa3.quantize_fp8(q)")
+    dtypes = cache_dtypes = _checks.SUPPORTED_DTYPES
+    if getattr(q, "dtype", None) in _checks.FP8_LIKE:
+        dtypes = cache_dtypes = _checks.FP8_DTYPES  # FP8 q: q, k_cache and v_cache all e4m3
+    elif getattr(k_cache, "dtype", None) in _checks.FP8_LIKE:
+        cache_dtypes = _checks.FP8_DTYPES  # bf16 / fp16 q over an FP8 cache (dequantized in the kernel)
     _checks.check_tensor(q, "q", 3 if packed else 4, dtypes=dtypes)
-    _checks.check_tensor(k_cache, "k_cache", 4, q.dtype, dtypes=dtypes)
-    _checks.check_tensor(v_cache, "v_cache", 4, q.dtype, dtypes=dtypes)
+    _checks.check_tensor(k_cache, "k_cache", 4, q.dtype if cache_dtypes is dtypes else None, dtypes=cache_dtypes)
+    _checks.check_tensor(v_cache, "v_cache", 4, k_cache.dtype, dtypes=cache_dtypes)
     if packed:
         (total_q, heads_q, head_dim), seqlen_q = q.shape, None
         _checks.check_offsets(cu_seqlens_q, "cu_seqlens_q", q.device)
@@ -85,8 +84,11 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kernel,
             raise NotImplementedError("new k/v beside cu_seqlens_q (packed queries) are packed too: pass "
                                       "k and v as (total_new, heads_kv, head_dim) with their offsets "
                                       "cu_seqlens_k_new, or write the new tokens into the cache first")
-        _checks.check_tensor(k, "k", 3 if packed_new else 4, q.dtype, dtypes=dtypes)
-        _checks.check_tensor(v, "v", 3 if packed_new else 4, q.dtype, dtypes=dtypes)
+        if cache_dtypes is dtypes:
+            _checks.check_tensor(k, "k", 3 if packed_new else 4, q.dtype, dtypes=dtypes)
+            _checks.check_tensor(v, "v", 3 if packed_new else 4, q.dtype, dtypes=dtypes)
+        else:
+            check_new_for_fp8_cache(q, k, v, 3 if packed_new else 4)
         if packed_new:
             _checks.check_offsets(cu_seqlens_k_new, "cu_seqlens_k_new", q.device, batch=batch,
                                   batch_source="cu_seqlens_q" if packed else "q.shape[0]")
@@ -123,16 +125,39 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kernel,
     return spec, cache_seqlens, capacity, appended, seqlen_q if not packed else max_seqlen_q
 
 
-def check_descales(q, descales, batch: int, heads_kv: int):
+def check_new_for_fp8_cache(q, k, v, ndim: int) -> None:
+    """New k and v for an FP8 cache beside bf16 / fp16 q: both in q's dtype (quantized into the
+    cache with k_descale and v_descale) or both float8_e4m3fn (written as they are)."""
+    allowed = (q.dtype,) + _checks.FP8_DTYPES
+    for name, t in (("k", k), ("v", v)):
+        if isinstance(t, torch.Tensor) and t.dtype not in allowed:
+            raise TypeError(f"{name} has dtype {t.dtype}; new k and v for an FP8 cache are q's dtype ({q.dtype}: "
+                            "quantized into the cache with k_descale and v_descale) or torch.float8_e4m3fn "
+                            f"(written as they are): pass {name}.to({q.dtype})")
+    _checks.check_tensor(k, "k", ndim, dtypes=allowed)
+    _checks.check_tensor(v, "v", ndim, dtypes=allowed)
+    if v.dtype != k.dtype:
+        raise TypeError(f"k has dtype {k.dtype} but v has {v.dtype}: pass the new k and v in one dtype")
+
+
+def check_descales(q, k_cache, descales, batch: int, heads_kv: int):
     """An FP8 cache's (q_descale, k_descale, v_descale) as the kernel takes them (float32 (batch,
-    heads_kv) each; None or one element broadcast); None for a 16-bit call, which takes none."""
-    if q.dtype not in _checks.FP8_DTYPES:
+    heads_kv) each; None or one element broadcast), q_descale None for bf16 / fp16 q (which takes
+    none); None for a 16-bit cache, which takes no descales."""
+    if k_cache.dtype not in _checks.FP8_DTYPES:
         if any(t is not None for t in descales):
-            raise ValueError(f"q_descale, k_descale and v_descale apply to an FP8 cache (float8_e4m3fn q, "
-                             f"k_cache and v_cache); q has dtype {q.dtype}: drop the descales")
+            raise ValueError(f"q_descale, k_descale and v_descale apply to an FP8 cache (float8_e4m3fn "
+                             f"k_cache and v_cache); the cache has dtype {k_cache.dtype}: drop the descales")
         return None
-    return tuple(_checks.check_descale(t, name, batch, heads_kv, q.device)
-                 for t, name in zip(descales, ("q_descale", "k_descale", "v_descale")))
+    names = ("q_descale", "k_descale", "v_descale")
+    if q.dtype not in _checks.FP8_DTYPES:
+        if descales[0] is not None:
+            raise ValueError(f"q_descale applies to FP8 queries, and q has dtype {q.dtype} (the kernel reads "
+                             "it as it is over the FP8 cache): drop q_descale, or pass FP8 queries "
+                             "(q8, q_descale = fa3.quantize_fp8(q))")
+        return (None,) + tuple(_checks.check_descale(t, name, batch, heads_kv, q.device)
+                               for t, name in zip(descales[1:], names[1:]))
+    return tuple(_checks.check_descale(t, name, batch, heads_kv, q.device) for t, name in zip(descales, names))
 
 
 def check_out_dtype(out_dtype, q, descales) -> None:

@@ -279,15 +279,16 @@ def attention_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, appended,
                       k_descale=None, v_descale=None, out_dtype=None):
     """(out, lse) against the cache, whose last `appended` tokens per sequence are already written
     (fa3.attention_with_kvcache appends them before calling). Packed queries (cu_seqlens_q): q and
-    out (total_q, heads_q, d), lse (heads_q, total_q). An FP8 cache: the descales, out in out_dtype
-    (None: bf16)."""
+    out (total_q, heads_q, d), lse (heads_q, total_q). An FP8 cache: the descales (no q_descale for
+    16-bit q), out in out_dtype (None: bf16 for FP8 q, q's dtype for 16-bit q)."""
     window = (window_left, window_right)
     packed = cu_seqlens_q is not None
     spec, seqlens, capacity, _, max_q = kvcache_checks.check_kvcache(
         q, k_cache, v_cache, None, None, cache_seqlens, block_table, kernel, window, softcap, cu_seqlens_q,
         max_seqlen_q if packed else None, cache_leftpad=cache_leftpad)
     _checks.check_rung_sinks(spec, sinks, q.shape[-2], q.device)
-    descales = kvcache_checks.check_descales(q, (q_descale, k_descale, v_descale), seqlens.shape[0], k_cache.shape[2])
+    descales = kvcache_checks.check_descales(q, k_cache, (q_descale, k_descale, v_descale), seqlens.shape[0],
+                                             k_cache.shape[2])
     kvcache_checks.check_out_dtype(out_dtype, q, descales)
     masking.check_scale(softmax_scale)
     return kvcache.launch_kvcache(spec, q, k_cache, v_cache, seqlens, block_table, capacity, appended,

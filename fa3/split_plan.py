@@ -220,9 +220,9 @@ def get_scheduler_metadata(batch_size: int, max_seqlen_q: int, max_seqlen_k: int
     call itself applies to its own plan, as the flash-attn names pass num_splits on as max_splits),
     for code that keeps the metadata in a buffer and passes it back as attention_varlen(...,
     scheduler_metadata=...), which accepts and checks it. page_size (row gathers below 64) and
-    qkv_dtype (float8_e4m3fn: an FP8 cache) enter the plan, and so do cu_seqlens_q and
-    cache_leftpad where they send long entries to K5 (fa3/cache_prefill.py: S1 then plans for the
-    short ones only); headdim_v,
+    qkv_dtype (float8_e4m3fn: an FP8 cache, whatever q's dtype) enter the plan, and so do
+    cu_seqlens_q and cache_leftpad where they send long entries to K5 (fa3/cache_prefill.py: S1
+    then plans for the short ones only); headdim_v,
     cu_seqlens_k_new, max_seqlen_k_new and pack_gqa do not change it and are accepted for the
     signature. sm_margin is accepted too, and the plan counts every SM: the call runs on all of them
     (the flash names refuse sm_margin != 0), and a plan for fewer would not be the call's."""
