@@ -146,13 +146,13 @@ SWEEP_SHAPES = tuple((m, n, k) for m in (1, 64, 128, 512, 2048) for n, k in ((40
 
 
 def tile_config(tile_m, tile_n, tile_k, stages) -> tuple:
-    """g3 config overrides for one sweep point (fa3._compile.get_gemm's `tiles`)."""
+    """g3 config overrides for one sweep point (fa3.compile.builders.get_gemm's `tiles`)."""
     return matmul.tile_overrides(tile_m, tile_n) + (("tile_k", tile_k), ("stages", stages))
 
 
 def sweep_tiles(shapes, dtype, *, warmup, repeats, max_call_s) -> tuple[list, list]:
     """(headers, rows): one row per sweep point, TFLOP/s per shape, then the cuBLAS row."""
-    from fa3 import _compile, _signatures
+    from fa3.compile import builders as _compile, signatures as _signatures
     from fa3.kernels.config import gemm_config
     from fa3.kernels.gemm import PersistentGemm
 

@@ -35,7 +35,9 @@ from timing import format_table, median_ms, progress, write_json
 import torch
 
 import fa3
-from fa3 import _checks, _compile, _compile_kvcache, _dispatch, _launch, interface, kvcache, kvcache_checks, masking, registry
+from fa3 import _checks, _dispatch, _launch, interface, kvcache, masking, registry
+from fa3.compile import builders as _compile, kvcache as _compile_kvcache
+from fa3.cache import checks as kvcache_checks
 
 # (batch, seqlen, heads, head_dim, causal): the first is the shape the overhead issue measured
 ATTENTION_SHAPES = [(1, 128, 16, 128, False), (1, 128, 16, 128, True)]

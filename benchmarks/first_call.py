@@ -25,14 +25,14 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # a source checkout
 import fa3  # noqa: E402
-from fa3 import _disk_cache  # noqa: E402
+from fa3.compile import disk_cache as _disk_cache  # noqa: E402
 
 IMPORT_S = time.perf_counter() - _start
 compiled: list[str] = []
 
 
 def _counting(save):
-    """Wrap fa3._disk_cache.save, which every compile ends in (loads from the cache do not), so that
+    """Wrap fa3.compile.disk_cache.save, which every compile ends in (loads from the cache do not), so that
     compiles are recorded: the first field of a compile key is the rung's name."""
     def wrapper(key, *args, **kwargs):
         compiled.append(key[0])

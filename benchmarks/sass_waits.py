@@ -83,7 +83,8 @@ def compiled_sass(rung: str, head_dim: int, causal: bool, variant_texts: list[st
     import torch
 
     import variants
-    from fa3 import _compile, registry
+    from fa3.compile import builders as _compile
+    from fa3 import registry
 
     for text in variant_texts:
         variants.register(text)

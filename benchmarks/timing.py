@@ -129,7 +129,7 @@ def format_table(headers: list[str], rows: list[list]) -> str:
 
 def environment() -> dict:
     """Where the numbers come from, for the JSON output."""
-    from fa3 import _dsl
+    from fa3.compile import dsl as _dsl
 
     return {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,

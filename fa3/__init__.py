@@ -57,7 +57,7 @@ if not _os.path.isdir(_os.path.join(_os.path.dirname(__file__), "kernels")) and 
 
 from .interface import attention  # noqa: E402
 from .kvcache import attention_with_kvcache  # noqa: E402
-from .split_plan import get_scheduler_metadata  # noqa: E402
+from .cache.split_plan import get_scheduler_metadata  # noqa: E402
 from .matmul import gemm  # noqa: E402
 from .flash_compat import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache  # noqa: E402
 from .varlen import attention_varlen  # noqa: E402

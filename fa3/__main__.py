@@ -19,7 +19,7 @@
         bf16, causal and not; error against torch SDPA and TFLOP/s. Without one: compiles every
         attention rung for sm_90a and reports each.
 
-Nothing here imports cutlass before the target architecture is pinned (fa3._dsl does it).
+Nothing here imports cutlass before the target architecture is pinned (fa3.compile.dsl does it).
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _compile, _compile_kvcache, _disk_cache, _dsl, registry
+from .compile import builders as _compile, kvcache as _compile_kvcache, disk_cache as _disk_cache, dsl as _dsl
+from . import registry
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DEMO_SHAPE = dict(batch=2, seqlen=4096, heads=16, head_dim=128)

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks, _compile, masking
+from . import _checks, masking
+from .compile import builders as _compile
 
 
 def detached(*tensors):

@@ -21,7 +21,8 @@ import math
 
 import torch
 
-from . import _checks, _compile, _dispatch, _launch, masking, varlen
+from . import _checks, _dispatch, _launch, masking, varlen
+from .compile import builders as _compile
 from .kernels import config
 
 

@@ -21,7 +21,7 @@ import torch
 from . import _checks
 from .interface import attention
 from .kvcache import attention_with_kvcache
-from .split_plan import check_scheduler_metadata, split_count
+from .cache.split_plan import check_scheduler_metadata, split_count
 from .varlen import attention_varlen
 
 

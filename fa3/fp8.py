@@ -23,7 +23,8 @@ import math
 
 import torch
 
-from . import _checks, _compile, _dispatch, _launch, index_checks, masking, registry
+from . import _checks, _dispatch, _launch, index_checks, masking, registry
+from .compile import builders as _compile
 
 # transpose_v: key 16b + 8a + 2t + c goes to position 16b + 4t + 2a + c (mma.fp8_a_order)
 KEY_BLOCK = 16

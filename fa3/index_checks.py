@@ -3,7 +3,7 @@
 Kernels read these on the GPU, and a bad value would send a load or a store outside its tensor, so
 the kernels clamp every index they read: lengths to [0, capacity], page indices to [0, num_pages),
 query offsets into q's rows, and an append's first position to [0, capacity - new_tokens]
-(fa3.cache_append.append_to_cache). Clamped values give meaningless results, never reads or writes
+(fa3.cache.append.append_to_cache). Clamped values give meaningless results, never reads or writes
 outside the tensors, and the CUDA context survives.
 
 What the user is told (set_index_checks): an eager call copies the values to pinned host memory

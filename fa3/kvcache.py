@@ -8,7 +8,7 @@ with `block_table` (batch, max_pages) int32; new k/v are written into the cache 
 any lengths (a decode is a one-token entry; causal aligns each entry to the bottom right of its
 own keys). The kernel (kernels/decode.py) packs the query heads of each KV head into one tile and
 splits the key range across CTAs; `num_splits=0` picks the split count from shapes alone
-(fa3.split_plan: no host sync, so CUDA graphs capture the call).
+(fa3.cache.split_plan: no host sync, so CUDA graphs capture the call).
 
 An FP8 cache: k_cache and v_cache in float8_e4m3fn with k/v_descale (batch, heads_kv) float32
 (one element for a whole tensor), q in float8_e4m3fn with q_descale (vLLM's and SGLang's call; out
@@ -16,7 +16,7 @@ bf16, or out='s dtype) or in bf16 / fp16 with none (out in q's dtype); the kerne
 K/V tile in SMEM, so the cache is read at one byte an element. New 16-bit k/v are quantized into
 it with k/v_descale.
 
-The kernel clamps lengths to [0, capacity] and page indices to [0, num_pages), fa3.cache_append the
+The kernel clamps lengths to [0, capacity] and page indices to [0, num_pages), fa3.cache.append the
 append's positions; eager calls also check the values of cache_seqlens and block_table on the host
 without waiting for them (fa3.index_checks: a copy behind the kernels, raised by a later call).
 """
@@ -27,11 +27,13 @@ import math
 
 import torch
 
-from . import _checks, _compile_kvcache, _dispatch, _launch, cache_prefill, index_checks, masking, registry
+from . import _checks, _dispatch, _launch, index_checks, masking, registry
+from .compile import kvcache as _compile_kvcache
+from .cache import prefill as cache_prefill
 from ._memo import BoundedMemo
-from .cache_append import append_packed, append_to_cache
-from .kvcache_checks import check_descales, check_kvcache
-from .split_plan import call_plan, split_request
+from .cache.append import append_packed, append_to_cache
+from .cache.checks import check_descales, check_kvcache
+from .cache.split_plan import call_plan, split_request
 
 
 _DUMMIES: dict = {}

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks, _compile, _dispatch, _launch, index_checks, registry
+from . import _checks, _dispatch, _launch, index_checks, registry
+from .compile import builders as _compile
 from ._memo import BoundedMemo
 
 _TMA_BYTES = 16  # TMA's alignment for row strides and base addresses

@@ -44,7 +44,8 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks, _dispatch, _launch, backward, fp8, interface, kvcache, kvcache_checks, masking, matmul, varlen
+from . import _checks, _dispatch, _launch, backward, fp8, interface, kvcache, masking, matmul, varlen
+from .cache import checks as kvcache_checks
 from ._memo import BoundedMemo
 
 _ATTENTION_SCHEMA = ("(Tensor q, Tensor k, Tensor v, bool causal, float softmax_scale, str kernel, "

@@ -13,7 +13,8 @@ import math
 
 import torch
 
-from . import _checks, _dispatch, _launch, fp8, index_checks, kvcache, masking, registry, split_plan
+from . import _checks, _dispatch, _launch, fp8, index_checks, kvcache, masking, registry
+from .cache import split_plan
 
 
 def packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,

@@ -311,7 +311,7 @@ def decode_config(rung: RungConfig, head_dim: int, *, gather: bool = False,
     are what matter); a gather keeps gather_kv_stages, so that two or more CTAs share an SM at
     d <= 128 (one's copies, issued by its only warpgroup, under another's math), an FP8 cache
     fp8_kv_stages (two CTAs an SM up to d128). The kernel refuses a SharedStorage larger than
-    planned_smem_bytes: fa3.split_plan counts CTAs an SM by it."""
+    planned_smem_bytes: fa3.cache.split_plan counts CTAs an SM by it."""
     cfg = rung.at(head_dim)
     fixed, kv_bytes, stages = decode_smem(cfg, head_dim, gather, fp8)
     return replace(cfg, kv_stages=stages, planned_smem_bytes=fixed + stages * kv_bytes)

@@ -113,7 +113,7 @@ class SplitKVAttention:
                  leftpad: bool = False, sinks: bool = False, out_dtype=None, max_queries: int = 0,
                  fp8: bool = False, query_dtype=None):
         """config: kernels/config.decode_config's (tiles, and the SMEM plan: kv_stages and
-        planned_smem_bytes, by which fa3.split_plan counts CTAs an SM); SharedStorage may not outgrow
+        planned_smem_bytes, by which fa3.cache.split_plan counts CTAs an SM); SharedStorage may not outgrow
         planned_smem_bytes.
         max_queries (varlen; 0: none): only entries of fewer queries get tiles, the others being
         K5's in the same call (kernels/k5_cache.py). fp8: the cache in e4m3, `dtype` the 16-bit
@@ -186,7 +186,7 @@ class SplitKVAttention:
         SharedStorage = self.shared_storage(sQ_layout, sKV_layout, sKV16_layout)
         smem.check_budget(SharedStorage.size_in_bytes(),
                           f"S1 with kv_stages={self.kv_stages}, tile_n={self.tile_n}, d={self.head_dim}")
-        # what fa3.split_plan counts: two CTAs an SM must still fit
+        # what fa3.cache.split_plan counts: two CTAs an SM must still fit
         smem.check_plan(SharedStorage.size_in_bytes(), self.planned_smem_bytes, "S1")
         self.kernel(mQ, tma_k, tK, tma_v, tV, mCacheSeqlens, mBlockTable, mO, mLSE, mOacc, mLSEacc,
                     scale_log2, appended, window_left, window_right, softcap_scale, mCuSeqlensQ,

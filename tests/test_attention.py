@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import fa3
-from fa3 import _compile_core, registry
+from fa3.compile import core as _compile_core
+from fa3 import registry
 from fa3.reference import attention_reference
 
 from conftest import HEAD_DIM_PARAM, rel_err

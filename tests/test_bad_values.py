@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import fa3
-from fa3 import _checks, cache_append, index_checks
+from fa3 import _checks, index_checks
+from fa3.cache import append as cache_append
 
 from conftest import INDEX_PROBLEMS, MEMCHECK, compute_sanitizer, raises_with, run_script
 

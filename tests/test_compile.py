@@ -13,7 +13,9 @@ import pytest
 import torch
 
 import fa3.__main__ as cli
-from fa3 import _compile, _compile_kvcache, _dsl, matmul, registry, split_plan
+from fa3.compile import builders as _compile, kvcache as _compile_kvcache, dsl as _dsl
+from fa3 import matmul, registry
+from fa3.cache import split_plan
 from fa3.kernels import config
 
 cli.prepare_dsl_env()  # before the first compile imports cutlass: sm_90a, no PTX files in the cwd

@@ -1,8 +1,8 @@
-"""CPU tests: the on-disk compile cache (fa3._disk_cache) and `python -m fa3 compile --warm-cache`.
+"""CPU tests: the on-disk compile cache (fa3.compile.disk_cache) and `python -m fa3 compile --warm-cache`.
 
 Keys change with everything compiled in; entries round-trip, are written atomically (concurrent
 writers and readers never see a partial entry), and a damaged or unloadable entry is compiled
-again and replaced. The flow through fa3._compile runs with stand-ins for the DSL's export and
+again and replaced. The flow through fa3.compile.builders runs with stand-ins for the DSL's export and
 load; real kernels are exported and loaded both ways (as a shared library through TVM-FFI, which
 does not import cutlass, and with the DSL's loader): loading works without a GPU, calling does not.
 """
@@ -20,7 +20,9 @@ import torch
 
 import fa3
 import fa3.__main__ as cli
-from fa3 import _compile, _compile_core, _compile_kvcache, _disk_cache, _dsl, registry
+from fa3.compile import builders as _compile, core as _compile_core, kvcache as _compile_kvcache
+from fa3.compile import disk_cache as _disk_cache, dsl as _dsl
+from fa3 import registry
 
 BF16 = torch.bfloat16
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -167,7 +169,7 @@ def test_concurrent_writers_and_readers_see_whole_entries(tmp_path, caplog):
     assert len(list(tmp_path.iterdir())) == 1
 
 
-# ----------------------------------------------------------------------------- through fa3._compile
+# ----------------------------------------------------------------------------- through fa3.compile.builders
 class StandInKernel:
     """A 'compiled kernel' whose export writes its payload and whose call says where it came from."""
 
@@ -284,7 +286,7 @@ def test_real_kernel_exports_and_loads(cache_dir, monkeypatch, route):
         loaded(a, a.t(), torch.zeros(128, 128, dtype=BF16), 132, torch.zeros(1), torch.zeros(1, dtype=torch.int32), 1,
                torch.ones(1), torch.ones(1))
     if route == "shared library":  # and a fresh interpreter loads it without importing cutlass
-        code = ("import sys, torch; from fa3 import _compile, registry; "
+        code = ("import sys, torch; from fa3 import registry; from fa3.compile import builders as _compile; "
                 "fn = _compile.get_gemm(registry.get('g1'), torch.bfloat16, 'row', 'col'); "
                 "print(type(fn).__name__, 'cutlass' in sys.modules)")
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}

@@ -373,12 +373,12 @@ def test_fp8_cache_op_out_dtype():
     q = cpu_cache()[0]
     ones = (torch.ones(2, 2),) * 3
     for ok in (None, torch.bfloat16, torch.float16):
-        fa3.kvcache_checks.check_out_dtype(ok, q, ones)
-    raises_with(fa3.kvcache_checks.check_out_dtype, TypeError, "out_dtype=torch.float32", "FP8 cache",
+        fa3.cache.checks.check_out_dtype(ok, q, ones)
+    raises_with(fa3.cache.checks.check_out_dtype, TypeError, "out_dtype=torch.float32", "FP8 cache",
                 out_dtype=torch.float32, q=q, descales=ones)
     q16 = q.to(torch.bfloat16)
-    fa3.kvcache_checks.check_out_dtype(torch.bfloat16, q16, None)
-    raises_with(fa3.kvcache_checks.check_out_dtype, TypeError, "out_dtype=torch.float16", "torch.bfloat16",
+    fa3.cache.checks.check_out_dtype(torch.bfloat16, q16, None)
+    raises_with(fa3.cache.checks.check_out_dtype, TypeError, "out_dtype=torch.float16", "torch.bfloat16",
                 out_dtype=torch.float16, q=q16, descales=None)
 
 
@@ -400,7 +400,7 @@ def test_fp8_cache_kernel_compiles(head_dim, layout):
     """s1 on an FP8 cache for sm_90a: 8-byte e4m3 loads, cvt.rn.f16x2.e4m3x2, 16-byte fp16 stores,
     fp16 WGMMA, no spills, no serialized WGMMA."""
     pytest.importorskip("cutlass")
-    from fa3 import _compile
+    from fa3.compile import builders as _compile
 
     report = _compile.compile_report(fa3.registry.get("s1"), FP8, head_dim=head_dim, causal=True,
                                      paged=layout != "dense", gather=layout == "gather")
@@ -471,14 +471,14 @@ def test_sixteen_bit_q_over_fp8_cache_op_fake_shapes():
         out, lse = torch.ops.fa3.attention_kvcache(q, k, v, lens, None, 0, False, 0.125, 0, "s1", -1, -1, 0.0,
                                                    None, 0, -1, None, None, None, d, d, out_dtype)
         assert out.shape == q.shape and out.dtype == want and lse.shape == (2, 4, 1)
-    fa3.kvcache_checks.check_out_dtype(torch.float16, q, (None, d, d))
+    fa3.cache.checks.check_out_dtype(torch.float16, q, (None, d, d))
 
 
 def test_sixteen_bit_tokens_quantized_into_fp8_cache():
-    """The append's quantization (fa3.cache_append, on the CPU): 16-bit new tokens into an FP8 cache
+    """The append's quantization (fa3.cache.append, on the CPU): 16-bit new tokens into an FP8 cache
     as e4m3(x / descale) of their sequence and KV head, rounded to nearest (ties to even),
     saturating at +-448, NaN kept; dense and paged caches, equal-length and packed appends."""
-    from fa3 import cache_append
+    from fa3.cache import append as cache_append
 
     descale = torch.tensor([[0.5, 2.0], [1.0, 0.25]])  # (batch, heads_kv)
     # x / descale per (sequence, head): 1.0625 and 1.1875 are ties (e4m3 steps by 1/8 in [1, 2)),
@@ -511,7 +511,7 @@ def test_sixteen_bit_tokens_quantized_into_fp8_cache():
 def test_sixteen_bit_q_kernel_keys():
     """bf16 / fp16 q over an FP8 cache is a kernel of its own; FP8 q's key is unchanged (compiled
     kernels on disk stay valid)."""
-    from fa3 import _compile_kvcache
+    from fa3.compile import kvcache as _compile_kvcache
 
     s1 = fa3.registry.get("s1")
     fp8_q = _compile_kvcache.kvcache_key(s1, FP8, 128, True)
@@ -536,7 +536,7 @@ def test_sixteen_bit_q_fp8_cache_kernel_compiles(head_dim, layout, q_dtype, vari
     promises where the cache is read by TMA), q gathered by 2-byte loads and each warp's largest |q|
     taken (abs.f32, shfl.sync.bfly)."""
     pytest.importorskip("cutlass")
-    from fa3 import _compile
+    from fa3.compile import builders as _compile
 
     spec = fa3.registry.get("s1")
     static = dict(dict(head_dim=head_dim, causal=True, paged=layout != "dense", gather=layout == "gather",

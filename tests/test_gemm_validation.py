@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import fa3
-from fa3 import _compile, matmul, registry
+from fa3.compile import builders as _compile
+from fa3 import matmul, registry
 from conftest import raises_with
 
 BF16 = torch.bfloat16

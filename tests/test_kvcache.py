@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fa3
-from fa3 import split_plan
+from fa3.cache import split_plan
 from fa3.reference import attention_reference
 
 from conftest import HEAD_DIM_PARAM, HAS_HOPPER, cache_reference, make_kv_cache, raises_with, rel_err

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import fa3
-from fa3 import index_checks, split_plan
+from fa3 import index_checks
+from fa3.cache import split_plan
 from fa3.kernels import config
 from fa3.reference import attention_reference
 
@@ -223,7 +224,7 @@ def test_many_entries_longest_first(page_size, causal):
 def test_entry_order_sorts_any_lengths(entries):
     """The device sort s1's order comes from: a permutation of the entries, lengths non-increasing
     to within one bucket (max_length / 1023 keys), whatever the values (negative, past max_length)."""
-    from fa3 import _compile_kvcache
+    from fa3.compile import kvcache as _compile_kvcache
 
     gen = torch.Generator(device="cuda").manual_seed(entries)
     lens = torch.randint(-50, 5000, (entries,), dtype=torch.int32, device="cuda", generator=gen)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import fa3
-from fa3 import _compile, registry
+from fa3.compile import builders as _compile
+from fa3 import registry
 from fa3.kernels import config
 from fa3.reference import attention_reference
 

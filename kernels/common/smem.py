@@ -105,4 +105,4 @@ def check_plan(num_bytes: int, planned_bytes: int, what: str) -> None:
     whose CTAs share an SM by that count: one byte more and they would not)."""
     if num_bytes > planned_bytes:
         raise ValueError(f"{what}'s SMEM ({num_bytes} bytes) outgrew the host's plan ({planned_bytes}): "
-                         "update the plan (fa3.split_plan) with it")
+                         "update the plan (fa3.cache.split_plan) with it")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 
-from . import _disk_cache, _dsl
+from . import disk_cache, dsl
 
 LOCK = threading.Lock()
 CACHE: dict[tuple, object] = {}
@@ -16,12 +16,12 @@ FAST: dict[tuple, object] = {}  # a family's short key (rung, dtype, head_dim, .
 
 
 def options(extra: str = "") -> str:
-    return f"--enable-tvm-ffi --gpu-arch {_dsl.TARGET_ARCH} {extra}".strip()
+    return f"--enable-tvm-ffi --gpu-arch {dsl.TARGET_ARCH} {extra}".strip()
 
 
 def compile_kernel(kernel, fake_args, extra_options):
     """Compile for torch's current stream (TVM-FFI: called with plain torch tensors)."""
-    _, cute = _dsl.import_cute()
+    _, cute = dsl.import_cute()
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(kernel, *fake_args, stream, options=options(extra_options))
 
@@ -39,9 +39,9 @@ def cached(key, build):
 
 
 def _load_or_build(key, build):
-    fn = _disk_cache.load(key)  # a hit does not import cutlass
+    fn = disk_cache.load(key)  # a hit does not import cutlass
     if fn is None:
         compiled = build()
-        _disk_cache.save(key, compiled)
-        fn = _disk_cache.fast_callable(compiled)
+        disk_cache.save(key, compiled)
+        fn = disk_cache.fast_callable(compiled)
     return fn

@@ -2,7 +2,7 @@
 CUDA graphs replay it): how many CTAs share each sequence's keys, the SMEM plan of the KV-cache
 kernel (kernels/decode.py) that it depends on (how deep the K/V ring is and how many CTAs share an
 SM), and which entries of a packed call run on K5 as prompt chunks, on which tiles (launched by
-fa3.cache_prefill). `get_scheduler_metadata` is flash-attn 3's name for computing it ahead.
+fa3.cache.prefill). `get_scheduler_metadata` is flash-attn 3's name for computing it ahead.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import NamedTuple
 
 import torch
 
-from . import _checks, _dispatch, masking, registry
-from ._memo import BoundedMemo
-from .kernels import config
+from .. import _checks, _dispatch, masking, registry
+from .._memo import BoundedMemo
+from ..kernels import config
 
 MAX_SPLITS = 64
 MIN_BLOCKS_PER_SPLIT = 4  # below this a split's fixed costs outweigh the keys it reads

@@ -1,4 +1,4 @@
-"""The symbolic signatures each kernel family is compiled against (fa3._compile compiles them).
+"""The symbolic signatures each kernel family is compiled against (fa3.compile.builders compiles them).
 
 Fake tensors stand for the call's torch tensors: their dtypes and ranks are static, their extents
 and strides symbolic (`cute.sym_int64`), so that one compile serves every batch, seqlen, head count
@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from . import _dsl
+from . import dsl
 
 
 def cute_dtype(torch_dtype):
-    cutlass, _ = _dsl.import_cute()
+    cutlass, _ = dsl.import_cute()
     return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
             torch.float8_e4m3fn: cutlass.Float8E4M3FN}[torch_dtype]
 
@@ -37,7 +37,7 @@ def unit_last(cute, dtype, *shape, tma=False, align=4):
 def attention_args(spec, dtype, head_dim, head_dim_v=None):
     """Fake (q, k, v, o, lse[, scores]) in flash-attn's (batch, seqlen, heads, head_dim) layout;
     v and o have head_dim_v (default head_dim)."""
-    cutlass, cute = _dsl.import_cute()
+    cutlass, cute = dsl.import_cute()
     dt = cute_dtype(dtype)
     b, sq, sk, hq, hkv = (cute.sym_int64() for _ in range(5))
     dv = head_dim_v or head_dim
@@ -66,7 +66,7 @@ def attention_fp8_args(spec, out_dtype, head_dim):
     heads_kv, keys padded to 16), or v as k where the rung transposes it itself; o in out_dtype;
     descales float32 (batch, heads_kv), or (sequences, heads_kv) for a packed batch (whose tensors
     have batch 1)."""
-    cutlass, cute = _dsl.import_cute()
+    cutlass, cute = dsl.import_cute()
     f8, f32 = cutlass.Float8E4M3FN, cutlass.Float32
     b, sq, sk, skt, hq, hkv = (cute.sym_int64() for _ in range(6))
     v = (unit_last(cute, f8, b, head_dim, hkv, skt, tma=True) if spec.load_class().value_transposed_by_host
@@ -93,7 +93,7 @@ def backward_args(dtype, head_dim, gqa, deterministic, head_dim_v=None):
     (batch, seqlen_k, heads_kv, d) that the kernel adds into with atomics, or, when
     deterministic, one slice per query head summed over each group afterwards. v, dO and dV have
     head_dim_v columns where given."""
-    cutlass, cute = _dsl.import_cute()
+    cutlass, cute = dsl.import_cute()
     dt = cute_dtype(dtype)
     b, sq, sk, hq, hkv, rows, dq_rows = (cute.sym_int64() for _ in range(7))
 
@@ -124,7 +124,7 @@ def gemm_args(dtype, a_layout, b_layout, out_dtype=None):
     split-K's FP32 workspace, int32 counters and split count, and FP8's scale_a/scale_b (FP32).
     Shapes are dynamic and shared (the call checks that a, b and c agree); the non-unit stride is
     dynamic and 16-byte aligned."""
-    cutlass, cute = _dsl.import_cute()
+    cutlass, cute = dsl.import_cute()
 
     def matrix(dt, rows, cols, layout):
         lead = cute.sym_int64(divisibility=128 // dt.width)
@@ -143,7 +143,7 @@ def cache_prefill_args(dtype, head_dim):
     """Fake (q, k_cache, v_cache, out, lse, scale_log2, SM count, tile counter, cu_seqlens_q,
     cache_seqlens, block_table, window edges, softcap scale, sinks): see kernels/k5_cache.py. q and
     out (1, total_q, heads_q, d); the cache (planes, rows, heads_kv, d); every extent dynamic."""
-    cutlass, cute = _dsl.import_cute()
+    cutlass, cute = dsl.import_cute()
     dt, f32, i32 = cute_dtype(dtype), cutlass.Float32, cutlass.Int32
     one, tq, hq, hkv, rows, planes = (cute.sym_int64() for _ in range(6))
     cache = lambda: unit_last(cute, dt, planes, rows, hkv, head_dim, tma=True)
@@ -164,7 +164,7 @@ def kvcache_args(dtype, head_dim, out_dtype=None, query_dtype=None):
     cache's, and q's unless query_dtype is given (16-bit q over an FP8 cache); out has out_dtype
     (default dtype); the descales are (batch, heads_kv) FP32 (1-element stand-ins where unread:
     all three over a 16-bit cache, q's for 16-bit q)."""
-    cutlass, cute = _dsl.import_cute()
+    cutlass, cute = dsl.import_cute()
     dt, f32, i32 = cute_dtype(dtype), cutlass.Float32, cutlass.Int32
     qt = cute_dtype(query_dtype or dtype)
     out = cute_dtype(out_dtype or dtype)

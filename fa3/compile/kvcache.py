@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import torch
 
-from . import _compile_core as core
-from . import _dsl, registry, split_plan
-from . import _signatures as sig
-from .kernels import config
+from . import core
+from . import dsl
+from .. import registry
+from ..cache import split_plan
+from . import signatures as sig
+from ..kernels import config
 
 
 def _decode_config(spec, dtype, head_dim, paged, gather):
@@ -28,8 +30,8 @@ def kvcache_key(spec, dtype, head_dim, causal, paged=False, local=False, softcap
     out += (("query", str(query_dtype)),) if query_dtype not in (None, dtype) else ()
     return (spec.name, str(dtype), head_dim, bool(causal), bool(paged), *((variant,) if any(variant) else ()),
             *((("gather_varlen_leftpad",) + layout,) if any(layout) else ()), *out,
-            config.key(spec.config, _decode_config(spec, dtype, head_dim, paged, gather)), _dsl.TARGET_ARCH,
-            _dsl.version())
+            config.key(spec.config, _decode_config(spec, dtype, head_dim, paged, gather)), dsl.TARGET_ARCH,
+            dsl.version())
 
 
 def build_kvcache(spec, dtype, head_dim, causal, paged=False, local=False, softcap=False, gather=False,
@@ -71,17 +73,17 @@ def get_kvcache(spec, dtype, head_dim, causal, paged, local=False, softcap=False
 
 def cache_prefill_key(spec, dtype, head_dim, causal, paged, page_rows, min_queries, local=False, softcap=False,
                       sinks=False) -> tuple:
-    """K5 over a KV cache (kernels/k5_cache.py) on `spec`'s tiles (fa3.cache_prefill's rung)."""
+    """K5 over a KV cache (kernels/k5_cache.py) on `spec`'s tiles (fa3.cache.prefill's rung)."""
     cfg = config.cache_prefill_config(spec.config, head_dim, causal=bool(causal), local=bool(local),
                                       page_rows=int(page_rows))
     return ("cache_prefill", spec.name, str(dtype), head_dim, bool(causal), bool(paged), int(page_rows),
             int(min_queries), (bool(local), bool(softcap), bool(sinks)), config.key(spec.config, cfg),
-            _dsl.TARGET_ARCH, _dsl.version())
+            dsl.TARGET_ARCH, dsl.version())
 
 
 def build_cache_prefill(spec, dtype, head_dim, causal, paged, page_rows, min_queries, local=False,
                          softcap=False, sinks=False, extra_options=""):
-    from .kernels.k5_cache import CacheAttention
+    from ..kernels.k5_cache import CacheAttention
 
     cfg = config.cache_prefill_config(spec.config, head_dim, causal=bool(causal), local=bool(local),
                                       page_rows=int(page_rows))
@@ -105,8 +107,8 @@ def get_cache_prefill(spec, dtype, head_dim, causal, paged, page_rows, min_queri
 
 
 def build_combine(dtype, head_dim, sinks=False, max_queries=0, extra_options=""):
-    cutlass, cute = _dsl.import_cute()
-    from .kernels.combine import SplitKVCombine
+    cutlass, cute = dsl.import_cute()
+    from ..kernels.combine import SplitKVCombine
 
     dt, f32 = sig.cute_dtype(dtype), cutlass.Float32
     b, sq, hq, splits = (cute.sym_int64() for _ in range(4))
@@ -130,13 +132,13 @@ def get_combine(dtype, head_dim, sinks=False, max_queries=0):
 
 def combine_key(dtype, head_dim, sinks=False, max_queries=0) -> tuple:
     # (the key names the cu_seqlens_q argument: entries cached before it took one are not loaded)
-    return ("combine", str(dtype), head_dim, bool(sinks), ("cu_seqlens_q", int(max_queries)), _dsl.TARGET_ARCH,
-            _dsl.version())
+    return ("combine", str(dtype), head_dim, bool(sinks), ("cu_seqlens_q", int(max_queries)), dsl.TARGET_ARCH,
+            dsl.version())
 
 
 def build_entry_order(extra_options=""):
-    cutlass, cute = _dsl.import_cute()
-    from .kernels.entry_order import EntryOrder
+    cutlass, cute = dsl.import_cute()
+    from ..kernels.entry_order import EntryOrder
 
     args = [sig.fake_tensor(cute, cutlass.Int32, (cute.sym_int64(),), (1,), align=4),
             sig.fake_tensor(cute, cutlass.Int64, (cute.sym_int64(),), (1,), align=8), cutlass.Int32(1)]
@@ -153,7 +155,7 @@ def get_entry_order():
 
 
 def entry_order_key() -> tuple:
-    return ("entry_order", _dsl.TARGET_ARCH, _dsl.version())
+    return ("entry_order", dsl.TARGET_ARCH, dsl.version())
 
 
 def kvcache_companions(spec, dtype, head_dim, causal) -> list[tuple[str, tuple, object]]:

@@ -13,14 +13,16 @@ K5 reads the cache by TMA boxes: whole key blocks of a page (a page size that is
 K/V tile) or whole pages (a multiple of 16 rows dividing the tile, vLLM's 16 among them; pages of
 8 would need 16 boxes a tile and spill the producer's registers at d128). Other page sizes, FP8
 caches and left-padded caches stay on S1 for the whole call. Which entries K5 takes, and on which
-tiles, is the call's plan (fa3.split_plan: prefill_plan); this module launches it.
+tiles, is the call's plan (fa3.cache.split_plan: prefill_plan); this module launches it.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import _checks, _compile_kvcache, _launch, registry, split_plan
+from .. import _checks, _launch, registry
+from ..compile import kvcache as _compile_kvcache
+from . import split_plan
 
 def launch(p: split_plan.PrefillPlan, q, k_cache, v_cache, cache_seqlens, block_table, cu_seqlens_q, out, lse, mask,
            sinks=None) -> None:

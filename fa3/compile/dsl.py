@@ -2,7 +2,7 @@
 
 The DSL reads CUTE_DSL_ARCH once, when `cutlass` is first imported, and on a machine without a GPU
 it would pick sm_100a: so nothing in fa3 imports cutlass at module import time, and everything
-that needs it (the compiler, fa3._compile; the disk cache's fallback loader, fa3._disk_cache)
+that needs it (the compiler, fa3.compile.builders; the disk cache's fallback loader, fa3.compile.disk_cache)
 goes through import_cute, which pins sm_90a first.
 """
 

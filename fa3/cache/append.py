@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks
-from .quantize import E4M3_MAX
+from .. import _checks
+from ..quantize import E4M3_MAX
 
 
 def append_to_cache(k_cache, v_cache, k, v, cache_seqlens, block_table, capacity: int, descales=None):

@@ -1,12 +1,12 @@
 """Compile once per static configuration; keep batch, seqlens and heads dynamic.
 
 Kernels are compiled against *fake* tensors whose batch, seqlen, heads and strides are symbolic
-(`cute.sym_int64`; each family's list: fa3._signatures), with the TVM-FFI calling convention: the
+(`cute.sym_int64`; each family's list: fa3.compile.signatures), with the TVM-FFI calling convention: the
 compiled object is then called with plain torch tensors, checks them in compiled code, and
 launches on torch's current stream. A new shape never recompiles; a new dtype, head dim, causal
 flag or rung does (it is in the key).
 
-Without a GPU (CI), compiles target sm_90a: the DSL is imported through fa3._dsl, which pins the
+Without a GPU (CI), compiles target sm_90a: the DSL is imported through fa3.compile.dsl, which pins the
 architecture first (nothing in fa3 imports cutlass at module import time).
 
 This module holds the attention (forward, FP8, backward) and GEMM families and what spans every
@@ -23,11 +23,12 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _compile_core as core
-from . import _compile_kvcache as kv
-from . import _disk_cache, _dsl, registry
-from . import _signatures as sig
-from .kernels import config
+from . import core
+from . import kvcache as kv
+from . import disk_cache, dsl
+from .. import registry
+from . import signatures as sig
+from ..kernels import config
 
 
 def _key_dims(head_dim, head_dim_v):
@@ -46,7 +47,7 @@ def attention_key(spec, dtype, head_dim, causal, varlen=False, local=False, soft
     cfg = _attention_config(spec, head_dim, causal, varlen, local, head_dim_v, short)
     variant = (bool(varlen), bool(local), bool(softcap), bool(sinks))
     return (spec.name, str(dtype), _key_dims(head_dim, head_dim_v), bool(causal), *((variant,) if any(variant) else ()),
-            config.key(spec.config, cfg), _dsl.TARGET_ARCH, _dsl.version())
+            config.key(spec.config, cfg), dsl.TARGET_ARCH, dsl.version())
 
 
 def _build_attention(spec, dtype, head_dim, causal, varlen=False, local=False, softcap=False,
@@ -79,7 +80,7 @@ def attention_fp8_key(spec, dtype, head_dim, causal, varlen=False, local=False, 
                                     local=bool(local))
     variant = (bool(varlen), bool(local), bool(softcap), False)
     return (spec.name, str(dtype), head_dim, bool(causal), *((variant,) if any(variant) else ()),
-            config.key(spec.config, cfg), _dsl.TARGET_ARCH, _dsl.version())
+            config.key(spec.config, cfg), dsl.TARGET_ARCH, dsl.version())
 
 
 def get_attention_fp8(spec, out_dtype, head_dim, causal, varlen=False, local=False, softcap=False):
@@ -115,8 +116,8 @@ def backward_key(spec, dtype, head_dim, causal, deterministic=False, gqa=False, 
                  softcap=False, varlen=False, head_dim_v=None) -> tuple:
     cfg = config.backward_config(spec.config, head_dim, head_dim_v)
     return (spec.name, str(dtype), _key_dims(head_dim, head_dim_v), bool(causal), bool(deterministic), bool(gqa),
-            bool(local), bool(softcap), bool(varlen), config.key(spec.config, cfg), _dsl.TARGET_ARCH,
-            _dsl.version())
+            bool(local), bool(softcap), bool(varlen), config.key(spec.config, cfg), dsl.TARGET_ARCH,
+            dsl.version())
 
 
 def _build_backward(spec, dtype, head_dim, causal, deterministic=False, gqa=False, local=False,
@@ -148,8 +149,8 @@ def get_backward(spec, dtype, head_dim, causal, deterministic, gqa, local=False,
 
 def _build_preprocess(dtype, head_dim, head_dim_v=None, varlen=False, tile_m=64, dq_in_slots=False,
                       extra_options=""):
-    cutlass, cute = _dsl.import_cute()
-    from .kernels.bwd_pre import BackwardPreprocess
+    cutlass, cute = dsl.import_cute()
+    from ..kernels.bwd_pre import BackwardPreprocess
 
     dt = sig.cute_dtype(dtype)
     b, sq, h, rows = (cute.sym_int64() for _ in range(4))
@@ -179,14 +180,14 @@ def get_backward_preprocess(dtype, head_dim, head_dim_v=None, varlen=False, tile
     fn = core.FAST.get(fast_key)
     if fn is None:
         layout = (bool(varlen), tile_m if varlen else 0, bool(dq_in_slots and varlen))
-        key = ("bwd_pre", str(dtype), _key_dims(head_dim, head_dim_v), layout, _dsl.TARGET_ARCH, _dsl.version())
+        key = ("bwd_pre", str(dtype), _key_dims(head_dim, head_dim_v), layout, dsl.TARGET_ARCH, dsl.version())
         fn = core.FAST[fast_key] = core.cached(key, lambda: _build_preprocess(dtype, head_dim, head_dim_v, *layout))
     return fn
 
 
 def _build_postprocess(spec, dtype, head_dim, varlen=False, extra_options=""):
-    cutlass, cute = _dsl.import_cute()
-    from .kernels.bwd_post import FragmentDqPostprocess
+    cutlass, cute = dsl.import_cute()
+    from ..kernels.bwd_post import FragmentDqPostprocess
 
     dt = sig.cute_dtype(dtype)
     rung = spec.load_class()(dtype=dt, head_dim=head_dim, causal=False, varlen=varlen,
@@ -206,15 +207,15 @@ def get_backward_postprocess(spec, dtype, head_dim, varlen=False):
     fn = core.FAST.get(fast_key)
     if fn is None:
         key = ("bwd_post", spec.name, str(dtype), head_dim, varlen,
-               config.key(spec.config, config.backward_config(spec.config, head_dim)), _dsl.TARGET_ARCH,
-               _dsl.version())
+               config.key(spec.config, config.backward_config(spec.config, head_dim)), dsl.TARGET_ARCH,
+               dsl.version())
         fn = core.FAST[fast_key] = core.cached(key, lambda: _build_postprocess(spec, dtype, head_dim, varlen))
     return fn
 
 
 def _build_value_transpose(head_dim, packed=False, extra_options=""):
-    cutlass, cute = _dsl.import_cute()
-    from .kernels.fp8_transpose import ValueTranspose
+    cutlass, cute = dsl.import_cute()
+    from ..kernels.fp8_transpose import ValueTranspose
 
     b, s, h = (cute.sym_int64() for _ in range(3))
     k4 = cute.sym_int64(divisibility=4)  # keys / 4: keys are a multiple of 16
@@ -231,7 +232,7 @@ def get_value_transpose(head_dim, packed=False):
     fast_key = ("fp8_vt", head_dim, packed)
     fn = core.FAST.get(fast_key)
     if fn is None:
-        key = ("fp8_vt", head_dim, *(("packed",) if packed else ()), _dsl.TARGET_ARCH, _dsl.version())
+        key = ("fp8_vt", head_dim, *(("packed",) if packed else ()), dsl.TARGET_ARCH, dsl.version())
         fn = core.FAST[fast_key] = core.cached(key, lambda: _build_value_transpose(head_dim, packed))
     return fn
 
@@ -244,7 +245,7 @@ GEMM_LAYOUTS = ("row", "col")
 def gemm_key(spec, dtype, a_layout, b_layout, out_dtype=None, row_scales=False, tiles: tuple = ()) -> tuple:
     dtypes = str(dtype) if out_dtype in (None, dtype) else (str(dtype), str(out_dtype))
     return (spec.name, dtypes, a_layout, b_layout, *(("row_scales",) if row_scales else ()),
-            config.key(spec.config, config.gemm_config(spec.config, tiles)), _dsl.TARGET_ARCH, _dsl.version())
+            config.key(spec.config, config.gemm_config(spec.config, tiles)), dsl.TARGET_ARCH, dsl.version())
 
 
 def _build_gemm(spec, dtype, a_layout="row", b_layout="row", out_dtype=None, row_scales=False,
@@ -327,15 +328,15 @@ KEYS = {registry.ATTENTION: attention_key, registry.ATTENTION_FP8: attention_fp8
 def fill_disk_cache(spec, dtype=torch.bfloat16, **static):
     """Compile into the disk cache unless a valid entry is there (no GPU needed: for deployments).
     Returns (entry path or None if the cache is off or unwritable, whether it compiled)."""
-    _dsl.pin_target_arch()  # before anything imports cutlass
+    dsl.pin_target_arch()  # before anything imports cutlass
     return fill_disk_cache_entry(KEYS[spec.family](spec, dtype, **static),
                                  lambda: BUILDERS[spec.family](spec, dtype, **static))
 
 
 def fill_disk_cache_entry(key, build):
     """fill_disk_cache for any key and its builder (a rung's companion kernels: kvcache_companions)."""
-    _dsl.pin_target_arch()  # before anything imports cutlass
-    path = _disk_cache.has(key)
+    dsl.pin_target_arch()  # before anything imports cutlass
+    path = disk_cache.has(key)
     if path is not None:
         return path, False
-    return _disk_cache.save(key, build()), True
+    return disk_cache.save(key, build()), True

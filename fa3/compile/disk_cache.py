@@ -3,7 +3,7 @@
 Where: FA3_CACHE_DIR, else $XDG_CACHE_HOME/fa3, else ~/.cache/fa3. FA3_DISK_CACHE=0 turns it off.
 
 What: one file per compiled kernel, named by the SHA-256 of its key. The key is everything compiled
-in (the in-memory key of fa3._compile: rung, dtype, head_dim or layouts, causal, tile config,
+in (the in-memory key of fa3.compile.builders: rung, dtype, head_dim or layouts, causal, tile config,
 target arch, DSL version) plus what the stored object depends on: fa3's version and kernel
 sources, the DSL runtime build, the TVM-FFI version and the host CPU's instruction-set level (the
 DSL compiles host code for the CPU it runs on). The file holds a header (format, SHA-256 of the
@@ -37,7 +37,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from . import _dsl
+from . import dsl
 
 log = logging.getLogger("fa3")
 
@@ -146,8 +146,7 @@ def _source_digest() -> str:
     roots = [Path(p) for p in (spec.submodule_search_locations or [])] if spec else []
     files = [(root, p) for root in roots for p in sorted(root.rglob("*.py"))]
     here = Path(__file__).parent
-    files += [(here, here / name) for name in ("_compile.py", "_compile_core.py", "_compile_kvcache.py",
-                                               "_signatures.py")]
+    files += [(here, here / name) for name in ("builders.py", "core.py", "kvcache.py", "signatures.py")]
     for root, p in files:
         h.update(p.relative_to(root).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
     return h.hexdigest()
@@ -274,7 +273,7 @@ def _load_shared(cache: Store, ekey: tuple, payload: bytes):
 def _load_with_dsl(cache: Store, ekey: tuple, payload: bytes):
     """The kernel through the DSL's own loader (cute.runtime.load_module), which links the object
     in memory: needs no C compiler, but imports cutlass."""
-    _, cute = _dsl.import_cute()
+    _, cute = dsl.import_cute()
     _load_globally(*cute.runtime.find_runtime_libraries(enable_tvm_ffi=False))  # load_module opens it RTLD_LOCAL
     with tempfile.TemporaryDirectory(prefix="fa3-load-") as tmp:
         obj = os.path.join(tmp, "kernel.o")
