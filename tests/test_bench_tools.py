@@ -194,3 +194,24 @@ def test_alternating_rounds_order_medians_and_skips():
     assert order == ["a", "b", "c", "b", "a", "a", "b"]
     assert medians == {"a": 2.0, "b": 5.0} and skipped == {"c": "refused"}
     assert alternating_rounds(runners[:1], 2, lambda r, rnd: [2.0, 1.0][rnd])[0] == {"a": 1.0}
+
+
+def test_ptx_identity_check_saves_and_compares(tmp_path, capsys):
+    """benchmarks/ptx_identity.py (the check a refactor of the kernels runs before and after): its
+    labels cover every family, and a configuration hashed twice compares identical; a changed hash
+    is reported and fails the comparison."""
+    import ptx_identity
+
+    labels = [label for label, *_ in ptx_identity.jobs()]
+    assert len(labels) == len(set(labels)) > 400
+    for family in ("k5.5 d128", "f1 d128", "cache_prefill", "s1 fp8 bf16-q", "g3 bf16", "b7 d128", "post b9",
+                   "pre d128"):
+        assert any(label.startswith(family) for label in labels), family
+    saved = str(tmp_path / "before.txt")
+    assert ptx_identity.main(["--only", "^s1 d64$", "--save", saved]) == 0
+    assert ptx_identity.main(["--only", "^s1 d64$", "--compare", saved]) == 0
+    assert "1 of 1 configurations identical" in capsys.readouterr().out
+    label, _, digest = open(saved).read().strip().rpartition(" | ")
+    open(saved, "w").write(f"{label} | {'0' * len(digest)}\n")
+    assert ptx_identity.main(["--only", "^s1 d64$", "--compare", saved]) == 1
+    assert "DIFFERS" in capsys.readouterr().out
