@@ -11,7 +11,8 @@ skip calls that pass the same unmodified tensors (a model's layers in one step):
 "index values rewritten" row marks them modified before each call (every call copies and checks,
 as the first layer of a step does), and "no index checks" leaves the checks out; "FP8 cache" rows
 run the same call on q, k and v quantized to e4m3 per tensor, with descales (bf16 out; its "rel
-err" is the quantization's, against fa3's bf16). Cases (bf16, d128, GQA 32 query / 8 KV heads, one
+err" is the quantization's, against fa3's bf16), and "FP8 cache, bf16 q" on the same cache with the
+bf16 queries as they are (k and v descales only). Cases (bf16, d128, GQA 32 query / 8 KV heads, one
 new query per sequence): batch 16 x 8k keys,
 batch 1 x 32k, batch 64 x 4k, and a serving step's decodes, batch 126 of 512-3512 keys in a
 shuffled order ("b126 x 512-3512", where the order of the CTAs matters), each dense and paged
@@ -125,6 +126,10 @@ def runners(q, k, v, seqlens, table, peers):
     call8 = lambda: fa3.attention_with_kvcache(q8, k8, v8, cache_seqlens=seqlens, block_table=table,
                                                q_descale=sq, k_descale=sk, v_descale=sv)
     out.update({"fa3 FP8 cache": call8, "fa3 FP8 cache (graph)": graphed(call8)})
+    # the same FP8 cache read by the bf16 queries as they are (no q_descale), out in bf16
+    call8q = lambda: fa3.attention_with_kvcache(q, k8, v8, cache_seqlens=seqlens, block_table=table,
+                                                k_descale=sk, v_descale=sv)
+    out.update({"fa3 FP8 cache, bf16 q": call8q, "fa3 FP8 cache, bf16 q (graph)": graphed(call8q)})
     if table is None and bool((seqlens == k.shape[1]).all()):  # SDPA attends to every key
         qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         for name, backend in (("sdpa-cudnn", "CUDNN_ATTENTION"), ("sdpa-flash", "FLASH_ATTENTION")):
