@@ -87,7 +87,7 @@ def _transpose_v_packed_reference(v, cu_seqlens_k, columns):
 
 
 def transpose_v_reference(v: torch.Tensor) -> torch.Tensor:
-    """transpose_v in torch ops (a byte gather: about 10x slower than the kernel on an H100)."""
+    """transpose_v in torch ops (a byte gather: the test reference; the kernel is what calls run)."""
     batch, seqlen, heads, d = v.shape
     keys = padded_keys(seqlen)
     u = v.view(torch.uint8)  # FP8 has few torch kernels; bytes copy the same (0x00 is +0.0)

@@ -194,7 +194,7 @@ class _Staging:
 
     The copy is enqueued on the caller's stream before its kernel: it reads the values the kernel
     reads. (A side stream for the copy kept the kernels of back-to-back calls closer together, but
-    cost host-bound calls 30-50% more: worklog adoption.md.)"""
+    cost host-bound calls more: worklog/adoption.md.)"""
 
     def __init__(self, device):
         self.device = device

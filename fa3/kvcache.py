@@ -186,8 +186,7 @@ DECODE_MIN_KV_BYTES = 32 << 20  # K and V at least this large: reading them outw
 
 def decodes_over_keys(q, k, v) -> bool:
     """Whether fa3.attention's forward-only call (validated) is a decode step over a long context,
-    which S1 runs 2-6x faster than K5 on the GPU (d128, GQA 32/8, one query: b1 x 32k 57 against
-    336 us, b64 x 4k 361 against 767): S1 reads each KV head's keys once for all its query heads
+    which S1 runs faster than K5 (worklog/serving.md): S1 reads each KV head's keys once for all its query heads
     (one tile of tile_m rows) and splits the keys across CTAs where the batch does not fill the
     SMs, where K5 runs one CTA per query head and reads every key there. Also: more keys than
     queries, v's head dim as q's, S1's head dims, K and V of DECODE_MIN_KV_BYTES or more (below

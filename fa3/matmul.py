@@ -18,14 +18,11 @@ K_TILE_BYTES = 128  # a K tile's row, as kernels/gemm.py sizes it: 64 16-bit or 
 # Output tiles (tile_m, tile_n) of the persistent rung, largest first: a problem takes the first
 # whose tile count fills ~90% of the SMs (fewer tiles leave SMs idle, which costs more than smaller
 # tiles do), 128-row tiles only for M > 64 (a 64-row tile on one MMA warpgroup wastes no rows).
-# From `bench_gemm.py --sweep` (worklog/gemm.md): e.g. 128x4096x4096 took 10.3 us with 64x64 tiles
-# and 39.7 us with 128x256; 512x4096x4096 28.0 us with 64x256 and 41.0 us with 128x256.
+# From `bench_gemm.py --sweep` (worklog/gemm.md, "The sweep").
 PERSISTENT_TILES = ((128, 256), (64, 256), (64, 128), (64, 64))
 _FILL = 0.9
 # FP8 splits K only below a quarter of the SMs: with half the bytes per tile, the partials' round
-# trip costs more than idle SMs do. H100, graph replays, 64 tiles of 64x64 (48% of the SMs):
-# unsplit 5.9 / 5.9 / 6.3 / 24.3 us at 1x4096x4096, 16x4096x4096, 64x4096x4096, 64x4096x14336,
-# split in 2 7.5 / 7.3 / 8.0 / 26.4 (torch._scaled_mm 6.2 / 5.9 / 6.9 / 24.0). Fewer tiles: untimed.
+# trip costs more than idle SMs do (worklog/fp8.md: split in 2 was slower at 48% of the SMs).
 _FP8_SPLIT_FILL = 0.25
 MAX_SPLITS = 8
 MIN_SPLIT_K_TILES = 4
@@ -108,8 +105,8 @@ def tile_overrides(tile_m: int, tile_n: int) -> tuple:
 
 def a_box_rows(m: int, a_layout: str) -> tuple:
     """Config override for M <= 32 (64-row tiles then): TMA loads only the top 8, 16 or 32 rows of
-    each A tile (out-of-bounds box rows are slow: 1x4096x4096 took 17.4 us with a 64-row box,
-    64x4096x4096 10.8). Row-major A only; () otherwise."""
+    each A tile (out-of-bounds box rows are slow: worklog/gemm.md, "The short A box"). Row-major A
+    only; () otherwise."""
     if m > 32 or a_layout != "row":
         return ()
     return (("a_rows", 8 if m <= 8 else 16 if m <= 16 else 32),)

@@ -20,7 +20,8 @@ tile's to land, so the consumers no longer wait a whole reduce round trip per ti
 
 Packed batches launch as fixed lengths do: entry after entry, each entry's heads in turn, a
 head's K/V tiles in a row (`kv_tile_work`; one head's tiles of every entry in a row, the order
-before, read each Q/dO row 128 bytes at a time at d64 and ran 6-10% slower than fixed lengths).
+before, read each Q/dO row 128 bytes at a time at d64 and ran slower than fixed lengths:
+worklog/backward.md).
 
 The launch order (`head_groups`, causal): the grid's CTAs numbered head after head give each
 head's long walks (K/V tile 0 walks every Q tile) first but the last heads' long walks at the end,
@@ -58,7 +59,7 @@ class DqOrder:
     # The rotated order makes a CTA wait for adds of higher-numbered K/V tiles of its head, so all
     # of a head's K/V tiles must be resident at once (one CTA an SM): with more tiles than SMs it
     # deadlocked (d256 at 12k: 192 tiles, 132 SMs). A bound well under any Hopper part's SM
-    # count (78 on the smallest), which keeps the measured gains (2k: 16-32 tiles)
+    # count (78 on the smallest), which keeps the gains at the lengths that have them (backward.md)
     rotated_walk_max_kv_tiles = 32
     # causal grids launched in groups of interleaved heads (`launch_tile`), each group's Q, dO and
     # FP32 dQ rows within `l2_bytes` (Hopper's L2: 50 MB)
@@ -107,7 +108,7 @@ class DqOrder:
 
     # ordered causal walks: a Q tile's counter passed on once the writer has issued the next
     # tile's adds (the sums of this one then land under them), not right after its own adds;
-    # B2's deterministic d128 main kernel, locked clocks: 5-6% fewer cycles, the same bits
+    # fewer cycles for the same bits (worklog/backward.md)
     defer_dq_bump = True
     # ascending walks (no mask, too many K/V tiles to rotate) too: a CTA waits only on the one
     # below it (no cycle: K/V tile 0 waits on nobody). Where a K/V tile spans two or more Q tiles,

@@ -44,7 +44,7 @@ group / tile_m) + batch)) leaves a few tiles with no rows, which return at once.
 **Longest first.** When the CTAs take more than one wave of the SMs, the host passes `mOrder`, the
 entries sorted by key count on the GPU (kernels/entry_order.py): entry tiles are numbered in that
 order (packed) or the grid's batch index goes through it, so the longest entries start first and
-the short ones fill the last wave (126 decodes of 512-3512 keys: 411 -> 359 us at pages of 16). O, LSE and
+the short ones fill the last wave (worklog/serving.md). O, LSE and
 the partials are stored at the entry's rows, so one combine serves both layouts. A decode is an entry
 of one query; a chunk of a prompt, a longer one: one launch serves a serving engine's whole step.
 Where the host sends the long entries (long_queries or more queries) to K5 in the same call

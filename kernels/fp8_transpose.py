@@ -10,10 +10,9 @@ Bytes are moved as 32-bit words (the tensors are Int32 views of the FP8 data):
     then, for each of its 4 d rows, the 16 keys in the P operand's order as 4 words (byte shifts
     and masks), one 16-byte store. Lanes 2 i and 2 i + 1 take the same word of two adjacent key
     blocks (`key_lanes`): a warp's store then fills whole 32-byte sectors (16 rows, 32 bytes
-    each), and its loads whole 64-byte row segments. H100, 33.5 MB of V: 63-66 us with each lane
-    on its own key block at d128/d256 (a store fills half a sector), 29 us with the pairs; a copy
-    of V (torch clone): 26-38 us. (Two key blocks a thread instead, stored one after the other:
-    77 us.)
+    each), and its loads whole 64-byte row segments: about a copy of V's time, where each lane on
+    its own key block (a store fills half a sector) or two key blocks a thread took twice that or
+    more (worklog/fp8.md).
 
 Packed batches (`packed`, attention_varlen): V is (1, total_k, heads, d / 4) and V^T one entry
 whose columns give sequence b its own run of 16-aligned blocks from block ceil(cu_k[b] / 16) + b

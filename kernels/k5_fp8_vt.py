@@ -2,7 +2,7 @@
 
 FP8 WGMMA reads its B operand K-major only, so P V needs V^T (d, keys), keys contiguous. F1 gets
 it from a transpose kernel over all of V before each call (kernels/fp8_transpose.py: one more
-read and write of V, 29 us for 16k tokens, 3-12% of a call at 2k). F2 loads V's rows by TMA, as
+read and write of V: worklog/fp8.md has its cost). F2 loads V's rows by TMA, as
 K's, into a ring the consumers never read; the producer warpgroup's idle warps 1-3 transpose each
 landed stage into a second ring, V^T, which P V reads (`kv_pipelines = 3`: K, V and V^T barriers;
 the V^T ring after V's in SMEM, V's `value_load_stages` deep: one at d256, where two of each do

@@ -59,7 +59,7 @@ class ForwardMainloop:
     def convert_p(self, p: cute.Tensor, acc_s: cute.Tensor):
         # as 32-bit pairs (cvt.rn.bf16x2 into an Int32 view): 16-bit halves converted one by one
         # were repacked right before each P V WGMMA, and at d192 ptxas fenced those repacks with
-        # warpgroup.arrive (C7519): +7-14% at d192, +1-8% at d128, +2-5% at d96 (H100)
+        # warpgroup.arrive (C7519; what the pairs gained: worklog/k5.md)
         mma.to_dtype_packed(acc_s, p)
 
     def p_operand(self, p: cute.Tensor) -> cute.Tensor:
@@ -182,7 +182,7 @@ class ForwardMainloop:
         correction = self.softmax_tile(ctx, acc_s, n_block, scale_log2, masked)
         # Releasing K only now puts a basic-block boundary (the release is predicated on one lane
         # per warp) between the softmax and the wait below. ptxas still sinks most of the exp2
-        # below the wait; forcing them above it measured 0-8% slower (worklog/k5.md, "pinned softmax").
+        # below the wait; forcing them above it measured slower (worklog/k5.md, "pinned softmax").
         k_state = pipeline.release(k_pipe, k_state)
         warpgroup.wait_group(0)  # P_{j-1} V_{j-1} is done: P's registers and V's stage are free
         v_state = pipeline.release(v_pipe, v_state)

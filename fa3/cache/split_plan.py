@@ -111,8 +111,7 @@ def longest_first(batch: int, ctas: int, slots: int) -> bool:
     """Whether s1 takes the entries longest first (kernels/entry_order.py sorts them on the
     device): when its CTAs need more than one wave of the SMs' slots. Each CTA's time is its
     entry's key count and the GPU starts CTAs in grid order: a short entry launched last fills a
-    gap, a long one launched last runs alone while the other SMs idle (126 decodes of 512-3512 keys
-    in increasing order: 411 us at pages of 16, 363 with every entry of the mean length)."""
+    gap, a long one launched last runs alone while the other SMs idle (worklog/serving.md)."""
     return batch > 1 and ctas > slots
 
 

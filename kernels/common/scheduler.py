@@ -252,7 +252,7 @@ class AttentionTileSchedule:
         groups are one head: the CTAs running together work on one head and share its K/V in L2.
         Causal tiles differ in length, so a group holds enough heads for two waves of CTAs to start
         on long tiles (longest-processing-time first), yet few enough that their K/V still fits in
-        L2 (all heads at once measured 21% slower at s = 2k)."""
+        L2 (all heads at once measured slower: worklog/k5.md)."""
         m_blocks = (seqlen_q + self.tile_m - 1) // self.tile_m
         heads_batches = heads_q * batch
         group = 1
@@ -280,7 +280,7 @@ class AttentionTileSchedule:
             # every query head of one Q tile in a row, the entry's Q tiles longest first if causal,
             # entry after entry: the CTAs running together share one entry's K/V in L2, GQA
             # groups included (one head's tiles of every entry in a row, the order before, ran
-            # 2-7% slower, 5% on the ragged benchmark batch)
+            # slower: worklog/k5.md)
             head, block = tile % mQ.shape[2], tile // mQ.shape[2]
             batch, m_block, blocks = varlen_tile(block, params.cu_q, self.tile_m, params.rows_q,
                                                  lengths=self.query_lengths)
