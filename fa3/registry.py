@@ -264,7 +264,7 @@ KERNELS: dict[str, KernelSpec] = {
             "tile, the key range split across CTAs, FP32 partials merged by a combine kernel",
             # Queries may be packed by cu_seqlens_q (varlen). Packed calls whose longest entry has
             # long_queries or more queries (a serving step's prompt chunks) run those entries on K5.5
-            # in the same call (fa3/cache_prefill.py).
+            # in the same call (fa3/cache/prefill.py).
             config=RUNGS["s1"], head_dims=HEAD_DIMS,
             ptx_promises=("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait", "ex2.approx"),
             speed_rank=1, variants=("local", "softcap", "varlen", SINKS),

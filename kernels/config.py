@@ -118,7 +118,7 @@ class DecodeConfig:
     max_kv_stages: int = 8  # a TMA ring: as deep as SMEM allows, up to this
     gather_kv_stages: int = 3  # row gathers
     fp8_kv_stages: int = 4  # an FP8 cache
-    # packed calls' entries of this many queries or more run on K5 over the cache (fa3/cache_prefill.py)
+    # packed calls' entries of this many queries or more run on K5 over the cache (fa3/cache/prefill.py)
     long_queries: int = 128
     kv_stages: int = 0  # chosen: the ring's depth
     planned_smem_bytes: int = 0  # chosen: what the SharedStorage may use (the split plan counts on it)

@@ -48,7 +48,7 @@ the short ones fill the last wave (worklog/serving.md). O, LSE and
 the partials are stored at the entry's rows, so one combine serves both layouts. A decode is an entry
 of one query; a chunk of a prompt, a longer one: one launch serves a serving engine's whole step.
 Where the host sends the long entries (long_queries or more queries) to K5 in the same call
-(kernels/k5_cache.py, fa3/cache_prefill.py), `max_queries` gives them no tiles here.
+(kernels/k5_cache.py, fa3/cache/prefill.py), `max_queries` gives them no tiles here.
 
 **An FP8 cache** (`fp8`: k_cache and v_cache in float8_e4m3fn, with descales (batch, heads_kv)
 FP32; q in e4m3 with its own descale, or in bf16 / fp16 with none: `query_dtype`) is S1 plus one

@@ -177,7 +177,7 @@ def call_plan(spec, head_dim: int, batch: int, seqlen_q: int, total_q: int | Non
               page_size: int | None, keys: int, causal: bool, window, softcap: float, scale: float, fp8: bool,
               offsets: bool, num_splits: int, sm_count: int) -> CallPlan:
     """The plan of a call against a KV cache: its masking, whether pages are gathered, which entries
-    K5 takes (fa3/cache_prefill.py), the splits (num_splits as split_request encodes it: 0
+    K5 takes (fa3/cache/prefill.py), the splits (num_splits as split_request encodes it: 0
     plan_splits, -n plan_splits capped at n) and whether S1 takes the entries longest first.
     total_q: packed queries' rows (None: (batch, seqlen_q) queries); page_size: None for a dense
     cache; keys: the most a sequence holds; offsets: keys start past position 0 (a left-padded
@@ -220,7 +220,7 @@ def get_scheduler_metadata(batch_size: int, max_seqlen_q: int, max_seqlen_k: int
     for code that keeps the metadata in a buffer and passes it back as attention_varlen(...,
     scheduler_metadata=...), which accepts and checks it. page_size (row gathers below 64) and
     qkv_dtype (float8_e4m3fn: an FP8 cache, whatever q's dtype) enter the plan, and so do
-    cu_seqlens_q and cache_leftpad where they send long entries to K5 (fa3/cache_prefill.py: S1
+    cu_seqlens_q and cache_leftpad where they send long entries to K5 (fa3/cache/prefill.py: S1
     then plans for the short ones only); headdim_v,
     cu_seqlens_k_new, max_seqlen_k_new and pack_gqa do not change it and are accepted for the
     signature. sm_margin is accepted too, and the plan counts every SM: the call runs on all of them

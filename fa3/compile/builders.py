@@ -11,7 +11,7 @@ architecture first (nothing in fa3 imports cutlass at module import time).
 
 This module holds the attention (forward, FP8, backward) and GEMM families and what spans every
 family (compile reports, BUILDERS/KEYS, filling the disk cache); the KV-cache family is
-fa3/_compile_kvcache.py, the shared machinery (compile, the in-process caches) fa3/_compile_core.py.
+compile/kvcache.py, the shared machinery (compile, the in-process caches) compile/core.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The compile machinery every kernel family shares: the options, compiling against fake tensors
 for torch's stream, and the two caches in front of the builders (an in-process dict by full key,
 loaded from or saved to the disk cache, and the per-call fast lookup each family keys its own way).
-fa3/_compile.py and fa3/_compile_kvcache.py hold the families' keys, builders and getters.
+compile/builders.py and compile/kvcache.py hold the families' keys, builders and getters.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The KV-cache family's kernels: keys, builders and getters of S1 (kernels/decode.py), K5 over the
 cache for a packed call's prompt chunks (kernels/k5_cache.py), the split-KV combine and the
 entries' sort (kernels/entry_order.py), and what --warm-cache fills beside S1. The shared compile
-machinery is fa3/_compile_core.py; the other families are fa3/_compile.py.
+machinery is compile/core.py; the other families are compile/builders.py.
 """
 
 from __future__ import annotations
