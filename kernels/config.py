@@ -88,21 +88,22 @@ class BackwardConfig:
     do_stages: int = 0  # dO's own ring, one stage (0: on Q's)
     ordered_dq: bool = False  # dQ added in the deterministic order, for speed
     rotated_walk: bool = False  # ordered walks without a mask start at their own Q tiles
-    scores_transposed: bool = False
-    dq_transposed: bool = False
-    dkv_transposed: bool = False
-    dq_per_warpgroup: bool = False
-    dq_buffers: int = 2
-    dq_mbarriers: bool = False
-    shared_dq_buffer: bool = True
-    ds_from_rounded_p: bool = False
-    ds_in_pairs: bool = False
-    dv_under_dp: bool = False
-    stats_in_smem: bool = False
-    prefetch_stats: bool = False
-    stat_group: int = 0
-    head_groups: bool = True
-    head_group_ctas: int = 0
+    # b2-b9's techniques (bwd_ws.py's docstring says each in full)
+    scores_transposed: bool = False  # S^T = K Q^T, dP^T = V dO^T: P^T, dS^T stay in registers (b3 on)
+    dq_transposed: bool = False  # dQ^T = K^T dS^T (b6, b7)
+    dkv_transposed: bool = False  # dK^T, dV^T: the head dim on the WGMMA's M (b9)
+    dq_per_warpgroup: bool = False  # each warpgroup hands its dQ share to the writer alone (b4, b7, b8)
+    dq_buffers: int = 2  # ... through this many buffers, returned a tile late
+    dq_mbarriers: bool = False  # ... through mbarriers (b9)
+    shared_dq_buffer: bool = True  # ... one buffer the warpgroups share in turns (b9 at d256)
+    ds_from_rounded_p: bool = False  # dS^T from the rounded P^T (b8)
+    ds_in_pairs: bool = False  # ... multiplied in 16-bit pairs (b8)
+    dv_under_dp: bool = False  # dV issued under dP^T, else after dS^T
+    stats_in_smem: bool = False  # LSE * log2 e and D through SMEM with the Q/dO loads
+    prefetch_stats: bool = False  # ... read a tile ahead, else where used
+    stat_group: int = 0  # ... or this many columns together ahead of their exp2s (0: each its own)
+    head_groups: bool = True  # causal and ordered launches in head groups
+    head_group_ctas: int = 0  # ... capped at about this many CTAs a group (bwd_order.py)
     # b2-b9's register split (setmaxnreg): the loader and dQ-writer warpgroup, the two consumers
     producer_regs: int = 24
     consumer_regs: int = 240
