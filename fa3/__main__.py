@@ -10,9 +10,9 @@
         needed), skipping what is there, so that a deployment's first calls load in milliseconds.
         GEMM rungs are compiled for every operand layout (--fp8: the FP8 GEMM, C in --dtype); the
         KV-cache rung dense, paged and with row gathers, each also for packed queries (--fp8: on
-        an FP8 cache, O in --dtype), and what a cache call launches beside it: the combine, the
-        entries' sort and K5 over the cache for prompt chunks
-        (_compile_kvcache.kvcache_companions); FP8 attention also for packed batches
+        an FP8 cache, read by FP8 q with O in --dtype and by --dtype q), and what a cache call
+        launches beside it: the combine, the entries' sort and K5 over the cache for prompt chunks
+        (compile/kvcache.py kvcache_companions); FP8 attention also for packed batches
         (cache_configs).
     python -m fa3 demo
         On a Hopper GPU: fa3.attention (fastest rung) on batch 2, seqlen 4096, 16 heads, head_dim 128,
@@ -187,7 +187,8 @@ def cache_configs(spec: registry.KernelSpec, head_dim: int, causal: bool, fp8: b
     """The static configurations --warm-cache compiles for a rung: attention at --head-dim and
     --causal (FP8 also packed, the serving prefill; the backward also in its deterministic and GQA
     variants); the KV-cache rung dense and paged, with row gathers (pages of 16 or 1), each with
-    (batch, seqlen_q) and packed queries (`fp8`: on an FP8 cache, O in `dtype`); GEMM with every
+    (batch, seqlen_q) and packed queries (`fp8`: on an FP8 cache, for FP8 q with O in `dtype` and for
+    `dtype` q); GEMM with every
     operand layout (row-major and transposed a and b), or (`fp8`) e4m3 K-major operands with C in
     `dtype`, per-tensor and row-wise scales."""
     if spec.family == registry.ATTENTION:  # (and the tiles for short query sequences, if any)
@@ -198,10 +199,11 @@ def cache_configs(spec: registry.KernelSpec, head_dim: int, causal: bool, fp8: b
     if spec.family == registry.BACKWARD:
         return [{"head_dim": head_dim, "causal": causal, "deterministic": det, "gqa": gqa}
                 for det in (False, True) for gqa in (False, True)]
-    if spec.family == registry.KVCACHE:
-        out = {"out_dtype": dtype} if fp8 else {}
-        return [{"head_dim": head_dim, "causal": causal, "paged": paged, "gather": gather, "varlen": varlen, **out}
-                for paged, gather in ((False, False), (True, False), (True, True)) for varlen in (False, True)]
+    if spec.family == registry.KVCACHE:  # an FP8 cache: read by FP8 q (O in dtype) and by dtype's q
+        reads = ({"out_dtype": dtype}, {"query_dtype": dtype}) if fp8 else ({},)
+        return [{"head_dim": head_dim, "causal": causal, "paged": paged, "gather": gather, "varlen": varlen, **q}
+                for q in reads for paged, gather in ((False, False), (True, False), (True, True))
+                for varlen in (False, True)]
     if fp8:
         return [{"a_layout": "row", "b_layout": "col", "out_dtype": dtype, "row_scales": rows}
                 for rows in (False, True)]
@@ -232,6 +234,7 @@ def cmd_warm_cache(args) -> int:
                 label += " row-wise" if static.get("row_scales") else ""
             else:
                 label += "".join(f" {k}" for k in ("varlen", "paged", "gather", "short") if static.get(k))
+                label += f" {args.dtype} q" if static.get("query_dtype") else ""
             entries.append((label, lambda static=static: _compile.fill_disk_cache(spec, in_dtype, **static)))
         if spec.family == registry.KVCACHE:  # what a cache call launches beside the rung
             for what, key, build in _compile_kvcache.kvcache_companions(spec, in_dtype, args.head_dim, args.causal):

@@ -327,6 +327,8 @@ def test_warm_cache_configs_fit_every_family(fp8):
             assert configs, name
             if (name, d) == ("k5.5", 96):
                 assert len(configs) == 2
+            if spec.family == registry.KVCACHE:  # an FP8 cache is warmed for FP8 q and for bf16 q
+                assert any(c.get("query_dtype") == BF16 for c in configs) == fp8
             for static in configs:
                 _compile.KEYS[spec.family](spec, dtype, **static)
                 inspect.signature(_compile.BUILDERS[spec.family]).bind(spec, dtype, **static)
