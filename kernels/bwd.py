@@ -93,15 +93,6 @@ class AttentionBackward(BackwardSetup, QueryStatistics, DqOrder, DkvEpilogue, Ba
                     sQ_layout, sKV_layout, sPdS_layout, storage_cls).launch(
             grid=self.grid(mQ, mK, mCuSeqlensK), block=[self.num_threads, 1, 1], stream=stream)
 
-    def grid(self, mQ: cute.Tensor, mK: cute.Tensor, mCuSeqlensK: cute.Tensor):
-        """One CTA per (K/V tile, query head, batch entry). Varlen: the entries' K/V tiles in a
-        row, at most ceil(total_k / tile_n) + entries of them (CTAs past the last one exit)."""
-        batch, seqlen_k, heads_q = mQ.shape[0], mK.shape[1], mQ.shape[2]
-        kv_tiles = cute.ceil_div(seqlen_k, self.tile_n)
-        if cutlass.const_expr(self.varlen):
-            return [kv_tiles + mCuSeqlensK.shape[0] - 1, heads_q, 1]
-        return [kv_tiles, heads_q, batch]
-
     # ---------------------------------------------------------------- device side
     @cute.kernel
     def kernel(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_do: cute.CopyAtom, mdO: cute.Tensor,
