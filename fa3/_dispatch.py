@@ -28,13 +28,19 @@ _functorch_transforms = torch._C._are_functorch_transforms_active
 profiling = torch._C._autograd._profiler_enabled  # torch.profiler is recording
 
 
+def _intercepted() -> bool:
+    """Whether torch would see the call: traced, under a dispatch or function mode, or inside a
+    functorch transform (an op call then does more than its implementation)."""
+    return tracing() or dispatch_modes() or _function_modes() or _functorch_transforms()
+
+
 def direct_call_ok(*tensors) -> bool:
     """Whether calling an op's implementation directly does exactly what dispatching through
     torch.ops.fa3 would: not traced (torch.compile, torch.export), no dispatch or function modes
     (FakeTensorMode, FlopCounterMode, ...), no functorch transforms, and plain tensors that need no
     autograd. The dispatcher costs ~10 us a call; the eager wrappers skip it when this holds (and
     name the call for a profiler with op_range)."""
-    if tracing() or dispatch_modes() or _function_modes() or _functorch_transforms():
+    if _intercepted():
         return False
     grad = torch.is_grad_enabled()
     for t in tensors:
@@ -48,7 +54,7 @@ def eager_autograd_ok(*tensors) -> bool:
     instead of the op's autograd registration (fa3.backward.DifferentiableAttention): eager, as
     direct_call_ok, but the tensors may require grad. The op's registration costs its dispatch and
     a schema walk per call; compiled graphs and transforms still go through the op."""
-    if tracing() or dispatch_modes() or _function_modes() or _functorch_transforms():
+    if _intercepted():
         return False
     return all(type(t) is torch.Tensor for t in tensors)
 
