@@ -382,16 +382,23 @@ def test_fp8_cache_op_out_dtype():
                 out_dtype=torch.float16, q=q16, descales=None)
 
 
-def test_fp8_cache_op_fake_shapes():
-    """torch.ops.fa3.attention_kvcache with an FP8 cache on meta tensors: out in out_dtype (bf16
-    by default), lse (batch, heads_q, seqlen_q)."""
+@pytest.mark.parametrize("query", ["fp8", "bf16"])
+def test_fp8_cache_op_fake_shapes(query):
+    """torch.ops.fa3.attention_kvcache with an FP8 cache on meta tensors, FP8 q with its descale or
+    bf16 q with none: out in out_dtype (by default bf16: FP8 q's default, bf16 q's own dtype), lse
+    (batch, heads_q, seqlen_q)."""
     q, k, v = (t.to("meta") for t in cpu_cache())
-    lens = torch.ones(2, dtype=torch.int32, device="meta")
     d = torch.ones(2, 2, device="meta")
+    q_descale = d
+    if query == "bf16":
+        q, q_descale = cpu_cache(torch.bfloat16)[0].to("meta"), None
+    lens = torch.ones(2, dtype=torch.int32, device="meta")
     for out_dtype, want in ((None, torch.bfloat16), (torch.float16, torch.float16)):
         out, lse = torch.ops.fa3.attention_kvcache(q, k, v, lens, None, 0, False, 0.125, 0, "s1", -1, -1, 0.0,
-                                                   None, 0, -1, None, None, d, d, d, out_dtype)
+                                                   None, 0, -1, None, None, q_descale, d, d, out_dtype)
         assert out.shape == q.shape and out.dtype == want and lse.shape == (2, 4, 1)
+    if query == "bf16":
+        fa3.cache.checks.check_out_dtype(torch.float16, q, (None, d, d))
 
 
 @pytest.mark.parametrize("head_dim,layout", [(64, "dense"), (128, "dense"), (128, "gather"), (256, "paged"),
@@ -458,20 +465,6 @@ def test_sixteen_bit_q_over_fp8_cache_checks(no_device_check):
     b16 = [t.to(torch.bfloat16) for t in (k, v)]
     raises_with(fa3.attention_with_kvcache, ValueError, "FP8 cache", "torch.bfloat16", "drop the descales",
                 q=q, k_cache=b16[0], v_cache=b16[1], cache_seqlens=3, k_descale=torch.ones(2, 2))
-
-
-def test_sixteen_bit_q_over_fp8_cache_op_fake_shapes():
-    """torch.ops.fa3.attention_kvcache with bf16 q over an FP8 cache on meta tensors: no q_descale,
-    out in q's dtype (or out_dtype), lse (batch, heads_q, seqlen_q)."""
-    _, k, v = (t.to("meta") for t in cpu_cache())
-    q = cpu_cache(torch.bfloat16)[0].to("meta")
-    lens = torch.ones(2, dtype=torch.int32, device="meta")
-    d = torch.ones(2, 2, device="meta")
-    for out_dtype, want in ((None, torch.bfloat16), (torch.float16, torch.float16)):
-        out, lse = torch.ops.fa3.attention_kvcache(q, k, v, lens, None, 0, False, 0.125, 0, "s1", -1, -1, 0.0,
-                                                   None, 0, -1, None, None, None, d, d, out_dtype)
-        assert out.shape == q.shape and out.dtype == want and lse.shape == (2, 4, 1)
-    fa3.cache.checks.check_out_dtype(torch.float16, q, (None, d, d))
 
 
 def test_sixteen_bit_tokens_quantized_into_fp8_cache():
