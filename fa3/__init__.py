@@ -28,6 +28,12 @@
                                             ring attention over a torch.distributed group, each
                                             rank holding a shard (fa3.context_parallel.shard),
                                             optionally of packed documents (cu_seqlens)
+    fa3.flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None,
+                       enable_gqa=False, return_lse=False)
+                                            torch's flex attention ((batch, heads, seqlen, d)) on
+                                            the K5 forward, mods compiled in (fa3.flex: the
+                                            library; fa3.attention takes score_mod= / mask_mod=);
+                                            forward only
     fa3.gemm(a, b, out=None, kernel=None)              any 2-D pair a @ b takes; differentiable
     fa3.gemm(a8, b8, scale_a=, scale_b=, out_dtype=)   FP8 e4m3, as torch._scaled_mm (per tensor
                                                         or row-wise scales; forward only)
@@ -63,6 +69,7 @@ from .flash_compat import flash_attn_func, flash_attn_varlen_func, flash_attn_wi
 from .varlen import attention_varlen  # noqa: E402
 from .backward import attention_backward, attention_varlen_backward  # noqa: E402
 from .context_parallel import context_parallel_attention  # noqa: E402
+from .flex import flex_attention  # noqa: E402
 from . import ops  # noqa: E402,F401  (registers torch.ops.fa3.attention and torch.ops.fa3.gemm)
 from .registry import available_kernels  # noqa: E402
 from .quantize import dequantize_fp8, hadamard_rotate, quantize_fp8  # noqa: E402
@@ -70,6 +77,6 @@ from .index_checks import check_index_values, set_index_checks  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["attention", "attention_varlen", "attention_with_kvcache", "get_scheduler_metadata", "gemm", "available_kernels",
-           "attention_backward", "attention_varlen_backward", "context_parallel_attention",
+           "attention_backward", "attention_varlen_backward", "context_parallel_attention", "flex_attention",
            "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "quantize_fp8",
            "dequantize_fp8", "hadamard_rotate", "set_index_checks", "check_index_values", "__version__"]

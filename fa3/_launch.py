@@ -105,29 +105,36 @@ def tile_counter(spec, causal: bool, device) -> torch.Tensor:
 
 
 def attention_kernel(spec, dtype, head_dim: int, mask: masking.Masking, device, cu_seqlens=None, sinks=None,
-                     head_dim_v=None, rows=None):
+                     head_dim_v=None, rows=None, mods=None):
     """(the compiled forward, the runtime arguments before the tile counter, those after it): what
     follows (q, k, v, o, lse[, scores]) is the scale, the persistent ones (the SM count, then the
     tile counter: the caller's, tile_counter), and the variants' (cu_seqlens_q/k when varlen, window
     edges, softcap scale, the sinks (heads_q,) FP32). head_dim_v: V's head dim where it differs from
     head_dim; rows: the longest query sequence's length where known (it picks the rung's tiles for
-    short ones)."""
+    short ones); mods: None, or fa3.mods.Mods (K5's flex form: the mods' captured tensors follow
+    the sinks as one tuple, and a score mod takes the scaled scores: softmax_scale rides in the
+    softcap scale's place, scale_log2 is log2(e))."""
     short = spec.config.is_short(head_dim, head_dim_v, mask.causal, rows)
     fn = _compile.get_attention(spec, dtype, head_dim, mask.causal, cu_seqlens is not None,
-                                mask.local, mask.softcap, sinks is not None, head_dim_v, short)
+                                mask.local, mask.softcap, sinks is not None, head_dim_v, short, mods)
+    if mods is not None and mods.score_mod is not None:
+        mask = mask._replace(scale_log2=masking.LOG2E, softcap_scale=mask.scale_log2 / masking.LOG2E)
     lead = [mask.scale_log2] + ([_checks.HOPPER_SMS[device]] if spec.persistent else [])
     tail = []
     if spec.variants:
         cu_q, cu_k = cu_seqlens if cu_seqlens is not None else (stand_in(device),) * 2
         tail = [cu_q, cu_k, mask.left, mask.right, mask.softcap_scale,
                 stand_in(device, torch.float32) if sinks is None else sinks]
+        if mods is not None:  # (mods that capture no tensor: a stand-in, as the kernel's signature has)
+            tail.append(mods.aux(device) or (stand_in(device),))
     return fn, lead, tail
 
 
 def run_attention(spec, dtype, head_dim: int, mask: masking.Masking, args: list, device,
-                  cu_seqlens=None, sinks=None, head_dim_v=None, rows=None):
+                  cu_seqlens=None, sinks=None, head_dim_v=None, rows=None, mods=None):
     """Launch the forward with (q, k, v, o, lse[, scores]) = `args` and its runtime arguments
     (attention_kernel's, with this call's tile counter)."""
-    fn, lead, tail = attention_kernel(spec, dtype, head_dim, mask, device, cu_seqlens, sinks, head_dim_v, rows)
+    fn, lead, tail = attention_kernel(spec, dtype, head_dim, mask, device, cu_seqlens, sinks, head_dim_v, rows,
+                                      mods)
     counter = [tile_counter(spec, mask.causal, device)] if spec.persistent else []
     fn(*args, *lead, *counter, *tail)

@@ -14,6 +14,7 @@ import math
 import torch
 
 from . import _checks, _dispatch, _launch, backward, fp8, index_checks, kvcache, masking
+from . import mods as _mods
 from ._checks import check_attention
 from ._memo import BoundedMemo
 
@@ -22,7 +23,7 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
               window_size=(-1, -1), softcap: float = 0.0,
               return_lse: bool = False, kernel: str | None = None, out=None,
               deterministic: bool = False, backward_kernel: str | None = None, sinks=None,
-              q_descale=None, k_descale=None, v_descale=None):
+              q_descale=None, k_descale=None, v_descale=None, score_mod=None, mask_mod=None):
     """Exact softmax attention, softmax(q k^T * softmax_scale) v, as flash-attn computes it.
 
     q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim); bf16 or
@@ -59,6 +60,16 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     window_size and softcap as above; head_dim 64, 128 or 256 (v's as q's); no sinks; `kernel`
     names an "attention_fp8" rung. Forward only (inputs that require grad are refused). See fa3.fp8.
 
+    score_mod(score, b, h, q_idx, kv_idx) -> score, mask_mod(b, h, q_idx, kv_idx) -> bool: flex
+        attention's functions (torch.nn.attention.flex_attention's signatures; fa3.flex's library),
+        compiled into the K5 forward once per function and configuration (fa3.mods: captured
+        tensors are kernel arguments, captured numbers compile-time constants). The score mod sees
+        softmax_scale * q k^T; the mask mod hides the scores it returns False for, on top of
+        causal / window_size; rows that see no key give 0 and lse = -inf. h is the query head, the
+        indices are positions in the sequences. Forward only for now (inputs that require grad are
+        refused), eager only (not under torch.compile), 16-bit q/k/v; a score mod excludes softcap
+        (fa3.flex.softcap is the mod).
+
     Differentiable in q, k, v and sinks (whichever require grad), through torch.autograd, torch.compile
     and torch.utils.checkpoint; lse is returned as a non-differentiable output. GQA gradients of k
     and v are summed over the query heads that share them.
@@ -69,6 +80,11 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     synchronizing the host, so calls can be captured in CUDA graphs (after a first eager call).
     """
     index_checks.raise_pending()  # an earlier call's bad index values (deferred checks)
+    if score_mod is not None or mask_mod is not None:
+        out, lse = attention_with_mods(q, k, v, score_mod, mask_mod, causal=causal, softmax_scale=softmax_scale,
+                                       window_size=window_size, softcap=softcap, kernel=kernel, out=out,
+                                       sinks=sinks, fp8=(q_descale, k_descale, v_descale))
+        return (out, lse) if return_lse else out
     # a plain call like one that ran before: its launch is prepared (prepare_plain)
     plain = out is None and sinks is None and kernel is None and not softcap and q_descale is None \
         and k_descale is None and v_descale is None and window_size == (-1, -1) and type(causal) is bool \
@@ -138,6 +154,40 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     return (out, lse) if return_lse else out
 
 
+MODS_RUNG = "k5.5"  # the rung a call with mods runs on unless it names another K5 rung
+
+
+def attention_with_mods(q, k, v, score_mod, mask_mod, *, causal=False, softmax_scale=None,
+                        window_size=(-1, -1), softcap=0.0, kernel=None, out=None, sinks=None,
+                        fp8=(None, None, None)):
+    """fa3.attention with a score mod and/or a mask mod: checked, then K5's flex form (forward
+    only, eager). Returns (out, lse)."""
+    if any(x is not None for x in fp8) or q.dtype == torch.float8_e4m3fn:
+        raise NotImplementedError("score_mod / mask_mod take 16-bit q, k, v (FP8 is not supported)")
+    if score_mod is not None and softcap:
+        raise ValueError("score_mod and softcap are exclusive: the cap is a score mod (fa3.flex.softcap)")
+    if _dispatch.tracing():
+        raise NotImplementedError("score_mod / mask_mod run eagerly only for now (not under torch.compile "
+                                  "or torch.export)")
+    if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v, sinks)):
+        raise NotImplementedError("score_mod / mask_mod are forward only for now: q, k, v (and sinks) must "
+                                  "not require grad (call under torch.no_grad(), or detach them)")
+    mods = _mods.Mods(score_mod, mask_mod)
+    spec = check_attention(q, k, v, MODS_RUNG if kernel is None else kernel)
+    if spec.module != "k5":
+        raise ValueError(f"kernel={kernel!r}: score_mod / mask_mod run on the K5 rungs (k5.1-k5.5) only")
+    scale = 1.0 / math.sqrt(q.shape[3]) if softmax_scale is None else float(softmax_scale)
+    if out is not None:
+        _checks.check_output(out, "out", _checks.output_like(q, v), (("q", q), ("k", k), ("v", v)))
+    window = tuple(window_size)
+    if window != (-1, -1) or softcap:
+        _dispatch.check_variants(spec, masking.masking(bool(causal), window, softcap, scale), "kernel")
+    _checks.check_rung_sinks(spec, sinks, q.shape[2], q.device)
+    mods.aux(q.device)  # the captured tensors' devices, before anything is launched
+    with _dispatch.op_range("fa3::attention"):
+        return launch_attention(spec, q, k, v, bool(causal), scale, out, window, softcap, sinks, mods)
+
+
 # the key of a plain call (q, k, v's shapes, strides, dtypes and devices; causal; softmax_scale) ->
 # its prepared launch, for calls that passed every check with q, k and v as they are
 _PLAIN_LAUNCHES = BoundedMemo()
@@ -190,7 +240,7 @@ def prepare_plain(spec, q, k, v, causal: bool, scale: float):
 
 
 def launch_attention(spec, q, k, v, causal: bool, scale: float, out=None, window=(-1, -1),
-                     softcap: float = 0.0, sinks=None):
+                     softcap: float = 0.0, sinks=None, mods=None):
     """Allocate the outputs (`out` unless given) and launch rung `spec` on torch's current stream;
     returns (out, lse). The body of the fa3::attention op: arguments are validated already."""
     batch, seqlen_q, heads_q, head_dim = q.shape
@@ -213,7 +263,7 @@ def launch_attention(spec, q, k, v, causal: bool, scale: float, out=None, window
     if spec.needs_scores_workspace:
         args.append(torch.empty(batch, heads_q, seqlen_q, seqlen_k, dtype=torch.float32, device=device))
     _launch.run_attention(spec, q.dtype, head_dim, mask, args, device, sinks=sinks,
-                          head_dim_v=None if head_dim_v == head_dim else head_dim_v, rows=seqlen_q)
+                          head_dim_v=None if head_dim_v == head_dim else head_dim_v, rows=seqlen_q, mods=mods)
     return out, lse
 
 

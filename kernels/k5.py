@@ -23,7 +23,9 @@ consumers' per-tile math (both mainloops, the softmax step, P's conversion: Forw
 k5_mainloop.py); the tile state (the two WGMMAs' fragments, O's accumulator, the row softmax state,
 O's finalization) and the Q/K/V stage loads beneath them are common/attention_tiles.py's, which K4
 (the rung this one's math comes from) uses too. This module holds the launch on 16-bit operands,
-with the attention sinks. No rung's class is a base class.
+with the attention sinks, and its flex-attention form (WarpSpecializedFlexAttention: the same
+kernel with score and mask mods compiled in, their captured tensors one more argument). No rung's
+class is a base class.
 Epilogue: O (scaled by 1/l) and LSE are written once from registers; with attention sinks (a
 compile-time variant) each query head's sink logit joins l and the LSE there (softmax.finalize),
 and nowhere else: the mainloop is unchanged.
@@ -75,3 +77,38 @@ class WarpSpecializedAttention(WarpSpecializedForward, ForwardMainloop):
         self.roles(tma_q, mQ, tma_k, mK, tma_v, mV, tma_o, mO, mO_rows, mLSE, scale_log2, mTileCounter,
                    mCuSeqlensQ, mCuSeqlensK, window_left, window_right, softcap_scale, mSinks, None,
                    sQ_layout, sKV_layout, sV_layout, sO_layout, epi_tile, SharedStorage)
+
+
+class WarpSpecializedFlexAttention(WarpSpecializedForward, ForwardMainloop):
+    """K5 with flex attention's mods compiled in (constructor: WarpSpecializedForward's, with
+    `score_mod` and/or `mask_mod`): the mods run on S in registers after Q K^T and before the row
+    max, on every tile (common/mask.apply_mods); the tensors they captured arrive as `aux`, one
+    tuple of tensors in the mods' order (fa3/flex.py). A score mod sees softmax_scale * q k^T: the
+    host passes softmax_scale in softcap_scale's place and log2(e) as scale_log2. Rows the mods
+    hide entirely give O = 0 and LSE = -inf (softmax.py). Kept apart from WarpSpecializedAttention
+    so that its launch signature (and every configuration without mods) is unchanged."""
+
+    # ---------------------------------------------------------------- host side
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+                 mLSE: cute.Tensor, scale_log2: Float32, sm_count: Int32, mTileCounter: cute.Tensor,
+                 mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, window_left: Int32,
+                 window_right: Int32, softcap_scale: Float32, mSinks: cute.Tensor, aux: tuple, stream):
+        """WarpSpecializedAttention's arguments, and `aux`: the mods' captured tensors."""
+        self.launch(mQ, mK, mV, mO, mLSE, scale_log2, sm_count, mTileCounter, mCuSeqlensQ,
+                    mCuSeqlensK, window_left, window_right, softcap_scale,
+                    (mSinks if cutlass.const_expr(self.sinks) else None, aux), stream)
+
+    # ---------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
+               tma_v: cute.CopyAtom, mV: cute.Tensor, tma_o: cute.CopyAtom, mO: cute.Tensor,
+               mO_rows: cute.Tensor, mLSE: cute.Tensor, scale_log2: Float32, mTileCounter: cute.Tensor,
+               mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, window_left: Int32,
+               window_right: Int32, softcap_scale: Float32, mSinks: Optional[cute.Tensor], aux: tuple,
+               sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
+               sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
+               epi_tile: cutlass.Constexpr, SharedStorage: cutlass.Constexpr):
+        self.roles(tma_q, mQ, tma_k, mK, tma_v, mV, tma_o, mO, mO_rows, mLSE, scale_log2, mTileCounter,
+                   mCuSeqlensQ, mCuSeqlensK, window_left, window_right, softcap_scale, mSinks, None,
+                   sQ_layout, sKV_layout, sV_layout, sO_layout, epi_tile, SharedStorage, aux=aux)

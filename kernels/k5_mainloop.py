@@ -12,7 +12,8 @@ KV cache compose both):
         softmax(S_j) under P V; the first tile's S and the last tile's P V are its prologue and
         epilogue.
 K/V tiles are visited from the last to the first; `masked_tiles` splits them into the masked ones
-(ragged end, diagonal, a window's edges) and a steady-state loop with no mask code. FP8
+(ragged end, diagonal, a window's edges) and a steady-state loop with no mask code; score and
+mask mods (flex attention: `score_mod`, `mask_mod`, None unless compiled in) run on every tile. FP8
 (common/fp8_forward.py) replaces the three P hooks (`new_p`, `convert_p`, `p_operand`).
 """
 
@@ -45,10 +46,23 @@ class ForwardMainloop:
         s_mn = mma.rows_cols(acc_s)
         if cutlass.const_expr(self.softcap):
             softmax.softcap(s_mn, ctx.softcap_scale)
+        if cutlass.const_expr(self.score_mod is not None or self.mask_mod is not None):
+            # every tile, before the positional masks; the score's scale rides in softcap_scale
+            # (the host folds it out of scale_log2 when a score mod sees scaled scores)
+            mask.apply_mods(s_mn, ctx.s_coords, ctx.m_block * self.tile_m, n_block * self.tile_n,
+                            ctx.batch, ctx.head, ctx.seqlen_q, ctx.seqlen_k, ctx.softcap_scale,
+                            self.bound_mod(self.score_mod, ctx.aux), self.bound_mod(self.mask_mod, ctx.aux),
+                            masked)
         if cutlass.const_expr(masked):
             mask.apply(s_mn, ctx.s_coords, ctx.m_block * self.tile_m, n_block * self.tile_n,
                        ctx.seqlen_q, ctx.seqlen_k, self.causal, window=ctx.window)
         return softmax.online_update(s_mn, ctx.row_max, ctx.row_sum, scale_log2, 4, self.p_offset_log2)
+
+    @staticmethod
+    def bound_mod(mod, aux: tuple):
+        """A mod as the softmax step calls it: None, or `mod.bind(aux)`, the user's function with its
+        captured tensors replaced by the kernel's tensor arguments (fa3/flex.py's ModSource)."""
+        return None if mod is None else mod.bind(aux)
 
     # P = exp(S - max) in registers, rounded to the operand type of P V and used as its A operand
     # (16-bit: the accumulator's own layout, regrouped); FP8 replaces these three.

@@ -43,15 +43,18 @@ def _attention_config(spec, head_dim, causal, varlen, local, head_dim_v, short):
 
 
 def attention_key(spec, dtype, head_dim, causal, varlen=False, local=False, softcap=False,
-                  sinks=False, head_dim_v=None, short=False) -> tuple:
+                  sinks=False, head_dim_v=None, short=False, mods=None) -> tuple:
+    """`mods`: None, or the call's fa3.mods.Mods (its key: the mods' code and captured tensors'
+    dtypes and ranks)."""
     cfg = _attention_config(spec, head_dim, causal, varlen, local, head_dim_v, short)
     variant = (bool(varlen), bool(local), bool(softcap), bool(sinks))
     return (spec.name, str(dtype), _key_dims(head_dim, head_dim_v), bool(causal), *((variant,) if any(variant) else ()),
+            *(() if mods is None else (("mods", mods.key),)),
             config.key(spec.config, cfg), dsl.TARGET_ARCH, dsl.version())
 
 
 def _build_attention(spec, dtype, head_dim, causal, varlen=False, local=False, softcap=False,
-                     sinks=False, head_dim_v=None, short=False, extra_options=""):
+                     sinks=False, head_dim_v=None, short=False, extra_options="", mods=None):
     cfg = _attention_config(spec, head_dim, causal, varlen, local, head_dim_v, short)
     static = dict(dtype=sig.cute_dtype(dtype), head_dim=head_dim, causal=causal)
     if isinstance(cfg, config.LessonConfig):  # a lesson takes its tiles as arguments
@@ -60,8 +63,28 @@ def _build_attention(spec, dtype, head_dim, causal, varlen=False, local=False, s
         variant = dict(varlen=varlen, local=local, softcap=softcap, sinks=sinks) if spec.variants else {}
         if head_dim_v not in (None, head_dim):
             variant["head_dim_v"] = head_dim_v
+        if mods is not None:
+            return _build_attention_mods(spec, dtype, head_dim, head_dim_v, static, cfg, variant, mods,
+                                         extra_options)
         kernel = spec.load_class()(**static, config=cfg, **variant)
     return core.compile_kernel(kernel, sig.attention_args(spec, dtype, head_dim, head_dim_v), extra_options)
+
+
+def _build_attention_mods(spec, dtype, head_dim, head_dim_v, static, cfg, variant, mods, extra_options):
+    """K5's flex form (kernels/k5.WarpSpecializedFlexAttention) with the call's mods compiled in;
+    a mod that cannot be traced is reported by name."""
+    if spec.module != "k5":
+        raise ValueError(f"score_mod / mask_mod run on the K5 rungs only, not on {spec.name}")
+    from ..kernels.k5 import WarpSpecializedFlexAttention
+
+    kernel = WarpSpecializedFlexAttention(**static, config=cfg, **variant, score_mod=mods.score_mod,
+                                          mask_mod=mods.mask_mod)
+    args = sig.attention_args(spec, dtype, head_dim, head_dim_v) + [sig.aux_args(mods.aux_spec() or [(torch.int32, 1)])]
+    try:
+        return core.compile_kernel(kernel, args, extra_options)
+    except Exception as e:  # the DSL wraps what a mod raised while traced
+        names = " and ".join(f"{m.kind} {m.name}" for m in mods.sources)
+        raise ValueError(f"{names} could not be compiled into the attention kernel: {e}") from e
 
 
 # ----------------------------------------------------------------------------- FP8 forward (F1)
@@ -95,12 +118,22 @@ def get_attention_fp8(spec, out_dtype, head_dim, causal, varlen=False, local=Fal
 
 
 def get_attention(spec, dtype, head_dim, causal, varlen=False, local=False, softcap=False, sinks=False,
-                  head_dim_v=None, short=False):
+                  head_dim_v=None, short=False, mods=None):
     """The compiled kernel for this static configuration (compiled on first use). The per-call
     path is one dict lookup; the full key (config, arch, DSL version) is built only on a miss.
     varlen/local/softcap/sinks: the variants of rungs that list them (registry `variants`);
     head_dim_v: V's head dim where it differs (registry `value_head_dims`); short: the rung's
-    tiles for short query sequences (its configuration's `short_queries`: kernels/config.py)."""
+    tiles for short query sequences (its configuration's `short_queries`: kernels/config.py);
+    mods: None, or fa3.mods.Mods (K5's flex form; compiled per mod, in this process only: a mod's
+    code may read globals no key can see)."""
+    if mods is not None:
+        key = attention_key(spec, dtype, head_dim, causal, varlen, local, softcap, sinks, head_dim_v, short, mods)
+        fn = core.FAST.get(key)
+        if fn is None:
+            fn = core.FAST[key] = core.cached(
+                key, lambda: _build_attention(spec, dtype, head_dim, causal, varlen, local, softcap, sinks,
+                                              head_dim_v, short, mods=mods), persist=False)
+        return fn
     fast_key = (spec.name, dtype, head_dim, causal, varlen, local, softcap, sinks, head_dim_v, short)
     fn = core.FAST.get(fast_key)
     if fn is None:

@@ -26,15 +26,16 @@ def compile_kernel(kernel, fake_args, extra_options):
     return cute.compile(kernel, *fake_args, stream, options=options(extra_options))
 
 
-def cached(key, build):
+def cached(key, build, persist: bool = True):
     """The kernel for `key` (a callable), loaded from the disk cache or built and stored there,
-    once even across threads, on first use."""
+    once even across threads, on first use (persist=False: built, kept in this process only)."""
     fn = CACHE.get(key)
     if fn is None:
         with LOCK:
             fn = CACHE.get(key)
             if fn is None:
-                fn = CACHE[key] = _load_or_build(key, build)
+                fn = CACHE[key] = _load_or_build(key, build) if persist else \
+                    disk_cache.fast_callable(build())
     return fn
 
 

@@ -60,6 +60,26 @@ def attention_args(spec, dtype, head_dim, head_dim_v=None):
     return args
 
 
+def aux_args(spec) -> tuple:
+    """Fake tensors for flex attention's captured tensors ((dtype, rank) each: fa3.mods): dynamic
+    extents, contiguous (the launch makes them so), as one tuple argument."""
+    cutlass, cute = dsl.import_cute()
+    fakes = []
+    for dtype, rank in spec:
+        elem = AUX_DTYPES[dtype]
+        shape = tuple(cute.sym_int64() for _ in range(rank))
+        fakes.append(fake_tensor(cute, getattr(cutlass, elem), shape,
+                                 (*(cute.sym_int64() for _ in range(rank - 1)), 1),
+                                 align=torch.empty((), dtype=dtype).element_size()))
+    return tuple(fakes)
+
+
+# torch dtype -> the cutlass type name a captured tensor is read as
+AUX_DTYPES = {torch.float32: "Float32", torch.float16: "Float16", torch.bfloat16: "BFloat16",
+              torch.int32: "Int32", torch.int64: "Int64", torch.int16: "Int16", torch.int8: "Int8",
+              torch.uint8: "Uint8"}
+
+
 def attention_fp8_args(spec, out_dtype, head_dim):
     """Fake (q, k, vt, o, lse, scale_log2, SM count, tile counter, cu_seqlens stand-ins, window
     edges, softcap scale, q/k/v descales): q, k e4m3 (batch, seqlen, heads, d); vt e4m3 (batch, d,

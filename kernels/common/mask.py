@@ -12,6 +12,11 @@ seqlen_q. `window` is None (no window: the predicates compile to the plain or ca
 
 `rows_per_query`: a packed GQA tile (decode) holds that many rows (query heads) per query position;
 the predicates then take the query position, row // rows_per_query.
+
+Score and mask mods (flex attention, `apply_mods`): Python functions of DSL values inlined into the
+softmax step, score_mod(score, b, h, q_idx, kv_idx) -> Float32 on the scaled score and
+mask_mod(b, h, q_idx, kv_idx) -> Boolean (False: the score becomes -inf). They run on every tile,
+before the positional masks above, which then hide the ragged end whatever a mod returned there.
 """
 
 import cutlass
@@ -106,6 +111,52 @@ def apply(scores: cute.Tensor, coords: cute.Tensor, row0: Int32, col0: Int32, se
             for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
                 col = coords[r, c][1]
                 scores[r, c] = -cutlass.Float32.inf if (col >= limit) | (col < start) else scores[r, c]
+
+
+def _score_result(value, score_mod):
+    """A score mod's return value as Float32; anything else is the mod's error, named."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return cutlass.Float32(value)
+    if not isinstance(value, cutlass.Float32):
+        raise TypeError(f"score_mod {_name(score_mod)} returned {type(value).__name__}, not a float32 score "
+                        f"(convert a captured table's values with .to(cutlass.Float32), or keep it float32)")
+    return value
+
+
+def _mask_result(value, mask_mod):
+    """A mask mod's return value as a Boolean; anything else is the mod's error, named."""
+    if not isinstance(value, (bool, cutlass.Boolean)):
+        raise TypeError(f"mask_mod {_name(mask_mod)} returned {type(value).__name__}, not a boolean "
+                        f"(True: the score is kept)")
+    return value
+
+
+def _name(mod) -> str:
+    return getattr(mod, "name", None) or getattr(mod, "__qualname__", None) or repr(mod)
+
+
+@cute.jit
+def apply_mods(scores: cute.Tensor, coords: cute.Tensor, row0: Int32, col0: Int32, batch: Int32,
+               head: Int32, seqlen_q: Int32, seqlen_k: Int32, score_scale: cutlass.Float32,
+               score_mod, mask_mod, ragged: cutlass.Constexpr):
+    """score = score_mod(score * score_scale, b, h, q_idx, kv_idx), then -inf where
+    mask_mod(b, h, q_idx, kv_idx) is False, in place (either mod None: skipped; without a score mod
+    the scores stay unscaled). `scores`/`coords`/`row0`/`col0` as in `apply`; `head` is the query
+    head. Indices past the sequences (the Q tile's ragged rows, and with `ragged` the K/V tile's
+    ragged columns) reach the mods clamped to the last position, so that a mod's table reads stay
+    in bounds: those rows are never stored and those columns are hidden by `apply` afterwards."""
+    for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
+        q_idx = cutlass.min(row0 + coords[r, 0][0], seqlen_q - 1)
+        for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
+            kv_idx = col0 + coords[r, c][1]
+            if cutlass.const_expr(ragged):
+                kv_idx = cutlass.min(kv_idx, seqlen_k - 1)
+            if cutlass.const_expr(score_mod is not None):
+                scores[r, c] = _score_result(score_mod(scores[r, c] * score_scale, batch, head, q_idx, kv_idx),
+                                             score_mod)
+            if cutlass.const_expr(mask_mod is not None):
+                keep = _mask_result(mask_mod(batch, head, q_idx, kv_idx), mask_mod)
+                scores[r, c] = scores[r, c] if keep else -cutlass.Float32.inf
 
 
 @cute.jit

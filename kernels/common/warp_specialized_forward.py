@@ -52,8 +52,12 @@ class WarpSpecializedForward(AttentionTileSchedule, PingPong, WgmmaTileState, St
 
     def __init__(self, dtype, head_dim: int, causal: bool, config: ForwardConfig, varlen: bool = False,
                  local: bool = False, softcap: bool = False, sinks: bool = False,
-                 head_dim_v: int | None = None):
-        """`config`: kernels/config.py's choice for this head dim and variant."""
+                 head_dim_v: int | None = None, score_mod=None, mask_mod=None):
+        """`config`: kernels/config.py's choice for this head dim and variant. `score_mod`,
+        `mask_mod`: None, or a mod source (`bind(aux) -> function`, fa3/flex.py) inlined into the
+        softmax step (common/mask.apply_mods); a score mod and the softcap are exclusive."""
+        if score_mod is not None and softcap:
+            raise ValueError("a score mod and softcap are exclusive: write the cap as a score mod")
         self.config = config
         self.dtype, self.head_dim, self.causal = dtype, head_dim, causal
         self.tile_m, self.tile_n, self.kv_stages = config.tile_m, config.tile_n, config.kv_stages
@@ -63,6 +67,8 @@ class WarpSpecializedForward(AttentionTileSchedule, PingPong, WgmmaTileState, St
         # variants (static, each compiled on demand): packed variable-length batches, a sliding
         # window (mask.py), tanh-capped scores, attention sinks in the denominator (softmax.py)
         self.varlen, self.local, self.softcap, self.sinks = varlen, local, softcap, sinks
+        # flex attention's mods, each compiled in (their captured tensors: the kernel's `aux` tuple)
+        self.score_mod, self.mask_mod = score_mod, mask_mod
         self.consumer_wgs = config.consumer_warpgroups
         self.num_threads = 128 * (1 + self.consumer_wgs)
         self.producer_regs, self.consumer_regs = config.producer_regs, config.consumer_regs
@@ -119,11 +125,11 @@ class WarpSpecializedForward(AttentionTileSchedule, PingPong, WgmmaTileState, St
     def roles(self, tma_q, mQ, tma_k, mK, tma_v, mV, tma_o, mO, mO_rows, mLSE, scale_log2: Float32,
               mTileCounter, mCuSeqlensQ, mCuSeqlensK, window_left: Int32, window_right: Int32,
               softcap_scale: Float32, sinks, descales, sQ_layout, sKV_layout, sV_layout, sO_layout,
-              epi_tile: cutlass.Constexpr, SharedStorage: cutlass.Constexpr, cache=None):
+              epi_tile: cutlass.Constexpr, SharedStorage: cutlass.Constexpr, cache=None, aux=()):
         """The body of a rung's kernel: barriers, SMEM, then the producer and consumer roles. `sinks`: None,
         or the (heads_q,) FP32 sink logits (the sinks variant); `descales`: None, or FP8's (q, k, v)
         descale tensors (batch, heads_kv); `cache`: None, or where a KV cache's keys are
-        (kernels/k5_cache.py)."""
+        (kernels/k5_cache.py); `aux`: the tensors the score and mask mods captured."""
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -166,7 +172,7 @@ class WarpSpecializedForward(AttentionTileSchedule, PingPong, WgmmaTileState, St
             rows_q=rows_q, rows_k=rows_k, sinks=sinks, descales=descales, cache=cache,
             group=mQ.shape[2] // mK.shape[2],
             window=(window_left, window_right) if cutlass.const_expr(self.local) else None,
-            q_blocks=q_blocks[0] if varlen else None, value_transpose=value_transpose)
+            q_blocks=q_blocks[0] if varlen else None, value_transpose=value_transpose, aux=aux)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -316,6 +322,7 @@ class WarpSpecializedForward(AttentionTileSchedule, PingPong, WgmmaTileState, St
         ctx = self.compute_setup(sQ[None, None, q_state.index], sK, sV, None, ctidx, m_block,
                                  seq.seqlen_q, seq.seqlen_k)
         ctx.window, ctx.softcap_scale, ctx.n_max = params.window, params.softcap_scale, n_max
+        ctx.batch, ctx.head, ctx.aux = batch, head, params.aux  # what the mods see (the query head)
         if cutlass.const_expr(self.sinks):  # read now, used by the epilogue: its latency is hidden
             ctx.sink_log2 = params.sinks[head] * Float32(softmax.LOG2E)
         scale_log2 = self.tile_scales(ctx, scale_log2, batch, head, params)

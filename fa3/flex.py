@@ -1,0 +1,219 @@
+"""fa3.flex_attention: torch's flex attention on fa3's K5 forward, and a library of mods.
+
+    fa3.flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None,
+                       enable_gqa=False, return_lse=False)
+
+takes torch.nn.attention.flex_attention's arguments and layout, (batch, heads, seqlen, head_dim),
+and runs fa3.attention's K5 forward (which takes (batch, seqlen, heads, head_dim): the transposes
+are views, whose strides TMA takes as they are) with the mods compiled in (fa3/mods.py says how a
+Python function becomes device code and what it may capture).
+
+block_mask (torch's BlockMask) is taken, for now, as the source of its mask_mod only: the mask is
+applied to every score and no block is skipped (block sparsity is to come). A BlockMask without a
+mask_mod of its own (BlockMask.from_kv_blocks' default) is refused, since its blocks alone would
+say what is masked.
+
+The library: each mod is a plain function with torch's signature (or a function that returns one,
+for mods with parameters), which runs on torch tensors as well as in the kernel, so that a test can
+compare the kernel with a float64 reference (`reference`) built from the very same function, and
+torch's flex_attention can take them too:
+    score mods: alibi(slopes), softcap(cap), relative_bias(table, max_distance)
+    mask mods:  causal, sliding_window(window), document(doc_ids), prefix_lm(prefix_length)
+`causal` here is flex attention's, aligned to the top left (q_idx >= kv_idx), not fa3.attention's
+bottom-right `causal=True`. Forward only, eager, 16-bit inputs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import interface
+
+
+# ----------------------------------------------------------------------------- helpers
+# Each takes torch tensors or the kernel's DSL values (traced): what a mod needs beyond operators.
+
+def tanh(x):
+    if isinstance(x, torch.Tensor):
+        return torch.tanh(x)
+    from .compile import dsl
+
+    _, cute = dsl.import_cute()
+    return cute.math.tanh(x, fastmath=True)
+
+
+def clamp(x, lo: int, hi: int):
+    """min(max(x, lo), hi) of integer positions."""
+    if isinstance(x, torch.Tensor):
+        return torch.clamp(x, lo, hi)
+    from .compile import dsl
+
+    cutlass, _ = dsl.import_cute()
+    return cutlass.min(cutlass.max(x, lo), hi)
+
+
+def to_float(x):
+    """An integer (index arithmetic) as a float score term."""
+    if isinstance(x, torch.Tensor):
+        return x.to(torch.float32) if not x.is_floating_point() else x
+    from .compile import dsl
+
+    cutlass, _ = dsl.import_cute()
+    return x.to(cutlass.Float32)
+
+
+# ----------------------------------------------------------------------------- mask mods
+def causal(b, h, q_idx, kv_idx):
+    """Query q_idx sees keys kv_idx <= q_idx (top-left aligned, as torch's flex examples)."""
+    return q_idx >= kv_idx
+
+
+def sliding_window(window: int):
+    """Causal, and at most `window` positions back: q_idx - window <= kv_idx <= q_idx."""
+    window = int(window)
+
+    def sliding_window_mask(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx <= window)
+    return sliding_window_mask
+
+
+def document(doc_ids: torch.Tensor):
+    """Packed documents: a query sees the keys of its own document. doc_ids (batch, seqlen) int32,
+    the document of each position (queries and keys share positions)."""
+    def document_mask(b, h, q_idx, kv_idx):
+        return doc_ids[b, q_idx] == doc_ids[b, kv_idx]
+    return document_mask
+
+
+def prefix_lm(prefix_length):
+    """Prefix-LM: every query sees the first `prefix_length` keys (bidirectional prefix), and the
+    keys before it causally. prefix_length: an int (compiled in) or a (batch,) int32 tensor."""
+    if isinstance(prefix_length, torch.Tensor):
+        prefix_lengths = prefix_length
+
+        def prefix_lm_mask_per_batch(b, h, q_idx, kv_idx):
+            return (kv_idx < prefix_lengths[b]) | (q_idx >= kv_idx)
+        return prefix_lm_mask_per_batch
+    prefix = int(prefix_length)
+
+    def prefix_lm_mask(b, h, q_idx, kv_idx):
+        return (kv_idx < prefix) | (q_idx >= kv_idx)
+    return prefix_lm_mask
+
+
+# ----------------------------------------------------------------------------- score mods
+def alibi(slopes: torch.Tensor):
+    """ALiBi: score + slopes[h] * (kv_idx - q_idx); slopes (heads_q,) float32 (alibi_slopes)."""
+    def alibi_bias(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * to_float(kv_idx - q_idx)
+    return alibi_bias
+
+
+def alibi_slopes(heads: int) -> torch.Tensor:
+    """ALiBi's geometric slopes, 2^(-8 (h + 1) / heads) (heads a power of two), float32."""
+    return torch.tensor([2.0 ** (-8.0 * (h + 1) / heads) for h in range(heads)], dtype=torch.float32)
+
+
+def softcap(cap: float):
+    """Gemma 2's capped scores: cap * tanh(score / cap)."""
+    cap = float(cap)
+    if not math.isfinite(cap) or cap <= 0:
+        raise ValueError(f"softcap's cap={cap!r} must be a finite float > 0")
+
+    def softcap_score(score, b, h, q_idx, kv_idx):
+        return cap * tanh(score * (1.0 / cap))
+    return softcap_score
+
+
+def relative_bias(table: torch.Tensor, max_distance: int):
+    """A learned relative position bias (T5-style, clipped): score + table[h, d + max_distance],
+    d = kv_idx - q_idx clamped to [-max_distance, max_distance]; table (heads_q, 2 max_distance + 1)
+    float32."""
+    max_distance = int(max_distance)
+    if table.dim() != 2 or table.shape[1] != 2 * max_distance + 1:
+        raise ValueError(f"relative_bias: table must be (heads, {2 * max_distance + 1}) for max_distance="
+                         f"{max_distance}, got {tuple(table.shape)}")
+
+    def relative_bias_score(score, b, h, q_idx, kv_idx):
+        return score + table[h, clamp(kv_idx - q_idx, -max_distance, max_distance) + max_distance]
+    return relative_bias_score
+
+
+# ----------------------------------------------------------------------------- the entry point
+def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
+                   return_lse=False, kernel=None):
+    """torch.nn.attention.flex_attention's forward on fa3's K5 kernel (this module's docstring).
+
+    query (batch, heads_q, seqlen_q, head_dim), key/value (batch, heads_kv, seqlen_kv, head_dim),
+    bf16 or fp16 on a Hopper GPU; heads_q != heads_kv only with enable_gqa=True (heads_q a multiple).
+    score_mod(score, b, h, q_idx, kv_idx): on softmax_scale * q k^T; block_mask: a BlockMask, its
+    mask_mod applied (no block skipped yet); scale: default 1/sqrt(head_dim). Returns out
+    (batch, heads_q, seqlen_q, head_dim_v), and with return_lse the float32 natural-log LSE
+    (batch, heads_q, seqlen_q); rows that see no key give 0 and -inf. Forward only."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor (batch, heads, seqlen, head_dim), got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if query.shape[1] != key.shape[1] and not enable_gqa:
+        raise ValueError(f"query has {query.shape[1]} heads but key has {key.shape[1]}: pass "
+                         f"enable_gqa=True for grouped-query attention")
+    mask_mod = None if block_mask is None else block_mask_mod(block_mask, query.shape[2], key.shape[2],
+                                                              query.shape[0], query.shape[1])
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    out, lse = interface.attention_with_mods(q, k, v, score_mod, mask_mod, softmax_scale=scale, kernel=kernel)
+    out = out.transpose(1, 2)
+    return (out, lse) if return_lse else out
+
+
+def block_mask_mod(block_mask, seqlen_q: int, seqlen_kv: int, batch: int, heads: int):
+    """The mask_mod a BlockMask stands for, checked against the call's shapes."""
+    if not all(hasattr(block_mask, a) for a in ("kv_num_blocks", "kv_indices", "BLOCK_SIZE", "mask_mod")):
+        raise TypeError(f"block_mask must be a torch.nn.attention.flex_attention.BlockMask, got "
+                        f"{type(block_mask).__name__}")
+    lengths = tuple(getattr(block_mask, "seq_lengths", ()))
+    if lengths and lengths != (seqlen_q, seqlen_kv):
+        raise ValueError(f"block_mask was made for (seqlen_q, seqlen_kv) = {lengths}, but query and key have "
+                         f"({seqlen_q}, {seqlen_kv}): create it with Q_LEN={seqlen_q}, KV_LEN={seqlen_kv}")
+    mask_b, mask_h, q_blocks = block_mask.kv_num_blocks.shape
+    block_q, block_kv = block_mask.BLOCK_SIZE
+    if mask_b not in (1, batch) or mask_h not in (1, heads):
+        raise ValueError(f"block_mask has (batch, heads) = ({mask_b}, {mask_h}); the call has ({batch}, {heads}) "
+                         f"(1 broadcasts)")
+    if q_blocks != -(-seqlen_q // block_q):
+        raise ValueError(f"block_mask has {q_blocks} query blocks of {block_q} rows; seqlen_q={seqlen_q} needs "
+                         f"{-(-seqlen_q // block_q)}")
+    mod = block_mask.mask_mod
+    if mod is None or getattr(mod, "__name__", "") == "noop_mask":
+        raise ValueError("block_mask has no mask_mod of its own (BlockMask.from_kv_blocks' default): fa3 applies "
+                         "a block mask through its mask_mod for now, and does not read its block lists alone; "
+                         "build it with create_block_mask(mask_mod, ...)")
+    return mod
+
+
+def reference(query, key, value, score_mod=None, mask_mod=None, scale=None):
+    """(out, lse) of flex attention in float64 over materialized scores, the mods applied to
+    broadcast index tensors on query's device: what the GPU tests compare fa3 with. Layout and
+    GQA as flex_attention; rows that see no key give 0 and -inf."""
+    batch, heads, seqlen_q, d = query.shape
+    seqlen_kv = key.shape[2]
+    group = heads // key.shape[1]
+    k = key.double().repeat_interleave(group, dim=1)
+    v = value.double().repeat_interleave(group, dim=1)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    scores = torch.einsum("bhqd,bhkd->bhqk", query.double(), k) * scale
+    dev = query.device
+    b = torch.arange(batch, device=dev).view(-1, 1, 1, 1)
+    h = torch.arange(heads, device=dev).view(1, -1, 1, 1)
+    q_idx = torch.arange(seqlen_q, device=dev).view(1, 1, -1, 1)
+    kv_idx = torch.arange(seqlen_kv, device=dev).view(1, 1, 1, -1)
+    if score_mod is not None:
+        scores = score_mod(scores, b, h, q_idx, kv_idx).double().expand_as(scores)
+    if mask_mod is not None:
+        keep = torch.as_tensor(mask_mod(b, h, q_idx, kv_idx), device=dev).expand_as(scores)
+        scores = scores.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.unsqueeze(-1).where(torch.isfinite(lse.unsqueeze(-1)), 0.0))
+    probs = probs.masked_fill(~torch.isfinite(lse).unsqueeze(-1), 0.0)
+    return torch.einsum("bhqk,bhkd->bhqd", probs, v), lse
