@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from . import _checks, _dispatch, _launch, masking, varlen
+from . import _checks, _dispatch, _launch, masking, varlen_checks
 from .compile import builders as _compile
 from .kernels import config
 
@@ -38,13 +38,13 @@ def check_backward(dout, q, k, v, out, lse, kernel, cu_seqlens=None, sinks=None,
         batch, seqlen_q, heads_q, head_dim = q.shape
         lse_shape, lse_layout = (batch, heads_q, seqlen_q), "(batch, heads_q, seqlen_q)"
     else:
-        varlen.check_varlen(q, k, v, *cu_seqlens, None, None, None, check_values=False)
+        varlen_checks.check_varlen(q, k, v, *cu_seqlens, None, None, None, check_values=False)
         total_q, heads_q, head_dim = q.shape
         lse_shape, lse_layout = (heads_q, total_q), "(heads_q, total_q)"
     spec = _dispatch.memo_rung(_dispatch.backward_rung, kernel, head_dim, bool(deterministic), v.shape[-1],
                                bool(masked))
     if cu_seqlens is not None:
-        varlen.check_varlen_rung(spec, "backward_kernel")
+        varlen_checks.check_varlen_rung(spec, "backward_kernel")
     like = _checks.output_like(q, v)  # q's shape with v's head dim
     for name, t in (("dout", dout), ("out", out)):
         _checks.check_tensor(t, name, q.dim(), q.dtype, unit_stride_last=False)  # any strides: copied if needed
@@ -135,30 +135,46 @@ def _backward(spec, tensors, cu_seqlens, causal, softmax_scale, window_size, sof
 
 
 class DifferentiableAttention(torch.autograd.Function):
-    """fa3.attention's eager calls that need gradients: the forward launched as given, the
-    backward launched directly (launch_attention_backward with the rung chosen at the call). The
-    same kernels and saved tensors as the op's autograd registration (fa3.ops), without its
-    dispatch; traced calls, modes and transforms use the op. Arguments are checked by the caller.
-    apply(forward, q, k, v, causal, scale, backward_spec, deterministic, window, softcap) -> (out, lse):
-    forward(q, k, v) returns (out, lse); lse is not differentiable."""
+    """fa3.attention's and fa3.attention_varlen's eager calls that need gradients: the forward
+    launched as given, the backward launched directly (`gradients`: launch_attention_backward or
+    launch_varlen_backward with the rung and masks chosen at the call). The same kernels and saved
+    tensors as the ops' autograd registrations (fa3.ops), without their dispatch; traced calls,
+    modes and transforms use the ops. Arguments are checked by the caller.
+    apply(forward, gradients, op, q, k, v) -> (out, lse): forward(q, k, v) returns (out, lse);
+    gradients(dout, q, k, v, out, lse) returns (dq, dk, dv); `op` names the backward for a profiler
+    ("fa3::attention_backward"); lse is not differentiable."""
 
     @staticmethod
-    def forward(ctx, forward, q, k, v, causal, scale, backward_spec, deterministic, window, softcap):
+    def forward(ctx, forward, gradients, op, q, k, v):
         out, lse = forward(q, k, v)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.launch = (backward_spec, causal, scale, deterministic, window, softcap)
+        ctx.gradients, ctx.op = gradients, op
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        spec, causal, scale, deterministic, window, softcap = ctx.launch
-        with _dispatch.op_range("fa3::attention_backward"):
-            dq, dk, dv, _ = launch_attention_backward(spec, dout, q, k, v, out, lse, causal, scale,
-                                                      deterministic, window, softcap)
-        return None, dq, dk, dv, None, None, None, None, None, None
+        with _dispatch.op_range(ctx.op):
+            dq, dk, dv = ctx.gradients(dout, *ctx.saved_tensors)
+        return None, None, None, dq, dk, dv
+
+
+def dense_gradients(spec, causal: bool, scale: float, deterministic: bool, window, softcap: float):
+    """DifferentiableAttention's `gradients` for fa3.attention's layout, with backward rung spec."""
+    def gradients(dout, q, k, v, out, lse):
+        return launch_attention_backward(spec, dout, q, k, v, out, lse, causal, scale, deterministic, window,
+                                         softcap)[:3]
+    return gradients
+
+
+def packed_gradients(spec, cu_seqlens_q, cu_seqlens_k, causal: bool, scale: float, deterministic: bool, window,
+                     softcap: float):
+    """DifferentiableAttention's `gradients` for a packed batch (fa3.attention_varlen's layout)."""
+    def gradients(dout, q, k, v, out, lse):
+        return launch_varlen_backward(spec, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal, scale,
+                                      deterministic, window, softcap)[:3]
+    return gradients
 
 
 _NO_LOCK: dict[torch.device, torch.Tensor] = {}  # a stand-in for the counters when not deterministic

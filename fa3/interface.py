@@ -140,9 +140,11 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
         if forward is None:
             forward = functools.partial(launch_attention, spec, causal=causal, scale=scale, window=window,
                                         softcap=softcap)
+        gradients = backward.dense_gradients(backward_spec, causal, scale, bool(deterministic), window,
+                                             float(softcap))
         with _dispatch.op_range("fa3::attention"):
-            out, lse = backward.DifferentiableAttention.apply(forward, q, k, v, causal, scale, backward_spec,
-                                                              bool(deterministic), window, float(softcap))
+            out, lse = backward.DifferentiableAttention.apply(forward, gradients, "fa3::attention_backward",
+                                                              q, k, v)
     else:
         if backward_spec is None:  # the op names one, never run without gradients
             backward_spec = _dispatch.memo_rung(_dispatch.backward_rung, backward_kernel, q.shape[3],

@@ -13,8 +13,9 @@ import math
 
 import torch
 
-from . import _checks, _dispatch, _launch, fp8, index_checks, kvcache, masking, registry
+from . import _checks, _dispatch, _launch, backward, fp8, index_checks, kvcache, masking
 from .cache import split_plan
+from .varlen_checks import check_varlen, check_varlen_rung
 
 
 def packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
@@ -45,51 +46,20 @@ def packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     if needs_grad:
         check_varlen_rung(bwd, "backward_kernel")
         _dispatch.check_variants(bwd, masking.masking(bool(causal), window, softcap, scale), "backward_kernel")
+        if out is None and sinks is None and q.device in _checks.HOPPER_SMS \
+                and _dispatch.eager_autograd_ok(q, k, v, cu_seqlens_q, cu_seqlens_k):  # fa3's own Function
+            causal = bool(causal)
+            forward = lambda q, k, v: launch_varlen(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale,
+                                                    window, softcap, max_seqlen_q=rows)
+            gradients = backward.packed_gradients(bwd, cu_seqlens_q, cu_seqlens_k, causal, scale,
+                                                  bool(deterministic), window, float(softcap))
+            with _dispatch.op_range("fa3::attention_varlen"):
+                return backward.DifferentiableAttention.apply(forward, gradients,
+                                                              "fa3::attention_varlen_backward", q, k, v)
     result, lse = torch.ops.fa3.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, bool(causal), scale,
                                                  window[0], window[1], float(softcap), spec.name,
                                                  bool(deterministic), bwd.name, sinks, rows or 0)
     return (result if out is None else out.copy_(result)), lse  # (the op is functional)
-
-
-def check_varlen_rung(spec, argument: str) -> None:
-    """A packed batch needs a rung that compiles the varlen variant (registry `variants`)."""
-    if "varlen" not in spec.variants:
-        raise ValueError(f"{argument}={spec.name!r} cannot take packed batches; rungs that can: "
-                         f"{_varlen_rungs(spec.family)} (or {argument}=None)")
-
-
-def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kernel, check_values=True):
-    """attention_varlen's arguments (the offsets' values too, where check_values and the call allow
-    a host copy: fa3.index_checks); returns the rung's spec."""
-    (total_q, _, head_dim), (total_k, _, _) = _checks.check_qkv(q, k, v, _checks.PACKED_KV_LAYOUT)
-    index_checks.check_packed_offsets(cu_seqlens_q, cu_seqlens_k, q.device, total_q, total_k,
-                                      max_seqlen_q, max_seqlen_k, check_values)
-    spec = _dispatch.memo_rung(_varlen_rung, kernel, head_dim)
-    if v.shape[2] != head_dim:
-        _dispatch.check_value_head_dim(spec, head_dim, v.shape[2], "kernel")
-    _checks.check_hopper(q.device, "q")
-    return spec
-
-
-def _varlen_rung(kernel, head_dim):
-    """An attention rung that compiles the varlen variant (None: the fastest such rung)."""
-    if kernel is not None:
-        spec = _dispatch.family_rung(registry.ATTENTION, kernel, head_dim, "q, k and v")
-        check_varlen_rung(spec, "kernel")
-        return spec
-    _dispatch.family_rung(registry.ATTENTION, None, head_dim, "q, k and v")  # head_dim's message
-    return registry.get(_fastest_varlen_rung())
-
-
-@torch.compiler.assume_constant_result
-def _fastest_varlen_rung() -> str:
-    """(torch.compile takes it as a constant: it cannot trace max(key=))"""
-    return max((registry.get(n) for n in _varlen_rungs()), key=lambda s: s.speed_rank).name
-
-
-def _varlen_rungs(family: str = registry.ATTENTION):
-    """The rungs of `family` that compile the varlen variant."""
-    return [n for n in registry.available_kernels(family) if "varlen" in registry.get(n).variants]
 
 
 def launch_varlen(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale: float,

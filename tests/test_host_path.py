@@ -255,6 +255,30 @@ def test_eager_gradients_match_the_op(window):
 
 
 @pytest.mark.gpu
+def test_eager_packed_gradients_match_the_op():
+    """attention_varlen's eager calls that need gradients run the same Function (packed layout):
+    output and gradients bitwise the op's (GQA, deterministic, causal, ragged sequences)."""
+    lengths = [200, 1, 77, 300]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    total = sum(lengths)
+    q = _rand(total, 8, 128).requires_grad_()
+    k, v = (_rand(total, 2, 128).requires_grad_() for _ in range(2))
+    dout = _rand(total, 8, 128)
+    scale = 128 ** -0.5
+    rung = fa3.varlen.check_varlen(q, k, v, cu, cu, None, None, None).name
+    backward_rung = fa3.registry.fastest(fa3.registry.BACKWARD, 128, deterministic=True, masked=True).name
+    via_op, _ = torch.ops.fa3.attention_varlen(q, k, v, cu, cu, True, scale, -1, -1, 0.0, rung, True,
+                                               backward_rung)
+    expected = (via_op, *torch.autograd.grad(via_op, (q, k, v), dout))
+    out = fa3.attention_varlen(q, k, v, cu, cu, max(lengths), max(lengths), causal=True, deterministic=True)
+    assert "DifferentiableAttention" in type(out.grad_fn).__name__
+    got = (out, *torch.autograd.grad(out, (q, k, v), dout))
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)
+    fa3.check_index_values()
+
+
+@pytest.mark.gpu
 def test_prepared_decode_route_computes_the_same():
     """fa3.attention's decode route (a forward-only step over 32 MiB or more of K and V) remembered:
     the same output again, and the reference's for new queries."""
