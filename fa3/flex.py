@@ -111,9 +111,10 @@ def alibi(slopes: torch.Tensor):
     return alibi_bias
 
 
-def alibi_slopes(heads: int) -> torch.Tensor:
-    """ALiBi's geometric slopes, 2^(-8 (h + 1) / heads) (heads a power of two), float32."""
-    return torch.tensor([2.0 ** (-8.0 * (h + 1) / heads) for h in range(heads)], dtype=torch.float32)
+def alibi_slopes(heads: int, device=None) -> torch.Tensor:
+    """ALiBi's geometric slopes, 2^(-8 (h + 1) / heads) (heads a power of two), float32 on `device`."""
+    return torch.tensor([2.0 ** (-8.0 * (h + 1) / heads) for h in range(heads)], dtype=torch.float32,
+                        device=device)
 
 
 def softcap(cap: float):

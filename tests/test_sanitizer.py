@@ -88,8 +88,8 @@ elif case == "kvcache-chunks":  # prompt chunks on K5 over the cache beside deco
         for causal in (True, False):  # the dynamic schedule, the static one
             outs.append(fa3.attention_varlen(rand(1630, 16, 128), *cache, cu, None, 1000, 3000, causal=causal,
                                              block_table=table, seqused_k=lengths))
-elif case == "kvcache-fp8":  # an FP8 cache: pages of 64 (TMA) and of 16 (gathers), descales per head
-    f8 = lambda t: t.to(torch.float8_e4m3fn)
+elif case == "kvcache-fp8":  # an FP8 cache: pages of 64 (TMA) and of 16 (gathers), descales per head,
+    f8 = lambda t: t.to(torch.float8_e4m3fn)  # FP8 queries and bf16 ones (dequantized in the kernel)
     lengths = i32([4000, 1, 300, 2047])
     scales = [torch.rand(4, 2, device="cuda", generator=g) + 0.5 for _ in range(3)]
     for page in (64, 16):
@@ -99,6 +99,16 @@ elif case == "kvcache-fp8":  # an FP8 cache: pages of 64 (TMA) and of 16 (gather
             outs.append(fa3.attention_with_kvcache(f8(rand(4, 2, 16, 128)), *pages, cache_seqlens=lengths,
                                                    block_table=table, causal=True, num_splits=splits,
                                                    q_descale=scales[0], k_descale=scales[1], v_descale=scales[2]))
+            outs.append(fa3.attention_with_kvcache(rand(4, 2, 16, 128), *pages, cache_seqlens=lengths,
+                                                   block_table=table, causal=True, num_splits=splits,
+                                                   k_descale=scales[1], v_descale=scales[2]))
+elif case == "flex":  # K5 with a score mod (a captured table) and a mask mod (captured ids), causal and not
+    from fa3 import flex
+    q, k, v = rand(2, 8, 2100, 128), rand(2, 2, 2100, 128), rand(2, 2, 2100, 128)
+    docs = (torch.arange(2100, device="cuda") // 700).to(torch.int32).expand(2, -1).contiguous()
+    for score_mod, mask_mod in ((flex.alibi(flex.alibi_slopes(8, "cuda")), flex.document(docs)), (None, flex.causal)):
+        outs.append(fa3.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                  score_mod=score_mod, mask_mod=mask_mod))
 elif case == "gemm":  # 512 tiles of 128 x 256
     a, b = rand(4096, 256), rand(256, 4096)
     for kernel in fa3.available_kernels("gemm"):
@@ -125,7 +135,7 @@ print("done")
 '''
 
 RACE_CASES = ["forward-causal", "forward-causal-d64", "forward-causal-d96", "forward-d96", "forward", "varlen",
-              "kvcache", "kvcache-gather", "kvcache-chunks", "gemm", "fp8", "fp8-gemm", "kvcache-fp8"]
+              "kvcache", "kvcache-gather", "kvcache-chunks", "gemm", "fp8", "fp8-gemm", "kvcache-fp8", "flex"]
 
 
 @pytest.mark.parametrize("head_dim", [64, 96, 128])
@@ -169,11 +179,13 @@ index_checks.values_checkable = lambda device: False  # as under capture: no hos
 ''' + INDEX_PROBLEMS + r'''
 entry, argument, index, value = json.loads(sys.argv[1])
 index = tuple(index) if isinstance(index, list) else index
+bf16_q = entry.startswith("bf16q")  # bf16 queries over an FP8 cache
+entry = entry.removeprefix("bf16q")
 fp8 = entry.startswith("fp8")  # the FP8 forward's packed batch (its V^T kernel included), an FP8 cache
 (q, k, v), args = index_problem(entry.removeprefix("fp8"))
 args[argument][index] = value
 if fp8:
-    q, k, v = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
+    q, k, v = (t if bf16_q and t is q else t.to(torch.float8_e4m3fn) for t in (q, k, v))
 if entry in ("varlen", "fp8varlen"):
     for causal in (True, False):
         fa3.attention_varlen(q, k, v, args["cu_seqlens_q"], args["cu_seqlens_k"], causal=causal,
@@ -213,6 +225,8 @@ MEM_CASES = {
     "fp8-paged-seqlens-past-capacity": ("fp8paged", "cache_seqlens", 1, 100000),
     "fp8-paged-table-past-pool": ("fp8paged", "block_table", [1, 0], 100000),
     "fp8-paged16-table-negative": ("fp8paged16", "block_table", [1, 1], -7),
+    "bf16q-fp8-paged-seqlens-past-capacity": ("bf16qfp8paged", "cache_seqlens", 1, 100000),
+    "bf16q-fp8-paged16-table-past-pool": ("bf16qfp8paged16", "block_table", [1, 0], 100000),
     "chunks-seqused-past-capacity": ("cachechunks", "seqused_k", 0, 100000),
     "chunks-table-past-pool": ("cachechunks", "block_table", [0, 3], 100000),
     "chunks-table-negative": ("cachechunks", "block_table", [0, 0], -7),
