@@ -214,20 +214,28 @@ def check_scale_tensor(t, name: str, forms: str, device, owner: str) -> None:
         raise ValueError(f"{name} is on {t.device} but {owner} is on {device}; put it on {owner}'s device")
 
 
+_UNIT_DESCALES: dict = {}  # device -> a float32 1 (1, 1): the descale of None
+
+
 def check_descale(t, name: str, batch: int, heads_kv: int, device) -> torch.Tensor:
-    """An FP8 descale as the kernel takes it: float32 (batch, heads_kv) contiguous on `device`, from
-    None (1), a 0-d or one-element tensor (broadcast), or a (batch, heads_kv) tensor (flash-attn's
-    FA3 interface)."""
+    """An FP8 descale as the kernels take it: a float32 (batch, heads_kv) view on `device`, of any
+    strides (no copy): from None (1), a 0-d or one-element tensor (broadcast), or a (batch,
+    heads_kv) tensor (flash-attn's FA3 interface)."""
     if t is None:
-        return torch.ones(batch, heads_kv, dtype=torch.float32, device=device)
+        t = _UNIT_DESCALES.get(device)
+        if t is None:
+            t = torch.ones(1, 1, dtype=torch.float32, device=device)
+            if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+                _UNIT_DESCALES[device] = t  # (one made under capture holds its 1 only in replays)
+        return t.expand(batch, heads_kv)
     check_scale_tensor(t, name, f"shape (batch, heads_kv) = ({batch}, {heads_kv}), or one element",
                        device, "q")
     if t.numel() == 1 and t.dim() <= 2:
-        return t.reshape(1, 1).expand(batch, heads_kv).contiguous()
+        return t.reshape(1, 1).expand(batch, heads_kv)
     if tuple(t.shape) != (batch, heads_kv):
         raise ValueError(f"{name} has shape {tuple(t.shape)}; it must be (batch, heads_kv) = "
                          f"({batch}, {heads_kv}), or hold one element (per tensor)")
-    return t if t.is_contiguous() else t.contiguous()
+    return t
 
 
 def check_offsets(cu, name: str, device, batch=None, batch_source: str = "cu_seqlens_q") -> None:

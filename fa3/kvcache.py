@@ -36,6 +36,7 @@ from .cache.checks import check_descales, check_kvcache
 from .cache.split_plan import call_plan, split_request
 
 
+NO_DESCALES = (None, None, None)
 _DUMMIES: dict = {}
 
 
@@ -283,11 +284,10 @@ def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, sof
     launch (directly, or through torch.ops.fa3.attention_kvcache), return (out, lse). descales:
     (q_descale, k_descale, v_descale) as given (an FP8 cache). Its callers (the public entry points)
     raise an earlier call's bad index values first (index_checks.raise_pending)."""
-    # a plain call (no append, out=, left padding, sinks, FP8, window or softcap; lengths in a tensor or an int)
+    # a plain call (no append, out=, left padding, sinks, window or softcap; lengths in a tensor or an int)
     # like one that ran before: its checks passed for these shapes, and its launch is planned
     plain = k is None and cu_seqlens_k_new is None and cache_leftpad is None and sinks is None and out is None \
-        and descales[0] is None and descales[1] is None and descales[2] is None and kernel is None \
-        and not softcap and window_size == (-1, -1) and type(causal) is bool \
+        and kernel is None and not softcap and window_size == (-1, -1) and type(causal) is bool \
         and (type(seqlens) is torch.Tensor or type(seqlens) is int) \
         and (softmax_scale is None or type(softmax_scale) is float) and not _dispatch.tracing()
     if plain:
@@ -300,18 +300,21 @@ def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, sof
                                                      block_table.device),
                    None if cu_seqlens_q is None else (cu_seqlens_q.shape, cu_seqlens_q.stride(), cu_seqlens_q.dtype,
                                                       cu_seqlens_q.device),
-                   max_seqlen_q, max_seqlen_k, causal, softmax_scale, num_splits, lengths_name)
+                   max_seqlen_q, max_seqlen_k, causal, softmax_scale, num_splits, lengths_name,
+                   NO_DESCALES if descales[0] is None and descales[1] is None and descales[2] is None else
+                   tuple(None if d is None else (d.shape, d.dtype, d.device) for d in descales))
             prepared = _CACHE_CALLS.get(key)
         except (AttributeError, TypeError):  # not tensors (check_kvcache names them), symbolic shapes
             key = prepared = plain = None
-        if prepared is not None and _dispatch.direct_call_ok(q, k_cache, v_cache) and not _dispatch.profiling() \
-                and not (k_cache.data_ptr() | v_cache.data_ptr()) % 16:
+        if prepared is not None and _dispatch.direct_call_ok(q, k_cache, v_cache, *(d for d in descales if d is not None)) \
+                and not _dispatch.profiling() and not (k_cache.data_ptr() | v_cache.data_ptr()) % 16:
             start_check, launch, capacity = prepared
             if not host_length or 0 <= seqlens <= capacity:  # (a bad int: check_kvcache's message below)
                 if host_length:
                     seqlens = torch.full((launch.batch,), seqlens, dtype=torch.int32, device=q.device)
                 wait = start_check(seqlens, block_table, cu_seqlens_q)
-                out, lse = launch(q, k_cache, v_cache, seqlens, block_table, cu_seqlens_q)
+                out, lse = launch(q, k_cache, v_cache, seqlens, block_table, cu_seqlens_q,
+                                  descales=remembered_descales(q, k_cache, descales, launch.batch))
                 wait()
                 return out, lse
     host_lengths = isinstance(seqlens, int)  # checked on the host by check_kvcache: no copy needed
@@ -361,12 +364,13 @@ def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, sof
     if _dispatch.direct_call_ok(q, k_cache, v_cache, *(t for t in descales or () if t is not None)) and \
             (sinks is None or _dispatch.direct_call_ok(sinks)):
         with _dispatch.op_range("fa3::attention_kvcache"):
-            # planned, launched and remembered; not an FP8 cache, whose descales are the call's
-            if plain and descales is None and q.device in _checks.HOPPER_SMS:
+            # planned, launched and remembered (an FP8 cache's descales are the call's: its key holds their shapes)
+            if plain and q.device in _checks.HOPPER_SMS:
                 launch = CacheLaunch(spec, q, k_cache, block_table is not None, capacity, 0, causal, scale,
                                      int(num_splits), window, 0.0, cu_seqlens_q, max_q, max_seqlen_k, False, False,
-                                     False, q.dtype, False)
-                out, lse = launch(q, k_cache, v_cache, seqlens, block_table, cu_seqlens_q)
+                                     descales is not None,
+                                     torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype, False)
+                out, lse = launch(q, k_cache, v_cache, seqlens, block_table, cu_seqlens_q, descales=descales)
                 check = index_checks.nothing_to_start if host_length and block_table is None \
                     else _index_check(q, k_cache, capacity, max_q, lengths_name)
                 _CACHE_CALLS.remember(key, (check, launch, capacity))
@@ -385,6 +389,24 @@ def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, sof
     if not refuse_first:  # after the launch (the kernel clamps): the GPU stays busy while the host waits
         wait()
     return out, lse
+
+
+_DESCALE_VIEWS = BoundedMemo(64)  # the descale tensors' ids and the batch -> (those tensors, check_descales' views)
+
+
+def remembered_descales(q, k_cache, descales, batch: int):
+    """check_descales' result for descales whose shapes, dtypes and devices passed it before (a
+    remembered call's key holds them): the views made for these very tensors last time (they see
+    in-place writes to them), made afresh for others."""
+    if k_cache.dtype != torch.float8_e4m3fn:
+        return None
+    key = (id(descales[0]), id(descales[1]), id(descales[2]), batch)
+    hit = _DESCALE_VIEWS.get(key)  # (the memo holds the tensors: their ids stay theirs)
+    if hit is not None and hit[0][0] is descales[0] and hit[0][1] is descales[1] and hit[0][2] is descales[2]:
+        return hit[1]
+    views = check_descales(q, k_cache, descales, batch, k_cache.shape[2])
+    _DESCALE_VIEWS.remember(key, (descales, views))
+    return views
 
 
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_table=None,

@@ -103,11 +103,16 @@ def test_bad_descale(no_device_check, name, bad, exc, words):
 @pytest.mark.parametrize("given", [None, torch.tensor(0.5), torch.tensor([0.5]), torch.full((1, 1), 0.5),
                                    torch.full((3, 2), 0.5).t()])
 def test_descale_forms(given):
-    """None (1), 0-d, one element and (batch, heads_kv) in any strides all become a contiguous
-    float32 (batch, heads_kv) tensor with the right values."""
+    """None (1), 0-d, one element and (batch, heads_kv) in any strides all become a float32 (batch,
+    heads_kv) view with the right values, never a copy (the kernels take any strides): one element
+    broadcast with strides 0."""
     got = _checks.check_descale(given, "q_descale", 2, 3, torch.device("cpu"))
-    assert got.shape == (2, 3) and got.dtype == torch.float32 and got.is_contiguous()
+    assert got.shape == (2, 3) and got.dtype == torch.float32
     assert torch.equal(got, torch.full((2, 3), 1.0 if given is None else 0.5))
+    if given is not None:
+        assert got.data_ptr() == given.data_ptr()
+    if given is None or given.numel() == 1:
+        assert got.stride() == (0, 0)
 
 
 @pytest.mark.parametrize("bad, exc", [(torch.float32, TypeError), (FP8, TypeError), ("shape", ValueError)])

@@ -54,6 +54,8 @@ def _entry_points():
     new = _rand(2, 1, 2, 128)
     a, b = _rand(256, 1024), _rand(1024, 512)
     q8, k8, v8 = (fa3.quantize_fp8(t)[0] for t in (q, k, v))
+    (qd8, qd_descale), (pk8, k_descale), (pv8, v_descale) = (fa3.quantize_fp8(t) for t in (qd[:, :, :8], pages_k,
+                                                                                        pages_v))
 
     def backward():
         out = fa3.attention(*kv_grad, causal=True)
@@ -77,6 +79,12 @@ def _entry_points():
         ("attention_with_kvcache paged", lambda: fa3.attention_with_kvcache(
             _rand(2, 1, 8, 128), pages_k, pages_v, cache_seqlens=lengths.clone(), block_table=table.clone(),
             causal=True)),
+        ("attention_with_kvcache FP8 paged, FP8 q", lambda: fa3.attention_with_kvcache(
+            qd8, pk8, pv8, cache_seqlens=lengths[:1].clone(), block_table=table[:1].clone(), causal=True,
+            q_descale=qd_descale, k_descale=k_descale, v_descale=v_descale)),
+        ("attention_with_kvcache FP8 paged, bf16 q, (batch, heads_kv) descales", lambda: fa3.attention_with_kvcache(
+            _rand(2, 1, 8, 128), pk8, pv8, cache_seqlens=lengths.clone(), block_table=table.clone(), causal=True,
+            k_descale=k_descale.expand(2, 2).contiguous(), v_descale=v_descale.expand(2, 2).contiguous())),
         ("flash_attn_func", lambda: fa3.flash_attn_func(q, k, v, causal=True)),
         ("flash_attn_varlen_func", lambda: fa3.flash_attn_varlen_func(
             qp, kp, vp, cu_q.clone(), cu_k.clone(), 300, 300, causal=True)),

@@ -34,6 +34,12 @@ def unit_last(cute, dtype, *shape, tma=False, align=4):
     return fake_tensor(cute, dtype, shape, (*(cute.sym_int64() for _ in shape[:-1]), 1), align=align)
 
 
+def descale_tensor(cute, f32, entries, heads_kv):
+    """An FP8 descale (entries, heads_kv) FP32 with both strides dynamic: a per-tensor descale is
+    passed as its one element broadcast (strides 0), with no copy per call."""
+    return fake_tensor(cute, f32, (entries, heads_kv), (cute.sym_int64(), cute.sym_int64()), align=4)
+
+
 def attention_args(spec, dtype, head_dim, head_dim_v=None):
     """Fake (q, k, v, o, lse[, scores]) in flash-attn's (batch, seqlen, heads, head_dim) layout;
     v and o have head_dim_v (default head_dim)."""
@@ -100,7 +106,7 @@ def attention_fp8_args(spec, out_dtype, head_dim):
     args += [fake_tensor(cute, cutlass.Int32, (cute.sym_int64(),), (1,), align=4) for _ in range(2)]
     args += [cutlass.Int32(0), cutlass.Int32(0), f32(1.0)]
     entries = cute.sym_int64()  # the descales' rows: batch, or a packed batch's sequences
-    args += [unit_last(cute, f32, entries, hkv) for _ in range(3)]
+    args += [descale_tensor(cute, f32, entries, hkv) for _ in range(3)]
     return args
 
 
@@ -183,7 +189,7 @@ def kvcache_args(dtype, head_dim, out_dtype=None, query_dtype=None):
     queries: q is (1, total_q, heads_q, d) and cache_seqlens has its own extent). `dtype`: the
     cache's, and q's unless query_dtype is given (16-bit q over an FP8 cache); out has out_dtype
     (default dtype); the descales are (batch, heads_kv) FP32 (1-element stand-ins where unread:
-    all three over a 16-bit cache, q's for 16-bit q)."""
+    all three over a 16-bit cache, q's for 16-bit q), any strides (a per-tensor one broadcast)."""
     cutlass, cute = dsl.import_cute()
     dt, f32, i32 = cute_dtype(dtype), cutlass.Float32, cutlass.Int32
     qt = cute_dtype(query_dtype or dtype)
@@ -193,7 +199,7 @@ def kvcache_args(dtype, head_dim, out_dtype=None, query_dtype=None):
     # 1-element stand-ins when unused
     b_table, b_part, sq_part, hq_part, b_lens, b_cu, b_pad = (cute.sym_int64() for _ in range(7))
     cache = lambda: unit_last(cute, dt, planes, rows, hkv, head_dim, tma=True)
-    descale = lambda: unit_last(cute, f32, cute.sym_int64(), cute.sym_int64())
+    descale = lambda: descale_tensor(cute, f32, cute.sym_int64(), cute.sym_int64())
     return [unit_last(cute, qt, b, sq, hq, head_dim, align=qt.width // 8), cache(), cache(),
             fake_tensor(cute, i32, (b_lens,), (1,), align=4), unit_last(cute, i32, b_table, pages),
             unit_last(cute, out, b, sq, hq, head_dim, align=2), unit_last(cute, f32, b, hq, sq),
