@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from . import _checks, masking
+from ._memo import BoundedMemo
 from .compile import builders as _compile
 
 
@@ -82,6 +83,23 @@ class _CounterRing:
             self.next = 0
         self.next += 1
         return self.counters[self.next - 1]
+
+
+_SCRATCH = BoundedMemo(32)  # (name, device, the current stream's handle, shape, dtype) -> a tensor
+
+
+def stream_scratch(name: str, shape: tuple, dtype, device) -> torch.Tensor:
+    """A tensor that kernels write and no one reads after the call (an LSE not returned) or that only
+    the call's own later kernels read (split-KV partials): kept per stream and shape, reused by the
+    next call on that stream (a stream runs its kernels in order), so a call allocates nothing for
+    it; a fresh one while a CUDA graph is captured (the graph owns it)."""
+    if torch.cuda.is_current_stream_capturing():
+        return torch.empty(shape, dtype=dtype, device=device)
+    key = (name, device, torch._C._cuda_getCurrentRawStream(device.index), shape, dtype)
+    t = _SCRATCH.get(key)
+    if t is None:
+        t = _SCRATCH.remember(key, torch.empty(shape, dtype=dtype, device=device))
+    return t
 
 
 _COUNTER_RINGS: dict = {}  # (device, the current stream's handle) -> _CounterRing

@@ -97,8 +97,9 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
             key = launch = plain = None
         if launch is not None and _dispatch.direct_call_ok(q, k, v) and not _dispatch.profiling() \
                 and data_aligned(q, k, v):
-            out, lse = launch(q, k, v)
-            return (out, lse) if return_lse else out
+            if return_lse:
+                return launch(q, k, v)
+            return launch(q, k, v, False)[0]
     if fp8.is_fp8_call(q, q_descale, k_descale, v_descale):
         return fp8.attention_fp8(q, k, v, q_descale, k_descale, v_descale, causal=causal,
                                  softmax_scale=softmax_scale, window=window_size, softcap=softcap,
@@ -212,7 +213,8 @@ def data_aligned(q, k, v) -> bool:
 def prepare_plain(spec, q, k, v, causal: bool, scale: float):
     """The launch of rung `spec` for a plain call (no out=, window, softcap, sinks or FP8) that ran
     with these q, k, v (checked and launched by launch_attention): a function of (q, k, v) that
-    allocates out and lse and calls the compiled kernel with its other arguments made once, for
+    allocates out and lse (keep_lse=False: the LSE, which the caller drops, in the stream's
+    scratch) and calls the compiled kernel with its other arguments made once, for
     later calls with the same shapes, strides, dtypes and devices, and 16-byte aligned data (what
     launch_attention's tma_ready would pass as they are). None where launch_attention does more
     (no keys, an empty output, v's head dim apart, a scores workspace)."""
@@ -228,11 +230,12 @@ def prepare_plain(spec, q, k, v, causal: bool, scale: float):
         lead.append(_launch.tile_counter(spec, False, device))  # (the shared stand-in)
     lse_shape = (batch, heads_q, seqlen_q)
 
-    def launch(q, k, v):
+    def launch(q, k, v, keep_lse: bool = True):
         if q.requires_grad or k.requires_grad or v.requires_grad:  # (under no_grad) as launch_attention
             q, k, v = _launch.detached(q, k, v)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
-        lse = torch.empty(lse_shape, dtype=torch.float32, device=device)
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=device) if keep_lse else \
+            _launch.stream_scratch("lse", lse_shape, torch.float32, device)
         if counted:
             fn(q, k, v, out, lse, *lead, _launch.tile_counter(spec, True, device), *tail)
         else:

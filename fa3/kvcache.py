@@ -122,12 +122,14 @@ class CacheLaunch:
         self.no_descales = (_dummy("descale", device),) * 3
 
     def __call__(self, q, k_cache, v_cache, cache_seqlens, block_table, cu_seqlens_q=None, out=None,
-                 cache_leftpad=None, sinks=None, descales=None):
-        """(out, lse): the launch, for tensors of the planned shapes (validated)."""
+                 cache_leftpad=None, sinks=None, descales=None, keep_lse: bool = True):
+        """(out, lse): the launch, for tensors of the planned shapes (validated). keep_lse=False: the
+        caller drops the LSE, which goes to the stream's scratch (no allocation)."""
         device = self.device
         if out is None:
             out = torch.empty(q.shape, dtype=self.out_dtype, device=device)
-        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=device)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=device) if keep_lse else \
+            _launch.stream_scratch("lse", self.lse_shape, torch.float32, device)
         if self.empty:
             return out, lse
         if self.batch == 0:  # packed rows that no entry holds
@@ -161,25 +163,13 @@ class CacheLaunch:
         return out, lse
 
 
-_PARTIALS = BoundedMemo(32)  # (device, stream handle, shape) -> (o_partial, lse_partial)
-
-
 def split_partials(num_splits: int, planes: int, rows: int, heads_q: int, head_dim: int, device):
     """The FP32 partial outputs (num_splits, planes, rows, heads_q, head_dim) and LSEs (num_splits,
-    planes, heads_q, rows) that S1's splits write and the combine reads: kept per stream and shape
-    and reused by the next call on that stream (its kernels run after this call's combine has read
-    them), with no allocation per call; fresh ones while a CUDA graph is captured (the graph owns
-    them)."""
-    o_shape, lse_shape = (num_splits, planes, rows, heads_q, head_dim), (num_splits, planes, heads_q, rows)
-    if torch.cuda.is_current_stream_capturing():
-        return (torch.empty(o_shape, dtype=torch.float32, device=device),
-                torch.empty(lse_shape, dtype=torch.float32, device=device))
-    key = (device, torch._C._cuda_getCurrentRawStream(device.index), o_shape)
-    partials = _PARTIALS.get(key)
-    if partials is None:
-        partials = _PARTIALS.remember(key, (torch.empty(o_shape, dtype=torch.float32, device=device),
-                                            torch.empty(lse_shape, dtype=torch.float32, device=device)))
-    return partials
+    planes, heads_q, rows) that S1's splits write and the combine reads: the stream's scratch
+    (_launch.stream_scratch: the next call's kernels run after this call's combine has read them)."""
+    return (_launch.stream_scratch("o_partial", (num_splits, planes, rows, heads_q, head_dim), torch.float32,
+                                   device),
+            _launch.stream_scratch("lse_partial", (num_splits, planes, heads_q, rows), torch.float32, device))
 
 
 DECODE_MIN_KV_BYTES = 32 << 20  # K and V at least this large: reading them outweighs S1's extra launch
@@ -232,10 +222,10 @@ def prepare_decode(q, k, v, causal: bool, scale: float):
                          False, False, q.dtype, True)
     lengths = full_lengths(q.shape[0], q.device)
 
-    def run(q, k, v):
+    def run(q, k, v, keep_lse: bool = True):
         if q.requires_grad or k.requires_grad or v.requires_grad:  # (under no_grad) as decode_attention
             q, k, v = _launch.detached(q, k, v)
-        return launch(q, k, v, lengths, None)
+        return launch(q, k, v, lengths, None, keep_lse=keep_lse)
     return run
 
 
@@ -279,10 +269,11 @@ def _index_check(q, k_cache, capacity: int, max_q: int, lengths_name: str):
 def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, softmax_scale, window_size,
                     softcap, num_splits, kernel, cu_seqlens_q=None, max_seqlen_q=None, max_seqlen_k=None,
                     out=None, lengths_name="cache_seqlens", cache_leftpad=None, sinks=None,
-                    descales=(None, None, None), cu_seqlens_k_new=None):
+                    descales=(None, None, None), cu_seqlens_k_new=None, keep_lse: bool = True):
     """The body of every call against a KV cache: check, check the index values (eager), append,
     launch (directly, or through torch.ops.fa3.attention_kvcache), return (out, lse). descales:
-    (q_descale, k_descale, v_descale) as given (an FP8 cache). Its callers (the public entry points)
+    (q_descale, k_descale, v_descale) as given (an FP8 cache). keep_lse=False: the caller drops the
+    LSE (a remembered launch then writes it to scratch). Its callers (the public entry points)
     raise an earlier call's bad index values first (index_checks.raise_pending)."""
     # a plain call (no append, out=, left padding, sinks, window or softcap; lengths in a tensor or an int)
     # like one that ran before: its checks passed for these shapes, and its launch is planned
@@ -314,7 +305,8 @@ def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, sof
                     seqlens = torch.full((launch.batch,), seqlens, dtype=torch.int32, device=q.device)
                 wait = start_check(seqlens, block_table, cu_seqlens_q)
                 out, lse = launch(q, k_cache, v_cache, seqlens, block_table, cu_seqlens_q,
-                                  descales=remembered_descales(q, k_cache, descales, launch.batch))
+                                  descales=remembered_descales(q, k_cache, descales, launch.batch),
+                                  keep_lse=keep_lse)
                 wait()
                 return out, lse
     host_lengths = isinstance(seqlens, int)  # checked on the host by check_kvcache: no copy needed
@@ -484,5 +476,6 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     out, lse = cache_attention(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale,
                                window_size, softcap, split_request(num_splits, max_splits), kernel, cu_seqlens_q,
                                max_seqlen_q, out=out, cache_leftpad=cache_leftpad, sinks=sinks,
-                               descales=(q_descale, k_descale, v_descale), cu_seqlens_k_new=cu_seqlens_k_new)
+                               descales=(q_descale, k_descale, v_descale), cu_seqlens_k_new=cu_seqlens_k_new,
+                               keep_lse=return_lse)
     return (out, lse) if return_lse else out

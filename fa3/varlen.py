@@ -145,7 +145,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None
                                            window_size, softcap, split_plan.split_request(num_splits, max_splits),
                                            kernel, cu_seqlens_q, max_seqlen_q, max_seqlen_k, out,
                                            lengths_name="seqused_k", sinks=sinks,
-                                           descales=(q_descale, k_descale, v_descale))
+                                           descales=(q_descale, k_descale, v_descale), keep_lse=return_lse)
         return (out, lse) if return_lse else out
     if cu_seqlens_k is None:
         raise ValueError("cu_seqlens_k is required (int32 (batch + 1,) offsets of k and v), unless k and v "
