@@ -137,8 +137,9 @@ class ForwardMainloop:
             k_state, v_state = self.step(ctx, k_pipe, v_pipe, k_state, v_state, walk.partial_block(j), wg,
                                          scale_log2, True)
         if cutlass.const_expr(walk.sparse):
-            k_state, v_state = self.full_blocks(ctx, k_pipe, v_pipe, k_state, v_state, None, n_masked, low, wg,
-                                                scale_log2)
+            if cutlass.const_expr(walk.has_full):
+                k_state, v_state = self.full_blocks(ctx, k_pipe, v_pipe, k_state, v_state, None, n_masked, low, wg,
+                                                    scale_log2)
         else:
             for j in cutlass.range(n_masked, low, unroll=1):
                 k_state, v_state = self.step(ctx, k_pipe, v_pipe, k_state, v_state, walk.block(j), wg,
@@ -220,8 +221,9 @@ class ForwardMainloop:
         if cutlass.const_expr(ctx.window is not None):
             low = cutlass.max(low, unmasked_from)
         if cutlass.const_expr(walk.sparse):
-            k_state, v_state = self.full_blocks(ctx, k_pipe, v_pipe, k_state, v_state, p, unmasked_from, low, wg,
-                                                scale_log2)
+            if cutlass.const_expr(walk.has_full):  # (without full lists, every visit is partial)
+                k_state, v_state = self.full_blocks(ctx, k_pipe, v_pipe, k_state, v_state, p, unmasked_from, low,
+                                                    wg, scale_log2)
         else:
             for j in cutlass.range(unmasked_from, low, unroll=1):
                 k_state, v_state = self.overlapped_step(ctx, k_pipe, v_pipe, k_state, v_state, p,
