@@ -23,9 +23,10 @@ consumers' per-tile math (both mainloops, the softmax step, P's conversion: Forw
 k5_mainloop.py); the tile state (the two WGMMAs' fragments, O's accumulator, the row softmax state,
 O's finalization) and the Q/K/V stage loads beneath them are common/attention_tiles.py's, which K4
 (the rung this one's math comes from) uses too. This module holds the launch on 16-bit operands,
-with the attention sinks, and its flex-attention form (WarpSpecializedFlexAttention: the same
-kernel with score and mask mods compiled in, their captured tensors one more argument). No rung's
-class is a base class.
+with the attention sinks, and its flex-attention forms (WarpSpecializedFlexAttention: the same
+kernel with score and mask mods compiled in, their captured tensors one more argument;
+BlockSparseFlexAttention: and a BlockMask's block lists another, only the listed K/V tiles loaded
+and visited, common/kv_walk.py). No rung's class is a base class.
 Epilogue: O (scaled by 1/l) and LSE are written once from registers; with attention sinks (a
 compile-time variant) each query head's sink logit joins l and the LSE there (softmax.finalize),
 and nowhere else: the mainloop is unchanged.

@@ -11,9 +11,12 @@ KV cache compose both):
     `mainloop_overlapped` (K5.3 on): S_j = Q K_j^T and O += P_{j-1} V_{j-1} in flight together,
         softmax(S_j) under P V; the first tile's S and the last tile's P V are its prologue and
         epilogue.
-K/V tiles are visited from the last to the first; `masked_tiles` splits them into the masked ones
-(ragged end, diagonal, a window's edges) and a steady-state loop with no mask code; score and
-mask mods (flex attention: `score_mod`, `mask_mod`, None unless compiled in) run on every tile. FP8
+K/V tiles are visited in the order of the tile's walk (ctx.walk, common/kv_walk.py): K5's own runs
+from the last tile to the first, and `masked_tiles` splits it into the masked ones (ragged end,
+diagonal, a window's edges) and a steady-state loop with no mask code; score and mask mods (flex
+attention: `score_mod`, `mask_mod`, None unless compiled in) run on every tile. A block mask's walk
+visits its partial blocks (the mask mod and the sequence-end mask) and then its full blocks (the
+score mod only; the sequence-end mask too where the last K/V tile is ragged, `full_blocks`). FP8
 (common/fp8_forward.py) replaces the three P hooks (`new_p`, `convert_p`, `p_operand`).
 """
 

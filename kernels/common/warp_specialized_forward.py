@@ -10,7 +10,9 @@ Roles (block = 128 * (1 + consumer warpgroups) threads):
         (setmaxnreg.inc), each owns 64 rows of the Q tile, runs both GEMMs and the softmax (the
         rung's mainloop: kernels/k5_mainloop.py), then stores O through SMEM with a TMA store.
         K/V tiles are visited from the last to the first, so the only tiles that need a mask (the
-        causal diagonal, the ragged end) come first.
+        causal diagonal, the ragged end) come first; with a block mask's lists (flex attention),
+        only the listed tiles. Producer and consumers take the order from one walk
+        (common/kv_walk.py).
 Tiles come from a persistent schedule (common/scheduler.py: static, or handed out from a GMEM
 counter); the consumer warpgroups may take turns issuing GEMMs (common/pingpong.py).
 
@@ -218,8 +220,9 @@ class WarpSpecializedForward(AttentionTileSchedule, PingPong, WgmmaTileState, St
     @cute.jit
     def load(self, q_pipe, k_pipe, v_pipe, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV,
              mTileCounter, next_tile, handoff, params):
-        """Producer warp: per tile, Q once, then K_j and V_j from the last tile to the first. The
-        states run on across tiles, so the next tile's loads start as soon as stages free up."""
+        """Producer warp: per tile, Q once, then K_j and V_j in the tile's walk (the last tile to
+        the first, or a block mask's listed tiles: common/kv_walk.py). The states run on across
+        tiles, so the next tile's loads start as soon as stages free up."""
         states = self.producer_states()
         first, tiles, step = self.tile_range(mQ, params)
         loads = (q_pipe, k_pipe, v_pipe, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, params)
