@@ -205,10 +205,10 @@ def _entry_params(ptx: str) -> list[tuple[str, int]]:
     return [(name, ptx[end:].count("[" + name)) for name in re.findall(r"(\w+_param_\d+)", ptx[start:end])]
 
 
-@pytest.mark.parametrize("rung, head_dim", [("k5.5", 128), ("k5.5", 64), ("k5.2", 128)])
+@pytest.mark.parametrize("rung, head_dim", [("k5.5", 128), ("k5.5", 64), ("k5.5", 96), ("k5.2", 128)])
 def test_block_sparse_kernel_compiles(rung, head_dim):
-    """The block-sparse flex kernel for sm_90a (k5.5: the overlapped mainloop, d64 on its 128-row
-    tiles; k5.2: one tile at a time), with and without full-block lists, no register spilled (the
+    """The block-sparse flex kernel for sm_90a (k5.5: the overlapped mainloop, d64 and d96 on its
+    128-row tiles; k5.2: one tile at a time), with and without full-block lists, no register spilled (the
     document mask; ALiBi beside it spills at d128 with or without a block mask): the lists are
     its last arguments (a tensor each, beyond the flex kernel without a block mask), and the kernel
     reads every one of them."""
