@@ -33,6 +33,7 @@
                                             torch's flex attention ((batch, heads, seqlen, d)) on
                                             the K5 forward, mods compiled in (fa3.flex: the
                                             library; fa3.attention takes score_mod= / mask_mod=);
+                                            a BlockMask's empty blocks skipped (d64-d128);
                                             forward only
     fa3.gemm(a, b, out=None, kernel=None)              any 2-D pair a @ b takes; differentiable
     fa3.gemm(a8, b8, scale_a=, scale_b=, out_dtype=)   FP8 e4m3, as torch._scaled_mm (per tensor

@@ -10,6 +10,7 @@ import torch
 from . import _checks, masking
 from ._memo import BoundedMemo
 from .compile import builders as _compile
+from .kernels import config
 
 
 def detached(*tensors):
@@ -123,7 +124,7 @@ def tile_counter(spec, causal: bool, device) -> torch.Tensor:
 
 
 def attention_kernel(spec, dtype, head_dim: int, mask: masking.Masking, device, cu_seqlens=None, sinks=None,
-                     head_dim_v=None, rows=None, mods=None):
+                     head_dim_v=None, rows=None, mods=None, block_lists=None):
     """(the compiled forward, the runtime arguments before the tile counter, those after it): what
     follows (q, k, v, o, lse[, scores]) is the scale, the persistent ones (the SM count, then the
     tile counter: the caller's, tile_counter), and the variants' (cu_seqlens_q/k when varlen, window
@@ -131,10 +132,16 @@ def attention_kernel(spec, dtype, head_dim: int, mask: masking.Masking, device, 
     head_dim; rows: the longest query sequence's length where known (it picks the rung's tiles for
     short ones); mods: None, or fa3.mods.Mods (K5's flex form: the mods' captured tensors follow
     the sinks as one tuple, and a score mod takes the scaled scores: softmax_scale rides in the
-    softcap scale's place, scale_log2 is log2(e))."""
-    short = spec.config.is_short(head_dim, head_dim_v, mask.causal, rows)
+    softcap scale's place, scale_log2 is log2(e)); block_lists: None, or a BlockMask's int32 lists
+    (with mods: the block-sparse kernel on the rung's block-mask tiles, kernels/config.py
+    block_mask_short; the lists follow the mods' tensors as one tuple)."""
+    if block_lists is None:
+        short = spec.config.is_short(head_dim, head_dim_v, mask.causal, rows)
+    else:
+        short = config.block_mask_short(spec.config, head_dim)
     fn = _compile.get_attention(spec, dtype, head_dim, mask.causal, cu_seqlens is not None,
-                                mask.local, mask.softcap, sinks is not None, head_dim_v, short, mods)
+                                mask.local, mask.softcap, sinks is not None, head_dim_v, short, mods,
+                                len(block_lists or ()))
     if mods is not None and mods.score_mod is not None:
         mask = mask._replace(scale_log2=masking.LOG2E, softcap_scale=mask.scale_log2 / masking.LOG2E)
     lead = [mask.scale_log2] + ([_checks.HOPPER_SMS[device]] if spec.persistent else [])
@@ -145,14 +152,16 @@ def attention_kernel(spec, dtype, head_dim: int, mask: masking.Masking, device, 
                 stand_in(device, torch.float32) if sinks is None else sinks]
         if mods is not None:  # (mods that capture no tensor: a stand-in, as the kernel's signature has)
             tail.append(mods.aux(device) or (stand_in(device),))
+        if block_lists is not None:
+            tail.append(tuple(block_lists))
     return fn, lead, tail
 
 
 def run_attention(spec, dtype, head_dim: int, mask: masking.Masking, args: list, device,
-                  cu_seqlens=None, sinks=None, head_dim_v=None, rows=None, mods=None):
+                  cu_seqlens=None, sinks=None, head_dim_v=None, rows=None, mods=None, block_lists=None):
     """Launch the forward with (q, k, v, o, lse[, scores]) = `args` and its runtime arguments
     (attention_kernel's, with this call's tile counter)."""
     fn, lead, tail = attention_kernel(spec, dtype, head_dim, mask, device, cu_seqlens, sinks, head_dim_v, rows,
-                                      mods)
+                                      mods, block_lists)
     counter = [tile_counter(spec, mask.causal, device)] if spec.persistent else []
     fn(*args, *lead, *counter, *tail)

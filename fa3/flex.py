@@ -8,10 +8,15 @@ and runs fa3.attention's K5 forward (which takes (batch, seqlen, heads, head_dim
 are views, whose strides TMA takes as they are) with the mods compiled in (fa3/mods.py says how a
 Python function becomes device code and what it may capture).
 
-block_mask (torch's BlockMask) is taken, for now, as the source of its mask_mod only: the mask is
-applied to every score and no block is skipped (block sparsity is to come). A BlockMask without a
-mask_mod of its own (BlockMask.from_kv_blocks' default) is refused, since its blocks alone would
-say what is masked.
+block_mask (torch's BlockMask) skips empty blocks: per Q tile the kernel loads and visits only the
+blocks its lists name, the partial ones (kv_indices) with the mask_mod applied, the full ones
+(full_kv_indices) without it; a Q tile with no block gives O = 0, LSE = -inf
+(kernels/common/kv_walk.py). Its blocks are the kernel's tiles, 128 x 128 (torch's default
+BLOCK_SIZE): at head_dim 64, 96 and 128 (64 and 96 on the rung's 128-row short-query tiles);
+another BLOCK_SIZE is refused there. At head_dim 192 and 256 (K/V tiles of 96 and 64 keys) the
+BlockMask is taken as the source of its mask_mod only: applied to every score, no block skipped
+(and a BlockMask without a mask_mod of its own, BlockMask.from_kv_blocks' default, is refused there,
+since its blocks alone would say what is masked).
 
 The library: each mod is a plain function with torch's signature (or a function that returns one,
 for mods with parameters), which runs on torch tensors as well as in the kernel, so that a test can
@@ -29,7 +34,8 @@ import math
 
 import torch
 
-from . import interface
+from . import interface, registry
+from .kernels import config
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -149,10 +155,12 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
 
     query (batch, heads_q, seqlen_q, head_dim), key/value (batch, heads_kv, seqlen_kv, head_dim),
     bf16 or fp16 on a Hopper GPU; heads_q != heads_kv only with enable_gqa=True (heads_q a multiple).
-    score_mod(score, b, h, q_idx, kv_idx): on softmax_scale * q k^T; block_mask: a BlockMask, its
-    mask_mod applied (no block skipped yet); scale: default 1/sqrt(head_dim). Returns out
-    (batch, heads_q, seqlen_q, head_dim_v), and with return_lse the float32 natural-log LSE
-    (batch, heads_q, seqlen_q); rows that see no key give 0 and -inf. Forward only."""
+    score_mod(score, b, h, q_idx, kv_idx): on softmax_scale * q k^T; block_mask: a BlockMask (its
+    (batch, heads) 1 or the call's), its empty blocks skipped where the kernel's tiles are its
+    blocks (head_dim 64/96/128, BLOCK_SIZE 128; d192/d256: its mask_mod applied everywhere, this
+    module's docstring); scale: default 1/sqrt(head_dim). Returns out (batch, heads_q, seqlen_q,
+    head_dim_v), and with return_lse the float32 natural-log LSE (batch, heads_q, seqlen_q); rows
+    that see no key give 0 and -inf. Forward only."""
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a 4-D tensor (batch, heads, seqlen, head_dim), got "
@@ -160,16 +168,71 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     if query.shape[1] != key.shape[1] and not enable_gqa:
         raise ValueError(f"query has {query.shape[1]} heads but key has {key.shape[1]}: pass "
                          f"enable_gqa=True for grouped-query attention")
-    mask_mod = None if block_mask is None else block_mask_mod(block_mask, query.shape[2], key.shape[2],
-                                                              query.shape[0], query.shape[1])
+    mask_mod, block_lists = None, None
+    if block_mask is not None:
+        mask_mod, block_lists = block_mask_plan(block_mask, query, key, kernel)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    out, lse = interface.attention_with_mods(q, k, v, score_mod, mask_mod, softmax_scale=scale, kernel=kernel)
+    out, lse = interface.attention_with_mods(q, k, v, score_mod, mask_mod, softmax_scale=scale, kernel=kernel,
+                                             block_lists=block_lists)
     out = out.transpose(1, 2)
     return (out, lse) if return_lse else out
 
 
+def block_mask_plan(block_mask, query, key, kernel=None):
+    """(mask_mod, block lists) of a call with `block_mask`: its lists as the block-sparse kernel
+    takes them (int32 (kv_num_blocks, kv_indices[, full_kv_num_blocks, full_kv_indices]), checked
+    against the call's shapes, tiles and device), and its mask_mod (None for a BlockMask without
+    one: its partial blocks are then applied as they are); or, where the rung's tiles at this head
+    dim are not 128 x 128 (d192, d256), (its mask_mod, None): the dense path."""
+    batch, heads, seqlen_q, head_dim = query.shape
+    mod = block_mask_mod(block_mask, seqlen_q, key.shape[2], batch, heads)
+    spec = registry.KERNELS.get(interface.MODS_RUNG if kernel is None else kernel)
+    if spec is None or spec.module != "k5" or head_dim not in spec.head_dims:
+        return _own_mask_mod(mod), None  # (attention_with_mods names what is wrong)
+    short = config.block_mask_short(spec.config, head_dim)
+    if short is None:
+        return _own_mask_mod(mod), None
+    cfg = config.forward_config(spec.config, head_dim, short=short)
+    tiles = (cfg.tile_m, cfg.tile_n)
+    block_size = tuple(block_mask.BLOCK_SIZE)
+    if block_size != tiles:
+        fix = tiles[0] if tiles[0] == tiles[1] else tiles
+        raise ValueError(f"block_mask has BLOCK_SIZE={block_size}, but {spec.name}'s kernel at head_dim={head_dim} "
+                         f"runs {tiles[0]} x {tiles[1]} tiles, which its blocks must be: create it with "
+                         f"create_block_mask(..., BLOCK_SIZE={fix})")
+    names = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
+    lists = [getattr(block_mask, name, None) for name in names]
+    if lists[2] is None or lists[3] is None:
+        lists = lists[:2]
+    for name, t in zip(names, lists):
+        if t.device != query.device:
+            raise ValueError(f"block_mask's {name} is on {t.device}, but query is on {query.device}: "
+                             f"create it with device={str(query.device)!r} or move it (block_mask.to(device))")
+        if t.dtype != torch.int32:
+            raise ValueError(f"block_mask's {name} is {t.dtype}; the kernel reads int32 block lists")
+    for counts, indices in zip(lists[::2], lists[1::2]):
+        if indices.dim() != 4 or tuple(indices.shape[:3]) != tuple(counts.shape):
+            raise ValueError(f"block_mask's block counts {tuple(counts.shape)} and indices {tuple(indices.shape)} "
+                             f"do not match (counts (B, H, q_blocks), indices (B, H, q_blocks, kv_blocks))")
+    return (None if _is_noop(mod) else mod), tuple(t.contiguous() for t in lists)
+
+
+def _is_noop(mod) -> bool:
+    return mod is None or getattr(mod, "__name__", "") == "noop_mask"
+
+
+def _own_mask_mod(mod):
+    """The mask_mod of a BlockMask applied densely: refused where it has none of its own."""
+    if _is_noop(mod):
+        raise ValueError("block_mask has no mask_mod of its own (BlockMask.from_kv_blocks' default): at this "
+                         "head dim fa3 applies a block mask through its mask_mod, and does not read its block "
+                         "lists alone; build it with create_block_mask(mask_mod, ...)")
+    return mod
+
+
 def block_mask_mod(block_mask, seqlen_q: int, seqlen_kv: int, batch: int, heads: int):
-    """The mask_mod a BlockMask stands for, checked against the call's shapes."""
+    """The mask_mod a BlockMask stands for (None or torch's noop_mask where it has none), checked
+    against the call's shapes."""
     if not all(hasattr(block_mask, a) for a in ("kv_num_blocks", "kv_indices", "BLOCK_SIZE", "mask_mod")):
         raise TypeError(f"block_mask must be a torch.nn.attention.flex_attention.BlockMask, got "
                         f"{type(block_mask).__name__}")
@@ -185,12 +248,7 @@ def block_mask_mod(block_mask, seqlen_q: int, seqlen_kv: int, batch: int, heads:
     if q_blocks != -(-seqlen_q // block_q):
         raise ValueError(f"block_mask has {q_blocks} query blocks of {block_q} rows; seqlen_q={seqlen_q} needs "
                          f"{-(-seqlen_q // block_q)}")
-    mod = block_mask.mask_mod
-    if mod is None or getattr(mod, "__name__", "") == "noop_mask":
-        raise ValueError("block_mask has no mask_mod of its own (BlockMask.from_kv_blocks' default): fa3 applies "
-                         "a block mask through its mask_mod for now, and does not read its block lists alone; "
-                         "build it with create_block_mask(mask_mod, ...)")
-    return mod
+    return block_mask.mask_mod
 
 
 def reference(query, key, value, score_mod=None, mask_mod=None, scale=None):

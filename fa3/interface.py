@@ -162,9 +162,10 @@ MODS_RUNG = "k5.5"  # the rung a call with mods runs on unless it names another 
 
 def attention_with_mods(q, k, v, score_mod, mask_mod, *, causal=False, softmax_scale=None,
                         window_size=(-1, -1), softcap=0.0, kernel=None, out=None, sinks=None,
-                        fp8=(None, None, None)):
+                        fp8=(None, None, None), block_lists=None):
     """fa3.attention with a score mod and/or a mask mod: checked, then K5's flex form (forward
-    only, eager). Returns (out, lse)."""
+    only, eager). `block_lists`: None, or a BlockMask's int32 lists, checked by fa3.flex (the
+    block-sparse kernel: no causal, window or softcap then). Returns (out, lse)."""
     if any(x is not None for x in fp8) or q.dtype == torch.float8_e4m3fn:
         raise NotImplementedError("score_mod / mask_mod take 16-bit q, k, v (FP8 is not supported)")
     if score_mod is not None and softcap:
@@ -187,8 +188,10 @@ def attention_with_mods(q, k, v, score_mod, mask_mod, *, causal=False, softmax_s
         _dispatch.check_variants(spec, masking.masking(bool(causal), window, softcap, scale), "kernel")
     _checks.check_rung_sinks(spec, sinks, q.shape[2], q.device)
     mods.aux(q.device)  # the captured tensors' devices, before anything is launched
+    if block_lists is not None and (causal or window != (-1, -1) or softcap):
+        raise ValueError("a block mask takes no causal, window_size or softcap: write them as mods")
     with _dispatch.op_range("fa3::attention"):
-        return launch_attention(spec, q, k, v, bool(causal), scale, out, window, softcap, sinks, mods)
+        return launch_attention(spec, q, k, v, bool(causal), scale, out, window, softcap, sinks, mods, block_lists)
 
 
 # the key of a plain call (q, k, v's shapes, strides, dtypes and devices; causal; softmax_scale) ->
@@ -245,7 +248,7 @@ def prepare_plain(spec, q, k, v, causal: bool, scale: float):
 
 
 def launch_attention(spec, q, k, v, causal: bool, scale: float, out=None, window=(-1, -1),
-                     softcap: float = 0.0, sinks=None, mods=None):
+                     softcap: float = 0.0, sinks=None, mods=None, block_lists=None):
     """Allocate the outputs (`out` unless given) and launch rung `spec` on torch's current stream;
     returns (out, lse). The body of the fa3::attention op: arguments are validated already."""
     batch, seqlen_q, heads_q, head_dim = q.shape
@@ -268,7 +271,8 @@ def launch_attention(spec, q, k, v, causal: bool, scale: float, out=None, window
     if spec.needs_scores_workspace:
         args.append(torch.empty(batch, heads_q, seqlen_q, seqlen_k, dtype=torch.float32, device=device))
     _launch.run_attention(spec, q.dtype, head_dim, mask, args, device, sinks=sinks,
-                          head_dim_v=None if head_dim_v == head_dim else head_dim_v, rows=seqlen_q, mods=mods)
+                          head_dim_v=None if head_dim_v == head_dim else head_dim_v, rows=seqlen_q, mods=mods,
+                          block_lists=block_lists)
     return out, lse
 
 

@@ -231,6 +231,23 @@ def forward_config(rung: RungConfig, head_dim: int, head_dim_v: int | None = Non
     return _forward(cfg, head_dim, head_dim_v, causal, varlen, local)
 
 
+# a block-sparse forward's tiles: torch's default BlockMask BLOCK_SIZE, whose blocks are its tiles
+BLOCK_MASK_TILE = (128, 128)
+
+
+@functools.lru_cache(maxsize=256)
+def block_mask_short(rung: RungConfig, head_dim: int) -> bool | None:
+    """Which of the rung's forward configurations a block-sparse kernel takes at head_dim (its
+    tiles BLOCK_MASK_TILE): False, the rung's own; True, its short-query tiles (K5.4 on at d64 and
+    d96, whose own rows are 192); None, neither (d192's 96-wide and d256's 64-wide K/V tiles):
+    no block-sparse kernel at that head dim."""
+    for short in (False, True):
+        cfg = forward_config(rung, head_dim, short=short)
+        if not isinstance(cfg, LessonConfig) and (cfg.tile_m, cfg.tile_n) == BLOCK_MASK_TILE:
+            return short
+    return None
+
+
 @functools.lru_cache(maxsize=256)
 def fp8_forward_config(rung: RungConfig, head_dim: int, *, causal: bool = False, varlen: bool = False,
                        local: bool = False) -> ForwardConfig:

@@ -23,9 +23,10 @@ consumers' per-tile math (both mainloops, the softmax step, P's conversion: Forw
 k5_mainloop.py); the tile state (the two WGMMAs' fragments, O's accumulator, the row softmax state,
 O's finalization) and the Q/K/V stage loads beneath them are common/attention_tiles.py's, which K4
 (the rung this one's math comes from) uses too. This module holds the launch on 16-bit operands,
-with the attention sinks, and its flex-attention form (WarpSpecializedFlexAttention: the same
-kernel with score and mask mods compiled in, their captured tensors one more argument). No rung's
-class is a base class.
+with the attention sinks, and its flex-attention forms (WarpSpecializedFlexAttention: the same
+kernel with score and mask mods compiled in, their captured tensors one more argument;
+BlockSparseFlexAttention: and a BlockMask's block lists another, only the listed K/V tiles loaded
+and visited, common/kv_walk.py). No rung's class is a base class.
 Epilogue: O (scaled by 1/l) and LSE are written once from registers; with attention sinks (a
 compile-time variant) each query head's sink logit joins l and the LSE there (softmax.finalize),
 and nowhere else: the mainloop is unchanged.
@@ -112,3 +113,48 @@ class WarpSpecializedFlexAttention(WarpSpecializedForward, ForwardMainloop):
         self.roles(tma_q, mQ, tma_k, mK, tma_v, mV, tma_o, mO, mO_rows, mLSE, scale_log2, mTileCounter,
                    mCuSeqlensQ, mCuSeqlensK, window_left, window_right, softcap_scale, mSinks, None,
                    sQ_layout, sKV_layout, sV_layout, sO_layout, epi_tile, SharedStorage, aux=aux)
+
+
+class BlockSparseFlexAttention(WarpSpecializedForward, ForwardMainloop):
+    """WarpSpecializedFlexAttention with flex attention's block sparsity (constructor:
+    WarpSpecializedForward's, with the mods): one more argument, `block_lists`, a BlockMask's
+    (kv_num_blocks, kv_indices[, full_kv_num_blocks, full_kv_indices]), int32, (batch or 1, heads_q
+    or 1, q_blocks[, kv_blocks]). Per Q tile the producer warp loads, and the consumers visit, only
+    the listed K/V tiles: the partial blocks with the mask mod, then the full blocks without it
+    (common/kv_walk.py); the score mod runs on both. A tile with no block stores O = 0 and
+    LSE = -inf. The blocks are the kernel's tiles (BLOCK_SIZE == (tile_m, tile_n)); non-causal, no
+    window, not varlen (the static persistent schedule: tile lengths come from the lists, which the
+    dynamic schedule's causal estimate does not read)."""
+
+    def __init__(self, *args, **kwargs):
+        WarpSpecializedForward.__init__(self, *args, **kwargs)
+        if self.causal or self.local or self.varlen:
+            raise ValueError("block sparsity takes no causal, window or varlen variant: the block mask says "
+                             "what is visible")
+
+    # ---------------------------------------------------------------- host side
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+                 mLSE: cute.Tensor, scale_log2: Float32, sm_count: Int32, mTileCounter: cute.Tensor,
+                 mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, window_left: Int32,
+                 window_right: Int32, softcap_scale: Float32, mSinks: cute.Tensor, aux: tuple,
+                 block_lists: tuple, stream):
+        """WarpSpecializedFlexAttention's arguments, and `block_lists`."""
+        self.launch(mQ, mK, mV, mO, mLSE, scale_log2, sm_count, mTileCounter, mCuSeqlensQ,
+                    mCuSeqlensK, window_left, window_right, softcap_scale,
+                    (mSinks if cutlass.const_expr(self.sinks) else None, aux, block_lists), stream)
+
+    # ---------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
+               tma_v: cute.CopyAtom, mV: cute.Tensor, tma_o: cute.CopyAtom, mO: cute.Tensor,
+               mO_rows: cute.Tensor, mLSE: cute.Tensor, scale_log2: Float32, mTileCounter: cute.Tensor,
+               mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, window_left: Int32,
+               window_right: Int32, softcap_scale: Float32, mSinks: Optional[cute.Tensor], aux: tuple,
+               block_lists: tuple, sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
+               sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
+               epi_tile: cutlass.Constexpr, SharedStorage: cutlass.Constexpr):
+        self.roles(tma_q, mQ, tma_k, mK, tma_v, mV, tma_o, mO, mO_rows, mLSE, scale_log2, mTileCounter,
+                   mCuSeqlensQ, mCuSeqlensK, window_left, window_right, softcap_scale, mSinks, None,
+                   sQ_layout, sKV_layout, sV_layout, sO_layout, epi_tile, SharedStorage, aux=aux,
+                   block_lists=block_lists)

@@ -1,5 +1,5 @@
 """CPU tests of the benchmark folder's tools: the profile tools (benchmarks/sass_stalls.py,
-sass_waits.py) and bench_attention's argument checks."""
+sass_waits.py), bench_attention's argument checks, and bench_flex's arguments and FLOP counts."""
 
 import os
 import sys
@@ -215,3 +215,35 @@ def test_ptx_identity_check_saves_and_compares(tmp_path, capsys):
     open(saved, "w").write(f"{label} | {'0' * len(digest)}\n")
     assert ptx_identity.main(["--only", "^s1 d64$", "--compare", saved]) == 1
     assert "DIFFERS" in capsys.readouterr().out
+
+
+def test_bench_flex_arguments():
+    bench_flex = pytest.importorskip("bench_flex")
+    args = bench_flex.parse_args(["--short", "--cases", "documents", "--peers", "none"])
+    assert args.seqlens == list(bench_flex.SHORT_SEQLENS) and args.cases == ["documents"] and args.peers == []
+    with pytest.raises(SystemExit):
+        bench_flex.parse_args(["--cases", "sliding"])
+    with pytest.raises(SystemExit):
+        bench_flex.parse_args(["--peers", "xformers"])
+    if not torch.cuda.is_available():
+        assert bench_flex.main(["--short"]) == 2  # a message, no traceback
+
+
+@pytest.mark.parametrize("case, documents", [("causal", None), ("documents", 5), ("alibi", None)])
+def test_bench_flex_counts_visible_pairs(case, documents):
+    """The TFLOP/s count only what the mask leaves: the row's pairs equal the visible (query, key)
+    pairs of its mask (the mods' float64 reference's mask), averaged over the batch."""
+    bench_flex = pytest.importorskip("bench_flex")
+    p = bench_flex.Problem(case, 128, 300, documents, device="cpu")
+    b = torch.arange(p.batch).view(-1, 1, 1, 1)
+    q_idx, kv_idx = torch.arange(300).view(1, 1, -1, 1), torch.arange(300).view(1, 1, 1, -1)
+    visible = torch.ones(p.batch, 1, 300, 300, dtype=torch.bool)
+    if p.mask_mod is not None:
+        visible = visible & p.mask_mod(b, torch.zeros(1, 1, 1, 1, dtype=torch.long), q_idx, kv_idx)
+        assert p.block_mask is not None and p.block_mask.seq_lengths == (300, 300)
+    assert p.pairs == pytest.approx(visible.sum().item() / p.batch)
+    assert p.flops == pytest.approx(4 * p.batch * p.heads * 128 * p.pairs)
+    if case == "documents":
+        assert p.doc_ids.shape == (p.batch, 300) and int(p.doc_ids.max()) == documents - 1
+    if case == "alibi":
+        assert p.score_mod is not None and p.slopes.shape == (p.heads,)

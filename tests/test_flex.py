@@ -2,11 +2,15 @@
 
 CPU: argument errors named, the library's mods on torch tensors, each mod compiled into k5.5 at d128
 for sm_90a with the instructions it must bring into the PTX, and the compile key (two mods apart,
-one mod's tables of any value alike). GPU: each mod against a float64 reference built from the
-same function over materialized scores, causal and not, GQA, ragged lengths, a fully masked row.
+one mod's tables of any value alike); BlockMasks checked (BLOCK_SIZE against the tiles, devices,
+the dense fallback at d192/d256) and the block-sparse kernel compiled (it reads the lists). GPU:
+each mod against a float64 reference built from the same function over materialized scores, causal
+and not, GQA, ragged lengths, a fully masked row; block skipping against the reference of torch's
+BlockMask semantics (listed blocks only, the mask_mod on partial blocks only).
 """
 
 import math
+import re
 
 import pytest
 import torch
@@ -15,6 +19,7 @@ import fa3
 import fa3.__main__ as cli
 from fa3 import flex, mods as fmods, registry
 from fa3.compile import builders
+from fa3.kernels import config
 
 cli.prepare_dsl_env()  # before the first compile imports cutlass: sm_90a, no PTX files in the cwd
 
@@ -89,8 +94,50 @@ def test_block_mask_checked():
     block = create_block_mask(flex.causal, 3, 1, 300, 300, device="cpu")
     with pytest.raises(ValueError, match=r"\(batch, heads\) = \(3, 1\)"):
         fa3.flex_attention(q, q, q, block_mask=block)
-    assert flex.block_mask_mod(create_block_mask(flex.causal, 1, 1, 300, 300, device="cpu"),
-                               300, 300, 1, 2) is flex.causal
+    mod, lists = flex.block_mask_plan(create_block_mask(flex.causal, 1, 1, 300, 300, device="cpu"), q, q)
+    assert mod is flex.causal and len(lists) == 4 and all(t.dtype == torch.int32 for t in lists)
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+def test_block_mask_block_size_must_be_the_tiles(head_dim):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    q = torch.zeros(1, 2, 300, head_dim, dtype=torch.bfloat16)
+    block = create_block_mask(flex.causal, None, None, 300, 300, device="cpu", BLOCK_SIZE=64)
+    with pytest.raises(ValueError, match=r"block_mask has BLOCK_SIZE=\(64, 64\).*128 x 128 tiles.*"
+                                         r"create_block_mask\(\.\.\., BLOCK_SIZE=128\)"):
+        fa3.flex_attention(q, q, q, block_mask=block)
+    with pytest.raises(ValueError, match=r"BLOCK_SIZE=\(64, 64\)"):
+        fa3.flex_attention(q, q, q, block_mask=block, kernel="k5.2")
+    _, lists = flex.block_mask_plan(create_block_mask(flex.causal, None, None, 300, 300, device="cpu"), q, q)
+    assert lists is not None and [t.dim() for t in lists] == [3, 4, 3, 4]
+
+
+def test_block_mask_dense_fallback():
+    """d192 / d256 (K/V tiles of 96 / 64 keys): any BLOCK_SIZE, its mask_mod applied everywhere;
+    a BlockMask with no mask_mod refused there, accepted where blocks are skipped."""
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+
+    block = create_block_mask(flex.causal, None, None, 300, 300, device="cpu", BLOCK_SIZE=64)
+    for head_dim in (192, 256):
+        q = torch.zeros(1, 2, 300, head_dim, dtype=torch.bfloat16)
+        assert flex.block_mask_plan(block, q, q) == (flex.causal, None)
+    counts = torch.ones(1, 1, 3, dtype=torch.int32)
+    indices = torch.arange(3, dtype=torch.int32).repeat(1, 1, 3, 1)
+    no_mod = BlockMask.from_kv_blocks(counts, indices, BLOCK_SIZE=128, seq_lengths=(300, 300))
+    with pytest.raises(ValueError, match="no mask_mod of its own"):
+        flex.block_mask_plan(no_mod, torch.zeros(1, 2, 300, 256), torch.zeros(1, 2, 300, 256))
+    mod, lists = flex.block_mask_plan(no_mod, torch.zeros(1, 2, 300, 128), torch.zeros(1, 2, 300, 128))
+    assert mod is None and len(lists) == 2
+
+
+def test_block_mask_device_checked():
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    block = create_block_mask(flex.causal, None, None, 300, 300, device="cpu")
+    q = torch.zeros(1, 2, 300, 128, dtype=torch.bfloat16, device="meta")
+    with pytest.raises(ValueError, match=r"block_mask's kv_num_blocks is on cpu, but query is on meta"):
+        flex.block_mask_plan(block, q, q)
 
 
 def test_library_runs_on_torch_tensors():
@@ -141,6 +188,49 @@ def test_wrong_result_type_named():
         return q_idx - kv_idx
     with pytest.raises(ValueError, match=r"score_mod .*int_score.* could not be compiled.*not a float32 score"):
         _ptx(fmods.Mods(score_mod=int_score))
+
+
+def _block_sparse_ptx(block_lists, head_dim, rung, mods):
+    short = config.block_mask_short(registry.get(rung).config, head_dim)
+    report = builders.build_report(builders._build_attention, registry.get(rung), torch.bfloat16, head_dim, False,
+                                   short=short, mods=mods, block_lists=block_lists)
+    assert report.spill_bytes == 0 and not report.serialized_wgmma, report.summary()
+    return report.ptx
+
+
+def _entry_params(ptx: str) -> list[tuple[str, int]]:
+    """(name, how often the kernel's body reads it) of each parameter of the PTX's entry."""
+    start = ptx.index(".entry")
+    end = ptx.index(")", start)
+    return [(name, ptx[end:].count("[" + name)) for name in re.findall(r"(\w+_param_\d+)", ptx[start:end])]
+
+
+@pytest.mark.parametrize("rung, head_dim", [("k5.5", 128), ("k5.5", 64), ("k5.5", 96), ("k5.2", 128)])
+def test_block_sparse_kernel_compiles(rung, head_dim):
+    """The block-sparse flex kernel for sm_90a (k5.5: the overlapped mainloop, d64 and d96 on its
+    128-row tiles; k5.2: one tile at a time), with and without full-block lists, no register spilled (the
+    document mask; ALiBi beside it spills at d128 with or without a block mask): the lists are
+    its last arguments (a tensor each, beyond the flex kernel without a block mask), and the kernel
+    reads every one of them."""
+    mods = fmods.Mods(mask_mod=flex.document(torch.zeros(1, 8, dtype=torch.int32)))
+    short = config.block_mask_short(registry.get(rung).config, head_dim)
+    dense = builders._build_attention(registry.get(rung), torch.bfloat16, head_dim, False, short=short, mods=mods,
+                                      extra_options="--keep-ptx").artifacts.PTX
+    for lists in (2, 4):
+        params = _entry_params(_block_sparse_ptx(lists, head_dim, rung, mods))
+        assert len(params) == len(_entry_params(dense)) + lists
+        unread = [name for name, reads in params[-lists:] if not reads]
+        assert not unread, f"{lists} lists: the kernel never reads {unread}"
+
+
+def test_block_sparse_compile_key():
+    spec = registry.get("k5.5")
+    mods = fmods.Mods(mask_mod=flex.causal)
+
+    def key(block_lists):
+        return builders.attention_key(spec, torch.bfloat16, 128, False, mods=mods, block_lists=block_lists)
+    assert len({key(0), key(2), key(4)}) == 3
+    assert key(0) == builders.attention_key(spec, torch.bfloat16, 128, False, mods=mods)
 
 
 def test_compile_key():
@@ -233,3 +323,189 @@ def test_block_mask_and_torch_flex_agree():
     out = fa3.flex_attention(q, k, v, score_mod=score_mod, block_mask=block)
     expect = flex_attention(q, k, v, score_mod=score_mod, block_mask=block)
     torch.testing.assert_close(out, expect, atol=2e-2, rtol=2e-2)
+
+
+# ----------------------------------------------------------------------------- GPU: block skipping
+def _listed(counts, indices, kv_blocks):
+    """(B, H, q_blocks, kv_blocks) bool: the blocks a pair of BlockMask lists names."""
+    valid = torch.arange(indices.shape[-1], device=indices.device) < counts.unsqueeze(-1)
+    dense = torch.zeros(*counts.shape, kv_blocks + 1, dtype=torch.bool, device=counts.device)
+    dense.scatter_(-1, torch.where(valid, indices.long(), kv_blocks), True)
+    return dense[..., :kv_blocks]
+
+
+def block_semantics(block_mask, batch, heads):
+    """torch's BlockMask semantics as a mask mod for flex.reference: (b, h, q, kv) is visible where
+    its block is full, or partial and the BlockMask's mask_mod says so; unlisted blocks hidden."""
+    block_q, block_kv = block_mask.BLOCK_SIZE
+    kv_blocks = block_mask.kv_indices.shape[-1]
+
+    def expand(t):
+        return t.expand(batch, heads, *t.shape[2:])
+    partial = expand(_listed(block_mask.kv_num_blocks, block_mask.kv_indices, kv_blocks))
+    full = torch.zeros_like(partial)
+    if block_mask.full_kv_num_blocks is not None:
+        full = expand(_listed(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, kv_blocks))
+    mod = block_mask.mask_mod
+
+    def visible(b, h, q_idx, kv_idx):
+        qb, kb = q_idx // block_q, kv_idx // block_kv
+        keep = partial[b, h, qb, kb]
+        if mod is not None and getattr(mod, "__name__", "") != "noop_mask":
+            keep = keep & mod(b, h, q_idx, kv_idx)
+        return full[b, h, qb, kb] | keep
+    return visible
+
+
+def without_full_blocks(block_mask):
+    """The same mask with its full blocks listed as partial ones (no full lists)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    kv_blocks = block_mask.kv_indices.shape[-1]
+    listed = _listed(block_mask.kv_num_blocks, block_mask.kv_indices, kv_blocks)
+    listed |= _listed(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, kv_blocks)
+    counts = listed.sum(-1).to(torch.int32)
+    indices = torch.argsort(listed.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    return BlockMask.from_kv_blocks(counts, indices, BLOCK_SIZE=block_mask.BLOCK_SIZE,
+                                    mask_mod=block_mask.mask_mod, seq_lengths=block_mask.seq_lengths)
+
+
+def _qkv(batch, heads, heads_kv, seqlen_q, seqlen_kv, head_dim, seed):
+    torch.manual_seed(seed)
+    q = torch.randn(batch, heads, seqlen_q, head_dim, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(batch, heads_kv, seqlen_kv, head_dim, device="cuda", dtype=torch.bfloat16)
+            for _ in range(2))
+    return q, k, v
+
+
+def _check_block_mask(q, k, v, block_mask, name, score_mod=None, kernel=None):
+    batch, heads = q.shape[:2]
+    out, lse = fa3.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=True,
+                                  return_lse=True, kernel=kernel)
+    ref_out, ref_lse = flex.reference(q, k, v, score_mod, block_semantics(block_mask, batch, heads))
+    _check(out, lse, ref_out, ref_lse, name)
+    return out, lse
+
+
+def _random_documents(batch, seqlen, count, seed):
+    """(batch, seqlen) int32 document ids: `count` documents of ragged lengths per sequence."""
+    g = torch.Generator().manual_seed(seed)
+    ids = []
+    for _ in range(batch):
+        cuts = torch.sort(torch.randperm(seqlen - 1, generator=g)[:count - 1] + 1).values
+        ids.append(torch.bucketize(torch.arange(seqlen), cuts, right=True))
+    return torch.stack(ids).to(torch.int32).cuda()
+
+
+BLOCK_KERNELS = [(128, None), (64, None), (96, None), (128, "k5.2")]  # k5.2: the mainloop without overlap
+
+
+@gpu
+@pytest.mark.parametrize("head_dim, kernel", BLOCK_KERNELS, ids=lambda x: str(x))
+@pytest.mark.parametrize("full_blocks", [True, False], ids=["full", "partial_only"])
+@pytest.mark.parametrize("seqlen", [1024, 1000], ids=lambda s: f"s{s}")
+def test_block_mask_causal(head_dim, kernel, full_blocks, seqlen):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    q, k, v = _qkv(2, 4, 4, seqlen, seqlen, head_dim, 10)
+    block = create_block_mask(flex.causal, None, None, seqlen, seqlen, device="cuda")
+    if not full_blocks:
+        block = without_full_blocks(block)
+    _check_block_mask(q, k, v, block, f"causal d{head_dim} {kernel}", kernel=kernel)
+
+
+@gpu
+@pytest.mark.parametrize("head_dim, kernel", BLOCK_KERNELS, ids=lambda x: str(x))
+@pytest.mark.parametrize("documents", [4, 17])
+def test_block_mask_documents(head_dim, kernel, documents):
+    """Ragged documents per sequence (B=2 masks, H broadcast), 1500 keys (a ragged last tile), an
+    ALiBi score mod on every listed block."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    seqlen = 1500
+    q, k, v = _qkv(2, 4, 4, seqlen, seqlen, head_dim, 11)
+    mask_mod = flex.document(_random_documents(2, seqlen, documents, 12))
+    block = create_block_mask(mask_mod, 2, None, seqlen, seqlen, device="cuda")
+    score_mod = flex.alibi(flex.alibi_slopes(4, "cuda"))
+    _check_block_mask(q, k, v, block, f"documents {documents} d{head_dim}", score_mod=score_mod, kernel=kernel)
+    _check_block_mask(q, k, v, without_full_blocks(block), "documents, no full lists", score_mod=score_mod,
+                      kernel=kernel)
+
+
+@gpu
+@pytest.mark.parametrize("head_dim, kernel", BLOCK_KERNELS, ids=lambda x: str(x))
+def test_block_mask_empty_query_tiles(head_dim, kernel):
+    """Q tiles 1 and 2 (rows 128-383) have no block at all: O = 0 and LSE = -inf, no NaN; the tiles
+    around them (and the next tile a CTA takes after an empty one) are right."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    seqlen = 1100
+
+    def hides_rows(b, h, q_idx, kv_idx):
+        return ((q_idx < 128) | (q_idx >= 384)) & (kv_idx <= q_idx)
+    q, k, v = _qkv(3, 4, 4, seqlen, seqlen, head_dim, 13)
+    block = create_block_mask(hides_rows, None, None, seqlen, seqlen, device="cuda")
+    assert not block.kv_num_blocks[..., 1:3].any() and not block.full_kv_num_blocks[..., 1:3].any()
+    out, lse = _check_block_mask(q, k, v, block, "empty Q tiles", kernel=kernel)
+    assert torch.all(out[:, :, 128:384] == 0) and torch.all(lse[:, :, 128:384] == -math.inf)
+
+
+@gpu
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_block_mask_gqa_per_head(head_dim):
+    """8 query heads over 2 KV heads, a BlockMask per (batch, query head): each head's window."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    seqlen_q, seqlen_kv = 1000, 1337  # neither a multiple of 128, and apart
+
+    def per_head_window(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx + 337) & (q_idx + 337 - kv_idx <= 96 * (h + 1) + 40 * b)
+    q, k, v = _qkv(2, 8, 2, seqlen_q, seqlen_kv, head_dim, 14)
+    block = create_block_mask(per_head_window, 2, 8, seqlen_q, seqlen_kv, device="cuda")
+    _check_block_mask(q, k, v, block, "GQA per-head windows")
+    _check_block_mask(q, k, v, without_full_blocks(block), "GQA per-head windows, no full lists")
+
+
+@gpu
+def test_block_mask_lists_alone():
+    """The lists decide: a BlockMask without a mask_mod (from_kv_blocks' noop) whose lists name
+    only some blocks gives block-level attention over exactly those (skipping is not optional), and
+    full blocks never run the mask_mod: one that hides everything, with every block full, changes
+    nothing. 1000 keys: the ragged last tile is a full block here, and the first one visited."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    seqlen, blocks = 1000, 8
+    q, k, v = _qkv(2, 4, 4, seqlen, seqlen, 128, 15)
+    rows = torch.arange(blocks, device="cuda")
+    # Q tile m sees K/V tiles m and (m + 3) % 8, listed as partial blocks, in either order
+    indices = torch.stack([rows, (rows + 3) % blocks], dim=-1)
+    indices = torch.cat([indices, torch.zeros(blocks, blocks - 2, dtype=indices.dtype, device="cuda")], dim=-1)
+    counts = torch.full((1, 1, blocks), 2, dtype=torch.int32, device="cuda")
+    sparse = BlockMask.from_kv_blocks(counts, indices.to(torch.int32)[None, None], BLOCK_SIZE=128,
+                                      seq_lengths=(seqlen, seqlen))
+    _check_block_mask(q, k, v, sparse, "lists alone")
+
+    def hides_everything(b, h, q_idx, kv_idx):
+        return q_idx < 0
+    every = torch.arange(blocks, dtype=torch.int32, device="cuda").repeat(1, 1, blocks, 1)
+    full = BlockMask.from_kv_blocks(torch.zeros(1, 1, blocks, dtype=torch.int32, device="cuda"), every,
+                                    torch.full((1, 1, blocks), blocks, dtype=torch.int32, device="cuda"), every,
+                                    BLOCK_SIZE=128, mask_mod=hides_everything, seq_lengths=(seqlen, seqlen))
+    out, lse = _check_block_mask(q, k, v, full, "full blocks skip the mask_mod")
+    dense_out, dense_lse = flex.reference(q, k, v)
+    _check(out, lse, dense_out, dense_lse, "full blocks: dense attention")
+
+
+@gpu
+def test_block_mask_broadcast_matches_per_batch():
+    """B=None/H=None (one list for every (batch, head)) against the same mask made per (batch, head)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    seqlen = 777
+    q, k, v = _qkv(3, 4, 4, seqlen, seqlen, 128, 16)
+    mask_mod = flex.sliding_window(200)
+    shared = create_block_mask(mask_mod, None, None, seqlen, seqlen, device="cuda")
+    own = create_block_mask(mask_mod, 3, 4, seqlen, seqlen, device="cuda")
+    out_shared, _ = _check_block_mask(q, k, v, shared, "B=None, H=None")
+    out_own, _ = _check_block_mask(q, k, v, own, "B=3, H=4")
+    torch.testing.assert_close(out_shared, out_own, atol=0, rtol=0)

@@ -109,6 +109,25 @@ elif case == "flex":  # K5 with a score mod (a captured table) and a mask mod (c
     for score_mod, mask_mod in ((flex.alibi(flex.alibi_slopes(8, "cuda")), flex.document(docs)), (None, flex.causal)):
         outs.append(fa3.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                   score_mod=score_mod, mask_mod=mask_mod))
+elif case == "flex-blocks":  # K5's block-sparse walk: documents, Q tiles 5-7 with no block, GQA; d128 and
+    # d64 (its 128-row tiles), with full-block lists and without; 2 x 8 x 17 tiles: CTAs take several
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+    docs = (torch.arange(2100, device="cuda") // 700).to(torch.int32).expand(2, -1).contiguous()
+
+    def gap_documents(ids):  # (a closure: the kernel takes the captured ids as an argument)
+        def documents_with_a_gap(b, h, q_idx, kv_idx):
+            return (ids[b, q_idx] == ids[b, kv_idx]) & ((q_idx < 640) | (q_idx >= 1024))
+        return documents_with_a_gap
+    documents_with_a_gap = gap_documents(docs)
+    full = create_block_mask(documents_with_a_gap, 2, None, 2100, 2100, device="cuda")
+    listed = full.to_dense().to(torch.int8)
+    partial_only = BlockMask.from_kv_blocks(listed.sum(-1).to(torch.int32),
+                                            torch.argsort(listed, dim=-1, descending=True, stable=True).to(torch.int32),
+                                            mask_mod=documents_with_a_gap, seq_lengths=(2100, 2100))
+    for d in (128, 64):
+        q, k, v = rand(2, 8, 2100, d), rand(2, 2, 2100, d), rand(2, 2, 2100, d)
+        for block in (full, partial_only):
+            outs.append(fa3.flex_attention(q, k, v, block_mask=block, enable_gqa=True))
 elif case == "gemm":  # 512 tiles of 128 x 256
     a, b = rand(4096, 256), rand(256, 4096)
     for kernel in fa3.available_kernels("gemm"):
@@ -135,7 +154,8 @@ print("done")
 '''
 
 RACE_CASES = ["forward-causal", "forward-causal-d64", "forward-causal-d96", "forward-d96", "forward", "varlen",
-              "kvcache", "kvcache-gather", "kvcache-chunks", "gemm", "fp8", "fp8-gemm", "kvcache-fp8", "flex"]
+              "kvcache", "kvcache-gather", "kvcache-chunks", "gemm", "fp8", "fp8-gemm", "kvcache-fp8", "flex",
+              "flex-blocks"]
 
 
 @pytest.mark.parametrize("head_dim", [64, 96, 128])

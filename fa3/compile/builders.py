@@ -43,18 +43,20 @@ def _attention_config(spec, head_dim, causal, varlen, local, head_dim_v, short):
 
 
 def attention_key(spec, dtype, head_dim, causal, varlen=False, local=False, softcap=False,
-                  sinks=False, head_dim_v=None, short=False, mods=None) -> tuple:
+                  sinks=False, head_dim_v=None, short=False, mods=None, block_lists=0) -> tuple:
     """`mods`: None, or the call's fa3.mods.Mods (its key: the mods' code and captured tensors'
-    dtypes and ranks)."""
+    dtypes and ranks); `block_lists`: 0, or how many of a BlockMask's lists the kernel walks (2:
+    partial blocks only, 4: full blocks too)."""
     cfg = _attention_config(spec, head_dim, causal, varlen, local, head_dim_v, short)
     variant = (bool(varlen), bool(local), bool(softcap), bool(sinks))
     return (spec.name, str(dtype), _key_dims(head_dim, head_dim_v), bool(causal), *((variant,) if any(variant) else ()),
             *(() if mods is None else (("mods", mods.key),)),
+            *((("block_lists", block_lists),) if block_lists else ()),
             config.key(spec.config, cfg), dsl.TARGET_ARCH, dsl.version())
 
 
 def _build_attention(spec, dtype, head_dim, causal, varlen=False, local=False, softcap=False,
-                     sinks=False, head_dim_v=None, short=False, extra_options="", mods=None):
+                     sinks=False, head_dim_v=None, short=False, extra_options="", mods=None, block_lists=0):
     cfg = _attention_config(spec, head_dim, causal, varlen, local, head_dim_v, short)
     static = dict(dtype=sig.cute_dtype(dtype), head_dim=head_dim, causal=causal)
     if isinstance(cfg, config.LessonConfig):  # a lesson takes its tiles as arguments
@@ -65,21 +67,25 @@ def _build_attention(spec, dtype, head_dim, causal, varlen=False, local=False, s
             variant["head_dim_v"] = head_dim_v
         if mods is not None:
             return _build_attention_mods(spec, dtype, head_dim, head_dim_v, static, cfg, variant, mods,
-                                         extra_options)
+                                         extra_options, block_lists)
         kernel = spec.load_class()(**static, config=cfg, **variant)
     return core.compile_kernel(kernel, sig.attention_args(spec, dtype, head_dim, head_dim_v), extra_options)
 
 
-def _build_attention_mods(spec, dtype, head_dim, head_dim_v, static, cfg, variant, mods, extra_options):
-    """K5's flex form (kernels/k5.WarpSpecializedFlexAttention) with the call's mods compiled in;
-    a mod that cannot be traced is reported by name."""
+def _build_attention_mods(spec, dtype, head_dim, head_dim_v, static, cfg, variant, mods, extra_options,
+                          block_lists=0):
+    """K5's flex form (kernels/k5.WarpSpecializedFlexAttention) with the call's mods compiled in,
+    or with `block_lists` (2 or 4: a BlockMask's lists, fa3.flex) its block-sparse form
+    (BlockSparseFlexAttention); a mod that cannot be traced is reported by name."""
     if spec.module != "k5":
         raise ValueError(f"score_mod / mask_mod run on the K5 rungs only, not on {spec.name}")
-    from ..kernels.k5 import WarpSpecializedFlexAttention
+    from ..kernels.k5 import BlockSparseFlexAttention, WarpSpecializedFlexAttention
 
-    kernel = WarpSpecializedFlexAttention(**static, config=cfg, **variant, score_mod=mods.score_mod,
-                                          mask_mod=mods.mask_mod)
+    flex_class = BlockSparseFlexAttention if block_lists else WarpSpecializedFlexAttention
+    kernel = flex_class(**static, config=cfg, **variant, score_mod=mods.score_mod, mask_mod=mods.mask_mod)
     args = sig.attention_args(spec, dtype, head_dim, head_dim_v) + [sig.aux_args(mods.aux_spec() or [(torch.int32, 1)])]
+    if block_lists:  # (counts (B|1, H|1, q_blocks), indices (B|1, H|1, q_blocks, kv_blocks)) once or twice
+        args.append(sig.aux_args([(torch.int32, 3), (torch.int32, 4)] * (block_lists // 2)))
     try:
         return core.compile_kernel(kernel, args, extra_options)
     except Exception as e:  # the DSL wraps what a mod raised while traced
@@ -118,21 +124,24 @@ def get_attention_fp8(spec, out_dtype, head_dim, causal, varlen=False, local=Fal
 
 
 def get_attention(spec, dtype, head_dim, causal, varlen=False, local=False, softcap=False, sinks=False,
-                  head_dim_v=None, short=False, mods=None):
+                  head_dim_v=None, short=False, mods=None, block_lists=0):
     """The compiled kernel for this static configuration (compiled on first use). The per-call
     path is one dict lookup; the full key (config, arch, DSL version) is built only on a miss.
     varlen/local/softcap/sinks: the variants of rungs that list them (registry `variants`);
     head_dim_v: V's head dim where it differs (registry `value_head_dims`); short: the rung's
     tiles for short query sequences (its configuration's `short_queries`: kernels/config.py);
     mods: None, or fa3.mods.Mods (K5's flex form; compiled per mod, in this process only: a mod's
-    code may read globals no key can see)."""
+    code may read globals no key can see); block_lists: 0, or 2 / 4 (with mods: the block-sparse
+    flex form walking a BlockMask's partial lists / and its full lists)."""
     if mods is not None:
-        key = attention_key(spec, dtype, head_dim, causal, varlen, local, softcap, sinks, head_dim_v, short, mods)
+        key = attention_key(spec, dtype, head_dim, causal, varlen, local, softcap, sinks, head_dim_v, short, mods,
+                            block_lists)
         fn = core.FAST.get(key)
         if fn is None:
             fn = core.FAST[key] = core.cached(
                 key, lambda: _build_attention(spec, dtype, head_dim, causal, varlen, local, softcap, sinks,
-                                              head_dim_v, short, mods=mods), persist=False)
+                                              head_dim_v, short, mods=mods, block_lists=block_lists),
+                persist=False)
         return fn
     fast_key = (spec.name, dtype, head_dim, causal, varlen, local, softcap, sinks, head_dim_v, short)
     fn = core.FAST.get(fast_key)

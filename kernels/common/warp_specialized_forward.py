@@ -10,7 +10,9 @@ Roles (block = 128 * (1 + consumer warpgroups) threads):
         (setmaxnreg.inc), each owns 64 rows of the Q tile, runs both GEMMs and the softmax (the
         rung's mainloop: kernels/k5_mainloop.py), then stores O through SMEM with a TMA store.
         K/V tiles are visited from the last to the first, so the only tiles that need a mask (the
-        causal diagonal, the ragged end) come first.
+        causal diagonal, the ragged end) come first; with a block mask's lists (flex attention),
+        only the listed tiles. Producer and consumers take the order from one walk
+        (common/kv_walk.py).
 Tiles come from a persistent schedule (common/scheduler.py: static, or handed out from a GMEM
 counter); the consumer warpgroups may take turns issuing GEMMs (common/pingpong.py).
 
@@ -36,7 +38,7 @@ from cutlass import Float32, Int32, Int64
 from cutlass import pipeline as dsl_pipeline
 
 from ..config import ForwardConfig
-from . import epilogue, mma, pipeline, scheduler, seqlen, smem, softmax, tma
+from . import epilogue, kv_walk, mma, pipeline, scheduler, seqlen, smem, softmax, tma
 from .attention_tiles import StagedQkvLoads, WgmmaTileState
 from .pingpong import PingPong
 from .scheduler import AttentionTileSchedule
@@ -125,11 +127,14 @@ class WarpSpecializedForward(AttentionTileSchedule, PingPong, WgmmaTileState, St
     def roles(self, tma_q, mQ, tma_k, mK, tma_v, mV, tma_o, mO, mO_rows, mLSE, scale_log2: Float32,
               mTileCounter, mCuSeqlensQ, mCuSeqlensK, window_left: Int32, window_right: Int32,
               softcap_scale: Float32, sinks, descales, sQ_layout, sKV_layout, sV_layout, sO_layout,
-              epi_tile: cutlass.Constexpr, SharedStorage: cutlass.Constexpr, cache=None, aux=()):
+              epi_tile: cutlass.Constexpr, SharedStorage: cutlass.Constexpr, cache=None, aux=(),
+              block_lists=None):
         """The body of a rung's kernel: barriers, SMEM, then the producer and consumer roles. `sinks`: None,
         or the (heads_q,) FP32 sink logits (the sinks variant); `descales`: None, or FP8's (q, k, v)
         descale tensors (batch, heads_kv); `cache`: None, or where a KV cache's keys are
-        (kernels/k5_cache.py); `aux`: the tensors the score and mask mods captured."""
+        (kernels/k5_cache.py); `aux`: the tensors the score and mask mods captured; `block_lists`:
+        None, or a BlockMask's lists, which both roles walk instead of every K/V tile
+        (common/kv_walk.py)."""
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -172,7 +177,8 @@ class WarpSpecializedForward(AttentionTileSchedule, PingPong, WgmmaTileState, St
             rows_q=rows_q, rows_k=rows_k, sinks=sinks, descales=descales, cache=cache,
             group=mQ.shape[2] // mK.shape[2],
             window=(window_left, window_right) if cutlass.const_expr(self.local) else None,
-            q_blocks=q_blocks[0] if varlen else None, value_transpose=value_transpose, aux=aux)
+            q_blocks=q_blocks[0] if varlen else None, value_transpose=value_transpose, aux=aux,
+            block_lists=block_lists)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -214,8 +220,9 @@ class WarpSpecializedForward(AttentionTileSchedule, PingPong, WgmmaTileState, St
     @cute.jit
     def load(self, q_pipe, k_pipe, v_pipe, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV,
              mTileCounter, next_tile, handoff, params):
-        """Producer warp: per tile, Q once, then K_j and V_j from the last tile to the first. The
-        states run on across tiles, so the next tile's loads start as soon as stages free up."""
+        """Producer warp: per tile, Q once, then K_j and V_j in the tile's walk (the last tile to
+        the first, or a block mask's listed tiles: common/kv_walk.py). The states run on across
+        tiles, so the next tile's loads start as soon as stages free up."""
         states = self.producer_states()
         first, tiles, step = self.tile_range(mQ, params)
         loads = (q_pipe, k_pipe, v_pipe, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, params)
@@ -262,10 +269,13 @@ class WarpSpecializedForward(AttentionTileSchedule, PingPong, WgmmaTileState, St
         tQsQ, tQgQ = tma.partition(tma_q, cute.local_tile(gQ, tile_q, (None, 0)), sQ)
         kv = self.kv_source(tma_k, mK, tma_v, mV, sK, sV, head_kv, batch, seq, params)
         n_max, n_blocks = self.kv_range(m_block, seq, params)
+        walk = kv_walk.tile_walk(params.block_lists, n_max, n_blocks, batch, head, m_block, seq.seqlen_k,
+                                 self.tile_n)
+        n_blocks = walk.count
         if n_blocks == 0:  # no key is visible: the consumers still take (and release) the Q tile
             q_state = pipeline.produce(q_pipe, q_state, m_block, [(tma_q, tQgQ, tQsQ)])
         for j in cutlass.range(n_blocks, unroll=1):
-            k_state, v_state = self.produce_kv(kv, k_pipe, k_state, v_pipe, v_state, n_max - 1 - j)
+            k_state, v_state = self.produce_kv(kv, k_pipe, k_state, v_pipe, v_state, walk.block(j))
             if j == 0:
                 # Q after the first K/V: with one Q buffer, waiting for the previous tile to
                 # free it must not hold back the next tile's first K/V loads.
@@ -319,9 +329,13 @@ class WarpSpecializedForward(AttentionTileSchedule, PingPong, WgmmaTileState, St
         q_state, k_state, v_state = states
         m_block, head, batch, seq = self.tile_work(tile, mO, seqlen_k, params)
         n_max, n_blocks = self.kv_range(m_block, seq, params)
+        # the producer's walk, read from the same lists (common/kv_walk.py)
+        walk = kv_walk.tile_walk(params.block_lists, n_max, n_blocks, batch, head, m_block, seq.seqlen_k,
+                                 self.tile_n)
+        n_blocks = walk.count
         ctx = self.compute_setup(sQ[None, None, q_state.index], sK, sV, None, ctidx, m_block,
                                  seq.seqlen_q, seq.seqlen_k)
-        ctx.window, ctx.softcap_scale, ctx.n_max = params.window, params.softcap_scale, n_max
+        ctx.window, ctx.softcap_scale, ctx.n_max, ctx.walk = params.window, params.softcap_scale, n_max, walk
         ctx.batch, ctx.head, ctx.aux = batch, head, params.aux  # what the mods see (the query head)
         if cutlass.const_expr(self.sinks):  # read now, used by the epilogue: its latency is hidden
             ctx.sink_log2 = params.sinks[head] * Float32(softmax.LOG2E)
