@@ -383,7 +383,7 @@ def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, sof
     return out, lse
 
 
-_DESCALE_VIEWS = BoundedMemo(64)  # the descale tensors' ids and the batch -> (those tensors, check_descales' views)
+_DESCALE_VIEWS = BoundedMemo(64)  # the descales' ids, batch, heads_kv -> (those tensors, check_descales' views)
 
 
 def remembered_descales(q, k_cache, descales, batch: int):
@@ -392,7 +392,7 @@ def remembered_descales(q, k_cache, descales, batch: int):
     in-place writes to them), made afresh for others."""
     if k_cache.dtype != torch.float8_e4m3fn:
         return None
-    key = (id(descales[0]), id(descales[1]), id(descales[2]), batch)
+    key = (id(descales[0]), id(descales[1]), id(descales[2]), batch, k_cache.shape[2])
     hit = _DESCALE_VIEWS.get(key)  # (the memo holds the tensors: their ids stay theirs)
     if hit is not None and hit[0][0] is descales[0] and hit[0][1] is descales[1] and hit[0][2] is descales[2]:
         return hit[1]
