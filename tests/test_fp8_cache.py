@@ -542,3 +542,25 @@ def test_sixteen_bit_q_fp8_cache_kernel_compiles(head_dim, layout, q_dtype, vari
     for instruction in promises:
         assert instruction in report.ptx, instruction
     assert report.spill_bytes == 0 and not report.serialized_wgmma, report.summary()
+
+
+def test_remembered_descales_are_views_of_the_callers_tensors():
+    """A remembered FP8 cache call's descales: the views made for these very tensors (in-place
+    writes to them seen, no copy), made afresh for other tensors, another batch or heads_kv; a
+    16-bit cache has none."""
+    from fa3 import kvcache
+
+    q = torch.zeros(2, 1, 8, 64, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 16, 2, 64).to(FP8)
+    k_descale, v_descale = torch.tensor(0.5), torch.full((2, 2), 0.25)
+    first = kvcache.remembered_descales(q, cache, (None, k_descale, v_descale), 2)
+    assert first[0] is None and first[1].shape == (2, 2) and first[1].stride() == (0, 0)
+    assert first[2].data_ptr() == v_descale.data_ptr()
+    assert kvcache.remembered_descales(q, cache, (None, k_descale, v_descale), 2) is first
+    k_descale.fill_(2.0)  # in place: the remembered view sees it
+    assert torch.equal(kvcache.remembered_descales(q, cache, (None, k_descale, v_descale), 2)[1],
+                       torch.full((2, 2), 2.0))
+    other = kvcache.remembered_descales(q, cache, (None, k_descale.clone(), v_descale), 2)
+    assert other is not first and torch.equal(other[1], torch.full((2, 2), 2.0))
+    assert kvcache.remembered_descales(q[:1], cache, (None, k_descale, None), 1)[1].shape == (1, 2)
+    assert kvcache.remembered_descales(q, cache.to(torch.bfloat16), (None, None, None), 2) is None
