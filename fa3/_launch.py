@@ -86,21 +86,23 @@ class _CounterRing:
         return self.counters[self.next - 1]
 
 
-_SCRATCH = BoundedMemo(32)  # (name, device, the current stream's handle, shape, dtype) -> a tensor
+_SCRATCH = BoundedMemo(32)  # (device, the current stream's handle, shapes) -> FP32 tensors of those shapes
 
 
-def stream_scratch(name: str, shape: tuple, dtype, device) -> torch.Tensor:
-    """A tensor that kernels write and no one reads after the call (an LSE not returned) or that only
-    the call's own later kernels read (split-KV partials): kept per stream and shape, reused by the
-    next call on that stream (a stream runs its kernels in order), so a call allocates nothing for
-    it; a fresh one while a CUDA graph is captured (the graph owns it)."""
+def stream_scratch(shapes: tuple, device) -> tuple:
+    """FP32 tensors of `shapes` that kernels write and no one reads after the call (an LSE not
+    returned) or that only the call's own later kernels read (split-KV partials): kept per stream
+    and shapes, reused by the next call on that stream (a stream runs its kernels in order), so a
+    call allocates nothing for them; fresh ones while a CUDA graph is captured (the graph owns
+    them). One lookup for all of a call's scratch."""
     if torch.cuda.is_current_stream_capturing():
-        return torch.empty(shape, dtype=dtype, device=device)
-    key = (name, device, torch._C._cuda_getCurrentRawStream(device.index), shape, dtype)
-    t = _SCRATCH.get(key)
-    if t is None:
-        t = _SCRATCH.remember(key, torch.empty(shape, dtype=dtype, device=device))
-    return t
+        return tuple(torch.empty(shape, dtype=torch.float32, device=device) for shape in shapes)
+    key = (device, torch._C._cuda_getCurrentRawStream(device.index), shapes)
+    tensors = _SCRATCH.get(key)
+    if tensors is None:
+        tensors = _SCRATCH.remember(key, tuple(torch.empty(shape, dtype=torch.float32, device=device)
+                                               for shape in shapes))
+    return tensors
 
 
 _COUNTER_RINGS: dict = {}  # (device, the current stream's handle) -> _CounterRing

@@ -238,7 +238,7 @@ def prepare_plain(spec, q, k, v, causal: bool, scale: float):
             q, k, v = _launch.detached(q, k, v)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         lse = torch.empty(lse_shape, dtype=torch.float32, device=device) if keep_lse else \
-            _launch.stream_scratch("lse", lse_shape, torch.float32, device)
+            _launch.stream_scratch((lse_shape,), device)[0]
         if counted:
             fn(q, k, v, out, lse, *lead, _launch.tile_counter(spec, True, device), *tail)
         else:

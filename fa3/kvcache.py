@@ -120,6 +120,12 @@ class CacheLaunch:
         self.order = _compile_kvcache.get_entry_order() if self.sort else None
         self.no_partials = (_dummy("o_partial", device, head_dim), _dummy("lse_partial", device))
         self.no_descales = (_dummy("descale", device),) * 3
+        # stand-ins for what this call has not (int32, the entries' order, the sinks), and the table's
+        self.stand_ins = (_launch.stand_in(device), _launch.stand_in(device, torch.int64),
+                          _launch.stand_in(device, torch.float32), _dummy("table", device))
+        # the stream's scratch a call takes: the split partials (O, LSE: the combine reads them)
+        splits, planes, rows, heads, _ = self.partials_shape
+        self.scratch_shapes = (self.partials_shape, (splits, planes, heads, rows)) if self.combine is not None else ()
 
     def __call__(self, q, k_cache, v_cache, cache_seqlens, block_table, cu_seqlens_q=None, out=None,
                  cache_leftpad=None, sinks=None, descales=None, keep_lse: bool = True):
@@ -128,32 +134,34 @@ class CacheLaunch:
         device = self.device
         if out is None:
             out = torch.empty(q.shape, dtype=self.out_dtype, device=device)
-        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=device) if keep_lse else \
-            _launch.stream_scratch("lse", self.lse_shape, torch.float32, device)
-        if self.empty:
-            return out, lse
-        if self.batch == 0:  # packed rows that no entry holds
-            return out.zero_(), lse.fill_(float("-inf"))
+        if self.empty or self.batch == 0:
+            lse = torch.empty(self.lse_shape, dtype=torch.float32, device=device)
+            if self.empty:
+                return out, lse
+            return out.zero_(), lse.fill_(float("-inf"))  # packed rows that no entry holds
+        # one lookup of the stream's scratch: the partials, and the LSE where the caller drops it
+        if keep_lse:
+            lse = torch.empty(self.lse_shape, dtype=torch.float32, device=device)
+            scratch = _launch.stream_scratch(self.scratch_shapes, device) if self.scratch_shapes else ()
+        else:
+            *scratch, lse = _launch.stream_scratch(self.scratch_shapes + (self.lse_shape,), device)
+        o_partial, lse_partial = scratch if scratch else self.no_partials
         if self.packed:
             q4, out4, lse3, cu = q.unsqueeze(0), out.unsqueeze(0), lse.unsqueeze(0), cu_seqlens_q
         else:
-            q4, out4, lse3, cu = q, out, lse, _launch.stand_in(device)
-        if self.combine is not None:
-            o_partial, lse_partial = split_partials(*self.partials_shape, device)
-        else:
-            o_partial, lse_partial = self.no_partials
-        order = _launch.stand_in(device, torch.int64)
+            q4, out4, lse3, cu = q, out, lse, self.stand_ins[0]
+        order = self.stand_ins[1]
         if self.order is not None:
             order = torch.empty(self.batch, dtype=torch.int64, device=device)
             self.order(cache_seqlens, order, self.keys)
-        sinks = _launch.sinks_ready(sinks) if self.has_sinks else _launch.stand_in(device, torch.float32)
+        sinks = _launch.sinks_ready(sinks) if self.has_sinks else self.stand_ins[2]
         q_descale, k_descale, v_descale = descales or self.no_descales
         if q_descale is None:  # 16-bit q over an FP8 cache: not read
             q_descale = self.no_descales[0]
         mask = self.mask
-        self.fn(q4, k_cache, v_cache, cache_seqlens, block_table if self.paged else _dummy("table", device), out4,
+        self.fn(q4, k_cache, v_cache, cache_seqlens, block_table if self.paged else self.stand_ins[3], out4,
                 lse3, o_partial, lse_partial, mask.scale_log2, self.appended, mask.left, mask.right,
-                mask.softcap_scale, cu, self.s1_queries, cache_leftpad if self.leftpad else _launch.stand_in(device),
+                mask.softcap_scale, cu, self.s1_queries, cache_leftpad if self.leftpad else self.stand_ins[0],
                 order, sinks, q_descale, k_descale, v_descale)
         if self.combine is not None:
             self.combine(o_partial, lse_partial, out4, lse3, sinks, cu)
@@ -161,15 +169,6 @@ class CacheLaunch:
             cache_prefill.launch(self.long, q, k_cache, v_cache, cache_seqlens, block_table, cu, out, lse, mask,
                                  sinks if self.has_sinks else None)
         return out, lse
-
-
-def split_partials(num_splits: int, planes: int, rows: int, heads_q: int, head_dim: int, device):
-    """The FP32 partial outputs (num_splits, planes, rows, heads_q, head_dim) and LSEs (num_splits,
-    planes, heads_q, rows) that S1's splits write and the combine reads: the stream's scratch
-    (_launch.stream_scratch: the next call's kernels run after this call's combine has read them)."""
-    return (_launch.stream_scratch("o_partial", (num_splits, planes, rows, heads_q, head_dim), torch.float32,
-                                   device),
-            _launch.stream_scratch("lse_partial", (num_splits, planes, heads_q, rows), torch.float32, device))
 
 
 DECODE_MIN_KV_BYTES = 32 << 20  # K and V at least this large: reading them outweighs S1's extra launch

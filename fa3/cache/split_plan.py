@@ -36,6 +36,9 @@ def split_request(num_splits, max_splits=0) -> int:
     """A call's split request as one int, as the KV-cache op takes it: n > 0 exactly n CTAs per
     sequence's keys (num_splits), -n at most n (max_splits: flash-attn 3's num_splits, as vLLM
     passes 16 under full CUDA graphs), 0 planned from the shapes."""
+    if type(num_splits) is int and type(max_splits) is int and num_splits >= 0 and max_splits >= 0 \
+            and not (num_splits and max_splits):  # (plain ints, as nearly every call passes)
+        return -max_splits if max_splits else num_splits
     counts = []
     for name, n in (("num_splits", num_splits), ("max_splits", max_splits)):
         count = split_count(n)
