@@ -269,8 +269,8 @@ def prepare_plain_gemm(spec, a, b):
             a, b = _launch.detached(a, b)
         out = torch.empty(m, n, dtype=dtype, device=device)
         counters, workspace = SPLIT_BUFFERS.get(device, sm_count)
-        if splits > 1:
-            workspace = torch.empty(workspace_size, dtype=torch.float32, device=device)
+        if splits > 1:  # the split-K partial tiles: the stream's scratch (read only by this call's kernel)
+            workspace = _launch.stream_scratch((workspace_size,), device)[0]
         fn(a, b, out, sm_count, workspace, counters, splits, *scales)
         return out
     return launch
@@ -307,9 +307,8 @@ def launch_gemm(spec, a, b, out=None, scales=None, out_dtype=None):
         output_tiles = _tiles(m, n, tile_m, tile_n)
         splits = _split_count(output_tiles, k, sm_count, K_TILE_BYTES // a.element_size(),
                               fp8=a.element_size() == 1)
-        if splits > 1:
-            workspace = torch.empty(output_tiles * splits * tile_m * tile_n, dtype=torch.float32,
-                                    device=a.device)
+        if splits > 1:  # the split-K partial tiles: the stream's scratch (read only by this call's kernel)
+            workspace = _launch.stream_scratch((output_tiles * splits * tile_m * tile_n,), a.device)[0]
     row_scales = max(s.numel() for s in scales) > 1
     fn = _compile.get_gemm(spec, a.dtype, a_layout, b_layout, tiles,
                            None if out_dtype == a.dtype else out_dtype, row_scales)
