@@ -315,3 +315,51 @@ def test_capture_right_after_an_eager_call_with_a_pending_check():
     torch.cuda.synchronize()
     assert torch.equal(out, expected)
     fa3.check_index_values()
+
+
+def test_cache_launch_takes_the_streams_scratch(monkeypatch):
+    """A planned cache launch (kvcache.CacheLaunch) hands its kernels the split partials from the
+    stream's scratch (the same tensors call after call, one lookup for all), and a dropped LSE from
+    it too, while a kept LSE is fresh each call; under capture everything is fresh. The kernels are
+    replaced by recorders (CPU)."""
+    from fa3 import kvcache, registry
+    from fa3.compile import kvcache as compile_kvcache
+
+    calls = []
+    record = lambda name: (lambda *a, **k: (lambda *args: calls.append((name, args))))
+    monkeypatch.setattr(compile_kvcache, "get_kvcache", record("s1"))
+    monkeypatch.setattr(compile_kvcache, "get_combine", record("combine"))
+    monkeypatch.setattr(compile_kvcache, "get_entry_order", record("order"))
+    cpu = torch.device("cpu")
+    monkeypatch.setitem(fa3._checks.HOPPER_SMS, cpu, 132)
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 7, raising=False)  # (CPU builds lack it)
+    q = torch.zeros(1, 1, 32, 128, dtype=torch.bfloat16)
+    cache = torch.zeros(1, 16384, 8, 128, dtype=torch.bfloat16)
+    lengths = torch.full((1,), 16384, dtype=torch.int32)
+    launch = kvcache.CacheLaunch(registry.get("s1"), q, cache, False, 16384, 0, True, 0.1, 0, (-1, -1), 0.0,
+                                 None, 0, -1, False, False, False, torch.bfloat16, True)
+    assert launch.combine is not None, "b1 x 16k should be split"
+
+    def run(keep_lse):
+        calls.clear()
+        out, lse = launch(q, cache, cache, lengths, None, keep_lse=keep_lse)
+        (s1, s1_args), (combine, combine_args) = calls
+        assert (s1, combine) == ("s1", "combine")
+        o_partial, lse_partial = s1_args[7], s1_args[8]
+        splits, planes, rows, heads, d = o_partial.shape
+        assert lse_partial.shape == (splits, planes, heads, rows) and splits == launch.num_splits > 1
+        assert combine_args[0] is o_partial and combine_args[1] is lse_partial and s1_args[6] is lse
+        assert combine_args[2] is out and lse.shape == (1, 32, 1) and out.shape == q.shape
+        return o_partial, lse
+
+    first_partial, dropped = run(keep_lse=False)
+    again_partial, dropped_again = run(keep_lse=False)
+    assert again_partial is first_partial and dropped_again is dropped
+    kept_partial, kept = run(keep_lse=True)  # (its own scratch set: the partials alone)
+    kept_partial_again, kept_again = run(keep_lse=True)
+    assert kept_partial_again is kept_partial and kept is not dropped and kept_again is not kept
+    capturing[0] = True  # a graph owns what it captures
+    captured_partial, captured = run(keep_lse=False)
+    assert captured_partial is not first_partial and captured is not dropped
