@@ -363,3 +363,31 @@ def test_cache_launch_takes_the_streams_scratch(monkeypatch):
     capturing[0] = True  # a graph owns what it captures
     captured_partial, captured = run(keep_lse=False)
     assert captured_partial is not first_partial and captured is not dropped
+
+
+def test_split_gemm_takes_the_streams_scratch(monkeypatch):
+    """A planned split-K GEMM (matmul.prepare_plain_gemm) hands its kernel the partial tiles' workspace
+    from the stream's scratch: the same tensor call after call, fresh under capture (the kernel
+    replaced by a recorder, CPU)."""
+    from fa3 import matmul, registry
+    from fa3.compile import builders
+
+    calls = []
+    monkeypatch.setattr(builders, "get_gemm", lambda *a, **k: (lambda *args: calls.append(args)))
+    monkeypatch.setitem(fa3._checks.HOPPER_SMS, torch.device("cpu"), 132)
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 7, raising=False)  # (CPU builds lack it)
+    a, b = torch.zeros(64, 4096, dtype=torch.bfloat16), torch.zeros(4096, 256, dtype=torch.bfloat16)
+    launch = matmul.prepare_plain_gemm(registry.fastest(registry.GEMM), a, b)
+    assert launch is not None
+    workspaces = []
+    for capture in (False, False, True):
+        capturing[0] = capture
+        calls.clear()
+        launch(a, b)
+        (args,) = calls
+        assert args[6] > 1, "64 x 256 output tiles over K = 4096 should split"
+        workspaces.append(args[4])
+    assert workspaces[1] is workspaces[0] and workspaces[2] is not workspaces[0]
+    assert workspaces[0].dtype == torch.float32 and workspaces[0].numel() > 1
