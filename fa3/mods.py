@@ -129,6 +129,19 @@ class Mods:
         """(dtype, rank) of each captured tensor, in the kernel's order: its fake signature."""
         return [(t.dtype, t.dim()) for m in self.sources for _, t in m.tensors]
 
+    def compile_error(self, error: Exception) -> str:
+        """The message for mods the kernel could not be compiled with: the mods by name, what they
+        capture (a tensor indexed with a number of indices other than its rank is the common cause:
+        the DSL reports it as a coordinate not "weakly congruent" to the layout), and the DSL's error."""
+        names = " and ".join(f"{m.kind} {m.name}" for m in self.sources)
+        captured = ", ".join(f"{var!r} {tuple(t.shape)} {t.dtype}" for m in self.sources for var, t in m.tensors)
+        hint = ""
+        if "weakly congruent" in str(error):
+            hint = (" (an index into a captured tensor has a number of coordinates other than its rank: "
+                    "index each with one coordinate per dimension)")
+        return (f"{names} could not be compiled into the attention kernel{hint}; captured tensors: "
+                f"{captured or 'none'}. The compiler said: {error}")
+
     def aux(self, device) -> tuple:
         return tuple(t for m in self.sources for t in m.check_tensors(device))
 

@@ -190,6 +190,18 @@ def test_wrong_result_type_named():
         _ptx(fmods.Mods(score_mod=int_score))
 
 
+def test_capture_indexed_with_the_wrong_rank_named():
+    """A captured tensor indexed with more coordinates than its rank: the error names the mod, the
+    captured tensor with its shape, and says what the compiler's "weakly congruent" means."""
+    doc_ids = torch.zeros(64, dtype=torch.int32)  # 1-D, read as doc_ids[b, q_idx]
+
+    def two_index_documents(b, h, q_idx, kv_idx):
+        return doc_ids[b, q_idx] == doc_ids[b, kv_idx]
+    with pytest.raises(ValueError, match=r"mask_mod .*two_index_documents.* could not be compiled .*one coordinate "
+                                         r"per dimension.*'doc_ids' \(64,\) torch.int32"):
+        _ptx(fmods.Mods(mask_mod=two_index_documents))
+
+
 def _block_sparse_ptx(block_lists, head_dim, rung, mods):
     short = config.block_mask_short(registry.get(rung).config, head_dim)
     report = builders.build_report(builders._build_attention, registry.get(rung), torch.bfloat16, head_dim, False,

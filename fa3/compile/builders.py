@@ -89,8 +89,7 @@ def _build_attention_mods(spec, dtype, head_dim, head_dim_v, static, cfg, varian
     try:
         return core.compile_kernel(kernel, args, extra_options)
     except Exception as e:  # the DSL wraps what a mod raised while traced
-        names = " and ".join(f"{m.kind} {m.name}" for m in mods.sources)
-        raise ValueError(f"{names} could not be compiled into the attention kernel: {e}") from e
+        raise ValueError(mods.compile_error(e)) from e
 
 
 # ----------------------------------------------------------------------------- FP8 forward (F1)
