@@ -113,13 +113,9 @@ def attention_fp8_key(spec, dtype, head_dim, causal, varlen=False, local=False, 
 
 def get_attention_fp8(spec, out_dtype, head_dim, causal, varlen=False, local=False, softcap=False):
     """The compiled FP8 forward for this static configuration (`out_dtype`: O's)."""
-    fast_key = ("fp8", spec.name, out_dtype, head_dim, causal, varlen, local, softcap)
-    fn = core.FAST.get(fast_key)
-    if fn is None:
-        fn = core.FAST[fast_key] = core.cached(
-            attention_fp8_key(spec, out_dtype, head_dim, causal, varlen, local, softcap),
-            lambda: _build_attention_fp8(spec, out_dtype, head_dim, causal, varlen, local, softcap))
-    return fn
+    return core.compiled(("fp8", spec.name, out_dtype, head_dim, causal, varlen, local, softcap),
+                         attention_fp8_key, _build_attention_fp8, spec, out_dtype, head_dim, causal, varlen, local,
+                         softcap)
 
 
 def get_attention(spec, dtype, head_dim, causal, varlen=False, local=False, softcap=False, sinks=False,
@@ -142,14 +138,9 @@ def get_attention(spec, dtype, head_dim, causal, varlen=False, local=False, soft
                                               head_dim_v, short, mods=mods, block_lists=block_lists),
                 persist=False)
         return fn
-    fast_key = (spec.name, dtype, head_dim, causal, varlen, local, softcap, sinks, head_dim_v, short)
-    fn = core.FAST.get(fast_key)
-    if fn is None:
-        fn = core.FAST[fast_key] = core.cached(
-            attention_key(spec, dtype, head_dim, causal, varlen, local, softcap, sinks, head_dim_v, short),
-            lambda: _build_attention(spec, dtype, head_dim, causal, varlen, local, softcap, sinks,
-                                     head_dim_v, short))
-    return fn
+    return core.compiled((spec.name, dtype, head_dim, causal, varlen, local, softcap, sinks, head_dim_v, short),
+                         attention_key, _build_attention, spec, dtype, head_dim, causal, varlen, local, softcap,
+                         sinks, head_dim_v, short)
 
 
 # ----------------------------------------------------------------------------- backward
@@ -176,16 +167,9 @@ def get_backward(spec, dtype, head_dim, causal, deterministic, gqa, local=False,
                  varlen=False, head_dim_v=None):
     """The compiled backward main kernel for this static configuration (compiled on first use);
     head_dim_v: V's head dim where it differs (registry `value_head_dims`)."""
-    fast_key = ("bwd", spec.name, dtype, head_dim, causal, deterministic, gqa, local, softcap, varlen,
-                head_dim_v)
-    fn = core.FAST.get(fast_key)
-    if fn is None:
-        fn = core.FAST[fast_key] = core.cached(
-            backward_key(spec, dtype, head_dim, causal, deterministic, gqa, local, softcap, varlen,
-                         head_dim_v),
-            lambda: _build_backward(spec, dtype, head_dim, causal, deterministic, gqa, local, softcap,
-                                    varlen, head_dim_v))
-    return fn
+    return core.compiled(("bwd", spec.name, dtype, head_dim, causal, deterministic, gqa, local, softcap, varlen,
+                          head_dim_v), backward_key, _build_backward, spec, dtype, head_dim, causal, deterministic,
+                         gqa, local, softcap, varlen, head_dim_v)
 
 
 def _build_preprocess(dtype, head_dim, head_dim_v=None, varlen=False, tile_m=64, dq_in_slots=False,
@@ -217,13 +201,14 @@ def get_backward_preprocess(dtype, head_dim, head_dim_v=None, varlen=False, tile
     """D = rowsum(dO * O) and LSE * log2(e), padded, and the dQ accumulator zeroed (kernels/bwd_pre.py);
     O and dO have head_dim_v columns where given. varlen: a packed batch, the statistics (and,
     dq_in_slots, the dQ accumulator) in slots of the main kernel's tile_m rows."""
-    fast_key = ("bwd_pre", dtype, head_dim, head_dim_v, varlen, tile_m, dq_in_slots)
-    fn = core.FAST.get(fast_key)
-    if fn is None:
-        layout = (bool(varlen), tile_m if varlen else 0, bool(dq_in_slots and varlen))
-        key = ("bwd_pre", str(dtype), _key_dims(head_dim, head_dim_v), layout, dsl.TARGET_ARCH, dsl.version())
-        fn = core.FAST[fast_key] = core.cached(key, lambda: _build_preprocess(dtype, head_dim, head_dim_v, *layout))
-    return fn
+    layout = (bool(varlen), tile_m if varlen else 0, bool(dq_in_slots and varlen))
+    return core.compiled(("bwd_pre", dtype, head_dim, head_dim_v, *layout), preprocess_key, _build_preprocess,
+                         dtype, head_dim, head_dim_v, *layout)
+
+
+def preprocess_key(dtype, head_dim, head_dim_v, varlen, tile_m, dq_in_slots) -> tuple:
+    return ("bwd_pre", str(dtype), _key_dims(head_dim, head_dim_v), (varlen, tile_m, dq_in_slots), dsl.TARGET_ARCH,
+            dsl.version())
 
 
 def _build_postprocess(spec, dtype, head_dim, varlen=False, extra_options=""):
@@ -244,14 +229,13 @@ def _build_postprocess(spec, dtype, head_dim, varlen=False, extra_options=""):
 def get_backward_postprocess(spec, dtype, head_dim, varlen=False):
     """dQ = scale * dQacc in the output dtype, from `spec`'s fragment-order accumulator
     (kernels/bwd_post.py); `varlen`: a packed batch's."""
-    fast_key = ("bwd_post", spec.name, dtype, head_dim, varlen)
-    fn = core.FAST.get(fast_key)
-    if fn is None:
-        key = ("bwd_post", spec.name, str(dtype), head_dim, varlen,
-               config.key(spec.config, config.backward_config(spec.config, head_dim)), dsl.TARGET_ARCH,
-               dsl.version())
-        fn = core.FAST[fast_key] = core.cached(key, lambda: _build_postprocess(spec, dtype, head_dim, varlen))
-    return fn
+    return core.compiled(("bwd_post", spec.name, dtype, head_dim, varlen), postprocess_key, _build_postprocess,
+                         spec, dtype, head_dim, varlen)
+
+
+def postprocess_key(spec, dtype, head_dim, varlen) -> tuple:
+    return ("bwd_post", spec.name, str(dtype), head_dim, varlen,
+            config.key(spec.config, config.backward_config(spec.config, head_dim)), dsl.TARGET_ARCH, dsl.version())
 
 
 def _build_value_transpose(head_dim, packed=False, extra_options=""):
@@ -270,12 +254,11 @@ def _build_value_transpose(head_dim, packed=False, extra_options=""):
 def get_value_transpose(head_dim, packed=False):
     """The FP8 forward's V^T in the P operand's key order (kernels/fp8_transpose.py); `packed`: a
     packed batch's, each sequence in its own 16-aligned run of columns."""
-    fast_key = ("fp8_vt", head_dim, packed)
-    fn = core.FAST.get(fast_key)
-    if fn is None:
-        key = ("fp8_vt", head_dim, *(("packed",) if packed else ()), dsl.TARGET_ARCH, dsl.version())
-        fn = core.FAST[fast_key] = core.cached(key, lambda: _build_value_transpose(head_dim, packed))
-    return fn
+    return core.compiled(("fp8_vt", head_dim, packed), value_transpose_key, _build_value_transpose, head_dim, packed)
+
+
+def value_transpose_key(head_dim, packed) -> tuple:
+    return ("fp8_vt", head_dim, *(("packed",) if packed else ()), dsl.TARGET_ARCH, dsl.version())
 
 
 # GEMM operand layouts, as torch strides show them: "row" = unit stride along the last dimension
@@ -303,13 +286,8 @@ def get_gemm(spec, dtype, a_layout, b_layout, tiles: tuple = (), out_dtype=None,
     as fn(a, b, c, sm_count, workspace, counters, splits, scale_a, scale_b). `tiles`: ((field,
     value), ...) over the rung's configuration (the tile shape the GEMM heuristic picks per
     problem: kernels/config.gemm_config). Like get_attention, a hit is one dict lookup."""
-    fast_key = ("gemm", spec.name, dtype, a_layout, b_layout, tiles, out_dtype, row_scales)
-    fn = core.FAST.get(fast_key)
-    if fn is None:
-        fn = core.FAST[fast_key] = core.cached(
-            gemm_key(spec, dtype, a_layout, b_layout, out_dtype, row_scales, tiles),
-            lambda: _build_gemm(spec, dtype, a_layout, b_layout, out_dtype, row_scales, tiles))
-    return fn
+    return core.compiled(("gemm", spec.name, dtype, a_layout, b_layout, tiles, out_dtype, row_scales), gemm_key,
+                         _build_gemm, spec, dtype, a_layout, b_layout, out_dtype, row_scales, tiles)
 
 
 @dataclass

@@ -26,6 +26,16 @@ def compile_kernel(kernel, fake_args, extra_options):
     return cute.compile(kernel, *fake_args, stream, options=options(extra_options))
 
 
+def compiled(fast_key, key, build, *args):
+    """A family's kernel through the per-call memo: FAST[fast_key] (one dict lookup on a hit); on a
+    miss only, the full key `key(*args)` (configuration, arch, DSL version) and `cached` with
+    `build(*args)` (key and build take the same arguments)."""
+    fn = FAST.get(fast_key)
+    if fn is None:
+        fn = FAST[fast_key] = cached(key(*args), lambda: build(*args))
+    return fn
+
+
 def cached(key, build, persist: bool = True):
     """The kernel for `key` (a callable), loaded from the disk cache or built and stored there,
     once even across threads, on first use (persist=False: built, kept in this process only)."""

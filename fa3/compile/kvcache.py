@@ -59,16 +59,9 @@ def get_kvcache(spec, dtype, head_dim, causal, paged, local=False, softcap=False
     of fewer queries, the rest being K5's) or (batch, seqlen_q) ones, with or without attention
     sinks; `dtype` the cache's and q's (float8_e4m3fn: an FP8 cache, O in out_dtype), or q's
     query_dtype where it differs (bf16 / fp16 q over an FP8 cache)."""
-    fast_key = ("kvcache", spec.name, dtype, head_dim, causal, paged, local, softcap, gather, varlen, leftpad,
-                sinks, out_dtype, max_queries, query_dtype)
-    fn = core.FAST.get(fast_key)
-    if fn is None:
-        fn = core.FAST[fast_key] = core.cached(
-            kvcache_key(spec, dtype, head_dim, causal, paged, local, softcap, gather, varlen, leftpad, sinks,
-                        out_dtype, max_queries, query_dtype),
-            lambda: build_kvcache(spec, dtype, head_dim, causal, paged, local, softcap, gather, varlen,
-                                   leftpad, sinks, out_dtype, max_queries, query_dtype))
-    return fn
+    static = (head_dim, causal, paged, local, softcap, gather, varlen, leftpad, sinks, out_dtype, max_queries,
+              query_dtype)
+    return core.compiled(("kvcache", spec.name, dtype, *static), kvcache_key, build_kvcache, spec, dtype, *static)
 
 
 def cache_prefill_key(spec, dtype, head_dim, causal, paged, page_rows, min_queries, local=False, softcap=False,
@@ -98,12 +91,8 @@ def get_cache_prefill(spec, dtype, head_dim, causal, paged, page_rows, min_queri
     """The compiled K5 over a KV cache for a packed call's entries of min_queries or more queries:
     paged (page_rows: pages smaller than a key block, one TMA box each; 0: whole blocks) or dense."""
     static = (head_dim, causal, paged, page_rows, min_queries, local, softcap, sinks)
-    fast_key = ("cache_prefill", spec.name, dtype, *static)
-    fn = core.FAST.get(fast_key)
-    if fn is None:
-        fn = core.FAST[fast_key] = core.cached(cache_prefill_key(spec, dtype, *static),
-                                       lambda: build_cache_prefill(spec, dtype, *static))
-    return fn
+    return core.compiled(("cache_prefill", spec.name, dtype, *static), cache_prefill_key, build_cache_prefill,
+                         spec, dtype, *static)
 
 
 def build_combine(dtype, head_dim, sinks=False, max_queries=0, extra_options=""):
@@ -122,12 +111,8 @@ def build_combine(dtype, head_dim, sinks=False, max_queries=0, extra_options="")
 def get_combine(dtype, head_dim, sinks=False, max_queries=0):
     """The split-KV combine kernel: FP32 partial O and LSE (and the sinks) -> O, LSE; max_queries:
     a packed call's rows of entries that long or longer are skipped (K5 writes them)."""
-    fast_key = ("combine", dtype, head_dim, sinks, max_queries)
-    fn = core.FAST.get(fast_key)
-    if fn is None:
-        fn = core.FAST[fast_key] = core.cached(combine_key(dtype, head_dim, sinks, max_queries),
-                                       lambda: build_combine(dtype, head_dim, sinks, max_queries))
-    return fn
+    return core.compiled(("combine", dtype, head_dim, sinks, max_queries), combine_key, build_combine, dtype,
+                         head_dim, sinks, max_queries)
 
 
 def combine_key(dtype, head_dim, sinks=False, max_queries=0) -> tuple:
@@ -148,10 +133,7 @@ def build_entry_order(extra_options=""):
 def get_entry_order():
     """The KV-cache entries longest first (kernels/entry_order.py): (lengths int32, order int64,
     max_length)."""
-    fn = core.FAST.get("entry_order")
-    if fn is None:
-        fn = core.FAST["entry_order"] = core.cached(entry_order_key(), build_entry_order)
-    return fn
+    return core.compiled("entry_order", entry_order_key, build_entry_order)
 
 
 def entry_order_key() -> tuple:
