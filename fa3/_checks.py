@@ -214,7 +214,18 @@ def check_scale_tensor(t, name: str, forms: str, device, owner: str) -> None:
         raise ValueError(f"{name} is on {t.device} but {owner} is on {device}; put it on {owner}'s device")
 
 
-_UNIT_DESCALES: dict = {}  # device -> a float32 1 (1, 1): the descale of None
+_UNIT_DESCALES: dict = {}  # device -> a float32 1 (1, 1)
+
+
+def unit_descale(device) -> torch.Tensor:
+    """A float32 1 of shape (1, 1) on `device`: the descale of None, and the kernels' descale stand-in
+    (kept per device; one made while a graph is captured holds its 1 only in replays, so it is not kept)."""
+    t = _UNIT_DESCALES.get(device)
+    if t is None:
+        t = torch.ones(1, 1, dtype=torch.float32, device=device)
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _UNIT_DESCALES[device] = t
+    return t
 
 
 def check_descale(t, name: str, batch: int, heads_kv: int, device) -> torch.Tensor:
@@ -222,12 +233,7 @@ def check_descale(t, name: str, batch: int, heads_kv: int, device) -> torch.Tens
     strides (no copy): from None (1), a 0-d or one-element tensor (broadcast), or a (batch,
     heads_kv) tensor (flash-attn's FA3 interface)."""
     if t is None:
-        t = _UNIT_DESCALES.get(device)
-        if t is None:
-            t = torch.ones(1, 1, dtype=torch.float32, device=device)
-            if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-                _UNIT_DESCALES[device] = t  # (one made under capture holds its 1 only in replays)
-        return t.expand(batch, heads_kv)
+        return unit_descale(device).expand(batch, heads_kv)
     check_scale_tensor(t, name, f"shape (batch, heads_kv) = ({batch}, {heads_kv}), or one element",
                        device, "q")
     if t.numel() == 1 and t.dim() <= 2:

@@ -49,7 +49,6 @@ def _dummy(kind, device, head_dim=None):
             "table": lambda: torch.zeros(1, 1, dtype=torch.int32, device=device),
             "o_partial": lambda: torch.empty(1, 1, 1, 1, head_dim, dtype=torch.float32, device=device),
             "lse_partial": lambda: torch.empty(1, 1, 1, 1, dtype=torch.float32, device=device),
-            "descale": lambda: torch.ones(1, 1, dtype=torch.float32, device=device),
         }[kind]()
     return t
 
@@ -119,7 +118,7 @@ class CacheLaunch:
                         if self.num_splits > 1 else None)
         self.order = _compile_kvcache.get_entry_order() if self.sort else None
         self.no_partials = (_dummy("o_partial", device, head_dim), _dummy("lse_partial", device))
-        self.no_descales = (_dummy("descale", device),) * 3
+        self.no_descales = (_checks.unit_descale(device),) * 3
         # stand-ins for what this call has not (int32, the entries' order, the sinks), and the table's
         self.stand_ins = (_launch.stand_in(device), _launch.stand_in(device, torch.int64),
                           _launch.stand_in(device, torch.float32), _dummy("table", device))
