@@ -37,6 +37,7 @@ from .cache.split_plan import call_plan, split_request
 
 
 NO_DESCALES = (None, None, None)
+WARP_SPLIT_PARTIALS = 4  # s2: a CTA's warps, each its own partial (kernels/decode.py)
 _DUMMIES: dict = {}
 
 
@@ -109,13 +110,15 @@ class CacheLaunch:
         self.mask, self.long, self.num_splits, self.s1_queries = plan.mask, plan.long, plan.num_splits, plan.s1_queries
         s1_max_queries = 0 if plan.long is None else plan.long.min_queries  # S1 (and its combine) skip K5's
         self.sort = plan.longest_first and not full  # the longest entries first (sorted on the device)
-        self.partials_shape = (self.num_splits, 1 if self.packed else batch, rows_q, heads_q, head_dim)
+        # a warp-split rung (s2) writes one partial per warp of each CTA, always combined
+        per_cta = WARP_SPLIT_PARTIALS if spec.config.base.warp_split else 1
+        self.partials_shape = (self.num_splits * per_cta, 1 if self.packed else batch, rows_q, heads_q, head_dim)
         self.fn = _compile_kvcache.get_kvcache(spec, k_cache.dtype, head_dim, self.mask.causal, paged,
                                                self.mask.local, self.mask.softcap, plan.gather, self.packed,
                                                leftpad, has_sinks, out_dtype if fp8 else None, s1_max_queries,
                                                q.dtype if q.dtype != k_cache.dtype else None)
         self.combine = (_compile_kvcache.get_combine(out_dtype, head_dim, has_sinks, s1_max_queries)
-                        if self.num_splits > 1 else None)
+                        if self.partials_shape[0] > 1 else None)
         self.order = _compile_kvcache.get_entry_order() if self.sort else None
         self.no_partials = (_dummy("o_partial", device, head_dim), _dummy("lse_partial", device))
         self.no_descales = (_checks.unit_descale(device),) * 3

@@ -269,6 +269,15 @@ KERNELS: dict[str, KernelSpec] = {
             ptx_promises=("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait", "ex2.approx"),
             speed_rank=1, variants=("local", "softcap", "varlen", SINKS),
         ),
+        KernelSpec(
+            "s2", KVCACHE, "decode", "SplitKVAttention",
+            "s1 with the keys split across the warps: each warp multiplies its 16 keys of every block "
+            "on mma.sync (16 query rows, not WGMMA's 64) and writes its own partial for the combine",
+            config=RUNGS["s2"], head_dims=(64, 128),
+            # not the default until measured: kernel="s2" names it
+            ptx_promises=("mma.sync.aligned.m16n8k16", "ldmatrix", "mbarrier.try_wait", "ex2.approx"),
+            speed_rank=0, variants=("local", "softcap", "varlen", SINKS),
+        ),
         *[
             KernelSpec(
                 name, GEMM, "gemm", cls, summary, config=RUNGS[name], head_dims=(),

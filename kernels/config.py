@@ -119,6 +119,9 @@ class DecodeConfig:
     max_kv_stages: int = 8  # a TMA ring: as deep as SMEM allows, up to this
     gather_kv_stages: int = 3  # row gathers
     fp8_kv_stages: int = 4  # an FP8 cache
+    # S2: each warp multiplies its own 16 keys of every block on mma.sync (m16n8k16, tile_m = 16
+    # query rows) and writes its own partial (the combine merges them with the splits')
+    warp_split: bool = False
     # packed calls' entries of this many queries or more run on K5 over the cache (fa3/cache/prefill.py)
     long_queries: int = 128
     kv_stages: int = 0  # chosen: the ring's depth
@@ -411,6 +414,8 @@ RUNGS: dict[str, RungConfig] = {
     # sizes are gathered row by row with cp.async; the ring's depth: decode_config
     "s1": RungConfig(DecodeConfig(tile_m=64, tile_n=64, max_kv_stages=8, gather_kv_stages=3, fp8_kv_stages=4,
                                   long_queries=128)),
+    "s2": RungConfig(DecodeConfig(tile_m=16, tile_n=64, max_kv_stages=8, gather_kv_stages=3, fp8_kv_stages=4,
+                                  long_queries=128, warp_split=True)),
     "g1": RungConfig(GemmConfig(tile_m=128, tile_n=128, mma_warpgroups=1, stages=1, mmas_in_flight=0)),
     "g2": RungConfig(GemmConfig(tile_m=128, tile_n=256, mma_warpgroups=2, stages=0, mmas_in_flight=1)),
     "g3": RungConfig(GemmConfig(tile_m=128, tile_n=256, mma_warpgroups=2, stages=0, mmas_in_flight=1,

@@ -86,13 +86,14 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass._mlir.dialects import llvm
-from cutlass.cute.nvgpu import warpgroup
+from cutlass.cute.nvgpu import warp as warp_mma, warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .common import mask, mma, paged, pipeline, scheduler, seqlen, smem, softmax, tma
 from .config import DecodeConfig
 
 CONVERT_ELEMS = 8  # elements one thread dequantizes at a time (FP8 cache): 8 bytes of e4m3 in, 16 bytes out
+WARPS = 4  # the CTA's warps; S2 (warp_split): each takes tile_n / WARPS keys of every block
 
 
 @dsl_user_op
@@ -105,6 +106,25 @@ def float_bits(x: Float32, *, loc=None, ip=None) -> Int32:
 def bits_float(bits: Int32, *, loc=None, ip=None) -> Float32:
     """The FP32 value of a bit pattern."""
     return Float32(llvm.bitcast(T.f32(), Int32(bits).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+def rows_cols_sm80(acc: cute.Tensor) -> cute.Tensor:
+    """An m16n8 accumulator (4, MMA_M, MMA_N) seen as (rows, cols) of this thread: value v is row
+    v // 2 (of g and g + 8), column v % 2 (of 2t and 2t + 1): ((2, MMA_M), (2, MMA_N))."""
+    shape = acc.layout.shape
+    stride = cute.make_layout(shape).stride
+    mn = cute.make_layout(((2, shape[1]), (2, shape[2])), stride=((2, stride[1]), (1, stride[2])))
+    return cute.make_tensor(acc.iterator, cute.composition(acc.layout, mn))
+
+
+def acc_as_a_sm80(p: cute.Tensor) -> cute.Tensor:
+    """The same registers as the A operand of a following m16n8k16: two m16n8 accumulators side by
+    side are one m16k16 A fragment: (4, MMA_M, MMA_N) -> ((4, 2), MMA_M, MMA_N / 2)."""
+    shape = p.layout.shape
+    stride = cute.make_layout(shape).stride
+    frg = cute.make_layout(((4, 2), shape[1], shape[2] // 2),
+                           stride=((1, stride[2]), stride[1], 2 * stride[2]))
+    return cute.make_tensor(p.iterator, cute.composition(p.layout, frg))
 
 
 class SplitKVAttention:
@@ -137,7 +157,13 @@ class SplitKVAttention:
         # a left-padded dense cache: entry b's keys start at row cache_leftpad[b] (flash-attn's)
         self.leftpad = leftpad and not paged
         self.tile_m, self.tile_n = config.tile_m, config.tile_n
-        self.num_threads = 128  # one warpgroup: tile_m = 64 rows
+        self.num_threads = 128  # one warpgroup: tile_m = 64 rows (S2: four warps on 16 rows)
+        # S2: the keys of each block split across the warps, mma.sync on 16 query rows, a partial a warp
+        self.warp_split = config.warp_split
+        self.partials_per_cta = WARPS if self.warp_split else 1
+        self.warp_keys = self.tile_n // WARPS
+        assert not self.warp_split or (self.tile_m == 16 and head_dim in (64, 128)), \
+            "S2 runs 16-row Q tiles at head dims 64 and 128 (d256's fragments spill)"
         # the ring: as deep as SMEM allows, shorter for gathers and FP8 caches so that CTAs share an
         # SM (one's copies or conversions beside another's GEMMs): config.decode_config's plan
         self.kv_stages, self.planned_smem_bytes = config.kv_stages, config.planned_smem_bytes
@@ -164,7 +190,7 @@ class SplitKVAttention:
         heads_kv = mK.shape[2]
         group = heads_q // heads_kv
         q_tiles = cute.ceil_div(seqlen_q * group, self.tile_m)
-        grid = [mOacc.shape[0], heads_kv * q_tiles, batch]
+        grid = [mOacc.shape[0] // self.partials_per_cta, heads_kv * q_tiles, batch]
         if cutlass.const_expr(self.varlen):
             # every entry's Q tiles in a row, per KV head: sum_b ceil(len_b * group / tile_m) is at most
             # ceil(total_q * group / tile_m) + batch, and at most batch tiles of the longest entry
@@ -172,7 +198,7 @@ class SplitKVAttention:
             tiles = cutlass.min(batch * cute.ceil_div(max_seqlen_q * group, self.tile_m),
                                 cute.ceil_div(seqlen_q * group, self.tile_m) + batch)
             # KV heads inside tiles: with mOrder, the CTAs launched first are the longest entry's
-            grid = [mOacc.shape[0], heads_kv, cutlass.max(tiles, 1)]
+            grid = [mOacc.shape[0] // self.partials_per_cta, heads_kv, cutlass.max(tiles, 1)]
         sQ_layout = smem.tile_layout(self.dtype, self.tile_m, self.head_dim)
         sKV_layout = smem.tile_layout(self.cache_dtype, self.tile_n, self.head_dim, self.kv_stages)
         sKV16_layout = smem.tile_layout(self.dtype, self.tile_n, self.head_dim)  # fp8: the converted tiles
@@ -232,7 +258,7 @@ class SplitKVAttention:
                sKV16_layout: cute.ComposedLayout, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        num_splits = mOacc.shape[0]
+        num_splits = mOacc.shape[0] // self.partials_per_cta  # (the key ranges; S2: WARPS partials each)
         heads_q, heads_kv = mQ.shape[2], mK.shape[2]  # mK: (rows, d, heads, planes)
         group = heads_q // heads_kv
         capacity = mK.shape[0]
@@ -314,7 +340,10 @@ class SplitKVAttention:
             ctx, kv_producer = self.attend(whole, sQ, sKV16_layout, kv_pipe, kv_producer, loads, warp_idx, blocks)
             if self.is_kv_producer(warp_idx):
                 pipeline.tail(kv_pipe, kv_producer)
-            self.store(ctx, mO, mLSE, mOacc, mLSEacc, mSinks, split, num_splits, row0, head_kv, group,
+            part, parts = split, num_splits  # (S2: this warp's partial of this split, always combined)
+            if cutlass.const_expr(self.warp_split):
+                part, parts = split * WARPS + warp_idx, mOacc.shape[0]
+            self.store(ctx, mO, mLSE, mOacc, mLSEacc, mSinks, part, parts, row0, head_kv, group,
                        q_plane, seq, scale_log2, o_scale)
 
     def fold_descales(self, descales, batch: Int32, head_kv: Int32, scale_log2: Float32,
@@ -346,7 +375,14 @@ class SplitKVAttention:
         """The GEMMs' fragments over sQ and the ring (an FP8 cache: over the converted tiles), then
         the mainloop: (ctx, producer state)."""
         _, _, _, _, _, sK, sV, _, _, _, _, tidx = loads  # (load_kv's arguments)
-        if cutlass.const_expr(self.fp8):
+        if cutlass.const_expr(self.warp_split):
+            sK16, sV16 = None, None
+            if cutlass.const_expr(self.fp8):
+                sK16 = storage.sK16.get_tensor(sKV16_layout.outer, swizzle=sKV16_layout.inner)
+                sV16 = storage.sV16.get_tensor(sKV16_layout.outer, swizzle=sKV16_layout.inner)
+            ctx = self.warp_setup(sQ, tidx)
+            kv_producer = self.mainloop_warps(ctx, kv_pipe, kv_producer, loads, warp_idx, sK16, sV16, *blocks)
+        elif cutlass.const_expr(self.fp8):
             sK16 = storage.sK16.get_tensor(sKV16_layout.outer, swizzle=sKV16_layout.inner)
             sV16 = storage.sV16.get_tensor(sKV16_layout.outer, swizzle=sKV16_layout.inner)
             ctx = self.compute_setup(sQ, sK16, sV16, tidx)
@@ -505,6 +541,8 @@ class SplitKVAttention:
         rows_per_warp = 16  # a warp's rows of the m64 WGMMA accumulator
         chunks_per_row = self.head_dim // 8
         warp, lane = tidx // 32, tidx % 32
+        if cutlass.const_expr(self.warp_split):  # S2: every warp reads the tile's 16 rows (one scale), warp 0 stores
+            warp = 0
         values = []  # this lane's chunks in FP32, kept until the warp's scale is known
         largest = Float32(0.0)
         for i in cutlass.range_constexpr(rows_per_warp * chunks_per_row // 32):
@@ -528,8 +566,13 @@ class SplitKVAttention:
         for i in cutlass.range_constexpr(rows_per_warp * chunks_per_row // 32):
             chunk = lane + i * 32
             r, c = warp * rows_per_warp + chunk // chunks_per_row, chunk % chunks_per_row * 8
-            for e in cutlass.range_constexpr(8):
-                sQ[r, c + e] = (values[i * 8 + e] * scale).to(self.dtype)
+            if cutlass.const_expr(self.warp_split):
+                if tidx < 32:
+                    for e in cutlass.range_constexpr(8):
+                        sQ[r, c + e] = (values[i * 8 + e] * scale).to(self.dtype)
+            else:
+                for e in cutlass.range_constexpr(8):
+                    sQ[r, c + e] = (values[i * 8 + e] * scale).to(self.dtype)
         # generic-proxy writes, read by WGMMA through the async proxy
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()
@@ -602,6 +645,120 @@ class SplitKVAttention:
         """O += P V of the V tile at `stage`."""
         mma.gemm(ctx.pv, ctx.acc_o, mma.as_a_operand(p), ctx.tOrVt[None, None, None, stage], wait=wait)
 
+    # ---------------------------------------------------------------- S2: the keys split across the warps
+    def warp_setup(self, sQ, tidx):
+        """Each warp's mma.sync (m16n8k16) for S = Q K_w^T and O_w += P V_w on its own 16 keys of every
+        block, Q's fragment loaded once from SMEM (ldmatrix), O_w and the row state in registers."""
+        lane = tidx % 32
+        atom = warp_mma.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16))
+        qk = cute.make_tiled_mma(atom, (1, 1, 1), permutation_mnk=(16, 16, 16))
+        pv = cute.make_tiled_mma(atom, (1, 1, 1), permutation_mnk=(16, 16, 16))
+        thr_qk, thr_pv = qk.get_slice(lane), pv.get_slice(lane)
+        load = cute.make_copy_atom(warp_mma.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        load_t = cute.make_copy_atom(warp_mma.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype)
+        copy_q = cute.make_tiled_copy_A(load, qk).get_slice(lane)
+        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
+        cute.copy(copy_q, copy_q.partition_S(sQ), copy_q.retile(tSrQ))
+        ctx = SimpleNamespace(
+            qk=qk, thr_qk=thr_qk, pv=pv, thr_pv=thr_pv, tidx=tidx, tSrQ=tSrQ,
+            copy_k=cute.make_tiled_copy_B(load, qk).get_slice(lane),
+            copy_v=cute.make_tiled_copy_B(load_t, pv).get_slice(lane),
+            s_coords=rows_cols_sm80(thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.warp_keys)))),
+            acc_o=cute.make_rmem_tensor(thr_pv.partition_shape_C((self.tile_m, self.head_dim)), Float32),
+            o_coords=rows_cols_sm80(thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim)))))
+        ctx.acc_o.fill(0.0)
+        ctx.row_max, ctx.row_sum = softmax.row_state(cute.size(ctx.s_coords, mode=[0]))
+        return ctx
+
+    @cute.jit
+    def mainloop_warps(self, ctx, kv_pipe, kv_producer, loads, warp_idx: Int32, sK16, sV16, n_blocks: Int32,
+                       last: Int32, m_block: Int32, group: Int32, seq, scale_log2: Float32, window,
+                       softcap_scale: Float32):
+        """S2's mainloop: every warp waits for each block, takes its keys warp_keys x warp ..
+        (an FP8 cache: converted by the warp itself into its rows of sK16/sV16, the stage released at
+        once), multiplies them on mma.sync and updates its own row state; the stage is released by
+        each warp after its P V (16-bit) and refilled. No barrier among the warps."""
+        _, _, _, _, _, sK, sV, _, _, _, _, tidx = loads  # (load_kv's arguments)
+        lane = tidx % 32
+        keys = self.warp_keys
+        kv_consumer = pipeline.consumer_state(self.kv_stages)
+        for j in cutlass.range(n_blocks, unroll=1):
+            n_block = last - j
+            valid = seq.seqlen_k - n_block * self.tile_n - warp_idx * keys  # this warp's keys in the sequence
+            pipeline.consume_wait(kv_pipe, kv_consumer)
+            sK_w = cute.local_tile(sK[None, None, kv_consumer.index], (keys, self.head_dim), (warp_idx, 0))
+            sV_w = cute.local_tile(sV[None, None, kv_consumer.index], (keys, self.head_dim), (warp_idx, 0))
+            if cutlass.const_expr(self.fp8):
+                cute.arch.sync_warp()  # this warp's last reads of its fp16 rows are done
+                sK16_w = cute.local_tile(sK16[None, None, 0], (keys, self.head_dim), (warp_idx, 0))
+                sV16_w = cute.local_tile(sV16[None, None, 0], (keys, self.head_dim), (warp_idx, 0))
+                self.warp_dequantize(sK_w, sK16_w, lane, keys)
+                self.warp_dequantize(sV_w, sV16_w, lane, valid)
+                cute.arch.sync_warp()
+                kv_consumer = pipeline.release(kv_pipe, kv_consumer)  # converted: the stage is free
+                sK_w, sV_w = sK16_w, sV16_w
+            else:
+                self.warp_zero_rows(sV_w, valid, lane)
+            tSrK = ctx.thr_qk.make_fragment_B(ctx.thr_qk.partition_B(sK_w))
+            cute.copy(ctx.copy_k, ctx.copy_k.partition_S(sK_w), ctx.copy_k.retile(tSrK))
+            acc_s = cute.make_rmem_tensor(ctx.thr_qk.partition_shape_C((self.tile_m, keys)), Float32)
+            acc_s.fill(0.0)
+            for k in cutlass.range_constexpr(cute.size(ctx.tSrQ.shape[2])):
+                cute.gemm(ctx.qk, acc_s, ctx.tSrQ[None, None, k], tSrK[None, None, k], acc_s)
+            sVt_w = mma.transpose_view(sV_w)
+            tOrVt = ctx.thr_pv.make_fragment_B(ctx.thr_pv.partition_B(sVt_w))
+            cute.copy(ctx.copy_v, ctx.copy_v.partition_S(sVt_w), ctx.copy_v.retile(tOrVt))
+            s_mn = rows_cols_sm80(acc_s)
+            if cutlass.const_expr(self.softcap):
+                softmax.softcap(s_mn, softcap_scale)
+            if mask.tile_needs_mask(m_block, n_block, self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k,
+                                    self.causal, rows_per_query=group, window=window):
+                mask.apply(s_mn, ctx.s_coords, m_block * self.tile_m, n_block * self.tile_n + warp_idx * keys,
+                           seq.seqlen_q, seq.seqlen_k, self.causal, rows_per_query=group, window=window)
+            softmax.rescale(rows_cols_sm80(ctx.acc_o),
+                            softmax.online_update(s_mn, ctx.row_max, ctx.row_sum, scale_log2, 4))
+            p = acc_as_a_sm80(mma.to_dtype(acc_s, self.dtype))
+            for k in cutlass.range_constexpr(cute.size(p.shape[2])):
+                cute.gemm(ctx.pv, ctx.acc_o, p[None, None, k], tOrVt[None, None, k], ctx.acc_o)
+            if cutlass.const_expr(not self.fp8):
+                kv_consumer = pipeline.release(kv_pipe, kv_consumer)
+            if self.is_kv_producer(warp_idx) and kv_producer.count < n_blocks:  # refill a freed stage
+                kv_producer = self.load_kv(kv_producer, last - kv_producer.count, *loads)
+        return kv_producer
+
+    @cute.jit
+    def warp_dequantize(self, src: cute.Tensor, dst: cute.Tensor, lane: Int32, valid_rows: Int32):
+        """dequantize for one warp's rows: its (warp_keys, d) FP8 slice into its 16-bit slice, by
+        its 32 lanes (8 elements each at a time), rows from valid_rows on as zeros."""
+        chunks = self.head_dim // CONVERT_ELEMS
+        rows_per_pass, active = smem.row_passes(self.warp_keys, chunks, 32)
+        threads = cute.make_ordered_layout((rows_per_pass, chunks), order=(1, 0))
+        values = cute.make_layout((1, CONVERT_ELEMS))
+        load, store = (cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=CONVERT_ELEMS * dtype.width),
+            threads, values) for dtype in (self.cache_dtype, self.dtype))
+        tSsrc = load.get_slice(lane % active).partition_S(src)
+        tDdst = store.get_slice(lane % active).partition_D(dst)
+        if lane < active:
+            for i in cutlass.range_constexpr(self.warp_keys // rows_per_pass):
+                narrow = cute.make_rmem_tensor_like(tSsrc[None, i, 0])
+                cute.copy(load, tSsrc[None, i, 0], narrow)
+                wide = cute.make_rmem_tensor_like(tDdst[None, i, 0])
+                wide.store(narrow.load().to(self.dtype))
+                if lane // chunks + i * rows_per_pass >= valid_rows:
+                    wide.fill(0.0)
+                cute.copy(store, wide, tDdst[None, i, 0])
+
+    @cute.jit
+    def warp_zero_rows(self, sV_w: cute.Tensor, valid_rows: Int32, lane: Int32):
+        """zero_rows_past_end for one warp's V rows (a 16-bit cache): the rows of its slice past the
+        sequence, by its lanes, visible to its ldmatrix after the warp's sync."""
+        if valid_rows < self.warp_keys:
+            for r in cutlass.range(cutlass.max(valid_rows, 0), self.warp_keys, unroll=1):
+                for c in cutlass.range_constexpr(self.head_dim // 32):
+                    sV_w[r, lane + c * 32] = sV_w.element_type(0.0)
+            cute.arch.sync_warp()
+
     # ---------------------------------------------------------------- epilogue
     @cute.jit
     def store(self, ctx, mO, mLSE, mOacc, mLSEacc, mSinks, split: Int32, num_splits: Int32, row0: Int32,
@@ -609,7 +766,7 @@ class SplitKVAttention:
         """O and LSE of each real row (direct stores: a decode tile has few), unpacked to (query,
         head) at the entry's rows of plane q_plane; with several splits the FP32 partials instead
         (the combine adds the sinks). o_scale: an FP8 cache's v_descale (1 otherwise)."""
-        o_mn = mma.rows_cols(ctx.acc_o)
+        o_mn = rows_cols_sm80(ctx.acc_o) if cutlass.const_expr(self.warp_split) else mma.rows_cols(ctx.acc_o)
         for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
             packed = row0 + ctx.o_coords[r, 0][0]
             query, head = packed // group, head_kv * group + packed % group

@@ -564,3 +564,42 @@ def test_remembered_descales_are_views_of_the_callers_tensors():
     assert other is not first and torch.equal(other[1], torch.full((2, 2), 2.0))
     assert kvcache.remembered_descales(q[:1], cache, (None, k_descale, None), 1)[1].shape == (1, 2)
     assert kvcache.remembered_descales(q, cache.to(torch.bfloat16), (None, None, None), 2) is None
+
+
+@gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("page_size", [None, 64, 16], ids=["dense", "page64", "page16"])
+@pytest.mark.parametrize("cache", ["bf16", "fp8", "fp8-bf16q"])
+def test_s2_matches_reference(head_dim, page_size, cache):
+    """s2 (the keys split across the warps, mma.sync on 16 query rows, a partial a warp) against the
+    float reference: a 16-bit cache, an FP8 cache with FP8 q and with bf16 q; decode and a causal
+    3-token step under GQA 4 (12 of the 16 rows), one, three and planned splits, an empty sequence,
+    ragged lengths (a warp's keys all past the end: its partial empty)."""
+    lens = [0, 130, 700]
+    for seqlen_q, causal in ((1, False), (3, True)):
+        seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        if cache == "bf16":
+            gen = torch.Generator(device="cuda").manual_seed(head_dim)
+            k_dense, v_dense, k_cache, v_cache, table = make_kv_cache(3, 768, 2, head_dim, lens, page_size, gen)
+            q = torch.randn(3, seqlen_q, 8, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+            ref_o, ref_lse = cache_reference(q, k_dense, v_dense, lens, causal)
+            call = dict(q=q, k_cache=k_cache, v_cache=v_cache)
+        else:
+            q8, (k8, v8), table, descales, (q_ref, k_ref, v_ref) = fp8_cache_case(head_dim, page_size, lens,
+                                                                                  seqlen_q)
+            if cache == "fp8":
+                call = dict(q=q8, k_cache=k8, v_cache=v8, q_descale=descales[0], k_descale=descales[1],
+                            v_descale=descales[2])
+            else:
+                q_ref = q_ref.to(torch.bfloat16)
+                call = dict(q=q_ref, k_cache=k8, v_cache=v8, k_descale=descales[1], v_descale=descales[2])
+            ref_o, ref_lse = cache_reference(q_ref.float(), k_ref, v_ref, lens, causal)
+        for splits in (1, 3, 0):
+            out, lse = fa3.attention_with_kvcache(**call, cache_seqlens=seqlens, block_table=table, causal=causal,
+                                                  num_splits=splits, return_lse=True, kernel="s2")
+            where = f"seqlen_q={seqlen_q}, num_splits={splits}"
+            assert not out.isnan().any(), where
+            assert rel_err(out, ref_o) < TOL, f"{where}: {rel_err(out, ref_o)}"
+            finite = torch.isfinite(ref_lse)
+            assert torch.equal(torch.isfinite(lse), finite), f"{where}: empty rows differ"
+            assert torch.allclose(lse[finite], ref_lse[finite], atol=1e-2, rtol=1e-3), where
