@@ -757,6 +757,7 @@ class SplitKVAttention:
             for r in cutlass.range(cutlass.max(valid_rows, 0), self.warp_keys, unroll=1):
                 for c in cutlass.range_constexpr(self.head_dim // 32):
                     sV_w[r, lane + c * 32] = sV_w.element_type(0.0)
+            cute.arch.fence_proxy("async.shared", space="cta")  # before the stage's next TMA write
             cute.arch.sync_warp()
 
     # ---------------------------------------------------------------- epilogue
