@@ -130,12 +130,14 @@ def runners(q, k, v, seqlens, table, peers):
     call8q = lambda: fa3.attention_with_kvcache(q, k8, v8, cache_seqlens=seqlens, block_table=table,
                                                 k_descale=sk, v_descale=sv)
     out.update({"fa3 FP8 cache, bf16 q": call8q, "fa3 FP8 cache, bf16 q (graph)": graphed(call8q)})
-    # s2 (the keys split across the warps, mma.sync on 16 query rows): the same calls, graph-replayed
-    if "s2" in fa3.available_kernels("kvcache", q.shape[-1]):
-        s2 = lambda: fa3.attention_with_kvcache(q, k, v, cache_seqlens=seqlens, block_table=table, kernel="s2")
-        s2_fp8 = lambda: fa3.attention_with_kvcache(q, k8, v8, cache_seqlens=seqlens, block_table=table,
-                                                    k_descale=sk, v_descale=sv, kernel="s2")
-        out.update({"fa3 s2 (graph)": graphed(s2), "fa3 s2 FP8 cache, bf16 q (graph)": graphed(s2_fp8)})
+    # s1 named (kernel=None runs s2 on paged and FP8 caches: fa3/_dispatch.cache_rung), graph-replayed
+    s1 = lambda: fa3.attention_with_kvcache(q, k, v, cache_seqlens=seqlens, block_table=table, kernel="s1")
+    s1_fp8 = lambda: fa3.attention_with_kvcache(q8, k8, v8, cache_seqlens=seqlens, block_table=table,
+                                                q_descale=sq, k_descale=sk, v_descale=sv, kernel="s1")
+    s1_fp8q = lambda: fa3.attention_with_kvcache(q, k8, v8, cache_seqlens=seqlens, block_table=table,
+                                                 k_descale=sk, v_descale=sv, kernel="s1")
+    out.update({"fa3 s1 (graph)": graphed(s1), "fa3 s1 FP8 cache (graph)": graphed(s1_fp8),
+                "fa3 s1 FP8 cache, bf16 q (graph)": graphed(s1_fp8q)})
     if table is None and bool((seqlens == k.shape[1]).all()):  # SDPA attends to every key
         qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         for name, backend in (("sdpa-cudnn", "CUDNN_ATTENTION"), ("sdpa-flash", "FLASH_ATTENTION")):

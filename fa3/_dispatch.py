@@ -108,6 +108,17 @@ def family_rung(family, kernel, head_dim, operands):
     return registry.get(fastest_rung(family, head_dim))
 
 
+def cache_rung(kernel, head_dim, rows: int, paged: bool, fp8_cache: bool):
+    """family_rung for a KV-cache call, where kernel=None picks by the call's shape: the warp-split
+    rung (registry.WARP_SPLIT_RUNG) where a KV head's `rows` query rows fit its tile and the cache
+    is paged and/or FP8, else the fastest."""
+    spec = family_rung(registry.KVCACHE, kernel, head_dim, "q and the cache")
+    if kernel is not None or not (paged or fp8_cache):
+        return spec
+    warp_split = registry.get(registry.WARP_SPLIT_RUNG)
+    return warp_split if rows <= warp_split.config.base.tile_m and head_dim in warp_split.head_dims else spec
+
+
 def backward_rung(kernel, head_dim, deterministic=False, head_dim_v=None, masked=False):
     """The backward rung `kernel` (None: the fastest for head_dim, and for deterministic calls
     when `deterministic`, with a causal mask or window when `masked`: masking.masked), checked to

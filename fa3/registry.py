@@ -274,7 +274,7 @@ KERNELS: dict[str, KernelSpec] = {
             "s1 with the keys split across the warps: each warp multiplies its 16 keys of every block "
             "on mma.sync (16 query rows, not WGMMA's 64) and writes its own partial for the combine",
             config=RUNGS["s2"], head_dims=(64, 128),
-            # not the default until measured: kernel="s2" names it
+            # kernel=None picks it by the call's shape (fastest_cache), never by rank
             ptx_promises=("mma.sync.aligned.m16n8k16", "ldmatrix", "mbarrier.try_wait", "ex2.approx"),
             speed_rank=0, variants=("local", "softcap", "varlen", SINKS),
         ),
@@ -323,6 +323,13 @@ def available_kernels(family: str | None = None, head_dim: int | None = None) ->
                          f"{', '.join(map(repr, FAMILIES))} (or None for every rung)")
     return [n for n, s in KERNELS.items() if (family is None or s.family == family)
             and (head_dim is None or head_dim in s.head_dims)]
+
+
+# kernel=None's KV-cache rung where a KV head's query rows fit its 16-row tile and the cache is paged
+# or FP8 (_dispatch.cache_rung): s2 (each warp its own keys on mma.sync) moves pages of 16 and FP8 slices at bandwidth where
+# s1's one WGMMA chain, padded to 64 rows, is the bound; dense 16-bit caches stay on s1 (its TMA +
+# WGMMA path reads them at the copy rate). Measured per cell in worklog/serving.md.
+WARP_SPLIT_RUNG = "s2"
 
 
 def fastest(family: str, head_dim: int | None = None, deterministic: bool = False,

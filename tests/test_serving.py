@@ -893,3 +893,30 @@ def test_packed_cache_op_fake_shapes():
         out, lse = torch.ops.fa3.attention_kvcache(q, pages, pages, seqused, table, 0, True, 0.1, 0, "s1",
                                                    -1, -1, 0.0, cu, 5, 64)
     assert out.shape == q.shape and lse.shape == (8, 7) and lse.dtype == torch.float32
+
+
+def test_cache_rung_by_the_calls_shape(monkeypatch):
+    """kernel=None runs s2 (the keys split across the warps, 16 query rows) on paged and FP8 caches
+    whose KV heads serve 16 rows or fewer, s1 elsewhere (dense 16-bit caches, more rows, head dims
+    s2 does not compile); get_scheduler_metadata plans for the rung the call runs; a named rung
+    stays the named one."""
+    from fa3 import _checks, _dispatch
+    monkeypatch.setattr(_checks, "sm_count", lambda index: 132)  # (an H100's, without one)
+    assert _dispatch.cache_rung(None, 128, 4, True, False).name == "s2"
+    assert _dispatch.cache_rung(None, 64, 16, False, True).name == "s2"
+    assert _dispatch.cache_rung(None, 128, 4, False, False).name == "s1"  # dense 16-bit
+    assert _dispatch.cache_rung(None, 128, 17, True, True).name == "s1"  # more rows than s2's tile
+    assert _dispatch.cache_rung(None, 256, 4, True, True).name == "s1"  # no s2 at d256
+    assert _dispatch.cache_rung("s1", 128, 4, True, True).name == "s1"
+    with pytest.raises(ValueError, match="head_dim=80"):
+        _dispatch.cache_rung(None, 80, 4, True, False)
+    cases = [(4, 16, 32, 8, 1), (64, 16, 32, 8, 1), (4, None, 32, 8, 1), (4, 16, 32, 2, 2)]
+    for batch, page_size, heads_q, heads_kv, seqlen_q in cases:
+        rows = seqlen_q * heads_q // heads_kv
+        spec = _dispatch.cache_rung(None, 128, rows, page_size is not None, False)
+        plan = split_plan.call_plan(spec, 128, batch, seqlen_q, None, heads_q, heads_kv, page_size, 8192, False,
+                                    (-1, -1), 0.0, 1.0, False, False, 0, 132)
+        lengths = torch.full((batch,), 8192, dtype=torch.int32)
+        got = split_plan.get_scheduler_metadata(batch, seqlen_q, 8192, heads_q, heads_kv, 128, lengths,
+                                                page_size=page_size)
+        assert int(got) == plan.num_splits, (batch, page_size, heads_q, heads_kv, seqlen_q)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _checks, _dispatch, _launch, index_checks, masking, registry
+from .. import _checks, _dispatch, _launch, index_checks, masking
 
 
 def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kernel, window_size, softcap,
@@ -119,8 +119,9 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kernel,
             raise ValueError(f"cache_leftpad must be an int32 tensor of shape (batch={batch},) on {q.device}, got "
                              f"{getattr(cache_leftpad, 'dtype', type(cache_leftpad).__name__)} "
                              f"{tuple(getattr(cache_leftpad, 'shape', ()))}: use .to(torch.int32)")
-    spec = _dispatch.memo_rung(_dispatch.family_rung, registry.KVCACHE, kernel, head_dim,
-                               "q and the cache")
+    rows = (seqlen_q if not packed else max_seqlen_q) * (heads_q // heads_kv)  # a KV head's query rows
+    spec = _dispatch.memo_rung(_dispatch.cache_rung, kernel, head_dim, rows, block_table is not None,
+                               cache_dtypes is not dtypes or q.dtype in _checks.FP8_DTYPES)
     _checks.check_hopper(q.device, "q")
     return spec, cache_seqlens, capacity, appended, seqlen_q if not packed else max_seqlen_q
 

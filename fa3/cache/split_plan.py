@@ -233,7 +233,8 @@ def get_scheduler_metadata(batch_size: int, max_seqlen_q: int, max_seqlen_k: int
     if num_heads_kv <= 0 or num_heads_q % num_heads_kv:
         raise ValueError(f"num_heads_q={num_heads_q} must be a multiple of num_heads_kv={num_heads_kv}")
     masking.check_window(window_size, 1.0 if has_softcap else 0.0)
-    spec = _dispatch.memo_rung(_dispatch.family_rung, registry.KVCACHE, None, headdim, "q and the cache")
+    spec = _dispatch.memo_rung(_dispatch.cache_rung, None, headdim, max_seqlen_q * (num_heads_q // num_heads_kv),
+                               page_size is not None, qkv_dtype == torch.float8_e4m3fn)  # the call's rung
     device = cache_seqlens.device
     if num_splits > 0:  # given: nothing to plan (nor an SM count to read)
         return torch.full((1,), num_splits, dtype=torch.int32, device=device)
