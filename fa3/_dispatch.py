@@ -38,8 +38,8 @@ def direct_call_ok(*tensors) -> bool:
     """Whether calling an op's implementation directly does exactly what dispatching through
     torch.ops.fa3 would: not traced (torch.compile, torch.export), no dispatch or function modes
     (FakeTensorMode, FlopCounterMode, ...), no functorch transforms, and plain tensors that need no
-    autograd. The dispatcher costs ~10 us a call; the eager wrappers skip it when this holds (and
-    name the call for a profiler with op_range)."""
+    autograd. The dispatcher's round trip costs more than the implementation's own Python; the
+    eager wrappers skip it when this holds (and name the call for a profiler with op_range)."""
     if _intercepted():
         return False
     grad = torch.is_grad_enabled()
@@ -52,8 +52,8 @@ def direct_call_ok(*tensors) -> bool:
 def eager_autograd_ok(*tensors) -> bool:
     """Whether a call that needs gradients may run through fa3's own torch.autograd.Function
     instead of the op's autograd registration (fa3.backward.DifferentiableAttention): eager, as
-    direct_call_ok, but the tensors may require grad. The op's registration costs its dispatch and
-    a schema walk per call; compiled graphs and transforms still go through the op."""
+    direct_call_ok, but the tensors may require grad. The op's autograd registration costs its
+    dispatch per call; compiled graphs and transforms still go through the op."""
     if _intercepted():
         return False
     return all(type(t) is torch.Tensor for t in tensors)

@@ -200,11 +200,12 @@ _PLAIN_LAUNCHES = BoundedMemo()
 _GRAD_FORWARDS = BoundedMemo()  # the same key -> the forward of a call that needs gradients
 
 
-def plain_key(q, k, v, causal: bool, softmax_scale) -> tuple:
+def plain_key(q, k, v, causal: bool, softmax_scale, rung: str | None = None) -> tuple:
     """What a prepared launch (prepare_plain) assumes of a call: q, k and v's shapes, strides,
-    dtypes and devices, causal and the scale as given."""
+    dtypes and devices, causal and the scale as given (and the rung, where the caller names one:
+    one flat tuple, cheaper to hash than a pair)."""
     return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
-            q.device, k.device, v.device, causal, softmax_scale)
+            q.device, k.device, v.device, causal, softmax_scale, rung)
 
 
 def data_aligned(q, k, v) -> bool:

@@ -231,10 +231,10 @@ def gemm(a, b, *, out=None, kernel: str | None = None, scale_a=None, scale_b=Non
 _PLAIN_GEMMS = BoundedMemo()
 
 
-def plain_gemm_key(a, b) -> tuple:
+def plain_gemm_key(a, b, rung: str | None = None) -> tuple:
     """What a prepared GEMM launch (prepare_plain_gemm) assumes of a call: a and b's shapes,
-    strides, dtypes and devices."""
-    return (a.shape, b.shape, a.stride(), b.stride(), a.dtype, b.dtype, a.device, b.device)
+    strides, dtypes and devices (and the rung, where the caller names one)."""
+    return (a.shape, b.shape, a.stride(), b.stride(), a.dtype, b.dtype, a.device, b.device, rung)
 
 
 def gemm_data_aligned(a, b) -> bool:

@@ -48,6 +48,73 @@ from . import _checks, _dispatch, _launch, backward, fp8, interface, kvcache, ma
 from .cache import checks as kvcache_checks
 from ._memo import BoundedMemo
 
+# The ops are defined through torch.library.Library rather than torch.library.custom_op: the same
+# schema and fake implementation (all torch.compile and torch.export read), without custom_op's
+# Python layers around every call (its generic autograd kernel, a dynamo-disable wrapper, the
+# output-aliasing check and a schema walk for defaults).
+_LIBRARY = torch.library.Library("fa3", "FRAGMENT")
+_AFTER_AUTOGRAD = torch._C._after_autograd_keyset
+_grad_enabled, _any_requires_grad = torch._C.is_grad_enabled, torch._C._any_requires_grad
+# Backends whose kernel is the op's body (registered as CompositeExplicitAutograd; its checks refuse
+# all but CUDA tensors). When one of them is all that is left below autograd (no Python key:
+# FakeTensorMode, dispatch modes, functionalization), the autograd kernel calls the body itself
+# instead of redispatching to it.
+_BODY_KEYS = frozenset((torch._C.DispatchKey.CUDA, torch._C.DispatchKey.CPU))
+# The keysets of plain tensors of those backends at the autograd key, as raw ints: the common case
+# is one set lookup (the general test builds a key set and hashes an enum).
+_PLAIN_KEYSETS = frozenset(
+    (torch._C.DispatchKeySet(backend) | torch._C.DispatchKeySet(autograd)).raw_repr()
+    for backend, autograd in ((torch._C.DispatchKey.CUDA, torch._C.DispatchKey.AutogradCUDA),
+                              (torch._C.DispatchKey.CPU, torch._C.DispatchKey.AutogradCPU)))
+
+
+def _below_autograd(op, body, keyset, args):
+    """What the dispatcher would run below the autograd key: `body` on plain tensors, or else the
+    redispatch (fake implementation, modes)."""
+    if keyset.raw_repr() in _PLAIN_KEYSETS:
+        return body(*args)
+    below = keyset & _AFTER_AUTOGRAD
+    if below.highestPriorityTypeId() in _BODY_KEYS:
+        return body(*args)
+    with torch._C._AutoDispatchBelowAutograd():
+        return op.redispatch(below, *args)
+
+
+class _NotDifferentiable(torch.autograd.Function):
+    """A forward-only op's outputs for inputs that require grad: differentiating them raises."""
+
+    @staticmethod
+    def forward(ctx, op, body, keyset, *args):
+        ctx.op = op
+        return _below_autograd(op, body, keyset, args)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(f"{ctx.op.name()} has no backward: it is forward-only")
+
+
+def _define(name: str, schema: str, body, fake, function=_NotDifferentiable):
+    """Define torch.ops.fa3.<name>: `body` runs it (on every backend: its checks refuse non-CUDA
+    tensors), `fake` gives its outputs' shapes to tracing and meta tensors, and its autograd kernel
+    runs `function` (a torch.autograd.Function taking (op, body, keyset, *all the op's arguments))
+    when an input requires grad, else the body as the dispatcher would."""
+    _LIBRARY.define(name + schema, tags=(torch.Tag.pt2_compliant_tag,))
+    _LIBRARY.impl(name, body, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"fa3::{name}", fake, lib=_LIBRARY)
+    op = getattr(torch.ops.fa3, name).default
+    # the dispatcher leaves out trailing arguments equal to their defaults: the Function gets them all
+    defaults = tuple(argument.default_value for argument in op._schema.arguments)
+
+    def autograd_kernel(keyset, *args):
+        if _grad_enabled() and _any_requires_grad(*args):
+            return function.apply(op, body, keyset, *args, *defaults[len(args):])
+        if keyset.raw_repr() in _PLAIN_KEYSETS:  # (_below_autograd's common case, inline)
+            return body(*args)
+        return _below_autograd(op, body, keyset, args)
+
+    _LIBRARY.impl(name, autograd_kernel, "Autograd", with_keyset=True)
+
+
 _ATTENTION_SCHEMA = ("(Tensor q, Tensor k, Tensor v, bool causal, float softmax_scale, str kernel, "
                      "bool deterministic=False, str? backward_kernel=None, int window_left=-1, "
                      "int window_right=-1, float softcap=0.0, Tensor? sinks=None) -> (Tensor, Tensor)")
@@ -57,7 +124,6 @@ _BACKWARD_SCHEMA = ("(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Ten
                     "-> (Tensor, Tensor, Tensor, Tensor)")
 
 
-@torch.library.custom_op("fa3::attention", mutates_args=(), schema=_ATTENTION_SCHEMA)
 def attention(q, k, v, causal, softmax_scale, kernel, deterministic=False, backward_kernel=None,
               window_left=-1, window_right=-1, softcap=0.0, sinks=None):
     """(out, lse) of rung `kernel`: out shaped like q (contiguous), lse (batch, heads_q, seqlen_q) fp32.
@@ -66,7 +132,7 @@ def attention(q, k, v, causal, softmax_scale, kernel, deterministic=False, backw
     launch (interface.prepare_plain), as fa3.attention's eager calls do."""
     plain = window_left == -1 and window_right == -1 and not softcap and sinks is None
     if plain:
-        key = (kernel, interface.plain_key(q, k, v, causal, softmax_scale))
+        key = interface.plain_key(q, k, v, causal, softmax_scale, kernel)
         launch = _PLAIN_LAUNCHES.get(key)
         if launch is not None and interface.data_aligned(q, k, v):
             return launch(q, k, v)
@@ -80,7 +146,7 @@ def attention(q, k, v, causal, softmax_scale, kernel, deterministic=False, backw
     return result
 
 
-# (rung, a plain call's key) -> its prepared launch: the op's calls that passed the checks
+# a plain call's key with its rung -> its prepared launch: the op's calls that passed the checks
 _PLAIN_LAUNCHES = BoundedMemo()
 
 
@@ -89,14 +155,12 @@ def _sinks_grad_like(sinks, q):
     return q.new_empty((0,), dtype=torch.float32) if sinks is None else torch.empty_like(sinks)
 
 
-@attention.register_fake
 def _attention_fake(q, k, v, causal, softmax_scale, kernel, deterministic=False, backward_kernel=None,
                     window_left=-1, window_right=-1, softcap=0.0, sinks=None):
     batch, seqlen_q, heads_q, _ = q.shape
     return _launch.empty_output(q, v), q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
 
 
-@torch.library.custom_op("fa3::attention_backward", mutates_args=(), schema=_BACKWARD_SCHEMA)
 def attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, kernel, deterministic,
                        window_left=-1, window_right=-1, softcap=0.0, sinks=None):
     """(dq, dk, dv, dsinks), each contiguous and shaped like its input, with backward rung
@@ -108,41 +172,46 @@ def attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, kernel, d
                                                deterministic, window, softcap, sinks)
 
 
-@attention_backward.register_fake
 def _attention_backward_fake(dout, q, k, v, out, lse, causal, softmax_scale, kernel, deterministic,
                              window_left=-1, window_right=-1, softcap=0.0, sinks=None):
     return (*(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v)),
             _sinks_grad_like(sinks, q))
 
 
-def _save_for_backward(ctx, inputs, output):
-    q, k, v, causal, softmax_scale, _, deterministic, backward_kernel, left, right, softcap, sinks = inputs
-    out, lse = output
-    ctx.window, ctx.softcap = (left, right), softcap
-    ctx.save_for_backward(q, k, v, out, lse, sinks)
-    ctx.causal, ctx.softmax_scale = causal, softmax_scale
-    ctx.deterministic, ctx.backward_kernel = deterministic, backward_kernel
-    ctx.mark_non_differentiable(lse)
+class _DifferentiableAttention(torch.autograd.Function):
+    """fa3::attention's autograd: the backward through torch.ops.fa3.attention_backward, with
+    backward_kernel or the fastest backward rung for the call. Differentiable in q, k, v, sinks."""
+
+    @staticmethod
+    def forward(ctx, op, body, keyset, q, k, v, causal, softmax_scale, kernel, deterministic, backward_kernel,
+                left, right, softcap, sinks):
+        out, lse = _below_autograd(op, body, keyset, (q, k, v, causal, softmax_scale, kernel, deterministic,
+                                                      backward_kernel, left, right, softcap, sinks))
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.causal, ctx.softmax_scale, ctx.window, ctx.softcap = causal, softmax_scale, (left, right), softcap
+        ctx.deterministic, ctx.backward_kernel = deterministic, backward_kernel
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        kernel = ctx.backward_kernel or _dispatch.backward_rung(None, q.shape[3], ctx.deterministic, v.shape[3],
+                                                                masking.masked(ctx.causal, ctx.window)).name
+        dq, dk, dv, dsinks = torch.ops.fa3.attention_backward(dout, q, k, v, out, lse, ctx.causal,
+                                                              ctx.softmax_scale, kernel, ctx.deterministic,
+                                                              ctx.window[0], ctx.window[1], ctx.softcap, sinks)
+        return (None, None, None, dq, dk, dv) + (None,) * 8 + (dsinks if sinks is not None else None,)
 
 
-def _attention_grads(ctx, dout, _dlse):
-    q, k, v, out, lse, sinks = ctx.saved_tensors
-    kernel = ctx.backward_kernel or _dispatch.backward_rung(None, q.shape[3], ctx.deterministic, v.shape[3],
-                                                            masking.masked(ctx.causal, ctx.window)).name
-    dq, dk, dv, dsinks = torch.ops.fa3.attention_backward(dout, q, k, v, out, lse, ctx.causal,
-                                                          ctx.softmax_scale, kernel, ctx.deterministic,
-                                                          ctx.window[0], ctx.window[1], ctx.softcap, sinks)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, (dsinks if sinks is not None else None)
+_define("attention", _ATTENTION_SCHEMA, attention, _attention_fake, _DifferentiableAttention)
+_define("attention_backward", _BACKWARD_SCHEMA, attention_backward, _attention_backward_fake)
 
 
-attention.register_autograd(_attention_grads, setup_context=_save_for_backward)
-
-
-@torch.library.custom_op("fa3::gemm", mutates_args=(), schema="(Tensor a, Tensor b, str kernel) -> Tensor")
 def gemm(a, b, kernel):
     """a @ b with rung `kernel`: a new contiguous (M, N) tensor in a's dtype (a call like one that
     passed the checks: its prepared launch, matmul.prepare_plain_gemm)."""
-    key = (kernel, matmul.plain_gemm_key(a, b))
+    key = matmul.plain_gemm_key(a, b, kernel)
     launch = _PLAIN_GEMMS.get(key)
     if launch is not None and matmul.gemm_data_aligned(a, b):
         return launch(a, b)
@@ -152,33 +221,33 @@ def gemm(a, b, kernel):
     return result
 
 
-_PLAIN_GEMMS = BoundedMemo()  # (rung, a plain GEMM's key) -> its prepared launch
+_PLAIN_GEMMS = BoundedMemo()  # a plain GEMM's key with its rung -> its prepared launch
 
 
-@gemm.register_fake
 def _gemm_fake(a, b, kernel):
     return a.new_empty((a.shape[0], b.shape[1]))
 
 
-def _gemm_save(ctx, inputs, output):
-    a, b, ctx.kernel = inputs
-    ctx.save_for_backward(a, b)
+class _DifferentiableGemm(torch.autograd.Function):
+    """fa3::gemm's autograd: dA = dC B^T and dB = A^T dC, the same op on transposed views (no copies)."""
+
+    @staticmethod
+    def forward(ctx, op, body, keyset, a, b, kernel):
+        ctx.save_for_backward(a, b)
+        ctx.kernel = kernel
+        return _below_autograd(op, body, keyset, (a, b, kernel))
+
+    @staticmethod
+    def backward(ctx, dc):
+        a, b = ctx.saved_tensors
+        da = torch.ops.fa3.gemm(dc, b.t(), ctx.kernel) if ctx.needs_input_grad[3] else None
+        db = torch.ops.fa3.gemm(a.t(), dc, ctx.kernel) if ctx.needs_input_grad[4] else None
+        return None, None, None, da, db, None
 
 
-def _gemm_grads(ctx, dc):
-    """dA = dC B^T and dB = A^T dC: the same op on transposed views (no copies)."""
-    a, b = ctx.saved_tensors
-    da = torch.ops.fa3.gemm(dc, b.t(), ctx.kernel) if ctx.needs_input_grad[0] else None
-    db = torch.ops.fa3.gemm(a.t(), dc, ctx.kernel) if ctx.needs_input_grad[1] else None
-    return da, db, None
+_define("gemm", "(Tensor a, Tensor b, str kernel) -> Tensor", gemm, _gemm_fake, _DifferentiableGemm)
 
 
-gemm.register_autograd(_gemm_grads, setup_context=_gemm_save)
-
-
-@torch.library.custom_op("fa3::gemm_fp8", mutates_args=(),
-                         schema="(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, str kernel, "
-                                "ScalarType out_dtype) -> Tensor")
 def gemm_fp8(a, b, scale_a, scale_b, kernel, out_dtype):
     """scale_a * scale_b * (a @ b) on e4m3 a, b with rung `kernel`: a new (M, N) tensor in
     out_dtype. No autograd: the FP8 GEMM is forward-only."""
@@ -186,9 +255,12 @@ def gemm_fp8(a, b, scale_a, scale_b, kernel, out_dtype):
     return matmul.launch_gemm(spec, a, b, None, scales, out_dtype)
 
 
-@gemm_fp8.register_fake
 def _gemm_fp8_fake(a, b, scale_a, scale_b, kernel, out_dtype):
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+_define("gemm_fp8", "(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, str kernel, ScalarType out_dtype) "
+        "-> Tensor", gemm_fp8, _gemm_fp8_fake)
 
 
 _VARLEN_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, bool causal, "
@@ -201,7 +273,6 @@ _VARLEN_BACKWARD_SCHEMA = ("(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor o
                            "float softcap, Tensor? sinks=None) -> (Tensor, Tensor, Tensor, Tensor)")
 
 
-@torch.library.custom_op("fa3::attention_varlen", mutates_args=(), schema=_VARLEN_SCHEMA)
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, window_left,
                      window_right, softcap, kernel, deterministic=False, backward_kernel=None, sinks=None,
                      max_seqlen_q=0):
@@ -214,7 +285,6 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale,
                                 max_seqlen_q=max_seqlen_q or None)
 
 
-@attention_varlen.register_fake
 def _attention_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, window_left,
                            window_right, softcap, kernel, deterministic=False, backward_kernel=None,
                            sinks=None, max_seqlen_q=0):
@@ -222,7 +292,6 @@ def _attention_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_
     return _launch.empty_output(q, v), q.new_empty((heads_q, total_q), dtype=torch.float32)
 
 
-@torch.library.custom_op("fa3::attention_varlen_backward", mutates_args=(), schema=_VARLEN_BACKWARD_SCHEMA)
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale,
                               kernel, deterministic, window_left, window_right, softcap, sinks=None):
     """(dq, dk, dv, dsinks) of a packed batch, each contiguous and shaped like its input."""
@@ -234,7 +303,6 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
                                            causal, softmax_scale, deterministic, window, softcap, sinks)
 
 
-@attention_varlen_backward.register_fake
 def _attention_varlen_backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal,
                                     softmax_scale, kernel, deterministic, window_left, window_right,
                                     softcap, sinks=None):
@@ -242,27 +310,36 @@ def _attention_varlen_backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
             _sinks_grad_like(sinks, q))
 
 
-def _varlen_save_for_backward(ctx, inputs, output):
-    (q, k, v, cu_q, cu_k, causal, softmax_scale, left, right, softcap, _, deterministic, backward_kernel,
-     sinks, _max_seqlen_q) = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, sinks)
-    ctx.causal, ctx.softmax_scale, ctx.window, ctx.softcap = causal, softmax_scale, (left, right), softcap
-    ctx.deterministic, ctx.backward_kernel = deterministic, backward_kernel
-    ctx.mark_non_differentiable(lse)
+class _DifferentiableVarlen(torch.autograd.Function):
+    """fa3::attention_varlen's autograd: the backward through torch.ops.fa3.attention_varlen_backward.
+    Differentiable in q, k, v, sinks."""
+
+    @staticmethod
+    def forward(ctx, op, body, keyset, q, k, v, cu_q, cu_k, causal, softmax_scale, left, right, softcap, kernel,
+                deterministic, backward_kernel, sinks, max_seqlen_q):
+        out, lse = _below_autograd(op, body, keyset, (q, k, v, cu_q, cu_k, causal, softmax_scale, left, right,
+                                                      softcap, kernel, deterministic, backward_kernel, sinks,
+                                                      max_seqlen_q))
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, sinks)
+        ctx.causal, ctx.softmax_scale, ctx.window, ctx.softcap = causal, softmax_scale, (left, right), softcap
+        ctx.deterministic, ctx.backward_kernel = deterministic, backward_kernel
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, cu_q, cu_k, sinks = ctx.saved_tensors
+        kernel = ctx.backward_kernel or _dispatch.backward_rung(None, q.shape[2], ctx.deterministic, v.shape[2],
+                                                                masking.masked(ctx.causal, ctx.window)).name
+        dq, dk, dv, dsinks = torch.ops.fa3.attention_varlen_backward(
+            dout, q, k, v, out, lse, cu_q, cu_k, ctx.causal, ctx.softmax_scale, kernel, ctx.deterministic,
+            ctx.window[0], ctx.window[1], ctx.softcap, sinks)
+        return (None, None, None, dq, dk, dv) + (None,) * 10 + (dsinks if sinks is not None else None, None)
 
 
-def _varlen_grads(ctx, dout, _dlse):
-    q, k, v, out, lse, cu_q, cu_k, sinks = ctx.saved_tensors
-    kernel = ctx.backward_kernel or _dispatch.backward_rung(None, q.shape[2], ctx.deterministic, v.shape[2],
-                                                            masking.masked(ctx.causal, ctx.window)).name
-    dq, dk, dv, dsinks = torch.ops.fa3.attention_varlen_backward(
-        dout, q, k, v, out, lse, cu_q, cu_k, ctx.causal, ctx.softmax_scale, kernel, ctx.deterministic,
-        ctx.window[0], ctx.window[1], ctx.softcap, sinks)
-    return (dq, dk, dv) + (None,) * 10 + (dsinks if sinks is not None else None, None)
-
-
-attention_varlen.register_autograd(_varlen_grads, setup_context=_varlen_save_for_backward)
+_define("attention_varlen", _VARLEN_SCHEMA, attention_varlen, _attention_varlen_fake, _DifferentiableVarlen)
+_define("attention_varlen_backward", _VARLEN_BACKWARD_SCHEMA, attention_varlen_backward,
+        _attention_varlen_backward_fake)
 
 
 _KVCACHE_SCHEMA = ("(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor? block_table, "
@@ -273,7 +350,6 @@ _KVCACHE_SCHEMA = ("(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seql
                    "ScalarType? out_dtype=None) -> (Tensor, Tensor)")
 
 
-@torch.library.custom_op("fa3::attention_kvcache", mutates_args=(), schema=_KVCACHE_SCHEMA)
 def attention_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, appended, causal, softmax_scale,
                       num_splits, kernel, window_left=-1, window_right=-1, softcap=0.0, cu_seqlens_q=None,
                       max_seqlen_q=0, max_seqlen_k=-1, cache_leftpad=None, sinks=None, q_descale=None,
@@ -297,7 +373,6 @@ def attention_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, appended,
                                   max_seqlen_k, None, cache_leftpad, sinks, descales, out_dtype)
 
 
-@attention_kvcache.register_fake
 def _attention_kvcache_fake(q, k_cache, v_cache, cache_seqlens, block_table, appended, causal,
                             softmax_scale, num_splits, kernel, window_left=-1, window_right=-1,
                             softcap=0.0, cu_seqlens_q=None, max_seqlen_q=0, max_seqlen_k=-1, cache_leftpad=None,
@@ -312,13 +387,15 @@ def _attention_kvcache_fake(q, k_cache, v_cache, cache_seqlens, block_table, app
     return out, q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
 
 
+_define("attention_kvcache", _KVCACHE_SCHEMA, attention_kvcache, _attention_kvcache_fake)
+
+
 _FP8_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor q_descale, Tensor k_descale, Tensor v_descale, "
                "bool causal, float softmax_scale, str kernel, int window_left, int window_right, "
                "float softcap, ScalarType out_dtype, Tensor? cu_seqlens_q=None, "
                "Tensor? cu_seqlens_k=None) -> (Tensor, Tensor)")
 
 
-@torch.library.custom_op("fa3::attention_fp8", mutates_args=(), schema=_FP8_SCHEMA)
 def attention_fp8(q, k, v, q_descale, k_descale, v_descale, causal, softmax_scale, kernel, window_left,
                   window_right, softcap, out_dtype, cu_seqlens_q=None, cu_seqlens_k=None):
     """(out in out_dtype, lse) of FP8 rung `kernel` on e4m3 q, k, v and their descales; with
@@ -332,10 +409,12 @@ def attention_fp8(q, k, v, q_descale, k_descale, v_descale, causal, softmax_scal
     return fp8.launch_attention_fp8(spec, q, k, v, descales, mask, out_dtype, None, cu_seqlens)
 
 
-@attention_fp8.register_fake
 def _attention_fp8_fake(q, k, v, q_descale, k_descale, v_descale, causal, softmax_scale, kernel,
                         window_left, window_right, softcap, out_dtype, cu_seqlens_q=None,
                         cu_seqlens_k=None):
     heads_q = q.shape[-2]
     return (q.new_empty(q.shape, dtype=out_dtype),
             q.new_empty((*q.shape[:-3], heads_q, q.shape[-3]), dtype=torch.float32))
+
+
+_define("attention_fp8", _FP8_SCHEMA, attention_fp8, _attention_fp8_fake)
