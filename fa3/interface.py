@@ -132,8 +132,9 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
                 prepare = functools.partial(prepare_plain, spec)
         if plain:
             _PLAIN_LAUNCHES.remember(key, prepare(q, k, v, causal, scale))
-    elif out is None and sinks is None and q.device in _checks.HOPPER_SMS \
-            and _dispatch.eager_autograd_ok(q, k, v):  # gradients, eagerly: fa3's own autograd.Function
+    # (eager_autograd_ok first: a traced call must not guard on which devices were checked so far)
+    elif out is None and sinks is None and _dispatch.eager_autograd_ok(q, k, v) \
+            and q.device in _checks.HOPPER_SMS:  # gradients, eagerly: fa3's own autograd.Function
         forward = None
         if plain:  # (calls with gradients never take the decode route: a memo of their own)
             forward = _GRAD_FORWARDS.get(key) or _GRAD_FORWARDS.remember(key, prepare_plain(spec, q, k, v, causal,

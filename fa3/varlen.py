@@ -46,8 +46,8 @@ def packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     if needs_grad:
         check_varlen_rung(bwd, "backward_kernel")
         _dispatch.check_variants(bwd, masking.masking(bool(causal), window, softcap, scale), "backward_kernel")
-        if out is None and sinks is None and q.device in _checks.HOPPER_SMS \
-                and _dispatch.eager_autograd_ok(q, k, v, cu_seqlens_q, cu_seqlens_k):  # fa3's own Function
+        if out is None and sinks is None and _dispatch.eager_autograd_ok(q, k, v, cu_seqlens_q, cu_seqlens_k) \
+                and q.device in _checks.HOPPER_SMS:  # fa3's own Function (not traced: no guard on the devices)
             causal = bool(causal)
             forward = lambda q, k, v: launch_varlen(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale,
                                                     window, softcap, max_seqlen_q=rows)
