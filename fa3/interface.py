@@ -86,20 +86,20 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
                                        sinks=sinks, fp8=(q_descale, k_descale, v_descale))
         return (out, lse) if return_lse else out
     # a plain call like one that ran before: its launch is prepared (prepare_plain)
-    plain = out is None and sinks is None and kernel is None and not softcap and q_descale is None \
+    plain = sinks is None and kernel is None and not softcap and q_descale is None \
         and k_descale is None and v_descale is None and window_size == (-1, -1) and type(causal) is bool \
         and (softmax_scale is None or type(softmax_scale) is float) and not _dispatch.tracing()
     if plain:
         try:
-            key = plain_key(q, k, v, causal, softmax_scale)
+            key = plain_key(q, k, v, causal, softmax_scale, out=out)
             launch = _PLAIN_LAUNCHES.get(key)
         except (AttributeError, TypeError):  # not tensors (check_attention names them), symbolic shapes
             key = launch = plain = None
         if launch is not None and _dispatch.direct_call_ok(q, k, v) and not _dispatch.profiling() \
-                and data_aligned(q, k, v):
+                and data_aligned(q, k, v) and (out is None or output_ready(out, q, k, v)):
             if return_lse:
-                return launch(q, k, v)
-            return launch(q, k, v, False)[0]
+                return launch(q, k, v, out=out)
+            return launch(q, k, v, False, out)[0]
     if fp8.is_fp8_call(q, q_descale, k_descale, v_descale):
         return fp8.attention_fp8(q, k, v, q_descale, k_descale, v_descale, causal=causal,
                                  softmax_scale=softmax_scale, window=window_size, softcap=softcap,
@@ -201,12 +201,23 @@ _PLAIN_LAUNCHES = BoundedMemo()
 _GRAD_FORWARDS = BoundedMemo()  # the same key -> the forward of a call that needs gradients
 
 
-def plain_key(q, k, v, causal: bool, softmax_scale, rung: str | None = None) -> tuple:
+def plain_key(q, k, v, causal: bool, softmax_scale, rung: str | None = None, out=None) -> tuple:
     """What a prepared launch (prepare_plain) assumes of a call: q, k and v's shapes, strides,
     dtypes and devices, causal and the scale as given (and the rung, where the caller names one:
-    one flat tuple, cheaper to hash than a pair)."""
+    one flat tuple, cheaper to hash than a pair; and out='s shape, dtype and device, where given)."""
     return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
-            q.device, k.device, v.device, causal, softmax_scale, rung)
+            q.device, k.device, v.device, causal, softmax_scale, rung,
+            None if out is None else (out.shape, out.dtype, out.device))
+
+
+def output_ready(out, *inputs) -> bool:
+    """What a prepared launch checks of an out= whose shape, dtype and device its key holds:
+    contiguous and 16-byte aligned (else the full path refuses it, naming why), sharing no memory
+    with the inputs (raises as check_output does)."""
+    if not out.is_contiguous() or out.data_ptr() % 16:
+        return False
+    _checks.check_no_overlap(out, "out", zip(("q", "k", "v"), inputs))
+    return True
 
 
 def data_aligned(q, k, v) -> bool:
@@ -216,9 +227,9 @@ def data_aligned(q, k, v) -> bool:
 
 
 def prepare_plain(spec, q, k, v, causal: bool, scale: float):
-    """The launch of rung `spec` for a plain call (no out=, window, softcap, sinks or FP8) that ran
+    """The launch of rung `spec` for a plain call (no window, softcap, sinks or FP8) that ran
     with these q, k, v (checked and launched by launch_attention): a function of (q, k, v) that
-    allocates out and lse (keep_lse=False: the LSE, which the caller drops, in the stream's
+    allocates out (unless given: checked by output_ready) and lse (keep_lse=False: the LSE, which the caller drops, in the stream's
     scratch) and calls the compiled kernel with its other arguments made once, for
     later calls with the same shapes, strides, dtypes and devices, and 16-byte aligned data (what
     launch_attention's tma_ready would pass as they are). None where launch_attention does more
@@ -235,10 +246,11 @@ def prepare_plain(spec, q, k, v, causal: bool, scale: float):
         lead.append(_launch.tile_counter(spec, False, device))  # (the shared stand-in)
     lse_shape = (batch, heads_q, seqlen_q)
 
-    def launch(q, k, v, keep_lse: bool = True):
+    def launch(q, k, v, keep_lse: bool = True, out=None):
         if q.requires_grad or k.requires_grad or v.requires_grad:  # (under no_grad) as launch_attention
             q, k, v = _launch.detached(q, k, v)
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        if out is None:
+            out = torch.empty_like(q, memory_format=torch.contiguous_format)
         lse = torch.empty(lse_shape, dtype=torch.float32, device=device) if keep_lse else \
             _launch.stream_scratch((lse_shape,), device)[0]
         if counted:

@@ -212,7 +212,7 @@ def decode_attention(q, k, v, causal: bool, scale: float, out=None, window=(-1, 
 
 
 def prepare_decode(q, k, v, causal: bool, scale: float):
-    """decode_attention's launch for a plain fa3.attention call (no out=, window, softcap or sinks)
+    """decode_attention's launch for a plain fa3.attention call (no window, softcap or sinks)
     that ran with these q, k, v, planned once: a function of (q, k, v) for later calls with the
     same shapes, strides, dtypes and devices and 16-byte aligned data (fa3.interface's memo); None
     where decode_attention would copy q."""
@@ -223,10 +223,10 @@ def prepare_decode(q, k, v, causal: bool, scale: float):
                          False, False, q.dtype, True)
     lengths = full_lengths(q.shape[0], q.device)
 
-    def run(q, k, v, keep_lse: bool = True):
+    def run(q, k, v, keep_lse: bool = True, out=None):
         if q.requires_grad or k.requires_grad or v.requires_grad:  # (under no_grad) as decode_attention
             q, k, v = _launch.detached(q, k, v)
-        return launch(q, k, v, lengths, None, keep_lse=keep_lse)
+        return launch(q, k, v, lengths, None, out=out, keep_lse=keep_lse)
     return run
 
 

@@ -202,17 +202,17 @@ def gemm(a, b, *, out=None, kernel: str | None = None, scale_a=None, scale_b=Non
     """
     index_checks.raise_pending()  # an earlier call's bad index values (deferred checks)
     # (traced calls never read the memo: compiled graphs must not guard on its contents)
-    plain = out is None and kernel is None and scale_a is None and scale_b is None and out_dtype is None \
+    plain = kernel is None and scale_a is None and scale_b is None and out_dtype is None \
         and not _dispatch.tracing()
     if plain:  # a call like one that ran before: its launch is prepared (prepare_plain_gemm)
         try:
-            key = plain_gemm_key(a, b)
+            key = plain_gemm_key(a, b, out=out)
             launch = _PLAIN_GEMMS.get(key)
         except (AttributeError, TypeError):  # not tensors (check_gemm names them), symbolic shapes
             key = launch = None
         if launch is not None and _dispatch.direct_call_ok(a, b) and not _dispatch.profiling() \
-                and gemm_data_aligned(a, b):
-            return launch(a, b)
+                and gemm_data_aligned(a, b) and (out is None or gemm_output_ready(out, a, b)):
+            return launch(a, b, out)
     if (isinstance(a, torch.Tensor) and a.dtype in _checks.FP8_LIKE) or scale_a is not None \
             or scale_b is not None or out_dtype is not None:
         return gemm_fp8(a, b, scale_a, scale_b, out, out_dtype, kernel)
@@ -231,10 +231,22 @@ def gemm(a, b, *, out=None, kernel: str | None = None, scale_a=None, scale_b=Non
 _PLAIN_GEMMS = BoundedMemo()
 
 
-def plain_gemm_key(a, b, rung: str | None = None) -> tuple:
+def plain_gemm_key(a, b, rung: str | None = None, out=None) -> tuple:
     """What a prepared GEMM launch (prepare_plain_gemm) assumes of a call: a and b's shapes,
-    strides, dtypes and devices (and the rung, where the caller names one)."""
-    return (a.shape, b.shape, a.stride(), b.stride(), a.dtype, b.dtype, a.device, b.device, rung)
+    strides, dtypes and devices (and the rung, where the caller names one; out='s shape, dtype and
+    device, where given)."""
+    return (a.shape, b.shape, a.stride(), b.stride(), a.dtype, b.dtype, a.device, b.device, rung,
+            None if out is None else (out.shape, out.dtype, out.device))
+
+
+def gemm_output_ready(out, a, b) -> bool:
+    """What a prepared GEMM launch checks of an out= whose shape, dtype and device its key holds:
+    contiguous and TMA-aligned (else the full path takes it: a padded buffer, or check_gemm's
+    error), sharing no memory with a or b (raises as check_output does)."""
+    if not out.is_contiguous() or out.data_ptr() % _TMA_BYTES:
+        return False
+    _checks.check_no_overlap(out, "out", (("a", a), ("b", b)))
+    return True
 
 
 def gemm_data_aligned(a, b) -> bool:
@@ -243,8 +255,8 @@ def gemm_data_aligned(a, b) -> bool:
 
 
 def prepare_plain_gemm(spec, a, b):
-    """launch_gemm's launch for a plain bf16/fp16 call (no out=, FP8 or named rung) that ran with
-    these a and b, made once: a function of (a, b) that allocates the output (and a split-K
+    """launch_gemm's launch for a plain bf16/fp16 call (no FP8 or named rung) that ran with
+    these a and b, made once: a function of (a, b[, out]) that allocates the output unless given (and a split-K
     workspace) and calls the compiled GEMM, for later calls with the same shapes, strides, dtypes
     and devices and 16-byte aligned data. None where launch_gemm does more (an empty or K = 0
     problem, operands TMA cannot read as they are, a ragged N, a ladder rung)."""
@@ -264,10 +276,11 @@ def prepare_plain_gemm(spec, a, b):
     scales = (_launch.stand_in(device, torch.float32),) * 2
     workspace_size = output_tiles * splits * tile_m * tile_n
 
-    def launch(a, b):
+    def launch(a, b, out=None):
         if a.requires_grad or b.requires_grad:  # (under no_grad) as launch_gemm
             a, b = _launch.detached(a, b)
-        out = torch.empty(m, n, dtype=dtype, device=device)
+        if out is None:
+            out = torch.empty(m, n, dtype=dtype, device=device)
         counters, workspace = SPLIT_BUFFERS.get(device, sm_count)
         if splits > 1:  # the split-K partial tiles: the stream's scratch (read only by this call's kernel)
             workspace = _launch.stream_scratch((workspace_size,), device)[0]

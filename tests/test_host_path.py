@@ -391,3 +391,28 @@ def test_split_gemm_takes_the_streams_scratch(monkeypatch):
         workspaces.append(args[4])
     assert workspaces[1] is workspaces[0] and workspaces[2] is not workspaces[0]
     assert workspaces[0].dtype == torch.float32 and workspaces[0].numel() > 1
+
+
+@pytest.mark.gpu
+def test_prepared_launches_write_into_out():
+    """out= takes the prepared launches too (attention, its decode route, gemm): the result lands in
+    the given tensor, equal to an allocating call's; a second out of the same shape is written as
+    well (the key holds out's shape, not its address); an out that shares memory with an input is
+    refused on the prepared path as on the first call; a non-contiguous one is refused by name."""
+    q, k, v = (_rand(2, 333, 8, 128) for _ in range(3))
+    qd, kd, vd = _rand(1, 1, 32, 128), _rand(1, 16384, 8, 128), _rand(1, 16384, 8, 128)
+    a, b = _rand(128, 1024), _rand(1024, 1024)
+    for call, shape in ((lambda out: fa3.attention(q, k, v, causal=True, out=out), q.shape),
+                        (lambda out: fa3.attention(qd, kd, vd, causal=True, out=out), qd.shape),
+                        (lambda out: fa3.gemm(a, b, out=out), (128, 1024))):
+        want = call(None)
+        for _ in range(3):  # the first call plans, the later ones run the prepared launch
+            out = torch.full(shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+            assert call(out) is out and torch.equal(out, want)
+    with pytest.raises(ValueError, match="out shares memory with q"):
+        fa3.attention(q, k, v, causal=True, out=q)
+    with pytest.raises(ValueError, match="out shares memory with a"):
+        fa3.gemm(a, b, out=a)
+    with pytest.raises(ValueError, match="contiguous"):
+        fa3.attention(q, k, v, causal=True, out=torch.empty(2, 8, 333, 128, device="cuda",
+                                                             dtype=torch.bfloat16).transpose(1, 2))
