@@ -224,14 +224,15 @@ def get_scheduler_metadata(batch_size: int, max_seqlen_q: int, max_seqlen_k: int
     scheduler_metadata=...), which accepts and checks it. page_size (row gathers below 64) and
     qkv_dtype (float8_e4m3fn: an FP8 cache, whatever q's dtype) enter the plan, and so do
     cu_seqlens_q and cache_leftpad where they send long entries to K5 (fa3/cache/prefill.py: S1
-    then plans for the short ones only); headdim_v,
-    cu_seqlens_k_new, max_seqlen_k_new and pack_gqa do not change it and are accepted for the
-    signature. sm_margin is accepted too, and the plan counts every SM: the call runs on all of them
+    then plans for the short ones only); headdim_v other than headdim is MLA's (64 / 512: qv, the
+    MLA kernel's plan, fa3.mla); cu_seqlens_k_new, max_seqlen_k_new and pack_gqa do not change it
+    and are accepted for the signature. sm_margin is accepted too, and the plan counts every SM: the call runs on all of them
     (the flash names refuse sm_margin != 0), and a plan for fewer would not be the call's."""
-    if headdim_v not in (None, headdim):
-        raise ValueError(f"headdim_v={headdim_v} != headdim={headdim}: fa3 needs the same head_dim for q, k, v")
     if num_heads_kv <= 0 or num_heads_q % num_heads_kv:
         raise ValueError(f"num_heads_q={num_heads_q} must be a multiple of num_heads_kv={num_heads_kv}")
+    if headdim_v not in (None, headdim):
+        return _mla_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim,
+                                       headdim_v, cache_seqlens.device, num_splits)
     masking.check_window(window_size, 1.0 if has_softcap else 0.0)
     spec = _dispatch.memo_rung(_dispatch.family_rung, registry.KVCACHE, None, headdim, "q and the cache")
     device = cache_seqlens.device
@@ -244,6 +245,24 @@ def get_scheduler_metadata(batch_size: int, max_seqlen_q: int, max_seqlen_k: int
                            num_heads_q, num_heads_kv, page_size, max_seqlen_k, bool(causal), window_size,
                            1.0 if has_softcap else 0.0, 1.0, qkv_dtype == torch.float8_e4m3fn,
                            cache_leftpad is not None, num_splits, sms).num_splits
+    return torch.full((1,), num_splits, dtype=torch.int32, device=device)
+
+
+def _mla_scheduler_metadata(batch_size: int, max_seqlen_q: int, max_seqlen_k: int, num_heads_q: int,
+                            num_heads_kv: int, headdim: int, headdim_v: int, device, num_splits: int) -> torch.Tensor:
+    """get_scheduler_metadata for an MLA call (headdim_v: the latent's, qv's and v's; headdim: the
+    rotary part's), as fa3.mla plans it."""
+    from ..mla import plan_mla_splits
+
+    spec = registry.fastest(registry.MLA)
+    cfg = spec.config.base
+    if (headdim, headdim_v) != (cfg.head_dim, cfg.head_dim_v):
+        raise ValueError(f"headdim_v={headdim_v} != headdim={headdim}: fa3 needs the same head_dim for q, k, v, "
+                         f"or MLA's headdim={cfg.head_dim} with headdim_v={cfg.head_dim_v} (qv)")
+    if num_splits > 0:
+        return torch.full((1,), num_splits, dtype=torch.int32, device=device)
+    sms = _checks.sm_count(device.index if device.index is not None else 0)
+    num_splits = plan_mla_splits(spec, batch_size, max_seqlen_q, num_heads_q, num_heads_kv, max(max_seqlen_k, 1), sms)
     return torch.full((1,), num_splits, dtype=torch.int32, device=device)
 
 
