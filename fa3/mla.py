@@ -34,27 +34,13 @@ import torch
 from . import _checks, _dispatch, _launch, index_checks, masking
 from .cache.append import append_to_cache
 from .cache.checks import check_mla
-from .cache.split_plan import MAX_SPLITS, num_splits_for
+from .cache.split_plan import plan_mla_splits
 from .compile import kvcache as _compile_kvcache, mla as _compile_mla
 
 
 def default_scale(q, qv) -> float:
     """flash-attn 3's softmax_scale under qv: 1 / sqrt(q's head dim + qv's)."""
     return 1.0 / math.sqrt(q.shape[-1] + qv.shape[-1])
-
-
-def plan_mla_splits(spec, batch: int, seqlen_q: int, heads_q: int, heads_kv: int, keys: int, sm_count: int,
-                    num_splits: int = 0) -> int:
-    """How many CTAs share each sequence's keys, from host integers only (a captured graph replays
-    it): num_splits as fa3.cache.split_plan.split_request encodes it (n > 0 exactly n, 0 planned,
-    -n planned and capped at n). Planned: enough CTAs to fill the SMs (one M1 CTA an SM: its ring
-    takes the SMEM), each split keeping a few key blocks of `keys` (the capacity, or max_seqlen_k)."""
-    if num_splits > 0:
-        return min(num_splits, MAX_SPLITS)
-    cfg = spec.config.base
-    q_tiles = -(-max(seqlen_q, 1) * (heads_q // heads_kv) // cfg.tile_m)
-    planned = num_splits_for(batch, heads_kv, q_tiles, keys, sm_count, cfg.tile_n, ctas_per_sm=1)
-    return planned if num_splits == 0 else min(planned, -num_splits)
 
 
 def refuse_options(window_size, softcap, sinks, cache_leftpad, cu_seqlens_k_new, descales) -> None:

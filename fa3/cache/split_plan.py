@@ -248,12 +248,24 @@ def get_scheduler_metadata(batch_size: int, max_seqlen_q: int, max_seqlen_k: int
     return torch.full((1,), num_splits, dtype=torch.int32, device=device)
 
 
+def plan_mla_splits(spec, batch: int, seqlen_q: int, heads_q: int, heads_kv: int, keys: int, sm_count: int,
+                    num_splits: int = 0) -> int:
+    """How many CTAs share each sequence's keys, from host integers only (a captured graph replays
+    it): num_splits as fa3.cache.split_plan.split_request encodes it (n > 0 exactly n, 0 planned,
+    -n planned and capped at n). Planned: enough CTAs to fill the SMs (one M1 CTA an SM: its ring
+    takes the SMEM), each split keeping a few key blocks of `keys` (the capacity, or max_seqlen_k)."""
+    if num_splits > 0:
+        return min(num_splits, MAX_SPLITS)
+    cfg = spec.config.base
+    q_tiles = -(-max(seqlen_q, 1) * (heads_q // heads_kv) // cfg.tile_m)
+    planned = num_splits_for(batch, heads_kv, q_tiles, keys, sm_count, cfg.tile_n, ctas_per_sm=1)
+    return planned if num_splits == 0 else min(planned, -num_splits)
+
+
 def _mla_scheduler_metadata(batch_size: int, max_seqlen_q: int, max_seqlen_k: int, num_heads_q: int,
                             num_heads_kv: int, headdim: int, headdim_v: int, device, num_splits: int) -> torch.Tensor:
     """get_scheduler_metadata for an MLA call (headdim_v: the latent's, qv's and v's; headdim: the
     rotary part's), as fa3.mla plans it."""
-    from ..mla import plan_mla_splits
-
     spec = registry.fastest(registry.MLA)
     cfg = spec.config.base
     if (headdim, headdim_v) != (cfg.head_dim, cfg.head_dim_v):
