@@ -250,15 +250,24 @@ def get_scheduler_metadata(batch_size: int, max_seqlen_q: int, max_seqlen_k: int
 
 def plan_mla_splits(spec, batch: int, seqlen_q: int, heads_q: int, heads_kv: int, keys: int, sm_count: int,
                     num_splits: int = 0) -> int:
-    """How many CTAs share each sequence's keys, from host integers only (a captured graph replays
-    it): num_splits as fa3.cache.split_plan.split_request encodes it (n > 0 exactly n, 0 planned,
-    -n planned and capped at n). Planned: enough CTAs to fill the SMs (one M1 CTA an SM: its ring
-    takes the SMEM), each split keeping a few key blocks of `keys` (the capacity, or max_seqlen_k)."""
+    """How many CTAs share each sequence's keys in an MLA call (kernels/mla_decode.py), from host
+    integers only (a captured graph replays it): num_splits as split_request encodes it (n > 0
+    exactly n, 0 planned, -n planned and capped at n). Planned as num_splits_for (one M1 CTA an SM:
+    its ring takes the SMEM), except that a split keeps at least a key block per 8 rows of its Q
+    tile (and MIN_BLOCKS_PER_SPLIT): a split writes and the combine reads 2 KB of FP32 partials a
+    row (512 wide) against 72 KB a key block, so a 64-row tile's split reads 8 blocks (partials of
+    about a fifth of its bytes, mostly through L2; a guess between S1's 4 blocks and fewer, wider
+    splits, to be measured). `keys`: the capacity, or max_seqlen_k."""
     if num_splits > 0:
         return min(num_splits, MAX_SPLITS)
     cfg = spec.config.base
-    q_tiles = -(-max(seqlen_q, 1) * (heads_q // heads_kv) // cfg.tile_m)
-    planned = num_splits_for(batch, heads_kv, q_tiles, keys, sm_count, cfg.tile_n, ctas_per_sm=1)
+    rows = max(seqlen_q, 1) * (heads_q // heads_kv)
+    q_tiles = -(-rows // cfg.tile_m)
+    ctas = batch * heads_kv * q_tiles
+    planned = 1
+    if ctas < 0.8 * sm_count:
+        min_blocks = max(MIN_BLOCKS_PER_SPLIT, -(-min(rows, cfg.tile_m) // 8))
+        planned = max(1, min(MAX_SPLITS, sm_count // ctas, -(-keys // cfg.tile_n) // min_blocks))
     return planned if num_splits == 0 else min(planned, -num_splits)
 
 
