@@ -9,8 +9,8 @@ never formed), and the KV-cache options rotary_cos/sin and cache_batch_idx. cu_s
 gives the offsets of packed new k/v; without new k/v it describes nothing and is ignored, as
 flash-attn 3 does (SGLang passes it on every call).
 flash-attn 3's serving keywords (seqused_k, block_table or page_table, out, num_splits,
-scheduler_metadata, cu_seqlens_q on the cache call) are taken, and attention sinks under the
-names callers use (learnable_sink, s_aux, sinks).
+scheduler_metadata, cu_seqlens_q on the cache call) are taken, attention sinks under the
+names callers use (learnable_sink, s_aux, sinks), and MLA decode's qv over a cache (q_v: vLLM's name).
 Everything else is validated by the fa3 function each one calls.
 """
 
@@ -32,10 +32,12 @@ def _refuse(name: str, given, unset, why: str) -> None:
 
 def _check_fa3_options(qv=None, attention_chunk=0, sm_margin=0, seqused_q=None) -> None:
     """flash-attn 3's options beyond flash-attn 2's, at the values fa3 implements (pack_gqa, a hint,
-    is accepted by the callers: fa3 packs the query heads of a KV head where that pays)."""
+    is accepted by the callers: fa3 packs the query heads of a KV head where that pays). `qv`: given
+    only where it cannot apply (no KV cache)."""
     if qv is not None:
-        raise NotImplementedError("qv (a second query part for DeepSeek's absorbed MLA) is not supported by fa3; "
-                                  "leave it at None")
+        raise NotImplementedError("qv (DeepSeek's absorbed MLA query) is supported over a KV cache: "
+                                  "flash_attn_with_kvcache(..., qv=), or flash_attn_varlen_func with "
+                                  "seqused_k (and block_table) and qv=; leave it at None here")
     if seqused_q is not None:
         raise NotImplementedError("seqused_q is not supported by fa3: the queries of entry b are all of "
                                   "cu_seqlens_q's rows [b, b + 1); leave it at None")
@@ -85,6 +87,13 @@ def _sinks(**named):
     return sinks
 
 
+def _qv(qv, q_v):
+    """MLA's absorbed query under flash-attn 3's name (qv) or vLLM's fork's (q_v); at most one."""
+    if qv is not None and q_v is not None:
+        raise ValueError("qv given twice (qv and q_v, vLLM's name for it); pass one of them")
+    return q_v if qv is None else qv
+
+
 def _splits(num_splits) -> dict:
     """flash-attn 3's num_splits is a cap (its scheduler picks each sequence's count from the lengths,
     up to it; vLLM passes 16 under full CUDA graphs, for every batch): fa3's max_splits. 1 (no split)
@@ -114,7 +123,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
                            block_table=None, *, seqused_k=None, return_softmax_lse=False, out=None,
                            scheduler_metadata=None, num_splits=0, q_descale=None, k_descale=None,
                            v_descale=None, fa_version=None, s_aux=None, learnable_sink=None, seqused_q=None,
-                           qv=None, attention_chunk=0, pack_gqa=None, sm_margin=0):
+                           qv=None, attention_chunk=0, pack_gqa=None, sm_margin=0, q_v=None):
     """flash_attn.flash_attn_varlen_func: q (total_q, heads_q, d), k and v (total_k, heads_kv, d),
     int32 cumulative offsets -> out shaped like q; differentiable (as fa3.attention_varlen).
 
@@ -126,9 +135,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
     FP8 descales: with float8_e4m3fn q, k, v (packed, no cache), fa3's FP8 forward; over an FP8
     cache, k_descale and v_descale its descales, and q_descale FP8 q's (with bf16 / fp16 q it is
     not read); with 16-bit inputs they are not read, as in flash-attn. s_aux (vLLM's name) or
-    learnable_sink (flash-attn-4's): attention sinks, fa3's `sinks`."""
+    learnable_sink (flash-attn-4's): attention sinks, fa3's `sinks`. qv (or q_v, vLLM's name): MLA
+    decode over the cache (k the rotary keys, v the latent; fa3.attention_with_kvcache's qv)."""
     _check_common(dropout_p, alibi_slopes, return_attn_probs)
-    _check_fa3_options(qv, attention_chunk, sm_margin, seqused_q)
+    qv = _qv(qv, q_v)
+    over_cache = block_table is not None or seqused_k is not None
+    _check_fa3_options(None if over_cache else qv, attention_chunk, sm_margin, seqused_q)
     del pack_gqa  # a hint: fa3 packs the query heads of a KV head where that pays
     descales = _descales(q, k, q_descale, k_descale, v_descale)
     _refuse("fa_version", fa_version, None if fa_version is None else 3, "fa3 is FlashAttention-3")
@@ -138,7 +150,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
                             deterministic=deterministic, block_table=block_table, seqused_k=seqused_k,
                             out=out, **_splits(num_splits), scheduler_metadata=scheduler_metadata,
                             return_lse=return_softmax_lse,
-                            sinks=_sinks(s_aux=s_aux, learnable_sink=learnable_sink), **descales)
+                            sinks=_sinks(s_aux=s_aux, learnable_sink=learnable_sink),
+                            **({"qv": qv} if qv is not None else {}), **descales)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
@@ -148,7 +161,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             return_softmax_lse=False, *, page_table=None, cu_seqlens_q=None,
                             max_seqlen_q=None, cu_seqlens_k_new=None, scheduler_metadata=None,
                             q_descale=None, k_descale=None, v_descale=None, sinks=None, learnable_sink=None,
-                            out=None, pack_gqa=None, sm_margin=0, attention_chunk=0, ver=None):
+                            out=None, pack_gqa=None, sm_margin=0, attention_chunk=0, ver=None, qv=None):
     """flash_attn.flash_attn_with_kvcache: new k/v (if given) are written into the cache in place at
     cache_seqlens, then q attends to each sequence's cache -> out, or (out, softmax_lse).
     cache_leftpad: where each sequence's keys start in a left-padded dense cache. flash-attn 3's
@@ -159,7 +172,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     q_descale is then not read; none is read with a 16-bit cache), sinks
     (SGLang's name) or learnable_sink (flash-attn-4's): attention sinks, fa3's `sinks`; out= a
     preallocated output; pack_gqa (a hint: fa3's cache kernel always packs the query heads of a KV
-    head), sm_margin and attention_chunk at their defaults, and ver (SGLang's kernel selector) 3."""
+    head), sm_margin and attention_chunk at their defaults, and ver (SGLang's kernel selector) 3.
+    qv (keyword): MLA decode (fa3.attention_with_kvcache's qv; k_cache the rotary keys, v_cache
+    the latent)."""
     for name, value in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
                         ("cache_batch_idx", cache_batch_idx), ("alibi_slopes", alibi_slopes)):
         if value is not None:
@@ -190,5 +205,5 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                   softmax_scale=softmax_scale,
                                   window_size=window_size, softcap=softcap, **_splits(num_splits),
                                   return_lse=return_softmax_lse, sinks=_sinks(sinks=sinks, learnable_sink=learnable_sink),
-                                  out=out,
+                                  out=out, **({"qv": qv} if qv is not None else {}),
                                   **_descales(q, k_cache, q_descale, k_descale, v_descale))

@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from . import _checks, _dispatch, _launch, index_checks, masking, registry
+from . import _checks, _dispatch, _launch, index_checks, masking, mla, registry
 from .compile import kvcache as _compile_kvcache
 from .cache import prefill as cache_prefill
 from ._memo import BoundedMemo
@@ -407,7 +407,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
                            causal: bool = False, softmax_scale: float | None = None,
                            window_size=(-1, -1), softcap: float = 0.0, num_splits: int = 0,
                            return_lse: bool = False, kernel: str | None = None, sinks=None,
-                           q_descale=None, k_descale=None, v_descale=None, out=None, max_splits: int = 0):
+                           q_descale=None, k_descale=None, v_descale=None, out=None, max_splits: int = 0,
+                           qv=None):
     """softmax(q K^T * softmax_scale) V over each sequence's cached keys, as flash-attn's
     flash_attn_with_kvcache.
 
@@ -454,6 +455,13 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         included) and converts it exactly, but for elements 2^28 below their rows' largest.
     out: optional preallocated output shaped like q, contiguous, in q's dtype (an FP8 cache: bf16
         or fp16); it is returned.
+    qv: MLA decode (flash-attn 3's qv, DeepSeek's absorbed latent attention): (batch, seqlen_q,
+        heads_q, d_v) (or packed as q), scores (q k^T + qv v^T) * softmax_scale over a latent cache,
+        out (..., d_v) = P v. k_cache (..., heads_kv, 64) holds the rotary keys and v_cache (...,
+        heads_kv, 512) the latent (they may be views of one cache, as vLLM's); softmax_scale
+        defaults to 1 / sqrt(64 + 512). bf16 / fp16, a dense cache or pages of a multiple of 64
+        rows, causal or not; packed queries must hold max_seqlen_q queries in every entry. fa3.mla
+        says what is refused (FP8, window, softcap, sinks, other page sizes, ...).
     Returns out shaped like q (and the fp32 lse: (batch, heads_q, seqlen_q), or (heads_q, total_q)
     with cu_seqlens_q). Not differentiable (inference). Runs on torch's current stream, so a
     decode step can be captured in a CUDA graph.
@@ -474,6 +482,13 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     (and in direct calls of torch.ops.fa3.attention_kvcache) values are not read on the host.
     """
     index_checks.raise_pending()  # an earlier call's bad index values (deferred checks)
+    if qv is not None:
+        mla.refuse_options(window_size, softcap, sinks, cache_leftpad, cu_seqlens_k_new,
+                           (q_descale, k_descale, v_descale))
+        out, lse = mla.mla_attention(q, qv, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale,
+                                     split_request(num_splits, max_splits), kernel, cu_seqlens_q, max_seqlen_q,
+                                     out=out, keep_lse=return_lse)
+        return (out, lse) if return_lse else out
     out, lse = cache_attention(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale,
                                window_size, softcap, split_request(num_splits, max_splits), kernel, cu_seqlens_q,
                                max_seqlen_q, out=out, cache_leftpad=cache_leftpad, sinks=sinks,

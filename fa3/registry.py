@@ -21,7 +21,8 @@ ATTENTION_FP8 = "attention_fp8"  # the forward on float8_e4m3fn q, k, v (with de
 GEMM = "gemm"
 BACKWARD = "backward"  # attention's gradients
 KVCACHE = "kvcache"  # attention against a (paged) KV cache: decode
-FAMILIES = (ATTENTION, ATTENTION_FP8, BACKWARD, KVCACHE, GEMM)
+MLA = "mla"  # multi-head latent attention against a latent KV cache (flash-attn 3's qv): decode
+FAMILIES = (ATTENTION, ATTENTION_FP8, BACKWARD, KVCACHE, MLA, GEMM)
 
 
 @dataclass(frozen=True)
@@ -277,6 +278,17 @@ KERNELS: dict[str, KernelSpec] = {
             # kernel=None picks it by the call's shape (fastest_cache), never by rank
             ptx_promises=("mma.sync.aligned.m16n8k16", "ldmatrix", "mbarrier.try_wait", "ex2.approx"),
             speed_rank=0, variants=("local", "softcap", "varlen", SINKS),
+        ),
+        KernelSpec(
+            "m1", MLA, "mla_decode", "MlaDecode",
+            "MLA decode (qv): scores q k^T + qv v^T over a latent cache, the query heads packed into "
+            "64-row tiles, two warpgroups each holding half of O's 512 columns, P shared through SMEM, "
+            "split-KV merged by the combine",
+            # q/k the rotary part (64), qv/v the latent (512): DeepSeek-V2/V3's absorbed MLA
+            config=RUNGS["m1"], head_dims=(64,), value_head_dims=((64, 512),),
+            ptx_promises=("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait", "ex2.approx",
+                          "stmatrix", "bar.arrive", "cp.async.cg.shared.global"),
+            speed_rank=1,
         ),
         *[
             KernelSpec(

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from . import _checks, _dispatch, _launch, backward, fp8, index_checks, kvcache, masking
+from . import _checks, _dispatch, _launch, backward, fp8, index_checks, kvcache, masking, mla
 from .cache import split_plan
 from .varlen_checks import check_varlen, check_varlen_rung
 
@@ -95,7 +95,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None
                      deterministic: bool = False, backward_kernel: str | None = None,
                      block_table=None, seqused_k=None, out=None, num_splits: int = 0,
                      scheduler_metadata=None, sinks=None, q_descale=None, k_descale=None,
-                     v_descale=None, max_splits: int = 0):
+                     v_descale=None, max_splits: int = 0, qv=None):
     """Attention over a packed batch of variable-length sequences, as flash_attn_varlen_func.
 
     q: (total_q, heads_q, d); k, v: (total_k, heads_kv, d); bf16/fp16 on a Hopper GPU, d in
@@ -123,6 +123,10 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None
     CUDA-graph capture and torch.compile; the kernel clamps), so the call captures in a CUDA graph at
     fixed shapes. Inference only.
 
+    qv: over a KV cache only, MLA decode (vLLM's FlashAttention MLA call): qv (total_q, heads_q,
+    d_v), k the cache's rotary keys (64 wide), v its latent (512 wide), out (total_q, heads_q, d_v)
+    (fa3.attention_with_kvcache's qv; every entry holding max_seqlen_q queries).
+
     FP8: float8_e4m3fn q, k, v with q/k/v_descale float32 (sequences, heads_kv) (or one element),
     as fa3.attention's FP8 forward (forward only; output bf16 or out='s dtype); over a KV cache, an
     FP8 cache (fa3.attention_with_kvcache's: vLLM's call with an FP8 cache).
@@ -141,12 +145,23 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None
             raise ValueError("seqused_k is required with block_table: int32 (batch,), the keys each "
                              "sequence holds in the cache")
         split_plan.check_scheduler_metadata(scheduler_metadata, q)
+        if qv is not None:
+            mla.refuse_options(window_size, softcap, sinks, None, None, (q_descale, k_descale, v_descale))
+            out, lse = mla.mla_attention(q, qv, k, v, None, None, seqused_k, block_table, causal, softmax_scale,
+                                         split_plan.split_request(num_splits, max_splits), kernel, cu_seqlens_q,
+                                         max_seqlen_q, max_seqlen_k, out, lengths_name="seqused_k",
+                                         keep_lse=return_lse)
+            return (out, lse) if return_lse else out
         out, lse = kvcache.cache_attention(q, k, v, None, None, seqused_k, block_table, causal, softmax_scale,
                                            window_size, softcap, split_plan.split_request(num_splits, max_splits),
                                            kernel, cu_seqlens_q, max_seqlen_q, max_seqlen_k, out,
                                            lengths_name="seqused_k", sinks=sinks,
                                            descales=(q_descale, k_descale, v_descale), keep_lse=return_lse)
         return (out, lse) if return_lse else out
+    if qv is not None:
+        raise ValueError("qv (MLA's absorbed query) applies to attention over a KV cache: pass the cache as k "
+                         "(rotary keys) and v (latent) with seqused_k (and block_table), or use "
+                         "fa3.attention_with_kvcache(..., qv=qv)")
     if cu_seqlens_k is None:
         raise ValueError("cu_seqlens_k is required (int32 (batch + 1,) offsets of k and v), unless k and v "
                          "are a KV cache read through seqused_k (and block_table)")

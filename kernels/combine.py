@@ -33,8 +33,8 @@ class SplitKVCombine:
         self.dtype, self.head_dim, self.sinks = dtype, head_dim, sinks
         self.max_queries = max_queries  # packed: rows of entries this long or longer are not S1's
         # splits whose partial rows are loaded together (one round trip to L2 for all of them):
-        # 64 registers a lane
-        self.chunk = 16 if head_dim <= 128 else 8
+        # 64 registers a lane (MLA's 512-wide latent rows: 4 splits)
+        self.chunk = 16 if head_dim <= 128 else 8 if head_dim <= 256 else 4
 
     @cute.jit
     def __call__(self, mOacc: cute.Tensor, mLSEacc: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,

@@ -8,6 +8,7 @@ family from what a call fixes at compile time (head dims, causal, the variants, 
     K5 over a KV cache              ForwardConfig   cache_prefill_config (k5.5's table)
     backward: B1, b2-b9             BackwardConfig  backward_config
     KV cache: S1                    DecodeConfig    decode_config (with its SMEM plan)
+    MLA decode: M1                  MlaConfig       mla_config (with its SMEM plan)
     GEMM: G1-G4                     GemmConfig      gemm_config
 
 A rung's table is a `RungConfig` (RUNGS, by the registry's row names): its base configuration, the
@@ -126,6 +127,19 @@ class DecodeConfig:
     long_queries: int = 128
     kv_stages: int = 0  # chosen: the ring's depth
     planned_smem_bytes: int = 0  # chosen: what the SharedStorage may use (the split plan counts on it)
+
+
+@dataclass(frozen=True)
+class MlaConfig:
+    """M1 (kernels/mla_decode.py): MLA decode, scores q k^T + qv v^T over a latent cache, two
+    warpgroups each holding half of O's columns. mla_config chooses the ring's depth."""
+    tile_m: int = 64  # query rows (seqlen_q x the query heads of a KV head)
+    tile_n: int = 64  # keys a block: pages of a multiple of 64 rows hold whole blocks (one TMA box)
+    head_dim: int = 64  # q's and k's (the rotary part)
+    head_dim_v: int = 512  # qv's and v's (the latent)
+    max_kv_stages: int = 2
+    kv_stages: int = 0  # chosen: the ring's depth
+    planned_smem_bytes: int = 0  # chosen: what the SharedStorage may use
 
 
 @dataclass(frozen=True)
@@ -351,6 +365,25 @@ def decode_smem(cfg: DecodeConfig, head_dim: int, gather: bool, fp8: bool) -> tu
     return fixed, kv_bytes, stages
 
 
+# ----------------------------------------------------------------------------- MLA decode (M1)
+@functools.lru_cache(maxsize=64)
+def mla_config(rung: RungConfig) -> MlaConfig:
+    """M1's configuration and SMEM plan: Q (q and qv) and P beside a ring as deep as the rest of
+    one CTA's SMEM allows, up to max_kv_stages (at d64 / d512 and 64-key blocks: two 72 KB stages
+    beside 72 KB of Q; one CTA an SM)."""
+    cfg = rung.at()
+    fixed, kv_bytes, stages = mla_smem(cfg)
+    return replace(cfg, kv_stages=stages, planned_smem_bytes=fixed + stages * kv_bytes)
+
+
+def mla_smem(cfg: MlaConfig) -> tuple[int, int, int]:
+    """(bytes beside the ring, K+V bytes a stage, stages) of M1's SMEM: Q and qv, P (tile_m x
+    tile_n, 16-bit), each row's rescale factor (FP32) and 1 KB for barriers and alignment."""
+    fixed = cfg.tile_m * (cfg.head_dim + cfg.head_dim_v) * 2 + cfg.tile_m * cfg.tile_n * 2 + cfg.tile_m * 4 + 1024
+    kv_bytes = cfg.tile_n * (cfg.head_dim + cfg.head_dim_v) * 2
+    return fixed, kv_bytes, min(cfg.max_kv_stages, (CTA_SMEM_BYTES - fixed) // kv_bytes)
+
+
 # ----------------------------------------------------------------------------- GEMM
 @functools.lru_cache(maxsize=256)
 def gemm_config(rung: RungConfig, tiles: tuple = ()) -> GemmConfig:
@@ -416,6 +449,8 @@ RUNGS: dict[str, RungConfig] = {
                                   long_queries=128)),
     "s2": RungConfig(DecodeConfig(tile_m=16, tile_n=64, max_kv_stages=8, gather_kv_stages=3, fp8_kv_stages=4,
                                   long_queries=128, warp_split=True)),
+    # MLA decode: 64-key blocks (pages of 64, vLLM's MLA default, are one TMA box each), two stages
+    "m1": RungConfig(MlaConfig(tile_m=64, tile_n=64, head_dim=64, head_dim_v=512, max_kv_stages=2)),
     "g1": RungConfig(GemmConfig(tile_m=128, tile_n=128, mma_warpgroups=1, stages=1, mmas_in_flight=0)),
     "g2": RungConfig(GemmConfig(tile_m=128, tile_n=256, mma_warpgroups=2, stages=0, mmas_in_flight=1)),
     "g3": RungConfig(GemmConfig(tile_m=128, tile_n=256, mma_warpgroups=2, stages=0, mmas_in_flight=1,

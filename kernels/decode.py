@@ -311,15 +311,8 @@ class SplitKVAttention:
             window = (window_left, window_right) if cutlass.const_expr(self.local) else None
             scale_log2, softcap_scale, o_scale = self.fold_descales(descales, batch, head_kv, scale_log2, softcap_scale)
             # this split's share of the key blocks the tile sees (none when the tile holds no query)
-            blocks_end = mask.n_block_max(m_block, self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k,
-                                          self.causal, rows_per_query=group, window=window)
-            blocks_start = mask.n_block_min(m_block, self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k,
-                                            rows_per_query=group, window=window)
-            blocks = cutlass.max(blocks_end - blocks_start, 0)
-            per_split = (blocks + num_splits - 1) // num_splits
-            first = blocks_start + split * per_split
-            n_blocks = cutlass.max(cutlass.min(blocks_end, first + per_split) - first, 0)
-            last = first + n_blocks - 1  # visited first
+            n_blocks, last = scheduler.split_kv_range(m_block, self.tile_m, self.tile_n, seq, self.causal, group,
+                                                      window, split, num_splits)  # (last: visited first)
 
             kv_producer = pipeline.producer_state(self.kv_stages)
             loads = (kv_pipe, tma_k, mK, tma_v, mV, sK, sV, mBlockTable, head_kv, batch, seq, tidx)

@@ -183,6 +183,22 @@ def test_sinks_combine_compiles(max_queries):
     assert ("vote.sync.ballot" in report.ptx) == bool(max_queries)
 
 
+def test_mla_dense_non_causal_compiles():
+    """M1 (MLA decode) on a dense cache without the causal mask (the registry row compiles it paged
+    and causal): S (m64n64k16, 36 k-steps over q and qv) and P V (m64n256k16, a warpgroup's half of
+    O) on WGMMA, P through SMEM (stmatrix, named barriers), no spills, WGMMAs not serialized."""
+    report = _compile.compile_report(registry.get("m1"), torch.bfloat16, causal=False, paged=False)
+    assert "m64n64k16" in report.ptx and "m64n256k16" in report.ptx and "bar.arrive" in report.ptx
+    assert report.spill_bytes == 0 and not report.serialized_wgmma
+
+
+def test_combine_takes_the_latent_width():
+    """The split-KV combine at MLA's 512-wide O rows: four splits' rows in flight a lane (64
+    registers of partials, as at d <= 256), no spills."""
+    report = _compile.build_report(_compile_kvcache.build_combine, torch.bfloat16, 512)
+    assert "ex2.approx" in report.ptx and report.registers and report.spill_bytes == 0
+
+
 def test_entry_order_compiles():
     """The KV-cache entries' sort (kernels/entry_order.py): a histogram of shared atomics, a scan,
     one slot per entry, in one CTA."""

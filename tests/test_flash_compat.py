@@ -33,10 +33,11 @@ FA3_OPTIONS = {"qv", "attention_chunk", "pack_gqa", "sm_margin"}  # flash-attn 3
 FLASH_ATTN_3_KEYWORDS = {
     "flash_attn_func": {"q_descale", "k_descale", "v_descale", "num_splits"} | FA3_OPTIONS,
     "flash_attn_varlen_func": {"seqused_k", "return_softmax_lse", "out", "scheduler_metadata", "num_splits",
-                               "q_descale", "k_descale", "v_descale", "fa_version", "s_aux", "seqused_q"} | FA3_OPTIONS,
+                               "q_descale", "k_descale", "v_descale", "fa_version", "s_aux", "seqused_q",
+                               "q_v"} | FA3_OPTIONS,
     "flash_attn_with_kvcache": {"page_table", "cu_seqlens_q", "max_seqlen_q", "cu_seqlens_k_new",
                                 "scheduler_metadata", "q_descale", "k_descale", "v_descale", "sinks", "out",
-                                "pack_gqa", "sm_margin", "attention_chunk", "ver"},
+                                "pack_gqa", "sm_margin", "attention_chunk", "ver", "qv"},
 }
 
 

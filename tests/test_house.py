@@ -81,9 +81,9 @@ def test_the_circle_finder_finds_circles():
 
 
 @pytest.mark.parametrize("family", [registry.ATTENTION, registry.ATTENTION_FP8, registry.KVCACHE,
-                                    registry.GEMM])
+                                    registry.MLA, registry.GEMM])
 def test_forward_rows_stand_on_no_rows_class(family):
-    """The forward's rungs (the lessons K1-K4 too), the FP8 forward, S1, K5 over a cache and the
+    """The forward's rungs (the lessons K1-K4 too), the FP8 forward, S1, K5 over a cache, M1 and the
     GEMMs compose kernels/common/ pieces (and their own file's): no other row's class, of any
     family, is among their bases, so a change to one rung (a lesson included) cannot change
     another. Rows that are configurations of one class share it."""

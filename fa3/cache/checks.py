@@ -62,17 +62,7 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kernel,
                              f" in dimension 0, got {planes}; for a paged cache pass block_table")
         capacity = rows
     else:
-        if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 \
-                or block_table.dim() != 2 or block_table.shape[0] != batch:
-            raise ValueError(f"block_table must be an int32 tensor of shape (batch={batch}, max_pages), "
-                             f"got {getattr(block_table, 'dtype', type(block_table))} "
-                             f"{tuple(getattr(block_table, 'shape', ()))}: use .to(torch.int32)")
-        if block_table.device != q.device or block_table.stride(-1) != 1:
-            raise ValueError(f"block_table must be on {q.device} and contiguous in its last dimension")
-        if rows == 0:
-            raise ValueError("page_size = k_cache.shape[1] = 0: a paged cache is (num_pages, page_size, "
-                             "heads_kv, head_dim) with pages of at least one token")
-        capacity = block_table.shape[1] * rows
+        capacity = check_block_table(block_table, batch, rows, q.device)
     appended = 0
     if (k is None) != (v is None):
         raise ValueError("pass both k and v (the new tokens to append), or neither")
@@ -124,6 +114,22 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kernel,
                                cache_dtypes is not dtypes or q.dtype in _checks.FP8_DTYPES)
     _checks.check_hopper(q.device, "q")
     return spec, cache_seqlens, capacity, appended, seqlen_q if not packed else max_seqlen_q
+
+
+def check_block_table(block_table, batch: int, page_size: int, device) -> int:
+    """A paged cache's block_table: int32 (batch, max_pages) on `device`, contiguous rows, beside
+    pages of at least one row. Returns the capacity, max_pages x page_size."""
+    if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 \
+            or block_table.dim() != 2 or block_table.shape[0] != batch:
+        raise ValueError(f"block_table must be an int32 tensor of shape (batch={batch}, max_pages), "
+                         f"got {getattr(block_table, 'dtype', type(block_table))} "
+                         f"{tuple(getattr(block_table, 'shape', ()))}: use .to(torch.int32)")
+    if block_table.device != device or block_table.stride(-1) != 1:
+        raise ValueError(f"block_table must be on {device} and contiguous in its last dimension")
+    if page_size == 0:
+        raise ValueError("page_size = k_cache.shape[1] = 0: a paged cache is (num_pages, page_size, "
+                         "heads_kv, head_dim) with pages of at least one token")
+    return block_table.shape[1] * page_size
 
 
 def check_new_for_fp8_cache(q, k, v, ndim: int) -> None:
@@ -187,3 +193,119 @@ def seqlens_tensor(cache_seqlens, batch, device, capacity, appended, block_table
     if cache_seqlens.device != device:
         raise ValueError(f"{name} is on {cache_seqlens.device} but q is on {device}")
     return cache_seqlens.contiguous()
+
+
+MLA_DIMS = "q and k_cache (the rotary part) 64 wide, qv and v_cache (the latent) 512 wide (DeepSeek-V2/V3)"
+
+
+def check_mla(q, qv, k_cache, v_cache, k, v, cache_seqlens, block_table, kernel, cu_seqlens_q=None,
+              max_seqlen_q=None, lengths_name="cache_seqlens"):
+    """The arguments of an MLA call (`qv` given: scores q k^T + qv v^T over a latent cache, out
+    P v): q (batch, seqlen_q, heads_q, d) or packed (total_q, heads_q, d) with cu_seqlens_q, qv
+    the same with v's head dim; k_cache (planes, rows, heads_kv, d) and v_cache (..., d_v) with
+    their own strides (views of one cache), dense or paged by block_table with pages of a multiple
+    of the kernel's key block; optional new k, v (batch, new_tokens, heads_kv, d / d_v). Packed
+    queries must be uniform: total_q = batch x max_seqlen_q (a decode step, a fixed-length
+    speculative verify), which the kernel reads as (batch, max_seqlen_q). Returns (spec, the
+    lengths as an int32 tensor, capacity, new tokens, batch, seqlen_q)."""
+    packed = cu_seqlens_q is not None
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("qv", qv)):
+        if getattr(t, "dtype", None) in _checks.FP8_LIKE:
+            raise NotImplementedError(f"{name} is {t.dtype}: MLA (qv=) over an FP8 cache or with FP8 queries "
+                                      "is not implemented yet; pass bf16 / fp16 q, qv and caches")
+    _checks.check_tensor(q, "q", 3 if packed else 4)
+    _checks.check_tensor(qv, "qv", q.dim(), q.dtype)
+    _checks.check_tensor(k_cache, "k_cache", 4, q.dtype)
+    _checks.check_tensor(v_cache, "v_cache", 4, q.dtype)
+    if qv.shape[:-1] != q.shape[:-1]:
+        raise ValueError(f"qv {tuple(qv.shape)} must match q {tuple(q.shape)} in every dimension but the last "
+                         "(qv is the absorbed, latent-wide part of the same queries)")
+    if qv.device != q.device:
+        raise ValueError(f"qv is on {qv.device} but q is on {q.device}; put them on one GPU")
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must agree in "
+                         "(planes, rows, heads_kv); only their head dims differ under qv")
+    if k_cache.shape[3] != q.shape[-1]:
+        raise ValueError(f"q has head_dim {q.shape[-1]} but k_cache has {k_cache.shape[3]}: q multiplies the "
+                         "cached keys (MLA's rotary part)")
+    if v_cache.shape[3] != qv.shape[-1]:
+        raise ValueError(f"qv has head_dim {qv.shape[-1]} but v_cache has {v_cache.shape[3]}: qv multiplies the "
+                         "cached latent v, so their head dims must be equal")
+    spec = _dispatch.memo_rung(mla_rung, kernel)
+    cfg = spec.config.base
+    if (q.shape[-1], qv.shape[-1]) != (cfg.head_dim, cfg.head_dim_v):
+        raise NotImplementedError(f"q and qv have head dims {q.shape[-1]} and {qv.shape[-1]}: MLA decode is "
+                                  f"compiled for {MLA_DIMS}")
+    planes, rows, heads_kv, _ = k_cache.shape
+    heads_q = q.shape[-2]
+    if heads_kv == 0 or heads_q % heads_kv:
+        raise ValueError(f"heads_q={heads_q} must be a multiple of the cache's heads_kv={heads_kv}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.device != q.device or not _launch.tma_aligned(t):
+            raise ValueError(f"{name} must be on {q.device} with a 16-byte aligned base and strides (the "
+                             "kernel reads it with TMA and fa3 cannot copy a cache): allocate it with "
+                             "torch.empty(...), or slice it from one such tensor")
+    if packed:
+        _checks.check_offsets(cu_seqlens_q, "cu_seqlens_q", q.device)
+        batch, total_q = cu_seqlens_q.shape[0] - 1, q.shape[0]
+        if max_seqlen_q is None:
+            max_seqlen_q = total_q
+        elif not isinstance(max_seqlen_q, int) or max_seqlen_q < 0:
+            raise ValueError(f"max_seqlen_q must be an int >= 0 (the longest entry of cu_seqlens_q), got "
+                             f"{max_seqlen_q!r}; pass None to use q.shape[0]")
+        if total_q != batch * max_seqlen_q:
+            raise NotImplementedError(
+                f"qv with packed queries needs every entry to hold max_seqlen_q queries (a decode step, a "
+                f"fixed-length speculative verify): total_q={total_q} is not batch={batch} x max_seqlen_q="
+                f"{max_seqlen_q}; entries of different lengths under qv are not implemented yet")
+        seqlen_q = max_seqlen_q
+    else:
+        batch, seqlen_q = q.shape[0], q.shape[1]
+    if block_table is None:
+        if planes != batch:
+            raise ValueError(f"a dense k_cache must have batch {batch} ({'cu_seqlens_q' if packed else 'q'}'s) in "
+                             f"dimension 0, got {planes}; for a paged cache pass block_table")
+        capacity = rows
+    else:
+        capacity = check_block_table(block_table, batch, rows, q.device)
+        if rows % cfg.tile_n:
+            raise NotImplementedError(f"pages of {rows} rows: MLA decode reads pages of a multiple of "
+                                      f"{cfg.tile_n} rows (vLLM's MLA default is 64) or a dense cache; other "
+                                      "page sizes under qv are not implemented yet")
+    appended = 0
+    if (k is None) != (v is None):
+        raise ValueError("pass both k and v (the new tokens to append), or neither")
+    if k is not None:
+        if packed:
+            raise NotImplementedError("new k/v beside cu_seqlens_q under qv are not implemented: write the new "
+                                      "tokens into the cache first, or pass (batch, seqlen_q) queries")
+        _checks.check_tensor(k, "k", 4, q.dtype)
+        _checks.check_tensor(v, "v", 4, q.dtype)
+        if k.shape != (batch, k.shape[1], heads_kv, k_cache.shape[3]) or \
+                v.shape != (batch, k.shape[1], heads_kv, v_cache.shape[3]):
+            raise ValueError(f"k and v must be (batch={batch}, new_tokens, heads_kv={heads_kv}, {k_cache.shape[3]}) "
+                             f"and (..., {v_cache.shape[3]}) (k_cache's and v_cache's head dims), got "
+                             f"{tuple(k.shape)} and {tuple(v.shape)}")
+        if k.device != q.device or v.device != q.device:
+            name, t = ("k", k) if k.device != q.device else ("v", v)
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; put them on one GPU")
+        appended = k.shape[1]
+        if appended > capacity:
+            raise ValueError(f"{appended} new tokens do not fit a cache of {capacity} per sequence")
+        if block_table is not None and k.shape[0] * k.shape[1] and planes == 0:
+            raise ValueError("k_cache has no pages (shape[0] = 0): the new tokens have nowhere to go")
+    cache_seqlens = seqlens_tensor(cache_seqlens, batch, q.device, capacity, appended, block_table, rows,
+                                   lengths_name)
+    _checks.check_hopper(q.device, "q")
+    return spec, cache_seqlens, capacity, appended, batch, seqlen_q
+
+
+def mla_rung(kernel):
+    """The MLA rung `kernel` (None: the fastest), checked to be one."""
+    if kernel is None:
+        return registry.fastest(registry.MLA)
+    spec = registry.get(kernel)
+    if spec.family != registry.MLA:
+        raise ValueError(f"kernel={kernel!r} is a {spec.family} rung; with qv the kernel is an MLA rung: "
+                         f"{registry.available_kernels(registry.MLA)} (or None)")
+    return spec

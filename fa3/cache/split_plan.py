@@ -224,14 +224,15 @@ def get_scheduler_metadata(batch_size: int, max_seqlen_q: int, max_seqlen_k: int
     scheduler_metadata=...), which accepts and checks it. page_size (row gathers below 64) and
     qkv_dtype (float8_e4m3fn: an FP8 cache, whatever q's dtype) enter the plan, and so do
     cu_seqlens_q and cache_leftpad where they send long entries to K5 (fa3/cache/prefill.py: S1
-    then plans for the short ones only); headdim_v,
-    cu_seqlens_k_new, max_seqlen_k_new and pack_gqa do not change it and are accepted for the
-    signature. sm_margin is accepted too, and the plan counts every SM: the call runs on all of them
+    then plans for the short ones only); headdim_v other than headdim is MLA's (64 / 512: qv, the
+    MLA kernel's plan, fa3.mla); cu_seqlens_k_new, max_seqlen_k_new and pack_gqa do not change it
+    and are accepted for the signature. sm_margin is accepted too, and the plan counts every SM: the call runs on all of them
     (the flash names refuse sm_margin != 0), and a plan for fewer would not be the call's."""
-    if headdim_v not in (None, headdim):
-        raise ValueError(f"headdim_v={headdim_v} != headdim={headdim}: fa3 needs the same head_dim for q, k, v")
     if num_heads_kv <= 0 or num_heads_q % num_heads_kv:
         raise ValueError(f"num_heads_q={num_heads_q} must be a multiple of num_heads_kv={num_heads_kv}")
+    if headdim_v not in (None, headdim):
+        return _mla_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim,
+                                       headdim_v, cache_seqlens.device, num_splits)
     masking.check_window(window_size, 1.0 if has_softcap else 0.0)
     spec = _dispatch.memo_rung(_dispatch.cache_rung, None, headdim, max_seqlen_q * (num_heads_q // num_heads_kv),
                                page_size is not None, qkv_dtype == torch.float8_e4m3fn)  # the call's rung
@@ -245,6 +246,45 @@ def get_scheduler_metadata(batch_size: int, max_seqlen_q: int, max_seqlen_k: int
                            num_heads_q, num_heads_kv, page_size, max_seqlen_k, bool(causal), window_size,
                            1.0 if has_softcap else 0.0, 1.0, qkv_dtype == torch.float8_e4m3fn,
                            cache_leftpad is not None, num_splits, sms).num_splits
+    return torch.full((1,), num_splits, dtype=torch.int32, device=device)
+
+
+def plan_mla_splits(spec, batch: int, seqlen_q: int, heads_q: int, heads_kv: int, keys: int, sm_count: int,
+                    num_splits: int = 0) -> int:
+    """How many CTAs share each sequence's keys in an MLA call (kernels/mla_decode.py), from host
+    integers only (a captured graph replays it): num_splits as split_request encodes it (n > 0
+    exactly n, 0 planned, -n planned and capped at n). Planned as num_splits_for (one M1 CTA an SM:
+    its ring takes the SMEM), except that a split keeps at least a key block per 8 rows of its Q
+    tile (and MIN_BLOCKS_PER_SPLIT): a split writes and the combine reads 2 KB of FP32 partials a
+    row (512 wide) against 72 KB a key block, so a 64-row tile's split reads 8 blocks (partials of
+    about a fifth of its bytes, mostly through L2; a guess between S1's 4 blocks and fewer, wider
+    splits, to be measured). `keys`: the capacity, or max_seqlen_k."""
+    if num_splits > 0:
+        return min(num_splits, MAX_SPLITS)
+    cfg = spec.config.base
+    rows = max(seqlen_q, 1) * (heads_q // heads_kv)
+    q_tiles = -(-rows // cfg.tile_m)
+    ctas = batch * heads_kv * q_tiles
+    planned = 1
+    if ctas < 0.8 * sm_count:
+        min_blocks = max(MIN_BLOCKS_PER_SPLIT, -(-min(rows, cfg.tile_m) // 8))
+        planned = max(1, min(MAX_SPLITS, sm_count // ctas, -(-keys // cfg.tile_n) // min_blocks))
+    return planned if num_splits == 0 else min(planned, -num_splits)
+
+
+def _mla_scheduler_metadata(batch_size: int, max_seqlen_q: int, max_seqlen_k: int, num_heads_q: int,
+                            num_heads_kv: int, headdim: int, headdim_v: int, device, num_splits: int) -> torch.Tensor:
+    """get_scheduler_metadata for an MLA call (headdim_v: the latent's, qv's and v's; headdim: the
+    rotary part's), as fa3.mla plans it."""
+    spec = registry.fastest(registry.MLA)
+    cfg = spec.config.base
+    if (headdim, headdim_v) != (cfg.head_dim, cfg.head_dim_v):
+        raise ValueError(f"headdim_v={headdim_v} != headdim={headdim}: fa3 needs the same head_dim for q, k, v, "
+                         f"or MLA's headdim={cfg.head_dim} with headdim_v={cfg.head_dim_v} (qv)")
+    if num_splits > 0:
+        return torch.full((1,), num_splits, dtype=torch.int32, device=device)
+    sms = _checks.sm_count(device.index if device.index is not None else 0)
+    num_splits = plan_mla_splits(spec, batch_size, max_seqlen_q, num_heads_q, num_heads_kv, max(max_seqlen_k, 1), sms)
     return torch.full((1,), num_splits, dtype=torch.int32, device=device)
 
 

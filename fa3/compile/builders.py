@@ -25,6 +25,7 @@ import torch
 
 from . import core
 from . import kvcache as kv
+from . import mla
 from . import disk_cache, dsl
 from .. import registry
 from . import signatures as sig
@@ -337,11 +338,11 @@ def build_report(build, *args, **kwargs) -> CompileReport:
 # family -> builder(spec, dtype, **static, extra_options) -> compiled function
 BUILDERS = {registry.ATTENTION: _build_attention, registry.ATTENTION_FP8: _build_attention_fp8,
             registry.GEMM: _build_gemm,
-            registry.BACKWARD: _build_backward, registry.KVCACHE: kv.build_kvcache}
+            registry.BACKWARD: _build_backward, registry.KVCACHE: kv.build_kvcache, registry.MLA: mla.build_mla}
 # family -> key(spec, dtype, **static): the compile-cache key, with the builder's static arguments
 KEYS = {registry.ATTENTION: attention_key, registry.ATTENTION_FP8: attention_fp8_key,
         registry.GEMM: gemm_key, registry.BACKWARD: backward_key,
-        registry.KVCACHE: kv.kvcache_key}
+        registry.KVCACHE: kv.kvcache_key, registry.MLA: mla.mla_key}
 
 
 def fill_disk_cache(spec, dtype=torch.bfloat16, **static):

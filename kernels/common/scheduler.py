@@ -306,3 +306,22 @@ class AttentionTileSchedule:
         n_min = mask.n_block_min(m_block, self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k,
                                  window=params.window)
         return n_max, cutlass.max(n_max - n_min, 0)
+
+
+# ---------------------------------------------------------------- split-KV (the KV-cache kernels)
+@cute.jit
+def split_kv_range(m_block: Int32, tile_m: cutlass.Constexpr, tile_n: cutlass.Constexpr, seq, causal: cutlass.Constexpr,
+                   rows_per_query, window, split: Int32, num_splits: Int32):
+    """(n_blocks, last): split `split` of `num_splits` of the key blocks a packed-GQA Q tile sees
+    (`rows_per_query` tile rows per query; `window` None or runtime edges, as mask.py's), an equal
+    share each, visited from `last` down to last - n_blocks + 1. A split with nothing to do (a tile
+    holding no query, more splits than blocks) gets n_blocks = 0."""
+    blocks_end = mask.n_block_max(m_block, tile_m, tile_n, seq.seqlen_q, seq.seqlen_k, causal,
+                                  rows_per_query=rows_per_query, window=window)
+    blocks_start = mask.n_block_min(m_block, tile_m, tile_n, seq.seqlen_q, seq.seqlen_k,
+                                    rows_per_query=rows_per_query, window=window)
+    blocks = cutlass.max(blocks_end - blocks_start, 0)
+    per_split = (blocks + num_splits - 1) // num_splits
+    first = blocks_start + split * per_split
+    n_blocks = cutlass.max(cutlass.min(blocks_end, first + per_split) - first, 0)
+    return n_blocks, first + n_blocks - 1

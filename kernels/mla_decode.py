@@ -1,0 +1,353 @@
+"""M1: MLA decode against a latent KV cache (flash-attn 3's `qv`, DeepSeek's absorbed attention).
+
+Multi-head latent attention caches one 512-wide latent vector v per token (and a 64-wide rotary
+key k), shared by every query head (heads_kv = 1). After absorbing the key up-projection into the
+query, each head's score is a 576-wide dot product and the value is the latent itself:
+
+    S = (q k^T + qv v^T) * softmax_scale,   O = softmax(S) v        (O: 512 wide)
+
+q (batch, seqlen_q, heads_q, 64) is the rotary part of the query, qv (..., 512) the absorbed one.
+A decode step reads every cached byte once for all query heads, so the kernel is S1's design
+(kernels/decode.py) on these dimensions: the query heads of a KV head, times the queries, packed
+into one 64-row Q tile (128 heads: two tiles, whose CTAs run side by side and share the cache
+through L2); the key range split across CTAs when the tiles cannot fill the SMs, the FP32 partials
+merged by kernels/combine.py (512 columns a row); key blocks visited from the last, where the
+ragged end and the causal diagonal are.
+
+**Two warpgroups, O split by columns.** O is 64 x 512 FP32: 256 registers a thread on one
+warpgroup, more than a thread has. Warpgroup w holds O[:, 256 w : 256 (w + 1)] (128 registers).
+The scores are computed once, by warpgroup 0 (the "scores" warpgroup), and P is shared through
+SMEM (FlashMLA's Hopper split):
+
+    warpgroup 0: wait for the stage -> S = q K^T + qv V^T (WGMMA, 36 k-steps, A and B from SMEM)
+                 -> mask, online softmax -> [P_EMPTY] write P (16-bit, stmatrix) and each row's
+                 rescale factor to SMEM -> [P_FULL] -> O0 *= factor, O0 += P V[:, :256] -> release
+    warpgroup 1: [P_FULL] -> O1 *= factor (read from SMEM), O1 += P V[:, 256:] -> release ->
+                 refill the stage (warp 4 issues the TMA loads) -> [P_EMPTY] for the next block
+
+so warpgroup 1's P V of block j runs beside warpgroup 0's S of block j + 1. Both P V halves read
+P from SMEM with one two-warpgroup tiled MMA. P_FULL is a full (256-thread) named barrier; P_EMPTY
+has warpgroup 1 arrive once its P V of the previous block is done, before warpgroup 0 overwrites
+P. Each thread's O rows are the rows of the same thread's S (a 64-row WGMMA atom: rows r and r + 8
+of each warp's 16), which is how the factors in SMEM find their rows.
+
+Why not split the S GEMM too (each warpgroup half of the 576-wide reduction, partial S exchanged
+in FP32): the exchange buffer (16 KB, 32 KB double-buffered) does not fit beside Q (72 KB) and two
+72 KB stages, and one stage would leave no load in flight while a block is computed. Computing S
+twice (once per warpgroup, no exchange) would add 4.7 MFLOP a 64-key block to 4.2 of P V: compute
+bound on H200 at 64 heads.
+
+**SMEM** (config.mla_config's plan, which the kernel checks): q 8 KB + qv 64 KB, two stages of
+(K 8 KB + V 64 KB), P 8 KB, the factors 256 B: 225 KB, one CTA an SM. V's stage is read by both
+GEMMs (K-major as S's B operand, MN-major as P V's): the latent is read from memory once.
+
+**Layouts.** The cache is dense (batch, capacity, heads_kv, d) or paged (num_pages, page_size,
+heads_kv, d) with pages of a multiple of 64 rows (a key block is one TMA box of one page:
+paged.block_page); k and v are two tensors with their own strides, so vLLM's views of one
+(pages, page_size, 576) cache (v = [..., :512], k = [..., 512:]) are read as they are. q and qv are
+gathered into swizzled SMEM with 16-byte cp.async copies (rows past the queries copy the last
+query's row: never stored). Rows of the cache past a sequence hold anything (NaN included): their
+scores are masked, and the V rows of the ragged block are zeroed in SMEM before either GEMM reads
+them (0 * NaN = NaN in P V).
+
+Values no host check saw cannot send a load outside a tensor: lengths are clamped to [0,
+capacity] (seqlen.from_cache), page indices to the pool (paged.page_of).
+"""
+
+from types import SimpleNamespace
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+
+from .common import mask, mma, paged, pipeline, scheduler, seqlen, smem, softmax, tma
+from .config import MlaConfig
+
+# named barriers (0 is the CTA's): P written / P free again; warpgroup 0 alone
+P_FULL, P_EMPTY, SCORES_WARPGROUP = 1, 2, 3
+PRODUCER_WARP = 4  # warpgroup 1's first warp issues the TMA loads (warpgroup 0 is the critical path)
+
+
+class MlaDecode:
+    def __init__(self, dtype, causal: bool, config: MlaConfig, paged: bool = False):
+        """config: kernels/config.mla_config's (tiles, head dims, the ring's depth and the SMEM plan
+        it counts on). paged: the cache as pages of a multiple of tile_n rows, else dense."""
+        self.dtype, self.causal, self.paged = dtype, causal, paged
+        self.tile_m, self.tile_n = config.tile_m, config.tile_n
+        self.head_dim, self.head_dim_v = config.head_dim, config.head_dim_v
+        self.kv_stages, self.planned_smem_bytes = config.kv_stages, config.planned_smem_bytes
+        self.num_threads = 256  # two warpgroups: O's column halves
+        self.half_v = self.head_dim_v // 2
+
+    # ---------------------------------------------------------------- host side
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mQv: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
+                 mCacheSeqlens: cute.Tensor, mBlockTable: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+                 mOacc: cute.Tensor, mLSEacc: cute.Tensor, scale_log2: Float32, appended: Int32, stream):
+        """mQ (batch, seqlen_q, heads_q, d), mQv (..., d_v); mK (planes, rows, heads_kv, d), mV (...,
+        d_v): planes are the batch entries (dense) or the pages (paged, with mBlockTable (batch,
+        pages_per_seq)); mCacheSeqlens (batch,) the keys each sequence holds before the `appended`
+        ones; mO (batch, seqlen_q, heads_q, d_v) and mLSE (batch, heads_q, seqlen_q) with one split,
+        else the FP32 partials mOacc (splits, batch, seqlen_q, heads_q, d_v) and mLSEacc (splits,
+        batch, heads_q, seqlen_q): the number of splits is mOacc.shape[0]."""
+        batch, seqlen_q, heads_q, _ = mQ.shape
+        heads_kv = mK.shape[2]
+        q_tiles = cute.ceil_div(seqlen_q * (heads_q // heads_kv), self.tile_m)
+        # a KV head's Q tiles side by side in the grid: their CTAs read the same keys together
+        grid = [heads_kv * q_tiles, mOacc.shape[0], batch]
+        layouts = (smem.tile_layout(self.dtype, self.tile_m, self.head_dim),  # q, qv, k, v, P
+                   smem.tile_layout(self.dtype, self.tile_m, self.head_dim_v),
+                   smem.tile_layout(self.dtype, self.tile_n, self.head_dim, self.kv_stages),
+                   smem.tile_layout(self.dtype, self.tile_n, self.head_dim_v, self.kv_stages),
+                   smem.tile_layout(self.dtype, self.tile_m, self.tile_n))
+        sQ_layout, sQv_layout, sK_layout, sV_layout, sP_layout = layouts
+        tma_k, tK = tma.make_load(tma.seq_major(mK), sK_layout, (self.tile_n, self.head_dim))
+        tma_v, tV = tma.make_load(tma.seq_major(mV), sV_layout, (self.tile_n, self.head_dim_v))
+        self.stage_bytes = smem.stage_bytes(self.dtype, sK_layout) + smem.stage_bytes(self.dtype, sV_layout)
+
+        @cute.struct
+        class SharedStorage:
+            kv_barriers: cute.struct.MemRange[Int64, 2 * self.kv_stages]
+            row_factor: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m], 16]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sQv: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQv_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sP_layout)], 1024]
+
+        smem.check_budget(SharedStorage.size_in_bytes(), f"M1 with kv_stages={self.kv_stages}")
+        smem.check_plan(SharedStorage.size_in_bytes(), self.planned_smem_bytes, "M1")
+        self.kernel(mQ, mQv, tma_k, tK, tma_v, tV, mCacheSeqlens, mBlockTable, mO, mLSE, mOacc, mLSEacc,
+                    scale_log2, appended, *layouts, SharedStorage).launch(
+            grid=grid, block=[self.num_threads, 1, 1], stream=stream)
+
+    # ---------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mQv: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
+               tma_v: cute.CopyAtom, mV: cute.Tensor, mCacheSeqlens: cute.Tensor, mBlockTable: cute.Tensor,
+               mO: cute.Tensor, mLSE: cute.Tensor, mOacc: cute.Tensor, mLSEacc: cute.Tensor,
+               scale_log2: Float32, appended: Int32, sQ_layout: cute.ComposedLayout, sQv_layout: cute.ComposedLayout,
+               sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout,
+               SharedStorage: cutlass.Constexpr):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        num_splits = mOacc.shape[0]
+        heads_kv = mK.shape[2]  # mK: the TMA tensor, (rows, d, heads, planes)
+        group = mQ.shape[2] // heads_kv
+        capacity = mK.shape[0]
+        if cutlass.const_expr(self.paged):
+            capacity = mBlockTable.shape[1] * mK.shape[0]
+        head_tile, split, batch = cute.arch.block_idx()
+        q_tiles = cute.arch.grid_dim()[0] // heads_kv
+        head_kv, m_block = head_tile // q_tiles, head_tile % q_tiles
+        seq = seqlen.from_cache(mCacheSeqlens, batch, mQ.shape[1], appended, capacity)
+        n_blocks, last = scheduler.split_kv_range(m_block, self.tile_m, self.tile_n, seq, self.causal, group,
+                                                  None, split, num_splits)
+        if warp_idx == PRODUCER_WARP:
+            tma.prefetch(tma_k, tma_v)
+
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        kv_pipe = pipeline.create(storage.kv_barriers.data_ptr(), self.kv_stages, self.num_threads // 32,
+                                  self.stage_bytes)
+        pipeline.init_done()
+        sQ = smem.get_tensor(storage.sQ, sQ_layout)[None, None, 0]
+        sQv = smem.get_tensor(storage.sQv, sQv_layout)[None, None, 0]
+        sK, sV = smem.get_tensor(storage.sK, sK_layout), smem.get_tensor(storage.sV, sV_layout)
+        sP = smem.get_tensor(storage.sP, sP_layout)[None, None, 0]
+        row_factor = storage.row_factor.get_tensor(cute.make_layout(self.tile_m))
+
+        kv_producer = pipeline.producer_state(self.kv_stages)
+        loads = (kv_pipe, tma_k, mK, tma_v, mV, sK, sV, mBlockTable, head_kv, batch)
+        if warp_idx == PRODUCER_WARP:
+            for _ in cutlass.range(cutlass.min(self.kv_stages, n_blocks), unroll=1):
+                kv_producer = self.load_kv(kv_producer, last - kv_producer.count, *loads)
+        if n_blocks > 0:  # (CTA-uniform: the load ends with a CTA barrier)
+            self.load_q(mQ, mQv, sQ, sQv, tidx, m_block, head_kv, group, batch, seq)
+
+        ctx = self.compute_setup(sQ, sQv, sK, sV, sP, tidx)
+        blocks = (n_blocks, last, m_block, group, seq, scale_log2)
+        if warp_idx < 4:
+            self.scores_mainloop(ctx, kv_pipe, sV, sP, row_factor, *blocks)
+        else:
+            kv_producer = self.values_mainloop(ctx, kv_pipe, kv_producer, loads, row_factor, warp_idx, *blocks)
+        if warp_idx == PRODUCER_WARP:
+            pipeline.tail(kv_pipe, kv_producer)
+        self.store(ctx, row_factor, mO, mLSE, mOacc, mLSEacc, split, num_splits, m_block, head_kv, group,
+                   batch, seq, scale_log2, warp_idx)
+
+    # ---------------------------------------------------------------- loads
+    @cute.jit
+    def load_kv(self, state, n_block: Int32, kv_pipe, tma_k, mK, tma_v, mV, sK, sV, mBlockTable,
+                head_kv: Int32, batch: Int32):
+        """Key block n_block into the next stage: one box of k and one of v at (row tile, head,
+        plane), the plane being the batch entry (dense) or the block's page (paged)."""
+        plane, row_tile = batch, n_block
+        if cutlass.const_expr(self.paged):
+            plane, row_tile = paged.block_page(mBlockTable, batch, n_block, self.tile_n, mK.shape[0], mK.shape[3])
+        gK = cute.local_tile(mK[None, None, head_kv, plane], (self.tile_n, self.head_dim), (None, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, plane], (self.tile_n, self.head_dim_v), (None, 0))
+        tKsK, tKgK = tma.partition(tma_k, gK, sK)
+        tVsV, tVgV = tma.partition(tma_v, gV, sV)
+        return pipeline.produce(kv_pipe, state, row_tile, [(tma_k, tKgK, tKsK), (tma_v, tVgV, tVsV)])
+
+    @cute.jit
+    def load_q(self, mQ: cute.Tensor, mQv: cute.Tensor, sQ: cute.Tensor, sQv: cute.Tensor, tidx: Int32,
+               m_block: Int32, head_kv: Int32, group: Int32, batch: Int32, seq):
+        """Gather the packed Q tile (q and qv) into SMEM with 16-byte cp.async copies from all
+        threads: packed row R is query R // group of head head_kv * group + R % group (rows past
+        the queries copy the last query's row, whose scores are never stored); visible to WGMMA
+        when this returns."""
+        for mX, sX, cols in ((mQ, sQ, self.head_dim), (mQv, sQv, self.head_dim_v)):
+            rows = paged.RowGather(self.dtype, self.tile_m, cols, self.num_threads)
+            tiled, thr = rows.thread_copy(tidx)
+            chunk = tidx % rows.chunks
+            for i in cutlass.range_constexpr(self.tile_m // rows.rows_per_pass):
+                packed = m_block * self.tile_m + tidx // rows.chunks + i * rows.rows_per_pass
+                query = cutlass.min(packed // group, seq.seqlen_q - 1)
+                src = cute.local_tile(mX[batch, query, head_kv * group + packed % group, None], (rows.elems,), (chunk,))
+                dst = thr.partition_D(sX)[None, i, 0]
+                cute.copy(tiled, cute.make_tensor(src.iterator, dst.layout), dst)
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.fence_proxy("async.shared", space="cta")  # (cp.async writes: generic proxy; WGMMA reads)
+        cute.arch.sync_threads()
+
+    # ---------------------------------------------------------------- the two warpgroups
+    def compute_setup(self, sQ, sQv, sK, sV, sP, tidx):
+        """The GEMMs' fragments: S on warpgroup 0 (one 64 x tile_n tile, two A/B pairs: q with K,
+        qv with V), P V on both (tile_m x d_v split by columns, P read from SMEM)."""
+        qk = mma.tiled_mma(self.dtype, self.tile_m, self.tile_n)
+        thr_qk = qk.get_slice(tidx % 128)
+        pv = mma.tiled_mma(self.dtype, self.tile_m, self.head_dim_v, b_major="MN", warpgroups=2)
+        thr_pv, wg_pv = pv.get_slice(tidx), mma.warpgroup_slice(pv, tidx)
+        ctx = SimpleNamespace(
+            qk=qk, pv=pv, tidx=tidx,
+            tSrQ=mma.fragment_A(thr_qk, sQ), tSrK=mma.fragment_B(thr_qk, sK),
+            tSrQv=mma.fragment_A(thr_qk, sQv), tSrV=mma.fragment_B(thr_qk, sV),
+            s_shape=thr_qk.partition_shape_C((self.tile_m, self.tile_n)),
+            s_coords=mma.rows_cols(thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))),
+            tOrP=mma.fragment_A(wg_pv, sP), tOrVt=mma.fragment_B(wg_pv, mma.transpose_view(sV)),
+            acc_o=cute.make_rmem_tensor(thr_pv.partition_shape_C((self.tile_m, self.head_dim_v)), Float32),
+            o_coords=mma.rows_cols(thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v)))))
+        ctx.acc_o.fill(0.0)
+        ctx.row_max, ctx.row_sum = softmax.row_state(cute.size(ctx.s_coords, mode=[0]))
+        return ctx
+
+    @cute.jit
+    def scores_mainloop(self, ctx, kv_pipe, sV: cute.Tensor, sP: cute.Tensor, row_factor: cute.Tensor,
+                        n_blocks: Int32, last: Int32, m_block: Int32, group: Int32, seq, scale_log2: Float32):
+        """Warpgroup 0: per key block (last, last - 1, ...), S, the softmax, P and the rescale
+        factors handed over through SMEM, then its half of P V."""
+        kv_consumer = pipeline.consumer_state(self.kv_stages)
+        for j in cutlass.range(n_blocks, unroll=1):
+            n_block = last - j
+            stage = kv_consumer.index
+            pipeline.consume_wait(kv_pipe, kv_consumer)
+            if j == 0:  # the sequence's ragged end, if this split has it, is its first block
+                self.zero_rows_past_end(sV[None, None, stage], seq.seqlen_k - n_block * self.tile_n, ctx.tidx)
+            acc_s = cute.make_rmem_tensor(ctx.s_shape, Float32)
+            mma.gemm(ctx.qk, acc_s, ctx.tSrQ, ctx.tSrK[None, None, None, stage], zero_init=True, wait=-1)
+            mma.gemm(ctx.qk, acc_s, ctx.tSrQv, ctx.tSrV[None, None, None, stage], wait=0)
+            s_mn = mma.rows_cols(acc_s)
+            if mask.tile_needs_mask(m_block, n_block, self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k,
+                                    self.causal, rows_per_query=group):
+                mask.apply(s_mn, ctx.s_coords, m_block * self.tile_m, n_block * self.tile_n, seq.seqlen_q,
+                           seq.seqlen_k, self.causal, rows_per_query=group)
+            factor = softmax.online_update(s_mn, ctx.row_max, ctx.row_sum, scale_log2, 4)
+            p = mma.to_dtype(acc_s, self.dtype)
+            if j > 0:  # warpgroup 1's P V of the previous block has read sP
+                cute.arch.barrier(barrier_id=P_EMPTY, number_of_threads=self.num_threads)
+            mma.store_to_smem(p, ctx.qk, ctx.tidx, sP)
+            self.share_rows(ctx, row_factor, factor)
+            cute.arch.fence_proxy("async.shared", space="cta")  # P: generic writes, read by WGMMA
+            cute.arch.barrier(barrier_id=P_FULL, number_of_threads=self.num_threads)
+            softmax.rescale(mma.rows_cols(ctx.acc_o), factor)
+            self.accumulate(ctx, stage)
+            kv_consumer = pipeline.release(kv_pipe, kv_consumer)
+
+    @cute.jit
+    def values_mainloop(self, ctx, kv_pipe, kv_producer, loads, row_factor: cute.Tensor, warp_idx: Int32,
+                        n_blocks: Int32, last: Int32, m_block: Int32, group: Int32, seq, scale_log2: Float32):
+        """Warpgroup 1: per key block, its half of P V once warpgroup 0 has written P; then (warp
+        PRODUCER_WARP) the freed stage refilled. Returns the producer state (for pipeline.tail)."""
+        kv_consumer = pipeline.consumer_state(self.kv_stages)
+        for j in cutlass.range(n_blocks, unroll=1):
+            if j > 0:  # this warpgroup's last P V is done: sP may be overwritten
+                cute.arch.barrier_arrive(barrier_id=P_EMPTY, number_of_threads=self.num_threads)
+            cute.arch.barrier(barrier_id=P_FULL, number_of_threads=self.num_threads)
+            stage = kv_consumer.index
+            pipeline.consume_wait(kv_pipe, kv_consumer)  # (landed: warpgroup 0 waited; this orders the reads)
+            softmax.rescale(mma.rows_cols(ctx.acc_o), self.shared_rows(ctx, row_factor))
+            self.accumulate(ctx, stage)
+            kv_consumer = pipeline.release(kv_pipe, kv_consumer)
+            if warp_idx == PRODUCER_WARP and kv_producer.count < n_blocks:  # refill the stage just freed
+                kv_producer = self.load_kv(kv_producer, last - kv_producer.count, *loads)
+        return kv_producer
+
+    @cute.jit
+    def accumulate(self, ctx, stage: Int32):
+        """O[:, this warpgroup's half] += P V[:, that half] of the stage, waited for."""
+        mma.gemm(ctx.pv, ctx.acc_o, ctx.tOrP, ctx.tOrVt[None, None, None, stage], wait=0)
+
+    @cute.jit
+    def share_rows(self, ctx, row_values: cute.Tensor, values: cute.Tensor):
+        """Warpgroup 0: one value per row of its S fragment (a quad holds a row) into SMEM."""
+        if ctx.tidx % 4 == 0:
+            for r in cutlass.range_constexpr(cute.size(values)):
+                row_values[ctx.s_coords[r, 0][0]] = values[r]
+
+    @cute.jit
+    def shared_rows(self, ctx, row_values: cute.Tensor) -> cute.Tensor:
+        """The values share_rows wrote, for this thread's rows of O."""
+        rows = cute.size(ctx.o_coords, mode=[0])
+        values = cute.make_rmem_tensor((rows,), Float32)
+        for r in cutlass.range_constexpr(rows):
+            values[r] = row_values[ctx.o_coords[r, 0][0]]
+        return values
+
+    @cute.jit
+    def zero_rows_past_end(self, sV_stage: cute.Tensor, valid_rows: Int32, tidx: Int32):
+        """Zero the V rows of a ragged block past the sequence (warpgroup 0, before S reads them;
+        warpgroup 1 reads them after P_FULL): a cache's unused rows hold anything, and 0 * NaN =
+        NaN in P V. Their scores are masked."""
+        if valid_rows < self.tile_n:
+            for r in cutlass.range(cutlass.max(valid_rows, 0), self.tile_n, unroll=1):
+                for c in cutlass.range_constexpr(self.head_dim_v // 128):
+                    sV_stage[r, tidx + c * 128] = sV_stage.element_type(0.0)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=SCORES_WARPGROUP, number_of_threads=128)
+
+    # ---------------------------------------------------------------- epilogue
+    @cute.jit
+    def store(self, ctx, row_factor: cute.Tensor, mO, mLSE, mOacc, mLSEacc, split: Int32, num_splits: Int32,
+              m_block: Int32, head_kv: Int32, group: Int32, batch: Int32, seq, scale_log2: Float32, warp_idx: Int32):
+        """Each warpgroup's half of O (normalised by 1/l, which warpgroup 0 shares through SMEM) and
+        warpgroup 0's LSE, unpacked to (query, head) rows; with several splits the FP32 partials
+        instead. Direct stores: a decode tile has few rows."""
+        cute.arch.sync_threads()  # warpgroup 1 has read the last block's factors
+        if warp_idx < 4:
+            inv_sums = cute.make_rmem_tensor((cute.size(ctx.row_max),), Float32)
+            for r in cutlass.range_constexpr(cute.size(ctx.row_max)):
+                inv_sum, lse = softmax.finalize(ctx.row_max[r], ctx.row_sum[r], scale_log2, 4)
+                inv_sums[r] = inv_sum
+                packed = m_block * self.tile_m + ctx.s_coords[r, 0][0]
+                query, head = packed // group, head_kv * group + packed % group
+                if ctx.tidx % 4 == 0 and query < seq.seqlen_q:
+                    if num_splits == 1:
+                        mLSE[batch, head, query] = lse
+                    else:
+                        mLSEacc[split, batch, head, query] = lse
+            self.share_rows(ctx, row_factor, inv_sums)
+        cute.arch.sync_threads()
+        inv_sums = self.shared_rows(ctx, row_factor)
+        o_mn = mma.rows_cols(ctx.acc_o)
+        for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
+            packed = m_block * self.tile_m + ctx.o_coords[r, 0][0]
+            query, head = packed // group, head_kv * group + packed % group
+            if query < seq.seqlen_q:
+                if num_splits == 1:
+                    for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
+                        mO[batch, query, head, ctx.o_coords[r, c][1]] = (o_mn[r, c] * inv_sums[r]).to(mO.element_type)
+                else:
+                    for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
+                        mOacc[split, batch, query, head, ctx.o_coords[r, c][1]] = o_mn[r, c] * inv_sums[r]

@@ -1,0 +1,321 @@
+"""MLA decode (flash-attn 3's qv): the float reference, the arguments refused on the CPU, and on the
+GPU the kernel (M1) against the reference: dense and paged caches, 1 to n splits, ragged and empty
+sequences, causal speculative queries, 16 and 128 heads, vLLM's call on views of one 576-wide cache,
+appends, a CUDA graph replayed with new lengths.
+
+The cache rows past each sequence hold NaN (K and V), so that a kernel reading or weighting them
+fails; pages are permuted.
+"""
+
+import math
+
+import pytest
+import torch
+
+import fa3
+from conftest import raises_with, rel_err
+
+gpu = pytest.mark.gpu
+D, DV = 64, 512  # the rotary part (q, k) and the latent (qv, v): DeepSeek-V2/V3
+TOL = 1.5e-2
+
+
+def mla_reference(q, qv, k, v, lens, causal, scale=None):
+    """(out, lse) in float64 of MLA decode over dense caches: q (batch, seqlen_q, heads_q, d), qv
+    (..., d_v), k (batch, capacity, heads_kv, d), v (..., d_v); entry b sees its first lens[b] keys,
+    scores (q k^T + qv v^T) * scale (default 1 / sqrt(d + d_v)), causal aligned to the bottom right,
+    out = softmax(S) v. Rows that see no key: out 0, lse -inf. lse (batch, heads_q, seqlen_q)."""
+    batch, seqlen_q, heads_q, d = q.shape
+    d_v = qv.shape[-1]
+    group = heads_q // k.shape[2]
+    scale = 1.0 / math.sqrt(d + d_v) if scale is None else scale
+    out = torch.zeros(batch, seqlen_q, heads_q, d_v, dtype=torch.float64, device=q.device)
+    lse = torch.full((batch, heads_q, seqlen_q), float("-inf"), dtype=torch.float64, device=q.device)
+    for b, n in enumerate(lens):
+        kb = k[b, :n].double().repeat_interleave(group, dim=1)  # (n, heads_q, d)
+        vb = v[b, :n].double().repeat_interleave(group, dim=1)
+        s = (torch.einsum("qhd,khd->hqk", q[b].double(), kb) + torch.einsum("qhd,khd->hqk", qv[b].double(), vb)) * scale
+        if causal:
+            visible = torch.arange(n, device=q.device)[None, :] <= torch.arange(seqlen_q, device=q.device)[:, None] + n - seqlen_q
+            s = s.masked_fill(~visible, float("-inf"))
+        row_lse = torch.logsumexp(s, dim=-1)  # (heads_q, seqlen_q)
+        p = torch.exp(s - row_lse[..., None]).nan_to_num(0.0)  # (rows with no key: 0)
+        out[b] = torch.einsum("hqk,khd->qhd", p, vb)
+        lse[b] = row_lse
+    return out, lse
+
+
+def test_reference_is_attention_over_concatenated_heads():
+    """The reference is attention with q and qv concatenated against [k, v] as keys and v as values
+    (what absorbed MLA computes), over each sequence's first lens[b] keys, causal."""
+    g = torch.Generator().manual_seed(0)
+    q, qv = torch.randn(2, 3, 4, 8, generator=g), torch.randn(2, 3, 4, 16, generator=g)
+    k, v = torch.randn(2, 10, 1, 8, generator=g), torch.randn(2, 10, 1, 16, generator=g)
+    out, lse = mla_reference(q, qv, k, v, [10, 5], True, scale=0.3)
+    for b, n in enumerate([10, 5]):
+        keys = torch.cat([k[b:b + 1, :n], v[b:b + 1, :n]], -1).double().expand(1, n, 4, 24)
+        ref, ref_lse = fa3.reference.attention_reference(torch.cat([q, qv], -1)[b:b + 1].double(), keys,
+                                                         v[b:b + 1, :n].double().expand(1, n, 4, 16), True,
+                                                         softmax_scale=0.3, dtype=torch.float64)
+        assert torch.allclose(out[b:b + 1], ref.double()) and torch.allclose(lse[b:b + 1], ref_lse.double())
+
+
+# ----------------------------------------------------------------------------- arguments (CPU)
+def _mla_args(batch=2, seqlen_q=1, heads=16, page_size=64, pages=4, dtype=torch.bfloat16, heads_kv=1):
+    q = torch.randn(batch, seqlen_q, heads, D, dtype=dtype)
+    qv = torch.randn(batch, seqlen_q, heads, DV, dtype=dtype)
+    k_cache = torch.randn(pages, page_size, heads_kv, D, dtype=dtype)
+    v_cache = torch.randn(pages, page_size, heads_kv, DV, dtype=dtype)
+    table = torch.arange(batch * 2, dtype=torch.int32).view(batch, 2) % pages
+    lens = torch.tensor([5, 70][:batch], dtype=torch.int32)
+    return dict(q=q, qv=qv, k_cache=k_cache, v_cache=v_cache, cache_seqlens=lens, block_table=table)
+
+
+def test_qv_reaches_the_device_check():
+    """A valid MLA call on CPU tensors gets as far as the device check."""
+    raises_with(fa3.attention_with_kvcache, ValueError, "cpu", **_mla_args(), causal=True)
+
+
+@pytest.mark.parametrize("change, exc, words", [
+    (lambda a: a.update(qv=a["qv"][..., :256]), ValueError, ("qv has head_dim 256", "v_cache has 512")),
+    (lambda a: a.update(qv=a["qv"][:, :, :8]), ValueError, ("qv", "must match q")),
+    (lambda a: a.update(qv=a["qv"].half()), TypeError, ("qv", "dtype")),
+    (lambda a: a.update(k_cache=a["k_cache"][..., :32].contiguous(), q=a["q"][..., :32].contiguous()),
+     NotImplementedError, ("head dims 32 and 512", "64", "512")),
+    (lambda a: a.update(k_cache=a["k_cache"][:, :32], v_cache=a["v_cache"][:, :32]), NotImplementedError,
+     ("pages of 32 rows", "multiple of 64")),
+    (lambda a: a.update(k_cache=a["k_cache"].to(torch.float8_e4m3fn), v_cache=a["v_cache"].to(torch.float8_e4m3fn)),
+     NotImplementedError, ("FP8",)),
+    (lambda a: a.update(q=a["q"][:, :, :15], qv=a["qv"][:, :, :15],
+                        k_cache=torch.randn(4, 64, 2, D, dtype=torch.bfloat16),
+                        v_cache=torch.randn(4, 64, 2, DV, dtype=torch.bfloat16)), ValueError, ("heads_q=15", "heads_kv=2")),
+    (lambda a: a.update(v_cache=a["v_cache"][:, :, :, :DV - 8]), ValueError, ("v_cache has 504",)),
+    (lambda a: a.update(kernel="s1"), ValueError, ("kernel='s1'", "MLA rung", "m1")),
+    (lambda a: a.update(window_size=(128, 0)), NotImplementedError, ("window_size=(128, 0)", "qv")),
+    (lambda a: a.update(softcap=30.0), NotImplementedError, ("softcap=30.0",)),
+    (lambda a: a.update(sinks=torch.zeros(16)), NotImplementedError, ("sinks",)),
+    (lambda a: a.update(k_descale=torch.ones(1)), NotImplementedError, ("k_descale", "FP8")),
+    (lambda a: a.update(k=torch.randn(2, 1, 1, D, dtype=torch.bfloat16)), ValueError, ("both k and v",)),
+    (lambda a: a.update(k=torch.randn(2, 1, 1, D, dtype=torch.bfloat16), v=torch.randn(2, 1, 1, D, dtype=torch.bfloat16)),
+     ValueError, ("k and v must be", "512")),
+])
+def test_mla_refuses_bad_arguments(change, exc, words):
+    """Each bad MLA argument is refused with a message naming it (and the fix), before the device."""
+    args = _mla_args()
+    change(args)
+    raises_with(fa3.attention_with_kvcache, exc, *words, **args)
+
+
+def test_qv_needs_a_cache():
+    """qv without a KV cache is refused by attention_varlen and by flash_attn_func, naming where it
+    applies."""
+    q, qv = torch.randn(16, 2, D, dtype=torch.bfloat16), torch.randn(16, 2, DV, dtype=torch.bfloat16)
+    k, v = torch.randn(16, 1, D, dtype=torch.bfloat16), torch.randn(16, 1, DV, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 16], dtype=torch.int32)
+    raises_with(fa3.attention_varlen, ValueError, "qv", "KV cache", "seqused_k", q=q, k=k, v=v, cu_seqlens_q=cu,
+                cu_seqlens_k=cu, qv=qv)
+    raises_with(fa3.flash_attn_func, NotImplementedError, "qv", "KV cache", q=q[None], k=k[None], v=v[None],
+                qv=qv[None])
+
+
+def test_packed_qv_must_be_uniform():
+    """Packed queries under qv: every entry must hold max_seqlen_q queries (the kernel reads them as
+    (batch, max_seqlen_q)); vLLM's decode call (max_seqlen_q = 1) passes the check."""
+    a = _mla_args()
+    q, qv = a["q"].flatten(0, 1), a["qv"].flatten(0, 1)  # (2, 16, d): one query per entry
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32)
+    call = dict(q=q, k=a["k_cache"], v=a["v_cache"], cu_seqlens_q=cu, seqused_k=a["cache_seqlens"],
+                block_table=a["block_table"], qv=qv, causal=True)
+    raises_with(fa3.attention_varlen, ValueError, "cpu", **call, max_seqlen_q=1)
+    raises_with(fa3.attention_varlen, NotImplementedError, "total_q=2", "batch=2", "max_seqlen_q=3", **call,
+                max_seqlen_q=3)
+    # flash-attn 3's name and vLLM's (q_v), not both
+    fc = dict(q=q, k=a["k_cache"], v=a["v_cache"], cu_seqlens_q=cu, max_seqlen_q=1, seqused_k=a["cache_seqlens"],
+              block_table=a["block_table"], causal=True)
+    raises_with(fa3.flash_attn_varlen_func, ValueError, "cpu", **fc, q_v=qv)
+    raises_with(fa3.flash_attn_varlen_func, ValueError, "cpu", **fc, qv=qv)
+    raises_with(fa3.flash_attn_varlen_func, ValueError, "qv given twice", **fc, qv=qv, q_v=qv)
+    raises_with(fa3.flash_attn_with_kvcache, ValueError, "cpu", q=a["q"], k_cache=a["k_cache"], v_cache=a["v_cache"],
+                cache_seqlens=a["cache_seqlens"], block_table=a["block_table"], qv=a["qv"], causal=True)
+
+
+def test_mla_out_is_checked(no_device_check):
+    """out= under qv has v's head dim."""
+    args = _mla_args()
+    raises_with(fa3.attention_with_kvcache, ValueError, "out", "(2, 1, 16, 512)", **args,
+                out=torch.empty(2, 1, 16, D, dtype=torch.bfloat16))
+
+
+def test_scheduler_metadata_takes_mla_dims():
+    """get_scheduler_metadata with headdim_v != headdim: MLA's 64 / 512 only (planned on the GPU)."""
+    lens = torch.zeros(2, dtype=torch.int32)
+    raises_with(fa3.get_scheduler_metadata, ValueError, "headdim_v=512", "MLA", batch_size=2, max_seqlen_q=1,
+                max_seqlen_k=128, num_heads_q=16, num_heads_kv=1, headdim=128, cache_seqlens=lens, headdim_v=512)
+    meta = fa3.get_scheduler_metadata(2, 1, 128, 16, 1, D, lens, headdim_v=DV, num_splits=4)
+    assert meta.tolist() == [4]
+
+
+def test_mla_split_plan():
+    """The split count from host integers (132 SMs): a batch that fills the SMs is not split; a
+    short batch splits to fill them, each split keeping 8 key blocks of a 64-row tile (4 of a
+    16-row one); max_splits caps the plan (vLLM's num_splits=16), num_splits is taken as given."""
+    from fa3 import registry
+    from fa3.cache.split_plan import plan_mla_splits
+
+    m1 = registry.get("m1")
+    plan = lambda batch, heads, keys, n=0, seqlen_q=1: plan_mla_splits(m1, batch, seqlen_q, heads, 1, keys, 132, n)
+    assert plan(128, 128, 1024) == plan(128, 16, 1024) == 1
+    assert plan(1, 128, 32768) == plan(1, 16, 32768) == 64 and plan(1, 128, 32768, -16) == 16
+    assert plan(4, 128, 1024) == 2 and plan(4, 16, 1024) == 4  # 16 blocks: 8 (64 rows), 4 (16 rows) a split
+    assert plan(16, 16, 8192) == 8 and plan(16, 16, 8192, 3) == 3 and plan(2, 16, 512, seqlen_q=4) == 1
+
+
+# ----------------------------------------------------------------------------- GPU
+def make_mla_cache(batch, capacity, heads_kv, lens, page_size, gen, fused=False):
+    """Dense (batch, capacity, heads_kv, d / d_v) bf16 k and v with NaN past each length, and the
+    cache the call reads: the same (dense), or permuted pages with a block table. fused: the pages
+    as vLLM holds them, one (pages, page_size, d_v + d) tensor, v = [..., :d_v] and k = [..., d_v:]
+    (heads_kv 1). Returns (k_dense, v_dense, k_cache, v_cache, table)."""
+    k = torch.randn(batch, capacity, heads_kv, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(batch, capacity, heads_kv, DV, device="cuda", dtype=torch.bfloat16, generator=gen)
+    for b, n in enumerate(lens):
+        k[b, n:] = float("nan")
+        v[b, n:] = float("nan")
+    if page_size is None:
+        return k, v, k, v, None
+    per_seq = capacity // page_size
+    perm = torch.randperm(batch * per_seq, device="cuda", generator=gen)
+    table = perm.view(batch, per_seq).to(torch.int32)
+    if fused:
+        assert heads_kv == 1
+        cache = torch.empty(batch * per_seq, page_size, DV + D, device="cuda", dtype=torch.bfloat16)
+        cache[perm] = torch.cat([v, k], -1).view(batch * per_seq, page_size, DV + D)
+        return k, v, cache[..., DV:].unsqueeze(-2), cache[..., :DV].unsqueeze(-2), table
+    pages_k = torch.empty(batch * per_seq, page_size, heads_kv, D, device="cuda", dtype=torch.bfloat16)
+    pages_v = torch.empty(batch * per_seq, page_size, heads_kv, DV, device="cuda", dtype=torch.bfloat16)
+    pages_k[perm] = k.view(batch * per_seq, page_size, heads_kv, D)
+    pages_v[perm] = v.view(batch * per_seq, page_size, heads_kv, DV)
+    return k, v, pages_k, pages_v, table
+
+
+def check(out, lse, ref_o, ref_lse, what):
+    assert not out.isnan().any(), f"{what}: NaN"
+    assert rel_err(out, ref_o) < TOL, f"{what}: {rel_err(out, ref_o)}"
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite), f"{what}: empty rows differ"
+    assert torch.allclose(lse[finite].double(), ref_lse[finite], atol=1e-2, rtol=1e-3), what
+
+
+CASES = [  # (batch, seqlen_q, heads_q, heads_kv, capacity, lens)
+    (4, 1, 16, 1, 1024, [0, 1, 300, 1024]),  # an empty sequence, one key, ragged, full
+    (3, 1, 128, 1, 2048, [2000, 64, 129]),  # two Q tiles
+    (2, 4, 16, 1, 512, [4, 500]),  # causal speculative verify: 4 queries x 16 heads in one tile
+    (2, 2, 64, 2, 512, [100, 512]),  # heads_kv 2
+]
+
+
+@gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("page_size", [None, 64, 128], ids=["dense", "page64", "page128"])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_mla_matches_reference(case, page_size, causal):
+    batch, sq, hq, hkv, capacity, lens = CASES[case]
+    gen = torch.Generator(device="cuda").manual_seed(case * 10 + (page_size or 0))
+    k_dense, v_dense, k_cache, v_cache, table = make_mla_cache(batch, capacity, hkv, lens, page_size, gen)
+    q = torch.randn(batch, sq, hq, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    qv = torch.randn(batch, sq, hq, DV, device="cuda", dtype=torch.bfloat16, generator=gen)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    ref_o, ref_lse = mla_reference(q, qv, k_dense, v_dense, lens, causal)
+    for splits in (1, 3, 0):
+        out, lse = fa3.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table, qv=qv,
+                                              causal=causal, num_splits=splits, return_lse=True)
+        assert out.shape == (batch, sq, hq, DV)
+        check(out, lse, ref_o, ref_lse, f"num_splits={splits}")
+
+
+@gpu
+@pytest.mark.parametrize("heads", [16, 128])
+def test_vllm_call_on_one_cache(heads):
+    """vLLM's FlashAttention MLA decode: flash_attn_varlen_func(q=q_pe, k=k_pe view, v=latent view of
+    one (pages, 64, 576) cache, q_v=q_nope, cu_seqlens_q, max_seqlen_q=1, seqused_k, block_table,
+    causal, num_splits=16 as a cap, scheduler_metadata), with its softmax_scale; out= preallocated."""
+    batch, capacity, lens = 5, 4096, [4096, 1, 777, 3000, 64]
+    gen = torch.Generator(device="cuda").manual_seed(heads)
+    k_dense, v_dense, k_cache, v_cache, table = make_mla_cache(batch, capacity, 1, lens, 64, gen, fused=True)
+    assert k_cache.untyped_storage().data_ptr() == v_cache.untyped_storage().data_ptr()
+    q = torch.randn(batch, heads, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    qv = torch.randn(batch, heads, DV, device="cuda", dtype=torch.bfloat16, generator=gen)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    cu = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    scale = 192 ** -0.5
+    meta = fa3.get_scheduler_metadata(batch, 1, capacity, heads, 1, D, seqlens, headdim_v=DV, page_size=64,
+                                      causal=True)
+    out = torch.empty(batch, heads, DV, device="cuda", dtype=torch.bfloat16)
+    got, lse = fa3.flash_attn_varlen_func(q=q, k=k_cache, v=v_cache, q_v=qv, cu_seqlens_q=cu, max_seqlen_q=1,
+                                          max_seqlen_k=capacity, seqused_k=seqlens, block_table=table,
+                                          softmax_scale=scale, causal=True, return_softmax_lse=True,
+                                          scheduler_metadata=meta, num_splits=16, out=out, fa_version=3)
+    ref_o, ref_lse = mla_reference(q[:, None], qv[:, None], k_dense, v_dense, lens, True, scale)
+    assert got is out and lse.shape == (heads, batch)
+    check(out[:, None], lse.T[:, :, None], ref_o, ref_lse, "vLLM's call")
+
+
+@gpu
+def test_packed_speculative_queries():
+    """Packed queries, 3 a sequence (a speculative verify): attention_varlen over the cache equals
+    the (batch, seqlen_q) call."""
+    batch, sq, hq, lens = 3, 3, 16, [50, 3, 1000]
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    k_dense, v_dense, k_cache, v_cache, table = make_mla_cache(batch, 1024, 1, lens, 64, gen)
+    q = torch.randn(batch, sq, hq, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    qv = torch.randn(batch, sq, hq, DV, device="cuda", dtype=torch.bfloat16, generator=gen)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    cu = torch.arange(0, batch * sq + 1, sq, dtype=torch.int32, device="cuda")
+    out, lse = fa3.attention_varlen(q.flatten(0, 1), k_cache, v_cache, cu, None, sq, None, block_table=table,
+                                    seqused_k=seqlens, qv=qv.flatten(0, 1), causal=True, return_lse=True)
+    ref_o, ref_lse = mla_reference(q, qv, k_dense, v_dense, lens, True)
+    check(out.view(batch, sq, hq, DV), lse.view(hq, batch, sq).permute(1, 0, 2), ref_o, ref_lse, "packed")
+
+
+@gpu
+def test_append_then_attend():
+    """New k (64 wide) and v (512 wide) are written into the paged cache at cache_seqlens before the
+    kernel reads them (an empty sequence included)."""
+    batch, lens, new = 3, [0, 64, 300], 2
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    k_dense, v_dense, k_cache, v_cache, table = make_mla_cache(batch, 512, 1, lens, 64, gen)
+    k_new = torch.randn(batch, new, 1, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v_new = torch.randn(batch, new, 1, DV, device="cuda", dtype=torch.bfloat16, generator=gen)
+    for b, n in enumerate(lens):
+        k_dense[b, n:n + new], v_dense[b, n:n + new] = k_new[b], v_new[b]
+    q = torch.randn(batch, new, 128, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    qv = torch.randn(batch, new, 128, DV, device="cuda", dtype=torch.bfloat16, generator=gen)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    out, lse = fa3.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens, block_table=table,
+                                          qv=qv, causal=True, return_lse=True)
+    ref_o, ref_lse = mla_reference(q, qv, k_dense, v_dense, [n + new for n in lens], True)
+    check(out, lse, ref_o, ref_lse, "append")
+
+
+@gpu
+def test_cuda_graph_replays_new_lengths():
+    """A decode step captured once replays with new lengths and pages (planned from shapes: no host
+    read of the lengths)."""
+    batch, capacity = 8, 2048
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    lens = [2048, 1, 100, 0, 1500, 64, 65, 700]
+    k_dense, v_dense, k_cache, v_cache, table = make_mla_cache(batch, capacity, 1, lens, 64, gen)
+    q = torch.randn(batch, 1, 128, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    qv = torch.randn(batch, 1, 128, DV, device="cuda", dtype=torch.bfloat16, generator=gen)
+    seqlens = torch.ones(batch, dtype=torch.int32, device="cuda")
+    call = lambda: fa3.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table, qv=qv,
+                                               causal=True, num_splits=16)
+    call()  # compiled and planned outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    seqlens.copy_(torch.tensor(lens, dtype=torch.int32))
+    graph.replay()
+    ref_o, _ = mla_reference(q, qv, k_dense, v_dense, lens, True)
+    assert rel_err(out, ref_o) < TOL
