@@ -145,7 +145,7 @@ def attention_kernel(spec, dtype, head_dim: int, mask: masking.Masking, device, 
                                 mask.local, mask.softcap, sinks is not None, head_dim_v, short, mods,
                                 len(block_lists or ()))
     if mods is not None and mods.score_mod is not None:
-        mask = mask._replace(scale_log2=masking.LOG2E, softcap_scale=mask.scale_log2 / masking.LOG2E)
+        mask = masking.for_score_mod(mask)
     lead = [mask.scale_log2] + ([_checks.HOPPER_SMS[device]] if spec.persistent else [])
     tail = []
     if spec.variants:

@@ -22,6 +22,7 @@ import math
 import torch
 
 from . import _checks, _dispatch, _launch, masking, varlen_checks
+from . import mods as _mods
 from .compile import builders as _compile
 from .kernels import config
 
@@ -168,6 +169,19 @@ def dense_gradients(spec, causal: bool, scale: float, deterministic: bool, windo
     return gradients
 
 
+def mods_gradients(spec, score_mod, mask_mod, causal: bool, scale: float, deterministic: bool, window,
+                   softcap: float):
+    """DifferentiableAttention's `gradients` for fa3.attention with a score and/or mask mod (the
+    flex form of backward rung spec, kernels/bwd_ws.FlexBackward): the mods are taken for the
+    backward when it runs (fa3.mods.Mods(backward=True), which refuses a score mod without its
+    derivative, naming what to provide)."""
+    def gradients(dout, q, k, v, out, lse):
+        mods = _mods.Mods(score_mod, mask_mod, backward=True)
+        return launch_attention_backward(spec, dout, q, k, v, out, lse, causal, scale, deterministic, window,
+                                         softcap, mods=mods)[:3]
+    return gradients
+
+
 def packed_gradients(spec, cu_seqlens_q, cu_seqlens_k, causal: bool, scale: float, deterministic: bool, window,
                      softcap: float):
     """DifferentiableAttention's `gradients` for a packed batch (fa3.attention_varlen's layout)."""
@@ -187,11 +201,13 @@ def _fragment_dq(spec) -> bool:
 
 
 def launch_attention_backward(spec, dout, q, k, v, out, lse, causal: bool, scale: float,
-                              deterministic: bool, window=(-1, -1), softcap: float = 0.0, sinks=None):
+                              deterministic: bool, window=(-1, -1), softcap: float = 0.0, sinks=None,
+                              mods=None):
     """(dq, dk, dv, dsinks) for rung `spec`: preprocess (D, LSE * log2 e), the main kernel (dK, dV
     per query head; dQ summed in FP32), postprocess (dQ * scale -> dtype; GQA: dK/dV from the FP32
     sums the kernel added, or, deterministic, summed over each group from one FP32 slice per query
-    head); dsinks: sink_grad, or (0,) without sinks.
+    head); dsinks: sink_grad, or (0,) without sinks. `mods`: None, or fa3.mods.Mods(backward=True)
+    (the main kernel's flex form).
     The body of the fa3::attention_backward op: arguments are validated already."""
     dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     if dq.numel() == 0 or k.shape[1] == 0:  # nothing to differentiate, or no key: all gradients 0
@@ -205,7 +221,7 @@ def launch_attention_backward(spec, dout, q, k, v, out, lse, causal: bool, scale
     # accumulator)
     dsinks = _run(spec, cfg, dout, q, k, v, out, lse, dq, dk, dv, causal, scale, deterministic, window,
                   softcap, stat_rows=q_tiles * tile_m + (-tile_m) % 64, dq_rows=q_tiles * tile_m,
-                  lock_tiles=q_tiles, sinks=sinks)
+                  lock_tiles=q_tiles, sinks=sinks, mods=mods)
     return dq, dk, dv, dsinks
 
 
@@ -232,12 +248,13 @@ def launch_varlen_backward(spec, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqle
 
 
 def _run(spec, cfg, dout, q, k, v, out, lse, dq, dk, dv, causal, scale, deterministic, window, softcap,
-         stat_rows: int, dq_rows: int, lock_tiles: int, cu_seqlens=None, sinks=None):
+         stat_rows: int, dq_rows: int, lock_tiles: int, cu_seqlens=None, sinks=None, mods=None):
     """Preprocess, main kernel and postprocess into dq, dk, dv, all in the 4-D (batch, seqlen,
     heads, d) layout; `cfg`: the rung's configuration at this head dim (config.backward_config);
     `stat_rows`, `dq_rows`, `lock_tiles`: the extents of the FP32 statistics, the dQ accumulator
-    and the deterministic counters per (batch, head). Returns dsinks (sink_grad), or a (0,) tensor
-    without sinks."""
+    and the deterministic counters per (batch, head); `mods`: the flex form's (its captured
+    tensors one more argument; a score mod's scales as the forward's, masking.for_score_mod).
+    Returns dsinks (sink_grad), or a (0,) tensor without sinks."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv, head_dim_v = k.shape[1], k.shape[2], v.shape[-1]
     value_dim = None if head_dim_v == head_dim else head_dim_v  # (the compile key's head_dim_v)
@@ -280,9 +297,14 @@ def _run(spec, cfg, dout, q, k, v, out, lse, dq, dk, dv, causal, scale, determin
             lock = _NO_LOCK[device] = torch.zeros(1, 1, 1, dtype=torch.int32, device=device)
     mask = masking.masking(causal, window, softcap, scale)  # as the forward saw the scores
     fn = _compile.get_backward(spec, dtype, head_dim, mask.causal, bool(deterministic), gqa, mask.local,
-                               mask.softcap, packed, value_dim)
+                               mask.softcap, packed, value_dim, mods)
+    aux = ()
+    if mods is not None:  # (mods that capture no tensor: a stand-in, as the kernel's signature has)
+        aux = (mods.aux(device) or (_launch.stand_in(device),),)
+        if mods.score_mod is not None:
+            mask = masking.for_score_mod(mask)
     fn(q, k, v, dout, lse2, dsum, dq_acc, dk_h, dv_h, lock, mask.scale_log2, scale, mask.left,
-       mask.right, mask.softcap_scale, cu_q, cu_k)
+       mask.right, mask.softcap_scale, cu_q, cu_k, *aux)
     if fragment_dq:
         _compile.get_backward_postprocess(spec, dtype, head_dim, cu_seqlens is not None)(dq_acc, dq, scale, cu_q)
     else:

@@ -25,7 +25,13 @@ torch's flex_attention can take them too:
     score mods: alibi(slopes), softcap(cap), relative_bias(table, max_distance)
     mask mods:  causal, sliding_window(window), document(doc_ids), prefix_lm(prefix_length)
 `causal` here is flex attention's, aligned to the top left (q_idx >= kv_idx), not fa3.attention's
-bottom-right `causal=True`. Forward only, eager, 16-bit inputs.
+bottom-right `causal=True`. Eager, 16-bit inputs.
+
+Gradients: q, k and v that require grad are differentiated by the backward rungs' flex form (the
+mods recomputed, fa3.mods: a score mod carries its derivative, `score_mod_grad`; the library's do;
+captured tables get no gradient). With a block_mask both passes then apply its mask_mod densely
+(the backward does not walk block lists yet): its blocks are not skipped, and a BlockMask without
+a mask_mod of its own is refused there.
 """
 
 from __future__ import annotations
@@ -114,6 +120,7 @@ def alibi(slopes: torch.Tensor):
     """ALiBi: score + slopes[h] * (kv_idx - q_idx); slopes (heads_q,) float32 (alibi_slopes)."""
     def alibi_bias(score, b, h, q_idx, kv_idx):
         return score + slopes[h] * to_float(kv_idx - q_idx)
+    alibi_bias.score_mod_grad = 1.0  # a bias: d/d score = 1 (fa3/mods.py)
     return alibi_bias
 
 
@@ -131,6 +138,11 @@ def softcap(cap: float):
 
     def softcap_score(score, b, h, q_idx, kv_idx):
         return cap * tanh(score * (1.0 / cap))
+
+    def softcap_grad(out, b, h, q_idx, kv_idx):  # d/d score of cap * tanh(score / cap), from its output
+        t = out * (1.0 / cap)
+        return 1.0 - t * t
+    softcap_score.score_mod_grad = softcap_grad
     return softcap_score
 
 
@@ -145,6 +157,7 @@ def relative_bias(table: torch.Tensor, max_distance: int):
 
     def relative_bias_score(score, b, h, q_idx, kv_idx):
         return score + table[h, clamp(kv_idx - q_idx, -max_distance, max_distance) + max_distance]
+    relative_bias_score.score_mod_grad = 1.0  # a bias (the table gets no gradient)
     return relative_bias_score
 
 
@@ -160,7 +173,8 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     blocks (head_dim 64/96/128, BLOCK_SIZE 128; d192/d256: its mask_mod applied everywhere, this
     module's docstring); scale: default 1/sqrt(head_dim). Returns out (batch, heads_q, seqlen_q,
     head_dim_v), and with return_lse the float32 natural-log LSE (batch, heads_q, seqlen_q); rows
-    that see no key give 0 and -inf. Forward only."""
+    that see no key give 0 and -inf. Differentiable in query, key and value (the module
+    docstring)."""
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a 4-D tensor (batch, heads, seqlen, head_dim), got "
@@ -171,6 +185,10 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     mask_mod, block_lists = None, None
     if block_mask is not None:
         mask_mod, block_lists = block_mask_plan(block_mask, query, key, kernel)
+        if block_lists is not None and torch.is_grad_enabled() and \
+                any(t.requires_grad for t in (query, key, value)):
+            # the backward walks no block lists yet: both passes apply the BlockMask's mask_mod densely
+            mask_mod, block_lists = _own_mask_mod(block_mask.mask_mod, gradients=True), None
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     out, lse = interface.attention_with_mods(q, k, v, score_mod, mask_mod, softmax_scale=scale, kernel=kernel,
                                              block_lists=block_lists)
@@ -221,12 +239,13 @@ def _is_noop(mod) -> bool:
     return mod is None or getattr(mod, "__name__", "") == "noop_mask"
 
 
-def _own_mask_mod(mod):
+def _own_mask_mod(mod, gradients: bool = False):
     """The mask_mod of a BlockMask applied densely: refused where it has none of its own."""
     if _is_noop(mod):
-        raise ValueError("block_mask has no mask_mod of its own (BlockMask.from_kv_blocks' default): at this "
-                         "head dim fa3 applies a block mask through its mask_mod, and does not read its block "
-                         "lists alone; build it with create_block_mask(mask_mod, ...)")
+        where = "with gradients" if gradients else "at this head dim"
+        raise ValueError(f"block_mask has no mask_mod of its own (BlockMask.from_kv_blocks' default): {where} "
+                         f"fa3 applies a block mask through its mask_mod, and does not read its block lists alone; "
+                         f"build it with create_block_mask(mask_mod, ...)")
     return mod
 
 
@@ -251,24 +270,25 @@ def block_mask_mod(block_mask, seqlen_q: int, seqlen_kv: int, batch: int, heads:
     return block_mask.mask_mod
 
 
-def reference(query, key, value, score_mod=None, mask_mod=None, scale=None):
-    """(out, lse) of flex attention in float64 over materialized scores, the mods applied to
-    broadcast index tensors on query's device: what the GPU tests compare fa3 with. Layout and
-    GQA as flex_attention; rows that see no key give 0 and -inf."""
+def reference(query, key, value, score_mod=None, mask_mod=None, scale=None, dtype=torch.float64):
+    """(out, lse) of flex attention in `dtype` (float64: the exact values; the inputs' dtype: what
+    rounding alone costs) over materialized scores, the mods applied to broadcast index tensors on
+    query's device: what the GPU tests compare fa3 with, differentiable (torch.autograd) in query,
+    key and value. Layout and GQA as flex_attention; rows that see no key give 0 and -inf."""
     batch, heads, seqlen_q, d = query.shape
     seqlen_kv = key.shape[2]
     group = heads // key.shape[1]
-    k = key.double().repeat_interleave(group, dim=1)
-    v = value.double().repeat_interleave(group, dim=1)
+    k = key.to(dtype).repeat_interleave(group, dim=1)
+    v = value.to(dtype).repeat_interleave(group, dim=1)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    scores = torch.einsum("bhqd,bhkd->bhqk", query.double(), k) * scale
+    scores = torch.einsum("bhqd,bhkd->bhqk", query.to(dtype), k) * scale
     dev = query.device
     b = torch.arange(batch, device=dev).view(-1, 1, 1, 1)
     h = torch.arange(heads, device=dev).view(1, -1, 1, 1)
     q_idx = torch.arange(seqlen_q, device=dev).view(1, 1, -1, 1)
     kv_idx = torch.arange(seqlen_kv, device=dev).view(1, 1, 1, -1)
     if score_mod is not None:
-        scores = score_mod(scores, b, h, q_idx, kv_idx).double().expand_as(scores)
+        scores = score_mod(scores, b, h, q_idx, kv_idx).to(dtype).expand_as(scores)
     if mask_mod is not None:
         keep = torch.as_tensor(mask_mod(b, h, q_idx, kv_idx), device=dev).expand_as(scores)
         scores = scores.masked_fill(~keep, float("-inf"))

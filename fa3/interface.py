@@ -17,6 +17,7 @@ from . import _checks, _dispatch, _launch, backward, fp8, index_checks, kvcache,
 from . import mods as _mods
 from ._checks import check_attention
 from ._memo import BoundedMemo
+from .kernels import config
 
 
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
@@ -66,8 +67,10 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
         tensors are kernel arguments, captured numbers compile-time constants). The score mod sees
         softmax_scale * q k^T; the mask mod hides the scores it returns False for, on top of
         causal / window_size; rows that see no key give 0 and lse = -inf. h is the query head, the
-        indices are positions in the sequences. Forward only for now (inputs that require grad are
-        refused), eager only (not under torch.compile), 16-bit q/k/v; a score mod excludes softcap
+        indices are positions in the sequences. Differentiable in q, k, v on the backward rungs
+        b2-b9 (the mods recomputed there; a score mod must carry its derivative,
+        `score_mod.score_mod_grad`, fa3.mods; captured tensors get no gradient; not with sinks or
+        out=). Eager only (not under torch.compile), 16-bit q/k/v; a score mod excludes softcap
         (fa3.flex.softcap is the mod).
 
     Differentiable in q, k, v and sinks (whichever require grad), through torch.autograd, torch.compile
@@ -83,7 +86,8 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     if score_mod is not None or mask_mod is not None:
         out, lse = attention_with_mods(q, k, v, score_mod, mask_mod, causal=causal, softmax_scale=softmax_scale,
                                        window_size=window_size, softcap=softcap, kernel=kernel, out=out,
-                                       sinks=sinks, fp8=(q_descale, k_descale, v_descale))
+                                       sinks=sinks, fp8=(q_descale, k_descale, v_descale),
+                                       deterministic=deterministic, backward_kernel=backward_kernel)
         return (out, lse) if return_lse else out
     # a plain call like one that ran before: its launch is prepared (prepare_plain)
     plain = sinks is None and kernel is None and not softcap and q_descale is None \
@@ -163,10 +167,12 @@ MODS_RUNG = "k5.5"  # the rung a call with mods runs on unless it names another 
 
 def attention_with_mods(q, k, v, score_mod, mask_mod, *, causal=False, softmax_scale=None,
                         window_size=(-1, -1), softcap=0.0, kernel=None, out=None, sinks=None,
-                        fp8=(None, None, None), block_lists=None):
-    """fa3.attention with a score mod and/or a mask mod: checked, then K5's flex form (forward
-    only, eager). `block_lists`: None, or a BlockMask's int32 lists, checked by fa3.flex (the
-    block-sparse kernel: no causal, window or softcap then). Returns (out, lse)."""
+                        fp8=(None, None, None), block_lists=None, deterministic=False, backward_kernel=None):
+    """fa3.attention with a score mod and/or a mask mod: checked, then K5's flex form (eager). With
+    q, k or v requiring grad, through DifferentiableAttention: the backward rung's flex form
+    recomputes the modded scores (fa3.backward.mods_gradients; not with block_lists, sinks or out=).
+    `block_lists`: None, or a BlockMask's int32 lists, checked by fa3.flex (the block-sparse
+    kernel: no causal, window or softcap then). Returns (out, lse)."""
     if any(x is not None for x in fp8) or q.dtype == torch.float8_e4m3fn:
         raise NotImplementedError("score_mod / mask_mod take 16-bit q, k, v (FP8 is not supported)")
     if score_mod is not None and softcap:
@@ -174,9 +180,9 @@ def attention_with_mods(q, k, v, score_mod, mask_mod, *, causal=False, softmax_s
     if _dispatch.tracing():
         raise NotImplementedError("score_mod / mask_mod run eagerly only for now (not under torch.compile "
                                   "or torch.export)")
-    if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v, sinks)):
-        raise NotImplementedError("score_mod / mask_mod are forward only for now: q, k, v (and sinks) must "
-                                  "not require grad (call under torch.no_grad(), or detach them)")
+    needs_grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v))
+    if needs_grad:
+        _check_mods_grad(q, k, v, out, sinks, block_lists)
     mods = _mods.Mods(score_mod, mask_mod)
     spec = check_attention(q, k, v, MODS_RUNG if kernel is None else kernel)
     if spec.module != "k5":
@@ -191,8 +197,40 @@ def attention_with_mods(q, k, v, score_mod, mask_mod, *, causal=False, softmax_s
     mods.aux(q.device)  # the captured tensors' devices, before anything is launched
     if block_lists is not None and (causal or window != (-1, -1) or softcap):
         raise ValueError("a block mask takes no causal, window_size or softcap: write them as mods")
+    if needs_grad:
+        if backward_kernel is None and not deterministic:
+            backward_kernel = config.FLEX_BACKWARD.get(q.shape[3])
+        backward_spec = _dispatch.memo_rung(_dispatch.backward_rung, backward_kernel, q.shape[3],
+                                            bool(deterministic), v.shape[3], masking.masked(causal, window))
+        if backward_spec.module != "bwd_ws":
+            raise ValueError(f"backward_kernel={backward_spec.name!r}: the backward of score_mod / mask_mod runs on "
+                             f"the warp-specialized backward rungs (b2-b9), not on {backward_spec.name}")
+        if window != (-1, -1) or softcap:
+            _dispatch.check_variants(backward_spec, masking.masking(bool(causal), window, softcap, scale),
+                                     "backward_kernel")
+        forward = functools.partial(launch_attention, spec, causal=bool(causal), scale=scale, window=window,
+                                    softcap=softcap, mods=mods)
+        gradients = backward.mods_gradients(backward_spec, score_mod, mask_mod, bool(causal), scale,
+                                            bool(deterministic), window, float(softcap))
+        with _dispatch.op_range("fa3::attention"):
+            return backward.DifferentiableAttention.apply(forward, gradients, "fa3::attention_backward", q, k, v)
     with _dispatch.op_range("fa3::attention"):
         return launch_attention(spec, q, k, v, bool(causal), scale, out, window, softcap, sinks, mods, block_lists)
+
+
+def _check_mods_grad(q, k, v, out, sinks, block_lists):
+    """What a call with mods and gradients must not have (the backward's flex form has no sinks,
+    writes no out=, and walks no block lists: fa3.flex runs such a call densely)."""
+    if sinks is not None:
+        raise NotImplementedError("score_mod / mask_mod with sinks are forward only: q, k, v must not require "
+                                  "grad there (call under torch.no_grad(), or detach them)")
+    if out is not None:
+        raise ValueError("out= is not differentiable: with score_mod / mask_mod and q, k or v requiring grad, "
+                         "drop out= (the result is returned)")
+    assert block_lists is None, "fa3.flex walks a block mask densely where gradients are needed"
+    if not _dispatch.eager_autograd_ok(q, k, v):
+        raise NotImplementedError("score_mod / mask_mod with gradients run eagerly on plain tensors only (not "
+                                  "under tensor subclasses, dispatch modes or functorch transforms)")
 
 
 # the key of a plain call (q, k, v's shapes, strides, dtypes and devices; causal; softmax_scale) ->

@@ -93,3 +93,11 @@ def masking(causal: bool, window_size, softcap: float, scale: float) -> Masking:
         left=UNBOUNDED if left < 0 else left, right=UNBOUNDED if right < 0 else right,
         softcap=capped, scale_log2=(softcap if capped else scale) * LOG2E,
         softcap_scale=scale / softcap if capped else 1.0)
+
+
+def for_score_mod(mask: Masking) -> Masking:
+    """The scales of a kernel with a score mod (forward and backward): the mod sees softmax_scale *
+    q k^T, so softmax_scale rides in softcap_scale's slot and scale_log2 is log2 e (a score mod
+    excludes softcap)."""
+    return mask._replace(scale_log2=LOG2E, softcap_scale=mask.scale_log2 / LOG2E)
+

@@ -24,6 +24,18 @@ module global instead is refused with its name.
 The compile key of a mod is its identity as code: its qualified name, its bytecode, constants and
 names (nested functions' too), and its closure's constants and captured tensors' dtypes and ranks,
 never their values.
+
+The backward recomputes the modded scores and needs the score mod's derivative, which a traced
+function cannot give: a score mod carries it as an attribute, `score_mod.score_mod_grad`,
+
+    a number     d score_mod / d score where it is constant (1.0 for a bias added to the score);
+    a function   grad(out, b, h, q_idx, kv_idx) -> d score_mod / d score, of the mod's *output*
+                 `out` (the backward recovers it from P and the LSE, so that no register keeps the
+                 input score): softcap's is 1 - (out / cap)^2,
+
+compiled as a mod is (its captures are kernel arguments too). fa3.flex's score mods carry theirs;
+a score mod without one is refused when its backward runs (`score_mod_grad`). Mask mods need
+nothing: the backward applies them as the forward did. Captured tensors get no gradient.
 """
 
 from __future__ import annotations
@@ -47,9 +59,10 @@ class ModSource:
         if not isinstance(fn, types.FunctionType):
             raise TypeError(f"{kind} must be a Python function (a def or a lambda) with torch's "
                             f"signature, got {type(fn).__name__}")
-        arity = 5 if kind == "score_mod" else 4
+        arity = 4 if kind == "mask_mod" else 5
         if fn.__code__.co_argcount != arity:
-            expected = "(score, b, h, q_idx, kv_idx)" if arity == 5 else "(b, h, q_idx, kv_idx)"
+            expected = {"score_mod": "(score, b, h, q_idx, kv_idx)", "mask_mod": "(b, h, q_idx, kv_idx)",
+                        "score_mod_grad": "(out, b, h, q_idx, kv_idx)"}[kind]
             raise TypeError(f"{kind} {_name(fn)} takes {fn.__code__.co_argcount} arguments; it must take "
                             f"{expected}")
         self.fn, self.kind, self.offset = fn, kind, offset
@@ -103,27 +116,60 @@ class ModSource:
             if t.device != device:
                 raise ValueError(f"{self.kind} {self.name} captures {var!r} on {t.device}, but q is on "
                                  f"{device}: move it to q's device")
-            if t.requires_grad:
-                raise NotImplementedError(f"{self.kind} {self.name} captures {var!r}, which requires "
-                                          f"grad: mods are forward only for now (detach it)")
+            if t.requires_grad and torch.is_grad_enabled():
+                raise NotImplementedError(f"{self.kind} {self.name} captures {var!r}, which requires grad: "
+                                          f"fa3 differentiates q, k and v only, not a mod's captured tensors "
+                                          f"(detach it, or compute under torch.no_grad())")
             out.append(t.contiguous())
         return out
 
 
+def score_mod_grad(score_mod):
+    """The derivative a score mod carries for the backward (the module docstring): a float, or the
+    function `score_mod.score_mod_grad`; a mod without one is refused, naming what to provide."""
+    grad = getattr(score_mod, "score_mod_grad", None)
+    name = _name(score_mod)
+    if grad is None:
+        raise NotImplementedError(
+            f"score_mod {name} has no derivative for the backward: set {name}.score_mod_grad to "
+            f"d score_mod / d score, a number where it is constant (1.0 for a bias added to the score) or a "
+            f"function (out, b, h, q_idx, kv_idx) of the mod's output score (softcap's: 1 - (out / cap)**2); "
+            f"fa3.flex's score mods carry theirs")
+    if isinstance(grad, (int, float)) and not isinstance(grad, bool):
+        return float(grad)
+    if not isinstance(grad, types.FunctionType):
+        raise TypeError(f"score_mod {name}'s score_mod_grad must be a number or a Python function "
+                        f"(out, b, h, q_idx, kv_idx), got {type(grad).__name__}")
+    return grad
+
+
 class Mods:
     """A call's score and mask mods (either may be None): their joint compile `key`, and the
-    tensors they capture, score mod's first (the kernel's `aux` tuple)."""
+    tensors they capture, score mod's first (the kernel's `aux` tuple). `backward`: the backward's,
+    with the score mod's derivative (`score_mod_grad`: None where there is no score mod, a float,
+    or a ModSource whose tensors follow the mask mod's)."""
 
-    def __init__(self, score_mod=None, mask_mod=None):
+    def __init__(self, score_mod=None, mask_mod=None, backward: bool = False):
         self.score_mod = None if score_mod is None else ModSource(score_mod, "score_mod")
         offset = len(self.score_mod.tensors) if self.score_mod else 0
         self.mask_mod = None if mask_mod is None else ModSource(mask_mod, "mask_mod", offset)
         self.key = (self.score_mod.key if self.score_mod else None,
                     self.mask_mod.key if self.mask_mod else None)
+        self.score_mod_grad = None
+        if backward:
+            if score_mod is not None:
+                grad = score_mod_grad(score_mod)
+                if isinstance(grad, float):
+                    self.score_mod_grad = grad
+                else:
+                    offset += len(self.mask_mod.tensors) if self.mask_mod else 0
+                    self.score_mod_grad = ModSource(grad, "score_mod_grad", offset)
+            grad_key = getattr(self.score_mod_grad, "key", self.score_mod_grad)
+            self.key = (*self.key, ("backward", grad_key))
 
     @property
     def sources(self):
-        return [m for m in (self.score_mod, self.mask_mod) if m is not None]
+        return [m for m in (self.score_mod, self.mask_mod, self.score_mod_grad) if isinstance(m, ModSource)]
 
     def aux_spec(self) -> list[tuple[torch.dtype, int]]:
         """(dtype, rank) of each captured tensor, in the kernel's order: its fake signature."""

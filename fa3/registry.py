@@ -226,7 +226,8 @@ KERNELS: dict[str, KernelSpec] = {
             "b4",
             "+ the dQ share handed to the writer per warpgroup (each half its own reduce-add "
             "and barriers) through two buffers returned a tile late, in fragment order",
-            head_dims=(96, 128), speed_rank=4, deterministic_head_dims=(96,)),  # b3's head dims
+            # b3's head dims, and d64 for flex attention's backward (kernels/config.FLEX_BACKWARD)
+            head_dims=(64, 96, 128), speed_rank=4, deterministic_head_dims=(96,)),
         _swapped_backward(
             "b6",
             "b3 + dQ computed transposed (dQ^T = K^T dS^T: the Q tile is no WGMMA's M), dV issued "

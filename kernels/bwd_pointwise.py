@@ -10,6 +10,11 @@ pairs: each pair of adjacent columns' dP - D rounded into one 32-bit pair and mu
 pair in 16-bit arithmetic (one mul.rn.bf16x2), which is also dS's rounding for the GEMMs. P's
 FP32 registers then die at P's rounding, before dP lands, and P is never widened back. It costs
 accuracy (one more rounding of dP - D: dQ and dK errors about 1.4x; worklog/backward.md, b8).
+
+Flex attention's mods (the warp-specialized backward's flex form, kernels/bwd_ws.FlexBackward):
+S is recomputed as the forward saw it, the score and mask mods applied before the positional masks
+(common/mask.apply_mods), and dS is multiplied by the score mod's derivative where it is not 1
+(`mod_score_grads`: dS = P (dP - D) * d score_mod / d score, the scale applied later as ever).
 A mixin of both backward kernels (kernels/bwd.py, kernels/bwd_ws.py).
 """
 
@@ -25,19 +30,29 @@ class PointwiseGradients:
     # the FP32 product: their 1 - t^2 needs P's logarithm). b8's, on the transposed scores;
     # prepared for the row-major ones (b2, b9)
     ds_in_pairs = False
+    # flex attention's mods (fa3/mods.py's ModSource, set by the flex form's constructor): the score
+    # and mask mods, and the score mod's derivative where it is not 1 (a number or a ModSource)
+    score_mod = mask_mod = score_mod_grad = None
 
     def pairs_make_ds(self) -> bool:
-        """Whether this variant's dS comes from P's rounded pairs (`ds_in_pairs`, not capped)."""
-        return self.ds_in_pairs and not self.softcap
+        """Whether this variant's dS comes from P's rounded pairs (`ds_in_pairs`; not capped, no
+        score mod derivative to multiply by)."""
+        return self.ds_in_pairs and not self.softcap and self.score_mod_grad is None
+
+    @property
+    def has_mods(self) -> bool:
+        return self.score_mod is not None or self.mask_mod is not None
 
     @cute.jit
     def probabilities(self, ctx, acc_s, lse2: cute.Tensor, m_block: Int32, n_block: Int32,
                       seqlen_q: Int32, seqlen_k: Int32, scale_log2: Float32):
-        """S -> P in place: softcap (the capped variant), mask (tiles that need it), then
-        exp2(S * scale_log2 - LSE * log2 e)."""
+        """S -> P in place: softcap (the capped variant) or the mods, mask (tiles that need it),
+        then exp2(S * scale_log2 - LSE * log2 e)."""
         s_mn = mma.rows_cols(acc_s)
         if cutlass.const_expr(self.softcap):
             softmax.softcap(s_mn, ctx.softcap_scale)
+        if cutlass.const_expr(self.has_mods):
+            self.apply_mods(ctx, s_mn, m_block, n_block, False)
         if mask.tile_needs_mask(m_block, n_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k,
                                 self.causal, window=ctx.window):
             mask.apply(s_mn, ctx.s_coords, m_block * self.tile_m, n_block * self.tile_n, seqlen_q,
@@ -45,6 +60,43 @@ class PointwiseGradients:
         for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
             for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
                 s_mn[r, c] = cute.math.exp2(s_mn[r, c] * scale_log2 - lse2[r], fastmath=True)
+
+    @cute.jit
+    def apply_mods(self, ctx, s_mn: cute.Tensor, m_block: Int32, n_block: Int32, transposed: cutlass.Constexpr):
+        """The forward's mods on this tile's S (or S^T, `transposed`), on every tile: the score mod
+        sees softmax_scale * S (the host passes softmax_scale in softcap_scale's slot and log2 e as
+        scale_log2, as to the forward), the mask mod hides with -inf (common/mask.apply_mods)."""
+        row0, col0 = m_block * self.tile_m, n_block * self.tile_n
+        if cutlass.const_expr(transposed):
+            row0, col0 = col0, row0
+        mask.apply_mods(s_mn, ctx.s_coords, row0, col0, ctx.batch, ctx.head, ctx.softcap_scale,
+                        mask.bind_mod(self.score_mod, ctx.aux), mask.bind_mod(self.mask_mod, ctx.aux), transposed)
+
+    @cute.jit
+    def mod_score_grads(self, ctx, acc_p, acc_ds, lse2, m_block: Int32, n_block: Int32,
+                        transposed: cutlass.Constexpr):
+        """dS *= d score_mod / d score in place (`score_mod_grad`: a number, or a function of the
+        mod's output, which common/mask.score_mod_grad recovers from P and the LSE), after
+        `score_grads` (P still in `acc_p`: FP32, or rounded with `ds_from_rounded_p`). `transposed`:
+        S^T's views, the LSE per column (`col_stat`)."""
+        p_mn, ds_mn = mma.rows_cols(acc_p), mma.rows_cols(acc_ds)
+        grad = mask.bind_mod(self.score_mod_grad, ctx.aux)
+        constant = isinstance(grad, (int, float))
+        row0, col0 = m_block * self.tile_m, n_block * self.tile_n
+        if cutlass.const_expr(transposed):
+            row0, col0 = col0, row0
+        for c in cutlass.range_constexpr(cute.size(ds_mn, mode=[1])):
+            lse = Float32(0.0)
+            if cutlass.const_expr(transposed and not constant):
+                lse = self.col_stat(ctx, lse2, c)
+            for r in cutlass.range_constexpr(cute.size(ds_mn, mode=[0])):
+                if cutlass.const_expr(not transposed and not constant):
+                    lse = lse2[r]
+                q_idx, kv_idx = mask.mod_index(ctx.s_coords, r, c, row0, col0, transposed)
+                p = p_mn[r, c]
+                if cutlass.const_expr(p_mn.element_type != Float32):
+                    p = Float32(p)
+                ds_mn[r, c] = ds_mn[r, c] * mask.score_mod_grad(grad, p, lse, ctx.batch, ctx.head, q_idx, kv_idx)
 
     @cute.jit
     def score_grads(self, acc_p, acc_dp, dsum: cute.Tensor, lse2: cute.Tensor, scale_log2: Float32):

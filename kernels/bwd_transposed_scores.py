@@ -162,10 +162,13 @@ class TransposedScores:
     @cute.jit
     def probabilities_t(self, ctx, acc_s, lse2: cute.Tensor, m_block: Int32, n_block: Int32,
                         seqlen_q: Int32, seqlen_k: Int32, scale_log2: Float32):
-        """S^T -> P^T in place: softcap, mask (tiles that need it), exp2 with the column's LSE."""
+        """S^T -> P^T in place: softcap or the mods, mask (tiles that need it), exp2 with the
+        column's LSE."""
         s_mn = mma.rows_cols(acc_s)
         if cutlass.const_expr(self.softcap):
             softmax.softcap(s_mn, ctx.softcap_scale)
+        if cutlass.const_expr(self.has_mods):
+            self.apply_mods(ctx, s_mn, m_block, n_block, True)
         if mask.tile_needs_mask(m_block, n_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k,
                                 self.causal, window=ctx.window):
             mask.apply_transposed(s_mn, ctx.s_coords, n_block * self.tile_n, m_block * self.tile_m,
@@ -233,6 +236,8 @@ class TransposedScores:
             ds = self.paired_score_grads(ctx, p, acc_dp, dsum, by_column=True)  # dP^T has landed
         else:
             self.score_grads_t(ctx, p, acc_dp, dsum, lse2, scale_log2)  # dP^T has landed
+            if cutlass.const_expr(self.score_mod_grad is not None):
+                self.mod_score_grads(ctx, p, acc_dp, lse2, m_block, n_block, True)
             if cutlass.const_expr(not self.dv_under_dp and not self.ds_from_rounded_p):
                 self.dv_gemm(ctx, p, stage, -1)  # S^T's and dP^T's FP32 registers are free now
             ds = mma.to_dtype(acc_dp, self.dtype)

@@ -46,6 +46,11 @@ trace time, so each configuration's code is only its own:
     ordered_dq, do_stages   as B1's (bwd_setup.py): dQ in the deterministic order for speed; dO
                         in a ring of its own with fewer stages.
 
+Entry points: WarpSpecializedBackward (the rungs) and FlexBackward (the same kernel with flex
+attention's score and mask mods compiled in and the tensors they capture one more argument; the
+mods' steps are bwd_pointwise.py's), both launching BackwardRoles, which holds the roles, the hooks
+and the consume steps.
+
 The rungs, as kernels/config.py configures them:
 
     b2  no flag: S, dP, P and dS row-major (P and dS through SMEM), dQ handed off whole.
@@ -93,10 +98,11 @@ from .config import BackwardConfig
 CONSUMER_BARRIER = 1  # the consumer warpgroups among themselves (0 is __syncthreads)
 
 
-class WarpSpecializedBackward(BackwardSetup, QueryStatistics, DqOrder, DkvEpilogue, BackwardMmas,
-                              PointwiseGradients, TransposedScores, TransposedDq, TransposedDkv,
-                              DqHandoff):
-    """The pieces are mixins; the hooks below pick among them by flag (the module docstring)."""
+class BackwardRoles(BackwardSetup, QueryStatistics, DqOrder, DkvEpilogue, BackwardMmas, PointwiseGradients,
+                    TransposedScores, TransposedDq, TransposedDkv, DqHandoff):
+    """The kernel's roles and the hooks that pick among the pieces (mixins) by flag (the module
+    docstring); its entry points, WarpSpecializedBackward and FlexBackward, add the launch
+    signature."""
     # the host reads it: dQ accumulated in fragment order (bwd_dq_handoff.py), converted by
     # FragmentDqPostprocess (B1: row-major, by atomics)
     FRAGMENT_DQ = True
@@ -105,8 +111,17 @@ class WarpSpecializedBackward(BackwardSetup, QueryStatistics, DqOrder, DkvEpilog
 
     def __init__(self, dtype, head_dim: int, causal: bool, config: BackwardConfig,
                  deterministic: bool = False, local: bool = False, softcap: bool = False,
-                 varlen: bool = False, head_dim_v: int | None = None):
-        """config: kernels/config.backward_config's (tiles, stages and the flags above)."""
+                 varlen: bool = False, head_dim_v: int | None = None, score_mod=None, mask_mod=None,
+                 score_mod_grad=None):
+        """config: kernels/config.backward_config's (tiles, stages and the flags above). `score_mod`,
+        `mask_mod`: None or the forward's mod sources (fa3/mods.py), `score_mod_grad` the score
+        mod's derivative (None where it is 1: a number, or a mod source); FlexBackward's."""
+        if score_mod is not None and softcap:
+            raise ValueError("a score mod and softcap are exclusive: write the cap as a score mod")
+        if (score_mod is not None or mask_mod is not None) and varlen:
+            raise ValueError("the mods take fixed-length batches (their b is a batch entry)")
+        self.score_mod, self.mask_mod = score_mod, mask_mod
+        self.score_mod_grad = None if score_mod_grad == 1 else score_mod_grad
         self.scores_transposed = config.scores_transposed
         self.dq_transposed = config.dq_transposed
         self.dkv_transposed = config.dkv_transposed
@@ -278,33 +293,35 @@ class WarpSpecializedBackward(BackwardSetup, QueryStatistics, DqOrder, DkvEpilog
 
     # ---------------------------------------------------------------- host side
     @cute.jit
-    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
-                 mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor,
-                 mdV: cute.Tensor, mLock: cute.Tensor, scale_log2: Float32, softmax_scale: Float32,
-                 window_left: Int32, window_right: Int32, softcap_scale: Float32,
-                 mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, stream):
-        """Arguments as B1's."""
+    def launch(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+               mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor,
+               mdV: cute.Tensor, mLock: cute.Tensor, scale_log2: Float32, softmax_scale: Float32,
+               window_left: Int32, window_right: Int32, softcap_scale: Float32,
+               mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, extra: tuple, stream):
+        """SMEM, TMA atoms and the launch; `extra` goes to `kernel` after mCuSeqlensK (the flex
+        form's captured tensors)."""
         sQ_layout, sKV_layout, sPdS_layout = self.smem_layouts()
         loads = self.make_loads(mQ, mdO, mK, mV, sQ_layout, sKV_layout)
         storage_cls = self.shared_storage(sQ_layout, sKV_layout, sPdS_layout)
         self.kernel(*loads, mdQacc, *self.make_stat_loads(mLSE2, mD), mLSE2, mD, mdK, mdV, mLock,
                     scale_log2, softmax_scale, window_left, window_right, softcap_scale, mCuSeqlensQ,
-                    mCuSeqlensK, sQ_layout, sKV_layout, sPdS_layout, self.sdq_layout(), storage_cls).launch(
+                    mCuSeqlensK, *extra, sQ_layout, sKV_layout, sPdS_layout, self.sdq_layout(),
+                    storage_cls).launch(
             grid=self.grid(mQ, mK, mCuSeqlensK),
             block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ---------------------------------------------------------------- device side
-    @cute.kernel
-    def kernel(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_do: cute.CopyAtom, mdO: cute.Tensor,
-               tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom, mV: cute.Tensor,
-               mdQacc: cute.Tensor, tma_lse: Optional[cute.CopyAtom],
-               mLSE2_tiles: Optional[cute.Tensor], tma_d: Optional[cute.CopyAtom],
-               mD_tiles: Optional[cute.Tensor], mLSE2: cute.Tensor, mD: cute.Tensor,
-               mdK: cute.Tensor, mdV: cute.Tensor, mLock: cute.Tensor, scale_log2: Float32,
-               softmax_scale: Float32, window_left: Int32, window_right: Int32, softcap_scale: Float32,
-               mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, sQ_layout: cute.ComposedLayout,
-               sKV_layout: cute.ComposedLayout, sPdS_layout: cute.ComposedLayout, sdQ_layout,
-               SharedStorage: cutlass.Constexpr):
+    @cute.jit
+    def roles(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_do: cute.CopyAtom, mdO: cute.Tensor,
+              tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom, mV: cute.Tensor,
+              mdQacc: cute.Tensor, tma_lse, mLSE2_tiles, tma_d, mD_tiles, mLSE2: cute.Tensor, mD: cute.Tensor,
+              mdK: cute.Tensor, mdV: cute.Tensor, mLock: cute.Tensor, scale_log2: Float32,
+              softmax_scale: Float32, window_left: Int32, window_right: Int32, softcap_scale: Float32,
+              mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, sQ_layout: cute.ComposedLayout,
+              sKV_layout: cute.ComposedLayout, sPdS_layout: cute.ComposedLayout, sdQ_layout,
+              SharedStorage: cutlass.Constexpr, aux: tuple = ()):
+        """The kernel's body (module docstring): the loader and dQ-writer warps, the consumers'
+        walk; `aux`: the mods' captured tensors (FlexBackward)."""
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         n_block, head, batch, seq = self.kv_tile_work(mQ, mK, mCuSeqlensQ, mCuSeqlensK)
@@ -335,6 +352,8 @@ class WarpSpecializedBackward(BackwardSetup, QueryStatistics, DqOrder, DkvEpilog
             cute.arch.setmaxregister_increase(self.config.consumer_regs)
             ctidx = tidx - 128
             ctx = self.consumer_setup(s, ctidx, seq, window, softcap_scale, mLSE2, mD, head, batch)
+            if cutlass.const_expr(self.has_mods):  # what the mods read (apply_mods, mod_score_grads)
+                ctx.aux, ctx.batch, ctx.head = aux, batch, head
             pipeline.consume_wait(kv_pipe, pipeline.consumer_state(1))
             q_consumer = pipeline.consumer_state(self.q_stages)
             for i in cutlass.range(m_end - m_first, unroll=1):
@@ -422,6 +441,8 @@ class WarpSpecializedBackward(BackwardSetup, QueryStatistics, DqOrder, DkvEpilog
             p = mma.to_dtype(acc_s, self.dtype)
             warpgroup.wait_group(0)
             self.score_grads(acc_s, acc_dp, dsum, lse2, scale_log2)
+            if cutlass.const_expr(self.score_mod_grad is not None):
+                self.mod_score_grads(ctx, acc_s, acc_dp, lse2, m_block, n_block, False)
             ds = mma.to_dtype(acc_dp, self.dtype)
         # every GEMM of the previous Q tile (both warpgroups) is done with sP and sdS
         cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=consumers)
@@ -451,3 +472,69 @@ class WarpSpecializedBackward(BackwardSetup, QueryStatistics, DqOrder, DkvEpilog
         lse2, dsum = self.stats(ctx, m_block)
         pipeline.consume_wait(q_pipe, q_state)
         return lse2, dsum
+
+
+class WarpSpecializedBackward(BackwardRoles):
+    """Rungs b2-b9 (BackwardRoles' constructor: the configuration, the variants)."""
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+                 mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor,
+                 mdV: cute.Tensor, mLock: cute.Tensor, scale_log2: Float32, softmax_scale: Float32,
+                 window_left: Int32, window_right: Int32, softcap_scale: Float32,
+                 mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, stream):
+        """Arguments as B1's."""
+        self.launch(mQ, mK, mV, mdO, mLSE2, mD, mdQacc, mdK, mdV, mLock, scale_log2, softmax_scale, window_left,
+                    window_right, softcap_scale, mCuSeqlensQ, mCuSeqlensK, (), stream)
+
+    @cute.kernel
+    def kernel(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_do: cute.CopyAtom, mdO: cute.Tensor,
+               tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom, mV: cute.Tensor,
+               mdQacc: cute.Tensor, tma_lse: Optional[cute.CopyAtom],
+               mLSE2_tiles: Optional[cute.Tensor], tma_d: Optional[cute.CopyAtom],
+               mD_tiles: Optional[cute.Tensor], mLSE2: cute.Tensor, mD: cute.Tensor,
+               mdK: cute.Tensor, mdV: cute.Tensor, mLock: cute.Tensor, scale_log2: Float32,
+               softmax_scale: Float32, window_left: Int32, window_right: Int32, softcap_scale: Float32,
+               mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, sQ_layout: cute.ComposedLayout,
+               sKV_layout: cute.ComposedLayout, sPdS_layout: cute.ComposedLayout, sdQ_layout,
+               SharedStorage: cutlass.Constexpr):
+        self.roles(tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, mdQacc, tma_lse, mLSE2_tiles, tma_d, mD_tiles,
+                   mLSE2, mD, mdK, mdV, mLock, scale_log2, softmax_scale, window_left, window_right,
+                   softcap_scale, mCuSeqlensQ, mCuSeqlensK, sQ_layout, sKV_layout, sPdS_layout, sdQ_layout,
+                   SharedStorage)
+
+
+class FlexBackward(BackwardRoles):
+    """The backward of flex attention's mods (BackwardRoles' constructor with `score_mod`,
+    `mask_mod`, `score_mod_grad`): the mods recompute S as the forward saw it and dS takes the
+    score mod's derivative (bwd_pointwise.py); one more argument, `aux`, the tensors the mods
+    captured (one tuple, in fa3/mods.py's order, before the stream). A score mod sees
+    softmax_scale * S: the host passes softmax_scale in softcap_scale's place and log2 e as
+    scale_log2, as to the forward. Kept apart from WarpSpecializedBackward so that its launch
+    signature (and every configuration without mods) is unchanged."""
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+                 mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor,
+                 mdV: cute.Tensor, mLock: cute.Tensor, scale_log2: Float32, softmax_scale: Float32,
+                 window_left: Int32, window_right: Int32, softcap_scale: Float32,
+                 mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, aux: tuple, stream):
+        """WarpSpecializedBackward's arguments, and `aux`."""
+        self.launch(mQ, mK, mV, mdO, mLSE2, mD, mdQacc, mdK, mdV, mLock, scale_log2, softmax_scale, window_left,
+                    window_right, softcap_scale, mCuSeqlensQ, mCuSeqlensK, (aux,), stream)
+
+    @cute.kernel
+    def kernel(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_do: cute.CopyAtom, mdO: cute.Tensor,
+               tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom, mV: cute.Tensor,
+               mdQacc: cute.Tensor, tma_lse: Optional[cute.CopyAtom],
+               mLSE2_tiles: Optional[cute.Tensor], tma_d: Optional[cute.CopyAtom],
+               mD_tiles: Optional[cute.Tensor], mLSE2: cute.Tensor, mD: cute.Tensor,
+               mdK: cute.Tensor, mdV: cute.Tensor, mLock: cute.Tensor, scale_log2: Float32,
+               softmax_scale: Float32, window_left: Int32, window_right: Int32, softcap_scale: Float32,
+               mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, aux: tuple, sQ_layout: cute.ComposedLayout,
+               sKV_layout: cute.ComposedLayout, sPdS_layout: cute.ComposedLayout, sdQ_layout,
+               SharedStorage: cutlass.Constexpr):
+        self.roles(tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, mdQacc, tma_lse, mLSE2_tiles, tma_d, mD_tiles,
+                   mLSE2, mD, mdK, mdV, mLock, scale_log2, softmax_scale, window_left, window_right,
+                   softcap_scale, mCuSeqlensQ, mCuSeqlensK, sQ_layout, sKV_layout, sPdS_layout, sdQ_layout,
+                   SharedStorage, aux=aux)

@@ -326,6 +326,13 @@ def backward_config(rung: RungConfig, head_dim: int, head_dim_v: int | None = No
     return rung.at(head_dim, head_dim_v)
 
 
+# The backward rung of a call with flex attention's mods (fa3.attention(score_mod=, mask_mod=)) where
+# the default (registry.fastest) has no registers for the mods' index and table arithmetic: at d64,
+# b8's 128 x 128 S^T tiles spill with a table-reading mod beside ALiBi or under GQA (up to 292 B),
+# b4's 64-row Q tiles do not (the library's mods, GQA and causal: 0 B). Deterministic calls keep theirs.
+FLEX_BACKWARD = {64: "b4"}
+
+
 def _transposed_scores(tile_m: int = 64, **flags) -> RungConfig:
     """A rung of the S^T line (b3 on): 64-row Q tiles (b8: 128) against 128-row K/V tiles, two Q
     stages, causal head groups capped at about one wave of CTAs (132 SMs)."""

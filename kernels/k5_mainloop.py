@@ -56,19 +56,12 @@ class ForwardMainloop:
             # before the positional masks; the score's scale rides in softcap_scale (the host folds
             # it out of scale_log2 when a score mod sees scaled scores)
             mask.apply_mods(s_mn, ctx.s_coords, ctx.m_block * self.tile_m, n_block * self.tile_n,
-                            ctx.batch, ctx.head, ctx.seqlen_q, ctx.seqlen_k, ctx.softcap_scale,
-                            self.bound_mod(self.score_mod, ctx.aux), self.bound_mod(mask_mod, ctx.aux),
-                            masked)
+                            ctx.batch, ctx.head, ctx.softcap_scale, mask.bind_mod(self.score_mod, ctx.aux),
+                            mask.bind_mod(mask_mod, ctx.aux))
         if cutlass.const_expr(masked):
             mask.apply(s_mn, ctx.s_coords, ctx.m_block * self.tile_m, n_block * self.tile_n,
                        ctx.seqlen_q, ctx.seqlen_k, self.causal, window=ctx.window)
         return softmax.online_update(s_mn, ctx.row_max, ctx.row_sum, scale_log2, 4, self.p_offset_log2)
-
-    @staticmethod
-    def bound_mod(mod, aux: tuple):
-        """A mod as the softmax step calls it: None, or `mod.bind(aux)`, the user's function with its
-        captured tensors replaced by the kernel's tensor arguments (fa3/flex.py's ModSource)."""
-        return None if mod is None else mod.bind(aux)
 
     # P = exp(S - max) in registers, rounded to the operand type of P V and used as its A operand
     # (16-bit: the accumulator's own layout, regrouped); FP8 replaces these three.

@@ -143,10 +143,10 @@ def test_variants_register_experiment_rows():
             variants.register("b7y=b7:prefetch_stat=1")
         with pytest.raises(ValueError, match="already a rung"):
             variants.register("b7=b2:ordered_dq=1")
-        # head_dims replaces the base's (b4 serves 96 and 128): the prepared d64 rung
+        # head_dims replaces the base's (b4 serves 64, 96 and 128): the prepared d64 rung
         wide = variants.register("b8x=b4:tile_m=128,dq_buffers=1,ds_from_rounded_p=1,dv_under_dp=0,head_dims=64")
         assert wide.head_dims == (64,) and config.backward_config(wide.config, 64).tile_m == 128
-        assert registry.get("b4").head_dims == (96, 128)
+        assert registry.get("b4").head_dims == (64, 96, 128)
         assert variants.register("b2y=b2:ordered_dq=1,head_dims=64/128").head_dims == (64, 128)
     finally:
         for name in ("b7x", "b2x", "b7y", "b8x", "b2y"):

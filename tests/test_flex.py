@@ -7,6 +7,13 @@ the dense fallback at d192/d256) and the block-sparse kernel compiled (it reads 
 each mod against a float64 reference built from the same function over materialized scores, causal
 and not, GQA, ragged lengths, a fully masked row; block skipping against the reference of torch's
 BlockMask semantics (listed blocks only, the mask_mod on partial blocks only).
+Backward: CPU, the errors (a score mod without its derivative, captures that require grad, sinks,
+out=, a BlockMask without a mask_mod), the backward's compile key and captures, the flex form
+compiled on the rung a call takes at each head dim with no spill; GPU, dq/dk/dv of each library
+mod (d64/d128, GQA, ragged lengths) and of other head dims, builtin causal, fully masked rows, a
+user's derivative, a BlockMask applied densely, deterministic calls, against flex.reference's
+gradients in float64 (within 2x the error of the same reference in bf16), gradients' memory
+poisoned with NaN.
 """
 
 import math
@@ -17,6 +24,7 @@ import torch
 
 import fa3
 import fa3.__main__ as cli
+from conftest import poison_allocator, rel_err
 from fa3 import flex, mods as fmods, registry
 from fa3.compile import builders
 from fa3.kernels import config
@@ -53,9 +61,6 @@ def test_argument_errors_are_named():
         fa3.attention(q, q, q, mask_mod=object())
     with pytest.raises(ValueError, match="exclusive"):
         fa3.attention(q, q, q, score_mod=flex.softcap(5.0), softcap=5.0)
-    qg = q.clone().requires_grad_()
-    with pytest.raises(NotImplementedError, match="forward only for now"):
-        fa3.attention(qg, qg, qg, mask_mod=flex.causal)
     with pytest.raises(ValueError, match="enable_gqa=True"):
         fa3.flex_attention(torch.zeros(1, 4, 128, 128), torch.zeros(1, 2, 128, 128), torch.zeros(1, 2, 128, 128))
     with pytest.raises(ValueError, match="0-dim tensor"):
@@ -82,6 +87,89 @@ def _captures(value):
     def mask(b, h, q_idx, kv_idx):
         return value[0] > q_idx
     return mask
+
+
+def test_backward_errors_are_named():
+    """What a call with mods and gradients refuses (before anything runs), and a score mod without
+    its derivative, refused by the backward's Mods with what to provide."""
+    q = torch.zeros(1, 128, 2, 128, dtype=torch.bfloat16, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="with sinks are forward only"):
+        fa3.attention(q, q, q, mask_mod=flex.causal, sinks=torch.zeros(2))
+    with pytest.raises(ValueError, match="out= is not differentiable"):
+        fa3.attention(q, q, q, mask_mod=flex.causal, out=torch.empty_like(q))
+
+    def scaled(score, b, h, q_idx, kv_idx):
+        return score * 2.0
+    fmods.Mods(score_mod=scaled)  # the forward needs no derivative
+    with pytest.raises(NotImplementedError, match=r"score_mod .*scaled has no derivative.*set .*scaled"
+                                                  r"\.score_mod_grad.*a number.*a function \(out, b, h, q_idx, kv_idx\)"):
+        fmods.Mods(score_mod=scaled, backward=True)
+    scaled.score_mod_grad = "2"
+    with pytest.raises(TypeError, match="score_mod_grad must be a number or a Python function"):
+        fmods.Mods(score_mod=scaled, backward=True)
+    scaled.score_mod_grad = lambda out, b, h, q_idx: 2.0
+    with pytest.raises(TypeError, match=r"score_mod_grad .* takes 4 arguments.*\(out, b, h, q_idx, kv_idx\)"):
+        fmods.Mods(score_mod=scaled, backward=True)
+    table = torch.zeros(2, 33, requires_grad=True)
+    with pytest.raises(NotImplementedError, match=r"captures 'table', which requires grad.*detach it"):
+        fmods.Mods(score_mod=flex.relative_bias(table, 16)).aux(torch.device("cpu"))
+    with torch.no_grad():  # no gradient asked for: taken as it is
+        assert len(fmods.Mods(score_mod=flex.relative_bias(table, 16)).aux(torch.device("cpu"))) == 1
+
+
+def test_backward_mods_key_and_captures():
+    """The backward's key adds the score mod's derivative (the forward's stays as it was); its
+    captured tensors follow the score and mask mods' in the kernel's aux tuple."""
+    weights = torch.zeros(4)
+    doc = torch.zeros(1, 8, dtype=torch.int32)
+
+    def weighted(score, b, h, q_idx, kv_idx):
+        return score * weights[h]
+    weighted.score_mod_grad = lambda out, b, h, q_idx, kv_idx: weights[h] + 0.0
+    forward = fmods.Mods(weighted, flex.document(doc))
+    backward = fmods.Mods(weighted, flex.document(doc), backward=True)
+    assert backward.key[:2] == forward.key and len(backward.key) == 3
+    assert [t for t in backward.aux(torch.device("cpu"))] == [weights, doc, weights]
+    assert backward.aux_spec() == [(torch.float32, 1), (torch.int32, 2), (torch.float32, 1)]
+    assert fmods.Mods(flex.alibi(weights), backward=True).score_mod_grad == 1.0  # a bias: constant
+    assert fmods.Mods(mask_mod=flex.causal, backward=True).score_mod_grad is None
+    spec = registry.get("b7")
+    key = builders.backward_key(spec, torch.bfloat16, 128, False)
+    assert builders.backward_key(spec, torch.bfloat16, 128, False, mods=backward) != key
+    assert builders.backward_key(spec, torch.bfloat16, 128, False, mods=None) == key  # no mods: as before
+
+
+def test_block_mask_with_gradients_needs_its_mask_mod():
+    """With gradients a BlockMask is applied densely through its mask_mod (the backward walks no
+    block lists yet): one without a mask_mod of its own is refused, by name."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    q = torch.zeros(1, 2, 256, 128, dtype=torch.bfloat16, requires_grad=True)
+    lists = BlockMask.from_kv_blocks(torch.ones(1, 1, 2, dtype=torch.int32), torch.zeros(1, 1, 2, 2, dtype=torch.int32),
+                                     BLOCK_SIZE=128, seq_lengths=(256, 256))
+    with pytest.raises(ValueError, match="no mask_mod of its own .*with gradients"):
+        fa3.flex_attention(q, q, q, block_mask=lists)
+
+
+# the backward rung of a call with mods at each head dim (registry.fastest, or config.FLEX_BACKWARD)
+def _flex_backward_rung(head_dim):
+    return registry.get(config.FLEX_BACKWARD.get(head_dim) or registry.fastest(registry.BACKWARD, head_dim).name)
+
+
+@pytest.mark.parametrize("head_dim, case, gqa", [
+    (64, "alibi_document", True), (64, "sliding_window", True), (96, "softcap", False),
+    (128, "relative_bias", True), (128, "softcap", False), (192, "alibi_document", False), (256, "softcap", True)],
+    ids=lambda x: str(x))
+def test_mods_compile_into_the_backward(head_dim, case, gqa):
+    """The backward's flex form (kernels/bwd_ws.FlexBackward) on the rung a call with mods takes,
+    for sm_90a: no register spilled, the WGMMAs not serialized; softcap's derivative (a function of
+    the mod's output, recovered from P) brings its lg2 and the mask mods their selects."""
+    name, score_mod, mask_mod = next(c for c in library() if c[0] == case)
+    spec = _flex_backward_rung(head_dim)
+    report = builders.build_report(builders._build_backward, spec, torch.bfloat16, head_dim, False, gqa=gqa,
+                                   mods=fmods.Mods(score_mod, mask_mod, backward=True))
+    assert report.spill_bytes == 0 and not report.serialized_wgmma, f"{spec.name} d{head_dim}: {report.summary()}"
+    assert ("lg2.approx" in report.ptx) == (case == "softcap"), name
 
 
 def test_block_mask_checked():
@@ -156,7 +244,7 @@ def test_library_runs_on_torch_tensors():
 # instructions each mod brings into k5.5's d128 PTX (beyond the kernel without mods)
 PTX_NEEDS = {
     "causal": ["setp.ge.s32"], "sliding_window": ["setp.ge.s32"], "document": ["ld.global.b32"],
-    "prefix_lm": ["setp.le.s32"], "prefix_lm_per_batch": ["ld.global.b32"],
+    "prefix_lm": ["setp.lt.s32"], "prefix_lm_per_batch": ["ld.global.b32"],
     "alibi": ["cvt.rn.f32.s32", "ld.global.b32"], "softcap": ["tanh.approx.f32"],
     "relative_bias": ["ld.global.b32", "max.s32"], "alibi_document": ["cvt.rn.f32.s32", "ld.global.b32"],
 }
@@ -521,3 +609,170 @@ def test_block_mask_broadcast_matches_per_batch():
     out_shared, _ = _check_block_mask(q, k, v, shared, "B=None, H=None")
     out_own, _ = _check_block_mask(q, k, v, own, "B=3, H=4")
     torch.testing.assert_close(out_shared, out_own, atol=0, rtol=0)
+
+
+# ----------------------------------------------------------------------------- GPU: gradients
+def _flex_grads(fn, q, k, v, dout):
+    """(out, dq, dk, dv) of fn(q, k, v) through autograd on fresh leaves, the gradients' memory
+    poisoned with NaN first (anything left unwritten shows)."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v)
+    poison_allocator()
+    out.backward(dout)
+    return out, q.grad, k.grad, v.grad
+
+
+def _check_grads(got, q, k, v, dout, score_mod, mask_mod, name, floor=2e-3):
+    """(out, dq, dk, dv) against flex.reference's in float64, each within 2x the error of the same
+    reference computed in the inputs' dtype (+ floor), no NaN; fully masked rows' dq exactly 0."""
+    def reference(dtype):
+        return _flex_grads(lambda q, k, v: flex.reference(q, k, v, score_mod, mask_mod, dtype=dtype)[0],
+                           q, k, v, dout.to(dtype))
+    exact, low = reference(torch.float64), reference(q.dtype)
+    for what, g, ref, base in zip(("out", "dq", "dk", "dv"), got, exact, low):
+        assert g.shape == ref.shape and g.dtype == q.dtype, f"{name}: {what}"
+        assert torch.isfinite(g).all(), f"{name}: {what} has NaN/inf"
+        err, base_err = rel_err(g, ref), rel_err(base, ref)
+        assert err <= 2 * base_err + floor, f"{name}: {what} rel err {err:.2e} vs {q.dtype} reference {base_err:.2e}"
+    if mask_mod is not None:
+        dev = q.device
+        b, h, qi, ki = (torch.arange(n, device=dev).view(*([1] * i), -1, *([1] * (3 - i)))
+                        for i, n in enumerate((q.shape[0], q.shape[1], q.shape[2], k.shape[2])))
+        sees = torch.as_tensor(mask_mod(b, h, qi, ki), device=dev).expand(*q.shape[:3], k.shape[2]).any(-1)
+        assert torch.all(got[1][~sees] == 0), f"{name}: rows that see no key must get dq = 0"
+
+
+def _flex_call(score_mod, mask_mod, **kw):
+    """fa3 with the mods, in flex layout: fa3.flex_attention for a score mod alone (torch's
+    signature), fa3.attention(score_mod=, mask_mod=) otherwise."""
+    def call(q, k, v):
+        if mask_mod is None:
+            return fa3.flex_attention(q, k, v, score_mod=score_mod, enable_gqa=True)
+        return fa3.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=score_mod,
+                             mask_mod=mask_mod, **kw).transpose(1, 2)
+    return call
+
+
+LIBRARY_NAMES = [c[0] for c in library()]
+
+
+@gpu
+@pytest.mark.parametrize("name", LIBRARY_NAMES)
+@pytest.mark.parametrize("heads_kv", [4, 2], ids=lambda h: f"hkv{h}")
+@pytest.mark.parametrize("head_dim", [128, 64], ids=lambda d: f"d{d}")
+def test_flex_backward_library(head_dim, heads_kv, name):
+    """Each library mod, forward and backward, against float64 (seqlens 300 and 457: neither a
+    multiple of a tile; GQA 4 query heads over 2), on the rung a call with mods takes (b7 at d128,
+    b4 at d64: kernels/config.FLEX_BACKWARD)."""
+    _, score_mod, mask_mod = next(c for c in library(seqlen=457, device="cuda") if c[0] == name)
+    q, k, v = _qkv(2, 4, heads_kv, 457, 457, head_dim, 21)
+    dout = torch.randn_like(q)
+    got = _flex_grads(_flex_call(score_mod, mask_mod), q, k, v, dout)
+    _check_grads(got, q, k, v, dout, score_mod, mask_mod, f"{name} d{head_dim} hkv{heads_kv}")
+
+
+@gpu
+@pytest.mark.parametrize("head_dim", [96, 192, 256], ids=lambda d: f"d{d}")
+def test_flex_backward_other_head_dims(head_dim):
+    """The capped scores with documents (a derivative from P and a table read together) and ALiBi
+    with a sliding window, at the head dims of b4 and b9, seqlen 300."""
+    library_ = {c[0]: c for c in library(seqlen=300, device="cuda")}
+    _, _, documents = library_["document"]
+    cases = (("softcap_document", flex.softcap(20.0), documents),
+             ("alibi_window", library_["alibi"][1], flex.sliding_window(64)))
+    q, k, v = _qkv(2, 4, 2, 300, 300, head_dim, 22)
+    dout = torch.randn_like(q)
+    for name, score_mod, mask_mod in cases:
+        got = _flex_grads(_flex_call(score_mod, mask_mod), q, k, v, dout)
+        _check_grads(got, q, k, v, dout, score_mod, mask_mod, f"{name} d{head_dim}")
+
+
+@gpu
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(300, 300), (200, 457)])
+def test_flex_backward_with_builtin_causal(seqlen_q, seqlen_k):
+    """fa3's bottom-right causal beside a score mod, seqlen_q != seqlen_k (rows that see no key
+    when seqlen_q > seqlen_k do not occur here; the reference masks both)."""
+    q, k, v = _qkv(1, 4, 4, seqlen_q, seqlen_k, 128, 23)
+    dout = torch.randn_like(q)
+    shift = seqlen_k - seqlen_q
+    score_mod = flex.relative_bias(torch.randn(4, 33, device="cuda"), 16)
+
+    def bottom_right(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx + shift
+
+    def call(q, k, v):
+        return fa3.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
+                             score_mod=score_mod).transpose(1, 2)
+    got = _flex_grads(call, q, k, v, dout)
+    _check_grads(got, q, k, v, dout, score_mod, bottom_right, "relative_bias causal")
+
+
+@gpu
+@pytest.mark.parametrize("head_dim", [128, 64], ids=lambda d: f"d{d}")
+def test_flex_backward_fully_masked_rows(head_dim):
+    """Rows 100..199 see no key: their dq is exactly 0, and nothing is NaN (their LSE is -inf)."""
+    def hides_rows(b, h, q_idx, kv_idx):
+        return (q_idx < 100) | (q_idx >= 200)
+    q, k, v = _qkv(1, 2, 2, 300, 300, head_dim, 24)
+    dout = torch.randn_like(q)
+    got = _flex_grads(_flex_call(flex.softcap(10.0), hides_rows), q, k, v, dout)
+    assert torch.all(got[1][:, :, 100:200] == 0)
+    _check_grads(got, q, k, v, dout, flex.softcap(10.0), hides_rows, "fully masked rows")
+
+
+@gpu
+def test_flex_backward_user_derivative():
+    """A user's score mod with its derivative: a function that reads a captured tensor of its own
+    (score * w[h]); without a derivative the backward refuses it, by name."""
+    w = torch.rand(4, device="cuda") + 0.5
+
+    def weighted(score, b, h, q_idx, kv_idx):
+        return score * w[h]
+
+    def weighted_grad(out, b, h, q_idx, kv_idx):
+        return w[h] + 0.0
+    q, k, v = _qkv(2, 4, 4, 333, 333, 128, 25)
+    dout = torch.randn_like(q)
+    qg = q.detach().clone().requires_grad_()
+    out = fa3.flex_attention(qg, k, v, score_mod=weighted)
+    with pytest.raises(NotImplementedError, match=r"weighted has no derivative.*score_mod_grad"):
+        out.backward(dout)
+    weighted.score_mod_grad = weighted_grad
+    got = _flex_grads(_flex_call(weighted, None), q, k, v, dout)
+    _check_grads(got, q, k, v, dout, weighted, None, "score * w[h]")
+    weighted.score_mod_grad = 1.0  # a wrong (constant) derivative must show in dq and dk
+    wrong = _flex_grads(_flex_call(weighted, None), q, k, v, dout)
+    assert rel_err(wrong[1], got[1]) > 0.05 and rel_err(wrong[3], got[3]) < 1e-3  # dV takes no dS
+
+
+@gpu
+def test_flex_backward_block_mask_dense():
+    """flex_attention(block_mask=) with gradients: the BlockMask's mask_mod applied densely in both
+    passes (documents, GQA), against the reference of that mask_mod."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    seqlen = 700
+    mask_mod = flex.document(_random_documents(2, seqlen, 5, 26))
+    score_mod = flex.alibi(flex.alibi_slopes(8, "cuda"))
+    block = create_block_mask(mask_mod, 2, None, seqlen, seqlen, device="cuda")
+    q, k, v = _qkv(2, 8, 2, seqlen, seqlen, 128, 26)
+    dout = torch.randn_like(q)
+    got = _flex_grads(lambda q, k, v: fa3.flex_attention(q, k, v, score_mod=score_mod, block_mask=block,
+                                                         enable_gqa=True), q, k, v, dout)
+    _check_grads(got, q, k, v, dout, score_mod, mask_mod, "block mask, dense backward")
+    with torch.no_grad():  # the block-sparse forward agrees with the dense one
+        sparse = fa3.flex_attention(q, k, v, score_mod=score_mod, block_mask=block, enable_gqa=True)
+    torch.testing.assert_close(sparse, got[0], atol=1e-2, rtol=1e-2)
+
+
+@gpu
+def test_flex_backward_deterministic():
+    """deterministic=True with mods: the same bits twice (b2's ordered dQ at d128)."""
+    q, k, v = _qkv(2, 4, 2, 500, 500, 128, 27)
+    dout = torch.randn_like(q)
+    call = _flex_call(flex.softcap(15.0), flex.sliding_window(128), deterministic=True)
+    first, again = _flex_grads(call, q, k, v, dout), _flex_grads(call, q, k, v, dout)
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+    _check_grads(first, q, k, v, dout, flex.softcap(15.0), flex.sliding_window(128), "deterministic")
+

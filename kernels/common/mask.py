@@ -16,12 +16,17 @@ the predicates then take the query position, row // rows_per_query.
 Score and mask mods (flex attention, `apply_mods`): Python functions of DSL values inlined into the
 softmax step, score_mod(score, b, h, q_idx, kv_idx) -> Float32 on the scaled score and
 mask_mod(b, h, q_idx, kv_idx) -> Boolean (False: the score becomes -inf). They run on every tile,
-before the positional masks above, which then hide the ragged end whatever a mod returned there.
+before the positional masks above, which then hide the ragged end whatever a mod returned there
+(its positions reach the mods as they are, their table reads clamped: ClampedReads).
+The backward recomputes S the same way (`apply_mods` on S or, transposed, on S^T) and multiplies
+dS by the score mod's derivative (`score_mod_grad`), which the mod carries (fa3/mods.py).
 """
+
+import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32
+from cutlass import Float32, Int32
 
 UNBOUNDED = 1 << 30  # a window side of -1: far past any sequence, and row + shift + it fits Int32
 
@@ -135,28 +140,96 @@ def _name(mod) -> str:
     return getattr(mod, "name", None) or getattr(mod, "__qualname__", None) or repr(mod)
 
 
+def bind_mod(mod, aux: tuple):
+    """A mod as the kernels call it: None, a number (a constant derivative) as it is, or
+    `mod.bind(...)`, the user's function with its captured tensors replaced by the kernel's tensor
+    arguments (fa3/mods.py's ModSource), each read through ClampedReads."""
+    if mod is None or isinstance(mod, (int, float)):
+        return mod
+    return mod.bind(tuple(ClampedReads(t) for t in aux))
+
+
+class ClampedReads:
+    """A captured tensor as a mod reads it: each coordinate clamped into the tensor's extent. The
+    mods see the positions of a tile's rows and columns past the sequences as they are (their
+    scores are never used: rows past seqlen_q are not stored and have P = 0 in the backward, keys
+    past seqlen_k are hidden by `apply`), and a table read there stays inside the table. Clamping
+    the reads rather than the positions keeps q_idx and kv_idx affine in the tile's coordinates:
+    kv_idx - q_idx then takes one register per diagonal, not one per element (clamped positions
+    spilled registers in the backward). An index of the wrong rank goes to the tensor as it is
+    (the compiler names it)."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+    def __getitem__(self, coord):
+        coords = coord if isinstance(coord, tuple) else (coord,)
+        if len(coords) != cute.rank(self.tensor.layout):
+            return self.tensor[coord]
+        clamped = tuple(cutlass.max(cutlass.min(Int32(x), Int32(self.tensor.shape[i]) - 1), 0)
+                        for i, x in enumerate(coords))
+        return self.tensor[clamped if isinstance(coord, tuple) else clamped[0]]
+
+    def __getattr__(self, name):
+        return getattr(self.tensor, name)
+
+
+@cute.jit
+def mod_index(coords: cute.Tensor, r: cutlass.Constexpr, c: cutlass.Constexpr, row0: Int32, col0: Int32,
+              transposed: cutlass.Constexpr):
+    """(q_idx, kv_idx) of element (r, c) of a (rows, cols) register view placed at (row0, col0):
+    rows are queries, or keys where `transposed` (S^T: row0 is then the tile's first key and col0
+    its first query)."""
+    row, col = row0 + coords[r, c][0], col0 + coords[r, c][1]
+    q_idx, kv_idx = row, col
+    if cutlass.const_expr(transposed):
+        q_idx, kv_idx = col, row
+    return q_idx, kv_idx
+
+
 @cute.jit
 def apply_mods(scores: cute.Tensor, coords: cute.Tensor, row0: Int32, col0: Int32, batch: Int32,
-               head: Int32, seqlen_q: Int32, seqlen_k: Int32, score_scale: cutlass.Float32,
-               score_mod, mask_mod, ragged: cutlass.Constexpr):
+               head: Int32, score_scale: cutlass.Float32, score_mod, mask_mod,
+               transposed: cutlass.Constexpr = False):
     """score = score_mod(score * score_scale, b, h, q_idx, kv_idx), then -inf where
     mask_mod(b, h, q_idx, kv_idx) is False, in place (either mod None: skipped; without a score mod
-    the scores stay unscaled). `scores`/`coords`/`row0`/`col0` as in `apply`; `head` is the query
-    head. Indices past the sequences (the Q tile's ragged rows, and with `ragged` the K/V tile's
-    ragged columns) reach the mods clamped to the last position, so that a mod's table reads stay
-    in bounds: those rows are never stored and those columns are hidden by `apply` afterwards."""
+    the scores stay unscaled). `scores`/`coords`/`row0`/`col0` as in `apply` (`transposed`: S^T,
+    the backward's K Q^T, `mod_index`); `head` is the query head. Positions past the sequences
+    reach the mods as they are, their tensor reads clamped (ClampedReads)."""
     for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
-        q_idx = cutlass.min(row0 + coords[r, 0][0], seqlen_q - 1)
         for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
-            kv_idx = col0 + coords[r, c][1]
-            if cutlass.const_expr(ragged):
-                kv_idx = cutlass.min(kv_idx, seqlen_k - 1)
-            if cutlass.const_expr(score_mod is not None):
-                scores[r, c] = _score_result(score_mod(scores[r, c] * score_scale, batch, head, q_idx, kv_idx),
-                                             score_mod)
-            if cutlass.const_expr(mask_mod is not None):
-                keep = _mask_result(mask_mod(batch, head, q_idx, kv_idx), mask_mod)
-                scores[r, c] = scores[r, c] if keep else -cutlass.Float32.inf
+            q_idx, kv_idx = mod_index(coords, r, c, row0, col0, transposed)
+            _apply_mods_at(scores, r, c, batch, head, q_idx, kv_idx, score_scale, score_mod, mask_mod)
+
+
+@cute.jit
+def _apply_mods_at(scores: cute.Tensor, r: cutlass.Constexpr, c: cutlass.Constexpr, batch: Int32, head: Int32,
+                   q_idx: Int32, kv_idx: Int32, score_scale: Float32, score_mod, mask_mod):
+    """`apply_mods` on element (r, c), at (q_idx, kv_idx)."""
+    if cutlass.const_expr(score_mod is not None):
+        scores[r, c] = _score_result(score_mod(scores[r, c] * score_scale, batch, head, q_idx, kv_idx), score_mod)
+    if cutlass.const_expr(mask_mod is not None):
+        keep = _mask_result(mask_mod(batch, head, q_idx, kv_idx), mask_mod)
+        scores[r, c] = scores[r, c] if keep else -cutlass.Float32.inf
+
+
+LN2 = math.log(2.0)
+
+
+@cute.jit
+def score_mod_grad(grad, p: Float32, lse2: Float32, batch: Int32, head: Int32, q_idx: Int32,
+                   kv_idx: Int32) -> Float32:
+    """d score_mod(x) / dx at one element, for the backward's dS: `grad` (bind_mod's) is the mod's
+    derivative, a number (constant) or a function (out, b, h, q_idx, kv_idx) of the mod's output.
+    The output is recovered from P = exp2(out * log2 e - LSE * log2 e) (a kernel with a score mod
+    runs with scale_log2 = log2 e) as out = ln 2 (log2 P + lse2), so that no register keeps the
+    score meanwhile; where P = 0 (masked, or no weight) the derivative is taken as 0, since dS is 0
+    there anyway (and 0 * inf would be NaN)."""
+    if cutlass.const_expr(isinstance(grad, (int, float))):
+        return Float32(grad)
+    out = (cute.math.log2(p, fastmath=True) + lse2) * LN2
+    g = _score_result(grad(out, batch, head, q_idx, kv_idx), grad)
+    return g if p > 0.0 else Float32(0.0)
 
 
 @cute.jit
