@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _checks, _dispatch, _launch, index_checks, masking
+from .. import _checks, _dispatch, _launch, index_checks, masking, registry
 
 
 def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kernel, window_size, softcap,
