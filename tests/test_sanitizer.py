@@ -128,6 +128,36 @@ elif case == "flex-blocks":  # K5's block-sparse walk: documents, Q tiles 5-7 wi
         q, k, v = rand(2, 8, 2100, d), rand(2, 2, 2100, d), rand(2, 2, 2100, d)
         for block in (full, partial_only):
             outs.append(fa3.flex_attention(q, k, v, block_mask=block, enable_gqa=True))
+elif case == "mla":  # M1 (qv): 16 and 128 query heads (one and two Q tiles a KV head), pages of 64,
+    # ragged lengths, one split and planned splits (the combine at d512), one and two queries, causal
+    lens = [4000, 1, 300, 2047]
+    table = torch.randperm(256, device="cuda").to(torch.int32).view(4, 64)
+    k_cache, v_cache = rand(256, 64, 1, 64), rand(256, 64, 1, 512)
+    for heads, new in ((16, 1), (128, 2)):
+        q, qv = rand(4, new, heads, 64), rand(4, new, heads, 512)
+        for splits in (1, 0):
+            outs.append(fa3.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=i32(lens), block_table=table,
+                                                   qv=qv, causal=True, num_splits=splits))
+elif case == "mla-bad-indices":  # M1 under memcheck with values no host check saw: lengths past the
+    # capacity and negative, pages past the pool and negative, one split and planned
+    from fa3 import index_checks
+    index_checks.values_checkable = lambda device: False
+    table = torch.randperm(64, device="cuda").to(torch.int32).view(4, 16)
+    table[0, 3], table[2, 0] = 100000, -7
+    k_cache, v_cache = rand(64, 64, 1, 64), rand(64, 64, 1, 512)
+    q, qv = rand(4, 1, 16, 64), rand(4, 1, 16, 512)
+    for splits in (1, 0):
+        fa3.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=i32([100000, -5, 700, 1024]),
+                                   block_table=table, qv=qv, causal=True, num_splits=splits)
+elif case == "flex-backward":  # the backward with mods: ALiBi + documents (GQA 4) at d128, softcap at d64
+    from fa3 import flex
+    docs = (torch.arange(2100, device="cuda") // 700).to(torch.int32).expand(2, -1).contiguous()
+    for d, score_mod, mask_mod in ((128, flex.alibi(flex.alibi_slopes(8, "cuda")), flex.document(docs)),
+                                   (64, flex.softcap(30.0), flex.causal)):
+        q, k, v = (t.requires_grad_() for t in (rand(2, 2100, 8, d), rand(2, 2100, 2, d), rand(2, 2100, 2, d)))
+        out = fa3.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod)
+        out.backward(torch.randn_like(out))
+        outs += [out.detach(), q.grad, k.grad, v.grad]
 elif case == "gemm":  # 512 tiles of 128 x 256
     a, b = rand(4096, 256), rand(256, 4096)
     for kernel in fa3.available_kernels("gemm"):
@@ -155,7 +185,7 @@ print("done")
 
 RACE_CASES = ["forward-causal", "forward-causal-d64", "forward-causal-d96", "forward-d96", "forward", "varlen",
               "kvcache", "kvcache-gather", "kvcache-chunks", "gemm", "fp8", "fp8-gemm", "kvcache-fp8", "flex",
-              "flex-blocks"]
+              "flex-blocks", "mla", "flex-backward"]
 
 
 @pytest.mark.parametrize("head_dim", [64, 96, 128])
@@ -256,6 +286,16 @@ MEM_CASES = {
     "many-table-past-pool": ("cachemany", "block_table", [7, 1], 100000),
     "many-cu-q-negative": ("cachemany", "cu_seqlens_q", 40, -5),
 }
+
+
+def test_mla_unchecked_values_stay_in_bounds(tmp_path):
+    """M1 (qv) clamps lengths and page indices as S1 does: memcheck finds no access outside."""
+    if compute_sanitizer() is None:
+        pytest.skip("compute-sanitizer is not installed")
+    report = run_script(tmp_path, RACE_SCRIPT.replace('import sys\n', 'import os, sys\nos.environ["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"\n', 1),
+                        "mla-bad-indices", sanitizer=MEMCHECK)
+    assert "done" in report and "FAIL" not in report, report[-4000:]
+    assert "ERROR SUMMARY: 0 errors" in report, report[-4000:]
 
 
 @pytest.mark.parametrize("case", list(MEM_CASES))
