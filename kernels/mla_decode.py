@@ -20,16 +20,23 @@ The scores are computed once, by warpgroup 0 (the "scores" warpgroup), and P is 
 SMEM (FlashMLA's Hopper split):
 
     warpgroup 0: wait for the stage -> S = q K^T + qv V^T (WGMMA, 36 k-steps, A and B from SMEM)
-                 -> mask, online softmax -> [P_EMPTY] write P (16-bit, stmatrix) and each row's
-                 rescale factor to SMEM -> [P_FULL] -> O0 *= factor, O0 += P V[:, :256] -> release
-    warpgroup 1: [P_FULL] -> O1 *= factor (read from SMEM), O1 += P V[:, 256:] -> release ->
-                 refill the stage (warp 4 issues the TMA loads) -> [P_EMPTY] for the next block
+                 -> mask, online softmax -> [wait P empty] write P (16-bit, stmatrix) and each
+                 row's rescale factor to SMEM -> [arrive P full, wait P full] -> O0 *= factor,
+                 O0 += P V[:, :256] -> release the stage
+    warpgroup 1: [wait P full] -> O1 *= factor (read from SMEM), O1 += P V[:, 256:] -> [arrive P
+                 empty] -> release the stage -> refill it (warp 4 issues the TMA loads)
 
 so warpgroup 1's P V of block j runs beside warpgroup 0's S of block j + 1. Both P V halves read
-P from SMEM with one two-warpgroup tiled MMA. P_FULL is a full (256-thread) named barrier; P_EMPTY
-has warpgroup 1 arrive once its P V of the previous block is done, before warpgroup 0 overwrites
-P. Each thread's O rows are the rows of the same thread's S (a 64-row WGMMA atom: rows r and r + 8
-of each warp's 16), which is how the factors in SMEM find their rows.
+P from SMEM with one two-warpgroup tiled MMA. The hand-off of P and the factors is a one-stage
+mbarrier pipeline (pipeline.create_handoff): *P full* takes one arrival from each of warpgroup 0's
+128 threads, each after its own writes of P (and its fence.proxy.async: WGMMA reads P through the
+async proxy) and of the factors; *P empty* one from each of warpgroup 1's threads once its P V of
+the block is done, which warpgroup 0 waits for before it overwrites P. Warpgroup 0 waits on P
+full too: its own P V reads the rows its other warps wrote. (Named barriers ordered this as well,
+but compute-sanitizer's racecheck does not follow bar.arrive and reported hazards on the factors;
+it follows mbarrier arrive/wait pairs.) Each thread's O rows are the rows of the same thread's S
+(a 64-row WGMMA atom: rows r and r + 8 of each warp's 16), which is how the factors in SMEM find
+their rows.
 
 Why not split the S GEMM too (each warpgroup half of the 576-wide reduction, partial S exchanged
 in FP32): the exchange buffer (16 KB, 32 KB double-buffered) does not fit beside Q (72 KB) and two
@@ -38,8 +45,9 @@ twice (once per warpgroup, no exchange) would add 4.7 MFLOP a 64-key block to 4.
 bound on H200 at 64 heads.
 
 **SMEM** (config.mla_config's plan, which the kernel checks): q 8 KB + qv 64 KB, two stages of
-(K 8 KB + V 64 KB), P 8 KB, the factors 256 B: 225 KB, one CTA an SM. V's stage is read by both
-GEMMs (K-major as S's B operand, MN-major as P V's): the latent is read from memory once.
+(K 8 KB + V 64 KB), P 8 KB, the factors 256 B and the ring's and P's mbarriers (within the 1 KB the
+plan keeps below Q): 225 KB, one CTA an SM. V's stage is read by both GEMMs (K-major as S's B
+operand, MN-major as P V's): the latent is read from memory once.
 
 **Layouts.** The cache is dense (batch, capacity, heads_kv, d) or paged (num_pages, page_size,
 heads_kv, d) with pages of a multiple of 64 rows (a key block is one TMA box of one page:
@@ -63,8 +71,8 @@ from cutlass import Float32, Int32, Int64
 from .common import mask, mma, paged, pipeline, scheduler, seqlen, smem, softmax, tma
 from .config import MlaConfig
 
-# named barriers (0 is the CTA's): P written / P free again; warpgroup 0 alone
-P_FULL, P_EMPTY, SCORES_WARPGROUP = 1, 2, 3
+# named barrier (0 is the CTA's): warpgroup 0 alone (P's hand-off is on mbarriers: p_barriers)
+SCORES_WARPGROUP = 3
 PRODUCER_WARP = 4  # warpgroup 1's first warp issues the TMA loads (warpgroup 0 is the critical path)
 
 
@@ -108,6 +116,7 @@ class MlaDecode:
         @cute.struct
         class SharedStorage:
             kv_barriers: cute.struct.MemRange[Int64, 2 * self.kv_stages]
+            p_barriers: cute.struct.MemRange[Int64, pipeline.HANDOFF_BARRIERS]  # P full, P empty
             row_factor: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m], 16]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sQv: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQv_layout)], 1024]
@@ -149,6 +158,7 @@ class MlaDecode:
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         kv_pipe = pipeline.create(storage.kv_barriers.data_ptr(), self.kv_stages, self.num_threads // 32,
                                   self.stage_bytes)
+        p_pipe = pipeline.create_handoff(storage.p_barriers.data_ptr(), 128, 128)  # warpgroup 0 -> 1
         pipeline.init_done()
         sQ = smem.get_tensor(storage.sQ, sQ_layout)[None, None, 0]
         sQv = smem.get_tensor(storage.sQv, sQv_layout)[None, None, 0]
@@ -167,9 +177,10 @@ class MlaDecode:
         ctx = self.compute_setup(sQ, sQv, sK, sV, sP, tidx)
         blocks = (n_blocks, last, m_block, group, seq, scale_log2)
         if warp_idx < 4:
-            self.scores_mainloop(ctx, kv_pipe, sV, sP, row_factor, *blocks)
+            self.scores_mainloop(ctx, kv_pipe, p_pipe, sV, sP, row_factor, *blocks)
         else:
-            kv_producer = self.values_mainloop(ctx, kv_pipe, kv_producer, loads, row_factor, warp_idx, *blocks)
+            kv_producer = self.values_mainloop(ctx, kv_pipe, p_pipe, kv_producer, loads, row_factor, warp_idx,
+                                               *blocks)
         if warp_idx == PRODUCER_WARP:
             pipeline.tail(kv_pipe, kv_producer)
         self.store(ctx, row_factor, mO, mLSE, mOacc, mLSEacc, split, num_splits, m_block, head_kv, group,
@@ -234,10 +245,11 @@ class MlaDecode:
         return ctx
 
     @cute.jit
-    def scores_mainloop(self, ctx, kv_pipe, sV: cute.Tensor, sP: cute.Tensor, row_factor: cute.Tensor,
+    def scores_mainloop(self, ctx, kv_pipe, p_pipe, sV: cute.Tensor, sP: cute.Tensor, row_factor: cute.Tensor,
                         n_blocks: Int32, last: Int32, m_block: Int32, group: Int32, seq, scale_log2: Float32):
         """Warpgroup 0: per key block (last, last - 1, ...), S, the softmax, P and the rescale
-        factors handed over through SMEM, then its half of P V."""
+        factors handed over through SMEM (p_pipe's producer), then its half of P V. The hand-off's
+        states follow from the block count (one stage), none carried through the loop."""
         kv_consumer = pipeline.consumer_state(self.kv_stages)
         for j in cutlass.range(n_blocks, unroll=1):
             n_block = last - j
@@ -255,30 +267,32 @@ class MlaDecode:
                            seq.seqlen_k, self.causal, rows_per_query=group)
             factor = softmax.online_update(s_mn, ctx.row_max, ctx.row_sum, scale_log2, 4)
             p = mma.to_dtype(acc_s, self.dtype)
-            if j > 0:  # warpgroup 1's P V of the previous block has read sP
-                cute.arch.barrier(barrier_id=P_EMPTY, number_of_threads=self.num_threads)
+            p_state = pipeline.state_at(1, j, producer=True)
+            p_pipe.producer_acquire(p_state)  # warpgroup 1's P V of block j - 1 is done
             mma.store_to_smem(p, ctx.qk, ctx.tidx, sP)
             self.share_rows(ctx, row_factor, factor)
             cute.arch.fence_proxy("async.shared", space="cta")  # P: generic writes, read by WGMMA
-            cute.arch.barrier(barrier_id=P_FULL, number_of_threads=self.num_threads)
+            p_pipe.producer_commit(p_state)  # this thread's writes are done
+            pipeline.consume_wait(p_pipe, pipeline.state_at(1, j))  # every thread's: P is whole
             softmax.rescale(mma.rows_cols(ctx.acc_o), factor)
             self.accumulate(ctx, stage)
             kv_consumer = pipeline.release(kv_pipe, kv_consumer)
 
     @cute.jit
-    def values_mainloop(self, ctx, kv_pipe, kv_producer, loads, row_factor: cute.Tensor, warp_idx: Int32,
-                        n_blocks: Int32, last: Int32, m_block: Int32, group: Int32, seq, scale_log2: Float32):
-        """Warpgroup 1: per key block, its half of P V once warpgroup 0 has written P; then (warp
-        PRODUCER_WARP) the freed stage refilled. Returns the producer state (for pipeline.tail)."""
+    def values_mainloop(self, ctx, kv_pipe, p_pipe, kv_producer, loads, row_factor: cute.Tensor,
+                        warp_idx: Int32, n_blocks: Int32, last: Int32, m_block: Int32, group: Int32, seq,
+                        scale_log2: Float32):
+        """Warpgroup 1: per key block, its half of P V once warpgroup 0 has written P (p_pipe's
+        consumer); then (warp PRODUCER_WARP) the freed stage refilled. Returns the producer state
+        (for pipeline.tail)."""
         kv_consumer = pipeline.consumer_state(self.kv_stages)
         for j in cutlass.range(n_blocks, unroll=1):
-            if j > 0:  # this warpgroup's last P V is done: sP may be overwritten
-                cute.arch.barrier_arrive(barrier_id=P_EMPTY, number_of_threads=self.num_threads)
-            cute.arch.barrier(barrier_id=P_FULL, number_of_threads=self.num_threads)
+            pipeline.consume_wait(p_pipe, pipeline.state_at(1, j))  # P and the factors of block j
             stage = kv_consumer.index
             pipeline.consume_wait(kv_pipe, kv_consumer)  # (landed: warpgroup 0 waited; this orders the reads)
             softmax.rescale(mma.rows_cols(ctx.acc_o), self.shared_rows(ctx, row_factor))
             self.accumulate(ctx, stage)
+            p_pipe.consumer_release(pipeline.state_at(1, j))  # this thread's P V has read sP and the factors
             kv_consumer = pipeline.release(kv_pipe, kv_consumer)
             if warp_idx == PRODUCER_WARP and kv_producer.count < n_blocks:  # refill the stage just freed
                 kv_producer = self.load_kv(kv_producer, last - kv_producer.count, *loads)
@@ -308,7 +322,7 @@ class MlaDecode:
     @cute.jit
     def zero_rows_past_end(self, sV_stage: cute.Tensor, valid_rows: Int32, tidx: Int32):
         """Zero the V rows of a ragged block past the sequence (warpgroup 0, before S reads them;
-        warpgroup 1 reads them after P_FULL): a cache's unused rows hold anything, and 0 * NaN =
+        warpgroup 1 reads them after P full): a cache's unused rows hold anything, and 0 * NaN =
         NaN in P V. Their scores are masked."""
         if valid_rows < self.tile_n:
             for r in cutlass.range(cutlass.max(valid_rows, 0), self.tile_n, unroll=1):

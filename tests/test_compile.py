@@ -186,9 +186,11 @@ def test_sinks_combine_compiles(max_queries):
 def test_mla_dense_non_causal_compiles():
     """M1 (MLA decode) on a dense cache without the causal mask (the registry row compiles it paged
     and causal): S (m64n64k16, 36 k-steps over q and qv) and P V (m64n256k16, a warpgroup's half of
-    O) on WGMMA, P through SMEM (stmatrix, named barriers), no spills, WGMMAs not serialized."""
+    O) on WGMMA, P through SMEM (stmatrix, handed over on an mbarrier pair, no named barrier's
+    bar.arrive), no spills, WGMMAs not serialized."""
     report = _compile.compile_report(registry.get("m1"), torch.bfloat16, causal=False, paged=False)
-    assert "m64n64k16" in report.ptx and "m64n256k16" in report.ptx and "bar.arrive" in report.ptx
+    assert "m64n64k16" in report.ptx and "m64n256k16" in report.ptx and "stmatrix" in report.ptx
+    assert "mbarrier.arrive.shared" in report.ptx and "bar.arrive" not in report.ptx
     assert report.spill_bytes == 0 and not report.serialized_wgmma
 
 

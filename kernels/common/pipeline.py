@@ -58,6 +58,25 @@ def create_gather(barrier_ptr, stages: int, threads: int):
     )
 
 
+HANDOFF_BARRIERS = 2  # Int64 mbarriers (full, empty) a one-stage hand-off (create_handoff) needs
+
+
+def create_handoff(barrier_ptr, producer_threads: int, consumer_threads: int):
+    """A one-stage hand-off of an SMEM buffer written by some threads and read by others
+    (PipelineAsync, deferred like create): *full* expects one arrival per producer thread, each
+    after its own writes (producer_commit); *empty* one per consumer thread, each after its own
+    reads (consumer_release). The arrive/wait pairs order the buffer's accesses at CTA scope, which
+    compute-sanitizer's racecheck follows (it does not follow named barriers' bar.arrive). With one
+    stage a side's state after `count` hand-offs is state_at(1, count[, producer=True])."""
+    return pipeline.PipelineAsync.create(
+        barrier_storage=barrier_ptr,
+        num_stages=1,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, producer_threads),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_threads),
+        defer_sync=True,
+    )
+
+
 def init_done(cluster_m: int = 1):
     """Make barrier initialisation visible before anyone uses a barrier: to the CTA, or with
     cluster_m > 1 to the whole cluster (its peers' copies will complete on these barriers)."""
