@@ -47,7 +47,6 @@ def _dummy(kind, device, head_dim=None):
     t = _DUMMIES.get(key)
     if t is None:
         t = _DUMMIES[key] = {
-            "table": lambda: torch.zeros(1, 1, dtype=torch.int32, device=device),
             "o_partial": lambda: torch.empty(1, 1, 1, 1, head_dim, dtype=torch.float32, device=device),
             "lse_partial": lambda: torch.empty(1, 1, 1, 1, dtype=torch.float32, device=device),
         }[kind]()
@@ -121,10 +120,10 @@ class CacheLaunch:
                         if self.partials_shape[0] > 1 else None)
         self.order = _compile_kvcache.get_entry_order() if self.sort else None
         self.no_partials = (_dummy("o_partial", device, head_dim), _dummy("lse_partial", device))
-        self.no_descales = (_checks.unit_descale(device),) * 3
-        # stand-ins for what this call has not (int32, the entries' order, the sinks), and the table's
+        # the combine's stand-ins for what this call has not (cu_seqlens_q, the sinks) and S1's for
+        # the entries' order (S1 takes None for the rest: signatures.kvcache_args)
         self.stand_ins = (_launch.stand_in(device), _launch.stand_in(device, torch.int64),
-                          _launch.stand_in(device, torch.float32), _dummy("table", device))
+                          _launch.stand_in(device, torch.float32))
         # the stream's scratch a call takes: the split partials (O, LSE: the combine reads them)
         splits, planes, rows, heads, _ = self.partials_shape
         self.scratch_shapes = (self.partials_shape, (splits, planes, heads, rows)) if self.combine is not None else ()
@@ -156,17 +155,16 @@ class CacheLaunch:
         if self.order is not None:
             order = torch.empty(self.batch, dtype=torch.int64, device=device)
             self.order(cache_seqlens, order, self.keys)
-        sinks = _launch.sinks_ready(sinks) if self.has_sinks else self.stand_ins[2]
-        q_descale, k_descale, v_descale = descales or self.no_descales
-        if q_descale is None:  # 16-bit q over an FP8 cache: not read
-            q_descale = self.no_descales[0]
+        sinks = _launch.sinks_ready(sinks) if self.has_sinks else None
+        # what the compiled variant does not read is None (signatures.kvcache_args): nothing to convert
+        q_descale, k_descale, v_descale = descales or NO_DESCALES
         mask = self.mask
-        self.fn(q4, k_cache, v_cache, cache_seqlens, block_table if self.paged else self.stand_ins[3], out4,
+        self.fn(q4, k_cache, v_cache, cache_seqlens, block_table if self.paged else None, out4,
                 lse3, o_partial, lse_partial, mask.scale_log2, self.appended, mask.left, mask.right,
-                mask.softcap_scale, cu, self.s1_queries, cache_leftpad if self.leftpad else self.stand_ins[0],
-                order, sinks, q_descale, k_descale, v_descale)
+                mask.softcap_scale, cu if self.packed else None, self.s1_queries,
+                cache_leftpad if self.leftpad else None, order, sinks, q_descale, k_descale, v_descale)
         if self.combine is not None:
-            self.combine(o_partial, lse_partial, out4, lse3, sinks, cu)
+            self.combine(o_partial, lse_partial, out4, lse3, self.stand_ins[2] if sinks is None else sinks, cu)
         if self.long is not None:
             cache_prefill.launch(self.long, q, k_cache, v_cache, cache_seqlens, block_table, cu, out, lse, mask,
                                  sinks if self.has_sinks else None)

@@ -171,11 +171,12 @@ class SplitKVAttention:
     # ---------------------------------------------------------------- host side
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mCacheSeqlens: cute.Tensor,
-                 mBlockTable: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mOacc: cute.Tensor,
+                 mBlockTable: Optional[cute.Tensor], mO: cute.Tensor, mLSE: cute.Tensor, mOacc: cute.Tensor,
                  mLSEacc: cute.Tensor, scale_log2: Float32, appended: Int32, window_left: Int32,
-                 window_right: Int32, softcap_scale: Float32, mCuSeqlensQ: cute.Tensor,
-                 max_seqlen_q: Int32, mLeftpad: cute.Tensor, mOrder: cute.Tensor, mSinks: cute.Tensor,
-                 mQDescale: cute.Tensor, mKDescale: cute.Tensor, mVDescale: cute.Tensor, stream):
+                 window_right: Int32, softcap_scale: Float32, mCuSeqlensQ: Optional[cute.Tensor],
+                 max_seqlen_q: Int32, mLeftpad: Optional[cute.Tensor], mOrder: cute.Tensor,
+                 mSinks: Optional[cute.Tensor], mQDescale: Optional[cute.Tensor], mKDescale: Optional[cute.Tensor],
+                 mVDescale: Optional[cute.Tensor], stream):
         """mQ (batch, seqlen_q, heads_q, d); mK/mV the cache; mO/mLSE the result when there is one
         split, else mOacc (splits, batch, seqlen_q, heads_q, d) and mLSEacc (splits, batch,
         heads_q, seqlen_q) in FP32: the number of splits is mOacc.shape[0]. The window edges,
@@ -185,7 +186,8 @@ class SplitKVAttention:
         where each entry's keys start in a dense cache (the leftpad variant; unread otherwise).
         mOrder (batch,) int64: the entries longest first (kernels/entry_order.py), or a 1-element
         stand-in for the entries in their own order. mQ/mK/mVDescale (batch, heads_kv) FP32: the
-        FP8 descales (unread stand-ins otherwise)."""
+        FP8 descales. What the variant does not read is None (the block table of a dense cache,
+        cu_seqlens_q of (batch, seqlen_q) queries, mLeftpad, mSinks, the descales it has not)."""
         batch, seqlen_q, heads_q, _ = mQ.shape
         heads_kv = mK.shape[2]
         group = heads_q // heads_kv
@@ -249,10 +251,11 @@ class SplitKVAttention:
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, tma_k: Optional[cute.CopyAtom], mK: cute.Tensor,
                tma_v: Optional[cute.CopyAtom],
-               mV: cute.Tensor, mCacheSeqlens: cute.Tensor, mBlockTable: cute.Tensor, mO: cute.Tensor,
+               mV: cute.Tensor, mCacheSeqlens: cute.Tensor, mBlockTable: Optional[cute.Tensor], mO: cute.Tensor,
                mLSE: cute.Tensor, mOacc: cute.Tensor, mLSEacc: cute.Tensor, scale_log2: Float32,
                appended: Int32, window_left: Int32, window_right: Int32, softcap_scale: Float32,
-               mCuSeqlensQ: cute.Tensor, mLeftpad: cute.Tensor, mOrder: cute.Tensor, mSinks: cute.Tensor,
+               mCuSeqlensQ: Optional[cute.Tensor], mLeftpad: Optional[cute.Tensor], mOrder: cute.Tensor,
+               mSinks: Optional[cute.Tensor],
                descales,
                sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
                sKV16_layout: cute.ComposedLayout, SharedStorage: cutlass.Constexpr):

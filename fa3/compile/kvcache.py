@@ -49,7 +49,9 @@ def build_kvcache(spec, dtype, head_dim, causal, paged=False, local=False, softc
                                paged=paged, local=local, softcap=softcap, gather=gather,
                                varlen=varlen, leftpad=leftpad, sinks=sinks, out_dtype=sig.cute_dtype(out_dtype),
                                max_queries=max_queries, fp8=fp8, **sixteen_bit_q)
-    return core.compile_kernel(kernel, sig.kvcache_args(dtype, head_dim, out_dtype, query_dtype), extra_options)
+    args = sig.kvcache_args(dtype, head_dim, out_dtype, query_dtype, paged=paged, varlen=varlen, leftpad=leftpad,
+                            sinks=sinks)
+    return core.compile_kernel(kernel, args, extra_options)
 
 
 def get_kvcache(spec, dtype, head_dim, causal, paged, local=False, softcap=False, gather=False,

@@ -181,7 +181,8 @@ def cache_prefill_args(dtype, head_dim):
             i32(0), i32(0), f32(1.0), vector(f32)]  # window edges, softcap scale, sinks
 
 
-def kvcache_args(dtype, head_dim, out_dtype=None, query_dtype=None):
+def kvcache_args(dtype, head_dim, out_dtype=None, query_dtype=None, paged=True, varlen=True, leftpad=True,
+                 sinks=True):
     """Fake (q, k_cache, v_cache, cache_seqlens, block_table, out, lse, out_partial, lse_partial,
     scale_log2, appended, window edges, softcap scale, cu_seqlens_q, max_seqlen_q, cache_leftpad,
     entry order, sinks, q/k/v descales): see kernels/decode.py. The cache is (planes, rows, heads_kv,
@@ -189,7 +190,10 @@ def kvcache_args(dtype, head_dim, out_dtype=None, query_dtype=None):
     queries: q is (1, total_q, heads_q, d) and cache_seqlens has its own extent). `dtype`: the
     cache's, and q's unless query_dtype is given (16-bit q over an FP8 cache); out has out_dtype
     (default dtype); the descales are (batch, heads_kv) FP32 (1-element stand-ins where unread:
-    all three over a 16-bit cache, q's for 16-bit q), any strides (a per-tensor one broadcast)."""
+    all three over a 16-bit cache, q's for 16-bit q), any strides (a per-tensor one broadcast).
+    What the variant does not read is None (the block table of a dense cache, cu_seqlens_q of
+    (batch, seqlen_q) queries, cache_leftpad, the sinks, the descales it has not): the call passes
+    None there too, which costs the launch nothing to convert."""
     cutlass, cute = dsl.import_cute()
     dt, f32, i32 = cute_dtype(dtype), cutlass.Float32, cutlass.Int32
     qt = cute_dtype(query_dtype or dtype)
@@ -200,17 +204,20 @@ def kvcache_args(dtype, head_dim, out_dtype=None, query_dtype=None):
     b_table, b_part, sq_part, hq_part, b_lens, b_cu, b_pad = (cute.sym_int64() for _ in range(7))
     cache = lambda: unit_last(cute, dt, planes, rows, hkv, head_dim, tma=True)
     descale = lambda: descale_tensor(cute, f32, cute.sym_int64(), cute.sym_int64())
+    fp8, sixteen_bit_q = dtype == torch.float8_e4m3fn, query_dtype not in (None, dtype)
     return [unit_last(cute, qt, b, sq, hq, head_dim, align=qt.width // 8), cache(), cache(),
-            fake_tensor(cute, i32, (b_lens,), (1,), align=4), unit_last(cute, i32, b_table, pages),
+            fake_tensor(cute, i32, (b_lens,), (1,), align=4),
+            unit_last(cute, i32, b_table, pages) if paged else None,
             unit_last(cute, out, b, sq, hq, head_dim, align=2), unit_last(cute, f32, b, hq, sq),
             unit_last(cute, f32, splits, b_part, sq_part, hq_part, head_dim),
             unit_last(cute, f32, splits, b_part, hq_part, sq_part), f32(1.0), i32(0),
             i32(0), i32(0), f32(1.0),  # (appended,) window edges, softcap scale
-            fake_tensor(cute, i32, (b_cu,), (1,), align=4), i32(1),  # cu_seqlens_q, max_seqlen_q
-            fake_tensor(cute, i32, (b_pad,), (1,), align=4),  # cache_leftpad
+            fake_tensor(cute, i32, (b_cu,), (1,), align=4) if varlen else None, i32(1),  # cu_seqlens_q, max_seqlen_q
+            fake_tensor(cute, i32, (b_pad,), (1,), align=4) if leftpad else None,  # cache_leftpad
             fake_tensor(cute, cutlass.Int64, (cute.sym_int64(),), (1,), align=8),  # the entries' order, or a stand-in
-            fake_tensor(cute, f32, (cute.sym_int64(),), (1,), align=4),  # sinks (or a stand-in)
-            descale(), descale(), descale()]
+            fake_tensor(cute, f32, (cute.sym_int64(),), (1,), align=4) if sinks else None,
+            descale() if fp8 and not sixteen_bit_q else None, descale() if fp8 else None,
+            descale() if fp8 else None]
 
 
 def mla_args(dtype, head_dim, head_dim_v):
