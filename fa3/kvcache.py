@@ -253,11 +253,13 @@ _CACHE_CALLS = BoundedMemo()
 
 
 def _index_check(q, k_cache, capacity: int, max_q: int, lengths_name: str):
-    """start(lengths, block_table, cu_seqlens_q) -> wait: a plain call's index check (as
-    cache_attention starts it) with its bounds made once."""
+    """start(lengths, block_table, cu_seqlens_q, cache_leftpad) -> wait: a plain call's index check
+    (as cache_attention starts it) with its bounds made once."""
     device, total_q, page_size, num_pages = q.device, q.shape[0], k_cache.shape[1], k_cache.shape[0]
 
-    def start(lengths, block_table, cu_seqlens_q):
+    def start(lengths, block_table, cu_seqlens_q, cache_leftpad=None):
+        if cache_leftpad is not None:
+            return index_checks.start_leftpad_check(cache_leftpad, lengths, capacity, 0, page_size, device)
         if cu_seqlens_q is not None:
             return index_checks.start_packed_cache_check(cu_seqlens_q, total_q, max_q, lengths, block_table,
                                                          capacity, page_size, num_pages, lengths_name, device)
@@ -274,9 +276,10 @@ def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, sof
     (q_descale, k_descale, v_descale) as given (an FP8 cache). keep_lse=False: the caller drops the
     LSE (a remembered launch then writes it to scratch). Its callers (the public entry points)
     raise an earlier call's bad index values first (index_checks.raise_pending)."""
-    # a plain call (no append, out=, left padding, sinks, window or softcap; lengths in a tensor or an int)
-    # like one that ran before: its checks passed for these shapes, and its launch is planned
-    plain = k is None and cu_seqlens_k_new is None and cache_leftpad is None and sinks is None and out is None \
+    # a plain call (no append, out=, sinks, window or softcap; lengths in a tensor or an int; left padding
+    # allowed: transformers' padded generate) like one that ran before: its checks passed for these
+    # shapes, and its launch is planned
+    plain = k is None and cu_seqlens_k_new is None and sinks is None and out is None \
         and kernel is None and not softcap and window_size == (-1, -1) and type(causal) is bool \
         and (type(seqlens) is torch.Tensor or type(seqlens) is int) \
         and (softmax_scale is None or type(softmax_scale) is float) and not _dispatch.tracing()
@@ -292,7 +295,9 @@ def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, sof
                                                       cu_seqlens_q.device),
                    max_seqlen_q, max_seqlen_k, causal, softmax_scale, num_splits, lengths_name,
                    NO_DESCALES if descales[0] is None and descales[1] is None and descales[2] is None else
-                   tuple(None if d is None else (d.shape, d.dtype, d.device) for d in descales))
+                   tuple(None if d is None else (d.shape, d.dtype, d.device) for d in descales),
+                   None if cache_leftpad is None else (cache_leftpad.shape, cache_leftpad.stride(),
+                                                       cache_leftpad.dtype, cache_leftpad.device))
             prepared = _CACHE_CALLS.get(key)
         except (AttributeError, TypeError):  # not tensors (check_kvcache names them), symbolic shapes
             key = prepared = plain = None
@@ -302,8 +307,9 @@ def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, sof
             if not host_length or 0 <= seqlens <= capacity:  # (a bad int: check_kvcache's message below)
                 if host_length:
                     seqlens = torch.full((launch.batch,), seqlens, dtype=torch.int32, device=q.device)
-                wait = start_check(seqlens, block_table, cu_seqlens_q)
+                wait = start_check(seqlens, block_table, cu_seqlens_q, cache_leftpad)
                 out, lse = launch(q, k_cache, v_cache, seqlens, block_table, cu_seqlens_q,
+                                  cache_leftpad=cache_leftpad,
                                   descales=remembered_descales(q, k_cache, descales, launch.batch),
                                   keep_lse=keep_lse)
                 wait()
@@ -358,12 +364,13 @@ def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, sof
             # planned, launched and remembered (an FP8 cache's descales are the call's: its key holds their shapes)
             if plain and q.device in _checks.HOPPER_SMS:
                 launch = CacheLaunch(spec, q, k_cache, block_table is not None, capacity, 0, causal, scale,
-                                     int(num_splits), window, 0.0, cu_seqlens_q, max_q, max_seqlen_k, False, False,
-                                     descales is not None,
+                                     int(num_splits), window, 0.0, cu_seqlens_q, max_q, max_seqlen_k,
+                                     cache_leftpad is not None, False, descales is not None,
                                      torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype, False)
-                out, lse = launch(q, k_cache, v_cache, seqlens, block_table, cu_seqlens_q, descales=descales)
+                out, lse = launch(q, k_cache, v_cache, seqlens, block_table, cu_seqlens_q, cache_leftpad=cache_leftpad,
+                                  descales=descales)
                 check = index_checks.nothing_to_start if host_length and block_table is None \
-                    else _index_check(q, k_cache, capacity, max_q, lengths_name)
+                    and cache_leftpad is None else _index_check(q, k_cache, capacity, max_q, lengths_name)
                 _CACHE_CALLS.remember(key, (check, launch, capacity))
             else:
                 out, lse = launch_kvcache(spec, q, k_cache, v_cache, seqlens, block_table, capacity, appended,
