@@ -248,6 +248,23 @@ def full_lengths(batch: int, device) -> torch.Tensor:
     return lengths
 
 
+_INT_LENGTHS = BoundedMemo(16)
+
+
+def int_lengths(batch: int, length: int, device) -> torch.Tensor:
+    """int32 (batch,) tensor of one host length (flash-attn's int cache_seqlens), filled once per
+    (device, stream, batch, length) and reused: a model's layers in one decode step pass the same
+    int. Per stream, so that a reader on the stream that filled it is ordered after the fill; made
+    fresh while a CUDA graph is captured (the graph fills its own)."""
+    if torch.cuda.is_current_stream_capturing():
+        return torch.full((batch,), length, dtype=torch.int32, device=device)
+    key = (device, torch._C._cuda_getCurrentRawStream(device.index), batch, length)
+    lengths = _INT_LENGTHS.get(key)
+    if lengths is None:
+        lengths = _INT_LENGTHS.remember(key, torch.full((batch,), length, dtype=torch.int32, device=device))
+    return lengths
+
+
 # the static part of a plain call against a cache (cache_attention's key) -> (its index check, its CacheLaunch)
 _CACHE_CALLS = BoundedMemo()
 
@@ -306,7 +323,7 @@ def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, sof
             start_check, launch, capacity = prepared
             if not host_length or 0 <= seqlens <= capacity:  # (a bad int: check_kvcache's message below)
                 if host_length:
-                    seqlens = torch.full((launch.batch,), seqlens, dtype=torch.int32, device=q.device)
+                    seqlens = int_lengths(launch.batch, seqlens, q.device)
                 wait = start_check(seqlens, block_table, cu_seqlens_q, cache_leftpad)
                 out, lse = launch(q, k_cache, v_cache, seqlens, block_table, cu_seqlens_q,
                                   cache_leftpad=cache_leftpad,
