@@ -37,7 +37,6 @@ from .cache.split_plan import call_plan, split_request
 
 
 NO_DESCALES = (None, None, None)
-WARP_SPLIT_PARTIALS = 4  # s2: a CTA's warps, each its own partial (kernels/decode.py)
 _DUMMIES: dict = {}
 
 
@@ -110,8 +109,8 @@ class CacheLaunch:
         s1_max_queries = 0 if plan.long is None else plan.long.min_queries  # S1 (and its combine) skip K5's
         self.sort = plan.longest_first and not full  # the longest entries first (sorted on the device)
         # a warp-split rung (s2) writes one partial per warp of each CTA, always combined
-        per_cta = WARP_SPLIT_PARTIALS if spec.config.base.warp_split else 1
-        self.partials_shape = (self.num_splits * per_cta, 1 if self.packed else batch, rows_q, heads_q, head_dim)
+        self.partials_shape = (self.num_splits * spec.config.base.partials_per_cta, 1 if self.packed else batch,
+                               rows_q, heads_q, head_dim)
         self.fn = _compile_kvcache.get_kvcache(spec, k_cache.dtype, head_dim, self.mask.causal, paged,
                                                self.mask.local, self.mask.softcap, plan.gather, self.packed,
                                                leftpad, has_sinks, out_dtype if fp8 else None, s1_max_queries,
