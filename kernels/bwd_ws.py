@@ -228,6 +228,10 @@ class BackwardRoles(BackwardSetup, QueryStatistics, DqOrder, DkvEpilogue, Backwa
         s = super().smem_tensors(storage, sQ_layout, sKV_layout, sPdS_layout)
         if self.dq_mbarriers:
             s.dq_turns = storage.dq_turns.data_ptr()
+        if self.walk_slots:
+            s.walk_slots = cute.make_tensor(
+                cute.recast_ptr(storage.dq_turns.data_ptr() + self.dq_turn_barriers, dtype=Int32),
+                cute.make_layout(self.walk_slots))
         return s
 
     # ---------------------------------------------------------------- the GEMMs' hooks (bwd_mma.py)
@@ -351,17 +355,20 @@ class BackwardRoles(BackwardSetup, QueryStatistics, DqOrder, DkvEpilogue, Backwa
             m_first, m_end = self.q_tile_range(n_block, seq.seqlen_q, seq.seqlen_k, window)
             start = self.walk_start(n_block, m_first, m_end, seq)
             walk = q_walk.DenseQWalk(start, m_first, m_end, not self.ordered_dq or self.rotates_unmasked)
-        else:  # each role reads the same lists at this CTA's (batch, query head, K/V tile)
-            walk = q_walk.block_mask_walk(block_lists, batch, head, n_block, self.block_split)
+        else:  # each role reads the same lists at this CTA's (batch, query head, K/V tile), after its
+            # register split (a walk read before it was held across it: spilled at 24 registers)
+            walk = None
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.config.producer_regs)
             if warp_idx == 0:
                 q_copies, kv_copies = self.tma_copies(tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV,
                                                       s, head, batch, seq, (tma_lse, mLSE2_tiles, tma_d, mD_tiles))
-                self.load(q_pipe, kv_pipe, q_copies, kv_copies, n_block, walk, do_pipe)
+                self.load(q_pipe, kv_pipe, q_copies, kv_copies, n_block,
+                          self.role_walk(walk, block_lists, batch, head, n_block, s), do_pipe)
             if warp_idx == 1:
-                self.write_dq(mdQacc, s, mLock, n_block, head, batch, walk, seq, window, tidx % 32)
+                self.write_dq(mdQacc, s, mLock, n_block, head, batch,
+                              self.role_walk(walk, block_lists, batch, head, n_block), seq, window, tidx % 32)
         else:
             cute.arch.setmaxregister_increase(self.config.consumer_regs)
             ctidx = tidx - 128
@@ -369,21 +376,31 @@ class BackwardRoles(BackwardSetup, QueryStatistics, DqOrder, DkvEpilogue, Backwa
             if cutlass.const_expr(self.has_mods):  # what the mods read (apply_mods, mod_score_grads)
                 ctx.aux, ctx.batch, ctx.head = aux, batch, head
             pipeline.consume_wait(kv_pipe, pipeline.consumer_state(1))
+            visits = self.role_walk(walk, block_lists, batch, head, n_block, s)
             q_consumer = pipeline.consumer_state(self.q_stages)
-            if cutlass.const_expr(walk.has_full and self.mask_mod is not None):
+            if cutlass.const_expr(visits.has_full and self.mask_mod is not None):
                 # a block mask's partial blocks (the mask mod), then its full ones (none): two loops,
                 # no branch in either
-                for i in cutlass.range(walk.partial_tiles(), unroll=1):
-                    q_consumer = self.consume_step(ctx, s, q_pipe, q_consumer, walk.partial_m_block(i), n_block,
+                for i in cutlass.range(visits.partial_tiles(), unroll=1):
+                    q_consumer = self.consume_step(ctx, s, q_pipe, q_consumer, visits.published(i), n_block,
                                                    scale_log2, do_pipe)
-                for i in cutlass.range(walk.partial_tiles(), walk.count(), unroll=1):
-                    q_consumer = self.consume_step(ctx, s, q_pipe, q_consumer, walk.full_m_block(i), n_block,
+                for i in cutlass.range(visits.partial_tiles(), visits.count(), unroll=1):
+                    q_consumer = self.consume_step(ctx, s, q_pipe, q_consumer, visits.published(i), n_block,
                                                    scale_log2, do_pipe, partial=False)
             else:
-                for i in cutlass.range(walk.count(), unroll=1):
-                    q_consumer = self.consume_step(ctx, s, q_pipe, q_consumer, walk.m_block(i), n_block,
+                for i in cutlass.range(visits.count(), unroll=1):
+                    q_consumer = self.consume_step(ctx, s, q_pipe, q_consumer, visits.consumer_tile(i), n_block,
                                                    scale_log2, do_pipe)
             self.store_dkv(ctx, s, mdK, mdV, n_block, head, batch, softmax_scale, mLSE2.shape[1])
+
+    def role_walk(self, walk, block_lists, batch: Int32, head: Int32, n_block: Int32, s=None):
+        """A role's walk: the dense one `roles` built, or (walk None) the block mask's, read here;
+        the loader's and the consumers' with the SMEM slots through which the loader hands each
+        visit's Q tile to the consumers (`s`: q_walk.py)."""
+        if walk is not None:
+            return walk
+        return q_walk.block_mask_walk(block_lists, batch, head, n_block, self.block_split,
+                                      None if s is None else s.walk_slots)
 
     @cute.jit
     def sync_consumers(self):
@@ -420,6 +437,8 @@ class BackwardRoles(BackwardSetup, QueryStatistics, DqOrder, DkvEpilogue, Backwa
         q_state = pipeline.producer_state(self.q_stages)
         for i in cutlass.range(walk.count(), unroll=1):
             m_block = walk.m_block(i)
+            if cutlass.const_expr(walk.sparse):  # the consumers read visit i's tile from SMEM
+                walk.publish(i, m_block)
             q_state = pipeline.produce(q_pipe, q_state, m_block, q_copies)
             if cutlass.const_expr(self.split_do):
                 pipeline.produce(do_pipe, pipeline.state_at(self.do_stages, i, producer=True), m_block, do_copies)
@@ -444,6 +463,7 @@ class BackwardRoles(BackwardSetup, QueryStatistics, DqOrder, DkvEpilogue, Backwa
         `split_do`: dO_i waited for between S and dP, released once dV is done."""
         consumers = self.consumer_threads
         lse2, dsum = self.step_stats(ctx, q_pipe, q_state, m_block)
+        m_block = q_walk.landed(m_block)  # (a block-sparse walk's tile, published by the loader)
         stage, do_state = q_state.index, None
         if cutlass.const_expr(self.split_do):
             do_state = pipeline.state_at(self.do_stages, q_state.count)
@@ -581,6 +601,10 @@ class BlockSparseFlexBackward(BackwardRoles):
             raise ValueError("the block-sparse backward adds dQ unordered: the deterministic order waits for every "
                              "K/V tile of a Q tile in turn, and a block mask's walk skips some (deterministic=True "
                              "is not supported with a block mask)")
+        if not self.smem_stats:
+            raise ValueError("the block-sparse backward takes the statistics through SMEM (stats_in_smem): its "
+                             "consumers read a visit's Q tile once the tile's stage has landed")
+        self.walk_slots = 2 * self.q_stages  # (q_walk.py: visit i's Q tile in slot i % walk_slots)
         if self.tile_n != BLOCK_MASK_TILE[1] or BLOCK_MASK_TILE[0] % self.tile_m:
             raise ValueError(f"the block-sparse backward walks {BLOCK_MASK_TILE[0]} x {BLOCK_MASK_TILE[1]} blocks: "
                              f"its K/V tiles must be {BLOCK_MASK_TILE[1]} keys and its Q tiles divide "

@@ -171,18 +171,23 @@ def test_block_sparse_backward_errors():
 
 def test_block_sparse_backward_refusals():
     """The block-sparse backward's kernel refuses what its walk cannot do (an ordered dQ, a causal
-    variant), and the configurations that fit it are the ones calls take at d64-d128."""
+    variant, statistics in registers), and the configurations that fit it include the ones calls
+    take at d64-d128."""
     spec = registry.get("b7")
     mods = fmods.Mods(mask_mod=flex.causal, backward=True)
     with pytest.raises(ValueError, match="adds dQ unordered"):
         builders._build_backward(spec, torch.bfloat16, 128, False, deterministic=True, mods=mods, block_lists=2)
     with pytest.raises(ValueError, match="no causal, window or varlen"):
         builders._build_backward(spec, torch.bfloat16, 128, True, mods=mods, block_lists=4)
+    with pytest.raises(ValueError, match=r"statistics through SMEM"):
+        builders._build_backward(registry.get("b2"), torch.bfloat16, 128, False, mods=mods, block_lists=2)
     for head_dim in (64, 96, 128):
         cfg = config.backward_config(_flex_backward_rung(head_dim).config, head_dim)
         assert config.block_mask_backward_fits(cfg), head_dim
     assert not config.block_mask_backward_fits(config.backward_config(registry.get("b9").config, 192))
     assert not config.block_mask_backward_fits(config.backward_config(registry.get("b2").config, 256))
+    assert not config.block_mask_backward_fits(config.backward_config(registry.get("b2").config, 128))
+    assert config.block_mask_backward_fits(config.backward_config(registry.get("b8").config, 64))
 
 
 # the backward rung of a call with mods at each head dim (registry.fastest, or config.FLEX_BACKWARD)

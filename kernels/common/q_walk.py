@@ -22,6 +22,16 @@ BlockMaskQWalk: flex attention's block sparsity, over the transposed lists of to
     with no block has count 0: K and V are loaded and dK = dV = 0 stored (as for the dense walk's
     empty ones).
 
+The consumers of a block-sparse walk do not read the lists per visit: the loader publishes visit
+i's tile in SMEM slot i % slots (2 x q_stages Int32s after the dQ turns' mbarriers: bwd_setup.py)
+before it acquires the visit's stage, every lane storing it and the warp synchronized, so the
+stage's arrive (a release) orders the store; a consumer reads it once the stage has landed (its
+wait an acquire; `landed` in the consume steps). A slot is rewritten for visit i + slots only
+after the consumers released visit i + slots - q_stages - 1 >= i, so after they read it. Reading
+the lists' row per visit beside the five accumulators (a row pointer, a count, the clamp's bound)
+spilled registers at d128 (b7). The counts the consumers still read, once. The dQ writer reads the
+lists itself (it runs up to a tile behind the consumers).
+
 The lists' constraints are the forward's (kv_walk.py): int32, (B or 1, H or 1, kv_blocks[,
 q_blocks]), contiguous, a dimension of 1 broadcast by clamping its index, counts clamped to [0,
 q_blocks]. A listed Q block is clamped to [0, q_blocks - 1] as well (one min and max a visit): a bad
@@ -69,6 +79,8 @@ class DenseQWalk:
         """The i-th Q tile (a compare per tile: the walk's division is done once, in walk_start)."""
         return _wrapped(self, i)
 
+    consumer_tile = m_block
+
 
 @dataclass(frozen=True)
 class BlockMaskQWalk:
@@ -81,6 +93,7 @@ class BlockMaskQWalk:
     blocks: Int32  # partial and full blocks listed
     full: object
     split: int  # static: Q tiles a block (a power of two)
+    slots: object = None  # the loader's and the consumers': SMEM Int32 slots (a power of two of them)
     sparse = True
 
     @property
@@ -112,9 +125,42 @@ class BlockMaskQWalk:
         """Visit i >= partial_tiles(): a tile of a full block."""
         return _tile(self.full, self._entry(i) - self.partial_count, i, self.split)
 
+    def publish(self, i: Int32, m_block: Int32):
+        """Loader warp (every lane), before it acquires visit i's stage: visit i's tile into slot
+        i % slots, for the consumers (`published`)."""
+        self.slots[i & (cute.size(self.slots) - 1)] = m_block
+        cute.arch.sync_warp()  # every lane's store before the stage's arrive (release) by any lane
+
+    def published(self, i: Int32) -> "PublishedTile":
+        """Consumers: visit i's tile, read from its slot once visit i's stage has landed (`landed`)."""
+        return PublishedTile(self.slots, i)
+
+    def consumer_tile(self, i: Int32):
+        """Consumers: visit i's tile, published by the loader (or, without slots, read here)."""
+        return self.m_block(i) if self.slots is None else self.published(i)
+
     def _entry(self, i: Int32) -> Int32:
         """The block (counted over both lists) of visit i."""
         return i >> (self.split.bit_length() - 1) if self.split > 1 else i
+
+
+@dataclass(frozen=True)
+class PublishedTile:
+    """Visit i's Q tile as the loader published it in SMEM (BlockMaskQWalk.publish): read once the
+    visit's Q stage has landed (`landed`), so the consumers keep no walk of their own (a row of
+    the lists and its count beside five accumulators spilled registers at d128)."""
+
+    slots: cute.Tensor
+    i: Int32
+
+    def read(self) -> Int32:
+        return cute.arch.make_warp_uniform(self.slots[self.i & (cute.size(self.slots) - 1)])
+
+
+def landed(m_block):
+    """A consume step's Q tile once its stage has landed: a published tile read from its slot, else
+    as it is (the dense walk's, and the slotless walk's)."""
+    return m_block.read() if isinstance(m_block, PublishedTile) else m_block
 
 
 @cute.jit
@@ -127,8 +173,10 @@ def _wrapped(walk: DenseQWalk, i: Int32) -> Int32:
 
 
 def _tile(row: cute.Tensor, entry: Int32, i: Int32, split: int) -> Int32:
-    """Tile i % split of the block at `entry` of a list's row, the block clamped into the row."""
-    block = cutlass.max(cutlass.min(row[entry], Int32(row.shape[0]) - 1), 0)
+    """Tile i % split of the block at `entry` of a list's row, the block clamped into the row (and
+    marked warp-uniform: every lane read the same entry, and the tile's offsets then stay in
+    uniform registers, as the dense walk's do)."""
+    block = cutlass.max(cutlass.min(cute.arch.make_warp_uniform(row[entry]), Int32(row.shape[0]) - 1), 0)
     if split == 1:
         return block
     return block * split + (i & (split - 1))
@@ -147,9 +195,10 @@ def _either(walk: BlockMaskQWalk, i: Int32) -> Int32:
     return m_block
 
 
-def block_mask_walk(lists, batch: Int32, head: Int32, n_block: Int32, split: int) -> BlockMaskQWalk:
+def block_mask_walk(lists, batch: Int32, head: Int32, n_block: Int32, split: int, slots=None) -> BlockMaskQWalk:
     """The walk of K/V tile n_block of (batch, query head) over `lists`, (q_num_blocks, q_indices)
-    or those and (full_q_num_blocks, full_q_indices); `split` Q tiles a block."""
+    or those and (full_q_num_blocks, full_q_indices); `split` Q tiles a block; `slots`: the SMEM
+    slots through which the loader hands each visit's tile to the consumers (None: the writer)."""
     assert split >= 1 and split & (split - 1) == 0, "a block is a power of two of Q tiles"
     partial_count, partial, blocks, full = list_rows(lists, batch, head, n_block)
-    return BlockMaskQWalk(partial_count, partial, blocks, full, split)
+    return BlockMaskQWalk(partial_count, partial, blocks, full, split, slots)
