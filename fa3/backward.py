@@ -170,15 +170,17 @@ def dense_gradients(spec, causal: bool, scale: float, deterministic: bool, windo
 
 
 def mods_gradients(spec, score_mod, mask_mod, causal: bool, scale: float, deterministic: bool, window,
-                   softcap: float):
+                   softcap: float, block_lists=None):
     """DifferentiableAttention's `gradients` for fa3.attention with a score and/or mask mod (the
     flex form of backward rung spec, kernels/bwd_ws.FlexBackward): the mods are taken for the
     backward when it runs (fa3.mods.Mods(backward=True), which refuses a score mod without its
-    derivative, naming what to provide)."""
+    derivative, naming what to provide). `block_lists`: None, or a BlockMask's transposed int32
+    lists (q_num_blocks, q_indices[, full_q_num_blocks, full_q_indices]), checked by fa3.flex: the
+    block-sparse form (BlockSparseFlexBackward) walks them."""
     def gradients(dout, q, k, v, out, lse):
         mods = _mods.Mods(score_mod, mask_mod, backward=True)
         return launch_attention_backward(spec, dout, q, k, v, out, lse, causal, scale, deterministic, window,
-                                         softcap, mods=mods)[:3]
+                                         softcap, mods=mods, block_lists=block_lists)[:3]
     return gradients
 
 
@@ -202,12 +204,14 @@ def _fragment_dq(spec) -> bool:
 
 def launch_attention_backward(spec, dout, q, k, v, out, lse, causal: bool, scale: float,
                               deterministic: bool, window=(-1, -1), softcap: float = 0.0, sinks=None,
-                              mods=None):
+                              mods=None, block_lists=None):
     """(dq, dk, dv, dsinks) for rung `spec`: preprocess (D, LSE * log2 e), the main kernel (dK, dV
     per query head; dQ summed in FP32), postprocess (dQ * scale -> dtype; GQA: dK/dV from the FP32
     sums the kernel added, or, deterministic, summed over each group from one FP32 slice per query
     head); dsinks: sink_grad, or (0,) without sinks. `mods`: None, or fa3.mods.Mods(backward=True)
-    (the main kernel's flex form).
+    (the main kernel's flex form); `block_lists` (with mods): None, or a BlockMask's transposed
+    lists (the block-sparse form: the statistics and the dQ accumulator in whole blocks, whose last
+    Q tile may lie past seqlen_q, kernels/common/q_walk.py).
     The body of the fa3::attention_backward op: arguments are validated already."""
     dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     if dq.numel() == 0 or k.shape[1] == 0:  # nothing to differentiate, or no key: all gradients 0
@@ -215,13 +219,16 @@ def launch_attention_backward(spec, dout, q, k, v, out, lse, causal: bool, scale
     cfg = config.backward_config(spec.config, q.shape[3], v.shape[3])
     tile_m = cfg.tile_m
     q_tiles = -(-q.shape[1] // tile_m)
+    if block_lists is not None:  # whole BlockMask blocks of Q tiles
+        block_m = config.BLOCK_MASK_TILE[0]
+        q_tiles = -(-q.shape[1] // block_m) * (block_m // tile_m)
     # statistics padded to whole Q tiles: the kernel reads them unchecked (a Q tile that is not a
     # multiple of 64 reads its statistics in 64-row blocks: up to 63 rows more); dQ too: b1 adds
     # it with unchecked scalar atomics, b2 on in fragment order (whole tiles of a head-major
     # accumulator)
     dsinks = _run(spec, cfg, dout, q, k, v, out, lse, dq, dk, dv, causal, scale, deterministic, window,
                   softcap, stat_rows=q_tiles * tile_m + (-tile_m) % 64, dq_rows=q_tiles * tile_m,
-                  lock_tiles=q_tiles, sinks=sinks, mods=mods)
+                  lock_tiles=q_tiles, sinks=sinks, mods=mods, block_lists=block_lists)
     return dq, dk, dv, dsinks
 
 
@@ -248,12 +255,13 @@ def launch_varlen_backward(spec, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqle
 
 
 def _run(spec, cfg, dout, q, k, v, out, lse, dq, dk, dv, causal, scale, deterministic, window, softcap,
-         stat_rows: int, dq_rows: int, lock_tiles: int, cu_seqlens=None, sinks=None, mods=None):
+         stat_rows: int, dq_rows: int, lock_tiles: int, cu_seqlens=None, sinks=None, mods=None, block_lists=None):
     """Preprocess, main kernel and postprocess into dq, dk, dv, all in the 4-D (batch, seqlen,
     heads, d) layout; `cfg`: the rung's configuration at this head dim (config.backward_config);
     `stat_rows`, `dq_rows`, `lock_tiles`: the extents of the FP32 statistics, the dQ accumulator
     and the deterministic counters per (batch, head); `mods`: the flex form's (its captured
-    tensors one more argument; a score mod's scales as the forward's, masking.for_score_mod).
+    tensors one more argument; a score mod's scales as the forward's, masking.for_score_mod);
+    `block_lists`: None, or (with mods) a BlockMask's transposed lists, the last argument.
     Returns dsinks (sink_grad), or a (0,) tensor without sinks."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv, head_dim_v = k.shape[1], k.shape[2], v.shape[-1]
@@ -297,12 +305,14 @@ def _run(spec, cfg, dout, q, k, v, out, lse, dq, dk, dv, causal, scale, determin
             lock = _NO_LOCK[device] = torch.zeros(1, 1, 1, dtype=torch.int32, device=device)
     mask = masking.masking(causal, window, softcap, scale)  # as the forward saw the scores
     fn = _compile.get_backward(spec, dtype, head_dim, mask.causal, bool(deterministic), gqa, mask.local,
-                               mask.softcap, packed, value_dim, mods)
+                               mask.softcap, packed, value_dim, mods, len(block_lists or ()))
     aux = ()
     if mods is not None:  # (mods that capture no tensor: a stand-in, as the kernel's signature has)
         aux = (mods.aux(device) or (_launch.stand_in(device),),)
         if mods.score_mod is not None:
             mask = masking.for_score_mod(mask)
+        if block_lists is not None:
+            aux += (tuple(block_lists),)
     fn(q, k, v, dout, lse2, dsum, dq_acc, dk_h, dv_h, lock, mask.scale_log2, scale, mask.left,
        mask.right, mask.softcap_scale, cu_q, cu_k, *aux)
     if fragment_dq:

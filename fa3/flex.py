@@ -29,9 +29,13 @@ bottom-right `causal=True`. Eager, 16-bit inputs.
 
 Gradients: q, k and v that require grad are differentiated by the backward rungs' flex form (the
 mods recomputed, fa3.mods: a score mod carries its derivative, `score_mod_grad`; the library's do;
-captured tables get no gradient). With a block_mask both passes then apply its mask_mod densely
-(the backward does not walk block lists yet): its blocks are not skipped, and a BlockMask without
-a mask_mod of its own is refused there.
+captured tables get no gradient). With a block_mask the backward skips its empty blocks too: per
+K/V block it walks the Q blocks its transposed lists name (q_num_blocks, q_indices, and
+full_q_num_blocks, full_q_indices where it has full lists), the partial ones with the mask_mod,
+the full ones without (kernels/common/q_walk.py); a K/V block no Q block sees gets dk = dv = 0.
+It needs those lists (a BlockMask made with compute_q_blocks=False is refused), adds dq
+unordered (deterministic=True is refused with a block_mask), and runs where the forward skips
+blocks (head_dim 64/96/128); at d192/d256 both passes apply the mask_mod densely.
 """
 
 from __future__ import annotations
@@ -163,7 +167,7 @@ def relative_bias(table: torch.Tensor, max_distance: int):
 
 # ----------------------------------------------------------------------------- the entry point
 def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
-                   return_lse=False, kernel=None):
+                   return_lse=False, kernel=None, deterministic=False):
     """torch.nn.attention.flex_attention's forward on fa3's K5 kernel (this module's docstring).
 
     query (batch, heads_q, seqlen_q, head_dim), key/value (batch, heads_kv, seqlen_kv, head_dim),
@@ -174,7 +178,8 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     module's docstring); scale: default 1/sqrt(head_dim). Returns out (batch, heads_q, seqlen_q,
     head_dim_v), and with return_lse the float32 natural-log LSE (batch, heads_q, seqlen_q); rows
     that see no key give 0 and -inf. Differentiable in query, key and value (the module
-    docstring)."""
+    docstring); deterministic: as fa3.attention's (the backward's dq in a fixed order), not with a
+    block_mask that skips blocks."""
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a 4-D tensor (batch, heads, seqlen, head_dim), got "
@@ -182,16 +187,16 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     if query.shape[1] != key.shape[1] and not enable_gqa:
         raise ValueError(f"query has {query.shape[1]} heads but key has {key.shape[1]}: pass "
                          f"enable_gqa=True for grouped-query attention")
-    mask_mod, block_lists = None, None
+    mask_mod, block_lists, q_block_lists = None, None, None
     if block_mask is not None:
         mask_mod, block_lists = block_mask_plan(block_mask, query, key, kernel)
         if block_lists is not None and torch.is_grad_enabled() and \
                 any(t.requires_grad for t in (query, key, value)):
-            # the backward walks no block lists yet: both passes apply the BlockMask's mask_mod densely
-            mask_mod, block_lists = _own_mask_mod(block_mask.mask_mod, gradients=True), None
+            q_block_lists = block_mask_q_lists(block_mask, query, key, len(block_lists))
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     out, lse = interface.attention_with_mods(q, k, v, score_mod, mask_mod, softmax_scale=scale, kernel=kernel,
-                                             block_lists=block_lists)
+                                             block_lists=block_lists, q_block_lists=q_block_lists,
+                                             deterministic=deterministic)
     out = out.transpose(1, 2)
     return (out, lse) if return_lse else out
 
@@ -235,17 +240,48 @@ def block_mask_plan(block_mask, query, key, kernel=None):
     return (None if _is_noop(mod) else mod), tuple(t.contiguous() for t in lists)
 
 
+def block_mask_q_lists(block_mask, query, key, count: int):
+    """The transposed lists the block-sparse backward walks (kernels/common/q_walk.py): int32
+    (q_num_blocks, q_indices[, full_q_num_blocks, full_q_indices]), `count` of them (the forward's
+    block_mask_plan took as many), checked against the call's shapes and device: counts (B|1,
+    H|1, kv_blocks), indices (B|1, H|1, kv_blocks, q_blocks), B and H the forward lists'."""
+    names = ("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")[:count]
+    lists = [getattr(block_mask, name, None) for name in names]
+    missing = [name for name, t in zip(names, lists) if t is None]
+    if missing:
+        raise ValueError(f"block_mask has no {' / '.join(missing)} (made with compute_q_blocks=False?): with "
+                         f"gradients the backward walks these transposed lists (the Q blocks of each K/V block); "
+                         f"create it with create_block_mask(...) or BlockMask.from_kv_blocks(..., "
+                         f"compute_q_blocks=True)")
+    block_q, block_kv = block_mask.BLOCK_SIZE
+    mask_b, mask_h, q_blocks = block_mask.kv_num_blocks.shape
+    kv_blocks = -(-key.shape[2] // block_kv)
+    for name, t in zip(names, lists):
+        if t.device != query.device:
+            raise ValueError(f"block_mask's {name} is on {t.device}, but query is on {query.device}: "
+                             f"create it with device={str(query.device)!r} or move it (block_mask.to(device))")
+        if t.dtype != torch.int32:
+            raise ValueError(f"block_mask's {name} is {t.dtype}; the kernel reads int32 block lists")
+    for counts, indices in zip(lists[::2], lists[1::2]):
+        if tuple(counts.shape) != (mask_b, mask_h, kv_blocks) or \
+                tuple(indices.shape) != (mask_b, mask_h, kv_blocks, q_blocks):
+            raise ValueError(f"block_mask's transposed lists (q_num_blocks {tuple(counts.shape)}, q_indices "
+                             f"{tuple(indices.shape)}) do not fit the call: the backward needs counts "
+                             f"{(mask_b, mask_h, kv_blocks)} and indices {(mask_b, mask_h, kv_blocks, q_blocks)} "
+                             f"({kv_blocks} K/V blocks of {block_kv} keys, {q_blocks} Q blocks)")
+    return tuple(t.contiguous() for t in lists)
+
+
 def _is_noop(mod) -> bool:
     return mod is None or getattr(mod, "__name__", "") == "noop_mask"
 
 
-def _own_mask_mod(mod, gradients: bool = False):
+def _own_mask_mod(mod):
     """The mask_mod of a BlockMask applied densely: refused where it has none of its own."""
     if _is_noop(mod):
-        where = "with gradients" if gradients else "at this head dim"
-        raise ValueError(f"block_mask has no mask_mod of its own (BlockMask.from_kv_blocks' default): {where} "
-                         f"fa3 applies a block mask through its mask_mod, and does not read its block lists alone; "
-                         f"build it with create_block_mask(mask_mod, ...)")
+        raise ValueError("block_mask has no mask_mod of its own (BlockMask.from_kv_blocks' default): at this head dim "
+                         "fa3 applies a block mask through its mask_mod, and does not read its block lists alone; "
+                         "build it with create_block_mask(mask_mod, ...)")
     return mod
 
 

@@ -168,12 +168,15 @@ MODS_RUNG = "k5.5"  # the rung a call with mods runs on unless it names another 
 
 def attention_with_mods(q, k, v, score_mod, mask_mod, *, causal=False, softmax_scale=None,
                         window_size=(-1, -1), softcap=0.0, kernel=None, out=None, sinks=None,
-                        fp8=(None, None, None), block_lists=None, deterministic=False, backward_kernel=None):
+                        fp8=(None, None, None), block_lists=None, q_block_lists=None, deterministic=False,
+                        backward_kernel=None):
     """fa3.attention with a score mod and/or a mask mod: checked, then K5's flex form (eager). With
     q, k or v requiring grad, through DifferentiableAttention: the backward rung's flex form
-    recomputes the modded scores (fa3.backward.mods_gradients; not with block_lists, sinks or out=).
+    recomputes the modded scores (fa3.backward.mods_gradients; not with sinks or out=).
     `block_lists`: None, or a BlockMask's int32 lists, checked by fa3.flex (the block-sparse
-    kernel: no causal, window or softcap then). Returns (out, lse)."""
+    kernel: no causal, window or softcap then); with gradients `q_block_lists`, its transposed
+    lists as many (q_num_blocks, q_indices[, full_q_*]), which the block-sparse backward walks
+    (not deterministic). Returns (out, lse)."""
     if any(x is not None for x in fp8) or q.dtype == torch.float8_e4m3fn:
         raise NotImplementedError("score_mod / mask_mod take 16-bit q, k, v (FP8 is not supported)")
     if score_mod is not None and softcap:
@@ -183,7 +186,7 @@ def attention_with_mods(q, k, v, score_mod, mask_mod, *, causal=False, softmax_s
                                   "or torch.export)")
     needs_grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v))
     if needs_grad:
-        _check_mods_grad(q, k, v, out, sinks, block_lists)
+        _check_mods_grad(q, k, v, out, sinks, block_lists, q_block_lists, deterministic)
     mods = _mods.Mods(score_mod, mask_mod)
     spec = check_attention(q, k, v, MODS_RUNG if kernel is None else kernel)
     if spec.module != "k5":
@@ -206,29 +209,43 @@ def attention_with_mods(q, k, v, score_mod, mask_mod, *, causal=False, softmax_s
         if backward_spec.module != "bwd_ws":
             raise ValueError(f"backward_kernel={backward_spec.name!r}: the backward of score_mod / mask_mod runs on "
                              f"the warp-specialized backward rungs (b2-b9), not on {backward_spec.name}")
+        if block_lists is not None:
+            cfg = config.backward_config(backward_spec.config, q.shape[3], v.shape[3])
+            if not config.block_mask_backward_fits(cfg):
+                block = config.BLOCK_MASK_TILE
+                raise ValueError(f"backward_kernel={backward_spec.name!r} runs {cfg.tile_m} x {cfg.tile_n} tiles at "
+                                 f"head_dim={q.shape[3]}{', dQ in order' if cfg.ordered_dq else ''}: the block-sparse "
+                                 f"backward walks {block[0]} x {block[1]} blocks on {block[1]}-key K/V tiles and Q "
+                                 f"tiles that divide {block[0]} rows, dQ unordered (backward_kernel=None picks one)")
         if window != (-1, -1) or softcap:
             _dispatch.check_variants(backward_spec, masking.masking(bool(causal), window, softcap, scale),
                                      "backward_kernel")
         forward = functools.partial(launch_attention, spec, causal=bool(causal), scale=scale, window=window,
-                                    softcap=softcap, mods=mods)
+                                    softcap=softcap, mods=mods, block_lists=block_lists)
         gradients = backward.mods_gradients(backward_spec, score_mod, mask_mod, bool(causal), scale,
-                                            bool(deterministic), window, float(softcap))
+                                            bool(deterministic), window, float(softcap), q_block_lists)
         with _dispatch.op_range("fa3::attention"):
             return backward.DifferentiableAttention.apply(forward, gradients, "fa3::attention_backward", q, k, v)
     with _dispatch.op_range("fa3::attention"):
         return launch_attention(spec, q, k, v, bool(causal), scale, out, window, softcap, sinks, mods, block_lists)
 
 
-def _check_mods_grad(q, k, v, out, sinks, block_lists):
-    """What a call with mods and gradients must not have (the backward's flex form has no sinks,
-    writes no out=, and walks no block lists: fa3.flex runs such a call densely)."""
+def _check_mods_grad(q, k, v, out, sinks, block_lists, q_block_lists, deterministic):
+    """What a call with mods and gradients must not have (the backward's flex form has no sinks and
+    writes no out=; with a block mask it walks the transposed lists, unordered)."""
     if sinks is not None:
         raise NotImplementedError("score_mod / mask_mod with sinks are forward only: q, k, v must not require "
                                   "grad there (call under torch.no_grad(), or detach them)")
     if out is not None:
         raise ValueError("out= is not differentiable: with score_mod / mask_mod and q, k or v requiring grad, "
                          "drop out= (the result is returned)")
-    assert block_lists is None, "fa3.flex walks a block mask densely where gradients are needed"
+    if block_lists is not None:
+        if deterministic:
+            raise ValueError("deterministic=True is not supported with a block mask and gradients: the block-sparse "
+                             "backward adds dQ unordered (the deterministic order takes every K/V tile of a Q tile "
+                             "in turn, and a block mask's walk skips some)")
+        assert q_block_lists is not None and len(q_block_lists) == len(block_lists), \
+            "fa3.flex passes a block mask's transposed lists where gradients are needed"
     if not _dispatch.eager_autograd_ok(q, k, v):
         raise NotImplementedError("score_mod / mask_mod with gradients run eagerly on plain tensors only (not "
                                   "under tensor subclasses, dispatch modes or functorch transforms)")

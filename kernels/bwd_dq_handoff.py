@@ -100,7 +100,7 @@ class DqHandoff:
         return self.hand_off_whole_dq(ctx, s, acc_dq)
 
     def write_dq(self, mdQacc, s, mLock, n_block: Int32, head: Int32, batch: Int32,
-                 start: Int32, m_first: Int32, m_end: Int32, seq, window, lane: Int32):
+                 walk, seq, window, lane: Int32):
         """The dQ writer warp's loop over this CTA's Q tiles."""
         if self.dq_mbarriers:
             write = self.write_dq_by_mbarrier
@@ -108,7 +108,7 @@ class DqHandoff:
             write = self.write_dq_by_warpgroup
         else:
             write = self.write_whole_dq
-        return write(mdQacc, s, mLock, n_block, head, batch, start, m_first, m_end, seq, window, lane)
+        return write(mdQacc, s, mLock, n_block, head, batch, walk, seq, window, lane)
 
     # ---------------------------------------------------------------- fragment order
     def dq_coords(self, tidx):
@@ -166,14 +166,14 @@ class DqHandoff:
 
     @cute.jit
     def write_whole_dq(self, mdQacc, s, mLock, n_block: Int32, head: Int32, batch: Int32,
-                       start: Int32, m_first: Int32, m_end: Int32, seq, window, lane: Int32):
+                       walk, seq, window, lane: Int32):
         """dQ writer warp: per Q tile, one bulk reduce-add of the consumers' FP32 shares."""
         handoff = self.consumer_threads + 32
         cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=handoff)  # the first credit
-        prev_m = m_first  # (`defers_dq_bump`: the Q tile whose counter is still to be passed on)
+        prev_m = walk.first()  # (`defers_dq_bump`: the Q tile whose counter is still to be passed on)
         defer = self.defers_now(seq)
-        for i in cutlass.range(m_end - m_first, unroll=1):
-            m_block = self.m_block_at(i, start, m_first, m_end)
+        for i in cutlass.range(walk.count(), unroll=1):
+            m_block = walk.m_block(i)
             cute.arch.barrier(barrier_id=DQ_FULL, number_of_threads=handoff)
             if cutlass.const_expr(self.ordered_dq):
                 counter = self.wait_dq_turn(mLock, seq, m_block, n_block, head, batch, window, lane,
@@ -195,7 +195,7 @@ class DqHandoff:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)  # the buffer has been read
             cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=handoff)
         cute.arch.cp_async_bulk_wait_group(0, read=False)
-        if defer and m_end > m_first:
+        if defer and walk.nonempty():
             self.pass_on_late(mLock, seq, prev_m, head, batch, lane)
 
     # ---------------------------------------------------------------- per warpgroup
@@ -206,17 +206,17 @@ class DqHandoff:
 
     @cute.jit
     def write_dq_by_warpgroup(self, mdQacc, s, mLock, n_block: Int32, head: Int32, batch: Int32,
-                              start: Int32, m_first: Int32, m_end: Int32, seq, window, lane: Int32):
+                              walk, seq, window, lane: Int32):
         """dQ writer warp: per Q tile, one 1-D bulk reduce-add per warpgroup share (issued by lane
         0), as each share arrives."""
         wgs = self.mma_warpgroups
         handoff = 128 + 32
         for slot in cutlass.range_constexpr(wgs * self.dq_buffers):  # every buffer starts free
             cute.arch.barrier_arrive(barrier_id=self.dq_barriers(slot)[0], number_of_threads=handoff)
-        prev_m = m_first  # (`defers_dq_bump`: the Q tile whose counter is still to be passed on)
+        prev_m = walk.first()  # (`defers_dq_bump`: the Q tile whose counter is still to be passed on)
         defer = self.defers_now(seq)
-        for i in cutlass.range(m_end - m_first, unroll=1):
-            m_block = self.m_block_at(i, start, m_first, m_end)
+        for i in cutlass.range(walk.count(), unroll=1):
+            m_block = walk.m_block(i)
             buffer = i % self.dq_buffers
             if cutlass.const_expr(self.ordered_dq):
                 counter = self.wait_dq_turn(mLock, seq, m_block, n_block, head, batch, window, lane,
@@ -246,7 +246,7 @@ class DqHandoff:
                     cute.arch.cp_async_bulk_wait_group(wgs, read=True)
                     self.free_dq_buffer((i - 1) % self.dq_buffers, handoff)
         cute.arch.cp_async_bulk_wait_group(0, read=False)
-        if defer and m_end > m_first:
+        if defer and walk.nonempty():
             self.pass_on_late(mLock, seq, prev_m, head, batch, lane)
 
     @cute.jit
@@ -293,7 +293,7 @@ class DqHandoff:
 
     @cute.jit
     def write_dq_by_mbarrier(self, mdQacc, s, mLock, n_block: Int32, head: Int32, batch: Int32,
-                             start: Int32, m_first: Int32, m_end: Int32, seq, window, lane: Int32):
+                             walk, seq, window, lane: Int32):
         """dQ writer warp: per Q tile, warpgroup 0's share then warpgroup 1's, each one bulk
         reduce-add from the one buffer, handed to the other warpgroup once read (or each from its
         own buffer, handed back to its warpgroup: `shared_dq_buffer` off). Ordered: the turn is
@@ -303,8 +303,8 @@ class DqHandoff:
         shared = self.shared_dq_buffer
         for w in cutlass.range_constexpr(1 if shared else wgs):
             cute.arch.mbarrier_arrive(s.dq_turns + 2 * w + TURN_EMPTY)  # the first turn(s)
-        for i in cutlass.range(m_end - m_first, unroll=1):
-            m_block = self.m_block_at(i, start, m_first, m_end)
+        for i in cutlass.range(walk.count(), unroll=1):
+            m_block = walk.m_block(i)
             for w in cutlass.range_constexpr(wgs):
                 cute.arch.mbarrier_wait(s.dq_turns + 2 * w + TURN_FULL, i % 2)
                 if cutlass.const_expr(self.ordered_dq and w == 0):

@@ -45,14 +45,14 @@ class PointwiseGradients:
 
     @cute.jit
     def probabilities(self, ctx, acc_s, lse2: cute.Tensor, m_block: Int32, n_block: Int32,
-                      seqlen_q: Int32, seqlen_k: Int32, scale_log2: Float32):
-        """S -> P in place: softcap (the capped variant) or the mods, mask (tiles that need it),
-        then exp2(S * scale_log2 - LSE * log2 e)."""
+                      seqlen_q: Int32, seqlen_k: Int32, scale_log2: Float32, partial: cutlass.Constexpr = True):
+        """S -> P in place: softcap (the capped variant) or the mods (`partial`: with the mask mod),
+        mask (tiles that need it), then exp2(S * scale_log2 - LSE * log2 e)."""
         s_mn = mma.rows_cols(acc_s)
         if cutlass.const_expr(self.softcap):
             softmax.softcap(s_mn, ctx.softcap_scale)
         if cutlass.const_expr(self.has_mods):
-            self.apply_mods(ctx, s_mn, m_block, n_block, False)
+            self.apply_mods(ctx, s_mn, m_block, n_block, False, partial)
         if mask.tile_needs_mask(m_block, n_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k,
                                 self.causal, window=ctx.window):
             mask.apply(s_mn, ctx.s_coords, m_block * self.tile_m, n_block * self.tile_n, seqlen_q,
@@ -62,15 +62,19 @@ class PointwiseGradients:
                 s_mn[r, c] = cute.math.exp2(s_mn[r, c] * scale_log2 - lse2[r], fastmath=True)
 
     @cute.jit
-    def apply_mods(self, ctx, s_mn: cute.Tensor, m_block: Int32, n_block: Int32, transposed: cutlass.Constexpr):
+    def apply_mods(self, ctx, s_mn: cute.Tensor, m_block: Int32, n_block: Int32, transposed: cutlass.Constexpr,
+                   partial: cutlass.Constexpr = True):
         """The forward's mods on this tile's S (or S^T, `transposed`), on every tile: the score mod
         sees softmax_scale * S (the host passes softmax_scale in softcap_scale's slot and log2 e as
-        scale_log2, as to the forward), the mask mod hides with -inf (common/mask.apply_mods)."""
+        scale_log2, as to the forward), the mask mod hides with -inf (common/mask.apply_mods) where
+        `partial` (every tile but a block mask's full blocks, which take the score mod alone)."""
         row0, col0 = m_block * self.tile_m, n_block * self.tile_n
         if cutlass.const_expr(transposed):
             row0, col0 = col0, row0
-        mask.apply_mods(s_mn, ctx.s_coords, row0, col0, ctx.batch, ctx.head, ctx.softcap_scale,
-                        mask.bind_mod(self.score_mod, ctx.aux), mask.bind_mod(self.mask_mod, ctx.aux), transposed)
+        mask_mod = self.mask_mod if cutlass.const_expr(partial) else None
+        if cutlass.const_expr(self.score_mod is not None or mask_mod is not None):
+            mask.apply_mods(s_mn, ctx.s_coords, row0, col0, ctx.batch, ctx.head, ctx.softcap_scale,
+                            mask.bind_mod(self.score_mod, ctx.aux), mask.bind_mod(mask_mod, ctx.aux), transposed)
 
     @cute.jit
     def mod_score_grads(self, ctx, acc_p, acc_ds, lse2, m_block: Int32, n_block: Int32,

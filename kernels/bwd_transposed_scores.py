@@ -67,7 +67,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
-from .common import mask, mma, pipeline, smem, softmax
+from .common import mask, mma, pipeline, q_walk, smem, softmax
 
 
 class ColumnStats(NamedTuple):
@@ -161,14 +161,14 @@ class TransposedScores:
 
     @cute.jit
     def probabilities_t(self, ctx, acc_s, lse2: cute.Tensor, m_block: Int32, n_block: Int32,
-                        seqlen_q: Int32, seqlen_k: Int32, scale_log2: Float32):
-        """S^T -> P^T in place: softcap or the mods, mask (tiles that need it), exp2 with the
-        column's LSE."""
+                        seqlen_q: Int32, seqlen_k: Int32, scale_log2: Float32, partial: cutlass.Constexpr = True):
+        """S^T -> P^T in place: softcap or the mods (`partial`: with the mask mod), mask (tiles that
+        need it), exp2 with the column's LSE."""
         s_mn = mma.rows_cols(acc_s)
         if cutlass.const_expr(self.softcap):
             softmax.softcap(s_mn, ctx.softcap_scale)
         if cutlass.const_expr(self.has_mods):
-            self.apply_mods(ctx, s_mn, m_block, n_block, True)
+            self.apply_mods(ctx, s_mn, m_block, n_block, True, partial)
         if mask.tile_needs_mask(m_block, n_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k,
                                 self.causal, window=ctx.window):
             mask.apply_transposed(s_mn, ctx.s_coords, n_block * self.tile_n, m_block * self.tile_m,
@@ -211,11 +211,13 @@ class TransposedScores:
 
     @cute.jit
     def consume_step_t(self, ctx, s, q_pipe, q_state, m_block: Int32, n_block: Int32, scale_log2: Float32,
-                       do_pipe=None):
+                       do_pipe=None, partial: cutlass.Constexpr = True):
         """One Q tile: S^T and dP^T in flight together; dV issued from P^T's registers, under dP^T
         (`dv_under_dp`) or after dS^T; dK from dS^T's registers; dS^T to SMEM, one barrier, dQ; dQ
-        handed off under dK. (dO rides on the Q ring: `do_pipe` is always None here.)"""
+        handed off under dK. (dO rides on the Q ring: `do_pipe` is always None here.) `partial`:
+        the mask mod runs (every tile but a block mask's full blocks)."""
         lse2, dsum = self.step_stats(ctx, q_pipe, q_state, m_block)
+        m_block = q_walk.landed(m_block)  # (a block-sparse walk's tile, published by the loader)
         stage = q_state.index
         if cutlass.const_expr(self.prefetch_stats and self.smem_stats):
             acc_s, acc_dp = self.scores_t_and_dp_t(ctx, stage, -1)
@@ -224,7 +226,7 @@ class TransposedScores:
         else:
             acc_s, acc_dp = self.scores_t_and_dp_t(ctx, stage, 1)  # S^T has landed, dP^T may still run
         self.probabilities_t(ctx, acc_s, lse2, m_block, n_block, ctx.seq.seqlen_q, ctx.seq.seqlen_k,
-                             scale_log2)
+                             scale_log2, partial)
         p = acc_s
         if cutlass.const_expr(self.ds_from_rounded_p):  # into the A operand's 32-bit pairs
             p = mma.to_dtype_pairs(acc_s, self.dtype)

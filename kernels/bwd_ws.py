@@ -46,10 +46,13 @@ trace time, so each configuration's code is only its own:
     ordered_dq, do_stages   as B1's (bwd_setup.py): dQ in the deterministic order for speed; dO
                         in a ring of its own with fewer stages.
 
-Entry points: WarpSpecializedBackward (the rungs) and FlexBackward (the same kernel with flex
+Entry points: WarpSpecializedBackward (the rungs), FlexBackward (the same kernel with flex
 attention's score and mask mods compiled in and the tensors they capture one more argument; the
-mods' steps are bwd_pointwise.py's), both launching BackwardRoles, which holds the roles, the hooks
-and the consume steps.
+mods' steps are bwd_pointwise.py's) and BlockSparseFlexBackward (and a BlockMask's transposed
+lists another: per K/V tile only the listed Q blocks' tiles are visited), all launching
+BackwardRoles, which holds the roles, the hooks and the consume steps. The three roles follow one
+walk over the Q tiles (common/q_walk.py): the loader loads, the dQ writer adds and the consumers
+compute visit i's Q tile, so that the Q ring and the dQ buffers stay in step.
 
 The rungs, as kernels/config.py configures them:
 
@@ -91,9 +94,9 @@ from .bwd_setup import BackwardSetup
 from .bwd_transposed_dkv import TransposedDkv
 from .bwd_transposed_dq import TransposedDq
 from .bwd_transposed_scores import TransposedScores
-from .common import mma, pipeline, smem, tma
+from .common import mma, pipeline, q_walk, smem, tma
 from .common.statistics import QueryStatistics
-from .config import BackwardConfig
+from .config import BLOCK_MASK_TILE, BackwardConfig
 
 CONSUMER_BARRIER = 1  # the consumer warpgroups among themselves (0 is __syncthreads)
 
@@ -186,6 +189,12 @@ class BackwardRoles(BackwardSetup, QueryStatistics, DqOrder, DkvEpilogue, Backwa
         return 16 if self.dkv_transposed else 64
 
     @property
+    def block_split(self) -> int:
+        """Q tiles a BlockMask block holds (its BLOCK_MASK_TILE rows over tile_m; the block-sparse
+        walk, common/q_walk.py)."""
+        return BLOCK_MASK_TILE[0] // self.tile_m
+
+    @property
     def dq_turn_barriers(self) -> int:
         """The dQ hand-off's mbarriers (`dq_mbarriers`): full and empty a warpgroup."""
         return 2 * self.mma_warpgroups if self.dq_mbarriers else 0
@@ -219,6 +228,10 @@ class BackwardRoles(BackwardSetup, QueryStatistics, DqOrder, DkvEpilogue, Backwa
         s = super().smem_tensors(storage, sQ_layout, sKV_layout, sPdS_layout)
         if self.dq_mbarriers:
             s.dq_turns = storage.dq_turns.data_ptr()
+        if self.walk_slots:
+            s.walk_slots = cute.make_tensor(
+                cute.recast_ptr(storage.dq_turns.data_ptr() + self.dq_turn_barriers, dtype=Int32),
+                cute.make_layout(self.walk_slots))
         return s
 
     # ---------------------------------------------------------------- the GEMMs' hooks (bwd_mma.py)
@@ -319,9 +332,11 @@ class BackwardRoles(BackwardSetup, QueryStatistics, DqOrder, DkvEpilogue, Backwa
               softmax_scale: Float32, window_left: Int32, window_right: Int32, softcap_scale: Float32,
               mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, sQ_layout: cute.ComposedLayout,
               sKV_layout: cute.ComposedLayout, sPdS_layout: cute.ComposedLayout, sdQ_layout,
-              SharedStorage: cutlass.Constexpr, aux: tuple = ()):
+              SharedStorage: cutlass.Constexpr, aux: tuple = (), block_lists=None):
         """The kernel's body (module docstring): the loader and dQ-writer warps, the consumers'
-        walk; `aux`: the mods' captured tensors (FlexBackward)."""
+        walk; `aux`: the mods' captured tensors (FlexBackward); `block_lists`: a BlockMask's
+        transposed lists, which every role walks instead of the Q tiles that see this K/V tile
+        (BlockSparseFlexBackward, common/q_walk.py)."""
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         n_block, head, batch, seq = self.kv_tile_work(mQ, mK, mCuSeqlensQ, mCuSeqlensK)
@@ -336,18 +351,24 @@ class BackwardRoles(BackwardSetup, QueryStatistics, DqOrder, DkvEpilogue, Backwa
         s = self.smem_tensors(storage, sQ_layout, sKV_layout, sPdS_layout)
         s.sdQ = smem.get_tensor(storage.sdQ, sdQ_layout)
         window = (window_left, window_right) if cutlass.const_expr(self.local) else None
-        m_first, m_end = self.q_tile_range(n_block, seq.seqlen_q, seq.seqlen_k, window)
-        start = self.walk_start(n_block, m_first, m_end, seq)
+        if cutlass.const_expr(block_lists is None):
+            m_first, m_end = self.q_tile_range(n_block, seq.seqlen_q, seq.seqlen_k, window)
+            start = self.walk_start(n_block, m_first, m_end, seq)
+            walk = q_walk.DenseQWalk(start, m_first, m_end, not self.ordered_dq or self.rotates_unmasked)
+        else:  # each role reads the same lists at this CTA's (batch, query head, K/V tile), after its
+            # register split (a walk read before it was held across it: spilled at 24 registers)
+            walk = None
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.config.producer_regs)
             if warp_idx == 0:
                 q_copies, kv_copies = self.tma_copies(tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV,
                                                       s, head, batch, seq, (tma_lse, mLSE2_tiles, tma_d, mD_tiles))
-                self.load(q_pipe, kv_pipe, q_copies, kv_copies, n_block, start, m_first, m_end, do_pipe)
+                self.load(q_pipe, kv_pipe, q_copies, kv_copies, n_block,
+                          self.role_walk(walk, block_lists, batch, head, n_block, s), do_pipe)
             if warp_idx == 1:
-                self.write_dq(mdQacc, s, mLock, n_block, head, batch, start, m_first, m_end,
-                              seq, window, tidx % 32)
+                self.write_dq(mdQacc, s, mLock, n_block, head, batch,
+                              self.role_walk(walk, block_lists, batch, head, n_block), seq, window, tidx % 32)
         else:
             cute.arch.setmaxregister_increase(self.config.consumer_regs)
             ctidx = tidx - 128
@@ -355,12 +376,31 @@ class BackwardRoles(BackwardSetup, QueryStatistics, DqOrder, DkvEpilogue, Backwa
             if cutlass.const_expr(self.has_mods):  # what the mods read (apply_mods, mod_score_grads)
                 ctx.aux, ctx.batch, ctx.head = aux, batch, head
             pipeline.consume_wait(kv_pipe, pipeline.consumer_state(1))
+            visits = self.role_walk(walk, block_lists, batch, head, n_block, s)
             q_consumer = pipeline.consumer_state(self.q_stages)
-            for i in cutlass.range(m_end - m_first, unroll=1):
-                q_consumer = self.consume_step(ctx, s, q_pipe, q_consumer,
-                                               self.m_block_at(i, start, m_first, m_end), n_block,
-                                               scale_log2, do_pipe)
+            if cutlass.const_expr(visits.has_full and self.mask_mod is not None):
+                # a block mask's partial blocks (the mask mod), then its full ones (none): two loops,
+                # no branch in either
+                for i in cutlass.range(visits.partial_tiles(), unroll=1):
+                    q_consumer = self.consume_step(ctx, s, q_pipe, q_consumer, visits.published(i), n_block,
+                                                   scale_log2, do_pipe)
+                for i in cutlass.range(visits.partial_tiles(), visits.count(), unroll=1):
+                    q_consumer = self.consume_step(ctx, s, q_pipe, q_consumer, visits.published(i), n_block,
+                                                   scale_log2, do_pipe, partial=False)
+            else:
+                for i in cutlass.range(visits.count(), unroll=1):
+                    q_consumer = self.consume_step(ctx, s, q_pipe, q_consumer, visits.consumer_tile(i), n_block,
+                                                   scale_log2, do_pipe)
             self.store_dkv(ctx, s, mdK, mdV, n_block, head, batch, softmax_scale, mLSE2.shape[1])
+
+    def role_walk(self, walk, block_lists, batch: Int32, head: Int32, n_block: Int32, s=None):
+        """A role's walk: the dense one `roles` built, or (walk None) the block mask's, read here;
+        the loader's and the consumers' with the SMEM slots through which the loader hands each
+        visit's Q tile to the consumers (`s`: q_walk.py)."""
+        if walk is not None:
+            return walk
+        return q_walk.block_mask_walk(block_lists, batch, head, n_block, self.block_split,
+                                      None if s is None else s.walk_slots)
 
     @cute.jit
     def sync_consumers(self):
@@ -386,53 +426,50 @@ class BackwardRoles(BackwardSetup, QueryStatistics, DqOrder, DkvEpilogue, Backwa
         return start
 
     @cute.jit
-    def m_block_at(self, i: Int32, start: Int32, m_first: Int32, m_end: Int32) -> Int32:
-        """The i-th Q tile of the walk from `start`, wrapping past the last to m_first (a compare
-        per tile: the walk's division is done once, in walk_start)."""
-        m_block = start + i
-        if cutlass.const_expr(not self.ordered_dq or self.rotates_unmasked):
-            if m_block >= m_end:
-                m_block -= m_end - m_first
-        return m_block
-
-    @cute.jit
-    def load(self, q_pipe, kv_pipe, q_copies, kv_copies, n_block: Int32, start: Int32, m_first: Int32,
-             m_end: Int32, do_pipe=None):
-        """Loader warp: K/V once, then Q_i and dO_i for every Q tile, as stages free up (with
-        `split_do`, dO_i into its own ring once the consumers have released dO_{i-1})."""
+    def load(self, q_pipe, kv_pipe, q_copies, kv_copies, n_block: Int32, walk, do_pipe=None):
+        """Loader warp: K/V once, then Q_i and dO_i for every Q tile of the walk (common/q_walk.py),
+        as stages free up (with `split_do`, dO_i into its own ring once the consumers have
+        released dO_{i-1})."""
         pipeline.produce(kv_pipe, pipeline.producer_state(1), n_block, kv_copies)
         do_copies = []
         if cutlass.const_expr(self.split_do):  # (tma_copies' second entry is dO's)
             q_copies, do_copies = [q_copies[0]] + q_copies[2:], [q_copies[1]]
         q_state = pipeline.producer_state(self.q_stages)
-        for i in cutlass.range(m_end - m_first, unroll=1):
-            m_block = self.m_block_at(i, start, m_first, m_end)
+        for i in cutlass.range(walk.count(), unroll=1):
+            m_block = walk.m_block(i)
+            if cutlass.const_expr(walk.sparse):  # the consumers read visit i's tile from SMEM
+                walk.publish(i, m_block)
             q_state = pipeline.produce(q_pipe, q_state, m_block, q_copies)
             if cutlass.const_expr(self.split_do):
                 pipeline.produce(do_pipe, pipeline.state_at(self.do_stages, i, producer=True), m_block, do_copies)
         pipeline.tail(q_pipe, q_state)
         if cutlass.const_expr(self.split_do):
-            pipeline.tail(do_pipe, pipeline.state_at(self.do_stages, m_end - m_first, producer=True))
+            pipeline.tail(do_pipe, pipeline.state_at(self.do_stages, walk.count(), producer=True))
 
     def consume_step(self, ctx, s, q_pipe, q_state, m_block: Int32, n_block: Int32, scale_log2: Float32,
-                     do_pipe=None):
+                     do_pipe=None, partial: bool = True):
         """One Q tile against this CTA's K/V tile: `consume_step_rows`, or on the transposed
-        scores `consume_step_t` (bwd_transposed_scores.py)."""
+        scores `consume_step_t` (bwd_transposed_scores.py). `partial`: the mask mod runs (every
+        tile but a block mask's full blocks)."""
         step = self.consume_step_t if self.scores_transposed else self.consume_step_rows
-        return step(ctx, s, q_pipe, q_state, m_block, n_block, scale_log2, do_pipe)
+        if partial:
+            return step(ctx, s, q_pipe, q_state, m_block, n_block, scale_log2, do_pipe)
+        return step(ctx, s, q_pipe, q_state, m_block, n_block, scale_log2, do_pipe, partial=False)
 
     @cute.jit
     def consume_step_rows(self, ctx, s, q_pipe, q_state, m_block: Int32, n_block: Int32, scale_log2: Float32,
-                          do_pipe=None):
+                          do_pipe=None, partial: cutlass.Constexpr = True):
         """One Q tile: S and dP in flight together, P under dP; dQ handed off under dV and dK.
         `split_do`: dO_i waited for between S and dP, released once dV is done."""
         consumers = self.consumer_threads
         lse2, dsum = self.step_stats(ctx, q_pipe, q_state, m_block)
+        m_block = q_walk.landed(m_block)  # (a block-sparse walk's tile, published by the loader)
         stage, do_state = q_state.index, None
         if cutlass.const_expr(self.split_do):
             do_state = pipeline.state_at(self.do_stages, q_state.count)
         acc_s, acc_dp = self.scores_and_dp(ctx, stage, 1, do_pipe, do_state)  # S has landed, dP may still run
-        self.probabilities(ctx, acc_s, lse2, m_block, n_block, ctx.seq.seqlen_q, ctx.seq.seqlen_k, scale_log2)
+        self.probabilities(ctx, acc_s, lse2, m_block, n_block, ctx.seq.seqlen_q, ctx.seq.seqlen_k, scale_log2,
+                           partial)
         if cutlass.const_expr(self.pairs_make_ds()):
             p = mma.to_dtype_pairs(acc_s, self.dtype)  # S's FP32 registers die here, before dP lands
             warpgroup.wait_group(0)
@@ -538,3 +575,63 @@ class FlexBackward(BackwardRoles):
                    mLSE2, mD, mdK, mdV, mLock, scale_log2, softmax_scale, window_left, window_right,
                    softcap_scale, mCuSeqlensQ, mCuSeqlensK, sQ_layout, sKV_layout, sPdS_layout, sdQ_layout,
                    SharedStorage, aux=aux)
+
+
+class BlockSparseFlexBackward(BackwardRoles):
+    """FlexBackward with flex attention's block sparsity (constructor: BackwardRoles', with the
+    mods): one more argument, `block_lists`, a BlockMask's transposed lists (q_num_blocks,
+    q_indices[, full_q_num_blocks, full_q_indices]), int32, (batch or 1, heads_q or 1,
+    kv_blocks[, q_blocks]), after `aux`. Per K/V tile the loader loads, the consumers compute and the
+    dQ writer adds only the Q tiles of the listed blocks (common/q_walk.py, one walk for the three):
+    the partial blocks with the mask mod, then the full blocks without it (the score mod runs on
+    both, the sequence ends are masked on both). A K/V tile with no block stores dK = dV = 0.
+
+    The blocks are BLOCK_MASK_TILE (torch's default BLOCK_SIZE, the forward's tiles): a K/V block is
+    the K/V tile (tile_n = 128), a Q block `block_split` whole Q tiles (b4 and b7: two of 64 rows).
+    Non-causal, no window, not varlen (the mask says what is visible). dQ is added unordered: the
+    deterministic order ranks each Q tile's adds by K/V tile (bwd_order.dq_turn), a turn a sparse
+    walk may never take, so an ordered kernel (deterministic, or `ordered_dq`) is refused."""
+
+    def __init__(self, *args, **kwargs):
+        BackwardRoles.__init__(self, *args, **kwargs)
+        if self.causal or self.local or self.varlen:
+            raise ValueError("the block-sparse backward takes no causal, window or varlen variant: the block mask "
+                             "says what is visible")
+        if self.ordered_dq:
+            raise ValueError("the block-sparse backward adds dQ unordered: the deterministic order waits for every "
+                             "K/V tile of a Q tile in turn, and a block mask's walk skips some (deterministic=True "
+                             "is not supported with a block mask)")
+        if not self.smem_stats:
+            raise ValueError("the block-sparse backward takes the statistics through SMEM (stats_in_smem): its "
+                             "consumers read a visit's Q tile once the tile's stage has landed")
+        self.walk_slots = 2 * self.q_stages  # (q_walk.py: visit i's Q tile in slot i % walk_slots)
+        if self.tile_n != BLOCK_MASK_TILE[1] or BLOCK_MASK_TILE[0] % self.tile_m:
+            raise ValueError(f"the block-sparse backward walks {BLOCK_MASK_TILE[0]} x {BLOCK_MASK_TILE[1]} blocks: "
+                             f"its K/V tiles must be {BLOCK_MASK_TILE[1]} keys and its Q tiles divide "
+                             f"{BLOCK_MASK_TILE[0]} rows, not {self.tile_m} x {self.tile_n}")
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+                 mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor,
+                 mdV: cute.Tensor, mLock: cute.Tensor, scale_log2: Float32, softmax_scale: Float32,
+                 window_left: Int32, window_right: Int32, softcap_scale: Float32,
+                 mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, aux: tuple, block_lists: tuple, stream):
+        """FlexBackward's arguments, and `block_lists`."""
+        self.launch(mQ, mK, mV, mdO, mLSE2, mD, mdQacc, mdK, mdV, mLock, scale_log2, softmax_scale, window_left,
+                    window_right, softcap_scale, mCuSeqlensQ, mCuSeqlensK, (aux, block_lists), stream)
+
+    @cute.kernel
+    def kernel(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_do: cute.CopyAtom, mdO: cute.Tensor,
+               tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom, mV: cute.Tensor,
+               mdQacc: cute.Tensor, tma_lse: Optional[cute.CopyAtom],
+               mLSE2_tiles: Optional[cute.Tensor], tma_d: Optional[cute.CopyAtom],
+               mD_tiles: Optional[cute.Tensor], mLSE2: cute.Tensor, mD: cute.Tensor,
+               mdK: cute.Tensor, mdV: cute.Tensor, mLock: cute.Tensor, scale_log2: Float32,
+               softmax_scale: Float32, window_left: Int32, window_right: Int32, softcap_scale: Float32,
+               mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, aux: tuple, block_lists: tuple,
+               sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout, sPdS_layout: cute.ComposedLayout,
+               sdQ_layout, SharedStorage: cutlass.Constexpr):
+        self.roles(tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, mdQacc, tma_lse, mLSE2_tiles, tma_d, mD_tiles,
+                   mLSE2, mD, mdK, mdV, mLock, scale_log2, softmax_scale, window_left, window_right,
+                   softcap_scale, mCuSeqlensQ, mCuSeqlensK, sQ_layout, sKV_layout, sPdS_layout, sdQ_layout,
+                   SharedStorage, aux=aux, block_lists=block_lists)

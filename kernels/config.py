@@ -258,6 +258,15 @@ def forward_config(rung: RungConfig, head_dim: int, head_dim_v: int | None = Non
 BLOCK_MASK_TILE = (128, 128)
 
 
+def block_mask_backward_fits(cfg: BackwardConfig) -> bool:
+    """Whether a backward configuration can walk a BlockMask's blocks (kernels/common/q_walk.py):
+    its K/V tile is a block's keys, its Q tiles divide a block's rows (b4, b7: 64 x 128, two Q
+    tiles a block), dQ unordered (a sparse walk skips the deterministic order's turns), the
+    statistics through SMEM (its consumers read a visit's Q tile once the stage has landed)."""
+    return (cfg.tile_n == BLOCK_MASK_TILE[1] and BLOCK_MASK_TILE[0] % cfg.tile_m == 0
+            and not cfg.ordered_dq and cfg.stats_in_smem)
+
+
 @functools.lru_cache(maxsize=256)
 def block_mask_short(rung: RungConfig, head_dim: int) -> bool | None:
     """Which of the rung's forward configurations a block-sparse kernel takes at head_dim (its

@@ -8,12 +8,15 @@ each mod against a float64 reference built from the same function over materiali
 and not, GQA, ragged lengths, a fully masked row; block skipping against the reference of torch's
 BlockMask semantics (listed blocks only, the mask_mod on partial blocks only).
 Backward: CPU, the errors (a score mod without its derivative, captures that require grad, sinks,
-out=, a BlockMask without a mask_mod), the backward's compile key and captures, the flex form
-compiled on the rung a call takes at each head dim with no spill; GPU, dq/dk/dv of each library
-mod (d64/d128, GQA, ragged lengths) and of other head dims, builtin causal, fully masked rows, a
-user's derivative, a BlockMask applied densely, deterministic calls, against flex.reference's
-gradients in float64 (within 2x the error of the same reference in bf16), gradients' memory
-poisoned with NaN.
+out=; a BlockMask without its transposed lists, transposed lists that do not fit, deterministic
+with a block mask), the backward's compile key and captures, the flex form and its block-sparse
+form compiled on the rung a call takes at each head dim with no spill; GPU, dq/dk/dv of each
+library mod (d64/d128, GQA, ragged lengths) and of other head dims, builtin causal, fully masked
+rows, a user's derivative, deterministic calls, and the block-sparse backward (causal BlockMasks,
+documents, empty Q and K/V tiles, per-head windows under GQA, lists alone; full + partial lists
+and partial ones only; d64/d96/d128), against flex.reference's gradients in float64 (within 2x
+the error of the same reference in bf16; a BlockMask through the reference of its semantics),
+gradients' memory poisoned with NaN.
 """
 
 import math
@@ -139,16 +142,52 @@ def test_backward_mods_key_and_captures():
     assert builders.backward_key(spec, torch.bfloat16, 128, False, mods=None) == key  # no mods: as before
 
 
-def test_block_mask_with_gradients_needs_its_mask_mod():
-    """With gradients a BlockMask is applied densely through its mask_mod (the backward walks no
-    block lists yet): one without a mask_mod of its own is refused, by name."""
-    from torch.nn.attention.flex_attention import BlockMask
+def test_block_sparse_backward_errors():
+    """With gradients a BlockMask's transposed lists are walked (fa3.flex.block_mask_q_lists): one
+    made without them is refused by name, so are transposed lists that do not fit the call and
+    deterministic=True (a sparse walk skips the ordered dQ's turns), before anything runs."""
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
     q = torch.zeros(1, 2, 256, 128, dtype=torch.bfloat16, requires_grad=True)
-    lists = BlockMask.from_kv_blocks(torch.ones(1, 1, 2, dtype=torch.int32), torch.zeros(1, 1, 2, 2, dtype=torch.int32),
-                                     BLOCK_SIZE=128, seq_lengths=(256, 256))
-    with pytest.raises(ValueError, match="no mask_mod of its own .*with gradients"):
-        fa3.flex_attention(q, q, q, block_mask=lists)
+    counts, indices = torch.ones(1, 1, 2, dtype=torch.int32), torch.zeros(1, 1, 2, 2, dtype=torch.int32)
+    no_q_lists = BlockMask.from_kv_blocks(counts, indices, BLOCK_SIZE=128, seq_lengths=(256, 256),
+                                          compute_q_blocks=False)
+    with pytest.raises(ValueError, match=r"no q_num_blocks / q_indices .*compute_q_blocks=True"):
+        fa3.flex_attention(q, q, q, block_mask=no_q_lists)
+    assert flex.block_mask_plan(no_q_lists, q, q)[1] is not None  # the forward alone does not read them
+    # K/V lists wider than the keys' blocks: the forward takes them, the backward's rows would not fit
+    wide = BlockMask.from_kv_blocks(counts, torch.zeros(1, 1, 2, 3, dtype=torch.int32), BLOCK_SIZE=128,
+                                    seq_lengths=(256, 256))
+    with pytest.raises(ValueError, match=r"transposed lists \(q_num_blocks \(1, 1, 3\).*counts \(1, 1, 2\)"):
+        fa3.flex_attention(q, q, q, block_mask=wide)
+    causal = create_block_mask(flex.causal, None, None, 256, 256, device="cpu")
+    with pytest.raises(ValueError, match="deterministic=True is not supported with a block mask and gradients"):
+        fa3.flex_attention(q, q, q, block_mask=causal, deterministic=True)
+    lists = flex.block_mask_q_lists(causal, q, q, 4)
+    assert [tuple(t.shape) for t in lists] == [(1, 1, 2), (1, 1, 2, 2)] * 2
+    assert all(t.dtype == torch.int32 for t in lists)
+    assert len(flex.block_mask_q_lists(causal, q, q, 2)) == 2
+
+
+def test_block_sparse_backward_refusals():
+    """The block-sparse backward's kernel refuses what its walk cannot do (an ordered dQ, a causal
+    variant, statistics in registers), and the configurations that fit it include the ones calls
+    take at d64-d128."""
+    spec = registry.get("b7")
+    mods = fmods.Mods(mask_mod=flex.causal, backward=True)
+    with pytest.raises(ValueError, match="adds dQ unordered"):
+        builders._build_backward(spec, torch.bfloat16, 128, False, deterministic=True, mods=mods, block_lists=2)
+    with pytest.raises(ValueError, match="no causal, window or varlen"):
+        builders._build_backward(spec, torch.bfloat16, 128, True, mods=mods, block_lists=4)
+    with pytest.raises(ValueError, match=r"statistics through SMEM"):
+        builders._build_backward(registry.get("b2"), torch.bfloat16, 128, False, mods=mods, block_lists=2)
+    for head_dim in (64, 96, 128):
+        cfg = config.backward_config(_flex_backward_rung(head_dim).config, head_dim)
+        assert config.block_mask_backward_fits(cfg), head_dim
+    assert not config.block_mask_backward_fits(config.backward_config(registry.get("b9").config, 192))
+    assert not config.block_mask_backward_fits(config.backward_config(registry.get("b2").config, 256))
+    assert not config.block_mask_backward_fits(config.backward_config(registry.get("b2").config, 128))
+    assert config.block_mask_backward_fits(config.backward_config(registry.get("b8").config, 64))
 
 
 # the backward rung of a call with mods at each head dim (registry.fastest, or config.FLEX_BACKWARD)
@@ -170,6 +209,43 @@ def test_mods_compile_into_the_backward(head_dim, case, gqa):
                                    mods=fmods.Mods(score_mod, mask_mod, backward=True))
     assert report.spill_bytes == 0 and not report.serialized_wgmma, f"{spec.name} d{head_dim}: {report.summary()}"
     assert ("lg2.approx" in report.ptx) == (case == "softcap"), name
+
+
+# (head_dim, score mod, mask mod, GQA): at d128 (b7) the table-reading mods spill 8-16 B with block lists
+# (worklog/flex.md), ALiBi + documents under GQA and documents under GQA 8 B without them too
+@pytest.mark.parametrize("head_dim, score, mask, gqa", [(64, "alibi", "document", True), (64, "relative_bias", "causal", True),
+                                                        (96, "softcap", "document", False),
+                                                        (128, "softcap", "causal", True), (128, "alibi", "document", False)],
+                         ids=lambda x: str(x))
+def test_block_sparse_backward_compiles(head_dim, score, mask, gqa):
+    """The block-sparse backward (kernels/bwd_ws.BlockSparseFlexBackward) on the rung a call takes,
+    for sm_90a, a score mod beside a mask mod, with and without full-block lists: no register
+    spilled, the WGMMAs not serialized; the transposed lists are its last arguments and the kernel
+    reads each."""
+    mods_by_name = {c[0]: c for c in library()}
+    mods = fmods.Mods(mods_by_name[score][1], mods_by_name[mask][2], backward=True)
+    spec = _flex_backward_rung(head_dim)
+    dense = builders._build_backward(spec, torch.bfloat16, head_dim, False, gqa=gqa, mods=mods,
+                                     extra_options="--keep-ptx").artifacts.PTX
+    for lists in (2, 4):
+        report = builders.build_report(builders._build_backward, spec, torch.bfloat16, head_dim, False, gqa=gqa,
+                                       mods=mods, block_lists=lists)
+        assert report.spill_bytes == 0 and not report.serialized_wgmma, \
+            f"{spec.name} d{head_dim} {lists} lists: {report.summary()}"
+        params = _entry_params(report.ptx)
+        assert len(params) == len(_entry_params(dense)) + lists
+        unread = [name for name, reads in params[-lists:] if not reads]
+        assert not unread, f"{lists} lists: the kernel never reads {unread}"
+
+
+def test_block_sparse_backward_compile_key():
+    spec = registry.get("b4")
+    mods = fmods.Mods(mask_mod=flex.causal, backward=True)
+
+    def key(block_lists):
+        return builders.backward_key(spec, torch.bfloat16, 64, False, mods=mods, block_lists=block_lists)
+    assert len({key(0), key(2), key(4)}) == 3
+    assert key(0) == builders.backward_key(spec, torch.bfloat16, 64, False, mods=mods)
 
 
 def test_block_mask_checked():
@@ -746,9 +822,9 @@ def test_flex_backward_user_derivative():
 
 
 @gpu
-def test_flex_backward_block_mask_dense():
-    """flex_attention(block_mask=) with gradients: the BlockMask's mask_mod applied densely in both
-    passes (documents, GQA), against the reference of that mask_mod."""
+def test_block_sparse_backward_alibi_documents_gqa():
+    """flex_attention(block_mask=) with gradients: both passes skip the BlockMask's empty blocks
+    (documents, ALiBi, 8 query heads over 2), against the reference of its mask_mod."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     seqlen = 700
@@ -759,8 +835,8 @@ def test_flex_backward_block_mask_dense():
     dout = torch.randn_like(q)
     got = _flex_grads(lambda q, k, v: fa3.flex_attention(q, k, v, score_mod=score_mod, block_mask=block,
                                                          enable_gqa=True), q, k, v, dout)
-    _check_grads(got, q, k, v, dout, score_mod, mask_mod, "block mask, dense backward")
-    with torch.no_grad():  # the block-sparse forward agrees with the dense one
+    _check_grads(got, q, k, v, dout, score_mod, mask_mod, "block mask, GQA")
+    with torch.no_grad():  # the forward without gradients is the same kernel
         sparse = fa3.flex_attention(q, k, v, score_mod=score_mod, block_mask=block, enable_gqa=True)
     torch.testing.assert_close(sparse, got[0], atol=1e-2, rtol=1e-2)
 
@@ -776,3 +852,111 @@ def test_flex_backward_deterministic():
         assert torch.equal(a, b)
     _check_grads(first, q, k, v, dout, flex.softcap(15.0), flex.sliding_window(128), "deterministic")
 
+
+
+# ----------------------------------------------------------------------------- GPU: block-sparse backward
+def _check_block_grads(q, k, v, block_mask, name, score_mod=None):
+    """fa3.flex_attention's (out, dq, dk, dv) with `block_mask` (the block-sparse forward and
+    backward) against the float64 reference of torch's BlockMask semantics (block_semantics), the
+    gradients' memory poisoned with NaN first."""
+    dout = torch.randn_like(q)
+    got = _flex_grads(lambda q, k, v: fa3.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                                                         enable_gqa=True), q, k, v, dout)
+    _check_grads(got, q, k, v, dout, score_mod, block_semantics(block_mask, q.shape[0], q.shape[1]), name)
+    return got
+
+
+@gpu
+@pytest.mark.parametrize("head_dim", [128, 96, 64], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("full_blocks", [True, False], ids=["full", "partial_only"])
+def test_block_sparse_backward_causal(head_dim, full_blocks):
+    """A causal BlockMask (partial diagonal blocks, full blocks below), or the same blocks all
+    listed as partial ones; seqlen 1030: the last block holds 6 rows, its second 64-row Q tile lies
+    wholly past seqlen_q (visited on the padding, adding nothing)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    seqlen = 1030
+    q, k, v = _qkv(2, 4, 4, seqlen, seqlen, head_dim, 30)
+    block = create_block_mask(flex.causal, None, None, seqlen, seqlen, device="cuda")
+    if not full_blocks:
+        block = without_full_blocks(block)
+    _check_block_grads(q, k, v, block, f"causal d{head_dim} {'full' if full_blocks else 'partial only'}")
+
+
+@gpu
+@pytest.mark.parametrize("head_dim", [128, 64], ids=lambda d: f"d{d}")
+def test_block_sparse_backward_documents(head_dim):
+    """Ragged documents (B=2 masks, H broadcast), seqlen 1100, ALiBi on every listed block, with
+    and without full lists."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    seqlen = 1100
+    q, k, v = _qkv(2, 4, 4, seqlen, seqlen, head_dim, 31)
+    block = create_block_mask(flex.document(_random_documents(2, seqlen, 6, 32)), 2, None, seqlen, seqlen,
+                              device="cuda")
+    score_mod = flex.alibi(flex.alibi_slopes(4, "cuda"))
+    _check_block_grads(q, k, v, block, f"documents d{head_dim}", score_mod)
+    _check_block_grads(q, k, v, without_full_blocks(block), f"documents d{head_dim}, no full lists", score_mod)
+
+
+@gpu
+@pytest.mark.parametrize("head_dim", [128, 64], ids=lambda d: f"d{d}")
+def test_block_sparse_backward_empty_tiles(head_dim):
+    """Q blocks 1 and 2 see no key (empty Q tiles: dq = 0) and K/V blocks 4 and 5 are seen by no
+    query (empty K/V tiles: dk = dv = 0 written, no NaN); seqlen 1000."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    seqlen = 1000
+
+    def holes(b, h, q_idx, kv_idx):
+        return ((q_idx < 128) | (q_idx >= 384)) & (kv_idx <= q_idx) & ((kv_idx < 512) | (kv_idx >= 768))
+    q, k, v = _qkv(2, 4, 4, seqlen, seqlen, head_dim, 33)
+    block = create_block_mask(holes, None, None, seqlen, seqlen, device="cuda")
+    assert not block.q_num_blocks[..., 4:6].any() and not block.full_q_num_blocks[..., 4:6].any()
+    _, dq, dk, dv = _check_block_grads(q, k, v, block, f"empty tiles d{head_dim}")
+    assert torch.all(dq[:, :, 128:384] == 0)
+    assert torch.all(dk[:, :, 512:768] == 0) and torch.all(dv[:, :, 512:768] == 0)
+
+
+@gpu
+@pytest.mark.parametrize("head_dim", [128, 64], ids=lambda d: f"d{d}")
+def test_block_sparse_backward_gqa_per_head(head_dim):
+    """8 query heads over 2 KV heads, a BlockMask per (batch, query head) (each head's window),
+    seqlen_q 1000 and seqlen_kv 1337 (neither a multiple of 128, and apart), with and without full
+    lists: the K/V heads' dk, dv summed over their query heads' walks."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    seqlen_q, seqlen_kv = 1000, 1337
+
+    def per_head_window(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx + 337) & (q_idx + 337 - kv_idx <= 96 * (h + 1) + 40 * b)
+    q, k, v = _qkv(2, 8, 2, seqlen_q, seqlen_kv, head_dim, 34)
+    block = create_block_mask(per_head_window, 2, 8, seqlen_q, seqlen_kv, device="cuda")
+    _check_block_grads(q, k, v, block, f"GQA per-head windows d{head_dim}")
+    _check_block_grads(q, k, v, without_full_blocks(block), f"GQA per-head windows d{head_dim}, no full lists")
+
+
+@gpu
+def test_block_sparse_backward_lists_alone():
+    """A BlockMask without a mask_mod (the lists decide: block-level attention over exactly the
+    listed blocks, in no particular order), and full blocks never running the mask_mod (one that
+    hides everything, every block full: the dense gradients)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    seqlen, blocks = 1000, 8
+    q, k, v = _qkv(2, 4, 4, seqlen, seqlen, 128, 35)
+    rows = torch.arange(blocks, device="cuda")
+    indices = torch.stack([(rows + 3) % blocks, rows], dim=-1)
+    indices = torch.cat([indices, torch.zeros(blocks, blocks - 2, dtype=indices.dtype, device="cuda")], dim=-1)
+    counts = torch.full((1, 1, blocks), 2, dtype=torch.int32, device="cuda")
+    sparse = BlockMask.from_kv_blocks(counts, indices.to(torch.int32)[None, None], BLOCK_SIZE=128,
+                                      seq_lengths=(seqlen, seqlen))
+    _check_block_grads(q, k, v, sparse, "lists alone")
+
+    def hides_everything(b, h, q_idx, kv_idx):
+        return q_idx < 0
+    every = torch.arange(blocks, dtype=torch.int32, device="cuda").repeat(1, 1, blocks, 1)
+    full = BlockMask.from_kv_blocks(torch.zeros(1, 1, blocks, dtype=torch.int32, device="cuda"), every,
+                                    torch.full((1, 1, blocks), blocks, dtype=torch.int32, device="cuda"), every,
+                                    BLOCK_SIZE=128, mask_mod=hides_everything, seq_lengths=(seqlen, seqlen))
+    _check_block_grads(q, k, v, full, "full blocks skip the mask_mod")  # (the reference: dense attention)

@@ -146,16 +146,19 @@ def get_attention(spec, dtype, head_dim, causal, varlen=False, local=False, soft
 
 # ----------------------------------------------------------------------------- backward
 def backward_key(spec, dtype, head_dim, causal, deterministic=False, gqa=False, local=False,
-                 softcap=False, varlen=False, head_dim_v=None, mods=None) -> tuple:
-    """`mods`: None, or the call's fa3.mods.Mods(..., backward=True) (the flex form)."""
+                 softcap=False, varlen=False, head_dim_v=None, mods=None, block_lists=0) -> tuple:
+    """`mods`: None, or the call's fa3.mods.Mods(..., backward=True) (the flex form); `block_lists`:
+    0, or how many of a BlockMask's transposed lists the kernel walks (2: partial blocks only, 4:
+    full blocks too)."""
     cfg = config.backward_config(spec.config, head_dim, head_dim_v)
     return (spec.name, str(dtype), _key_dims(head_dim, head_dim_v), bool(causal), bool(deterministic), bool(gqa),
             bool(local), bool(softcap), bool(varlen), *(() if mods is None else (("mods", mods.key),)),
+            *((("block_lists", block_lists),) if block_lists else ()),
             config.key(spec.config, cfg), dsl.TARGET_ARCH, dsl.version())
 
 
 def _build_backward(spec, dtype, head_dim, causal, deterministic=False, gqa=False, local=False,
-                    softcap=False, varlen=False, head_dim_v=None, extra_options="", mods=None):
+                    softcap=False, varlen=False, head_dim_v=None, extra_options="", mods=None, block_lists=0):
     value = {"head_dim_v": head_dim_v} if head_dim_v not in (None, head_dim) else {}
     static = dict(dtype=sig.cute_dtype(dtype), head_dim=head_dim, causal=causal,
                   config=config.backward_config(spec.config, head_dim, head_dim_v), deterministic=deterministic,
@@ -163,20 +166,25 @@ def _build_backward(spec, dtype, head_dim, causal, deterministic=False, gqa=Fals
     args = sig.backward_args(dtype, head_dim, gqa, deterministic, head_dim_v)
     if mods is None:
         return core.compile_kernel(spec.load_class()(**static), args, extra_options)
-    return _build_backward_mods(spec, static, args, mods, extra_options)
+    return _build_backward_mods(spec, static, args, mods, extra_options, block_lists)
 
 
-def _build_backward_mods(spec, static, args, mods, extra_options):
+def _build_backward_mods(spec, static, args, mods, extra_options, block_lists=0):
     """The warp-specialized backward's flex form (kernels/bwd_ws.FlexBackward) with the call's mods
-    and the score mod's derivative compiled in; a mod that cannot be traced is reported by name."""
+    and the score mod's derivative compiled in, or with `block_lists` (2 or 4: a BlockMask's
+    transposed lists, fa3.flex) its block-sparse form (BlockSparseFlexBackward); a mod that cannot
+    be traced is reported by name."""
     if spec.module != "bwd_ws":
         raise ValueError(f"score_mod / mask_mod backward runs on the warp-specialized backward rungs (b2 on), "
                          f"not on {spec.name}")
-    from ..kernels.bwd_ws import FlexBackward
+    from ..kernels.bwd_ws import BlockSparseFlexBackward, FlexBackward
 
-    kernel = FlexBackward(**static, score_mod=mods.score_mod, mask_mod=mods.mask_mod,
-                          score_mod_grad=mods.score_mod_grad)
+    flex_class = BlockSparseFlexBackward if block_lists else FlexBackward
+    kernel = flex_class(**static, score_mod=mods.score_mod, mask_mod=mods.mask_mod,
+                        score_mod_grad=mods.score_mod_grad)
     args = args + [sig.aux_args(mods.aux_spec() or [(torch.int32, 1)])]
+    if block_lists:  # (counts (B|1, H|1, kv_blocks), indices (B|1, H|1, kv_blocks, q_blocks)) once or twice
+        args.append(sig.aux_args([(torch.int32, 3), (torch.int32, 4)] * (block_lists // 2)))
     try:
         return core.compile_kernel(kernel, args, extra_options)
     except Exception as e:  # the DSL wraps what a mod raised while traced
@@ -184,19 +192,21 @@ def _build_backward_mods(spec, static, args, mods, extra_options):
 
 
 def get_backward(spec, dtype, head_dim, causal, deterministic, gqa, local=False, softcap=False,
-                 varlen=False, head_dim_v=None, mods=None):
+                 varlen=False, head_dim_v=None, mods=None, block_lists=0):
     """The compiled backward main kernel for this static configuration (compiled on first use);
     head_dim_v: V's head dim where it differs (registry `value_head_dims`); mods: None, or
     fa3.mods.Mods(..., backward=True) (the flex form, compiled per mod in this process only, as the
-    forward's)."""
+    forward's); block_lists: 0, or 2 / 4 (with mods: the block-sparse flex form walking a
+    BlockMask's transposed partial lists / and its full ones)."""
     if mods is not None:
         key = backward_key(spec, dtype, head_dim, causal, deterministic, gqa, local, softcap, varlen, head_dim_v,
-                           mods)
+                           mods, block_lists)
         fn = core.FAST.get(key)
         if fn is None:
             fn = core.FAST[key] = core.cached(
                 key, lambda: _build_backward(spec, dtype, head_dim, causal, deterministic, gqa, local, softcap,
-                                             varlen, head_dim_v, mods=mods), persist=False)
+                                             varlen, head_dim_v, mods=mods, block_lists=block_lists),
+                persist=False)
         return fn
     return core.compiled(("bwd", spec.name, dtype, head_dim, causal, deterministic, gqa, local, softcap, varlen,
                           head_dim_v), backward_key, _build_backward, spec, dtype, head_dim, causal, deterministic,

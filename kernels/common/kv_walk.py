@@ -96,12 +96,13 @@ def _either(walk: BlockMaskWalk, j: Int32) -> Int32:
 
 
 @cute.jit
-def _row(counts: cute.Tensor, indices: cute.Tensor, batch: Int32, head: Int32, m_block: Int32):
-    """(count, the row of indices) of Q tile m_block of (batch, head), a dimension of 1 broadcast."""
+def _row(counts: cute.Tensor, indices: cute.Tensor, batch: Int32, head: Int32, block: Int32):
+    """(count, the row of indices) of row `block` (a Q tile's; the backward's lists: a K/V tile's)
+    of (batch, head), a dimension of 1 broadcast."""
     b = cutlass.min(batch, Int32(counts.shape[0]) - 1)
     h = cutlass.min(head, Int32(counts.shape[1]) - 1)
-    count = cutlass.max(cutlass.min(counts[b, h, m_block], Int32(indices.shape[3])), 0)
-    return count, indices[b, h, m_block, None]
+    count = cutlass.max(cutlass.min(counts[b, h, block], Int32(indices.shape[3])), 0)
+    return count, indices[b, h, block, None]
 
 
 def tile_walk(lists, n_max: Int32, n_blocks: Int32, batch: Int32, head: Int32, m_block: Int32,
@@ -111,9 +112,18 @@ def tile_walk(lists, n_max: Int32, n_blocks: Int32, batch: Int32, head: Int32, m
     full_kv_indices)."""
     if lists is None:
         return DenseWalk(n_max, n_blocks)
-    partial_count, partial = _row(lists[0], lists[1], batch, head, m_block)
+    partial_count, partial, count, full = list_rows(lists, batch, head, m_block)
+    return BlockMaskWalk(partial_count, partial, count, full, seqlen_k % tile_n != 0)
+
+
+def list_rows(lists, batch: Int32, head: Int32, block: Int32):
+    """(partial count, partial row, partial + full count, full row or None) of row `block` of a
+    BlockMask's lists, (counts, indices) or (counts, indices, full counts, full indices): the
+    forward's rows (kv_num_blocks, kv_indices, ... at a Q tile) or the backward's transposed ones
+    (q_num_blocks, q_indices, ... at a K/V tile: common/q_walk.py)."""
+    partial_count, partial = _row(lists[0], lists[1], batch, head, block)
     count, full = partial_count, None
     if len(lists) == 4:
-        full_count, full = _row(lists[2], lists[3], batch, head, m_block)
+        full_count, full = _row(lists[2], lists[3], batch, head, block)
         count = partial_count + full_count
-    return BlockMaskWalk(partial_count, partial, count, full, seqlen_k % tile_n != 0)
+    return partial_count, partial, count, full
