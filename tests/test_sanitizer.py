@@ -109,7 +109,7 @@ elif case == "flex":  # K5 with a score mod (a captured table) and a mask mod (c
     for score_mod, mask_mod in ((flex.alibi(flex.alibi_slopes(8, "cuda")), flex.document(docs)), (None, flex.causal)):
         outs.append(fa3.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                   score_mod=score_mod, mask_mod=mask_mod))
-elif case == "flex-blocks":  # K5's block-sparse walk: documents, Q tiles 5-7 with no block, GQA; d128 and
+elif case in ("flex-blocks", "flex-blocks-backward"):  # K5's (and the backward's) block-sparse walk: documents, Q tiles 5-7 with no block, GQA; d128 and
     # d64 (its 128-row tiles), with full-block lists and without; 2 x 8 x 17 tiles: CTAs take several
     from torch.nn.attention.flex_attention import BlockMask, create_block_mask
     docs = (torch.arange(2100, device="cuda") // 700).to(torch.int32).expand(2, -1).contiguous()
@@ -127,7 +127,13 @@ elif case == "flex-blocks":  # K5's block-sparse walk: documents, Q tiles 5-7 wi
     for d in (128, 64):
         q, k, v = rand(2, 8, 2100, d), rand(2, 2, 2100, d), rand(2, 2, 2100, d)
         for block in (full, partial_only):
-            outs.append(fa3.flex_attention(q, k, v, block_mask=block, enable_gqa=True))
+            if case == "flex-blocks":
+                outs.append(fa3.flex_attention(q, k, v, block_mask=block, enable_gqa=True))
+                continue
+            q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+            out = fa3.flex_attention(q, k, v, block_mask=block, enable_gqa=True)
+            out.backward(torch.randn_like(out))
+            outs += [out.detach(), q.grad, k.grad, v.grad]
 elif case == "mla":  # M1 (qv): 16 and 128 query heads (one and two Q tiles a KV head), pages of 64,
     # ragged lengths, one split and planned splits (the combine at d512), one and two queries, causal
     lens = [4000, 1, 300, 2047]
@@ -185,7 +191,7 @@ print("done")
 
 RACE_CASES = ["forward-causal", "forward-causal-d64", "forward-causal-d96", "forward-d96", "forward", "varlen",
               "kvcache", "kvcache-gather", "kvcache-chunks", "gemm", "fp8", "fp8-gemm", "kvcache-fp8", "flex",
-              "flex-blocks", "mla", "flex-backward"]
+              "flex-blocks", "mla", "flex-backward", "flex-blocks-backward"]
 
 
 @pytest.mark.parametrize("head_dim", [64, 96, 128])
