@@ -37,20 +37,6 @@ from .cache.split_plan import call_plan, split_request
 
 
 NO_DESCALES = (None, None, None)
-WARP_SPLIT_PARTIALS = 4  # s2: a CTA's warps, each its own partial (kernels/decode.py)
-_DUMMIES: dict = {}
-
-
-def _dummy(kind, device, head_dim=None):
-    """Stand-ins for arguments a static configuration never reads (one per device)."""
-    key = (kind, device, head_dim)
-    t = _DUMMIES.get(key)
-    if t is None:
-        t = _DUMMIES[key] = {
-            "o_partial": lambda: torch.empty(1, 1, 1, 1, head_dim, dtype=torch.float32, device=device),
-            "lse_partial": lambda: torch.empty(1, 1, 1, 1, dtype=torch.float32, device=device),
-        }[kind]()
-    return t
 
 
 def launch_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, capacity: int, appended: int,
@@ -110,8 +96,8 @@ class CacheLaunch:
         s1_max_queries = 0 if plan.long is None else plan.long.min_queries  # S1 (and its combine) skip K5's
         self.sort = plan.longest_first and not full  # the longest entries first (sorted on the device)
         # a warp-split rung (s2) writes one partial per warp of each CTA, always combined
-        per_cta = WARP_SPLIT_PARTIALS if spec.config.base.warp_split else 1
-        self.partials_shape = (self.num_splits * per_cta, 1 if self.packed else batch, rows_q, heads_q, head_dim)
+        self.partials_shape = (self.num_splits * spec.config.base.partials_per_cta, 1 if self.packed else batch,
+                               rows_q, heads_q, head_dim)
         self.fn = _compile_kvcache.get_kvcache(spec, k_cache.dtype, head_dim, self.mask.causal, paged,
                                                self.mask.local, self.mask.softcap, plan.gather, self.packed,
                                                leftpad, has_sinks, out_dtype if fp8 else None, s1_max_queries,
@@ -119,7 +105,7 @@ class CacheLaunch:
         self.combine = (_compile_kvcache.get_combine(out_dtype, head_dim, has_sinks, s1_max_queries)
                         if self.partials_shape[0] > 1 else None)
         self.order = _compile_kvcache.get_entry_order() if self.sort else None
-        self.no_partials = (_dummy("o_partial", device, head_dim), _dummy("lse_partial", device))
+        self.head_dim = head_dim
         # the combine's stand-ins for what this call has not (cu_seqlens_q, the sinks) and S1's for
         # the entries' order (S1 takes None for the rest: signatures.kvcache_args)
         self.stand_ins = (_launch.stand_in(device), _launch.stand_in(device, torch.int64),
@@ -140,13 +126,8 @@ class CacheLaunch:
             if self.empty:
                 return out, lse
             return out.zero_(), lse.fill_(float("-inf"))  # packed rows that no entry holds
-        # one lookup of the stream's scratch: the partials, and the LSE where the caller drops it
-        if keep_lse:
-            lse = torch.empty(self.lse_shape, dtype=torch.float32, device=device)
-            scratch = _launch.stream_scratch(self.scratch_shapes, device) if self.scratch_shapes else ()
-        else:
-            *scratch, lse = _launch.stream_scratch(self.scratch_shapes + (self.lse_shape,), device)
-        o_partial, lse_partial = scratch if scratch else self.no_partials
+        lse, o_partial, lse_partial = _launch.lse_and_partials(self.lse_shape, self.scratch_shapes, keep_lse, device,
+                                                               self.head_dim)
         if self.packed:
             q4, out4, lse3, cu = q.unsqueeze(0), out.unsqueeze(0), lse.unsqueeze(0), cu_seqlens_q
         else:
@@ -248,16 +229,35 @@ def full_lengths(batch: int, device) -> torch.Tensor:
     return lengths
 
 
+_INT_LENGTHS = BoundedMemo(16)
+
+
+def int_lengths(batch: int, length: int, device) -> torch.Tensor:
+    """int32 (batch,) tensor of one host length (flash-attn's int cache_seqlens), filled once per
+    (device, stream, batch, length) and reused: a model's layers in one decode step pass the same
+    int. Per stream, so that a reader on the stream that filled it is ordered after the fill; made
+    fresh while a CUDA graph is captured (the graph fills its own)."""
+    if torch.cuda.is_current_stream_capturing():
+        return torch.full((batch,), length, dtype=torch.int32, device=device)
+    key = (device, torch._C._cuda_getCurrentRawStream(device.index), batch, length)
+    lengths = _INT_LENGTHS.get(key)
+    if lengths is None:
+        lengths = _INT_LENGTHS.remember(key, torch.full((batch,), length, dtype=torch.int32, device=device))
+    return lengths
+
+
 # the static part of a plain call against a cache (cache_attention's key) -> (its index check, its CacheLaunch)
 _CACHE_CALLS = BoundedMemo()
 
 
 def _index_check(q, k_cache, capacity: int, max_q: int, lengths_name: str):
-    """start(lengths, block_table, cu_seqlens_q) -> wait: a plain call's index check (as
-    cache_attention starts it) with its bounds made once."""
+    """start(lengths, block_table, cu_seqlens_q, cache_leftpad) -> wait: a plain call's index check
+    (as cache_attention starts it) with its bounds made once."""
     device, total_q, page_size, num_pages = q.device, q.shape[0], k_cache.shape[1], k_cache.shape[0]
 
-    def start(lengths, block_table, cu_seqlens_q):
+    def start(lengths, block_table, cu_seqlens_q, cache_leftpad=None):
+        if cache_leftpad is not None:
+            return index_checks.start_leftpad_check(cache_leftpad, lengths, capacity, 0, page_size, device)
         if cu_seqlens_q is not None:
             return index_checks.start_packed_cache_check(cu_seqlens_q, total_q, max_q, lengths, block_table,
                                                          capacity, page_size, num_pages, lengths_name, device)
@@ -274,9 +274,10 @@ def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, sof
     (q_descale, k_descale, v_descale) as given (an FP8 cache). keep_lse=False: the caller drops the
     LSE (a remembered launch then writes it to scratch). Its callers (the public entry points)
     raise an earlier call's bad index values first (index_checks.raise_pending)."""
-    # a plain call (no append, out=, left padding, sinks, window or softcap; lengths in a tensor or an int)
-    # like one that ran before: its checks passed for these shapes, and its launch is planned
-    plain = k is None and cu_seqlens_k_new is None and cache_leftpad is None and sinks is None and out is None \
+    # a plain call (no append, out=, sinks, window or softcap; lengths in a tensor or an int; left padding
+    # allowed: transformers' padded generate) like one that ran before: its checks passed for these
+    # shapes, and its launch is planned
+    plain = k is None and cu_seqlens_k_new is None and sinks is None and out is None \
         and kernel is None and not softcap and window_size == (-1, -1) and type(causal) is bool \
         and (type(seqlens) is torch.Tensor or type(seqlens) is int) \
         and (softmax_scale is None or type(softmax_scale) is float) and not _dispatch.tracing()
@@ -292,7 +293,9 @@ def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, sof
                                                       cu_seqlens_q.device),
                    max_seqlen_q, max_seqlen_k, causal, softmax_scale, num_splits, lengths_name,
                    NO_DESCALES if descales[0] is None and descales[1] is None and descales[2] is None else
-                   tuple(None if d is None else (d.shape, d.dtype, d.device) for d in descales))
+                   tuple(None if d is None else (d.shape, d.dtype, d.device) for d in descales),
+                   None if cache_leftpad is None else (cache_leftpad.shape, cache_leftpad.stride(),
+                                                       cache_leftpad.dtype, cache_leftpad.device))
             prepared = _CACHE_CALLS.get(key)
         except (AttributeError, TypeError):  # not tensors (check_kvcache names them), symbolic shapes
             key = prepared = plain = None
@@ -301,9 +304,10 @@ def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, sof
             start_check, launch, capacity = prepared
             if not host_length or 0 <= seqlens <= capacity:  # (a bad int: check_kvcache's message below)
                 if host_length:
-                    seqlens = torch.full((launch.batch,), seqlens, dtype=torch.int32, device=q.device)
-                wait = start_check(seqlens, block_table, cu_seqlens_q)
+                    seqlens = int_lengths(launch.batch, seqlens, q.device)
+                wait = start_check(seqlens, block_table, cu_seqlens_q, cache_leftpad)
                 out, lse = launch(q, k_cache, v_cache, seqlens, block_table, cu_seqlens_q,
+                                  cache_leftpad=cache_leftpad,
                                   descales=remembered_descales(q, k_cache, descales, launch.batch),
                                   keep_lse=keep_lse)
                 wait()
@@ -358,12 +362,13 @@ def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, sof
             # planned, launched and remembered (an FP8 cache's descales are the call's: its key holds their shapes)
             if plain and q.device in _checks.HOPPER_SMS:
                 launch = CacheLaunch(spec, q, k_cache, block_table is not None, capacity, 0, causal, scale,
-                                     int(num_splits), window, 0.0, cu_seqlens_q, max_q, max_seqlen_k, False, False,
-                                     descales is not None,
+                                     int(num_splits), window, 0.0, cu_seqlens_q, max_q, max_seqlen_k,
+                                     cache_leftpad is not None, False, descales is not None,
                                      torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype, False)
-                out, lse = launch(q, k_cache, v_cache, seqlens, block_table, cu_seqlens_q, descales=descales)
+                out, lse = launch(q, k_cache, v_cache, seqlens, block_table, cu_seqlens_q, cache_leftpad=cache_leftpad,
+                                  descales=descales)
                 check = index_checks.nothing_to_start if host_length and block_table is None \
-                    else _index_check(q, k_cache, capacity, max_q, lengths_name)
+                    and cache_leftpad is None else _index_check(q, k_cache, capacity, max_q, lengths_name)
                 _CACHE_CALLS.remember(key, (check, launch, capacity))
             else:
                 out, lse = launch_kvcache(spec, q, k_cache, v_cache, seqlens, block_table, capacity, appended,

@@ -124,17 +124,8 @@ def launch_mla(spec, q, qv, k_cache, v_cache, seqlens, block_table, capacity: in
     keys = capacity if max_seqlen_k is None or num_splits < 0 else min(capacity, max(int(max_seqlen_k), 1))
     splits = plan_mla_splits(spec, batch, seqlen_q, heads_q, heads_kv, keys, _checks.HOPPER_SMS[device], num_splits)
     partials = ((splits, batch, seqlen_q, heads_q, d_v), (splits, batch, heads_q, seqlen_q)) if splits > 1 else ()
-    if keep_lse:
-        lse = torch.empty(lse_shape, dtype=torch.float32, device=device)
-        scratch = _launch.stream_scratch(partials, device) if partials else ()
-    else:
-        *scratch, lse = _launch.stream_scratch(partials + (lse_shape,), device)
+    lse, o_partial, lse_partial = _launch.lse_and_partials(lse_shape, partials, keep_lse, device, d_v)
     lse3 = lse.view(heads_q, batch, seqlen_q).permute(1, 0, 2) if packed else lse
-    if scratch:
-        o_partial, lse_partial = scratch
-    else:  # (unread with one split)
-        o_partial = torch.empty(1, 1, 1, 1, d_v, dtype=torch.float32, device=device)
-        lse_partial = torch.empty(1, 1, 1, 1, dtype=torch.float32, device=device)
     fn = _compile_mla.get_mla(spec, q.dtype, mask.causal, block_table is not None)
     table = block_table if block_table is not None else _launch.stand_in(device).view(1, 1)
     fn(q4, qv4, k_cache, v_cache, seqlens, table, out4, lse3, o_partial, lse_partial, mask.scale_log2, appended)

@@ -276,7 +276,7 @@ KERNELS: dict[str, KernelSpec] = {
             "s1 with the keys split across the warps: each warp multiplies its 16 keys of every block "
             "on mma.sync (16 query rows, not WGMMA's 64) and writes its own partial for the combine",
             config=RUNGS["s2"], head_dims=(64, 128),
-            # kernel=None picks it by the call's shape (fastest_cache), never by rank
+            # kernel=None picks it by the call's shape (_dispatch.cache_rung), never by rank
             ptx_promises=("mma.sync.aligned.m16n8k16", "ldmatrix", "mbarrier.try_wait", "ex2.approx"),
             speed_rank=0, variants=("local", "softcap", "varlen", SINKS),
         ),

@@ -216,6 +216,34 @@ def test_prepared_cache_launch_computes_the_same(layout):
 
 
 @pytest.mark.gpu
+def test_prepared_cache_launch_with_left_padding():
+    """A left-padded dense cache (transformers' padded generate: cache_leftpad) is remembered too: a
+    repeated call gives the first call's output, new left pads in place and new tensors give the
+    reference's (keys [leftpad[b], lengths[b]) of row b), and a bad pad is still found by name."""
+    batch, heads_q, heads_kv, d = 3, 16, 4, 128
+    k_cache, v_cache = _rand(batch, 2048, heads_kv, d), _rand(batch, 2048, heads_kv, d)
+    lengths = _i32(2048, 2048, 2048)
+    q = _rand(batch, 1, heads_q, d)
+    call = lambda pad: fa3.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, cache_leftpad=pad,
+                                                  causal=True)
+
+    def reference(pad):
+        return torch.cat([_cache_reference(q[b:b + 1], k_cache[b:b + 1, p:], v_cache[b:b + 1, p:], _i32(2048 - p))
+                          for b, p in enumerate(pad.tolist())])
+
+    pad = _i32(0, 1000, 2047)
+    first = call(pad)
+    assert torch.equal(call(pad), first) and rel_err(first, reference(pad)) < 1e-2
+    pad.copy_(_i32(5, 0, 1500))  # in place: checked again
+    assert rel_err(call(pad), reference(pad)) < 1e-2
+    fresh = _i32(100, 200, 300)
+    assert rel_err(call(fresh), reference(fresh)) < 1e-2
+    call(_i32(0, 2049, 0))  # past its sequence: the kernel clamps, the deferred check names it
+    with pytest.raises(ValueError, match="cache_leftpad"):
+        fa3.check_index_values()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("paged", [False, True])
 def test_prepared_cache_launch_with_an_int_length(paged):
     """cache_seqlens as one int (flash-attn's form) is remembered too: each call's int is checked on
