@@ -364,7 +364,7 @@ def decode_config(rung: RungConfig, head_dim: int, *, gather: bool = False,
                   fp8: bool = False) -> DecodeConfig:
     """S1's configuration and SMEM plan at head_dim (gather: pages read by cp.async row gathers;
     fp8: an FP8 cache). The ring is as deep as SMEM allows beside the Q tile, 1 KB of barriers and
-    (fp8) the two 16-bit tiles the GEMMs read, up to max_kv_stages (memory-bound: bytes in flight
+    (fp8) the two 16-bit tiles S1's GEMMs read (S2 counts them too: decode_smem), up to max_kv_stages (memory-bound: bytes in flight
     are what matter); a gather keeps gather_kv_stages, so that two or more CTAs share an SM at
     d <= 128 (one's copies, issued by its only warpgroup, under another's math), an FP8 cache
     fp8_kv_stages (two CTAs an SM up to d128). The kernel refuses a SharedStorage larger than
@@ -377,6 +377,9 @@ def decode_config(rung: RungConfig, head_dim: int, *, gather: bool = False,
 def decode_smem(cfg: DecodeConfig, head_dim: int, gather: bool, fp8: bool) -> tuple[int, int, int]:
     """(bytes beside the ring, K+V bytes a stage, stages) of S1's SMEM (decode_config's plan)."""
     tile = cfg.tile_n * head_dim
+    # S2 (warp_split) converts an FP8 cache in registers and allocates no 16-bit tiles, but its
+    # plan counts them as S1's does: the split plan then assumes as many CTAs an SM as S2's
+    # registers allow (2 at d128, 4 at d64), where its SMEM alone would admit 3-8
     fixed = cfg.tile_m * head_dim * 2 + 1024 + (2 * tile * 2 if fp8 else 0)
     kv_bytes = 2 * tile * (1 if fp8 else 2)
     stages = min(cfg.max_kv_stages, (CTA_SMEM_BYTES - fixed) // kv_bytes)

@@ -89,7 +89,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import warp as warp_mma, warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from .common import mask, mma, paged, pipeline, scheduler, seqlen, smem, softmax, tma
+from .common import fp8_mma_sync, mask, mma, paged, pipeline, scheduler, seqlen, smem, softmax, tma
 from .config import DecodeConfig
 
 CONVERT_ELEMS = 8  # elements one thread dequantizes at a time (FP8 cache): 8 bytes of e4m3 in, 16 bytes out
@@ -144,6 +144,8 @@ class SplitKVAttention:
         # `dtype` (fp16), the GEMMs' type
         self.fp8 = fp8
         self.cache_dtype = cutlass.Float8E4M3FN if fp8 else dtype
+        # S1 converts each FP8 stage into 16-bit SMEM tiles for WGMMA; S2 converts in registers
+        self.converts_in_smem = fp8 and not config.warp_split
         # 16-bit q over an FP8 cache: scaled by a power of two into fp16's range as it is gathered
         self.scales_q = fp8 and query_dtype is not None and query_dtype.width == 16
         self.out_dtype = out_dtype or dtype
@@ -223,9 +225,9 @@ class SplitKVAttention:
             grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     def shared_storage(self, sQ_layout, sKV_layout, sKV16_layout):
-        """The SMEM struct: barriers, Q and the K/V ring; with an FP8 cache, beside it the 16-bit K
-        and V tiles the GEMMs read (sKV16_layout; only there: every byte counts when two CTAs share
-        an SM)."""
+        """The SMEM struct: barriers, Q and the K/V ring; with an FP8 cache (S1), beside it the
+        16-bit K and V tiles the GEMMs read (sKV16_layout; only there: every byte counts when two
+        CTAs share an SM). S2 converts an FP8 cache in registers: the ring alone."""
         @cute.struct
         class RingStorage:
             kv_barriers: cute.struct.MemRange[Int64, 2 * self.kv_stages]
@@ -233,7 +235,7 @@ class SplitKVAttention:
             sK: cute.struct.Align[cute.struct.MemRange[self.cache_dtype, cute.cosize(sKV_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.cache_dtype, cute.cosize(sKV_layout)], 1024]
 
-        if not self.fp8:
+        if not self.converts_in_smem:
             return RingStorage
 
         @cute.struct
@@ -245,7 +247,7 @@ class SplitKVAttention:
 
     def ring_storage(self, storage):
         """The struct's barriers, Q and ring."""
-        return storage.ring if self.fp8 else storage
+        return storage.ring if self.converts_in_smem else storage
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
@@ -333,7 +335,8 @@ class SplitKVAttention:
 
             row0 = m_block * self.tile_m
             blocks = (n_blocks, last, m_block, group, seq, scale_log2, window, softcap_scale)
-            ctx, kv_producer = self.attend(whole, sQ, sKV16_layout, kv_pipe, kv_producer, loads, warp_idx, blocks)
+            ctx, kv_producer = self.attend(whole, sQ, sKV_layout, sKV16_layout, kv_pipe, kv_producer, loads, warp_idx,
+                                           blocks)
             if self.is_kv_producer(warp_idx):
                 pipeline.tail(kv_pipe, kv_producer)
             part, parts = split, num_splits  # (S2: this warp's partial of this split, always combined)
@@ -367,17 +370,15 @@ class SplitKVAttention:
         return scale_log2 * q_unscale, softcap_scale
 
     @cute.jit
-    def attend(self, storage, sQ, sKV16_layout, kv_pipe, kv_producer, loads, warp_idx: Int32, blocks):
-        """The GEMMs' fragments over sQ and the ring (an FP8 cache: over the converted tiles), then
-        the mainloop: (ctx, producer state)."""
+    def attend(self, storage, sQ, sKV_layout, sKV16_layout, kv_pipe, kv_producer, loads, warp_idx: Int32, blocks):
+        """The GEMMs' fragments over sQ and the ring (an FP8 cache: S1 over the converted tiles, S2
+        from the ring's bytes, converted in registers), then the mainloop: (ctx, producer state)."""
         _, _, _, _, _, sK, sV, _, _, _, _, tidx = loads  # (load_kv's arguments)
         if cutlass.const_expr(self.warp_split):
-            sK16, sV16 = None, None
-            if cutlass.const_expr(self.fp8):
-                sK16 = storage.sK16.get_tensor(sKV16_layout.outer, swizzle=sKV16_layout.inner)
-                sV16 = storage.sV16.get_tensor(sKV16_layout.outer, swizzle=sKV16_layout.inner)
             ctx = self.warp_setup(sQ, tidx)
-            kv_producer = self.mainloop_warps(ctx, kv_pipe, kv_producer, loads, warp_idx, sK16, sV16, *blocks)
+            if cutlass.const_expr(self.fp8):  # ldmatrix reads V by byte address
+                ctx.v_base, ctx.sKV_layout = self.ring_storage(storage).sV.data_ptr().toint(), sKV_layout
+            kv_producer = self.mainloop_warps(ctx, kv_pipe, kv_producer, loads, warp_idx, *blocks)
         elif cutlass.const_expr(self.fp8):
             sK16 = storage.sK16.get_tensor(sKV16_layout.outer, swizzle=sKV16_layout.inner)
             sV16 = storage.sV16.get_tensor(sKV16_layout.outer, swizzle=sKV16_layout.inner)
@@ -451,11 +452,11 @@ class SplitKVAttention:
     @cute.jit
     def dequantize(self, src: cute.Tensor, dst: cute.Tensor, tidx: Int32, valid_rows: Int32,
                    rows: cutlass.Constexpr, threads: cutlass.Constexpr):
-        """FP8 rows -> the 16-bit rows the GEMMs read (both (rows, d), swizzled; rows: tile_n, or
-        an S2 warp's warp_keys), by `threads` threads (the CTA's, or a warp's 32 lanes; tidx: the
-        thread's index among them): each converts 8-element chunks (an 8-byte load, four
-        cvt.rn.f16x2.e4m3x2, a 16-byte store), by rows; rows from valid_rows on are written as zeros
-        (V: a cache's unused rows hold anything, NaN included, and 0 * NaN = NaN; K passes all)."""
+        """FP8 rows -> the 16-bit rows the GEMMs read (both (rows, d), swizzled; S1: rows = tile_n),
+        by `threads` threads (S1: the CTA's; tidx: the thread's index among them; S2 converts in
+        registers instead, common/fp8_mma_sync.py): each converts 8-element chunks (an 8-byte load,
+        four cvt.rn.f16x2.e4m3x2, a 16-byte store), by rows; rows from valid_rows on are written as
+        zeros (V: a cache's unused rows hold anything, NaN included, and 0 * NaN = NaN; K passes all)."""
         chunks = self.head_dim // CONVERT_ELEMS  # per row
         rows_per_pass, active = smem.row_passes(rows, chunks, threads)
         thread_layout = cute.make_ordered_layout((rows_per_pass, chunks), order=(1, 0))
@@ -646,7 +647,9 @@ class SplitKVAttention:
     # ---------------------------------------------------------------- S2: the keys split across the warps
     def warp_setup(self, sQ, tidx):
         """Each warp's mma.sync (m16n8k16) for S = Q K_w^T and O_w += P V_w on its own 16 keys of every
-        block, Q's fragment loaded once from SMEM (ldmatrix), O_w and the row state in registers."""
+        block, Q's fragment loaded once from SMEM (ldmatrix; an FP8 cache: in the d order its K
+        fragments are converted in, fp8_mma_sync's quarter_d), O_w and the row state in registers
+        (an FP8 cache: O's columns in fp8_mma_sync's paired_d order)."""
         lane = tidx % 32
         atom = warp_mma.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16))
         qk = cute.make_tiled_mma(atom, (1, 1, 1), permutation_mnk=(16, 16, 16))
@@ -656,26 +659,32 @@ class SplitKVAttention:
         load_t = cute.make_copy_atom(warp_mma.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype)
         copy_q = cute.make_tiled_copy_A(load, qk).get_slice(lane)
         tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
-        cute.copy(copy_q, copy_q.partition_S(sQ), copy_q.retile(tSrQ))
+        o_columns = cute.make_identity_tensor((self.tile_m, self.head_dim))
+        if cutlass.const_expr(self.fp8):
+            fp8_mma_sync.q_operand(sQ, lane, tSrQ)
+            o_columns = fp8_mma_sync.paired_d_columns(self.tile_m, self.head_dim)
+        else:
+            cute.copy(copy_q, copy_q.partition_S(sQ), copy_q.retile(tSrQ))
         ctx = SimpleNamespace(
             qk=qk, thr_qk=thr_qk, pv=pv, thr_pv=thr_pv, tidx=tidx, tSrQ=tSrQ,
             copy_k=cute.make_tiled_copy_B(load, qk).get_slice(lane),
             copy_v=cute.make_tiled_copy_B(load_t, pv).get_slice(lane),
             s_coords=rows_cols_sm80(thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.warp_keys)))),
             acc_o=cute.make_rmem_tensor(thr_pv.partition_shape_C((self.tile_m, self.head_dim)), Float32),
-            o_coords=rows_cols_sm80(thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim)))))
+            o_coords=rows_cols_sm80(thr_pv.partition_C(o_columns)))
         ctx.acc_o.fill(0.0)
         ctx.row_max, ctx.row_sum = softmax.row_state(cute.size(ctx.s_coords, mode=[0]))
         return ctx
 
     @cute.jit
-    def mainloop_warps(self, ctx, kv_pipe, kv_producer, loads, warp_idx: Int32, sK16, sV16, n_blocks: Int32,
+    def mainloop_warps(self, ctx, kv_pipe, kv_producer, loads, warp_idx: Int32, n_blocks: Int32,
                        last: Int32, m_block: Int32, group: Int32, seq, scale_log2: Float32, window,
                        softcap_scale: Float32):
-        """S2's mainloop: every warp waits for each block, takes its keys warp_keys x warp ..
-        (an FP8 cache: converted by the warp itself into its rows of sK16/sV16, the stage released at
-        once), multiplies them on mma.sync and updates its own row state; the stage is released by
-        each warp after its P V (16-bit) and refilled. No barrier among the warps."""
+        """S2's mainloop: every warp waits for each block, takes its keys warp_keys x warp ..,
+        multiplies them on mma.sync and updates its own row state; the stage is released by each
+        warp after its P V (16-bit), or (an FP8 cache) as soon as its K and V bytes are in
+        registers, converted there (common/fp8_mma_sync.py), and refilled. No barrier among the
+        warps."""
         _, _, _, _, _, sK, sV, _, _, _, _, tidx = loads  # (load_kv's arguments)
         lane = tidx % 32
         keys = self.warp_keys
@@ -687,25 +696,30 @@ class SplitKVAttention:
             sK_w = cute.local_tile(sK[None, None, kv_consumer.index], (keys, self.head_dim), (warp_idx, 0))
             sV_w = cute.local_tile(sV[None, None, kv_consumer.index], (keys, self.head_dim), (warp_idx, 0))
             if cutlass.const_expr(self.fp8):
-                cute.arch.sync_warp()  # this warp's last reads of its fp16 rows are done
-                sK16_w = cute.local_tile(sK16[None, None, 0], (keys, self.head_dim), (warp_idx, 0))
-                sV16_w = cute.local_tile(sV16[None, None, 0], (keys, self.head_dim), (warp_idx, 0))
-                self.dequantize(sK_w, sK16_w, lane, keys, keys, 32)
-                self.dequantize(sV_w, sV16_w, lane, valid, keys, 32)
-                cute.arch.sync_warp()
-                kv_consumer = pipeline.release(kv_pipe, kv_consumer)  # converted: the stage is free
-                sK_w, sV_w = sK16_w, sV16_w
+                tSrK = ctx.thr_qk.make_fragment_B(ctx.thr_qk.partition_shape_B((keys, self.head_dim)))
+                value_words = cute.make_rmem_tensor((self.head_dim // 8,), Int32)  # FP8 V, keys paired
+                fp8_mma_sync.value_words(ctx.v_base, ctx.sKV_layout, warp_idx * keys, kv_consumer.index, lane,
+                                         value_words)
+                fp8_mma_sync.k_operand(sK_w, lane, tSrK)
+                cute.arch.sync_warp()  # every lane's loads are done
+                kv_consumer = pipeline.release(kv_pipe, kv_consumer)  # in registers: the stage is free
+                if valid < keys:
+                    fp8_mma_sync.zero_keys_past(value_words, valid, lane)
             else:
                 self.warp_zero_rows(sV_w, valid, lane)
-            tSrK = ctx.thr_qk.make_fragment_B(ctx.thr_qk.partition_B(sK_w))
-            cute.copy(ctx.copy_k, ctx.copy_k.partition_S(sK_w), ctx.copy_k.retile(tSrK))
+                tSrK = ctx.thr_qk.make_fragment_B(ctx.thr_qk.partition_B(sK_w))
+                cute.copy(ctx.copy_k, ctx.copy_k.partition_S(sK_w), ctx.copy_k.retile(tSrK))
             acc_s = cute.make_rmem_tensor(ctx.thr_qk.partition_shape_C((self.tile_m, keys)), Float32)
             acc_s.fill(0.0)
             for k in cutlass.range_constexpr(cute.size(ctx.tSrQ.shape[2])):
                 cute.gemm(ctx.qk, acc_s, ctx.tSrQ[None, None, k], tSrK[None, None, k], acc_s)
-            sVt_w = mma.transpose_view(sV_w)
-            tOrVt = ctx.thr_pv.make_fragment_B(ctx.thr_pv.partition_B(sVt_w))
-            cute.copy(ctx.copy_v, ctx.copy_v.partition_S(sVt_w), ctx.copy_v.retile(tOrVt))
+            if cutlass.const_expr(self.fp8):
+                tOrVt = ctx.thr_pv.make_fragment_B(ctx.thr_pv.partition_shape_B((self.head_dim, keys)))
+                fp8_mma_sync.v_operand(value_words, tOrVt)
+            else:
+                sVt_w = mma.transpose_view(sV_w)
+                tOrVt = ctx.thr_pv.make_fragment_B(ctx.thr_pv.partition_B(sVt_w))
+                cute.copy(ctx.copy_v, ctx.copy_v.partition_S(sVt_w), ctx.copy_v.retile(tOrVt))
             s_mn = rows_cols_sm80(acc_s)
             if cutlass.const_expr(self.softcap):
                 softmax.softcap(s_mn, softcap_scale)

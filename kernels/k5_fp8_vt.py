@@ -40,25 +40,16 @@ import cutlass.cute as cute
 from cutlass import Int32
 from cutlass import pipeline as dsl_pipeline
 from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.cutlass_dsl import dsl_user_op
 
 from .common import pipeline, smem
 from .common.fp8_forward import Fp8Forward
+from .common.fp8_mma_sync import ldmatrix_x4_trans
 from .config import ForwardConfig
 from .k5_mainloop import ForwardMainloop
 
 KEY_GROUP, D_BLOCK = 16, 32  # keys and d bytes one ldmatrix/stmatrix pair moves
 TRANSPOSE_WARPS = 3  # the producer warpgroup's warps 1-3 (warp 0 issues the copies)
-
-
-@dsl_user_op
-def ldmatrix_x4_trans(addr: Int32, *, loc=None, ip=None):
-    """Four 8x8 b16 matrices from SMEM, transposed (lanes 8m .. 8m + 7 address matrix m's rows)."""
-    res = llvm.inline_asm(
-        llvm.StructType.get_literal([T.i32()] * 4), [Int32(addr).ir_value(loc=loc, ip=ip)],
-        "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r",
-        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-    return tuple(Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4))
 
 
 @dsl_user_op

@@ -544,6 +544,26 @@ def test_sixteen_bit_q_fp8_cache_kernel_compiles(head_dim, layout, q_dtype, vari
     assert report.spill_bytes == 0 and not report.serialized_wgmma, report.summary()
 
 
+@pytest.mark.parametrize("head_dim,layout,q_dtype", [
+    (64, "dense", FP8), (64, "gather", torch.bfloat16), (128, "dense", torch.bfloat16), (128, "paged", FP8),
+    (128, "gather", torch.bfloat16), (128, "gather", FP8)], ids=lambda x: str(x).replace("torch.", ""))
+def test_s2_fp8_cache_kernel_compiles(head_dim, layout, q_dtype):
+    """s2 on an FP8 cache for sm_90a, converted in registers (kernels/common/fp8_mma_sync.py): K's
+    16-byte loads, V's ldmatrix .trans and prmt, cvt.rn.f16x2.e4m3x2, fp16 mma.sync; no 16-bit
+    tile written to SMEM (no vector shared stores), no spills."""
+    pytest.importorskip("cutlass")
+    from fa3.compile import builders as _compile
+
+    report = _compile.compile_report(fa3.registry.get("s2"), FP8, head_dim=head_dim, causal=True,
+                                     paged=layout != "dense", gather=layout == "gather",
+                                     query_dtype=None if q_dtype == FP8 else q_dtype)
+    for instruction in ("ld.shared.v4.b32", "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16", "prmt.b32",
+                        "cvt.rn.f16x2.e4m3x2", "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"):
+        assert instruction in report.ptx, instruction
+    assert "st.shared.v" not in report.ptx
+    assert report.spill_bytes == 0, report.summary()
+
+
 def test_remembered_descales_are_views_of_the_callers_tensors():
     """A remembered FP8 cache call's descales: the views made for these very tensors (in-place
     writes to them seen, no copy), made afresh for other tensors, another batch or heads_kv; a
