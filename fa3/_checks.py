@@ -123,6 +123,17 @@ def check_output(out, name: str, like, inputs=()) -> None:
     check_no_overlap(out, name, inputs)
 
 
+def prepared_output_ok(out, inputs) -> bool:
+    """What a prepared launch (whose key holds out's shape, dtype and device) checks of out= per
+    call: contiguous and 16-byte aligned (False: the full path takes the call, and check_output
+    names what is wrong), sharing no memory with `inputs` ((name, tensor) pairs; raises as
+    check_output does)."""
+    if not out.is_contiguous() or out.data_ptr() % 16:
+        return False
+    check_no_overlap(out, "out", inputs)
+    return True
+
+
 class OutputSpec(NamedTuple):
     """What check_output compares `out` with, where no tensor of the output's kind exists."""
     shape: torch.Size

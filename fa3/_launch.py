@@ -66,6 +66,32 @@ def stand_in(device, dtype=torch.int32) -> torch.Tensor:
     return t
 
 
+_UNREAD_PARTIALS: dict = {}
+
+
+def unread_partials(device, head_dim: int) -> tuple:
+    """(O, LSE) split partials of rank 5 and 4 for a decode kernel launched with one split, which
+    writes its result directly and never reads them: one pair per device and head dim."""
+    pair = _UNREAD_PARTIALS.get((device, head_dim))
+    if pair is None:
+        pair = _UNREAD_PARTIALS[(device, head_dim)] = (
+            torch.empty(1, 1, 1, 1, head_dim, dtype=torch.float32, device=device),
+            torch.empty(1, 1, 1, 1, dtype=torch.float32, device=device))
+    return pair
+
+
+def lse_and_partials(lse_shape: tuple, partial_shapes: tuple, keep_lse: bool, device, head_dim: int) -> tuple:
+    """(lse, o_partial, lse_partial) of a split-KV decode call: the LSE allocated where the caller
+    returns it (keep_lse) and otherwise the stream's scratch, the partials (partial_shapes: O's and
+    LSE's, or () with one split: unread_partials) always the stream's scratch; one scratch lookup."""
+    if keep_lse:
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=device)
+        scratch = stream_scratch(partial_shapes, device) if partial_shapes else ()
+    else:
+        *scratch, lse = stream_scratch(partial_shapes + (lse_shape,), device)
+    return (lse, *scratch) if scratch else (lse, *unread_partials(device, head_dim))
+
+
 class _CounterRing:
     """Zeroed int32 tile counters of one stream, handed out one per call: when all have been
     taken, one memset on that stream (ordered after every kernel that used them) zeroes them all

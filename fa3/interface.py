@@ -100,7 +100,8 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
         except (AttributeError, TypeError):  # not tensors (check_attention names them), symbolic shapes
             key = launch = plain = None
         if launch is not None and _dispatch.direct_call_ok(q, k, v) and not _dispatch.profiling() \
-                and data_aligned(q, k, v) and (out is None or output_ready(out, q, k, v)):
+                and data_aligned(q, k, v) \
+                and (out is None or _checks.prepared_output_ok(out, (("q", q), ("k", k), ("v", v)))):
             if return_lse:
                 return launch(q, k, v, out=out)
             return launch(q, k, v, False, out)[0]
@@ -248,16 +249,6 @@ def plain_key(q, k, v, causal: bool, softmax_scale, rung: str | None = None, out
             None if out is None else (out.shape, out.dtype, out.device))
 
 
-def output_ready(out, *inputs) -> bool:
-    """What a prepared launch checks of an out= whose shape, dtype and device its key holds:
-    contiguous and 16-byte aligned (else the full path refuses it, naming why), sharing no memory
-    with the inputs (raises as check_output does)."""
-    if not out.is_contiguous() or out.data_ptr() % 16:
-        return False
-    _checks.check_no_overlap(out, "out", zip(("q", "k", "v"), inputs))
-    return True
-
-
 def data_aligned(q, k, v) -> bool:
     """The one thing a prepared launch checks per call beyond its key: 16-byte aligned data (its
     key holds the strides)."""
@@ -267,8 +258,9 @@ def data_aligned(q, k, v) -> bool:
 def prepare_plain(spec, q, k, v, causal: bool, scale: float):
     """The launch of rung `spec` for a plain call (no window, softcap, sinks or FP8) that ran
     with these q, k, v (checked and launched by launch_attention): a function of (q, k, v) that
-    allocates out (unless given: checked by output_ready) and lse (keep_lse=False: the LSE, which the caller drops, in the stream's
-    scratch) and calls the compiled kernel with its other arguments made once, for
+    allocates out (unless given: _checks.prepared_output_ok) and lse (keep_lse=False: the LSE,
+    which the caller drops, in the stream's scratch) and calls the compiled kernel with its other
+    arguments made once, for
     later calls with the same shapes, strides, dtypes and devices, and 16-byte aligned data (what
     launch_attention's tma_ready would pass as they are). None where launch_attention does more
     (no keys, an empty output, v's head dim apart, a scores workspace)."""

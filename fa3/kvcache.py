@@ -37,20 +37,6 @@ from .cache.split_plan import call_plan, split_request
 
 
 NO_DESCALES = (None, None, None)
-WARP_SPLIT_PARTIALS = 4  # s2: a CTA's warps, each its own partial (kernels/decode.py)
-_DUMMIES: dict = {}
-
-
-def _dummy(kind, device, head_dim=None):
-    """Stand-ins for arguments a static configuration never reads (one per device)."""
-    key = (kind, device, head_dim)
-    t = _DUMMIES.get(key)
-    if t is None:
-        t = _DUMMIES[key] = {
-            "o_partial": lambda: torch.empty(1, 1, 1, 1, head_dim, dtype=torch.float32, device=device),
-            "lse_partial": lambda: torch.empty(1, 1, 1, 1, dtype=torch.float32, device=device),
-        }[kind]()
-    return t
 
 
 def launch_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, capacity: int, appended: int,
@@ -110,8 +96,8 @@ class CacheLaunch:
         s1_max_queries = 0 if plan.long is None else plan.long.min_queries  # S1 (and its combine) skip K5's
         self.sort = plan.longest_first and not full  # the longest entries first (sorted on the device)
         # a warp-split rung (s2) writes one partial per warp of each CTA, always combined
-        per_cta = WARP_SPLIT_PARTIALS if spec.config.base.warp_split else 1
-        self.partials_shape = (self.num_splits * per_cta, 1 if self.packed else batch, rows_q, heads_q, head_dim)
+        self.partials_shape = (self.num_splits * spec.config.base.partials_per_cta, 1 if self.packed else batch,
+                               rows_q, heads_q, head_dim)
         self.fn = _compile_kvcache.get_kvcache(spec, k_cache.dtype, head_dim, self.mask.causal, paged,
                                                self.mask.local, self.mask.softcap, plan.gather, self.packed,
                                                leftpad, has_sinks, out_dtype if fp8 else None, s1_max_queries,
@@ -119,7 +105,7 @@ class CacheLaunch:
         self.combine = (_compile_kvcache.get_combine(out_dtype, head_dim, has_sinks, s1_max_queries)
                         if self.partials_shape[0] > 1 else None)
         self.order = _compile_kvcache.get_entry_order() if self.sort else None
-        self.no_partials = (_dummy("o_partial", device, head_dim), _dummy("lse_partial", device))
+        self.head_dim = head_dim
         # the combine's stand-ins for what this call has not (cu_seqlens_q, the sinks) and S1's for
         # the entries' order (S1 takes None for the rest: signatures.kvcache_args)
         self.stand_ins = (_launch.stand_in(device), _launch.stand_in(device, torch.int64),
@@ -140,13 +126,8 @@ class CacheLaunch:
             if self.empty:
                 return out, lse
             return out.zero_(), lse.fill_(float("-inf"))  # packed rows that no entry holds
-        # one lookup of the stream's scratch: the partials, and the LSE where the caller drops it
-        if keep_lse:
-            lse = torch.empty(self.lse_shape, dtype=torch.float32, device=device)
-            scratch = _launch.stream_scratch(self.scratch_shapes, device) if self.scratch_shapes else ()
-        else:
-            *scratch, lse = _launch.stream_scratch(self.scratch_shapes + (self.lse_shape,), device)
-        o_partial, lse_partial = scratch if scratch else self.no_partials
+        lse, o_partial, lse_partial = _launch.lse_and_partials(self.lse_shape, self.scratch_shapes, keep_lse, device,
+                                                               self.head_dim)
         if self.packed:
             q4, out4, lse3, cu = q.unsqueeze(0), out.unsqueeze(0), lse.unsqueeze(0), cu_seqlens_q
         else:

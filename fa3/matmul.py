@@ -211,7 +211,7 @@ def gemm(a, b, *, out=None, kernel: str | None = None, scale_a=None, scale_b=Non
         except (AttributeError, TypeError):  # not tensors (check_gemm names them), symbolic shapes
             key = launch = None
         if launch is not None and _dispatch.direct_call_ok(a, b) and not _dispatch.profiling() \
-                and gemm_data_aligned(a, b) and (out is None or gemm_output_ready(out, a, b)):
+                and gemm_data_aligned(a, b) and (out is None or _checks.prepared_output_ok(out, (("a", a), ("b", b)))):
             return launch(a, b, out)
     if (isinstance(a, torch.Tensor) and a.dtype in _checks.FP8_LIKE) or scale_a is not None \
             or scale_b is not None or out_dtype is not None:
@@ -237,16 +237,6 @@ def plain_gemm_key(a, b, rung: str | None = None, out=None) -> tuple:
     device, where given)."""
     return (a.shape, b.shape, a.stride(), b.stride(), a.dtype, b.dtype, a.device, b.device, rung,
             None if out is None else (out.shape, out.dtype, out.device))
-
-
-def gemm_output_ready(out, a, b) -> bool:
-    """What a prepared GEMM launch checks of an out= whose shape, dtype and device its key holds:
-    contiguous and TMA-aligned (else the full path takes it: a padded buffer, or check_gemm's
-    error), sharing no memory with a or b (raises as check_output does)."""
-    if not out.is_contiguous() or out.data_ptr() % _TMA_BYTES:
-        return False
-    _checks.check_no_overlap(out, "out", (("a", a), ("b", b)))
-    return True
 
 
 def gemm_data_aligned(a, b) -> bool:

@@ -137,17 +137,8 @@ def launch_mla(spec, q, qv, k_cache, v_cache, seqlens, block_table, capacity: in
     keys = capacity if max_seqlen_k is None or num_splits < 0 else min(capacity, max(int(max_seqlen_k), 1))
     splits = plan_mla_splits(spec, batch, seqlen_q, heads_q, heads_kv, keys, _checks.HOPPER_SMS[device], num_splits)
     partials = ((splits, planes, rows, heads_q, d_v), (splits, planes, heads_q, rows)) if splits > 1 else ()
-    if keep_lse:
-        lse = torch.empty(lse_shape, dtype=torch.float32, device=device)
-        scratch = _launch.stream_scratch(partials, device) if partials else ()
-    else:
-        *scratch, lse = _launch.stream_scratch(partials + (lse_shape,), device)
+    lse, o_partial, lse_partial = _launch.lse_and_partials(lse_shape, partials, keep_lse, device, d_v)
     lse3 = lse.view(heads_q, planes, rows).permute(1, 0, 2) if packed else lse
-    if scratch:
-        o_partial, lse_partial = scratch
-    else:  # (unread with one split)
-        o_partial = torch.empty(1, 1, 1, 1, d_v, dtype=torch.float32, device=device)
-        lse_partial = torch.empty(1, 1, 1, 1, dtype=torch.float32, device=device)
     paged = block_table is not None
     gather = paged and k_cache.shape[1] % spec.config.base.tile_n != 0  # pages not holding whole key blocks
     fn = _compile_mla.get_mla(spec, q.dtype, mask.causal, paged, gather, varlen)

@@ -178,6 +178,16 @@ def _attention_backward_fake(dout, q, k, v, out, lse, causal, softmax_scale, ker
             _sinks_grad_like(sinks, q))
 
 
+def _keep_for_backward(ctx, saved, lse, causal, softmax_scale, left, right, softcap, deterministic,
+                       backward_kernel):
+    """What an attention Function's backward reads: the tensors `saved`, the masking and the
+    backward's choices; lse returned as a non-differentiable output."""
+    ctx.save_for_backward(*saved)
+    ctx.causal, ctx.softmax_scale, ctx.window, ctx.softcap = causal, softmax_scale, (left, right), softcap
+    ctx.deterministic, ctx.backward_kernel = deterministic, backward_kernel
+    ctx.mark_non_differentiable(lse)
+
+
 class _DifferentiableAttention(torch.autograd.Function):
     """fa3::attention's autograd: the backward through torch.ops.fa3.attention_backward, with
     backward_kernel or the fastest backward rung for the call. Differentiable in q, k, v, sinks."""
@@ -187,10 +197,8 @@ class _DifferentiableAttention(torch.autograd.Function):
                 left, right, softcap, sinks):
         out, lse = _below_autograd(op, body, keyset, (q, k, v, causal, softmax_scale, kernel, deterministic,
                                                       backward_kernel, left, right, softcap, sinks))
-        ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.causal, ctx.softmax_scale, ctx.window, ctx.softcap = causal, softmax_scale, (left, right), softcap
-        ctx.deterministic, ctx.backward_kernel = deterministic, backward_kernel
-        ctx.mark_non_differentiable(lse)
+        _keep_for_backward(ctx, (q, k, v, out, lse, sinks), lse, causal, softmax_scale, left, right, softcap,
+                           deterministic, backward_kernel)
         return out, lse
 
     @staticmethod
@@ -320,10 +328,8 @@ class _DifferentiableVarlen(torch.autograd.Function):
         out, lse = _below_autograd(op, body, keyset, (q, k, v, cu_q, cu_k, causal, softmax_scale, left, right,
                                                       softcap, kernel, deterministic, backward_kernel, sinks,
                                                       max_seqlen_q))
-        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, sinks)
-        ctx.causal, ctx.softmax_scale, ctx.window, ctx.softcap = causal, softmax_scale, (left, right), softcap
-        ctx.deterministic, ctx.backward_kernel = deterministic, backward_kernel
-        ctx.mark_non_differentiable(lse)
+        _keep_for_backward(ctx, (q, k, v, out, lse, cu_q, cu_k, sinks), lse, causal, softmax_scale, left, right,
+                           softcap, deterministic, backward_kernel)
         return out, lse
 
     @staticmethod

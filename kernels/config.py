@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field, fields, replace
-from typing import Generic, Mapping, TypeVar
+from typing import ClassVar, Generic, Mapping, TypeVar
 
 
 # ----------------------------------------------------------------------------- configurations
@@ -127,6 +127,12 @@ class DecodeConfig:
     long_queries: int = 128
     kv_stages: int = 0  # chosen: the ring's depth
     planned_smem_bytes: int = 0  # chosen: what the SharedStorage may use (the split plan counts on it)
+    WARPS: ClassVar[int] = 4  # the CTA's warps: one warpgroup
+
+    @property
+    def partials_per_cta(self) -> int:
+        """The FP32 partials a CTA writes for its split: one a warp with warp_split (S2), else one."""
+        return self.WARPS if self.warp_split else 1
 
 
 @dataclass(frozen=True)

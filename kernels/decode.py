@@ -93,7 +93,7 @@ from .common import mask, mma, paged, pipeline, scheduler, seqlen, smem, softmax
 from .config import DecodeConfig
 
 CONVERT_ELEMS = 8  # elements one thread dequantizes at a time (FP8 cache): 8 bytes of e4m3 in, 16 bytes out
-WARPS = 4  # the CTA's warps; S2 (warp_split): each takes tile_n / WARPS keys of every block
+WARPS = DecodeConfig.WARPS  # the CTA's warps; S2 (warp_split): each takes tile_n / WARPS keys of every block
 
 
 @dsl_user_op
@@ -160,7 +160,7 @@ class SplitKVAttention:
         self.num_threads = 128  # one warpgroup: tile_m = 64 rows (S2: four warps on 16 rows)
         # S2: the keys of each block split across the warps, mma.sync on 16 query rows, a partial a warp
         self.warp_split = config.warp_split
-        self.partials_per_cta = WARPS if self.warp_split else 1
+        self.partials_per_cta = config.partials_per_cta
         self.warp_keys = self.tile_n // WARPS
         assert not self.warp_split or (self.tile_m == 16 and head_dim in (64, 128)), \
             "S2 runs 16-row Q tiles at head dims 64 and 128 (d256's fragments spill)"
@@ -424,7 +424,7 @@ class SplitKVAttention:
             n_block = last - j
             acc_s = self.scores(ctx, 0, wait=-1)  # S under V's conversion
             self.dequantize(sV[None, None, kv_consumer.index], sV16[None, None, 0], tidx,
-                            seq.seqlen_k - n_block * self.tile_n)
+                            seq.seqlen_k - n_block * self.tile_n, self.tile_n, self.num_threads)
             cute.arch.fence_proxy("async.shared", space="cta")  # generic writes, read by WGMMA
             kv_consumer = pipeline.release(kv_pipe, kv_consumer)  # refilled while the GEMMs run
             if self.is_kv_producer(warp_idx) and kv_producer.count < n_blocks:
@@ -444,27 +444,29 @@ class SplitKVAttention:
     def convert_k(self, sK: cute.Tensor, sK16: cute.Tensor, stage: Int32, tidx: Int32):
         """The landed K tile of `stage` into sK16, visible to every warp's WGMMA when this returns
         (sK16 must be free: the last S done by every warp)."""
-        self.dequantize(sK[None, None, stage], sK16[None, None, 0], tidx, self.tile_n)
+        self.dequantize(sK[None, None, stage], sK16[None, None, 0], tidx, self.tile_n, self.tile_n, self.num_threads)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()
 
     @cute.jit
-    def dequantize(self, src: cute.Tensor, dst: cute.Tensor, tidx: Int32, valid_rows: Int32):
-        """FP8 stage tile -> the 16-bit tile the GEMMs read (both (tile_n, d), swizzled): each thread
-        converts 8-element chunks (an 8-byte load, four cvt.rn.f16x2.e4m3x2, a 16-byte store), by
-        rows; rows from valid_rows on are written as zeros (V: a cache's unused rows hold anything,
-        NaN included, and 0 * NaN = NaN; K passes the tile's size)."""
+    def dequantize(self, src: cute.Tensor, dst: cute.Tensor, tidx: Int32, valid_rows: Int32,
+                   rows: cutlass.Constexpr, threads: cutlass.Constexpr):
+        """FP8 rows -> the 16-bit rows the GEMMs read (both (rows, d), swizzled; rows: tile_n, or
+        an S2 warp's warp_keys), by `threads` threads (the CTA's, or a warp's 32 lanes; tidx: the
+        thread's index among them): each converts 8-element chunks (an 8-byte load, four
+        cvt.rn.f16x2.e4m3x2, a 16-byte store), by rows; rows from valid_rows on are written as zeros
+        (V: a cache's unused rows hold anything, NaN included, and 0 * NaN = NaN; K passes all)."""
         chunks = self.head_dim // CONVERT_ELEMS  # per row
-        rows_per_pass, active = smem.row_passes(self.tile_n, chunks, self.num_threads)
-        threads = cute.make_ordered_layout((rows_per_pass, chunks), order=(1, 0))
+        rows_per_pass, active = smem.row_passes(rows, chunks, threads)
+        thread_layout = cute.make_ordered_layout((rows_per_pass, chunks), order=(1, 0))
         values = cute.make_layout((1, CONVERT_ELEMS))
         load, store = (cute.make_tiled_copy_tv(
             cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=CONVERT_ELEMS * dtype.width),
-            threads, values) for dtype in (self.cache_dtype, self.dtype))
+            thread_layout, values) for dtype in (self.cache_dtype, self.dtype))
         tSsrc = load.get_slice(tidx % active).partition_S(src)
         tDdst = store.get_slice(tidx % active).partition_D(dst)
         if tidx < active:
-            for i in cutlass.range_constexpr(self.tile_n // rows_per_pass):
+            for i in cutlass.range_constexpr(rows // rows_per_pass):
                 narrow = cute.make_rmem_tensor_like(tSsrc[None, i, 0])
                 cute.copy(load, tSsrc[None, i, 0], narrow)
                 wide = cute.make_rmem_tensor_like(tDdst[None, i, 0])
@@ -688,8 +690,8 @@ class SplitKVAttention:
                 cute.arch.sync_warp()  # this warp's last reads of its fp16 rows are done
                 sK16_w = cute.local_tile(sK16[None, None, 0], (keys, self.head_dim), (warp_idx, 0))
                 sV16_w = cute.local_tile(sV16[None, None, 0], (keys, self.head_dim), (warp_idx, 0))
-                self.warp_dequantize(sK_w, sK16_w, lane, keys)
-                self.warp_dequantize(sV_w, sV16_w, lane, valid)
+                self.dequantize(sK_w, sK16_w, lane, keys, keys, 32)
+                self.dequantize(sV_w, sV16_w, lane, valid, keys, 32)
                 cute.arch.sync_warp()
                 kv_consumer = pipeline.release(kv_pipe, kv_consumer)  # converted: the stage is free
                 sK_w, sV_w = sK16_w, sV16_w
@@ -721,29 +723,6 @@ class SplitKVAttention:
             if self.is_kv_producer(warp_idx) and kv_producer.count < n_blocks:  # refill a freed stage
                 kv_producer = self.load_kv(kv_producer, last - kv_producer.count, *loads)
         return kv_producer
-
-    @cute.jit
-    def warp_dequantize(self, src: cute.Tensor, dst: cute.Tensor, lane: Int32, valid_rows: Int32):
-        """dequantize for one warp's rows: its (warp_keys, d) FP8 slice into its 16-bit slice, by
-        its 32 lanes (8 elements each at a time), rows from valid_rows on as zeros."""
-        chunks = self.head_dim // CONVERT_ELEMS
-        rows_per_pass, active = smem.row_passes(self.warp_keys, chunks, 32)
-        threads = cute.make_ordered_layout((rows_per_pass, chunks), order=(1, 0))
-        values = cute.make_layout((1, CONVERT_ELEMS))
-        load, store = (cute.make_tiled_copy_tv(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=CONVERT_ELEMS * dtype.width),
-            threads, values) for dtype in (self.cache_dtype, self.dtype))
-        tSsrc = load.get_slice(lane % active).partition_S(src)
-        tDdst = store.get_slice(lane % active).partition_D(dst)
-        if lane < active:
-            for i in cutlass.range_constexpr(self.warp_keys // rows_per_pass):
-                narrow = cute.make_rmem_tensor_like(tSsrc[None, i, 0])
-                cute.copy(load, tSsrc[None, i, 0], narrow)
-                wide = cute.make_rmem_tensor_like(tDdst[None, i, 0])
-                wide.store(narrow.load().to(self.dtype))
-                if lane // chunks + i * rows_per_pass >= valid_rows:
-                    wide.fill(0.0)
-                cute.copy(store, wide, tDdst[None, i, 0])
 
     @cute.jit
     def warp_zero_rows(self, sV_w: cute.Tensor, valid_rows: Int32, lane: Int32):

@@ -213,13 +213,12 @@ def run_script(tmp_path, script: str, *args, sanitizer=None, timeout=900) -> str
     return proc.stdout + proc.stderr
 
 
-def make_kv_cache(batch, capacity, heads_kv, d, lens, page_size, gen, device="cuda"):
-    """Dense (batch, capacity, ...) bf16 K/V with NaN past each length, and the same as permuted
-    pages with a block table when page_size is given. Returns (k_dense, v_dense, k_cache, v_cache,
-    table)."""
-    shape = (batch, capacity, heads_kv, d)
-    k = torch.randn(shape, device=device, dtype=torch.bfloat16, generator=gen)
-    v = torch.randn(shape, device=device, dtype=torch.bfloat16, generator=gen)
+def make_kv_cache(batch, capacity, heads_kv, d, lens, page_size, gen, device="cuda", d_v=None):
+    """Dense (batch, capacity, ...) bf16 K/V (V's head dim d_v, default d) with NaN past each
+    length, and the same as permuted pages with a block table when page_size is given. Returns
+    (k_dense, v_dense, k_cache, v_cache, table)."""
+    k = torch.randn(batch, capacity, heads_kv, d, device=device, dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(batch, capacity, heads_kv, d_v or d, device=device, dtype=torch.bfloat16, generator=gen)
     for b, n in enumerate(lens):
         k[b, n:] = float("nan")
         v[b, n:] = float("nan")
@@ -229,9 +228,9 @@ def make_kv_cache(batch, capacity, heads_kv, d, lens, page_size, gen, device="cu
     perm = torch.randperm(batch * per_seq, device=device, generator=gen)
     table = perm.view(batch, per_seq).to(torch.int32)
     pages_k = torch.empty(batch * per_seq, page_size, heads_kv, d, device=device, dtype=k.dtype)
-    pages_v = torch.empty_like(pages_k)
-    pages_k[perm] = k.view(batch * per_seq, page_size, heads_kv, d)
-    pages_v[perm] = v.view(batch * per_seq, page_size, heads_kv, d)
+    pages_v = torch.empty(batch * per_seq, page_size, heads_kv, v.shape[3], device=device, dtype=v.dtype)
+    pages_k[perm] = k.view(pages_k.shape)
+    pages_v[perm] = v.view(pages_v.shape)
     return k, v, pages_k, pages_v, table
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import fa3
-from conftest import raises_with, rel_err
+from conftest import make_kv_cache, raises_with, rel_err
 
 gpu = pytest.mark.gpu
 D, DV = 64, 512  # the rotary part (q, k) and the latent (qv, v): DeepSeek-V2/V3
@@ -187,30 +187,17 @@ def test_mla_split_plan():
 
 # ----------------------------------------------------------------------------- GPU
 def make_mla_cache(batch, capacity, heads_kv, lens, page_size, gen, fused=False):
-    """Dense (batch, capacity, heads_kv, d / d_v) bf16 k and v with NaN past each length, and the
-    cache the call reads: the same (dense), or permuted pages with a block table. fused: the pages
-    as vLLM holds them, one (pages, page_size, d_v + d) tensor, v = [..., :d_v] and k = [..., d_v:]
-    (heads_kv 1). Returns (k_dense, v_dense, k_cache, v_cache, table)."""
-    k = torch.randn(batch, capacity, heads_kv, D, device="cuda", dtype=torch.bfloat16, generator=gen)
-    v = torch.randn(batch, capacity, heads_kv, DV, device="cuda", dtype=torch.bfloat16, generator=gen)
-    for b, n in enumerate(lens):
-        k[b, n:] = float("nan")
-        v[b, n:] = float("nan")
-    if page_size is None:
-        return k, v, k, v, None
-    per_seq = capacity // page_size
-    perm = torch.randperm(batch * per_seq, device="cuda", generator=gen)
-    table = perm.view(batch, per_seq).to(torch.int32)
-    if fused:
-        assert heads_kv == 1
-        cache = torch.empty(batch * per_seq, page_size, DV + D, device="cuda", dtype=torch.bfloat16)
-        cache[perm] = torch.cat([v, k], -1).view(batch * per_seq, page_size, DV + D)
-        return k, v, cache[..., DV:].unsqueeze(-2), cache[..., :DV].unsqueeze(-2), table
-    pages_k = torch.empty(batch * per_seq, page_size, heads_kv, D, device="cuda", dtype=torch.bfloat16)
-    pages_v = torch.empty(batch * per_seq, page_size, heads_kv, DV, device="cuda", dtype=torch.bfloat16)
-    pages_k[perm] = k.view(batch * per_seq, page_size, heads_kv, D)
-    pages_v[perm] = v.view(batch * per_seq, page_size, heads_kv, DV)
-    return k, v, pages_k, pages_v, table
+    """conftest.make_kv_cache with k d wide and v d_v wide; fused: the pages as vLLM holds them,
+    one (pages, page_size, d_v + d) tensor, v = [..., :d_v] and k = [..., d_v:] (heads_kv 1).
+    Returns (k_dense, v_dense, k_cache, v_cache, table)."""
+    k, v, k_cache, v_cache, table = make_kv_cache(batch, capacity, heads_kv, D, lens, page_size, gen, d_v=DV)
+    if not fused or table is None:
+        return k, v, k_cache, v_cache, table
+    assert heads_kv == 1
+    pages = table.numel()
+    cache = torch.empty(pages, page_size, DV + D, device="cuda", dtype=torch.bfloat16)
+    cache[table.flatten().long()] = torch.cat([v, k], -1).view(pages, page_size, DV + D)
+    return k, v, cache[..., DV:].unsqueeze(-2), cache[..., :DV].unsqueeze(-2), table
 
 
 def check(out, lse, ref_o, ref_lse, what):

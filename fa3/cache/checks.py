@@ -35,11 +35,7 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kernel,
         (total_q, heads_q, head_dim), seqlen_q = q.shape, None
         _checks.check_offsets(cu_seqlens_q, "cu_seqlens_q", q.device)
         batch = cu_seqlens_q.shape[0] - 1
-        if max_seqlen_q is None:
-            max_seqlen_q = total_q
-        elif not isinstance(max_seqlen_q, int) or max_seqlen_q < 0:
-            raise ValueError(f"max_seqlen_q must be an int >= 0 (the longest entry of cu_seqlens_q), got "
-                             f"{max_seqlen_q!r}; pass None to use q.shape[0]")
+        max_seqlen_q = packed_max_seqlen_q(max_seqlen_q, total_q)
     else:
         batch, seqlen_q, heads_q, head_dim = q.shape
     masking.check_window(window_size, softcap)
@@ -56,13 +52,7 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kernel,
             raise ValueError(f"{name} must be on {q.device} with a 16-byte aligned base and strides "
                              "(the kernel reads it with TMA and the cache is updated in place, so fa3 "
                              f"cannot copy it): allocate it with torch.empty(...) contiguous")
-    if block_table is None:
-        if planes != batch:
-            raise ValueError(f"a dense k_cache must have batch {batch} ({'cu_seqlens_q' if packed else 'q'}'s)"
-                             f" in dimension 0, got {planes}; for a paged cache pass block_table")
-        capacity = rows
-    else:
-        capacity = check_block_table(block_table, batch, rows, q.device)
+    capacity = cache_capacity(block_table, planes, rows, batch, packed, q.device)
     appended = 0
     if (k is None) != (v is None):
         raise ValueError("pass both k and v (the new tokens to append), or neither")
@@ -114,6 +104,28 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kernel,
                                cache_dtypes is not dtypes or q.dtype in _checks.FP8_DTYPES)
     _checks.check_hopper(q.device, "q")
     return spec, cache_seqlens, capacity, appended, seqlen_q if not packed else max_seqlen_q
+
+
+def packed_max_seqlen_q(max_seqlen_q, total_q: int) -> int:
+    """max_seqlen_q of packed queries: total_q where None (a bound that needs no sync), else an int
+    >= 0 (refused by name otherwise)."""
+    if max_seqlen_q is None:
+        return total_q
+    if not isinstance(max_seqlen_q, int) or max_seqlen_q < 0:
+        raise ValueError(f"max_seqlen_q must be an int >= 0 (the longest entry of cu_seqlens_q), got "
+                         f"{max_seqlen_q!r}; pass None to use q.shape[0]")
+    return max_seqlen_q
+
+
+def cache_capacity(block_table, planes: int, rows: int, batch: int, packed: bool, device) -> int:
+    """The keys a sequence can hold: a dense cache's rows (its planes one per batch entry), or the
+    block table's pages x rows (check_block_table)."""
+    if block_table is None:
+        if planes != batch:
+            raise ValueError(f"a dense k_cache must have batch {batch} ({'cu_seqlens_q' if packed else 'q'}'s)"
+                             f" in dimension 0, got {planes}; for a paged cache pass block_table")
+        return rows
+    return check_block_table(block_table, batch, rows, device)
 
 
 def check_block_table(block_table, batch: int, page_size: int, device) -> int:
@@ -250,21 +262,11 @@ def check_mla(q, qv, k_cache, v_cache, k, v, cache_seqlens, block_table, kernel,
     if packed:
         _checks.check_offsets(cu_seqlens_q, "cu_seqlens_q", q.device)
         batch, total_q = cu_seqlens_q.shape[0] - 1, q.shape[0]
-        if max_seqlen_q is None:
-            max_seqlen_q = total_q
-        elif not isinstance(max_seqlen_q, int) or max_seqlen_q < 0:
-            raise ValueError(f"max_seqlen_q must be an int >= 0 (the longest entry of cu_seqlens_q), got "
-                             f"{max_seqlen_q!r}; pass None to use q.shape[0]")
+        max_seqlen_q = packed_max_seqlen_q(max_seqlen_q, total_q)
         seqlen_q = max_seqlen_q
     else:
         batch, seqlen_q = q.shape[0], q.shape[1]
-    if block_table is None:
-        if planes != batch:
-            raise ValueError(f"a dense k_cache must have batch {batch} ({'cu_seqlens_q' if packed else 'q'}'s) in "
-                             f"dimension 0, got {planes}; for a paged cache pass block_table")
-        capacity = rows
-    else:
-        capacity = check_block_table(block_table, batch, rows, q.device)
+    capacity = cache_capacity(block_table, planes, rows, batch, packed, q.device)
     appended = 0
     if (k is None) != (v is None):
         raise ValueError("pass both k and v (the new tokens to append), or neither")
