@@ -1,9 +1,9 @@
 """MLA decode (flash-attn 3's qv) on DeepSeek-V3's shapes: 128 and 16 query heads (the model's, and
 a 16-head slice per GPU under tensor parallelism 8), one latent KV head (q/k 64 + qv/v 512 wide),
 one query per sequence, causal, pages of 64 as vLLM holds them (one (pages, 64, 576) cache, k and
-v views of it), bf16.
+v views of it; --page-size 16 or 1: the kernel's row gathers), bf16.
 
-    python benchmarks/bench_mla.py [--json FILE] [--heads 128,16] [--quick]
+    python benchmarks/bench_mla.py [--json FILE] [--heads 128,16] [--quick] [--page-size 64]
 
 fa3 runs vLLM's call (flash_attn_varlen_func with q_v, seqused_k, block_table, cu_seqlens_q),
 replayed from a CUDA graph (as engines run decode) and eager. Beside it SDPA on the same data
@@ -30,17 +30,17 @@ from timing import format_table, measure
 
 import fa3
 
-D, DV, PAGE = 64, 512, 64
+D, DV = 64, 512
 SCALE = 192 ** -0.5  # DeepSeek-V3's (qk_nope 128 + rope 64), without its YaRN factor
 CASES = [(1, 32768), (16, 8192), (64, 4096), (128, 1024), (128, 4096)]  # (batch, keys a sequence)
 SDPA_MAX_BYTES = 8 << 30
 
 
-def make_case(batch, keys, heads, gen):
+def make_case(batch, keys, heads, gen, page):
     """q_pe, q_nope (batch, heads, d) packed, vLLM's fused paged cache as (k, v) views, the lengths,
     the permuted block table, and the dense (k, v) rows for SDPA and the reference."""
-    pages_per_seq = keys // PAGE
-    cache = torch.randn(batch * pages_per_seq, PAGE, DV + D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    pages_per_seq = keys // page
+    cache = torch.randn(batch * pages_per_seq, page, DV + D, device="cuda", dtype=torch.bfloat16, generator=gen)
     perm = torch.randperm(batch * pages_per_seq, device="cuda", generator=gen)
     table = perm.view(batch, pages_per_seq).to(torch.int32)
     q = torch.randn(batch, heads, D, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -90,6 +90,7 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", default="128,16")
     ap.add_argument("--quick", action="store_true", help="two cases a head count")
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--page-size", type=int, default=64, help="rows a page (not a multiple of 64: row gathers)")
     args = ap.parse_args(argv)
     gen = torch.Generator(device="cuda").manual_seed(0)
     copy_gbs = copy_bandwidth_gbs()
@@ -98,7 +99,7 @@ def main(argv=None) -> int:
     rows, records = [], []
     for heads in (int(h) for h in args.heads.split(",")):
         for batch, keys in cases:
-            q, qv, cache, table, seqlens = make_case(batch, keys, heads, gen)
+            q, qv, cache, table, seqlens = make_case(batch, keys, heads, gen, args.page_size)
             count = min(batch, 4)
             ref = reference(q, qv, dense_rows(cache, table[:count]), count)
             read = batch * keys * (D + DV) * 2 + batch * heads * (D + 2 * DV) * 2
@@ -118,11 +119,12 @@ def main(argv=None) -> int:
                        f"{gbs / copy_gbs:.0%}", f"{flops / (us * 1e-6) / 1e12:.0f}", f"{err:.1e}"]
                 print("  ".join(row), flush=True)
                 rows.append(row)
-                records.append(dict(heads=heads, batch=batch, keys=keys, runner=name, us=us, gbs=gbs,
+                records.append(dict(heads=heads, batch=batch, keys=keys, page_size=args.page_size, runner=name, us=us,
+                                    gbs=gbs,
                                     copy_gbs=copy_gbs, rel_err=err))
             del q, qv, cache
             torch.cuda.empty_cache()
-    print(format_table(["case (pages of 64)", "runner", "us", "GB/s", "of copy", "TFLOP/s", "rel err"], rows))
+    print(format_table([f"case (pages of {args.page_size})", "runner", "us", "GB/s", "of copy", "TFLOP/s", "rel err"], rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=1)

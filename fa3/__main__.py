@@ -205,8 +205,9 @@ def cache_configs(spec: registry.KernelSpec, head_dim: int, causal: bool, fp8: b
         return [{"head_dim": head_dim, "causal": causal, "paged": paged, "gather": gather, "varlen": varlen, **q}
                 for q in reads for paged, gather in ((False, False), (True, False), (True, True))
                 for varlen in (False, True)]
-    if spec.family == registry.MLA:  # MLA decode: its own head dims; pages of a multiple of 64 or dense
-        return [{"causal": causal, "paged": paged} for paged in (True, False)]
+    if spec.family == registry.MLA:  # MLA decode: its own head dims; pages (TMA boxes, row gathers) or dense
+        return [{"causal": causal, "paged": paged, "gather": gather, "varlen": varlen}
+                for paged, gather in ((True, False), (True, True), (False, False)) for varlen in (False, True)]
     if fp8:
         return [{"a_layout": "row", "b_layout": "col", "out_dtype": dtype, "row_scales": rows}
                 for rows in (False, True)]

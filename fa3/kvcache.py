@@ -462,9 +462,9 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         heads_q, d_v) (or packed as q), scores (q k^T + qv v^T) * softmax_scale over a latent cache,
         out (..., d_v) = P v. k_cache (..., heads_kv, 64) holds the rotary keys and v_cache (...,
         heads_kv, 512) the latent (they may be views of one cache, as vLLM's); softmax_scale
-        defaults to 1 / sqrt(64 + 512). bf16 / fp16, a dense cache or pages of a multiple of 64
-        rows, causal or not; packed queries must hold max_seqlen_q queries in every entry. fa3.mla
-        says what is refused (FP8, window, softcap, sinks, other page sizes, ...).
+        defaults to 1 / sqrt(64 + 512). bf16 / fp16, a dense cache or pages of any size, causal
+        or not; packed queries of any lengths up to max_seqlen_q. fa3.mla says what is refused
+        (FP8, window, softcap, sinks, ...).
     Returns out shaped like q (and the fp32 lse: (batch, heads_q, seqlen_q), or (heads_q, total_q)
     with cu_seqlens_q). Not differentiable (inference). Runs on torch's current stream, so a
     decode step can be captured in a CUDA graph.

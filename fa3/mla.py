@@ -15,10 +15,10 @@ queries packed into 64-row tiles, the key range split across CTAs from shapes al
 so a step captures in a CUDA graph), the partials merged by the combine at 512 columns.
 
 What it takes now: bf16 / fp16, d 64 + 512, any heads_kv dividing heads_q, 1 or more queries a
-sequence (packed queries: as many in every entry), causal or not, a dense cache or pages of a
-multiple of 64 rows, new k / v appended into the cache first. Refused with a message: FP8 caches
-and queries, pages of other sizes, window, softcap, sinks, left padding, packed appends, packed
-entries of different lengths, torch.compile tracing.
+sequence (packed queries: entries of any lengths up to max_seqlen_q), causal or not, a dense cache
+or pages of any size (a multiple of 64 rows: one TMA box a key block; any other, vLLM's 16 or
+SGLang's 1: cp.async row gathers), new k / v appended into the cache first. Refused with a message:
+FP8 caches and queries, window, softcap, sinks, left padding, packed appends, torch.compile tracing.
 
 Bad index values are handled as every cache call's: the kernel clamps lengths to the capacity and
 page indices to the pool, and eager calls check the values on the host behind the kernels
@@ -64,6 +64,14 @@ def refuse_options(window_size, softcap, sinks, cache_leftpad, cu_seqlens_k_new,
                                   "pass bf16 / fp16 q, qv and caches without descales")
 
 
+def is_ragged(cu_seqlens_q, batch: int, total_q: int, max_seqlen_q: int) -> bool:
+    """Whether packed queries need the kernel's varlen layout (entries found from cu_seqlens_q on the
+    GPU): any but batch entries of max_seqlen_q each (total_q = batch x max_seqlen_q, with no entry
+    longer than max_seqlen_q: the deferred index check holds the offsets to that), which it reads
+    as (batch, max_seqlen_q) like unpacked queries. Host integers only: a captured graph replays it."""
+    return cu_seqlens_q is not None and total_q != batch * max_seqlen_q
+
+
 def mla_attention(q, qv, k_cache, v_cache, k, v, seqlens, block_table, causal, softmax_scale, num_splits: int,
                   kernel=None, cu_seqlens_q=None, max_seqlen_q=None, max_seqlen_k=None, out=None,
                   lengths_name="cache_seqlens", keep_lse: bool = True):
@@ -73,6 +81,7 @@ def mla_attention(q, qv, k_cache, v_cache, k, v, seqlens, block_table, causal, s
     spec, seqlens, capacity, appended, batch, seqlen_q = check_mla(
         q, qv, k_cache, v_cache, k, v, seqlens, block_table, kernel, cu_seqlens_q, max_seqlen_q, lengths_name)
     packed = cu_seqlens_q is not None
+    ragged = is_ragged(cu_seqlens_q, batch, q.shape[0], seqlen_q)
     d_v = qv.shape[-1]
     out_shape = (*q.shape[:-1], d_v)
     if out is not None:
@@ -100,18 +109,21 @@ def mla_attention(q, qv, k_cache, v_cache, k, v, seqlens, block_table, causal, s
         append_to_cache(k_cache, v_cache, k, v, seqlens, block_table, capacity)
     with _dispatch.op_range("fa3::attention_mla"):
         out, lse = launch_mla(spec, q, qv, k_cache, v_cache, seqlens, block_table, capacity, appended, mask,
-                              num_splits, batch, seqlen_q, max_seqlen_k, out, keep_lse)
+                              num_splits, batch, seqlen_q, max_seqlen_k, out, keep_lse,
+                              cu_seqlens_q if ragged else None)
     if not refuse_first:  # after the launch (the kernel clamps): the GPU stays busy while the host waits
         wait()
     return out, lse
 
 
 def launch_mla(spec, q, qv, k_cache, v_cache, seqlens, block_table, capacity: int, appended: int, mask,
-               num_splits: int, batch: int, seqlen_q: int, max_seqlen_k, out, keep_lse: bool):
+               num_splits: int, batch: int, seqlen_q: int, max_seqlen_k, out, keep_lse: bool, cu_seqlens_q=None):
     """Plan and launch M1 (and the combine); arguments validated, new tokens appended. Packed q
-    (total_q = batch x seqlen_q rows) is viewed as (batch, seqlen_q): its out and lse too."""
+    of uniform entries (total_q = batch x seqlen_q rows) is viewed as (batch, seqlen_q): its out and
+    lse too; cu_seqlens_q given (ragged entries, is_ragged): q is one plane of total_q rows, each
+    entry's found by the kernel, seqlen_q their longest (it sizes the grid and the split plan)."""
     device, heads_q, heads_kv, d_v = q.device, q.shape[-2], k_cache.shape[2], qv.shape[-1]
-    packed = q.dim() == 3
+    packed, varlen = q.dim() == 3, cu_seqlens_q is not None
     if out is None:
         out = torch.empty((*q.shape[:-1], d_v), dtype=q.dtype, device=device)
     lse_shape = (heads_q, q.shape[0]) if packed else (batch, heads_q, seqlen_q)
@@ -119,16 +131,21 @@ def launch_mla(spec, q, qv, k_cache, v_cache, seqlens, block_table, capacity: in
         lse = torch.empty(lse_shape, dtype=torch.float32, device=device)
         return out.zero_(), lse.fill_(float("-inf"))
     # (out is contiguous: allocated here or checked; q and qv are copied where not 16-byte aligned)
-    q4, qv4, out4 = (_launch.tma_ready(t.view(batch, seqlen_q, heads_q, t.shape[-1])) for t in (q, qv, out)) \
+    planes, rows = (1, q.shape[0]) if varlen else (batch, seqlen_q)
+    q4, qv4, out4 = (_launch.tma_ready(t.view(planes, rows, heads_q, t.shape[-1])) for t in (q, qv, out)) \
         if packed else (_launch.tma_ready(q), _launch.tma_ready(qv), out)
     keys = capacity if max_seqlen_k is None or num_splits < 0 else min(capacity, max(int(max_seqlen_k), 1))
     splits = plan_mla_splits(spec, batch, seqlen_q, heads_q, heads_kv, keys, _checks.HOPPER_SMS[device], num_splits)
-    partials = ((splits, batch, seqlen_q, heads_q, d_v), (splits, batch, heads_q, seqlen_q)) if splits > 1 else ()
+    partials = ((splits, planes, rows, heads_q, d_v), (splits, planes, heads_q, rows)) if splits > 1 else ()
     lse, o_partial, lse_partial = _launch.lse_and_partials(lse_shape, partials, keep_lse, device, d_v)
-    lse3 = lse.view(heads_q, batch, seqlen_q).permute(1, 0, 2) if packed else lse
-    fn = _compile_mla.get_mla(spec, q.dtype, mask.causal, block_table is not None)
-    table = block_table if block_table is not None else _launch.stand_in(device).view(1, 1)
-    fn(q4, qv4, k_cache, v_cache, seqlens, table, out4, lse3, o_partial, lse_partial, mask.scale_log2, appended)
+    lse3 = lse.view(heads_q, planes, rows).permute(1, 0, 2) if packed else lse
+    paged = block_table is not None
+    gather = paged and k_cache.shape[1] % spec.config.base.tile_n != 0  # pages not holding whole key blocks
+    fn = _compile_mla.get_mla(spec, q.dtype, mask.causal, paged, gather, varlen)
+    table = block_table if paged else _launch.stand_in(device).view(1, 1)
+    cu = cu_seqlens_q if varlen else _launch.stand_in(device)
+    fn(q4, qv4, k_cache, v_cache, seqlens, table, out4, lse3, o_partial, lse_partial, mask.scale_log2, appended, cu,
+       seqlen_q if varlen else 0)
     if splits > 1:
         combine = _compile_kvcache.get_combine(q.dtype, d_v)
         combine(o_partial, lse_partial, out4, lse3, _launch.stand_in(device, torch.float32), _launch.stand_in(device))

@@ -125,7 +125,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None
 
     qv: over a KV cache only, MLA decode (vLLM's FlashAttention MLA call): qv (total_q, heads_q,
     d_v), k the cache's rotary keys (64 wide), v its latent (512 wide), out (total_q, heads_q, d_v)
-    (fa3.attention_with_kvcache's qv; every entry holding max_seqlen_q queries).
+    (fa3.attention_with_kvcache's qv; entries of any lengths up to max_seqlen_q).
 
     FP8: float8_e4m3fn q, k, v with q/k/v_descale float32 (sequences, heads_kv) (or one element),
     as fa3.attention's FP8 forward (forward only; output bf16 or out='s dtype); over a KV cache, an

@@ -194,6 +194,23 @@ def test_mla_dense_non_causal_compiles():
     assert report.spill_bytes == 0 and not report.serialized_wgmma
 
 
+@pytest.mark.parametrize("causal, gather, varlen", [(True, True, False), (False, True, False), (True, True, True),
+                                                    (False, False, True), (True, False, True)],
+                         ids=["gather-causal", "gather", "gather-varlen-causal", "paged-varlen", "paged-varlen-causal"])
+def test_mla_gathers_and_packed_entries_compile(causal, gather, varlen):
+    """M1 on pages of any size (gather: warpgroup 1's threads copy the key block's rows with cp.async,
+    completing on the ring's full barrier through cp.async.mbarrier.arrive.noinc, no TMA) and over
+    packed entries of different lengths (varlen: each CTA finds its entry with a warp scan over
+    cu_seqlens_q): no spills, WGMMAs not serialized."""
+    report = _compile.compile_report(registry.get("m1"), torch.bfloat16, causal=causal, paged=True, gather=gather,
+                                     varlen=varlen)
+    assert "m64n64k16" in report.ptx and "m64n256k16" in report.ptx
+    assert ("cp.async.mbarrier.arrive.noinc" in report.ptx) == gather
+    assert ("cp.async.bulk.tensor" in report.ptx) != gather
+    assert ("shfl.sync.up" in report.ptx) == varlen
+    assert report.spill_bytes == 0 and not report.serialized_wgmma
+
+
 def test_combine_takes_the_latent_width():
     """The split-KV combine at MLA's 512-wide O rows: four splits' rows in flight a lane (64
     registers of partials, as at d <= 256), no spills."""

@@ -1,7 +1,8 @@
 """MLA decode (flash-attn 3's qv): the float reference, the arguments refused on the CPU, and on the
-GPU the kernel (M1) against the reference: dense and paged caches, 1 to n splits, ragged and empty
-sequences, causal speculative queries, 16 and 128 heads, vLLM's call on views of one 576-wide cache,
-appends, a CUDA graph replayed with new lengths.
+GPU the kernel (M1) against the reference: dense and paged caches (pages of whole 64-key blocks, and
+pages of 1, 16, 32, 48 and 80 rows read by row gathers), 1 to n splits, ragged and empty sequences,
+causal speculative queries, packed entries of different lengths, 16 and 128 heads, vLLM's call on
+views of one 576-wide cache, appends, CUDA graphs replayed with new lengths (and new offsets).
 
 The cache rows past each sequence hold NaN (K and V), so that a kernel reading or weighting them
 fails; pages are permuted.
@@ -82,8 +83,6 @@ def test_qv_reaches_the_device_check():
     (lambda a: a.update(qv=a["qv"].half()), TypeError, ("qv", "dtype")),
     (lambda a: a.update(k_cache=a["k_cache"][..., :32].contiguous(), q=a["q"][..., :32].contiguous()),
      NotImplementedError, ("head dims 32 and 512", "64", "512")),
-    (lambda a: a.update(k_cache=a["k_cache"][:, :32], v_cache=a["v_cache"][:, :32]), NotImplementedError,
-     ("pages of 32 rows", "multiple of 64")),
     (lambda a: a.update(k_cache=a["k_cache"].to(torch.float8_e4m3fn), v_cache=a["v_cache"].to(torch.float8_e4m3fn)),
      NotImplementedError, ("FP8",)),
     (lambda a: a.update(q=a["q"][:, :, :15], qv=a["qv"][:, :, :15],
@@ -106,6 +105,16 @@ def test_mla_refuses_bad_arguments(change, exc, words):
     raises_with(fa3.attention_with_kvcache, exc, *words, **args)
 
 
+@pytest.mark.parametrize("page_size", [1, 16, 32, 48, 80])
+def test_pages_of_any_size_reach_the_device_check(page_size):
+    """Pages that do not hold whole 64-key blocks (vLLM's 16, SGLang's 1, any other size) are read
+    by row gathers: no longer refused, the call gets as far as the device check."""
+    args = _mla_args(page_size=page_size, pages=8)
+    args["block_table"] = torch.arange(2 * 4, dtype=torch.int32).view(2, 4) % 8
+    args["cache_seqlens"] = torch.tensor([1, 4 * page_size], dtype=torch.int32)
+    raises_with(fa3.attention_with_kvcache, ValueError, "cpu", **args, causal=True)
+
+
 def test_qv_needs_a_cache():
     """qv without a KV cache is refused by attention_varlen and by flash_attn_func, naming where it
     applies."""
@@ -118,17 +127,23 @@ def test_qv_needs_a_cache():
                 qv=qv[None])
 
 
-def test_packed_qv_must_be_uniform():
-    """Packed queries under qv: every entry must hold max_seqlen_q queries (the kernel reads them as
-    (batch, max_seqlen_q)); vLLM's decode call (max_seqlen_q = 1) passes the check."""
+def test_packed_qv_takes_ragged_entries():
+    """Packed queries under qv: uniform entries (vLLM's decode call, max_seqlen_q = 1) and entries
+    of different lengths (total_q < batch x max_seqlen_q: MTP / speculative verifies of several
+    lengths) both get as far as the device check; only the latter take the kernel's varlen
+    layout (fa3.mla.is_ragged, from host integers)."""
+    from fa3 import mla
+
     a = _mla_args()
     q, qv = a["q"].flatten(0, 1), a["qv"].flatten(0, 1)  # (2, 16, d): one query per entry
     cu = torch.tensor([0, 1, 2], dtype=torch.int32)
     call = dict(q=q, k=a["k_cache"], v=a["v_cache"], cu_seqlens_q=cu, seqused_k=a["cache_seqlens"],
                 block_table=a["block_table"], qv=qv, causal=True)
     raises_with(fa3.attention_varlen, ValueError, "cpu", **call, max_seqlen_q=1)
-    raises_with(fa3.attention_varlen, NotImplementedError, "total_q=2", "batch=2", "max_seqlen_q=3", **call,
-                max_seqlen_q=3)
+    raises_with(fa3.attention_varlen, ValueError, "cpu", **call, max_seqlen_q=3)
+    raises_with(fa3.attention_varlen, ValueError, "cpu", **call, max_seqlen_q=None)
+    assert not mla.is_ragged(cu, 2, 2, 1) and not mla.is_ragged(None, 2, 5, 1)
+    assert mla.is_ragged(cu, 2, 2, 3) and mla.is_ragged(cu, 2, 5, 4)
     # flash-attn 3's name and vLLM's (q_v), not both
     fc = dict(q=q, k=a["k_cache"], v=a["v_cache"], cu_seqlens_q=cu, max_seqlen_q=1, seqused_k=a["cache_seqlens"],
               block_table=a["block_table"], causal=True)
@@ -203,7 +218,8 @@ CASES = [  # (batch, seqlen_q, heads_q, heads_kv, capacity, lens)
 
 @gpu
 @pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
-@pytest.mark.parametrize("page_size", [None, 64, 128], ids=["dense", "page64", "page128"])
+@pytest.mark.parametrize("page_size", [None, 64, 128, 1, 16, 32],
+                         ids=["dense", "page64", "page128", "gather1", "gather16", "gather32"])
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_mla_matches_reference(case, page_size, causal):
     batch, sq, hq, hkv, capacity, lens = CASES[case]
@@ -221,21 +237,23 @@ def test_mla_matches_reference(case, page_size, causal):
 
 
 @gpu
+@pytest.mark.parametrize("page_size", [64, 16], ids=["page64", "gather16"])
 @pytest.mark.parametrize("heads", [16, 128])
-def test_vllm_call_on_one_cache(heads):
+def test_vllm_call_on_one_cache(heads, page_size):
     """vLLM's FlashAttention MLA decode: flash_attn_varlen_func(q=q_pe, k=k_pe view, v=latent view of
-    one (pages, 64, 576) cache, q_v=q_nope, cu_seqlens_q, max_seqlen_q=1, seqused_k, block_table,
-    causal, num_splits=16 as a cap, scheduler_metadata), with its softmax_scale; out= preallocated."""
+    one (pages, page_size, 576) cache, q_v=q_nope, cu_seqlens_q, max_seqlen_q=1, seqused_k,
+    block_table, causal, num_splits=16 as a cap, scheduler_metadata), with its softmax_scale; out=
+    preallocated. Pages of 16: row gathers from rows 1152 bytes apart."""
     batch, capacity, lens = 5, 4096, [4096, 1, 777, 3000, 64]
     gen = torch.Generator(device="cuda").manual_seed(heads)
-    k_dense, v_dense, k_cache, v_cache, table = make_mla_cache(batch, capacity, 1, lens, 64, gen, fused=True)
+    k_dense, v_dense, k_cache, v_cache, table = make_mla_cache(batch, capacity, 1, lens, page_size, gen, fused=True)
     assert k_cache.untyped_storage().data_ptr() == v_cache.untyped_storage().data_ptr()
     q = torch.randn(batch, heads, D, device="cuda", dtype=torch.bfloat16, generator=gen)
     qv = torch.randn(batch, heads, DV, device="cuda", dtype=torch.bfloat16, generator=gen)
     seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     cu = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
     scale = 192 ** -0.5
-    meta = fa3.get_scheduler_metadata(batch, 1, capacity, heads, 1, D, seqlens, headdim_v=DV, page_size=64,
+    meta = fa3.get_scheduler_metadata(batch, 1, capacity, heads, 1, D, seqlens, headdim_v=DV, page_size=page_size,
                                       causal=True)
     out = torch.empty(batch, heads, DV, device="cuda", dtype=torch.bfloat16)
     got, lse = fa3.flash_attn_varlen_func(q=q, k=k_cache, v=v_cache, q_v=qv, cu_seqlens_q=cu, max_seqlen_q=1,
@@ -265,12 +283,13 @@ def test_packed_speculative_queries():
 
 
 @gpu
-def test_append_then_attend():
+@pytest.mark.parametrize("page_size", [64, 16], ids=["page64", "gather16"])
+def test_append_then_attend(page_size):
     """New k (64 wide) and v (512 wide) are written into the paged cache at cache_seqlens before the
     kernel reads them (an empty sequence included)."""
     batch, lens, new = 3, [0, 64, 300], 2
     gen = torch.Generator(device="cuda").manual_seed(7)
-    k_dense, v_dense, k_cache, v_cache, table = make_mla_cache(batch, 512, 1, lens, 64, gen)
+    k_dense, v_dense, k_cache, v_cache, table = make_mla_cache(batch, 512, 1, lens, page_size, gen)
     k_new = torch.randn(batch, new, 1, D, device="cuda", dtype=torch.bfloat16, generator=gen)
     v_new = torch.randn(batch, new, 1, DV, device="cuda", dtype=torch.bfloat16, generator=gen)
     for b, n in enumerate(lens):
@@ -306,3 +325,94 @@ def test_cuda_graph_replays_new_lengths():
     graph.replay()
     ref_o, _ = mla_reference(q, qv, k_dense, v_dense, lens, True)
     assert rel_err(out, ref_o) < TOL
+
+
+@gpu
+@pytest.mark.parametrize("page_size", [48, 80])
+def test_gathered_pages_of_odd_sizes(page_size):
+    """Pages of 48 and 80 rows (a key block spans two pages, across a page's middle): row gathers,
+    split and not, against the reference; 128 heads (two Q tiles reading the same blocks)."""
+    batch, capacity, lens = 3, 960, [960, 47, 500]
+    gen = torch.Generator(device="cuda").manual_seed(page_size)
+    k_dense, v_dense, k_cache, v_cache, table = make_mla_cache(batch, capacity, 1, lens, page_size, gen)
+    q = torch.randn(batch, 2, 128, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    qv = torch.randn(batch, 2, 128, DV, device="cuda", dtype=torch.bfloat16, generator=gen)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    ref_o, ref_lse = mla_reference(q, qv, k_dense, v_dense, lens, True)
+    for splits in (1, 4):
+        out, lse = fa3.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table, qv=qv,
+                                              causal=True, num_splits=splits, return_lse=True)
+        check(out, lse, ref_o, ref_lse, f"pages of {page_size}, num_splits={splits}")
+
+
+def ragged_reference(q, qv, k_dense, v_dense, cu, lens, causal):
+    """mla_reference entry by entry over packed q (total_q, heads_q, d): (out (total_q, heads_q,
+    d_v), lse (heads_q, total_q)), each entry's causal diagonal at its own bottom right."""
+    outs, lses = [], []
+    for b, n in enumerate(lens):
+        rows = slice(cu[b], cu[b + 1])
+        o, lse = mla_reference(q[None, rows], qv[None, rows], k_dense[b:b + 1], v_dense[b:b + 1], [n], causal)
+        outs.append(o[0])
+        lses.append(lse[0])
+    return torch.cat(outs), torch.cat(lses, dim=-1)
+
+
+RAGGED = [3, 1, 0, 4, 2]  # queries an entry (one with none): MTP / speculative verifies of several lengths
+
+
+@gpu
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("page_size", [64, 16], ids=["page64", "gather16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+def test_ragged_packed_entries(causal, page_size, heads):
+    """Packed entries of different lengths (total_q < batch x max_seqlen_q): the kernel finds each Q
+    tile's entry from cu_seqlens_q (varlen layout), split and not, against the reference entry by
+    entry; an entry with no queries writes nothing, an empty sequence's rows are zeros."""
+    batch, capacity, lens = len(RAGGED), 1024, [700, 1, 300, 0, 1024]
+    gen = torch.Generator(device="cuda").manual_seed(heads + page_size)
+    k_dense, v_dense, k_cache, v_cache, table = make_mla_cache(batch, capacity, 1, lens, page_size, gen)
+    cu = [0]
+    for n in RAGGED:
+        cu.append(cu[-1] + n)
+    total = cu[-1]
+    q = torch.randn(total, heads, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    qv = torch.randn(total, heads, DV, device="cuda", dtype=torch.bfloat16, generator=gen)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    cu_q = torch.tensor(cu, dtype=torch.int32, device="cuda")
+    ref_o, ref_lse = ragged_reference(q, qv, k_dense, v_dense, cu, lens, causal)
+    for splits in (1, 3, 0):
+        out, lse = fa3.attention_varlen(q, k_cache, v_cache, cu_q, None, max(RAGGED), None, block_table=table,
+                                        seqused_k=seqlens, qv=qv, causal=causal, num_splits=splits, return_lse=True)
+        assert out.shape == (total, heads, DV) and lse.shape == (heads, total)
+        check(out, lse.T[None], ref_o[None], ref_lse.T[None], f"ragged, num_splits={splits}")
+
+
+@gpu
+def test_cuda_graph_replays_gathers_and_ragged_entries():
+    """vLLM's MTP step on pages of 16: a packed call of ragged entries captured once replays with new
+    lengths, new pages and new offsets of the same total (max_seqlen_q and total_q fixed)."""
+    batch, capacity, page_size, heads = 4, 1024, 16, 64
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    lens = [1000, 17, 0, 513]
+    k_dense, v_dense, k_cache, v_cache, table = make_mla_cache(batch, capacity, 1, lens, page_size, gen)
+    total, max_q = 8, 4
+    q = torch.randn(total, heads, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    qv = torch.randn(total, heads, DV, device="cuda", dtype=torch.bfloat16, generator=gen)
+    seqlens = torch.ones(batch, dtype=torch.int32, device="cuda")
+    cu_q = torch.tensor([0, 1, 2, 4, 8], dtype=torch.int32, device="cuda")
+    live_table = torch.zeros_like(table)
+    call = lambda: fa3.flash_attn_varlen_func(q=q, k=k_cache, v=v_cache, qv=qv, cu_seqlens_q=cu_q,
+                                              max_seqlen_q=max_q, max_seqlen_k=capacity, seqused_k=seqlens,
+                                              block_table=live_table, causal=True, num_splits=8)
+    call()  # compiled and planned outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    cu = [0, 4, 5, 5, 8]
+    seqlens.copy_(torch.tensor(lens, dtype=torch.int32))
+    cu_q.copy_(torch.tensor(cu, dtype=torch.int32))
+    live_table.copy_(table)
+    graph.replay()
+    ref_o, _ = ragged_reference(q, qv, k_dense, v_dense, cu, lens, True)
+    assert not out.isnan().any() and rel_err(out, ref_o) < TOL

@@ -215,11 +215,13 @@ def check_mla(q, qv, k_cache, v_cache, k, v, cache_seqlens, block_table, kernel,
     """The arguments of an MLA call (`qv` given: scores q k^T + qv v^T over a latent cache, out
     P v): q (batch, seqlen_q, heads_q, d) or packed (total_q, heads_q, d) with cu_seqlens_q, qv
     the same with v's head dim; k_cache (planes, rows, heads_kv, d) and v_cache (..., d_v) with
-    their own strides (views of one cache), dense or paged by block_table with pages of a multiple
-    of the kernel's key block; optional new k, v (batch, new_tokens, heads_kv, d / d_v). Packed
-    queries must be uniform: total_q = batch x max_seqlen_q (a decode step, a fixed-length
-    speculative verify), which the kernel reads as (batch, max_seqlen_q). Returns (spec, the
-    lengths as an int32 tensor, capacity, new tokens, batch, seqlen_q)."""
+    their own strides (views of one cache), dense or paged by block_table with pages of any size
+    (a multiple of the kernel's key block: TMA boxes; any other: row gathers); optional new k, v
+    (batch, new_tokens, heads_kv, d / d_v). Packed queries hold up to max_seqlen_q queries an
+    entry (None: total_q); uniform ones (total_q = batch x max_seqlen_q: a decode step, a
+    fixed-length speculative verify) the kernel reads as (batch, max_seqlen_q), others by
+    cu_seqlens_q (fa3.mla.is_ragged). Returns (spec, the lengths as an int32 tensor, capacity, new
+    tokens, batch, seqlen_q: max_seqlen_q when packed)."""
     packed = cu_seqlens_q is not None
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("qv", qv)):
         if getattr(t, "dtype", None) in _checks.FP8_LIKE:
@@ -261,19 +263,10 @@ def check_mla(q, qv, k_cache, v_cache, k, v, cache_seqlens, block_table, kernel,
         _checks.check_offsets(cu_seqlens_q, "cu_seqlens_q", q.device)
         batch, total_q = cu_seqlens_q.shape[0] - 1, q.shape[0]
         max_seqlen_q = packed_max_seqlen_q(max_seqlen_q, total_q)
-        if total_q != batch * max_seqlen_q:
-            raise NotImplementedError(
-                f"qv with packed queries needs every entry to hold max_seqlen_q queries (a decode step, a "
-                f"fixed-length speculative verify): total_q={total_q} is not batch={batch} x max_seqlen_q="
-                f"{max_seqlen_q}; entries of different lengths under qv are not implemented yet")
         seqlen_q = max_seqlen_q
     else:
         batch, seqlen_q = q.shape[0], q.shape[1]
     capacity = cache_capacity(block_table, planes, rows, batch, packed, q.device)
-    if block_table is not None and rows % cfg.tile_n:
-        raise NotImplementedError(f"pages of {rows} rows: MLA decode reads pages of a multiple of "
-                                  f"{cfg.tile_n} rows (vLLM's MLA default is 64) or a dense cache; other "
-                                  "page sizes under qv are not implemented yet")
     appended = 0
     if (k is None) != (v is None):
         raise ValueError("pass both k and v (the new tokens to append), or neither")

@@ -222,19 +222,20 @@ def kvcache_args(dtype, head_dim, out_dtype=None, query_dtype=None, paged=True, 
 
 def mla_args(dtype, head_dim, head_dim_v):
     """Fake (q, qv, k_cache, v_cache, cache_seqlens, block_table, out, lse, out_partial,
-    lse_partial, scale_log2, appended): see kernels/mla_decode.py. q (batch, seqlen_q, heads_q,
-    head_dim) and qv (..., head_dim_v) with 16-byte aligned rows (cp.async); the caches (planes,
-    rows, heads_kv, d) with strides of their own (vLLM's k and v are views of one cache); every
-    extent dynamic, the block table, the lengths and the partials with extents of their own
-    (1-element stand-ins when unused)."""
+    lse_partial, scale_log2, appended, cu_seqlens_q, max_seqlen_q): see kernels/mla_decode.py. q
+    (batch, seqlen_q, heads_q, head_dim) and qv (..., head_dim_v) with 16-byte aligned rows
+    (cp.async); the caches (planes, rows, heads_kv, d) with strides of their own (vLLM's k and v are
+    views of one cache); every extent dynamic, the block table, the lengths, cu_seqlens_q and the
+    partials with extents of their own (1-element stand-ins when unused)."""
     cutlass, cute = dsl.import_cute()
     dt, f32, i32 = cute_dtype(dtype), cutlass.Float32, cutlass.Int32
     b, sq, hq, hkv, rows, planes, pages, splits = (cute.sym_int64() for _ in range(8))
-    b_table, b_part, sq_part, hq_part, b_lens = (cute.sym_int64() for _ in range(5))
+    b_table, b_part, sq_part, hq_part, b_lens, b_cu = (cute.sym_int64() for _ in range(6))
     return [unit_last(cute, dt, b, sq, hq, head_dim, tma=True), unit_last(cute, dt, b, sq, hq, head_dim_v, tma=True),
             unit_last(cute, dt, planes, rows, hkv, head_dim, tma=True),
             unit_last(cute, dt, planes, rows, hkv, head_dim_v, tma=True),
             fake_tensor(cute, i32, (b_lens,), (1,), align=4), unit_last(cute, i32, b_table, pages),
             unit_last(cute, dt, b, sq, hq, head_dim_v, align=2), unit_last(cute, f32, b, hq, sq),
             unit_last(cute, f32, splits, b_part, sq_part, hq_part, head_dim_v),
-            unit_last(cute, f32, splits, b_part, hq_part, sq_part), f32(1.0), i32(0)]
+            unit_last(cute, f32, splits, b_part, hq_part, sq_part), f32(1.0), i32(0),
+            fake_tensor(cute, i32, (b_cu,), (1,), align=4), i32(0)]

@@ -13,7 +13,9 @@ Two ways to fill a (tile_n, d) key block of the SMEM ring:
   copies them row by row with cp.async, 16 bytes per copy, into the same swizzled SMEM stage a
   TMA box would fill (the swizzle permutes 16-byte chunks, so a chunk lands whole). Each producer
   thread's copies complete on the stage's full mbarrier (cp.async.mbarrier.arrive.noinc: the
-  barrier expects one arrival per producer thread, pipeline.create_gather). Rows past the
+  barrier expects one arrival per producer thread, pipeline.create_gather). K and V may differ in
+  width (MLA: 64-wide keys, a 512-wide latent): the rows are laid out for the narrower, and each
+  thread copies the same chunk of every narrow-width group of the wider one's row. Rows past the
   sequence's keys are not copied: they keep what the stage held (the consumers mask K there and
   zero V), and the table entries past a sequence's pages are never read.
 """
@@ -51,9 +53,12 @@ def block_page(mBlockTable: cute.Tensor, batch: Int32, n_block: Int32, tile_n: c
 
 class RowGather:
     """cp.async copies of a (tile_n, head_dim) key block from scattered cache rows, by the first
-    `active` of `threads` threads: thread t copies 16-byte chunk t % chunks of rows t // chunks +
-    i * rows_per_pass. `active` is the most threads that cover whole rows and divide the block:
-    all of them for d 64/128/256, 96 of 128 for d96 (12 chunks a row) and d192 (24)."""
+    `active` of `threads` threads (t: the index among them): thread t copies 16-byte chunk
+    t % chunks of rows t // chunks + i * rows_per_pass. `active` is the most threads that cover
+    whole rows and divide the block: all of them for d 64/128/256, 96 of 128 for d96 (12 chunks a
+    row) and d192 (24). A tensor copied beside it may be a multiple of head_dim wide (MLA's
+    latent, 512 beside the 64-wide keys): the same rows, thread t taking chunk t % chunks of each
+    head_dim-wide group (a warp's copy still reads whole 128-byte lines at d64)."""
 
     def __init__(self, dtype, tile_n: int, head_dim: int, threads: int):
         self.dtype, self.tile_n, self.head_dim, self.threads = dtype, tile_n, head_dim, threads
@@ -89,14 +94,16 @@ class RowGather:
     @cute.jit
     def copy(self, tidx: Int32, rows, copies):
         """Issue this thread's copies of the located rows: `copies` is a list of (mX, sX) pairs
-        sharing the rows (K and V), mX the cache as (page_size, d, pages) of one head, sX one
-        (tile_n, d) stage."""
+        sharing the rows (K and V), mX the cache as (page_size, d_x, pages) of one head, sX one
+        (tile_n, d_x) stage, d_x a multiple of head_dim (its groups: the class's docstring)."""
         tiled, thr = self.thread_copy(tidx)
         chunk = tidx % self.chunks
         for i in cutlass.range_constexpr(self.tile_n // self.rows_per_pass):
             valid, page, row = rows[i]
             if valid:
                 for mX, sX in copies:
-                    dst = thr.partition_D(sX)[None, i, 0]
-                    src = cute.local_tile(mX[row, None, page], (self.elems,), (chunk,))
-                    cute.copy(tiled, cute.make_tensor(src.iterator, dst.layout), dst)
+                    for g in cutlass.range_constexpr(cute.size(sX, mode=[1]) // self.head_dim):
+                        dst = thr.partition_D(sX)[None, i, g]
+                        at = chunk if g == 0 else chunk + g * self.chunks  # (g = 0: as before the groups)
+                        src = cute.local_tile(mX[row, None, page], (self.elems,), (at,))
+                        cute.copy(tiled, cute.make_tensor(src.iterator, dst.layout), dst)

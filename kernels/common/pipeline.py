@@ -44,16 +44,18 @@ def create(barrier_ptr, stages: int, consumer_warps: int, tx_bytes: int, cluster
     )
 
 
-def create_gather(barrier_ptr, stages: int, threads: int):
+def create_gather(barrier_ptr, stages: int, threads: int, consumer_threads: int = 0):
     """A ring that `threads` threads fill with cp.async copies and then read (PipelineCpAsync): the
     full barrier expects one arrival per thread, made by the copy engine once that thread's copies
     have landed (`commit_copies`); the empty barrier one per thread after it read the stage. The
-    same threads produce and consume (a producer acquire waits for all of them to release)."""
+    same threads produce and consume (a producer acquire waits for all of them to release), or
+    (consumer_threads > 0) those `threads` produce and `consumer_threads` read and release (M1:
+    warpgroup 1 copies, both warpgroups read)."""
     return pipeline.PipelineCpAsync.create(
         barrier_storage=barrier_ptr,
         num_stages=stages,
         producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, threads),
-        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, threads),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_threads or threads),
         defer_sync=True,
     )
 
