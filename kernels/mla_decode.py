@@ -33,11 +33,13 @@ mbarrier pipeline (pipeline.create_handoff): *P full* takes one arrival from eac
 128 threads, each after its own writes of P (and its fence.proxy.async: WGMMA reads P through the
 async proxy) and of the factors; *P empty* one from each of warpgroup 1's threads once its P V of
 the block is done, which warpgroup 0 waits for before it overwrites P. Warpgroup 0 waits on P
-full too: its own P V reads the rows its other warps wrote. (Named barriers ordered this as well,
-but compute-sanitizer's racecheck does not follow bar.arrive and reported hazards on the factors;
-it follows mbarrier arrive/wait pairs.) Each thread's O rows are the rows of the same thread's S
-(a 64-row WGMMA atom: rows r and r + 8 of each warp's 16), which is how the factors in SMEM find
-their rows.
+full too: its own P V reads the rows its other warps wrote. The epilogue's 1/l takes the same
+path, one hand-off after the last block's (so the factors' SMEM is only ever ordered by this
+mbarrier pair, no CTA barrier). (Named barriers ordered all this as well, but compute-sanitizer's
+racecheck does not follow bar.arrive, nor, in CTAs whose warpgroup 0 had passed its own 128-thread
+barrier, the epilogue's two CTA barriers, and reported hazards on the factors; it follows mbarrier
+arrive/wait pairs.) Each thread's O rows are the rows of the same thread's S (a 64-row WGMMA
+atom: rows r and r + 8 of each warp's 16), which is how the factors in SMEM find their rows.
 
 Why not split the S GEMM too (each warpgroup half of the 576-wide reduction, partial S exchanged
 in FP32): the exchange buffer (16 KB, 32 KB double-buffered) does not fit beside Q (72 KB) and two
@@ -260,8 +262,8 @@ class MlaDecode:
                                                *blocks)
         if self.is_kv_producer(warp_idx):
             pipeline.tail(kv_pipe, kv_producer)
-        self.store(ctx, row_factor, mO, mLSE, mOacc, mLSEacc, split, num_splits, m_block, head_kv, group,
-                   batch, seq, scale_log2, warp_idx)
+        self.store(ctx, p_pipe, row_factor, n_blocks, mO, mLSE, mOacc, mLSEacc, split, num_splits, m_block,
+                   head_kv, group, batch, seq, scale_log2, warp_idx)
 
     # ---------------------------------------------------------------- loads
     def is_kv_producer(self, warp_idx):
@@ -440,16 +442,20 @@ class MlaDecode:
 
     # ---------------------------------------------------------------- epilogue
     @cute.jit
-    def store(self, ctx, row_factor: cute.Tensor, mO, mLSE, mOacc, mLSEacc, split: Int32, num_splits: Int32,
-              m_block: Int32, head_kv: Int32, group: Int32, batch: Int32, seq, scale_log2: Float32, warp_idx: Int32):
-        """Each warpgroup's half of O (normalised by 1/l, which warpgroup 0 shares through SMEM) and
-        warpgroup 0's LSE, unpacked to (query, head) rows; with several splits the FP32 partials
-        instead. Direct stores: a decode tile has few rows. Varlen: at the entry's rows of the one
-        plane."""
+    def store(self, ctx, p_pipe, row_factor: cute.Tensor, n_blocks: Int32, mO, mLSE, mOacc, mLSEacc, split: Int32,
+              num_splits: Int32, m_block: Int32, head_kv: Int32, group: Int32, batch: Int32, seq, scale_log2: Float32,
+              warp_idx: Int32):
+        """Each warpgroup's half of O normalised by 1/l, and warpgroup 0's LSE, unpacked to (query,
+        head) rows; with several splits the FP32 partials instead. Direct stores: a decode tile has
+        few rows. 1/l is warpgroup 0's (its registers); warpgroup 1 gets it through the factors'
+        SMEM as one more hand-off on p_pipe, the (n_blocks)-th: P empty (warpgroup 1 has read the
+        last block's factors) before warpgroup 0 writes, P full before warpgroup 1 reads. (Two CTA
+        barriers did this before; racecheck did not see them order these accesses in the CTAs whose
+        warpgroup 0 had passed zero_rows_past_end's 128-thread barrier.) Varlen: at the entry's rows
+        of the one plane."""
         q_plane = 0 if cutlass.const_expr(self.varlen) else batch
-        cute.arch.sync_threads()  # warpgroup 1 has read the last block's factors
+        inv_sums = cute.make_rmem_tensor((cute.size(ctx.o_coords, mode=[0]),), Float32)
         if warp_idx < 4:
-            inv_sums = cute.make_rmem_tensor((cute.size(ctx.row_max),), Float32)
             for r in cutlass.range_constexpr(cute.size(ctx.row_max)):
                 inv_sum, lse = softmax.finalize(ctx.row_max[r], ctx.row_sum[r], scale_log2, 4)
                 inv_sums[r] = inv_sum
@@ -461,9 +467,15 @@ class MlaDecode:
                         mLSE[q_plane, head, row] = lse
                     else:
                         mLSEacc[split, q_plane, head, row] = lse
+            p_state = pipeline.state_at(1, n_blocks, producer=True)
+            p_pipe.producer_acquire(p_state)  # warpgroup 1 has read the last block's factors
             self.share_rows(ctx, row_factor, inv_sums)
-        cute.arch.sync_threads()
-        inv_sums = self.shared_rows(ctx, row_factor)
+            p_pipe.producer_commit(p_state)
+        else:
+            pipeline.consume_wait(p_pipe, pipeline.state_at(1, n_blocks))  # 1/l is written
+            shared = self.shared_rows(ctx, row_factor)
+            for r in cutlass.range_constexpr(cute.size(inv_sums)):
+                inv_sums[r] = shared[r]
         o_mn = mma.rows_cols(ctx.acc_o)
         for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
             packed = m_block * self.tile_m + ctx.o_coords[r, 0][0]

@@ -6,6 +6,7 @@ each family's default rung at 96 (causal) and 192; GEMM rungs with their family'
 """
 
 import os
+import re
 import subprocess
 import sys
 
@@ -187,10 +188,13 @@ def test_mla_dense_non_causal_compiles():
     """M1 (MLA decode) on a dense cache without the causal mask (the registry row compiles it paged
     and causal): S (m64n64k16, 36 k-steps over q and qv) and P V (m64n256k16, a warpgroup's half of
     O) on WGMMA, P through SMEM (stmatrix, handed over on an mbarrier pair, no named barrier's
-    bar.arrive), no spills, WGMMAs not serialized."""
+    bar.arrive), no spills, WGMMAs not serialized. The row factors and the epilogue's 1/l go on
+    that pair too: the only CTA barriers are the barriers' setup and Q's load (racecheck did not
+    see the epilogue's two order 1/l after warpgroup 0's own 128-thread barrier)."""
     report = _compile.compile_report(registry.get("m1"), torch.bfloat16, causal=False, paged=False)
     assert "m64n64k16" in report.ptx and "m64n256k16" in report.ptx and "stmatrix" in report.ptx
     assert "mbarrier.arrive.shared" in report.ptx and "bar.arrive" not in report.ptx
+    assert len(re.findall(r"\b(?:bar|barrier)\.sync(?:\.aligned)?\s+0;", report.ptx)) == 2
     assert report.spill_bytes == 0 and not report.serialized_wgmma
 
 
