@@ -10,8 +10,9 @@
         needed), skipping what is there, so that a deployment's first calls load in milliseconds.
         GEMM rungs are compiled for every operand layout (--fp8: the FP8 GEMM, C in --dtype); the
         KV-cache rung dense, paged and with row gathers, each also for packed queries (--fp8: on
-        an FP8 cache, read by FP8 q with O in --dtype and by --dtype q), and what a cache call
-        launches beside it: the combine, the entries' sort and K5 over the cache for prompt chunks
+        an FP8 cache, read by FP8 q with O in --dtype and by --dtype q), alone and with the
+        split-KV combine, and what a cache call launches beside it: the entries' sort and K5 over
+        the cache for prompt chunks
         (compile/kvcache.py kvcache_companions); the MLA decode rung paged and dense, with its
         combine; FP8 attention also for packed batches (cache_configs).
     python -m fa3 demo
@@ -188,7 +189,7 @@ def cache_configs(spec: registry.KernelSpec, head_dim: int, causal: bool, fp8: b
     """The static configurations --warm-cache compiles for a rung: attention at --head-dim and
     --causal (FP8 also packed, the serving prefill; the backward also in its deterministic and GQA
     variants); the KV-cache rung dense and paged, with row gathers (pages of 16 or 1), each with
-    (batch, seqlen_q) and packed queries (`fp8`: on an FP8 cache, for FP8 q with O in `dtype` and for
+    (batch, seqlen_q) and packed queries, alone and with the split-KV combine (`fp8`: on an FP8 cache, for FP8 q with O in `dtype` and for
     `dtype` q); GEMM with every
     operand layout (row-major and transposed a and b), or (`fp8`) e4m3 K-major operands with C in
     `dtype`, per-tensor and row-wise scales."""
@@ -202,9 +203,10 @@ def cache_configs(spec: registry.KernelSpec, head_dim: int, causal: bool, fp8: b
                 for det in (False, True) for gqa in (False, True)]
     if spec.family == registry.KVCACHE:  # an FP8 cache: read by FP8 q (O in dtype) and by dtype's q
         reads = ({"out_dtype": dtype}, {"query_dtype": dtype}) if fp8 else ({},)
-        return [{"head_dim": head_dim, "causal": causal, "paged": paged, "gather": gather, "varlen": varlen, **q}
+        return [{"head_dim": head_dim, "causal": causal, "paged": paged, "gather": gather, "varlen": varlen, **q,
+                 **({"with_combine": True} if split else {})}
                 for q in reads for paged, gather in ((False, False), (True, False), (True, True))
-                for varlen in (False, True)]
+                for varlen in (False, True) for split in (False, True)]
     if spec.family == registry.MLA:  # MLA decode: its own head dims; pages (TMA boxes, row gathers) or dense
         return [{"causal": causal, "paged": paged, "gather": gather, "varlen": varlen}
                 for paged, gather in ((True, False), (True, True), (False, False)) for varlen in (False, True)]
@@ -238,6 +240,7 @@ def cmd_warm_cache(args) -> int:
                 label += " row-wise" if static.get("row_scales") else ""
             else:
                 label += "".join(f" {k}" for k in ("varlen", "paged", "gather", "short") if static.get(k))
+                label += " with its combine" if static.get("with_combine") else ""
                 label += f" {args.dtype} q" if static.get("query_dtype") else ""
             entries.append((label, lambda static=static: _compile.fill_disk_cache(spec, in_dtype, **static)))
         companions = []  # what a cache call launches beside the rung

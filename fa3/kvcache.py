@@ -98,21 +98,19 @@ class CacheLaunch:
         # a warp-split rung (s2) writes one partial per warp of each CTA, always combined
         self.partials_shape = (self.num_splits * spec.config.base.partials_per_cta, 1 if self.packed else batch,
                                rows_q, heads_q, head_dim)
+        # several partials a row: the combine merges them, launched by the same compiled call
+        self.split = self.partials_shape[0] > 1
         self.fn = _compile_kvcache.get_kvcache(spec, k_cache.dtype, head_dim, self.mask.causal, paged,
                                                self.mask.local, self.mask.softcap, plan.gather, self.packed,
                                                leftpad, has_sinks, out_dtype if fp8 else None, s1_max_queries,
-                                               q.dtype if q.dtype != k_cache.dtype else None)
-        self.combine = (_compile_kvcache.get_combine(out_dtype, head_dim, has_sinks, s1_max_queries)
-                        if self.partials_shape[0] > 1 else None)
+                                               q.dtype if q.dtype != k_cache.dtype else None, self.split)
         self.order = _compile_kvcache.get_entry_order() if self.sort else None
         self.head_dim = head_dim
-        # the combine's stand-ins for what this call has not (cu_seqlens_q, the sinks) and S1's for
-        # the entries' order (S1 takes None for the rest: signatures.kvcache_args)
-        self.stand_ins = (_launch.stand_in(device), _launch.stand_in(device, torch.int64),
-                          _launch.stand_in(device, torch.float32))
+        # the stand-in for the entries' order (the kernels take None for the rest: signatures.kvcache_args)
+        self.no_order = _launch.stand_in(device, torch.int64)
         # the stream's scratch a call takes: the split partials (O, LSE: the combine reads them)
         splits, planes, rows, heads, _ = self.partials_shape
-        self.scratch_shapes = (self.partials_shape, (splits, planes, heads, rows)) if self.combine is not None else ()
+        self.scratch_shapes = (self.partials_shape, (splits, planes, heads, rows)) if self.split else ()
 
     def __call__(self, q, k_cache, v_cache, cache_seqlens, block_table, cu_seqlens_q=None, out=None,
                  cache_leftpad=None, sinks=None, descales=None, keep_lse: bool = True):
@@ -131,8 +129,8 @@ class CacheLaunch:
         if self.packed:
             q4, out4, lse3, cu = q.unsqueeze(0), out.unsqueeze(0), lse.unsqueeze(0), cu_seqlens_q
         else:
-            q4, out4, lse3, cu = q, out, lse, self.stand_ins[0]
-        order = self.stand_ins[1]
+            q4, out4, lse3, cu = q, out, lse, None
+        order = self.no_order
         if self.order is not None:
             order = torch.empty(self.batch, dtype=torch.int64, device=device)
             self.order(cache_seqlens, order, self.keys)
@@ -142,10 +140,8 @@ class CacheLaunch:
         mask = self.mask
         self.fn(q4, k_cache, v_cache, cache_seqlens, block_table if self.paged else None, out4,
                 lse3, o_partial, lse_partial, mask.scale_log2, self.appended, mask.left, mask.right,
-                mask.softcap_scale, cu if self.packed else None, self.s1_queries,
-                cache_leftpad if self.leftpad else None, order, sinks, q_descale, k_descale, v_descale)
-        if self.combine is not None:
-            self.combine(o_partial, lse_partial, out4, lse3, self.stand_ins[2] if sinks is None else sinks, cu)
+                mask.softcap_scale, cu, self.s1_queries, cache_leftpad if self.leftpad else None, order, sinks,
+                q_descale, k_descale, v_descale)
         if self.long is not None:
             cache_prefill.launch(self.long, q, k_cache, v_cache, cache_seqlens, block_table, cu, out, lse, mask,
                                  sinks if self.has_sinks else None)

@@ -7,9 +7,11 @@ Where a packed call's long entries are K5's (`max_queries`: kernels/k5_cache.py)
 no partials and are skipped: each warp finds its row's entry from cu_seqlens_q.
 """
 
+from typing import Optional
+
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, Int32
 
 from .common import seqlen
 
@@ -38,8 +40,9 @@ class SplitKVCombine:
 
     @cute.jit
     def __call__(self, mOacc: cute.Tensor, mLSEacc: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-                 mSinks: cute.Tensor, mCuSeqlensQ: cute.Tensor, stream):
-        """mCuSeqlensQ: the packed queries' offsets (read with max_queries only)."""
+                 mSinks: Optional[cute.Tensor], mCuSeqlensQ: Optional[cute.Tensor], stream):
+        """mSinks: read with sinks only; mCuSeqlensQ: the packed queries' offsets (read with
+        max_queries only); either may be None where it is not read."""
         _, batch, seqlen_q, heads_q, _ = mOacc.shape
         rows = batch * seqlen_q * heads_q
         self.kernel(mOacc, mLSEacc, mO, mLSE, mSinks, mCuSeqlensQ).launch(
@@ -47,7 +50,7 @@ class SplitKVCombine:
 
     @cute.kernel
     def kernel(self, mOacc: cute.Tensor, mLSEacc: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-               mSinks: cute.Tensor, mCuSeqlensQ: cute.Tensor):
+               mSinks: Optional[cute.Tensor], mCuSeqlensQ: Optional[cute.Tensor]):
         tidx, _, _ = cute.arch.thread_idx()
         block, _, _ = cute.arch.block_idx()
         lane = cute.arch.lane_idx()
@@ -112,3 +115,27 @@ class SplitKVCombine:
             split = cutlass.min(first + j, splits - 1)
             for i in cutlass.range_constexpr(self.head_dim // 32):
                 parts[j, i] = mOacc[split, batch, query, head, lane + 32 * i]
+
+
+class SplitKVWithCombine:
+    """A split-KV decode kernel (S1, S2: kernels/decode.py) and the combine of its partials as one
+    compiled host function: one call from Python launches both on the stream, where a second
+    compiled call cost the host as much again as the combine's GPU time (worklog/host.md). Its
+    arguments are the decode kernel's; the combine reads the partials, O, LSE, the sinks and
+    cu_seqlens_q among them."""
+
+    def __init__(self, split_kernel, combine: SplitKVCombine):
+        self.split_kernel, self.combine = split_kernel, combine
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mCacheSeqlens: cute.Tensor,
+                 mBlockTable: Optional[cute.Tensor], mO: cute.Tensor, mLSE: cute.Tensor, mOacc: cute.Tensor,
+                 mLSEacc: cute.Tensor, scale_log2: Float32, appended: Int32, window_left: Int32,
+                 window_right: Int32, softcap_scale: Float32, mCuSeqlensQ: Optional[cute.Tensor],
+                 max_seqlen_q: Int32, mLeftpad: Optional[cute.Tensor], mOrder: cute.Tensor,
+                 mSinks: Optional[cute.Tensor], mQDescale: Optional[cute.Tensor], mKDescale: Optional[cute.Tensor],
+                 mVDescale: Optional[cute.Tensor], stream):
+        self.split_kernel(mQ, mK, mV, mCacheSeqlens, mBlockTable, mO, mLSE, mOacc, mLSEacc, scale_log2, appended,
+                          window_left, window_right, softcap_scale, mCuSeqlensQ, max_seqlen_q, mLeftpad, mOrder,
+                          mSinks, mQDescale, mKDescale, mVDescale, stream)
+        self.combine(mOacc, mLSEacc, mO, mLSE, mSinks, mCuSeqlensQ, stream)

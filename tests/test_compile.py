@@ -184,6 +184,26 @@ def test_sinks_combine_compiles(max_queries):
     assert ("vote.sync.ballot" in report.ptx) == bool(max_queries)
 
 
+@pytest.mark.parametrize("name,paged,sinks", [("s1", False, False), ("s2", True, True)])
+def test_split_decode_compiles_with_its_combine(name, paged, sinks):
+    """A split call's decode kernel and the combine in one compiled call (kernels/combine.py
+    SplitKVWithCombine): both kernels in the module, the decode kernel's PTX as when it is compiled
+    alone, no spills."""
+    spec = registry.get(name)
+    alone = _compile.build_report(_compile_kvcache.build_kvcache, spec, torch.bfloat16, 128, True, paged=paged,
+                                  sinks=sinks)
+    both = _compile.build_report(_compile_kvcache.build_kvcache, spec, torch.bfloat16, 128, True, paged=paged,
+                                 sinks=sinks, with_combine=True)
+    entries = lambda ptx: {part.split("(")[0].split("_object")[0].split()[-1]: "\n".join(part.splitlines()[1:])
+                           for part in ptx.split(".visible .entry ")[1:]}
+    alone_entries, both_entries = entries(alone.ptx), entries(both.ptx)
+    assert len(alone_entries) == 1 and len(both_entries) == 2
+    assert any("SplitKVCombine" in name for name in both_entries)
+    (decode_name, decode_body), = alone_entries.items()
+    assert both_entries[decode_name].split("// .globl")[0].rstrip() == decode_body.split("// .globl")[0].rstrip()
+    assert both.spill_bytes == 0
+
+
 def test_mla_dense_non_causal_compiles():
     """M1 (MLA decode) on a dense cache without the causal mask (the registry row compiles it paged
     and causal): S (m64n64k16, 36 k-steps over q and qv) and P V (m64n256k16, a warpgroup's half of

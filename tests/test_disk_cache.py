@@ -336,15 +336,16 @@ def test_warm_cache_configs_fit_every_family(fp8):
 
 def test_cli_warm_cache_kvcache_rung(cache_dir, capsys):
     """The KV-cache rung warms dense, paged and gathered kernels, with and without packed queries,
-    and what a cache call launches beside them: the combine (also skipping K5's rows), the entries'
-    sort, and K5 over the cache (dense, whole-block pages, pages of 16 and 64 rows)."""
+    each alone and with the split-KV combine (one compiled call), and what a cache call launches
+    beside them: the entries' sort, and K5 over the cache (dense, whole-block pages, pages of 16
+    and 64 rows)."""
     assert cli.main(["compile", "--warm-cache", "--kernel", "s1", "--head-dim", "64"]) == 0
     out = capsys.readouterr().out
-    assert out.count("compiled in") == 6 + 7 and "FAILED" not in out
-    assert "entry order" in out and out.count("K5 over the cache") == 4
+    assert out.count("compiled in") == 12 + 5 and "FAILED" not in out
+    assert "entry order" in out and out.count("K5 over the cache") == 4 and out.count("with its combine") == 6
     long_queries = registry.get("s1").config.base.long_queries
     for key in (_compile_kvcache.entry_order_key(),
-                _compile_kvcache.combine_key(BF16, 64, max_queries=long_queries),
+                _compile_kvcache.kvcache_key(registry.get("s1"), BF16, 64, False, paged=True, with_combine=True),
                 _compile_kvcache.cache_prefill_key(registry.get("k5.5"), BF16, 64, False, True, 16,
                                                    long_queries)):
         assert _disk_cache.has(key) is not None, key  # the entries the calls look for

@@ -355,8 +355,8 @@ def test_cache_launch_takes_the_streams_scratch(monkeypatch):
 
     calls = []
     record = lambda name: (lambda *a, **k: (lambda *args: calls.append((name, args))))
-    monkeypatch.setattr(compile_kvcache, "get_kvcache", record("s1"))
-    monkeypatch.setattr(compile_kvcache, "get_combine", record("combine"))
+    kernels = []
+    monkeypatch.setattr(compile_kvcache, "get_kvcache", lambda *a: kernels.append(a) or record("s1")())
     monkeypatch.setattr(compile_kvcache, "get_entry_order", record("order"))
     cpu = torch.device("cpu")
     monkeypatch.setitem(fa3._checks.HOPPER_SMS, cpu, 132)
@@ -368,18 +368,18 @@ def test_cache_launch_takes_the_streams_scratch(monkeypatch):
     lengths = torch.full((1,), 16384, dtype=torch.int32)
     launch = kvcache.CacheLaunch(registry.get("s1"), q, cache, False, 16384, 0, True, 0.1, 0, (-1, -1), 0.0,
                                  None, 0, -1, False, False, False, torch.bfloat16, True)
-    assert launch.combine is not None, "b1 x 16k should be split"
+    assert launch.split, "b1 x 16k should be split"
+    assert kernels[-1][-1] is True, "a split call's kernel launches the combine itself (get_kvcache's with_combine)"
 
     def run(keep_lse):
         calls.clear()
         out, lse = launch(q, cache, cache, lengths, None, keep_lse=keep_lse)
-        (s1, s1_args), (combine, combine_args) = calls
-        assert (s1, combine) == ("s1", "combine")
+        ((s1, s1_args),) = calls  # one call: S1 and the combine
+        assert s1 == "s1"
         o_partial, lse_partial = s1_args[7], s1_args[8]
         splits, planes, rows, heads, d = o_partial.shape
         assert lse_partial.shape == (splits, planes, heads, rows) and splits == launch.num_splits > 1
-        assert combine_args[0] is o_partial and combine_args[1] is lse_partial and s1_args[6] is lse
-        assert combine_args[2] is out and lse.shape == (1, 32, 1) and out.shape == q.shape
+        assert s1_args[6] is lse and s1_args[5] is out and lse.shape == (1, 32, 1) and out.shape == q.shape
         return o_partial, lse
 
     first_partial, dropped = run(keep_lse=False)

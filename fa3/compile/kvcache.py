@@ -1,5 +1,6 @@
 """The KV-cache family's kernels: keys, builders and getters of S1 (kernels/decode.py), K5 over the
-cache for a packed call's prompt chunks (kernels/k5_cache.py), the split-KV combine and the
+cache for a packed call's prompt chunks (kernels/k5_cache.py), the split-KV combine (alone for MLA;
+compiled into S1's call otherwise: kernels/combine.SplitKVWithCombine) and the
 entries' sort (kernels/entry_order.py), and what --warm-cache fills beside S1. The shared compile
 machinery is compile/core.py; the other families are compile/builders.py.
 """
@@ -22,12 +23,14 @@ def _decode_config(spec, dtype, head_dim, paged, gather):
 
 
 def kvcache_key(spec, dtype, head_dim, causal, paged=False, local=False, softcap=False, gather=False,
-                varlen=False, leftpad=False, sinks=False, out_dtype=None, max_queries=0, query_dtype=None) -> tuple:
+                varlen=False, leftpad=False, sinks=False, out_dtype=None, max_queries=0, query_dtype=None,
+                with_combine=False) -> tuple:
     variant = (bool(local), bool(softcap), bool(sinks))
     layout = (bool(gather), bool(varlen), bool(leftpad))  # row gathers, packed queries, left padding
     out = (("out", str(out_dtype)),) if out_dtype not in (None, dtype) else ()
     out += (("max_queries", int(max_queries)),) if max_queries else ()
     out += (("query", str(query_dtype)),) if query_dtype not in (None, dtype) else ()
+    out += (("with_combine",),) if with_combine else ()
     return (spec.name, str(dtype), head_dim, bool(causal), bool(paged), *((variant,) if any(variant) else ()),
             *((("gather_varlen_leftpad",) + layout,) if any(layout) else ()), *out,
             config.key(spec.config, _decode_config(spec, dtype, head_dim, paged, gather)), dsl.TARGET_ARCH,
@@ -36,7 +39,7 @@ def kvcache_key(spec, dtype, head_dim, causal, paged=False, local=False, softcap
 
 def build_kvcache(spec, dtype, head_dim, causal, paged=False, local=False, softcap=False, gather=False,
                    varlen=False, leftpad=False, sinks=False, out_dtype=None, max_queries=0, query_dtype=None,
-                   extra_options=""):
+                   with_combine=False, extra_options=""):
     # an FP8 cache: dequantized in SMEM to fp16 for the GEMMs; q e4m3 (query_dtype None) with O in
     # out_dtype (bf16 default), or bf16 / fp16 with O in out_dtype (q's default)
     fp8 = dtype == torch.float8_e4m3fn
@@ -49,20 +52,27 @@ def build_kvcache(spec, dtype, head_dim, causal, paged=False, local=False, softc
                                paged=paged, local=local, softcap=softcap, gather=gather,
                                varlen=varlen, leftpad=leftpad, sinks=sinks, out_dtype=sig.cute_dtype(out_dtype),
                                max_queries=max_queries, fp8=fp8, **sixteen_bit_q)
+    if with_combine:  # one host function launching the kernel and then the combine of its partials
+        from ..kernels.combine import SplitKVCombine, SplitKVWithCombine
+
+        kernel = SplitKVWithCombine(kernel, SplitKVCombine(sig.cute_dtype(out_dtype), head_dim, sinks, max_queries))
     args = sig.kvcache_args(dtype, head_dim, out_dtype, query_dtype, paged=paged, varlen=varlen, leftpad=leftpad,
                             sinks=sinks)
     return core.compile_kernel(kernel, args, extra_options)
 
 
 def get_kvcache(spec, dtype, head_dim, causal, paged, local=False, softcap=False, gather=False,
-                varlen=False, leftpad=False, sinks=False, out_dtype=None, max_queries=0, query_dtype=None):
+                varlen=False, leftpad=False, sinks=False, out_dtype=None, max_queries=0, query_dtype=None,
+                with_combine=False):
     """The compiled KV-cache kernel: paged (gather: pages that do not hold whole key blocks) or
     dense (leftpad: keys from cache_leftpad on), packed queries (varlen; max_queries: only entries
     of fewer queries, the rest being K5's) or (batch, seqlen_q) ones, with or without attention
     sinks; `dtype` the cache's and q's (float8_e4m3fn: an FP8 cache, O in out_dtype), or q's
-    query_dtype where it differs (bf16 / fp16 q over an FP8 cache)."""
+    query_dtype where it differs (bf16 / fp16 q over an FP8 cache). with_combine: the kernel and
+    the split-KV combine of its partials in one call (kernels/combine.SplitKVWithCombine), for
+    calls of more than one partial a row."""
     static = (head_dim, causal, paged, local, softcap, gather, varlen, leftpad, sinks, out_dtype, max_queries,
-              query_dtype)
+              query_dtype, with_combine)
     return core.compiled(("kvcache", spec.name, dtype, *static), kvcache_key, build_kvcache, spec, dtype, *static)
 
 
@@ -144,18 +154,13 @@ def entry_order_key() -> tuple:
 
 def kvcache_companions(spec, dtype, head_dim, causal) -> list[tuple[str, tuple, object]]:
     """(label, key, build) of the kernels a call against a KV cache launches beside `spec` (s1),
-    for `python -m fa3 compile --warm-cache`: the split-KV combine, the entries' sort and, for a
-    16-bit cache, K5 over the cache for a packed call's prompt chunks (dense, pages holding whole
-    key blocks, pages of 16 and 64 rows) with the combine that skips K5's rows. `dtype`: the
-    cache's."""
-    out_dtype = torch.bfloat16 if dtype == torch.float8_e4m3fn else dtype
-    items = [("combine", combine_key(out_dtype, head_dim), lambda: build_combine(out_dtype, head_dim)),
-             ("entry order", entry_order_key(), build_entry_order)]
+    for `python -m fa3 compile --warm-cache`: the entries' sort and, for a 16-bit cache, K5 over
+    the cache for a packed call's prompt chunks (dense, pages holding whole key blocks, pages of 16
+    and 64 rows). (The split-KV combine is compiled with the rung: cache_configs' with_combine.)"""
+    items = [("entry order", entry_order_key(), build_entry_order)]
     min_queries = spec.config.base.long_queries
     if dtype == torch.float8_e4m3fn or not min_queries:
         return items
-    items.append(("combine skipping K5's rows", combine_key(dtype, head_dim, max_queries=min_queries),
-                  lambda: build_combine(dtype, head_dim, max_queries=min_queries)))
     tile_n = split_plan.prefill_config(head_dim, causal, False).tile_n
     layouts = []  # (paged, page_rows) for a dense cache, whole-block pages, and vLLM's 16 and 64
     for page_size in (None, tile_n, 16, 64):
