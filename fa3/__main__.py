@@ -13,8 +13,8 @@
         an FP8 cache, read by FP8 q with O in --dtype and by --dtype q), alone and with the
         split-KV combine, and what a cache call launches beside it: the entries' sort and K5 over
         the cache for prompt chunks
-        (compile/kvcache.py kvcache_companions); the MLA decode rung paged and dense, with its
-        combine; FP8 attention also for packed batches (cache_configs).
+        (compile/kvcache.py kvcache_companions); the MLA decode rung paged and dense, alone and
+        with its combine; FP8 attention also for packed batches (cache_configs).
     python -m fa3 demo
         On a Hopper GPU: fa3.attention (fastest rung) on batch 2, seqlen 4096, 16 heads, head_dim 128,
         bf16, causal and not; error against torch SDPA and TFLOP/s. Without one: compiles every
@@ -38,7 +38,6 @@ from dataclasses import dataclass
 import torch
 
 from .compile import builders as _compile, kvcache as _compile_kvcache, disk_cache as _disk_cache, dsl as _dsl
-from .compile import mla as _compile_mla
 from . import registry
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -208,8 +207,10 @@ def cache_configs(spec: registry.KernelSpec, head_dim: int, causal: bool, fp8: b
                 for q in reads for paged, gather in ((False, False), (True, False), (True, True))
                 for varlen in (False, True) for split in (False, True)]
     if spec.family == registry.MLA:  # MLA decode: its own head dims; pages (TMA boxes, row gathers) or dense
-        return [{"causal": causal, "paged": paged, "gather": gather, "varlen": varlen}
-                for paged, gather in ((True, False), (True, True), (False, False)) for varlen in (False, True)]
+        return [{"causal": causal, "paged": paged, "gather": gather, "varlen": varlen,
+                 **({"with_combine": True} if split else {})}
+                for paged, gather in ((True, False), (True, True), (False, False)) for varlen in (False, True)
+                for split in (False, True)]
     if fp8:
         return [{"a_layout": "row", "b_layout": "col", "out_dtype": dtype, "row_scales": rows}
                 for rows in (False, True)]
@@ -246,8 +247,6 @@ def cmd_warm_cache(args) -> int:
         companions = []  # what a cache call launches beside the rung
         if spec.family == registry.KVCACHE:
             companions = _compile_kvcache.kvcache_companions(spec, in_dtype, args.head_dim, args.causal)
-        elif spec.family == registry.MLA:
-            companions = _compile_mla.mla_companions(spec, dtype)
         for what, key, build in companions:
             label = f"{describe(spec, dtype, args.head_dim, args.causal, fp8_inputs)} {what}"
             entries.append((label, lambda key=key, build=build: _compile.fill_disk_cache_entry(key, build)))

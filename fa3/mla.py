@@ -35,7 +35,7 @@ from . import _checks, _dispatch, _launch, index_checks, masking
 from .cache.append import append_to_cache
 from .cache.checks import check_mla
 from .cache.split_plan import plan_mla_splits
-from .compile import kvcache as _compile_kvcache, mla as _compile_mla
+from .compile import mla as _compile_mla
 
 
 def default_scale(q, qv) -> float:
@@ -141,12 +141,9 @@ def launch_mla(spec, q, qv, k_cache, v_cache, seqlens, block_table, capacity: in
     lse3 = lse.view(heads_q, planes, rows).permute(1, 0, 2) if packed else lse
     paged = block_table is not None
     gather = paged and k_cache.shape[1] % spec.config.base.tile_n != 0  # pages not holding whole key blocks
-    fn = _compile_mla.get_mla(spec, q.dtype, mask.causal, paged, gather, varlen)
+    fn = _compile_mla.get_mla(spec, q.dtype, mask.causal, paged, gather, varlen, splits > 1)  # (with the combine)
     table = block_table if paged else _launch.stand_in(device).view(1, 1)
     cu = cu_seqlens_q if varlen else _launch.stand_in(device)
     fn(q4, qv4, k_cache, v_cache, seqlens, table, out4, lse3, o_partial, lse_partial, mask.scale_log2, appended, cu,
        seqlen_q if varlen else 0)
-    if splits > 1:
-        combine = _compile_kvcache.get_combine(q.dtype, d_v)
-        combine(o_partial, lse_partial, out4, lse3, _launch.stand_in(device, torch.float32), _launch.stand_in(device))
     return out, lse

@@ -139,3 +139,20 @@ class SplitKVWithCombine:
                           window_left, window_right, softcap_scale, mCuSeqlensQ, max_seqlen_q, mLeftpad, mOrder,
                           mSinks, mQDescale, mKDescale, mVDescale, stream)
         self.combine(mOacc, mLSEacc, mO, mLSE, mSinks, mCuSeqlensQ, stream)
+
+
+class MlaWithCombine:
+    """M1 (kernels/mla_decode.py) and the combine of its split partials as one compiled host
+    function, as SplitKVWithCombine for S1/S2: the arguments are M1's."""
+
+    def __init__(self, split_kernel, combine: SplitKVCombine):
+        self.split_kernel, self.combine = split_kernel, combine
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mQv: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
+                 mCacheSeqlens: cute.Tensor, mBlockTable: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+                 mOacc: cute.Tensor, mLSEacc: cute.Tensor, scale_log2: Float32, appended: Int32,
+                 mCuSeqlensQ: cute.Tensor, max_seqlen_q: Int32, stream):
+        self.split_kernel(mQ, mQv, mK, mV, mCacheSeqlens, mBlockTable, mO, mLSE, mOacc, mLSEacc, scale_log2,
+                          appended, mCuSeqlensQ, max_seqlen_q, stream)
+        self.combine(mOacc, mLSEacc, mO, mLSE, None, None, stream)

@@ -204,6 +204,16 @@ def test_split_decode_compiles_with_its_combine(name, paged, sinks):
     assert both.spill_bytes == 0
 
 
+def test_mla_compiles_with_its_combine():
+    """A split MLA call's M1 and its combine (at the latent's 512 columns) in one compiled call."""
+    from fa3.compile import mla as compile_mla
+
+    report = _compile.build_report(compile_mla.build_mla, registry.get("m1"), torch.bfloat16, with_combine=True)
+    entries = report.ptx.split(".visible .entry ")[1:]
+    assert len(entries) == 2 and any("SplitKVCombine" in e.split("(")[0] for e in entries)
+    assert report.spill_bytes == 0
+
+
 def test_mla_dense_non_causal_compiles():
     """M1 (MLA decode) on a dense cache without the causal mask (the registry row compiles it paged
     and causal): S (m64n64k16, 36 k-steps over q and qv) and P V (m64n256k16, a warpgroup's half of
