@@ -151,11 +151,14 @@ class DifferentiableAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.gradients, ctx.op = gradients, op
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # no zero-filled gradient made (a fill launch) for the unused lse
         return out, lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, _dlse):
+        if dout is None:  # out took no part in what is differentiated
+            return None, None, None, None, None, None
         with _dispatch.op_range(ctx.op):
             dq, dk, dv = ctx.gradients(dout, *ctx.saved_tensors)
         return None, None, None, dq, dk, dv
