@@ -23,7 +23,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
-from .common import mask, mma, pipeline, scheduler, seqlen, smem, tma
+from .common import mask, mma, pipeline, q_walk, scheduler, seqlen, smem, tma
 from .config import BackwardConfig
 
 
@@ -33,7 +33,7 @@ class BackwardSetup:
     mma_warpgroups = 2
     p_in_smem = True  # P goes through SMEM for dV (the transposed scores keep it in registers)
     dq_turn_barriers = 0  # mbarriers of the dQ hand-off (in the barriers' first 1 KB: no tile moves)
-    walk_slots = 0  # a block-sparse walk's Q tiles, loader to consumers (Int32s after the dQ turns: q_walk.py)
+    walk_slots = 0  # a block-sparse walk's hand-off of Q tiles, loader to consumers: its stages (after the dQ turns: q_walk.py)
     q_tile_multiple = 64  # Q tiles are M of S and dQ: whole 64-row WGMMA atoms (dQ^T: N of both)
     kv_tile_multiple = 64  # K/V tiles are M of dK/dV; P and dS rows fill a 128-byte swizzle atom
 
@@ -107,8 +107,8 @@ class BackwardSetup:
         class SharedStorage:
             q_barriers: cute.struct.MemRange[Int64, 2 * self.q_stages]
             kv_barriers: cute.struct.MemRange[Int64, 2]
-            # (1 keeps the field valid; a block-sparse walk's slots follow the turns)
-            dq_turns: cute.struct.MemRange[Int64, max(1, self.dq_turn_barriers + self.walk_slots // 2)]
+            # (1 keeps the field valid; a block-sparse walk's hand-off, mbarriers and slots, follows the turns)
+            dq_turns: cute.struct.MemRange[Int64, max(1, self.dq_turn_barriers + q_walk.handoff_words(self.walk_slots))]
             do_barriers: cute.struct.MemRange[Int64, 2 * self.do_stages if self.split_do else 1]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]

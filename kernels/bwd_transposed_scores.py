@@ -217,7 +217,7 @@ class TransposedScores:
         handed off under dK. (dO rides on the Q ring: `do_pipe` is always None here.) `partial`:
         the mask mod runs (every tile but a block mask's full blocks)."""
         lse2, dsum = self.step_stats(ctx, q_pipe, q_state, m_block)
-        m_block = q_walk.landed(m_block)  # (a block-sparse walk's tile, published by the loader)
+        m_block = q_walk.landed(m_block, q_state)  # (a block-sparse walk's tile, published by the loader)
         stage = q_state.index
         if cutlass.const_expr(self.prefetch_stats and self.smem_stats):
             acc_s, acc_dp = self.scores_t_and_dp_t(ctx, stage, -1)

@@ -222,6 +222,9 @@ class BackwardRoles(BackwardSetup, QueryStatistics, DqOrder, DkvEpilogue, Backwa
         pipes = super().make_pipelines(storage, sQ_layout, sKV_layout, consumer_warps)
         if self.dq_mbarriers:
             self.init_dq_turns(storage.dq_turns.data_ptr())  # made visible by pipeline.init_done
+        if self.walk_slots:  # (likewise)
+            q_walk.init_handoff(storage.dq_turns.data_ptr() + self.dq_turn_barriers, self.walk_slots,
+                                self.consumer_threads)
         return pipes
 
     def smem_tensors(self, storage, sQ_layout, sKV_layout, sPdS_layout):
@@ -229,9 +232,7 @@ class BackwardRoles(BackwardSetup, QueryStatistics, DqOrder, DkvEpilogue, Backwa
         if self.dq_mbarriers:
             s.dq_turns = storage.dq_turns.data_ptr()
         if self.walk_slots:
-            s.walk_slots = cute.make_tensor(
-                cute.recast_ptr(storage.dq_turns.data_ptr() + self.dq_turn_barriers, dtype=Int32),
-                cute.make_layout(self.walk_slots))
+            s.walk_handoff = q_walk.make_handoff(storage.dq_turns.data_ptr() + self.dq_turn_barriers, self.walk_slots)
         return s
 
     # ---------------------------------------------------------------- the GEMMs' hooks (bwd_mma.py)
@@ -382,10 +383,10 @@ class BackwardRoles(BackwardSetup, QueryStatistics, DqOrder, DkvEpilogue, Backwa
                 # a block mask's partial blocks (the mask mod), then its full ones (none): two loops,
                 # no branch in either
                 for i in cutlass.range(visits.partial_tiles(), unroll=1):
-                    q_consumer = self.consume_step(ctx, s, q_pipe, q_consumer, visits.published(i), n_block,
+                    q_consumer = self.consume_step(ctx, s, q_pipe, q_consumer, visits.consumer_tile(i), n_block,
                                                    scale_log2, do_pipe)
                 for i in cutlass.range(visits.partial_tiles(), visits.count(), unroll=1):
-                    q_consumer = self.consume_step(ctx, s, q_pipe, q_consumer, visits.published(i), n_block,
+                    q_consumer = self.consume_step(ctx, s, q_pipe, q_consumer, visits.consumer_tile(i), n_block,
                                                    scale_log2, do_pipe, partial=False)
             else:
                 for i in cutlass.range(visits.count(), unroll=1):
@@ -395,12 +396,12 @@ class BackwardRoles(BackwardSetup, QueryStatistics, DqOrder, DkvEpilogue, Backwa
 
     def role_walk(self, walk, block_lists, batch: Int32, head: Int32, n_block: Int32, s=None):
         """A role's walk: the dense one `roles` built, or (walk None) the block mask's, read here;
-        the loader's and the consumers' with the SMEM slots through which the loader hands each
+        the loader's and the consumers' with the SMEM hand-off through which the loader gives each
         visit's Q tile to the consumers (`s`: q_walk.py)."""
         if walk is not None:
             return walk
         return q_walk.block_mask_walk(block_lists, batch, head, n_block, self.block_split,
-                                      None if s is None else s.walk_slots)
+                                      None if s is None else s.walk_handoff)
 
     @cute.jit
     def sync_consumers(self):
@@ -437,8 +438,8 @@ class BackwardRoles(BackwardSetup, QueryStatistics, DqOrder, DkvEpilogue, Backwa
         q_state = pipeline.producer_state(self.q_stages)
         for i in cutlass.range(walk.count(), unroll=1):
             m_block = walk.m_block(i)
-            if cutlass.const_expr(walk.sparse):  # the consumers read visit i's tile from SMEM
-                walk.publish(i, m_block)
+            if cutlass.const_expr(walk.sparse):  # the consumers take visit i's tile from SMEM
+                walk.publish(q_state, m_block)
             q_state = pipeline.produce(q_pipe, q_state, m_block, q_copies)
             if cutlass.const_expr(self.split_do):
                 pipeline.produce(do_pipe, pipeline.state_at(self.do_stages, i, producer=True), m_block, do_copies)
@@ -463,7 +464,7 @@ class BackwardRoles(BackwardSetup, QueryStatistics, DqOrder, DkvEpilogue, Backwa
         `split_do`: dO_i waited for between S and dP, released once dV is done."""
         consumers = self.consumer_threads
         lse2, dsum = self.step_stats(ctx, q_pipe, q_state, m_block)
-        m_block = q_walk.landed(m_block)  # (a block-sparse walk's tile, published by the loader)
+        m_block = q_walk.landed(m_block, q_state)  # (a block-sparse walk's tile, published by the loader)
         stage, do_state = q_state.index, None
         if cutlass.const_expr(self.split_do):
             do_state = pipeline.state_at(self.do_stages, q_state.count)
@@ -604,7 +605,7 @@ class BlockSparseFlexBackward(BackwardRoles):
         if not self.smem_stats:
             raise ValueError("the block-sparse backward takes the statistics through SMEM (stats_in_smem): its "
                              "consumers read a visit's Q tile once the tile's stage has landed")
-        self.walk_slots = 2 * self.q_stages  # (q_walk.py: visit i's Q tile in slot i % walk_slots)
+        self.walk_slots = self.q_stages  # (q_walk.py: the hand-off of the tiles steps with the Q ring)
         if self.tile_n != BLOCK_MASK_TILE[1] or BLOCK_MASK_TILE[0] % self.tile_m:
             raise ValueError(f"the block-sparse backward walks {BLOCK_MASK_TILE[0]} x {BLOCK_MASK_TILE[1]} blocks: "
                              f"its K/V tiles must be {BLOCK_MASK_TILE[1]} keys and its Q tiles divide "

@@ -22,15 +22,24 @@ BlockMaskQWalk: flex attention's block sparsity, over the transposed lists of to
     with no block has count 0: K and V are loaded and dK = dV = 0 stored (as for the dense walk's
     empty ones).
 
-The consumers of a block-sparse walk do not read the lists per visit: the loader publishes visit
-i's tile in SMEM slot i % slots (2 x q_stages Int32s after the dQ turns' mbarriers: bwd_setup.py)
-before it acquires the visit's stage, every lane storing it and the warp synchronized, so the
-stage's arrive (a release) orders the store; a consumer reads it once the stage has landed (its
-wait an acquire; `landed` in the consume steps). A slot is rewritten for visit i + slots only
-after the consumers released visit i + slots - q_stages - 1 >= i, so after they read it. Reading
-the lists' row per visit beside the five accumulators (a row pointer, a count, the clamp's bound)
-spilled registers at d128 (b7). The counts the consumers still read, once. The dQ writer reads the
-lists itself (it runs up to a tile behind the consumers).
+The consumers of a block-sparse walk do not read the lists per visit: the loader hands them each
+visit's tile through SMEM (`TileHandoff`: an Int32 slot per Q stage, each with a full and an empty
+mbarrier, after the dQ turns' mbarriers: bwd_setup.py, bwd_ws.py), as the tile scheduler hands
+out its next tile (scheduler.py) and M1 its P (pipeline.create_handoff): a ring beside the Q ring,
+stepped by the Q ring's own states (visit i: stage i % q_stages, its phase). Before it acquires
+visit i's Q stage the loader waits for the slot's empty barrier (every consumer thread has read
+visit i - q_stages), lane 0 stores the tile and arrives on the slot's full barrier (one arrival);
+once the stage has landed (`landed` in the consume steps) each consumer thread waits for the full
+barrier, reads the slot and arrives on the empty one (one arrival a thread). So plain arrive/wait
+pairs order the store before the reads and the reads before the next store, which
+compute-sanitizer's racecheck follows. (The slot stored before the stage's arrive.expect_tx and
+read after its wait is ordered on the GPU as well, but the tool follows neither a barrier that TMA
+completes nor bar.warp.sync: it reported 27,776 RAW hazards.) The loader never waits on a slot
+longer than on the Q ring: the consumers read visit i - q_stages's slot before they release its
+stage, which the loader waits for next. Reading the lists' row per visit beside the five
+accumulators (a row pointer, a count, the clamp's bound) spilled registers at d128 (b7). The
+counts the consumers still read, once. The dQ writer reads the lists itself (it runs up to a tile
+behind the consumers).
 
 The lists' constraints are the forward's (kv_walk.py): int32, (B or 1, H or 1, kv_blocks[,
 q_blocks]), contiguous, a dimension of 1 broadcast by clamping its index, counts clamped to [0,
@@ -93,7 +102,7 @@ class BlockMaskQWalk:
     blocks: Int32  # partial and full blocks listed
     full: object
     split: int  # static: Q tiles a block (a power of two)
-    slots: object = None  # the loader's and the consumers': SMEM Int32 slots (a power of two of them)
+    handoff: object = None  # the loader's and the consumers': the tiles' SMEM hand-off (TileHandoff)
     sparse = True
 
     @property
@@ -125,19 +134,15 @@ class BlockMaskQWalk:
         """Visit i >= partial_tiles(): a tile of a full block."""
         return _tile(self.full, self._entry(i) - self.partial_count, i, self.split)
 
-    def publish(self, i: Int32, m_block: Int32):
-        """Loader warp (every lane), before it acquires visit i's stage: visit i's tile into slot
-        i % slots, for the consumers (`published`)."""
-        self.slots[i & (cute.size(self.slots) - 1)] = m_block
-        cute.arch.sync_warp()  # every lane's store before the stage's arrive (release) by any lane
-
-    def published(self, i: Int32) -> "PublishedTile":
-        """Consumers: visit i's tile, read from its slot once visit i's stage has landed (`landed`)."""
-        return PublishedTile(self.slots, i)
+    def publish(self, q_state, m_block: Int32):
+        """Loader warp (every lane), before it acquires the visit's Q stage (`q_state`, its
+        producer state): the visit's tile to the consumers (`consumer_tile`)."""
+        _publish(self.handoff, q_state, m_block)
 
     def consumer_tile(self, i: Int32):
-        """Consumers: visit i's tile, published by the loader (or, without slots, read here)."""
-        return self.m_block(i) if self.slots is None else self.published(i)
+        """Consumers: visit i's tile, taken from the loader's hand-off once the visit's stage has
+        landed (`landed`); without a hand-off, read here."""
+        return self.m_block(i) if self.handoff is None else PublishedTile(self.handoff)
 
     def _entry(self, i: Int32) -> Int32:
         """The block (counted over both lists) of visit i."""
@@ -145,22 +150,80 @@ class BlockMaskQWalk:
 
 
 @dataclass(frozen=True)
+class TileHandoff:
+    """The loader's hand-off of a block-sparse walk's tiles to the consumers (the module docstring):
+    an Int32 slot per Q stage (`slots`) and, at `barriers`, their mbarriers: stage k's full at k (one
+    arrival: the loader's lane 0, after its store), its empty at stages + k (one arrival per
+    consumer thread, after its read). Stepped by the Q ring's states (index, phase)."""
+
+    barriers: object  # cute.Pointer to 2 x stages Int64 mbarriers
+    slots: cute.Tensor  # stages Int32s
+
+    def full(self, state):
+        return self.barriers + state.index
+
+    def empty(self, state):
+        return self.barriers + cute.size(self.slots) + state.index
+
+
+def handoff_words(stages: int) -> int:
+    """Int64 words of SMEM a hand-off of `stages` takes (its mbarriers, then its Int32 slots)."""
+    return 2 * stages + (stages + 1) // 2
+
+
+@cute.jit
+def init_handoff(barriers, stages: cutlass.Constexpr, consumer_threads: cutlass.Constexpr):
+    """Thread 0, beside the kernel's other barriers (made visible by pipeline.init_done): full
+    barriers of one arrival, empty ones of one per consumer thread."""
+    tidx, _, _ = cute.arch.thread_idx()
+    if tidx == 0:
+        for k in cutlass.range_constexpr(stages):
+            cute.arch.mbarrier_init(barriers + k, 1)
+            cute.arch.mbarrier_init(barriers + stages + k, consumer_threads)
+
+
+def make_handoff(barriers, stages: int) -> TileHandoff:
+    """The hand-off whose `stages` slots follow its mbarriers at `barriers` (handoff_words of them)."""
+    return TileHandoff(barriers, cute.make_tensor(cute.recast_ptr(barriers + 2 * stages, dtype=Int32),
+                                                  cute.make_layout(stages)))
+
+
+@cute.jit
+def _publish(handoff: TileHandoff, q_state, m_block: Int32):
+    """Loader warp (every lane): wait until every consumer thread has read the slot's last tile (the
+    producer state's phase starts at 1: the first round passes), then lane 0 stores this one and
+    arrives on the slot's full barrier."""
+    cute.arch.mbarrier_wait(handoff.empty(q_state), q_state.phase)
+    if cute.arch.lane_idx() == 0:
+        handoff.slots[q_state.index] = m_block
+        cute.arch.mbarrier_arrive(handoff.full(q_state))
+
+
+@dataclass(frozen=True)
 class PublishedTile:
-    """Visit i's Q tile as the loader published it in SMEM (BlockMaskQWalk.publish): read once the
-    visit's Q stage has landed (`landed`), so the consumers keep no walk of their own (a row of
-    the lists and its count beside five accumulators spilled registers at d128)."""
+    """A visit's Q tile as the loader published it (BlockMaskQWalk.publish): taken once the visit's
+    Q stage has landed (`landed`), so the consumers keep no walk of their own (a row of the lists
+    and its count beside five accumulators spilled registers at d128)."""
 
-    slots: cute.Tensor
-    i: Int32
+    handoff: TileHandoff
 
-    def read(self) -> Int32:
-        return cute.arch.make_warp_uniform(self.slots[self.i & (cute.size(self.slots) - 1)])
+    @cute.jit
+    def take(self, q_state) -> Int32:
+        """Every consumer thread, once per visit (`q_state`: the visit's consumer state): wait for
+        the slot's full barrier, read the slot, free it (one arrival on its empty barrier). The
+        wait tries once first, as pipeline.consume_wait does: the loader arrived before it issued
+        the stage's copies, so it has passed (this shape also spilled the fewest registers at d128)."""
+        if not cute.arch.mbarrier_try_wait(self.handoff.full(q_state), q_state.phase):
+            cute.arch.mbarrier_wait(self.handoff.full(q_state), q_state.phase)
+        m_block = self.handoff.slots[q_state.index]
+        cute.arch.mbarrier_arrive(self.handoff.empty(q_state))
+        return cute.arch.make_warp_uniform(m_block)
 
 
-def landed(m_block):
-    """A consume step's Q tile once its stage has landed: a published tile read from its slot, else
-    as it is (the dense walk's, and the slotless walk's)."""
-    return m_block.read() if isinstance(m_block, PublishedTile) else m_block
+def landed(m_block, q_state):
+    """A consume step's Q tile once its stage (`q_state`) has landed: a published tile taken from
+    the hand-off, else as it is (the dense walk's, and a walk's without a hand-off)."""
+    return m_block.take(q_state) if isinstance(m_block, PublishedTile) else m_block
 
 
 @cute.jit
@@ -195,10 +258,11 @@ def _either(walk: BlockMaskQWalk, i: Int32) -> Int32:
     return m_block
 
 
-def block_mask_walk(lists, batch: Int32, head: Int32, n_block: Int32, split: int, slots=None) -> BlockMaskQWalk:
+def block_mask_walk(lists, batch: Int32, head: Int32, n_block: Int32, split: int, handoff=None) -> BlockMaskQWalk:
     """The walk of K/V tile n_block of (batch, query head) over `lists`, (q_num_blocks, q_indices)
-    or those and (full_q_num_blocks, full_q_indices); `split` Q tiles a block; `slots`: the SMEM
-    slots through which the loader hands each visit's tile to the consumers (None: the writer)."""
+    or those and (full_q_num_blocks, full_q_indices); `split` Q tiles a block; `handoff`: the SMEM
+    hand-off through which the loader gives each visit's tile to the consumers (TileHandoff; None:
+    the writer)."""
     assert split >= 1 and split & (split - 1) == 0, "a block is a power of two of Q tiles"
     partial_count, partial, blocks, full = list_rows(lists, batch, head, n_block)
-    return BlockMaskQWalk(partial_count, partial, blocks, full, split, slots)
+    return BlockMaskQWalk(partial_count, partial, blocks, full, split, handoff)
