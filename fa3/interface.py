@@ -105,6 +105,13 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
             if return_lse:
                 return launch(q, k, v, out=out)
             return launch(q, k, v, False, out)[0]
+        # the same with gradients: fa3's autograd.Function with the forward and backward chosen then
+        grad_call = _GRAD_CALLS.get((key, deterministic, backward_kernel)) if plain and out is None else None
+        if grad_call is not None and torch.is_grad_enabled() \
+                and (q.requires_grad or k.requires_grad or v.requires_grad) and _dispatch.eager_autograd_ok(q, k, v) \
+                and not _dispatch.profiling() and data_aligned(q, k, v):
+            out, lse = backward.DifferentiableAttention.apply(*grad_call, "fa3::attention_backward", q, k, v)
+            return (out, lse) if return_lse else out
     if fp8.is_fp8_call(q, q_descale, k_descale, v_descale):
         return fp8.attention_fp8(q, k, v, q_descale, k_descale, v_descale, causal=causal,
                                  softmax_scale=softmax_scale, window=window_size, softcap=softcap,
@@ -149,6 +156,9 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
                                         softcap=softcap)
         gradients = backward.dense_gradients(backward_spec, causal, scale, bool(deterministic), window,
                                              float(softcap))
+        if plain and forward is not None and type(deterministic) is bool \
+                and (backward_kernel is None or type(backward_kernel) is str):
+            _GRAD_CALLS.remember((key, deterministic, backward_kernel), (forward, gradients))
         with _dispatch.op_range("fa3::attention"):
             out, lse = backward.DifferentiableAttention.apply(forward, gradients, "fa3::attention_backward",
                                                               q, k, v)
@@ -255,6 +265,8 @@ def _check_mods_grad(q, k, v, out, sinks, block_lists, q_block_lists, determinis
 # its prepared launch, for calls that passed every check with q, k and v as they are
 _PLAIN_LAUNCHES = BoundedMemo()
 _GRAD_FORWARDS = BoundedMemo()  # the same key -> the forward of a call that needs gradients
+# (the same key, deterministic, backward_kernel) -> (forward, gradients) of such a call that passed every check
+_GRAD_CALLS = BoundedMemo()
 
 
 def plain_key(q, k, v, causal: bool, softmax_scale, rung: str | None = None, out=None) -> tuple:

@@ -345,6 +345,42 @@ def test_capture_right_after_an_eager_call_with_a_pending_check():
     fa3.check_index_values()
 
 
+def test_gradient_calls_remembered(monkeypatch):
+    """A plain eager call with gradients that passed every check is remembered with its forward and
+    backward (interface._GRAD_CALLS, keyed with deterministic and backward_kernel): the same call
+    again skips the checks; another backward choice, no gradients or a profiler take the full path.
+    The kernels are no-ops (CPU)."""
+    from fa3 import interface
+    from fa3.compile import builders
+
+    cpu = torch.device("cpu")
+    monkeypatch.setitem(fa3._checks.HOPPER_SMS, cpu, 132)
+    monkeypatch.setattr(fa3._checks, "check_hopper", lambda device, name: None)
+    for getter in ("get_attention", "get_backward", "get_backward_preprocess", "get_backward_postprocess"):
+        monkeypatch.setattr(builders, getter, lambda *a, **k: (lambda *args: None))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 7, raising=False)
+    checked = []
+    real_check = interface.check_attention
+    monkeypatch.setattr(interface, "check_attention", lambda *a: checked.append(1) or real_check(*a))
+    q, k, v = (torch.zeros(1, 128, 4, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+
+    def call(**kwargs):
+        checked.clear()
+        out = fa3.attention(q, k, v, causal=True, **kwargs)
+        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        return len(checked)
+
+    assert call() == 1 and call() == 0, "the second call takes the remembered forward and backward"
+    assert call(deterministic=True) == 1 and call(deterministic=True) == 0 and call() == 0
+    with torch.no_grad():
+        checked.clear()
+        fa3.attention(q, k, v, causal=True)
+        assert len(checked) == 1  # (no gradients: the plain launch's memo, filled by this call)
+    monkeypatch.setattr(fa3._dispatch, "profiling", lambda: True)
+    assert call() == 1
+
+
 def test_cache_launch_takes_the_streams_scratch(monkeypatch):
     """A planned cache launch (kvcache.CacheLaunch) hands its kernels the split partials from the
     stream's scratch (the same tensors call after call, one lookup for all), and a dropped LSE from
