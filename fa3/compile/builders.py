@@ -132,13 +132,9 @@ def get_attention(spec, dtype, head_dim, causal, varlen=False, local=False, soft
     if mods is not None:
         key = attention_key(spec, dtype, head_dim, causal, varlen, local, softcap, sinks, head_dim_v, short, mods,
                             block_lists)
-        fn = core.FAST.get(key)
-        if fn is None:
-            fn = core.FAST[key] = core.cached(
-                key, lambda: _build_attention(spec, dtype, head_dim, causal, varlen, local, softcap, sinks,
-                                              head_dim_v, short, mods=mods, block_lists=block_lists),
-                persist=False)
-        return fn
+        return core.compiled_in_process(key, lambda: _build_attention(
+            spec, dtype, head_dim, causal, varlen, local, softcap, sinks, head_dim_v, short, mods=mods,
+            block_lists=block_lists))
     return core.compiled((spec.name, dtype, head_dim, causal, varlen, local, softcap, sinks, head_dim_v, short),
                          attention_key, _build_attention, spec, dtype, head_dim, causal, varlen, local, softcap,
                          sinks, head_dim_v, short)
@@ -201,13 +197,9 @@ def get_backward(spec, dtype, head_dim, causal, deterministic, gqa, local=False,
     if mods is not None:
         key = backward_key(spec, dtype, head_dim, causal, deterministic, gqa, local, softcap, varlen, head_dim_v,
                            mods, block_lists)
-        fn = core.FAST.get(key)
-        if fn is None:
-            fn = core.FAST[key] = core.cached(
-                key, lambda: _build_backward(spec, dtype, head_dim, causal, deterministic, gqa, local, softcap,
-                                             varlen, head_dim_v, mods=mods, block_lists=block_lists),
-                persist=False)
-        return fn
+        return core.compiled_in_process(key, lambda: _build_backward(
+            spec, dtype, head_dim, causal, deterministic, gqa, local, softcap, varlen, head_dim_v, mods=mods,
+            block_lists=block_lists))
     return core.compiled(("bwd", spec.name, dtype, head_dim, causal, deterministic, gqa, local, softcap, varlen,
                           head_dim_v), backward_key, _build_backward, spec, dtype, head_dim, causal, deterministic,
                          gqa, local, softcap, varlen, head_dim_v)

@@ -36,6 +36,15 @@ def compiled(fast_key, key, build, *args):
     return fn
 
 
+def compiled_in_process(key, build):
+    """A kernel that is never stored on disk (a flex mod's: its code may read globals no key can
+    see), through the per-call memo by its full key `key`: built once in this process."""
+    fn = FAST.get(key)
+    if fn is None:
+        fn = FAST[key] = cached(key, build, persist=False)
+    return fn
+
+
 def cached(key, build, persist: bool = True):
     """The kernel for `key` (a callable), loaded from the disk cache or built and stored there,
     once even across threads, on first use (persist=False: built, kept in this process only)."""
