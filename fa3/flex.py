@@ -227,12 +227,7 @@ def block_mask_plan(block_mask, query, key, kernel=None):
     lists = [getattr(block_mask, name, None) for name in names]
     if lists[2] is None or lists[3] is None:
         lists = lists[:2]
-    for name, t in zip(names, lists):
-        if t.device != query.device:
-            raise ValueError(f"block_mask's {name} is on {t.device}, but query is on {query.device}: "
-                             f"create it with device={str(query.device)!r} or move it (block_mask.to(device))")
-        if t.dtype != torch.int32:
-            raise ValueError(f"block_mask's {name} is {t.dtype}; the kernel reads int32 block lists")
+    _check_lists_device_and_dtype(names, lists, query)
     for counts, indices in zip(lists[::2], lists[1::2]):
         if indices.dim() != 4 or tuple(indices.shape[:3]) != tuple(counts.shape):
             raise ValueError(f"block_mask's block counts {tuple(counts.shape)} and indices {tuple(indices.shape)} "
@@ -256,12 +251,7 @@ def block_mask_q_lists(block_mask, query, key, count: int):
     block_q, block_kv = block_mask.BLOCK_SIZE
     mask_b, mask_h, q_blocks = block_mask.kv_num_blocks.shape
     kv_blocks = -(-key.shape[2] // block_kv)
-    for name, t in zip(names, lists):
-        if t.device != query.device:
-            raise ValueError(f"block_mask's {name} is on {t.device}, but query is on {query.device}: "
-                             f"create it with device={str(query.device)!r} or move it (block_mask.to(device))")
-        if t.dtype != torch.int32:
-            raise ValueError(f"block_mask's {name} is {t.dtype}; the kernel reads int32 block lists")
+    _check_lists_device_and_dtype(names, lists, query)
     for counts, indices in zip(lists[::2], lists[1::2]):
         if tuple(counts.shape) != (mask_b, mask_h, kv_blocks) or \
                 tuple(indices.shape) != (mask_b, mask_h, kv_blocks, q_blocks):
@@ -270,6 +260,16 @@ def block_mask_q_lists(block_mask, query, key, count: int):
                              f"{(mask_b, mask_h, kv_blocks)} and indices {(mask_b, mask_h, kv_blocks, q_blocks)} "
                              f"({kv_blocks} K/V blocks of {block_kv} keys, {q_blocks} Q blocks)")
     return tuple(t.contiguous() for t in lists)
+
+
+def _check_lists_device_and_dtype(names, lists, query):
+    """A BlockMask's lists `names` on query's device, in int32 (what the kernels read)."""
+    for name, t in zip(names, lists):
+        if t.device != query.device:
+            raise ValueError(f"block_mask's {name} is on {t.device}, but query is on {query.device}: "
+                             f"create it with device={str(query.device)!r} or move it (block_mask.to(device))")
+        if t.dtype != torch.int32:
+            raise ValueError(f"block_mask's {name} is {t.dtype}; the kernel reads int32 block lists")
 
 
 def _is_noop(mod) -> bool:
