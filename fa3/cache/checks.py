@@ -78,16 +78,10 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kernel,
         elif k.shape != v.shape or k.shape[0] != batch or k.shape[2:] != (heads_kv, head_dim):
             raise ValueError(f"k and v must both be (batch={batch}, new_tokens, heads_kv={heads_kv}, "
                              f"head_dim={head_dim}), got {tuple(k.shape)} and {tuple(v.shape)}")
-        if k.device != q.device or v.device != q.device:
-            name, t = ("k", k) if k.device != q.device else ("v", v)
-            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; put them on one GPU")
         appended = 0 if packed_new else k.shape[1]
+        check_new_tokens(q, k, v, appended, capacity, block_table, planes)
         _checks.check_no_overlap(v_cache, "v_cache", (("k_cache", k_cache),),
                                  "appending the new k and v would write one over the other")
-        if appended > capacity:
-            raise ValueError(f"{appended} new tokens do not fit a cache of {capacity} per sequence")
-        if block_table is not None and k.shape[0] * k.shape[1] and planes == 0:
-            raise ValueError("k_cache has no pages (shape[0] = 0): the new tokens have nowhere to go")
     cache_seqlens = seqlens_tensor(cache_seqlens, batch, q.device, capacity, appended, block_table, rows,
                                     lengths_name)
     if cache_leftpad is not None:
@@ -281,18 +275,24 @@ def check_mla(q, qv, k_cache, v_cache, k, v, cache_seqlens, block_table, kernel,
             raise ValueError(f"k and v must be (batch={batch}, new_tokens, heads_kv={heads_kv}, {k_cache.shape[3]}) "
                              f"and (..., {v_cache.shape[3]}) (k_cache's and v_cache's head dims), got "
                              f"{tuple(k.shape)} and {tuple(v.shape)}")
-        if k.device != q.device or v.device != q.device:
-            name, t = ("k", k) if k.device != q.device else ("v", v)
-            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; put them on one GPU")
         appended = k.shape[1]
-        if appended > capacity:
-            raise ValueError(f"{appended} new tokens do not fit a cache of {capacity} per sequence")
-        if block_table is not None and k.shape[0] * k.shape[1] and planes == 0:
-            raise ValueError("k_cache has no pages (shape[0] = 0): the new tokens have nowhere to go")
+        check_new_tokens(q, k, v, appended, capacity, block_table, planes)
     cache_seqlens = seqlens_tensor(cache_seqlens, batch, q.device, capacity, appended, block_table, rows,
                                    lengths_name)
     _checks.check_hopper(q.device, "q")
     return spec, cache_seqlens, capacity, appended, batch, seqlen_q
+
+
+def check_new_tokens(q, k, v, appended: int, capacity: int, block_table, planes: int):
+    """New tokens to append (k and v, shapes checked): on q's device, `appended` of them a sequence
+    fitting its `capacity`, and a paged cache with pages to write them into (`planes`: its pages)."""
+    if k.device != q.device or v.device != q.device:
+        name, t = ("k", k) if k.device != q.device else ("v", v)
+        raise ValueError(f"{name} is on {t.device} but q is on {q.device}; put them on one GPU")
+    if appended > capacity:
+        raise ValueError(f"{appended} new tokens do not fit a cache of {capacity} per sequence")
+    if block_table is not None and k.shape[0] * k.shape[1] and planes == 0:
+        raise ValueError("k_cache has no pages (shape[0] = 0): the new tokens have nowhere to go")
 
 
 def mla_rung(kernel):
