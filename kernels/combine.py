@@ -117,15 +117,19 @@ class SplitKVCombine:
                 parts[j, i] = mOacc[split, batch, query, head, lane + 32 * i]
 
 
-class SplitKVWithCombine:
-    """A split-KV decode kernel (S1, S2: kernels/decode.py) and the combine of its partials as one
-    compiled host function: one call from Python launches both on the stream, where a second
-    compiled call cost the host as much again as the combine's GPU time (worklog/host.md). Its
-    arguments are the decode kernel's; the combine reads the partials, O, LSE, the sinks and
-    cu_seqlens_q among them."""
+class _WithCombine:
+    """A split-KV kernel and the combine of its partials as one compiled host function: one call
+    from Python launches both on the stream, where a second compiled call cost the host as much
+    again as the combine's GPU time (worklog/host.md). Each subclass's __call__ takes its kernel's
+    arguments (the DSL compiles a signature, not *args)."""
 
     def __init__(self, split_kernel, combine: SplitKVCombine):
         self.split_kernel, self.combine = split_kernel, combine
+
+
+class SplitKVWithCombine(_WithCombine):
+    """S1 or S2 (kernels/decode.py) with the combine: the arguments are the decode kernel's; the
+    combine reads the partials, O, LSE, the sinks and cu_seqlens_q among them."""
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mCacheSeqlens: cute.Tensor,
@@ -141,12 +145,8 @@ class SplitKVWithCombine:
         self.combine(mOacc, mLSEacc, mO, mLSE, mSinks, mCuSeqlensQ, stream)
 
 
-class MlaWithCombine:
-    """M1 (kernels/mla_decode.py) and the combine of its split partials as one compiled host
-    function, as SplitKVWithCombine for S1/S2: the arguments are M1's."""
-
-    def __init__(self, split_kernel, combine: SplitKVCombine):
-        self.split_kernel, self.combine = split_kernel, combine
+class MlaWithCombine(_WithCombine):
+    """M1 (kernels/mla_decode.py) with the combine at the latent's width: the arguments are M1's."""
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mQv: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
