@@ -642,31 +642,39 @@ def test_block_mask_gqa_per_head(head_dim):
     _check_block_mask(q, k, v, without_full_blocks(block), "GQA per-head windows, no full lists")
 
 
+def _lists_alone_masks(seqlen: int, shifted_first: bool, device="cuda"):
+    """(sparse, full) over seqlen x seqlen in 128-blocks: `sparse` a BlockMask without a mask_mod
+    whose Q tile m lists K/V tiles m and (m + 3) % blocks as partial blocks (the shifted one first
+    or second); `full` every block full, with a mask_mod that hides everything (never run there)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    blocks = -(-seqlen // 128)
+    rows = torch.arange(blocks, device=device)
+    pair = [(rows + 3) % blocks, rows] if shifted_first else [rows, (rows + 3) % blocks]
+    indices = torch.stack(pair, dim=-1)
+    indices = torch.cat([indices, torch.zeros(blocks, blocks - 2, dtype=indices.dtype, device=device)], dim=-1)
+    counts = torch.full((1, 1, blocks), 2, dtype=torch.int32, device=device)
+    sparse = BlockMask.from_kv_blocks(counts, indices.to(torch.int32)[None, None], BLOCK_SIZE=128,
+                                      seq_lengths=(seqlen, seqlen))
+
+    def hides_everything(b, h, q_idx, kv_idx):
+        return q_idx < 0
+    every = torch.arange(blocks, dtype=torch.int32, device=device).repeat(1, 1, blocks, 1)
+    full = BlockMask.from_kv_blocks(torch.zeros(1, 1, blocks, dtype=torch.int32, device=device), every,
+                                    torch.full((1, 1, blocks), blocks, dtype=torch.int32, device=device), every,
+                                    BLOCK_SIZE=128, mask_mod=hides_everything, seq_lengths=(seqlen, seqlen))
+    return sparse, full
+
+
 @gpu
 def test_block_mask_lists_alone():
     """The lists decide: a BlockMask without a mask_mod (from_kv_blocks' noop) whose lists name
     only some blocks gives block-level attention over exactly those (skipping is not optional), and
     full blocks never run the mask_mod: one that hides everything, with every block full, changes
     nothing. 1000 keys: the ragged last tile is a full block here, and the first one visited."""
-    from torch.nn.attention.flex_attention import BlockMask
-
-    seqlen, blocks = 1000, 8
-    q, k, v = _qkv(2, 4, 4, seqlen, seqlen, 128, 15)
-    rows = torch.arange(blocks, device="cuda")
-    # Q tile m sees K/V tiles m and (m + 3) % 8, listed as partial blocks, in either order
-    indices = torch.stack([rows, (rows + 3) % blocks], dim=-1)
-    indices = torch.cat([indices, torch.zeros(blocks, blocks - 2, dtype=indices.dtype, device="cuda")], dim=-1)
-    counts = torch.full((1, 1, blocks), 2, dtype=torch.int32, device="cuda")
-    sparse = BlockMask.from_kv_blocks(counts, indices.to(torch.int32)[None, None], BLOCK_SIZE=128,
-                                      seq_lengths=(seqlen, seqlen))
+    q, k, v = _qkv(2, 4, 4, 1000, 1000, 128, 15)
+    sparse, full = _lists_alone_masks(1000, shifted_first=False)
     _check_block_mask(q, k, v, sparse, "lists alone")
-
-    def hides_everything(b, h, q_idx, kv_idx):
-        return q_idx < 0
-    every = torch.arange(blocks, dtype=torch.int32, device="cuda").repeat(1, 1, blocks, 1)
-    full = BlockMask.from_kv_blocks(torch.zeros(1, 1, blocks, dtype=torch.int32, device="cuda"), every,
-                                    torch.full((1, 1, blocks), blocks, dtype=torch.int32, device="cuda"), every,
-                                    BLOCK_SIZE=128, mask_mod=hides_everything, seq_lengths=(seqlen, seqlen))
     out, lse = _check_block_mask(q, k, v, full, "full blocks skip the mask_mod")
     dense_out, dense_lse = flex.reference(q, k, v)
     _check(out, lse, dense_out, dense_lse, "full blocks: dense attention")
@@ -941,22 +949,7 @@ def test_block_sparse_backward_lists_alone():
     """A BlockMask without a mask_mod (the lists decide: block-level attention over exactly the
     listed blocks, in no particular order), and full blocks never running the mask_mod (one that
     hides everything, every block full: the dense gradients)."""
-    from torch.nn.attention.flex_attention import BlockMask
-
-    seqlen, blocks = 1000, 8
-    q, k, v = _qkv(2, 4, 4, seqlen, seqlen, 128, 35)
-    rows = torch.arange(blocks, device="cuda")
-    indices = torch.stack([(rows + 3) % blocks, rows], dim=-1)
-    indices = torch.cat([indices, torch.zeros(blocks, blocks - 2, dtype=indices.dtype, device="cuda")], dim=-1)
-    counts = torch.full((1, 1, blocks), 2, dtype=torch.int32, device="cuda")
-    sparse = BlockMask.from_kv_blocks(counts, indices.to(torch.int32)[None, None], BLOCK_SIZE=128,
-                                      seq_lengths=(seqlen, seqlen))
+    q, k, v = _qkv(2, 4, 4, 1000, 1000, 128, 35)
+    sparse, full = _lists_alone_masks(1000, shifted_first=True)
     _check_block_grads(q, k, v, sparse, "lists alone")
-
-    def hides_everything(b, h, q_idx, kv_idx):
-        return q_idx < 0
-    every = torch.arange(blocks, dtype=torch.int32, device="cuda").repeat(1, 1, blocks, 1)
-    full = BlockMask.from_kv_blocks(torch.zeros(1, 1, blocks, dtype=torch.int32, device="cuda"), every,
-                                    torch.full((1, 1, blocks), blocks, dtype=torch.int32, device="cuda"), every,
-                                    BLOCK_SIZE=128, mask_mod=hides_everything, seq_lengths=(seqlen, seqlen))
     _check_block_grads(q, k, v, full, "full blocks skip the mask_mod")  # (the reference: dense attention)
