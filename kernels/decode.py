@@ -330,11 +330,12 @@ class SplitKVAttention:
             kv_producer = pipeline.producer_state(self.kv_stages)
             loads = (kv_pipe, tma_k, mK, tma_v, mV, sK, sV, mBlockTable, head_kv, batch, seq, tidx)
             if cutlass.const_expr(self.warp_pages):  # this warp's page of the first blocks, a group a stage
-                for s in cutlass.range_constexpr(self.kv_stages):
-                    has_page, page = self.warp_page(mBlockTable, batch, last - s, s < n_blocks, seq, warp_idx,
-                                                    mK.shape[3])
-                    self.copy_page(has_page, page, s, mK, mV, sK, sV, head_kv, warp_idx, tidx % 32)
-                    cute.arch.cp_async_commit_group()
+                if n_blocks > 0:  # (a key, so a page of the table's to read: not past a 0-wide table)
+                    for s in cutlass.range_constexpr(self.kv_stages):
+                        has_page, page = self.warp_page(mBlockTable, batch, last - s, s < n_blocks, seq, warp_idx,
+                                                        mK.shape[3])
+                        self.copy_page(has_page, page, s, mK, mV, sK, sV, head_kv, warp_idx, tidx % 32)
+                        cute.arch.cp_async_commit_group()
             elif self.is_kv_producer(warp_idx):
                 for _ in cutlass.range(cutlass.min(self.kv_stages, n_blocks), unroll=1):
                     kv_producer = self.load_kv(kv_producer, last - kv_producer.count, *loads)
@@ -815,7 +816,8 @@ class SplitKVAttention:
         """(copy, page) of this warp's page of key block n_block (`warp_pages`: entry 4 n_block + w of
         the table): copy when the block is wanted and the page holds a key of the sequence. The
         table is read either way, at an entry of the sequence's (clamped to its last page), so that
-        the load issues unconditionally; no entry past the sequence's pages is read."""
+        the load issues unconditionally; no entry past the sequence's pages is read (called only
+        where the split has a block, so the sequence a key)."""
         entry = n_block * WARPS + warp_idx
         copy = wanted and entry * self.warp_keys < seq.seqlen_k
         last_entry = cutlass.max(seq.seqlen_k - 1, 0) // self.warp_keys
