@@ -101,7 +101,10 @@ class CacheLaunch:
         # several partials a row: the combine merges them, launched by the same compiled call
         self.split = self.partials_shape[0] > 1
         self.fn = _compile_kvcache.get_kvcache(spec, k_cache.dtype, head_dim, self.mask.causal, paged,
-                                               self.mask.local, self.mask.softcap, plan.gather, self.packed,
+                                               self.mask.local, self.mask.softcap,
+                                               _compile_kvcache.gather_layout(spec, k_cache.dtype, plan.gather,
+                                                                              k_cache.shape[1] if paged else None),
+                                               self.packed,
                                                leftpad, has_sinks, out_dtype if fp8 else None, s1_max_queries,
                                                q.dtype if q.dtype != k_cache.dtype else None, self.split)
         self.order = _compile_kvcache.get_entry_order() if self.sort else None

@@ -361,16 +361,19 @@ CTA_SMEM_BYTES = 232448  # the most one CTA may use (227 KB; kernels/common/smem
 
 @functools.lru_cache(maxsize=256)
 def decode_config(rung: RungConfig, head_dim: int, *, gather: bool = False,
-                  fp8: bool = False) -> DecodeConfig:
+                  fp8: bool = False, warp_pages: bool = False) -> DecodeConfig:
     """S1's configuration and SMEM plan at head_dim (gather: pages read by cp.async row gathers;
     fp8: an FP8 cache). The ring is as deep as SMEM allows beside the Q tile, 1 KB of barriers and
     (fp8) the two 16-bit tiles S1's GEMMs read (S2 counts them too: decode_smem), up to max_kv_stages (memory-bound: bytes in flight
     are what matter); a gather keeps gather_kv_stages, so that two or more CTAs share an SM at
     d <= 128 (one's copies, issued by its only warpgroup, under another's math), an FP8 cache
     fp8_kv_stages (two CTAs an SM up to d128). The kernel refuses a SharedStorage larger than
-    planned_smem_bytes: fa3.cache.split_plan counts CTAs an SM by it."""
+    planned_smem_bytes: fa3.cache.split_plan counts CTAs an SM by it. warp_pages (S2, an FP8 cache,
+    pages of one warp's 16 keys: each warp gathers its own page, kernels/decode.py): the FP8
+    cache's depth, not the gather's (half the bytes of a bf16 stage; still two CTAs an SM at d128,
+    as the gather's plan counts)."""
     cfg = rung.at(head_dim)
-    fixed, kv_bytes, stages = decode_smem(cfg, head_dim, gather, fp8)
+    fixed, kv_bytes, stages = decode_smem(cfg, head_dim, gather and not warp_pages, fp8)
     return replace(cfg, kv_stages=stages, planned_smem_bytes=fixed + stages * kv_bytes)
 
 

@@ -86,7 +86,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass._mlir.dialects import llvm
-from cutlass.cute.nvgpu import warp as warp_mma, warpgroup
+from cutlass.cute.nvgpu import cpasync, warp as warp_mma, warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .common import fp8_mma_sync, mask, mma, paged, pipeline, scheduler, seqlen, smem, softmax, tma
@@ -131,14 +131,15 @@ class SplitKVAttention:
     def __init__(self, dtype, head_dim: int, causal: bool, config: DecodeConfig, paged: bool = False,
                  local: bool = False, softcap: bool = False, gather: bool = False, varlen: bool = False,
                  leftpad: bool = False, sinks: bool = False, out_dtype=None, max_queries: int = 0,
-                 fp8: bool = False, query_dtype=None):
+                 fp8: bool = False, query_dtype=None, page_rows: int = 0):
         """config: kernels/config.decode_config's (tiles, and the SMEM plan: kv_stages and
         planned_smem_bytes, by which fa3.cache.split_plan counts CTAs an SM); SharedStorage may not outgrow
         planned_smem_bytes.
         max_queries (varlen; 0: none): only entries of fewer queries get tiles, the others being
         K5's in the same call (kernels/k5_cache.py). fp8: the cache in e4m3, `dtype` the 16-bit
         type it is dequantized to (fp16); q in query_dtype: e4m3 (None) with q_descale, or bf16 /
-        fp16 with none (load_q_scaled)."""
+        fp16 with none (load_q_scaled). page_rows: the page size where a variant is compiled for
+        it (16: S2's FP8 page-a-warp gather, `warp_pages`); 0 or any other: row gathers of any size."""
         self.dtype, self.head_dim, self.causal, self.paged = dtype, head_dim, causal, paged
         # fp8: the cache (and q, unless query_dtype is 16-bit) in e4m3, dequantized in SMEM to
         # `dtype` (fp16), the GEMMs' type
@@ -166,6 +167,10 @@ class SplitKVAttention:
         self.warp_keys = self.tile_n // WARPS
         assert not self.warp_split or (self.tile_m == 16 and head_dim in (64, 128)), \
             "S2 runs 16-row Q tiles at head dims 64 and 128 (d256's fragments spill)"
+        # S2 over an FP8 cache in pages of a warp's keys (16): each warp gathers its own page of each
+        # block into its own rows of the stage and reads only those, so its ring needs no mbarrier
+        # and no other warp: its own cp.async groups (mainloop_pages)
+        self.warp_pages = self.gather and fp8 and self.warp_split and page_rows == self.warp_keys
         # the ring: as deep as SMEM allows, shorter for gathers and FP8 caches so that CTAs share an
         # SM (one's copies or conversions beside another's GEMMs): config.decode_config's plan
         self.kv_stages, self.planned_smem_bytes = config.kv_stages, config.planned_smem_bytes
@@ -302,7 +307,10 @@ class SplitKVAttention:
 
             whole = cutlass.memory.SmemAllocator().allocate(SharedStorage)
             storage = self.ring_storage(whole)
-            if cutlass.const_expr(self.gather):
+            kv_pipe = None  # (warp_pages: each warp's cp.async groups, no barriers)
+            if cutlass.const_expr(self.warp_pages):
+                pass
+            elif cutlass.const_expr(self.gather):
                 kv_pipe = pipeline.create_gather(storage.kv_barriers.data_ptr(), self.kv_stages,
                                                  self.num_threads)
             else:
@@ -321,7 +329,14 @@ class SplitKVAttention:
 
             kv_producer = pipeline.producer_state(self.kv_stages)
             loads = (kv_pipe, tma_k, mK, tma_v, mV, sK, sV, mBlockTable, head_kv, batch, seq, tidx)
-            if self.is_kv_producer(warp_idx):
+            if cutlass.const_expr(self.warp_pages):  # this warp's page of the first blocks, a group a stage
+                if n_blocks > 0:  # (a key, so a page of the table's to read: not past a 0-wide table)
+                    for s in cutlass.range_constexpr(self.kv_stages):
+                        has_page, page = self.warp_page(mBlockTable, batch, last - s, s < n_blocks, seq, warp_idx,
+                                                        mK.shape[3])
+                        self.copy_page(has_page, page, s, mK, mV, sK, sV, head_kv, warp_idx, tidx % 32)
+                        cute.arch.cp_async_commit_group()
+            elif self.is_kv_producer(warp_idx):
                 for _ in cutlass.range(cutlass.min(self.kv_stages, n_blocks), unroll=1):
                     kv_producer = self.load_kv(kv_producer, last - kv_producer.count, *loads)
             if cutlass.const_expr(self.scales_q):
@@ -337,8 +352,9 @@ class SplitKVAttention:
             blocks = (n_blocks, last, m_block, group, seq, scale_log2, window, softcap_scale)
             ctx, kv_producer = self.attend(whole, sQ, sKV_layout, sKV16_layout, kv_pipe, kv_producer, loads, warp_idx,
                                            blocks)
-            if self.is_kv_producer(warp_idx):
-                pipeline.tail(kv_pipe, kv_producer)
+            if cutlass.const_expr(not self.warp_pages):  # (warp_pages: every group issued was waited for)
+                if self.is_kv_producer(warp_idx):
+                    pipeline.tail(kv_pipe, kv_producer)
             part, parts = split, num_splits  # (S2: this warp's partial of this split, always combined)
             if cutlass.const_expr(self.warp_split):
                 part, parts = split * WARPS + warp_idx, mOacc.shape[0]
@@ -378,7 +394,10 @@ class SplitKVAttention:
             ctx = self.warp_setup(sQ, tidx)
             if cutlass.const_expr(self.fp8):  # ldmatrix reads V by byte address
                 ctx.v_base, ctx.sKV_layout = self.ring_storage(storage).sV.data_ptr().toint(), sKV_layout
-            kv_producer = self.mainloop_warps(ctx, kv_pipe, kv_producer, loads, warp_idx, *blocks)
+            if cutlass.const_expr(self.warp_pages):
+                self.mainloop_pages(ctx, loads, warp_idx, *blocks)
+            else:
+                kv_producer = self.mainloop_warps(ctx, kv_pipe, kv_producer, loads, warp_idx, *blocks)
         elif cutlass.const_expr(self.fp8):
             sK16 = storage.sK16.get_tensor(sKV16_layout.outer, swizzle=sKV16_layout.inner)
             sV16 = storage.sV16.get_tensor(sKV16_layout.outer, swizzle=sKV16_layout.inner)
@@ -737,6 +756,94 @@ class SplitKVAttention:
             if self.is_kv_producer(warp_idx) and kv_producer.count < n_blocks:  # refill a freed stage
                 kv_producer = self.load_kv(kv_producer, last - kv_producer.count, *loads)
         return kv_producer
+
+    @cute.jit
+    def mainloop_pages(self, ctx, loads, warp_idx: Int32, n_blocks: Int32, last: Int32, m_block: Int32,
+                       group: Int32, seq, scale_log2: Float32, window, softcap_scale: Float32):
+        """mainloop_warps over an FP8 cache in pages of 16 (`warp_pages`): warp w's keys of block n,
+        16n/4 + 16w .., are page 4n + w of the sequence, and warp w alone copies them (copy_page)
+        into rows 16w .. of the stage and reads them. Its ring is its own cp.async groups, one a
+        stage, committed every iteration (empty past the last block) so that waiting for all but
+        kv_stages - 1 of them means this block's have landed; a warp sync then makes every lane's
+        copies visible to the warp, and another, after the warp's loads, frees its rows for the
+        block kv_stages ahead, whose table entry was read before the wait."""
+        _, _, mK, _, mV, sK, sV, mBlockTable, head_kv, batch, _, tidx = loads  # (load_kv's arguments)
+        lane = tidx % 32
+        keys = self.warp_keys
+        stage = Int32(0)
+        for j in cutlass.range(n_blocks, unroll=1):
+            n_block = last - j
+            valid = seq.seqlen_k - n_block * self.tile_n - warp_idx * keys  # this warp's keys in the sequence
+            has_page, page = self.warp_page(mBlockTable, batch, n_block - self.kv_stages,
+                                            j + self.kv_stages < n_blocks, seq, warp_idx, mK.shape[3])
+            cute.arch.cp_async_wait_group(self.kv_stages - 1)
+            cute.arch.sync_warp()  # every lane's copies of this block have landed
+            sK_w = cute.local_tile(sK[None, None, stage], (keys, self.head_dim), (warp_idx, 0))
+            tSrK = ctx.thr_qk.make_fragment_B(ctx.thr_qk.partition_shape_B((keys, self.head_dim)))
+            value_words = cute.make_rmem_tensor((self.head_dim // 8,), Int32)  # FP8 V, keys paired
+            fp8_mma_sync.value_words(ctx.v_base, ctx.sKV_layout, warp_idx * keys, stage, lane, value_words)
+            fp8_mma_sync.k_operand(sK_w, lane, tSrK)
+            cute.arch.sync_warp()  # every lane's loads are done: the warp's rows are free
+            self.copy_page(has_page, page, stage, mK, mV, sK, sV, head_kv, warp_idx, lane)
+            cute.arch.cp_async_commit_group()
+            stage = stage + 1
+            if stage == self.kv_stages:
+                stage = Int32(0)
+            if valid < keys:
+                fp8_mma_sync.zero_keys_past(value_words, valid, lane)
+            acc_s = cute.make_rmem_tensor(ctx.thr_qk.partition_shape_C((self.tile_m, keys)), Float32)
+            acc_s.fill(0.0)
+            for k in cutlass.range_constexpr(cute.size(ctx.tSrQ.shape[2])):
+                cute.gemm(ctx.qk, acc_s, ctx.tSrQ[None, None, k], tSrK[None, None, k], acc_s)
+            tOrVt = ctx.thr_pv.make_fragment_B(ctx.thr_pv.partition_shape_B((self.head_dim, keys)))
+            fp8_mma_sync.v_operand(value_words, tOrVt)
+            s_mn = rows_cols_sm80(acc_s)
+            if cutlass.const_expr(self.softcap):
+                softmax.softcap(s_mn, softcap_scale)
+            if mask.tile_needs_mask(m_block, n_block, self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k,
+                                    self.causal, rows_per_query=group, window=window):
+                mask.apply(s_mn, ctx.s_coords, m_block * self.tile_m, n_block * self.tile_n + warp_idx * keys,
+                           seq.seqlen_q, seq.seqlen_k, self.causal, rows_per_query=group, window=window)
+            softmax.rescale(rows_cols_sm80(ctx.acc_o),
+                            softmax.online_update(s_mn, ctx.row_max, ctx.row_sum, scale_log2, 4))
+            p = acc_as_a_sm80(mma.to_dtype(acc_s, self.dtype))
+            for k in cutlass.range_constexpr(cute.size(p.shape[2])):
+                cute.gemm(ctx.pv, ctx.acc_o, p[None, None, k], tOrVt[None, None, k], ctx.acc_o)
+
+    @cute.jit
+    def warp_page(self, mBlockTable: cute.Tensor, batch: Int32, n_block: Int32, wanted, seq, warp_idx: Int32,
+                  num_pages: Int32):
+        """(copy, page) of this warp's page of key block n_block (`warp_pages`: entry 4 n_block + w of
+        the table): copy when the block is wanted and the page holds a key of the sequence. The
+        table is read either way, at an entry of the sequence's (clamped to its last page), so that
+        the load issues unconditionally; no entry past the sequence's pages is read (called only
+        where the split has a block, so the sequence a key)."""
+        entry = n_block * WARPS + warp_idx
+        copy = wanted and entry * self.warp_keys < seq.seqlen_k
+        last_entry = cutlass.max(seq.seqlen_k - 1, 0) // self.warp_keys
+        page = paged.page_of(mBlockTable, batch, cutlass.max(cutlass.min(entry, last_entry), 0), num_pages)
+        return copy, page
+
+    @cute.jit
+    def copy_page(self, copy, page: Int32, stage, mK: cute.Tensor, mV: cute.Tensor, sK: cute.Tensor,
+                  sV: cute.Tensor, head_kv: Int32, warp_idx: Int32, lane: Int32):
+        """cp.async copies of one page's 16 K and V rows (`warp_pages`) into rows 16 warp_idx .. of
+        `stage`, by the warp's lanes: lane l copies 16-byte chunk l % chunks of rows l / chunks +
+        i 32 / chunks (chunks: a row's, 8 at d128, 4 at d64), every row of the page, those past the
+        sequence too (K masked, V zeroed in registers: zero_keys_past). `copy` false: nothing."""
+        elems = paged.CHUNK_BYTES * 8 // self.cache_dtype.width
+        chunks = self.head_dim // elems
+        rows_per_pass = 32 // chunks
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.cache_dtype,
+                                   num_bits_per_copy=paged.CHUNK_BYTES * 8)
+        if copy:
+            for mX, sX in ((mK[None, None, head_kv, None], sK), (mV[None, None, head_kv, None], sV)):
+                for i in cutlass.range_constexpr(self.warp_keys // rows_per_pass):
+                    row = lane // chunks + i * rows_per_pass
+                    src = cute.local_tile(mX[row, None, page], (elems,), (lane % chunks,))
+                    dst = cute.local_tile(sX[warp_idx * self.warp_keys + row, None, stage], (elems,), (lane % chunks,))
+                    cute.copy(atom, cute.make_tensor(src.iterator.align(paged.CHUNK_BYTES), cute.make_layout(elems)),
+                              cute.make_tensor(dst.iterator.align(paged.CHUNK_BYTES), cute.make_layout(elems)))
 
     @cute.jit
     def warp_zero_rows(self, sV_w: cute.Tensor, valid_rows: Int32, lane: Int32):

@@ -567,6 +567,55 @@ def test_s2_fp8_cache_kernel_compiles(head_dim, layout, q_dtype):
     assert report.spill_bytes <= allowed, report.summary()
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("q_dtype", [FP8, torch.bfloat16], ids=["fp8-q", "bf16-q"])
+def test_s2_fp8_warp_pages_kernel_compiles(head_dim, q_dtype):
+    """s2 over an FP8 cache in pages of 16 (decode.py's warp_pages: each warp gathers its own page
+    on its own cp.async groups) for sm_90a: the gather's copies and group waits, warp syncs and no
+    mbarrier ring, the in-register conversion's instructions, no spills."""
+    pytest.importorskip("cutlass")
+    from fa3.compile import builders as _compile
+    from fa3.compile import kvcache as _compile_kvcache
+
+    report = _compile.compile_report(fa3.registry.get("s2"), FP8, head_dim=head_dim, causal=True, paged=True,
+                                     gather=_compile_kvcache.WARP_PAGE_ROWS,
+                                     query_dtype=None if q_dtype == FP8 else q_dtype)
+    for instruction in ("cp.async.cg.shared.global", "cp.async.commit_group", "cp.async.wait_group", "bar.warp.sync",
+                        "ld.shared.v4.b32", "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16", "prmt.b32",
+                        "cvt.rn.f16x2.e4m3x2", "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"):
+        assert instruction in report.ptx, instruction
+    for instruction in ("mbarrier.try_wait", "cp.async.mbarrier.arrive", "st.shared.v"):
+        assert instruction not in report.ptx, instruction
+    # each lane's copies a block: K and V rows of its warp's page, 16 bytes each
+    assert report.ptx.count("cp.async.cg.shared.global") % (2 * 16 * head_dim // 16 // 32) == 0
+    assert report.spill_bytes == 0, report.summary()
+
+
+def test_warp_pages_is_s2_fp8_pages_of_16_only():
+    """The page-a-warp gather is chosen for s2 over an FP8 cache in pages of 16 only (a compile key
+    of its own, a ring of the FP8 cache's depth); every other call keeps its gather and its key."""
+    from fa3.compile import kvcache as _compile_kvcache
+    from kernels import config
+
+    s1, s2 = fa3.registry.get("s1"), fa3.registry.get("s2")
+    layout = _compile_kvcache.gather_layout
+    assert layout(s2, FP8, True, 16) == 16
+    for spec, dtype, gather, page in ((s2, FP8, True, 1), (s2, FP8, True, 48), (s2, FP8, False, 64),
+                                      (s2, torch.bfloat16, True, 16), (s1, FP8, True, 16)):
+        assert layout(spec, dtype, gather, page) is gather, (spec.name, dtype, page)
+    key = _compile_kvcache.kvcache_key
+    assert key(s2, FP8, 128, True, paged=True, gather=16) != key(s2, FP8, 128, True, paged=True, gather=True)
+    assert key(s1, FP8, 128, True, paged=True, gather=16) == key(s1, FP8, 128, True, paged=True, gather=True)
+    assert key(s2, torch.bfloat16, 128, True, paged=True, gather=16) == \
+        key(s2, torch.bfloat16, 128, True, paged=True, gather=True)
+    for head_dim in (64, 128):
+        gathered = config.decode_config(s2.config, head_dim, gather=True, fp8=True)
+        pages = config.decode_config(s2.config, head_dim, gather=True, fp8=True, warp_pages=True)
+        assert pages.kv_stages == s2.config.base.fp8_kv_stages > gathered.kv_stages
+    # two CTAs an SM at d128 either way (fa3.cache.split_plan counts by the gather's plan)
+    assert 233472 // (pages.planned_smem_bytes + 1024) == 233472 // (gathered.planned_smem_bytes + 1024) == 2
+
+
 def test_remembered_descales_are_views_of_the_callers_tensors():
     """A remembered FP8 cache call's descales: the views made for these very tensors (in-place
     writes to them seen, no copy), made afresh for other tensors, another batch or heads_kv; a
@@ -626,3 +675,40 @@ def test_s2_matches_reference(head_dim, page_size, cache):
             finite = torch.isfinite(ref_lse)
             assert torch.equal(torch.isfinite(lse), finite), f"{where}: empty rows differ"
             assert torch.allclose(lse[finite], ref_lse[finite], atol=1e-2, rtol=1e-3), where
+
+
+@gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("q_dtype", [FP8, torch.bfloat16], ids=["fp8-q", "bf16-q"])
+def test_s2_warp_pages_matches_reference(head_dim, q_dtype):
+    """s2's page-a-warp gather (an FP8 cache in pages of 16, decode.py's warp_pages) against the
+    float reference: ragged lengths (not multiples of 16 or 64: a page's tail, a warp's keys all
+    past the end, one page, empty), decode and a causal 3-token step, GQA 4 and 2, one, two, three
+    and planned splits; NaN rows past each length."""
+    from fa3.compile import kvcache as _compile_kvcache
+
+    s2 = fa3.registry.get("s2")
+    assert _compile_kvcache.gather_layout(s2, FP8, True, 16) == _compile_kvcache.WARP_PAGE_ROWS
+    lens = [0, 1, 15, 17, 63, 65, 130, 767]
+    for heads_q in (8, 4):
+        for seqlen_q, causal in ((1, False), (3, True), (2, False)):
+            q8, (k8, v8), table, descales, (q_ref, k_ref, v_ref) = fp8_cache_case(
+                head_dim, 16, lens, seqlen_q, batch=len(lens), heads_q=heads_q, seed=heads_q)
+            if q_dtype == FP8:
+                call = dict(q=q8, q_descale=descales[0])
+            else:
+                q_ref = q_ref.to(torch.bfloat16)
+                call = dict(q=q_ref)
+            ref_o, ref_lse = cache_reference(q_ref.float(), k_ref, v_ref, lens, causal)
+            seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+            for splits in (1, 2, 3, 0):
+                out, lse = fa3.attention_with_kvcache(**call, k_cache=k8, v_cache=v8, k_descale=descales[1],
+                                                      v_descale=descales[2], cache_seqlens=seqlens,
+                                                      block_table=table, causal=causal, num_splits=splits,
+                                                      return_lse=True, kernel="s2")
+                where = f"heads_q={heads_q}, seqlen_q={seqlen_q}, num_splits={splits}"
+                assert not out.isnan().any(), where
+                assert rel_err(out, ref_o) < TOL, f"{where}: {rel_err(out, ref_o)}"
+                finite = torch.isfinite(ref_lse)
+                assert torch.equal(torch.isfinite(lse), finite), f"{where}: empty rows differ"
+                assert torch.allclose(lse[finite], ref_lse[finite], atol=1e-2, rtol=1e-3), where

@@ -17,9 +17,28 @@ from . import signatures as sig
 from ..kernels import config
 
 
+WARP_PAGE_ROWS = 16  # S2's keys a warp of a block: a page of this many rows is one warp's (warp_pages)
+
+
+def gather_layout(spec, dtype, gather: bool, page_size) -> bool | int:
+    """The `gather` argument of get_kvcache for a call: False (TMA boxes), True (row gathers of any
+    page size), or WARP_PAGE_ROWS where S2 reads an FP8 cache in pages of that many rows, each
+    warp gathering its own page (kernels/decode.py's warp_pages)."""
+    if gather and page_size == WARP_PAGE_ROWS and spec.config.base.warp_split and dtype == torch.float8_e4m3fn:
+        return WARP_PAGE_ROWS
+    return bool(gather)
+
+
+def _warp_pages(spec, dtype, paged, gather) -> bool:
+    """gather_layout's page-a-warp variant (True == 1 is not it)."""
+    return bool(paged) and gather is not True and gather == WARP_PAGE_ROWS and spec.config.base.warp_split \
+        and dtype == torch.float8_e4m3fn
+
+
 def _decode_config(spec, dtype, head_dim, paged, gather):
+    warp_pages = {"warp_pages": True} if _warp_pages(spec, dtype, paged, gather) else {}
     return config.decode_config(spec.config, head_dim, gather=bool(paged and gather),
-                                fp8=dtype == torch.float8_e4m3fn)
+                                fp8=dtype == torch.float8_e4m3fn, **warp_pages)
 
 
 def kvcache_key(spec, dtype, head_dim, causal, paged=False, local=False, softcap=False, gather=False,
@@ -31,6 +50,7 @@ def kvcache_key(spec, dtype, head_dim, causal, paged=False, local=False, softcap
     out += (("max_queries", int(max_queries)),) if max_queries else ()
     out += (("query", str(query_dtype)),) if query_dtype not in (None, dtype) else ()
     out += (("with_combine",),) if with_combine else ()
+    out += (("warp_pages", WARP_PAGE_ROWS),) if _warp_pages(spec, dtype, paged, gather) else ()
     return (spec.name, str(dtype), head_dim, bool(causal), bool(paged), *((variant,) if any(variant) else ()),
             *((("gather_varlen_leftpad",) + layout,) if any(layout) else ()), *out,
             config.key(spec.config, _decode_config(spec, dtype, head_dim, paged, gather)), dsl.TARGET_ARCH,
@@ -49,9 +69,10 @@ def build_kvcache(spec, dtype, head_dim, causal, paged=False, local=False, softc
     sixteen_bit_q = {"query_dtype": sig.cute_dtype(query_dtype)} if query_dtype != dtype else {}
     kernel = spec.load_class()(dtype=sig.cute_dtype(torch.float16 if fp8 else dtype), head_dim=head_dim,
                                causal=causal, config=_decode_config(spec, dtype, head_dim, paged, gather),
-                               paged=paged, local=local, softcap=softcap, gather=gather,
+                               paged=paged, local=local, softcap=softcap, gather=bool(gather),
                                varlen=varlen, leftpad=leftpad, sinks=sinks, out_dtype=sig.cute_dtype(out_dtype),
-                               max_queries=max_queries, fp8=fp8, **sixteen_bit_q)
+                               max_queries=max_queries, fp8=fp8, **sixteen_bit_q,
+                               **({"page_rows": WARP_PAGE_ROWS} if _warp_pages(spec, dtype, paged, gather) else {}))
     if with_combine:  # one host function launching the kernel and then the combine of its partials
         from ..kernels.combine import SplitKVCombine, SplitKVWithCombine
 
