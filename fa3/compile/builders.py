@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import io
 import re
+import tempfile
 from dataclasses import dataclass
 
 import torch
@@ -362,8 +363,11 @@ def build_report(build, *args, **kwargs) -> CompileReport:
     """Any builder of this module (a `_build_*`: main kernels and their helpers, the backward's
     pre/postprocess, the combine, ...) run for sm_90a with PTX and cubin kept, and ptxas' report."""
     buf = io.StringIO()
-    with contextlib.redirect_stderr(buf), contextlib.redirect_stdout(buf):
-        fn = build(*args, **kwargs, extra_options="--keep-ptx --keep-cubin remarks{ptx}")
+    # The DSL names its PTX and cubin files after the kernel's (truncated) function name, so two
+    # processes compiling alike kernels into one folder read each other's files: each call its own.
+    with tempfile.TemporaryDirectory(prefix="fa3-report-") as folder, \
+            contextlib.redirect_stderr(buf), contextlib.redirect_stdout(buf):
+        fn = build(*args, **kwargs, extra_options=f"--keep-ptx --keep-cubin --dump-dir={folder} remarks{{ptx}}")
     return CompileReport(ptx=fn.artifacts.PTX, cubin=fn.artifacts.CUBIN, ptxas_log=buf.getvalue())
 
 
