@@ -15,14 +15,19 @@ same mods and BlockMask, and flash-attn 4's CuTe kernel (flash_attn.cute.flash_a
 score_mod / mask_mod and block_sparse_tensors) when it is importable (else its column is skipped
 with the reason printed; so is a case it refuses).
 
+--backward times the training step instead: the forward and torch.autograd.grad of its output
+with respect to q, k and v (each column from its own leaf tensors), counted as 3.5 times the
+forward's FLOPs (the backward's five GEMMs to the forward's two).
+
 TFLOP/s count only the work the mask leaves: 4 x head_dim x (visible (query, key) pairs) per head
-and batch entry over the median CUDA-event time (causal: s (s + 1) / 2 pairs; documents: the sum of
+and batch entry (x 3.5 with --backward) over the median CUDA-event time (causal: s (s + 1) / 2 pairs; documents: the sum of
 each document's length squared; alibi: s^2), the same count for every column, so the numbers
 compare across columns. A "max diff" column gives the largest |fa3 flex - torch flex| of the row's
 outputs (bf16), a check that the two computed the same thing.
 
     python benchmarks/bench_flex.py [--head-dims 64,128] [--seqlens 8192,16384,32768] [--short]
-        [--cases causal,documents,alibi] [--documents 4,16,64] [--peers torch,fa4] [--json FILE]
+        [--cases causal,documents,alibi] [--documents 4,16,64] [--peers torch,fa4] [--backward]
+        [--json FILE]
 
 --short runs seqlens 1024 and 2048 (a quick look). Needs a Hopper GPU.
 """
@@ -60,6 +65,7 @@ def parse_args(argv=None):
     p.add_argument("--documents", type=_csv(int), default=[4, 16, 64],
                    help="documents per sequence for the documents case (one row each)")
     p.add_argument("--peers", default=",".join(PEERS), help="comma list of " + ",".join(PEERS) + " ('none')")
+    p.add_argument("--backward", action="store_true", help="time forward + backward (a training step)")
     p.add_argument("--json", metavar="FILE", help="also write every measurement here")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeats", type=int, default=20)
@@ -84,16 +90,20 @@ class Problem:
     """One row's inputs: q, k, v (batch, seqlen, heads, d) contiguous, their (batch, heads, seqlen,
     d) views (flex attention's layout, as fa3.flex_attention takes them), contiguous copies of those
     for torch (its compiled kernel's own layout), the mods (torch / fa3 signature), the BlockMask,
-    and the visible (query, key) pairs per (batch, head)."""
+    and the visible (query, key) pairs per (batch, head). `backward`: q, k, v and torch's copies
+    are leaves that require grad."""
 
-    def __init__(self, case: str, head_dim: int, seqlen: int, documents: int | None, device="cuda"):
+    def __init__(self, case: str, head_dim: int, seqlen: int, documents: int | None, device="cuda",
+                 backward: bool = False):
         self.case, self.head_dim, self.seqlen, self.documents = case, head_dim, seqlen, documents
         self.batch, self.heads = max(1, TOTAL_TOKENS // seqlen), HIDDEN // head_dim
+        self.backward = backward
         torch.manual_seed(0)
         shape = (self.batch, seqlen, self.heads, head_dim)
-        self.q, self.k, self.v = (torch.randn(shape, device=device, dtype=torch.bfloat16) for _ in range(3))
+        self.q, self.k, self.v = (torch.randn(shape, device=device, dtype=torch.bfloat16, requires_grad=backward)
+                                  for _ in range(3))
         self.qt, self.kt, self.vt = (t.transpose(1, 2) for t in (self.q, self.k, self.v))
-        self.torch_qkv = tuple(t.contiguous() for t in (self.qt, self.kt, self.vt))
+        self.torch_qkv = tuple(t.detach().contiguous().requires_grad_(backward) for t in (self.qt, self.kt, self.vt))
         self.score_mod = self.mask_mod = self.block_mask = self.doc_ids = self.slopes = None
         from torch.nn.attention.flex_attention import create_block_mask
 
@@ -120,7 +130,11 @@ class Problem:
 
     @property
     def flops(self) -> float:
-        return 4.0 * self.batch * self.heads * self.head_dim * self.pairs
+        return (3.5 if self.backward else 1.0) * 4.0 * self.batch * self.heads * self.head_dim * self.pairs
+
+    def leaves(self, name: str) -> tuple:
+        """The tensors column `name` differentiates: torch's copies for torch, else q, k, v."""
+        return self.torch_qkv if name.startswith("torch") else (self.q, self.k, self.v)
 
 
 def random_documents(batch: int, seqlen: int, count: int, device="cuda"):
@@ -209,6 +223,18 @@ def _output(result):
     return result[0] if isinstance(result, tuple) else result  # (out, lse) where a peer returns both
 
 
+def training_step(fn, leaves):
+    """fn's forward and the gradients of its output (against a fixed random dout) with respect to
+    `leaves`; returns the output, as fn does."""
+    dout = torch.randn_like(_output(fn()))
+
+    def step():
+        out = _output(fn())
+        torch.autograd.grad(out, leaves, dout)
+        return out
+    return step
+
+
 # ----------------------------------------------------------------------------- the run
 def run_row(p: Problem, peers: list[str], args, skipped: dict) -> dict:
     columns = dict(fa3_columns(p))
@@ -223,7 +249,9 @@ def run_row(p: Problem, peers: list[str], args, skipped: dict) -> dict:
     rates, notes, outputs = {}, {}, {}
     for name, fn in columns.items():
         try:
-            outputs[name] = _output(fn())
+            if p.backward:
+                fn = training_step(fn, p.leaves(name))
+            outputs[name] = _output(fn()).detach()
             ms = measure(fn, warmup=args.warmup, repeats=args.repeats, max_call_s=args.max_call_s)
             rates[name] = p.flops / (ms * 1e-3) / 1e12
         except TooSlow as exc:
@@ -250,11 +278,12 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_flex needs a CUDA GPU (a Hopper GPU for fa3); none was found.")
         return 2
-    progress(f"{torch.cuda.get_device_name()}; {TOTAL_TOKENS} tokens, hidden {HIDDEN}, bf16; forward TFLOP/s "
+    progress(f"{torch.cuda.get_device_name()}; {TOTAL_TOKENS} tokens, hidden {HIDDEN}, bf16; "
+             f"{'forward + backward' if args.backward else 'forward'} TFLOP/s "
              f"of the unmasked work (median of CUDA-event times)")
     rows, skipped = [], {}
     for case, d, s, documents in problems(args):
-        p = Problem(case, d, s, documents)
+        p = Problem(case, d, s, documents, backward=args.backward)
         row = run_row(p, args.peers, args, skipped)
         rows.append(row)
         rates = "  ".join(f"{n} {r:.1f}" for n, r in row["tflops"].items())

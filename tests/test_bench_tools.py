@@ -225,8 +225,25 @@ def test_bench_flex_arguments():
         bench_flex.parse_args(["--cases", "sliding"])
     with pytest.raises(SystemExit):
         bench_flex.parse_args(["--peers", "xformers"])
+    assert bench_flex.parse_args(["--backward"]).backward and not args.backward
     if not torch.cuda.is_available():
         assert bench_flex.main(["--short"]) == 2  # a message, no traceback
+
+
+def test_bench_flex_backward_step():
+    """--backward: 3.5 times the forward's FLOPs; each column differentiates its own leaves (torch
+    its contiguous copies), and the step's gradients are those of its output against one dout."""
+    bench_flex = pytest.importorskip("bench_flex")
+    forward = bench_flex.Problem("alibi", 64, 40, None, device="cpu")
+    p = bench_flex.Problem("alibi", 64, 40, None, device="cpu", backward=True)
+    assert p.flops == pytest.approx(3.5 * forward.flops)
+    assert all(t.requires_grad and t.is_leaf for t in p.leaves("torch flex") + p.leaves("fa3 flex"))
+    assert p.leaves("torch flex")[0] is not p.q and p.leaves("fa4 flex")[0] is p.q
+    seen = []
+    for t in p.leaves("fa3 flex"):
+        t.register_hook(seen.append)
+    step = bench_flex.training_step(lambda: (p.qt * p.kt.sum() + p.vt, None), p.leaves("fa3 flex"))
+    assert step().shape == p.qt.shape and len(seen) == 3 and all(g.abs().sum() > 0 for g in seen)
 
 
 @pytest.mark.parametrize("case, documents", [("causal", None), ("documents", 5), ("alibi", None)])
