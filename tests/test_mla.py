@@ -180,8 +180,7 @@ def test_mla_split_plan():
     m1 = registry.get("m1")
     plan = lambda batch, heads, keys, n=0, seqlen_q=1: plan_mla_splits(m1, batch, seqlen_q, heads, 1, keys, 132, n)
     assert plan(128, 128, 1024) == plan(128, 16, 1024) == 1
-    # one 16-row tile: up to 128 splits fill the SMs (MLA_MAX_SPLITS); two 64-row tiles: 64 each
-    assert plan(1, 16, 32768) == 128 and plan(1, 128, 32768) == 64 and plan(1, 128, 32768, -16) == 16
+    assert plan(1, 128, 32768) == plan(1, 16, 32768) == 64 and plan(1, 128, 32768, -16) == 16
     assert plan(4, 128, 1024) == 2 and plan(4, 16, 1024) == 4  # 16 blocks: 8 (64 rows), 4 (16 rows) a split
     assert plan(16, 16, 8192) == 8 and plan(16, 16, 8192, 3) == 3 and plan(2, 16, 512, seqlen_q=4) == 1
 
