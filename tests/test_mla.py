@@ -265,6 +265,84 @@ def test_vllm_call_on_one_cache(heads, page_size):
     check(out[:, None], lse.T[:, :, None], ref_o, ref_lse, "vLLM's call")
 
 
+def test_plain_mla_calls_remembered(monkeypatch):
+    """A plain MLA call that passed every check is remembered by its layouts and options
+    (fa3.mla._MLA_CALLS): the same call again skips check_mla; an append, another out= layout, a
+    profiler, or lengths that check_mla had to convert take the full path. Kernels no-op (CPU)."""
+    from fa3 import mla
+    from fa3.compile import mla as compile_mla
+
+    cpu = torch.device("cpu")
+    monkeypatch.setitem(fa3._checks.HOPPER_SMS, cpu, 132)
+    monkeypatch.setattr(fa3._checks, "check_hopper", lambda device, name: None)
+    launched = []
+    monkeypatch.setattr(compile_mla, "get_mla", lambda *a, **k: (lambda *args: launched.append(args)))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 7, raising=False)
+    checked = []
+    real_check = mla.check_mla
+    monkeypatch.setattr(mla, "check_mla", lambda *a: checked.append(1) or real_check(*a))
+    mla._MLA_CALLS.clear()
+    args = _mla_args()
+
+    def call(**kwargs):
+        checked.clear()
+        launched.clear()
+        got = fa3.attention_with_kvcache(**dict(dict(args, causal=True), **kwargs), return_lse=True)
+        assert len(launched) == 1
+        return len(checked), got
+
+    assert call()[0] == 1 and call()[0] == 0, "the second call takes the remembered launch"
+    (n, (out, lse)), (_, (out2, _)) = call(), call()
+    assert n == 0 and out.shape == (2, 1, 16, DV) and lse.shape == (2, 16, 1) and out2 is not out
+    given = torch.empty(2, 1, 16, DV, dtype=torch.bfloat16)
+    assert call(out=given)[0] == 1 and call(out=given)[0] == 0 and call(out=given)[1][0] is given
+    with pytest.raises(ValueError, match="shares memory"):  # a remembered out= is still checked
+        fa3.attention_with_kvcache(**dict(args, qv=given.view(2, 1, 16, DV)), out=given, causal=True)
+    assert call(causal=False)[0] == 1 and call(num_splits=2)[0] == 1  # other keys
+    strided = torch.tensor([5, 0, 70, 0], dtype=torch.int32)[::2]  # made contiguous by check_mla
+    assert call(cache_seqlens=strided)[0] == 1 and call(cache_seqlens=strided)[0] == 1
+    new = dict(k=torch.randn(2, 1, 1, D, dtype=torch.bfloat16), v=torch.randn(2, 1, 1, DV, dtype=torch.bfloat16))
+    monkeypatch.setattr(mla, "append_to_cache", lambda *a: None)
+    assert call(**new)[0] == 1 and call(**new)[0] == 1  # appends are never remembered
+    monkeypatch.setattr(fa3._dispatch, "profiling", lambda: True)
+    assert call()[0] == 1
+
+
+@gpu
+@pytest.mark.parametrize("packed", [False, True], ids=["batch-seqlen", "packed"])
+def test_remembered_mla_call_computes_the_same(packed):
+    """A repeated plain MLA call runs the launch remembered from its first call: the first call's
+    output for the same values, and the reference's for lengths rewritten in place and new
+    queries (a later decode step); vLLM's packed call with out= too."""
+    batch, heads, capacity, page_size = 3, 16, 2048, 64
+    lens = [2048, 300, 1]
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    k_dense, v_dense, k_cache, v_cache, table = make_mla_cache(batch, capacity, 1, lens, page_size, gen, fused=True)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    cu = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    out = torch.empty(batch, heads, DV, device="cuda", dtype=torch.bfloat16)
+
+    def call(q, qv):
+        if packed:
+            return fa3.flash_attn_varlen_func(q=q[:, 0], k=k_cache, v=v_cache, q_v=qv[:, 0], cu_seqlens_q=cu,
+                                              max_seqlen_q=1, max_seqlen_k=capacity, seqused_k=seqlens,
+                                              block_table=table, causal=True, out=out).clone()[:, None]
+        return fa3.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table, qv=qv,
+                                          causal=True)
+
+    q = torch.randn(batch, 1, heads, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    qv = torch.randn(batch, 1, heads, DV, device="cuda", dtype=torch.bfloat16, generator=gen)
+    first = call(q, qv)
+    assert torch.equal(call(q, qv), first)
+    assert rel_err(first, mla_reference(q, qv, k_dense, v_dense, lens, True)[0]) < TOL
+    seqlens.copy_(torch.tensor([5, 2047, 700], dtype=torch.int32))  # in place: the same tensor, new values
+    q2, qv2 = torch.randn_like(q), torch.randn_like(qv)
+    got = call(q2, qv2)
+    assert rel_err(got, mla_reference(q2, qv2, k_dense, v_dense, [5, 2047, 700], True)[0]) < TOL
+    fa3.check_index_values()
+
+
 @gpu
 def test_packed_speculative_queries():
     """Packed queries, 3 a sequence (a speculative verify): attention_varlen over the cache equals
