@@ -21,3 +21,9 @@ class BoundedMemo(dict):
             self.clear()
         self[key] = value
         return value
+
+
+def layout(t):
+    """What a remembered call's key holds of a tensor argument: (shape, stride, dtype, device);
+    None stays None."""
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)

@@ -30,7 +30,7 @@ import torch
 from . import _checks, _dispatch, _launch, index_checks, masking, mla, registry
 from .compile import kvcache as _compile_kvcache
 from .cache import prefill as cache_prefill
-from ._memo import BoundedMemo
+from ._memo import BoundedMemo, layout
 from .cache.append import append_packed, append_to_cache
 from .cache.checks import check_descales, check_kvcache
 from .cache.split_plan import call_plan, split_request
@@ -283,18 +283,12 @@ def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, sof
     if plain:
         host_length = type(seqlens) is int  # one length for every sequence: checked here, not copied
         try:
-            key = (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), k_cache.dtype,
-                   k_cache.device, v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device,
-                   int if host_length else (seqlens.shape, seqlens.stride(), seqlens.dtype, seqlens.device),
-                   None if block_table is None else (block_table.shape, block_table.stride(), block_table.dtype,
-                                                     block_table.device),
-                   None if cu_seqlens_q is None else (cu_seqlens_q.shape, cu_seqlens_q.stride(), cu_seqlens_q.dtype,
-                                                      cu_seqlens_q.device),
-                   max_seqlen_q, max_seqlen_k, causal, softmax_scale, num_splits, lengths_name,
+            key = (layout(q), layout(k_cache), layout(v_cache), int if host_length else layout(seqlens),
+                   layout(block_table), layout(cu_seqlens_q), max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                   num_splits, lengths_name,
                    NO_DESCALES if descales[0] is None and descales[1] is None and descales[2] is None else
                    tuple(None if d is None else (d.shape, d.dtype, d.device) for d in descales),
-                   None if cache_leftpad is None else (cache_leftpad.shape, cache_leftpad.stride(),
-                                                       cache_leftpad.dtype, cache_leftpad.device))
+                   layout(cache_leftpad))
             prepared = _CACHE_CALLS.get(key)
         except (AttributeError, TypeError):  # not tensors (check_kvcache names them), symbolic shapes
             key = prepared = plain = None

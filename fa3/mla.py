@@ -32,7 +32,7 @@ import math
 import torch
 
 from . import _checks, _dispatch, _launch, index_checks, masking
-from ._memo import BoundedMemo
+from ._memo import BoundedMemo, layout
 from .cache.append import append_to_cache
 from .cache.checks import check_mla
 from .cache.split_plan import plan_mla_splits
@@ -77,11 +77,6 @@ def is_ragged(cu_seqlens_q, batch: int, total_q: int, max_seqlen_q: int) -> bool
 _MLA_CALLS = BoundedMemo()
 
 
-def _layout(t):
-    """What a remembered call's key holds of a tensor argument (None stays None)."""
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
-
-
 def mla_attention(q, qv, k_cache, v_cache, k, v, seqlens, block_table, causal, softmax_scale, num_splits: int,
                   kernel=None, cu_seqlens_q=None, max_seqlen_q=None, max_seqlen_k=None, out=None,
                   lengths_name="cache_seqlens", keep_lse: bool = True):
@@ -97,8 +92,8 @@ def mla_attention(q, qv, k_cache, v_cache, k, v, seqlens, block_table, causal, s
     key = None
     if plain:
         try:
-            key = (_layout(q), _layout(qv), _layout(k_cache), _layout(v_cache), _layout(seqlens),
-                   _layout(block_table), _layout(cu_seqlens_q), _layout(out), max_seqlen_q, max_seqlen_k, causal,
+            key = (layout(q), layout(qv), layout(k_cache), layout(v_cache), layout(seqlens),
+                   layout(block_table), layout(cu_seqlens_q), layout(out), max_seqlen_q, max_seqlen_k, causal,
                    softmax_scale, num_splits, lengths_name, keep_lse)
             launch = _MLA_CALLS.get(key)
         except (AttributeError, TypeError):  # not tensors (check_mla names them), symbolic shapes
