@@ -7,7 +7,8 @@ serves, compiled on the CPU (no GPU), to show that a refactor left the generated
 
 Configurations (about 480): every attention, FP8 and backward rung x head dim x causal, the K5 rungs'
 variants, v's other head dims and short-query tiles, K5 over a KV cache, S1 over 16-bit and FP8
-caches (16-bit q too), the GEMM rungs (bf16 and FP8), each backward rung's static variants and
+caches (16-bit q too), S2 (16-bit and FP8 caches, pages of 16 a page a warp), M1 (MLA: dense,
+paged, gathered, packed, with its combine or not), the GEMM rungs (bf16 and FP8), each backward rung's static variants and
 postprocess, the backward preprocess. A kernel's entry name spells its module and class (cut at a
 fixed length), so each entry symbol is replaced by ENTRYi before hashing: moving or renaming a class
 keeps its hash. Run it from a tree nobody edits meanwhile (the DSL reads the kernels' sources as it
@@ -28,7 +29,7 @@ import tempfile
 import torch
 
 from fa3 import registry
-from fa3.compile import builders, dsl, kvcache
+from fa3.compile import builders, dsl, kvcache, mla
 
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
 
@@ -93,6 +94,19 @@ def cache_jobs():
         yield f"s1 d128 {kw}", kvcache.build_kvcache, (s1, BF16, 128, True), kw
         yield f"s1 fp8 d128 {kw}", kvcache.build_kvcache, (s1, FP8, 128, True), kw
     yield ("s1 fp8 d128 out fp16", kvcache.build_kvcache, (s1, FP8, 128, True), dict(out_dtype=torch.float16))
+    s2 = registry.get("s2")
+    for d in s2.head_dims:
+        for kw in (dict(), dict(paged=True), dict(paged=True, gather=True)):
+            yield f"s2 d{d} {kw}", kvcache.build_kvcache, (s2, BF16, d, True), kw
+            yield f"s2 fp8 d{d} {kw}", kvcache.build_kvcache, (s2, FP8, d, True), kw
+        for q_dtype in (None, BF16):  # pages of 16: a page a warp
+            yield (f"s2 fp8 d{d} warp_pages q={q_dtype}", kvcache.build_kvcache, (s2, FP8, d, True),
+                   dict(paged=True, gather=kvcache.WARP_PAGE_ROWS, query_dtype=q_dtype))
+    m1 = registry.get("m1")
+    for paged, gather, varlen in ((False, False, False), (True, False, False), (True, True, False), (True, False, True)):
+        for with_combine in (False, True):
+            yield (f"m1 paged={paged} gather={gather} varlen={varlen} combine={with_combine}", mla.build_mla,
+                   (m1, BF16, True, paged, gather, varlen, with_combine), {})
 
 
 def gemm_jobs():

@@ -739,23 +739,32 @@ class SplitKVAttention:
                 sVt_w = mma.transpose_view(sV_w)
                 tOrVt = ctx.thr_pv.make_fragment_B(ctx.thr_pv.partition_B(sVt_w))
                 cute.copy(ctx.copy_v, ctx.copy_v.partition_S(sVt_w), ctx.copy_v.retile(tOrVt))
-            s_mn = rows_cols_sm80(acc_s)
-            if cutlass.const_expr(self.softcap):
-                softmax.softcap(s_mn, softcap_scale)
-            if mask.tile_needs_mask(m_block, n_block, self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k,
-                                    self.causal, rows_per_query=group, window=window):
-                mask.apply(s_mn, ctx.s_coords, m_block * self.tile_m, n_block * self.tile_n + warp_idx * keys,
-                           seq.seqlen_q, seq.seqlen_k, self.causal, rows_per_query=group, window=window)
-            softmax.rescale(rows_cols_sm80(ctx.acc_o),
-                            softmax.online_update(s_mn, ctx.row_max, ctx.row_sum, scale_log2, 4))
-            p = acc_as_a_sm80(mma.to_dtype(acc_s, self.dtype))
-            for k in cutlass.range_constexpr(cute.size(p.shape[2])):
-                cute.gemm(ctx.pv, ctx.acc_o, p[None, None, k], tOrVt[None, None, k], ctx.acc_o)
+            self.attend_block(ctx, acc_s, tOrVt, m_block, n_block, warp_idx, group, seq, scale_log2, window,
+                              softcap_scale)
             if cutlass.const_expr(not self.fp8):
                 kv_consumer = pipeline.release(kv_pipe, kv_consumer)
             if self.is_kv_producer(warp_idx) and kv_producer.count < n_blocks:  # refill a freed stage
                 kv_producer = self.load_kv(kv_producer, last - kv_producer.count, *loads)
         return kv_producer
+
+    @cute.jit
+    def attend_block(self, ctx, acc_s: cute.Tensor, tOrVt: cute.Tensor, m_block: Int32, n_block: Int32,
+                     warp_idx: Int32, group: Int32, seq, scale_log2: Float32, window, softcap_scale: Float32):
+        """A warp's block after S = Q K^T (acc_s) with V in registers (tOrVt): softcap, the masks
+        where the block needs them, the online softmax's update of the warp's rows, O += P V."""
+        keys = self.warp_keys
+        s_mn = rows_cols_sm80(acc_s)
+        if cutlass.const_expr(self.softcap):
+            softmax.softcap(s_mn, softcap_scale)
+        if mask.tile_needs_mask(m_block, n_block, self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k,
+                                self.causal, rows_per_query=group, window=window):
+            mask.apply(s_mn, ctx.s_coords, m_block * self.tile_m, n_block * self.tile_n + warp_idx * keys,
+                       seq.seqlen_q, seq.seqlen_k, self.causal, rows_per_query=group, window=window)
+        softmax.rescale(rows_cols_sm80(ctx.acc_o),
+                        softmax.online_update(s_mn, ctx.row_max, ctx.row_sum, scale_log2, 4))
+        p = acc_as_a_sm80(mma.to_dtype(acc_s, self.dtype))
+        for k in cutlass.range_constexpr(cute.size(p.shape[2])):
+            cute.gemm(ctx.pv, ctx.acc_o, p[None, None, k], tOrVt[None, None, k], ctx.acc_o)
 
     @cute.jit
     def mainloop_pages(self, ctx, loads, warp_idx: Int32, n_blocks: Int32, last: Int32, m_block: Int32,
@@ -797,18 +806,8 @@ class SplitKVAttention:
                 cute.gemm(ctx.qk, acc_s, ctx.tSrQ[None, None, k], tSrK[None, None, k], acc_s)
             tOrVt = ctx.thr_pv.make_fragment_B(ctx.thr_pv.partition_shape_B((self.head_dim, keys)))
             fp8_mma_sync.v_operand(value_words, tOrVt)
-            s_mn = rows_cols_sm80(acc_s)
-            if cutlass.const_expr(self.softcap):
-                softmax.softcap(s_mn, softcap_scale)
-            if mask.tile_needs_mask(m_block, n_block, self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k,
-                                    self.causal, rows_per_query=group, window=window):
-                mask.apply(s_mn, ctx.s_coords, m_block * self.tile_m, n_block * self.tile_n + warp_idx * keys,
-                           seq.seqlen_q, seq.seqlen_k, self.causal, rows_per_query=group, window=window)
-            softmax.rescale(rows_cols_sm80(ctx.acc_o),
-                            softmax.online_update(s_mn, ctx.row_max, ctx.row_sum, scale_log2, 4))
-            p = acc_as_a_sm80(mma.to_dtype(acc_s, self.dtype))
-            for k in cutlass.range_constexpr(cute.size(p.shape[2])):
-                cute.gemm(ctx.pv, ctx.acc_o, p[None, None, k], tOrVt[None, None, k], ctx.acc_o)
+            self.attend_block(ctx, acc_s, tOrVt, m_block, n_block, warp_idx, group, seq, scale_log2, window,
+                              softcap_scale)
 
     @cute.jit
     def warp_page(self, mBlockTable: cute.Tensor, batch: Int32, n_block: Int32, wanted, seq, warp_idx: Int32,
