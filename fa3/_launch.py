@@ -131,6 +131,24 @@ def stream_scratch(shapes: tuple, device) -> tuple:
     return tensors
 
 
+SMALL_SCRATCH_BYTES = 8 << 20  # small_scratch's bound: a few steps' worth of small calls, held per stream
+
+
+def small_scratch(shapes: tuple, device) -> tuple:
+    """stream_scratch for FP32 tensors of `shapes` that a call's own kernels write and read, where
+    they are small (SMALL_SCRATCH_BYTES in all: where the allocations' host time shows); larger
+    ones are allocated (kept per stream they would hold their memory after the call)."""
+    elements = 0
+    for shape in shapes:
+        count = 1
+        for n in shape:
+            count *= n
+        elements += count
+    if elements * 4 <= SMALL_SCRATCH_BYTES:
+        return stream_scratch(shapes, device)
+    return tuple(torch.empty(shape, dtype=torch.float32, device=device) for shape in shapes)
+
+
 _COUNTER_RINGS: dict = {}  # (device, the current stream's handle) -> _CounterRing
 
 

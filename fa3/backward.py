@@ -274,13 +274,16 @@ def _run(spec, cfg, dout, q, k, v, out, lse, dq, dk, dv, causal, scale, determin
         q, k, v, out, dout = _launch.detached(q, k, v, out, dout)
     q, k, v, dout = (_launch.tma_ready(t) for t in (q, k, v, dout))
     out = _launch.tma_ready(out)  # the preprocess reads it in 16-byte vectors
-    lse2 = torch.empty(batch, heads_q, stat_rows, dtype=torch.float32, device=device)
-    dsum = torch.empty_like(lse2)
     fragment_dq = _fragment_dq(spec)
-    if fragment_dq:  # head-major (each Q tile's share contiguous), seen as (batch, rows, heads, d)
-        dq_acc = torch.empty(batch, heads_q, dq_rows, head_dim, dtype=torch.float32, device=device).transpose(1, 2)
-    else:
-        dq_acc = torch.empty(batch, dq_rows, heads_q, head_dim, dtype=torch.float32, device=device)
+    # the statistics and the dQ accumulator: the call's own kernels write and read them (the
+    # preprocess writes LSE2 and D and zeroes dQ's sums), so small ones are the stream's scratch
+    # (no allocation a step); the dQ sums head-major with fragment_dq (each Q tile's share
+    # contiguous), seen as (batch, rows, heads, d)
+    stats = (batch, heads_q, stat_rows)
+    sums = (batch, heads_q, dq_rows, head_dim) if fragment_dq else (batch, dq_rows, heads_q, head_dim)
+    lse2, dsum, dq_acc = _launch.small_scratch((stats, stats, sums), device)
+    if fragment_dq:
+        dq_acc = dq_acc.transpose(1, 2)
     cu_q, cu_k = cu_seqlens if cu_seqlens is not None else (_launch.stand_in(device),) * 2
     packed = cu_seqlens is not None
     _compile.get_backward_preprocess(dtype, head_dim, value_dim, packed, cfg.tile_m, fragment_dq)(

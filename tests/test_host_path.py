@@ -429,6 +429,39 @@ def test_cache_launch_takes_the_streams_scratch(monkeypatch):
     assert captured_partial is not first_partial and captured is not dropped
 
 
+def test_backward_takes_small_scratch_from_the_stream(monkeypatch):
+    """The backward's statistics and dQ sums (written and read by its own kernels) are the stream's
+    scratch where small (_launch.small_scratch: the same tensors call after call), allocated where
+    large (SMALL_SCRATCH_BYTES) and under capture; the kernels are recorders (CPU)."""
+    from fa3 import backward
+    from fa3.compile import builders
+
+    seen = []
+    monkeypatch.setattr(builders, "get_backward_preprocess",
+                        lambda *a: (lambda out, dout, lse, lse2, dsum, dq_acc, cu: seen.append((lse2, dsum, dq_acc))))
+    monkeypatch.setattr(builders, "get_backward_postprocess", lambda *a: (lambda *args: None))
+    monkeypatch.setattr(builders, "get_backward", lambda *a: (lambda *args: None))
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 7, raising=False)
+    spec = fa3._dispatch.backward_rung(None, 128, masked=True)  # (the causal step's rung)
+
+    def run(seqlen):
+        q, k, v, dout, out = (torch.zeros(1, seqlen, 4, 128, dtype=torch.bfloat16) for _ in range(5))
+        lse = torch.zeros(1, 4, seqlen)
+        backward.launch_attention_backward(spec, dout, q, k, v, out, lse, True, 0.1, False)
+        return seen[-1]
+
+    same = lambda x, y: [a.data_ptr() == b.data_ptr() for a, b in zip(x, y)]  # (seen keeps them alive)
+    first, again = run(128), run(128)
+    assert all(same(first, again)), "small: the stream's scratch, call after call"
+    assert first[2].dtype == torch.float32 and first[0].shape[:2] == (1, 4)
+    big, big_again = run(8192), run(8192)  # dQ sums of 16 MiB: allocated each call
+    assert not any(same(big, big_again))
+    capturing[0] = True
+    assert not any(same(run(128), first)), "a graph owns what it captures"
+
+
 def test_split_gemm_takes_the_streams_scratch(monkeypatch):
     """A planned split-K GEMM (matmul.prepare_plain_gemm) hands its kernel the partial tiles' workspace
     from the stream's scratch: the same tensor call after call, fresh under capture (the kernel
