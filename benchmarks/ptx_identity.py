@@ -8,7 +8,7 @@ serves, compiled on the CPU (no GPU), to show that a refactor left the generated
 Configurations (about 480): every attention, FP8 and backward rung x head dim x causal, the K5 rungs'
 variants, v's other head dims and short-query tiles, K5 over a KV cache, S1 over 16-bit and FP8
 caches (16-bit q too), S2 (16-bit and FP8 caches, pages of 16 a page a warp), M1 (MLA: dense,
-paged, gathered, packed, with its combine or not), the GEMM rungs (bf16 and FP8), each backward rung's static variants and
+paged, gathered, packed, with its combine or not), the split-KV combine, the GEMM rungs (bf16 and FP8), each backward rung's static variants and
 postprocess, the backward preprocess. A kernel's entry name spells its module and class (cut at a
 fixed length), so each entry symbol is replaced by ENTRYi before hashing: moving or renaming a class
 keeps its hash. Run it from a tree nobody edits meanwhile (the DSL reads the kernels' sources as it
@@ -94,6 +94,11 @@ def cache_jobs():
         yield f"s1 d128 {kw}", kvcache.build_kvcache, (s1, BF16, 128, True), kw
         yield f"s1 fp8 d128 {kw}", kvcache.build_kvcache, (s1, FP8, 128, True), kw
     yield ("s1 fp8 d128 out fp16", kvcache.build_kvcache, (s1, FP8, 128, True), dict(out_dtype=torch.float16))
+    yield "s1 d128 with the combine", kvcache.build_kvcache, (s1, BF16, 128, True), dict(with_combine=True)
+    for d in (*registry.HEAD_DIMS, 512):  # the split-KV combine alone (512: M1's latent rows)
+        yield f"combine d{d}", kvcache.build_combine, (BF16, d), {}
+    yield "combine d128 sinks", kvcache.build_combine, (BF16, 128), dict(sinks=True)
+    yield "combine d128 max_queries", kvcache.build_combine, (BF16, 128), dict(max_queries=64)
     s2 = registry.get("s2")
     for d in s2.head_dims:
         for kw in (dict(), dict(paged=True), dict(paged=True, gather=True)):
