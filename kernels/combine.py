@@ -17,7 +17,8 @@ from .common import seqlen
 
 
 class SplitKVCombine:
-    """O and LSE from the splits' FP32 partials: one warp per (batch, query, head) row.
+    """O and LSE from the splits' FP32 partials: one warp per (batch, query, head) row, or per
+    128-column slice of it where rows are wider than 256 (M1's 512-wide latent rows).
 
     The work is a few kilobytes a row; its time is round trips to L2. So each lane issues the loads
     of its elements of `chunk` splits' partial rows at once (the first chunk before the LSEs are
@@ -27,16 +28,24 @@ class SplitKVCombine:
 
     LSE = m + log(sum_i exp(lse_i - m)) with m = max_i lse_i; O = sum_i exp(lse_i - LSE) O_i. Splits
     that saw no key carry lse = -inf and weigh 0; a row no split saw keeps O = 0, LSE = -inf.
-    `sinks`: the head's sink is one more term of the sum, with no O (mSinks (heads_q,) FP32)."""
+    `sinks`: the head's sink is one more term of the sum, with no O (mSinks (heads_q,) FP32).
+
+    A decode of one sequence has few rows (16 for one MLA query over 16 heads): one warp a 512-wide
+    row left most SMs idle and walked its splits 4 at a time. In slices of 128 columns, four warps
+    share a row (each reads the row's LSEs and weighs its own columns; the first writes the LSE),
+    16 splits a round trip."""
 
     warps = 4
 
     def __init__(self, dtype, head_dim: int, sinks: bool = False, max_queries: int = 0):
         self.dtype, self.head_dim, self.sinks = dtype, head_dim, sinks
         self.max_queries = max_queries  # packed: rows of entries this long or longer are not S1's
+        # the columns of a row one warp merges: the whole row up to 256, else slices of 128
+        self.columns = head_dim if head_dim <= 256 else 128
+        self.slices = head_dim // self.columns
         # splits whose partial rows are loaded together (one round trip to L2 for all of them):
-        # 64 registers a lane (MLA's 512-wide latent rows: 4 splits)
-        self.chunk = 16 if head_dim <= 128 else 8 if head_dim <= 256 else 4
+        # 64 registers a lane
+        self.chunk = 16 if self.columns <= 128 else 8
 
     @cute.jit
     def __call__(self, mOacc: cute.Tensor, mLSEacc: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
@@ -44,9 +53,9 @@ class SplitKVCombine:
         """mSinks: read with sinks only; mCuSeqlensQ: the packed queries' offsets (read with
         max_queries only); either may be None where it is not read."""
         _, batch, seqlen_q, heads_q, _ = mOacc.shape
-        rows = batch * seqlen_q * heads_q
+        warps = batch * seqlen_q * heads_q * self.slices
         self.kernel(mOacc, mLSEacc, mO, mLSE, mSinks, mCuSeqlensQ).launch(
-            grid=[cute.ceil_div(rows, self.warps), 1, 1], block=[32 * self.warps, 1, 1], stream=stream)
+            grid=[cute.ceil_div(warps, self.warps), 1, 1], block=[32 * self.warps, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mOacc: cute.Tensor, mLSEacc: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
@@ -56,6 +65,11 @@ class SplitKVCombine:
         lane = cute.arch.lane_idx()
         splits, batch_size, seqlen_q, heads_q, _ = mOacc.shape
         row = block * self.warps + tidx // 32
+        column = lane  # this lane's first column (then every 32nd)
+        if cutlass.const_expr(self.slices > 1):
+            work = row
+            row = work // self.slices
+            column = work % self.slices * self.columns + lane
         mine = row < batch_size * seqlen_q * heads_q
         if cutlass.const_expr(self.max_queries > 0):  # (warp-uniform: one row a warp)
             if mine:
@@ -65,9 +79,9 @@ class SplitKVCombine:
             query = row // heads_q % seqlen_q
             batch = row // (heads_q * seqlen_q)
             # the first chunk of partial O rows does not depend on the LSEs: its loads fly beside theirs
-            per_lane = self.head_dim // 32
+            per_lane = self.columns // 32
             parts = cute.make_rmem_tensor((self.chunk, per_lane), Float32)
-            self.load_chunk(parts, mOacc, 0, batch, query, head, lane)
+            self.load_chunk(parts, mOacc, 0, batch, query, head, column)
             top = -Float32.inf
             for s in cutlass.range(lane, splits, 32, unroll=1):
                 top = cute.arch.fmax(top, mLSEacc[s, batch, head, query])
@@ -93,7 +107,7 @@ class SplitKVCombine:
             if total > Float32(0.0):
                 for first in cutlass.range(0, splits, self.chunk, unroll=1):
                     if first > 0:
-                        self.load_chunk(parts, mOacc, first, batch, query, head, lane)
+                        self.load_chunk(parts, mOacc, first, batch, query, head, column)
                     for j in cutlass.range_constexpr(self.chunk):
                         split = cutlass.min(first + j, splits - 1)
                         weight = cute.math.exp(mLSEacc[split, batch, head, query] - lse, fastmath=True)
@@ -102,19 +116,20 @@ class SplitKVCombine:
                         for i in cutlass.range_constexpr(per_lane):
                             acc[i] += weight * parts[j, i]
             for i in cutlass.range_constexpr(per_lane):
-                mO[batch, query, head, lane + 32 * i] = acc[i].to(self.dtype)
-            if lane == 0:
+                mO[batch, query, head, column + 32 * i] = acc[i].to(self.dtype)
+            if column == 0:  # (the row's first lane: of its first slice)
                 mLSE[batch, head, query] = lse
 
     @cute.jit
-    def load_chunk(self, parts: cute.Tensor, mOacc: cute.Tensor, first: cutlass.Int32, batch, query, head, lane):
-        """This lane's elements of the partial O rows of splits first .. first + chunk - 1, all issued
-        before any is used; indices past the last split repeat it (in bounds; weighed 0)."""
+    def load_chunk(self, parts: cute.Tensor, mOacc: cute.Tensor, first: cutlass.Int32, batch, query, head, column):
+        """This lane's elements (columns `column`, then every 32nd of its warp's) of the partial O
+        rows of splits first .. first + chunk - 1, all issued before any is used; indices past the
+        last split repeat it (in bounds; weighed 0)."""
         splits = mOacc.shape[0]
         for j in cutlass.range_constexpr(self.chunk):
             split = cutlass.min(first + j, splits - 1)
-            for i in cutlass.range_constexpr(self.head_dim // 32):
-                parts[j, i] = mOacc[split, batch, query, head, lane + 32 * i]
+            for i in cutlass.range_constexpr(self.columns // 32):
+                parts[j, i] = mOacc[split, batch, query, head, column + 32 * i]
 
 
 class _WithCombine:

@@ -246,10 +246,17 @@ def test_mla_gathers_and_packed_entries_compile(causal, gather, varlen):
 
 
 def test_combine_takes_the_latent_width():
-    """The split-KV combine at MLA's 512-wide O rows: four splits' rows in flight a lane (64
-    registers of partials, as at d <= 256), no spills."""
+    """The split-KV combine at MLA's 512-wide O rows: four warps a row, 128 columns each, sixteen
+    splits' columns in flight a lane (64 registers of partials, as at d <= 256), no spills; rows up
+    to 256 wide stay one warp's."""
+    from kernels.combine import SplitKVCombine
+
+    wide, narrow = SplitKVCombine(None, 512), SplitKVCombine(None, 256)
+    assert (wide.slices, wide.columns, wide.chunk) == (4, 128, 16) and (narrow.slices, narrow.chunk) == (1, 8)
     report = _compile.build_report(_compile_kvcache.build_combine, torch.bfloat16, 512)
     assert "ex2.approx" in report.ptx and report.registers and report.spill_bytes == 0
+    # each lane's loads of one chunk: 16 splits x 4 columns, issued together
+    assert report.ptx.count("ld.global") >= 16 * 4
 
 
 def test_entry_order_compiles():
