@@ -36,6 +36,10 @@ class SplitKVCombine:
     16 splits a round trip."""
 
     warps = 4
+    # launched right behind the split kernel that writes its partials, programmatically dependent
+    # on it (_WithCombine): its CTAs may start before that kernel ends, and wait for its memory
+    # at griddepcontrol.wait before reading anything
+    after_split_kernel = False
 
     def __init__(self, dtype, head_dim: int, sinks: bool = False, max_queries: int = 0):
         self.dtype, self.head_dim, self.sinks = dtype, head_dim, sinks
@@ -55,11 +59,14 @@ class SplitKVCombine:
         _, batch, seqlen_q, heads_q, _ = mOacc.shape
         warps = batch * seqlen_q * heads_q * self.slices
         self.kernel(mOacc, mLSEacc, mO, mLSE, mSinks, mCuSeqlensQ).launch(
-            grid=[cute.ceil_div(warps, self.warps), 1, 1], block=[32 * self.warps, 1, 1], stream=stream)
+            grid=[cute.ceil_div(warps, self.warps), 1, 1], block=[32 * self.warps, 1, 1], stream=stream,
+            use_pdl=self.after_split_kernel)
 
     @cute.kernel
     def kernel(self, mOacc: cute.Tensor, mLSEacc: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
                mSinks: Optional[cute.Tensor], mCuSeqlensQ: Optional[cute.Tensor]):
+        if cutlass.const_expr(self.after_split_kernel):
+            cute.arch.griddepcontrol_wait()  # the split kernel's partials are written and visible
         tidx, _, _ = cute.arch.thread_idx()
         block, _, _ = cute.arch.block_idx()
         lane = cute.arch.lane_idx()
@@ -136,9 +143,16 @@ class _WithCombine:
     """A split-KV kernel and the combine of its partials as one compiled host function: one call
     from Python launches both on the stream, where a second compiled call cost the host as much
     again as the combine's GPU time (worklog/host.md). Each subclass's __call__ takes its kernel's
-    arguments (the DSL compiles a signature, not *args)."""
+    arguments (the DSL compiles a signature, not *args).
+
+    The combine is launched as a programmatic dependent of the split kernel (PDL): each of the
+    split kernel's CTAs lets it launch as it starts (`launches_dependents`), so the combine's CTAs
+    are scheduled while the split kernel runs and wait at griddepcontrol.wait for its grid to end
+    and its writes to land, instead of paying a launch after it."""
 
     def __init__(self, split_kernel, combine: SplitKVCombine):
+        split_kernel.launches_dependents = True
+        combine.after_split_kernel = True
         self.split_kernel, self.combine = split_kernel, combine
 
 

@@ -128,6 +128,10 @@ def acc_as_a_sm80(p: cute.Tensor) -> cute.Tensor:
 
 
 class SplitKVAttention:
+    # a combine launched behind this kernel as its programmatic dependent (kernels/combine.py,
+    # _WithCombine): every CTA lets it launch as it starts
+    launches_dependents = False
+
     def __init__(self, dtype, head_dim: int, causal: bool, config: DecodeConfig, paged: bool = False,
                  local: bool = False, softcap: bool = False, gather: bool = False, varlen: bool = False,
                  leftpad: bool = False, sinks: bool = False, out_dtype=None, max_queries: int = 0,
@@ -266,6 +270,8 @@ class SplitKVAttention:
                descales,
                sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
                sKV16_layout: cute.ComposedLayout, SharedStorage: cutlass.Constexpr):
+        if cutlass.const_expr(self.launches_dependents):
+            cute.arch.griddepcontrol_launch_dependents()  # (the combine waits for this grid's end)
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         num_splits = mOacc.shape[0] // self.partials_per_cta  # (the key ranges; S2: WARPS partials each)

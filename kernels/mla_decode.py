@@ -106,6 +106,10 @@ GATHER_THREADS = 128  # row gathers (pages of other sizes): warpgroup 1's thread
 
 
 class MlaDecode:
+    # a combine launched behind this kernel as its programmatic dependent (kernels/combine.py,
+    # _WithCombine): every CTA lets it launch as it starts
+    launches_dependents = False
+
     def __init__(self, dtype, causal: bool, config: MlaConfig, paged: bool = False, gather: bool = False,
                  varlen: bool = False):
         """config: kernels/config.mla_config's (tiles, head dims, the ring's depth and the SMEM plan
@@ -187,6 +191,8 @@ class MlaDecode:
                sQ_layout: cute.ComposedLayout, sQv_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout,
                SharedStorage: cutlass.Constexpr):
+        if cutlass.const_expr(self.launches_dependents):
+            cute.arch.griddepcontrol_launch_dependents()  # (the combine waits for this grid's end)
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         num_splits = mOacc.shape[0]

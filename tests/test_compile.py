@@ -188,7 +188,8 @@ def test_sinks_combine_compiles(max_queries):
 def test_split_decode_compiles_with_its_combine(name, paged, sinks):
     """A split call's decode kernel and the combine in one compiled call (kernels/combine.py
     SplitKVWithCombine): both kernels in the module, the decode kernel's PTX as when it is compiled
-    alone, no spills."""
+    alone but for letting its dependent launch (griddepcontrol.launch_dependents), the combine
+    waiting for its grid (griddepcontrol.wait), no spills."""
     spec = registry.get(name)
     alone = _compile.build_report(_compile_kvcache.build_kvcache, spec, torch.bfloat16, 128, True, paged=paged,
                                   sinks=sinks)
@@ -200,7 +201,13 @@ def test_split_decode_compiles_with_its_combine(name, paged, sinks):
     assert len(alone_entries) == 1 and len(both_entries) == 2
     assert any("SplitKVCombine" in name for name in both_entries)
     (decode_name, decode_body), = alone_entries.items()
-    assert both_entries[decode_name].split("// .globl")[0].rstrip() == decode_body.split("// .globl")[0].rstrip()
+    (combine_body,) = (body for name, body in both_entries.items() if "SplitKVCombine" in name)
+    body = lambda text: text.split("// .globl")[0].rstrip()
+    with_combine = body(both_entries[decode_name])
+    trigger = "\t// begin inline asm\n\tgriddepcontrol.launch_dependents;\n\t// end inline asm\n"
+    assert with_combine.count(trigger) == 1 and "griddepcontrol" not in decode_body
+    assert "griddepcontrol.wait" in combine_body
+    assert with_combine.replace(trigger, "") == body(decode_body)
     assert both.spill_bytes == 0
 
 
@@ -211,6 +218,7 @@ def test_mla_compiles_with_its_combine():
     report = _compile.build_report(compile_mla.build_mla, registry.get("m1"), torch.bfloat16, with_combine=True)
     entries = report.ptx.split(".visible .entry ")[1:]
     assert len(entries) == 2 and any("SplitKVCombine" in e.split("(")[0] for e in entries)
+    assert "griddepcontrol.launch_dependents" in report.ptx and "griddepcontrol.wait" in report.ptx
     assert report.spill_bytes == 0
 
 
