@@ -5,11 +5,11 @@ serves, compiled on the CPU (no GPU), to show that a refactor left the generated
     python benchmarks/ptx_identity.py --compare before.txt       # after: lists what differs, exit 1
     python benchmarks/ptx_identity.py --only "^s1" [--list]      # a subset (regex on the labels)
 
-Configurations (about 480): every attention, FP8 and backward rung x head dim x causal, the K5 rungs'
+Configurations (about 520): every attention, FP8 and backward rung x head dim x causal, the K5 rungs'
 variants, v's other head dims and short-query tiles, K5 over a KV cache, S1 over 16-bit and FP8
 caches (16-bit q too), S2 (16-bit and FP8 caches, pages of 16 a page a warp), M1 (MLA: dense,
-paged, gathered, packed, with its combine or not), the split-KV combine, the GEMM rungs (bf16 and FP8), each backward rung's static variants and
-postprocess, the backward preprocess. A kernel's entry name spells its module and class (cut at a
+paged, gathered, packed, with its combine or not), the split-KV combine, the GEMM rungs (bf16 and
+FP8), each backward rung's static variants and postprocess, the backward preprocess. A kernel's entry name spells its module and class (cut at a
 fixed length), so each entry symbol is replaced by ENTRYi before hashing: moving or renaming a class
 keeps its hash. Run it from a tree nobody edits meanwhile (the DSL reads the kernels' sources as it
 compiles); it works in a temporary folder of its own (--keep-ptx writes each kernel's PTX there).

@@ -595,7 +595,7 @@ def test_warp_pages_is_s2_fp8_pages_of_16_only():
     """The page-a-warp gather is chosen for s2 over an FP8 cache in pages of 16 only (a compile key
     of its own, a ring of the FP8 cache's depth); every other call keeps its gather and its key."""
     from fa3.compile import kvcache as _compile_kvcache
-    from kernels import config
+    from fa3.kernels import config
 
     s1, s2 = fa3.registry.get("s1"), fa3.registry.get("s2")
     layout = _compile_kvcache.gather_layout
