@@ -257,7 +257,7 @@ def test_combine_takes_the_latent_width():
     """The split-KV combine at MLA's 512-wide O rows: four warps a row, 128 columns each, sixteen
     splits' columns in flight a lane (64 registers of partials, as at d <= 256), no spills; rows up
     to 256 wide stay one warp's."""
-    from kernels.combine import SplitKVCombine
+    from fa3.kernels.combine import SplitKVCombine
 
     wide, narrow = SplitKVCombine(None, 512), SplitKVCombine(None, 256)
     assert (wide.slices, wide.columns, wide.chunk) == (4, 128, 16) and (narrow.slices, narrow.chunk) == (1, 8)
