@@ -5,6 +5,8 @@ forward kernel's launch, which fa3.attention and fa3.attention_varlen both end i
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import _checks, masking
@@ -138,13 +140,7 @@ def small_scratch(shapes: tuple, device) -> tuple:
     """stream_scratch for FP32 tensors of `shapes` that a call's own kernels write and read, where
     they are small (SMALL_SCRATCH_BYTES in all: where the allocations' host time shows); larger
     ones are allocated (kept per stream they would hold their memory after the call)."""
-    elements = 0
-    for shape in shapes:
-        count = 1
-        for n in shape:
-            count *= n
-        elements += count
-    if elements * 4 <= SMALL_SCRATCH_BYTES:
+    if 4 * sum(math.prod(shape) for shape in shapes) <= SMALL_SCRATCH_BYTES:
         return stream_scratch(shapes, device)
     return tuple(torch.empty(shape, dtype=torch.float32, device=device) for shape in shapes)
 

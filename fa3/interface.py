@@ -156,7 +156,7 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
                                         softcap=softcap)
         gradients = backward.dense_gradients(backward_spec, causal, scale, bool(deterministic), window,
                                              float(softcap))
-        if plain and forward is not None and type(deterministic) is bool \
+        if plain and type(deterministic) is bool \
                 and (backward_kernel is None or type(backward_kernel) is str):
             _GRAD_CALLS.remember((key, deterministic, backward_kernel), (forward, gradients))
         with _dispatch.op_range("fa3::attention"):

@@ -100,8 +100,8 @@ def mla_attention(q, qv, k_cache, v_cache, k, v, seqlens, block_table, causal, s
             key = launch = None
         if launch is not None and _dispatch.direct_call_ok(q, qv, k_cache, v_cache) and not _dispatch.profiling() \
                 and not (k_cache.data_ptr() | v_cache.data_ptr()) % 16 \
-                and (out is None or _checks.prepared_output_ok(out, ((n, t) for n, t in (
-                    ("q", q), ("qv", qv), ("k_cache", k_cache), ("v_cache", v_cache))))):
+                and (out is None or _checks.prepared_output_ok(
+                    out, (("q", q), ("qv", qv), ("k_cache", k_cache), ("v_cache", v_cache)))):
             wait = launch.start_check(seqlens, block_table, cu_seqlens_q)
             if out is not None:  # refuse before anything is written (strict mode)
                 wait()

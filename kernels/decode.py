@@ -313,9 +313,8 @@ class SplitKVAttention:
 
             whole = cutlass.memory.SmemAllocator().allocate(SharedStorage)
             storage = self.ring_storage(whole)
-            kv_pipe = None  # (warp_pages: each warp's cp.async groups, no barriers)
             if cutlass.const_expr(self.warp_pages):
-                pass
+                kv_pipe = None  # each warp's cp.async groups, no barriers
             elif cutlass.const_expr(self.gather):
                 kv_pipe = pipeline.create_gather(storage.kv_barriers.data_ptr(), self.kv_stages,
                                                  self.num_threads)
@@ -721,11 +720,7 @@ class SplitKVAttention:
             sK_w = cute.local_tile(sK[None, None, kv_consumer.index], (keys, self.head_dim), (warp_idx, 0))
             sV_w = cute.local_tile(sV[None, None, kv_consumer.index], (keys, self.head_dim), (warp_idx, 0))
             if cutlass.const_expr(self.fp8):
-                tSrK = ctx.thr_qk.make_fragment_B(ctx.thr_qk.partition_shape_B((keys, self.head_dim)))
-                value_words = cute.make_rmem_tensor((self.head_dim // 8,), Int32)  # FP8 V, keys paired
-                fp8_mma_sync.value_words(ctx.v_base, ctx.sKV_layout, warp_idx * keys, kv_consumer.index, lane,
-                                         value_words)
-                fp8_mma_sync.k_operand(sK_w, lane, tSrK)
+                tSrK, value_words = self.fp8_operands(ctx, sK_w, kv_consumer.index, warp_idx, lane)
                 cute.arch.sync_warp()  # every lane's loads are done
                 kv_consumer = pipeline.release(kv_pipe, kv_consumer)  # in registers: the stage is free
                 if valid < keys:
@@ -734,10 +729,7 @@ class SplitKVAttention:
                 self.warp_zero_rows(sV_w, valid, lane)
                 tSrK = ctx.thr_qk.make_fragment_B(ctx.thr_qk.partition_B(sK_w))
                 cute.copy(ctx.copy_k, ctx.copy_k.partition_S(sK_w), ctx.copy_k.retile(tSrK))
-            acc_s = cute.make_rmem_tensor(ctx.thr_qk.partition_shape_C((self.tile_m, keys)), Float32)
-            acc_s.fill(0.0)
-            for k in cutlass.range_constexpr(cute.size(ctx.tSrQ.shape[2])):
-                cute.gemm(ctx.qk, acc_s, ctx.tSrQ[None, None, k], tSrK[None, None, k], acc_s)
+            acc_s = self.warp_scores(ctx, tSrK)
             if cutlass.const_expr(self.fp8):
                 tOrVt = ctx.thr_pv.make_fragment_B(ctx.thr_pv.partition_shape_B((self.head_dim, keys)))
                 fp8_mma_sync.v_operand(value_words, tOrVt)
@@ -752,6 +744,25 @@ class SplitKVAttention:
             if self.is_kv_producer(warp_idx) and kv_producer.count < n_blocks:  # refill a freed stage
                 kv_producer = self.load_kv(kv_producer, last - kv_producer.count, *loads)
         return kv_producer
+
+    @cute.jit
+    def warp_scores(self, ctx, tSrK: cute.Tensor) -> cute.Tensor:
+        """S = Q K^T of this warp's keys (K's B fragment tSrK) on mma.sync, in FP32."""
+        acc_s = cute.make_rmem_tensor(ctx.thr_qk.partition_shape_C((self.tile_m, self.warp_keys)), Float32)
+        acc_s.fill(0.0)
+        for k in cutlass.range_constexpr(cute.size(ctx.tSrQ.shape[2])):
+            cute.gemm(ctx.qk, acc_s, ctx.tSrQ[None, None, k], tSrK[None, None, k], acc_s)
+        return acc_s
+
+    @cute.jit
+    def fp8_operands(self, ctx, sK_w: cute.Tensor, stage, warp_idx: Int32, lane: Int32):
+        """(K's B fragment, V's words) of this warp's FP8 keys of `stage`, loaded into registers
+        (common/fp8_mma_sync.py: K converted for mma.sync, V's bytes paired by key)."""
+        tSrK = ctx.thr_qk.make_fragment_B(ctx.thr_qk.partition_shape_B((self.warp_keys, self.head_dim)))
+        value_words = cute.make_rmem_tensor((self.head_dim // 8,), Int32)  # FP8 V, keys paired
+        fp8_mma_sync.value_words(ctx.v_base, ctx.sKV_layout, warp_idx * self.warp_keys, stage, lane, value_words)
+        fp8_mma_sync.k_operand(sK_w, lane, tSrK)
+        return tSrK, value_words
 
     @cute.jit
     def attend_block(self, ctx, acc_s: cute.Tensor, tOrVt: cute.Tensor, m_block: Int32, n_block: Int32,
@@ -794,10 +805,7 @@ class SplitKVAttention:
             cute.arch.cp_async_wait_group(self.kv_stages - 1)
             cute.arch.sync_warp()  # every lane's copies of this block have landed
             sK_w = cute.local_tile(sK[None, None, stage], (keys, self.head_dim), (warp_idx, 0))
-            tSrK = ctx.thr_qk.make_fragment_B(ctx.thr_qk.partition_shape_B((keys, self.head_dim)))
-            value_words = cute.make_rmem_tensor((self.head_dim // 8,), Int32)  # FP8 V, keys paired
-            fp8_mma_sync.value_words(ctx.v_base, ctx.sKV_layout, warp_idx * keys, stage, lane, value_words)
-            fp8_mma_sync.k_operand(sK_w, lane, tSrK)
+            tSrK, value_words = self.fp8_operands(ctx, sK_w, stage, warp_idx, lane)
             cute.arch.sync_warp()  # every lane's loads are done: the warp's rows are free
             self.copy_page(has_page, page, stage, mK, mV, sK, sV, head_kv, warp_idx, lane)
             cute.arch.cp_async_commit_group()
@@ -806,10 +814,7 @@ class SplitKVAttention:
                 stage = Int32(0)
             if valid < keys:
                 fp8_mma_sync.zero_keys_past(value_words, valid, lane)
-            acc_s = cute.make_rmem_tensor(ctx.thr_qk.partition_shape_C((self.tile_m, keys)), Float32)
-            acc_s.fill(0.0)
-            for k in cutlass.range_constexpr(cute.size(ctx.tSrQ.shape[2])):
-                cute.gemm(ctx.qk, acc_s, ctx.tSrQ[None, None, k], tSrK[None, None, k], acc_s)
+            acc_s = self.warp_scores(ctx, tSrK)
             tOrVt = ctx.thr_pv.make_fragment_B(ctx.thr_pv.partition_shape_B((self.head_dim, keys)))
             fp8_mma_sync.v_operand(value_words, tOrVt)
             self.attend_block(ctx, acc_s, tOrVt, m_block, n_block, warp_idx, group, seq, scale_log2, window,

@@ -49,6 +49,18 @@ def no_device_check(monkeypatch):
     monkeypatch.setattr(_checks, "check_hopper", lambda device, name: None)
 
 
+@pytest.fixture
+def cpu_as_hopper(monkeypatch):
+    """The CPU device taken for a Hopper GPU of 132 SMs on one stream (handle 7), no graph being
+    captured: the host path's memos and plans run on CPU tensors (with kernels the test replaces)."""
+    import fa3
+
+    monkeypatch.setitem(fa3._checks.HOPPER_SMS, torch.device("cpu"), 132)
+    monkeypatch.setattr(fa3._checks, "check_hopper", lambda device, name: None)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 7, raising=False)  # (CPU builds lack it)
+
+
 @pytest.fixture(autouse=True)
 def settled_index_checks():
     """A test's deferred index checks settle before the next test starts: a bad value a test left

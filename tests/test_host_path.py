@@ -345,7 +345,7 @@ def test_capture_right_after_an_eager_call_with_a_pending_check():
     fa3.check_index_values()
 
 
-def test_gradient_calls_remembered(monkeypatch):
+def test_gradient_calls_remembered(monkeypatch, cpu_as_hopper):
     """A plain eager call with gradients that passed every check is remembered with its forward and
     backward (interface._GRAD_CALLS, keyed with deterministic and backward_kernel): the same call
     again skips the checks; another backward choice, no gradients or a profiler take the full path.
@@ -353,13 +353,8 @@ def test_gradient_calls_remembered(monkeypatch):
     from fa3 import interface
     from fa3.compile import builders
 
-    cpu = torch.device("cpu")
-    monkeypatch.setitem(fa3._checks.HOPPER_SMS, cpu, 132)
-    monkeypatch.setattr(fa3._checks, "check_hopper", lambda device, name: None)
     for getter in ("get_attention", "get_backward", "get_backward_preprocess", "get_backward_postprocess"):
         monkeypatch.setattr(builders, getter, lambda *a, **k: (lambda *args: None))
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 7, raising=False)
     checked = []
     real_check = interface.check_attention
     monkeypatch.setattr(interface, "check_attention", lambda *a: checked.append(1) or real_check(*a))

@@ -265,20 +265,15 @@ def test_vllm_call_on_one_cache(heads, page_size):
     check(out[:, None], lse.T[:, :, None], ref_o, ref_lse, "vLLM's call")
 
 
-def test_plain_mla_calls_remembered(monkeypatch):
+def test_plain_mla_calls_remembered(monkeypatch, cpu_as_hopper):
     """A plain MLA call that passed every check is remembered by its layouts and options
     (fa3.mla._MLA_CALLS): the same call again skips check_mla; an append, another out= layout, a
     profiler, or lengths that check_mla had to convert take the full path. Kernels no-op (CPU)."""
     from fa3 import mla
     from fa3.compile import mla as compile_mla
 
-    cpu = torch.device("cpu")
-    monkeypatch.setitem(fa3._checks.HOPPER_SMS, cpu, 132)
-    monkeypatch.setattr(fa3._checks, "check_hopper", lambda device, name: None)
     launched = []
     monkeypatch.setattr(compile_mla, "get_mla", lambda *a, **k: (lambda *args: launched.append(args)))
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 7, raising=False)
     checked = []
     real_check = mla.check_mla
     monkeypatch.setattr(mla, "check_mla", lambda *a: checked.append(1) or real_check(*a))
