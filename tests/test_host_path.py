@@ -345,6 +345,29 @@ def test_capture_right_after_an_eager_call_with_a_pending_check():
     fa3.check_index_values()
 
 
+def test_compiled_entry_leaves_pending_checks_alone(monkeypatch):
+    """torch.compile traces an entry point's first line while an eager call's check is still
+    pending: the settling is skipped there (it asks whether the stream is captured, which a graph
+    cannot hold), so fullgraph compiles."""
+    from fa3 import index_checks
+
+    class NeverDone:
+        def done(self):
+            raise AssertionError("settled while tracing")
+
+    monkeypatch.setattr(index_checks._PER_THREAD, "pending",
+                        [index_checks._Pending(NeverDone(), [], None, None)], raising=False)
+
+    def entry(x):
+        index_checks.raise_pending()
+        return x * 2
+
+    x = torch.randn(4)
+    assert torch.equal(torch.compile(entry, fullgraph=True, backend="eager")(x), x * 2)
+    with pytest.raises(AssertionError, match="settled while tracing"):
+        entry(x)  # eagerly it does settle: the test can fail
+
+
 def test_gradient_calls_remembered(monkeypatch, cpu_as_hopper):
     """A plain eager call with gradients that passed every check is remembered with its forward and
     backward (interface._GRAD_CALLS, keyed with deterministic and backward_kernel): the same call
