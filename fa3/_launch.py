@@ -94,26 +94,6 @@ def lse_and_partials(lse_shape: tuple, partial_shapes: tuple, keep_lse: bool, de
     return (lse, *scratch) if scratch else (lse, *unread_partials(device, head_dim))
 
 
-class _CounterRing:
-    """Zeroed int32 tile counters of one stream, handed out one per call: when all have been
-    taken, one memset on that stream (ordered after every kernel that used them) zeroes them all
-    again. A causal call then costs no fill kernel of its own."""
-
-    size = 1024
-
-    def __init__(self, device):
-        self.block = torch.zeros(self.size, dtype=torch.int32, device=device)
-        self.counters = list(self.block.split(1))
-        self.next = 0
-
-    def take(self) -> torch.Tensor:
-        if self.next == self.size:
-            self.block.zero_()
-            self.next = 0
-        self.next += 1
-        return self.counters[self.next - 1]
-
-
 _SCRATCH = BoundedMemo(32)  # (device, the current stream's handle, shapes) -> FP32 tensors of those shapes
 
 
@@ -145,24 +125,29 @@ def small_scratch(shapes: tuple, device) -> tuple:
     return tuple(torch.empty(shape, dtype=torch.float32, device=device) for shape in shapes)
 
 
-_COUNTER_RINGS: dict = {}  # (device, the current stream's handle) -> _CounterRing
+_COUNTERS: dict = {}  # (device, the current stream's handle) -> that stream's tile counter
 
 
 def tile_counter(spec, causal: bool, device) -> torch.Tensor:
     """The GMEM counter a dynamically scheduled rung hands tiles out from, reading 0 at launch: the
-    next of the current stream's ring of zeroed counters (a stream runs its kernels in order, so a
-    counter is zeroed again only after its kernel), or, while a CUDA graph is captured, a fresh
-    zeroed one (the graph replays its memset). Static schedules never touch it: one shared
-    stand-in."""
+    current stream's, zeroed once (a stream runs its kernels in order, and each kernel leaves it at
+    0: common/scheduler.py), or, while a CUDA graph is captured, a fresh zeroed one (the graph's
+    own, so that replays on other streams never share one). Static schedules never touch it: one
+    shared stand-in."""
     if not (causal and spec.config.base.dynamic_schedule):
         return stand_in(device)
+    return stream_counter(device)
+
+
+def stream_counter(device) -> torch.Tensor:
+    """tile_counter's counter for a rung known to count: the current stream's."""
     if torch.cuda.is_current_stream_capturing():
         return torch.zeros(1, dtype=torch.int32, device=device)
     key = (device, torch._C._cuda_getCurrentRawStream(device.index))
-    ring = _COUNTER_RINGS.get(key)
-    if ring is None:
-        ring = _COUNTER_RINGS[key] = _CounterRing(device)
-    return ring.take()
+    counter = _COUNTERS.get(key)
+    if counter is None:
+        counter = _COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
+    return counter
 
 
 def attention_kernel(spec, dtype, head_dim: int, mask: masking.Masking, device, cu_seqlens=None, sinks=None,

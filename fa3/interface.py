@@ -313,7 +313,7 @@ def prepare_plain(spec, q, k, v, causal: bool, scale: float):
         lse = torch.empty(lse_shape, dtype=torch.float32, device=device) if keep_lse else \
             _launch.stream_scratch((lse_shape,), device)[0]
         if counted:
-            fn(q, k, v, out, lse, *lead, _launch.tile_counter(spec, True, device), *tail)
+            fn(q, k, v, out, lse, *lead, _launch.stream_counter(device), *tail)
         else:
             fn(q, k, v, out, lse, *lead, *tail)
         return out, lse

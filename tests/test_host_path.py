@@ -1,12 +1,11 @@
 """The host path of a call: no host sync in the steady state of any entry point, prepared launches
-of repeated plain calls that compute what the full path computes, and the causal rungs' ring of
-zeroed tile counters.
+of repeated plain calls that compute what the full path computes, and the causal rungs' tile
+counter, one a stream, which every kernel leaves at 0.
 
 GPU: every entry point, after a warm-up call, runs under torch.cuda.set_sync_debug_mode("error")
 with fresh index tensors (so that their deferred checks copy them again); a repeated plain
 fa3.attention / fa3.gemm call (its prepared launch) against the first call's result; more causal
-calls than a ring holds, on two streams.
-CPU: the counter ring's hand-out and re-zeroing.
+calls on two streams, fixed-length and packed, each stream's counter at 0 after them.
 """
 
 import pytest
@@ -18,16 +17,6 @@ from fa3 import _launch
 from conftest import rel_err
 
 BF16 = torch.bfloat16
-
-
-def test_counter_ring_hands_out_zeroed_counters_and_zeroes_them_again():
-    ring = _launch._CounterRing(torch.device("cpu"))
-    taken = [ring.take() for _ in range(ring.size)]
-    assert len({t.data_ptr() for t in taken}) == ring.size and all(t.shape == (1,) for t in taken)
-    for t in taken:
-        t += 5  # what the kernels leave behind
-    again = ring.take()  # the ring is spent: all of it is zeroed, the first handed out again
-    assert again.data_ptr() == taken[0].data_ptr() and not ring.block.any()
 
 
 def _rand(*shape, dtype=BF16):
@@ -153,17 +142,24 @@ def test_prepared_gemm_launch_computes_the_same():
 
 
 @pytest.mark.gpu
-def test_causal_counter_ring_wraps_on_each_stream():
-    """More causal calls than a ring holds, on the default stream and on a side stream: each
-    result equals the first (a counter not zeroed again would skip tiles)."""
-    q, k, v = (_rand(1, 384, 4, 128) for _ in range(3))
+def test_causal_kernels_leave_the_streams_counter_at_zero():
+    """Each stream's one tile counter is zeroed once; every causal kernel (fixed length, and packed
+    with fewer tiles than the grid the host sized) leaves it at 0, so repeated calls on the default
+    stream and a side stream all equal the first (a counter left above 0 would skip tiles)."""
+    q, k, v = (_rand(1, 1000, 4, 128) for _ in range(3))
     first = fa3.attention(q, k, v, causal=True)
+    packed = q[0, :300], k[0, :300], v[0, :300]
+    cu = _i32(0, 5, 17, 300)
+    first_packed = fa3.attention_varlen(*packed, cu, cu, causal=True)
     side = torch.cuda.Stream()
     for stream in (torch.cuda.current_stream(), side):
         with torch.cuda.stream(stream):
-            outs = [fa3.attention(q, k, v, causal=True) for _ in range(_launch._CounterRing.size + 8)]
+            outs = [(fa3.attention(q, k, v, causal=True), fa3.attention_varlen(*packed, cu, cu, causal=True))
+                    for _ in range(4)]
+            counter = _launch.stream_counter(q.device)
         torch.cuda.synchronize()
-        assert all(torch.equal(o, first) for o in outs[-16:])
+        assert counter.item() == 0
+        assert all(torch.equal(o, first) and torch.equal(p, first_packed) for o, p in outs)
 
 
 def _cache_reference(q, k_cache, v_cache, lengths, table=None):

@@ -59,7 +59,12 @@ def grouped_tile(tile_id: Int32, tiles_m: Int32, tiles_n: Int32, group_m: cutlas
 # (`done`, 0 or 1): callers that count their tiles anyway derive it from that count instead of
 # carrying a state of its own across the tile loop (one more live register: the d64 packed
 # kernel, three 160-register consumer warpgroups, spills it).
-# The counter must read 0 at launch (the caller zeroes it).
+# The counter must read 0 at launch, and the kernel leaves it at 0: every CTA whose first tile is a
+# tile fetches until it gets its sentinel, so a grid makes exactly `tiles` fetches (grid below the
+# tile count: tiles - grid real ones and one sentinel a CTA; above: one sentinel each of the
+# first `tiles` CTAs), and the one that returns tiles - 1 is the last. Its CTA subtracts `tiles`
+# again: the next kernel on the stream finds 0, so the host keeps one counter a stream and never
+# zeroes it between calls.
 TILE_HANDOFF_BARRIERS = 2  # Int64 mbarriers (full, empty) the hand-off needs in SMEM
 
 
@@ -86,14 +91,18 @@ def _consumer_state(done: Int32):
 
 
 @cute.jit
-def publish_next_tile(counter: cute.Tensor, slot: cute.Tensor, grid: Int32, handoff,
+def publish_next_tile(counter: cute.Tensor, slot: cute.Tensor, grid: Int32, tiles: Int32, handoff,
                       done: Int32) -> Int32:
     """Producer warp (all 32 lanes): fetch the next tile and publish it once the consumers have
-    taken the previous one; `done`: the parity of the hand-offs before this one. Returns the tile."""
+    taken the previous one; `done`: the parity of the hand-offs before this one; `tiles`: the
+    grid's tile count (the grid's last fetch resets the counter). Returns the tile."""
     lane = cute.arch.lane_idx()
     next_tile = Int32(0)
     if lane == 0:
-        next_tile = grid + cute.arch.atomic_add(counter.iterator, Int32(1), sem="relaxed", scope="gpu")
+        fetched = cute.arch.atomic_add(counter.iterator, Int32(1), sem="relaxed", scope="gpu")
+        if fetched == tiles - 1:  # the grid's last fetch: back to 0 for the stream's next kernel
+            cute.arch.atomic_add(counter.iterator, Int32(0) - tiles, sem="relaxed", scope="gpu")
+        next_tile = grid + fetched
     next_tile = cute.arch.shuffle_sync(next_tile, 0)
     state = _producer_state(done)
     handoff.producer_acquire(state)  # every consumer thread has read the previous index

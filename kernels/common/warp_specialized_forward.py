@@ -231,7 +231,7 @@ class WarpSpecializedForward(AttentionTileSchedule, PingPong, WgmmaTileState, St
             tile = first
             while tile < tiles:
                 states = self.load_tile(tile, states, *loads)
-                tile = scheduler.publish_next_tile(mTileCounter, next_tile, step, handoff,
+                tile = scheduler.publish_next_tile(mTileCounter, next_tile, step, tiles, handoff,
                                                    self.tiles_done_parity(states[0], True) ^ 1)
             scheduler.handoff_tail(handoff, self.tiles_done_parity(states[0], True))
         else:
