@@ -44,7 +44,6 @@ class ForwardConfig:
     intra_wg_overlap: bool = True  # softmax of S_j while P_{j-1} V_{j-1} runs (k5_mainloop.py)
     dynamic_schedule: bool = False  # causal tiles handed out from a GMEM counter (common/scheduler.py)
     rescale_vote: bool = True  # O's rescale skipped when no row's max moved (k5_mainloop.rescale_o)
-    fma_exp2_every: int = 0  # every n-th score's exp2 on the FMA pipe, not MUFU (softmax.exp2_on_fma); 0: none
     # F2 (kernels/k5_fp8_vt.py): the depth of V's TMA ring, which the producer warpgroup's warps 1-3
     # transpose into the kv_stages-deep V^T ring, and the key groups a transposing warp has in
     # flight; 0: no ring of V's own (P V reads what TMA lands)

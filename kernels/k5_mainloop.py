@@ -61,8 +61,7 @@ class ForwardMainloop:
         if cutlass.const_expr(masked):
             mask.apply(s_mn, ctx.s_coords, ctx.m_block * self.tile_m, n_block * self.tile_n,
                        ctx.seqlen_q, ctx.seqlen_k, self.causal, window=ctx.window)
-        return softmax.online_update(s_mn, ctx.row_max, ctx.row_sum, scale_log2, 4, self.p_offset_log2,
-                                     self.fma_exp2_every)
+        return softmax.online_update(s_mn, ctx.row_max, ctx.row_sum, scale_log2, 4, self.p_offset_log2)
 
     # P = exp(S - max) in registers, rounded to the operand type of P V and used as its A operand
     # (16-bit: the accumulator's own layout, regrouped); FP8 replaces these three.

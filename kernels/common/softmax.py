@@ -16,8 +16,6 @@ import math
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
 
 LN2 = math.log(2.0)
 LOG2E = math.log2(math.e)  # natural-log values (LSE) to the exp2 domain
@@ -30,38 +28,6 @@ def max_offset(row_max: Float32, scale_log2: Float32) -> Float32:
     if row_max == -Float32.inf:
         offset = Float32(0.0)
     return offset
-
-
-# 2^f on [0, 1] as 1 + f (c1 + f (c2 + f c3)): a fit of the relative error (at most 8.6e-5, far
-# below a 16-bit P's rounding), FP32 bit patterns
-EXP2_FRACTION_POLY = ("0f3F31F32D", "0f3E691BC4", "0f3D9DD555")
-
-
-@dsl_user_op
-def exp2_on_fma(x: Float32, *, loc=None, ip=None) -> Float32:
-    """2^x without the MUFU unit (whose ex2 is 16 a clock an SM, an eighth of the FMA pipe's rate):
-    x clamped to -127, floor(x) by a round-down add of 1.5 * 2^23 (it lands in the low mantissa
-    bits), the fraction's polynomial on the FMA pipe, and floor(x) added into its exponent
-    field by an integer shift and add. x <= 0 here (scores minus their row's max); at -127 the
-    result is below FP32's normal range, as 2^-127 is."""
-    c3, c2, c1 = EXP2_FRACTION_POLY[2], EXP2_FRACTION_POLY[1], EXP2_FRACTION_POLY[0]
-    return Float32(llvm.inline_asm(
-        T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)],
-        "{ .reg .f32 c, r, b, f, p; .reg .b32 e, m;\n\t"
-        "max.ftz.f32 c, $1, 0fC2FE0000;\n\t"
-        "add.rm.ftz.f32 r, c, 0f4B400000;\n\t"
-        "sub.rn.ftz.f32 b, r, 0f4B400000;\n\t"
-        "sub.rn.ftz.f32 f, c, b;\n\t"
-        f"fma.rn.ftz.f32 p, f, {c3}, {c2};\n\t"
-        f"fma.rn.ftz.f32 p, p, f, {c1};\n\t"
-        "fma.rn.ftz.f32 p, p, f, 0f3F800000;\n\t"
-        "mov.b32 e, r;\n\tshl.b32 e, e, 23;\n\tmov.b32 m, p;\n\tadd.s32 m, m, e;\n\tmov.b32 $0, m; }",
-        "=f,f", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
-
-
-def _exp2_on_fma(column: int, every: int) -> bool:
-    """Whether online_update takes this column's exp2 on the FMA pipe: every `every`-th (0: none)."""
-    return every > 0 and column % every == every - 1
 
 
 def _reduce(scores: cute.Tensor, r: int, op):
@@ -80,7 +46,7 @@ def _reduce(scores: cute.Tensor, r: int, op):
 @cute.jit
 def online_update(scores: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor,
                   scale_log2: Float32, threads_per_row: cutlass.Constexpr,
-                  p_offset_log2: cutlass.Constexpr = 0, fma_exp2_every: cutlass.Constexpr = 0) -> cute.Tensor:
+                  p_offset_log2: cutlass.Constexpr = 0) -> cute.Tensor:
     """Turn one tile of scores into probabilities, in place; return each row's rescale factor.
 
     `scores`: (rows, cols) register view, this thread's share of `rows` rows (masked entries
@@ -89,8 +55,6 @@ def online_update(scores: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tenso
     sum stays a per-thread partial until `finalize`. `p_offset_log2` (FP8): the probabilities come
     out times 2^p_offset_log2, lifting small ones out of e4m3's subnormals (P <= 256 < 448, e4m3's
     largest); the sums carry the same factor, and `finalize` takes it out of the LSE (1/l cancels it).
-    `fma_exp2_every` n > 0: every n-th column's exp2 on the FMA pipe (exp2_on_fma), the rest on
-    MUFU, where MUFU's rate bounds the softmax (d64 forward tiles).
     """
     rows, cols = cute.size(scores, mode=[0]), cute.size(scores, mode=[1])
     correction = cute.make_rmem_tensor((rows,), Float32)
@@ -106,10 +70,7 @@ def online_update(scores: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tenso
         if cutlass.const_expr(p_offset_log2 != 0):
             offset = offset - Float32(p_offset_log2)
         for c in cutlass.range_constexpr(cols):
-            if cutlass.const_expr(_exp2_on_fma(c, fma_exp2_every)):
-                scores[r, c] = exp2_on_fma(scores[r, c] * scale_log2 - offset)
-            else:
-                scores[r, c] = cute.math.exp2(scores[r, c] * scale_log2 - offset, fastmath=True)
+            scores[r, c] = cute.math.exp2(scores[r, c] * scale_log2 - offset, fastmath=True)
         tile_sum = _reduce(scores, r, lambda a, b: a + b)
         row_max[r] = new_max
         row_sum[r] = row_sum[r] * factor + tile_sum

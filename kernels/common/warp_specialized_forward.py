@@ -77,7 +77,6 @@ class WarpSpecializedForward(AttentionTileSchedule, PingPong, WgmmaTileState, St
         self.pingpong = config.pingpong and self.consumer_wgs >= 2
         self.intra_wg_overlap = config.intra_wg_overlap
         self.rescale_vote = config.rescale_vote  # skip O's rescale when no row's max moved (k5_mainloop)
-        self.fma_exp2_every = config.fma_exp2_every  # a share of the exp2s off MUFU (softmax.online_update)
         self.q_stages = config.q_stages
         # causal tiles differ in length: hand them out from a GMEM counter (non-causal: static)
         self.dynamic = config.dynamic_schedule and causal
