@@ -12,6 +12,7 @@ from typing import Optional
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
+from cutlass.memory import SmemAllocator
 
 from .common import seqlen
 
@@ -33,7 +34,13 @@ class SplitKVCombine:
     A decode of one sequence has few rows (16 for one MLA query over 16 heads): one warp a 512-wide
     row left most SMs idle and walked its splits 4 at a time. In slices of 128 columns, four warps
     share a row (each reads the row's LSEs and weighs its own columns; the first writes the LSE),
-    16 splits a round trip."""
+    16 splits a round trip.
+
+    Few rows with many partials (S2 at batch 1: 33 splits of 4 warps' partials, 132 a row; M1's
+    64) walked them one chunk after another, a round trip each. Past two chunks (decided per
+    call, from the partials' count), the CTA's four warps share one row (or slice) instead:
+    warp p weighs chunks p, p + 4, ..., each warp reads all the LSEs for the row's total, and the
+    four sums meet in SMEM, where the first warp adds them up and writes the row."""
 
     warps = 4
     # launched right behind the split kernel that writes its partials, programmatically dependent
@@ -56,39 +63,53 @@ class SplitKVCombine:
                  mSinks: Optional[cute.Tensor], mCuSeqlensQ: Optional[cute.Tensor], stream):
         """mSinks: read with sinks only; mCuSeqlensQ: the packed queries' offsets (read with
         max_queries only); either may be None where it is not read."""
-        _, batch, seqlen_q, heads_q, _ = mOacc.shape
-        warps = batch * seqlen_q * heads_q * self.slices
-        self.kernel(mOacc, mLSEacc, mO, mLSE, mSinks, mCuSeqlensQ).launch(
-            grid=[cute.ceil_div(warps, self.warps), 1, 1], block=[32 * self.warps, 1, 1], stream=stream,
-            use_pdl=self.after_split_kernel)
+        splits, batch, seqlen_q, heads_q, _ = mOacc.shape
+        works = batch * seqlen_q * heads_q * self.slices  # rows, or slices of rows
+        row_warps = Int32(1)  # the warps that share one work's partials: 1, or the CTA's
+        if splits > 2 * self.chunk:
+            row_warps = Int32(self.warps)
+        self.kernel(mOacc, mLSEacc, mO, mLSE, mSinks, mCuSeqlensQ, row_warps).launch(
+            grid=[cute.ceil_div(works * row_warps, self.warps), 1, 1], block=[32 * self.warps, 1, 1],
+            stream=stream, use_pdl=self.after_split_kernel)
 
     @cute.kernel
     def kernel(self, mOacc: cute.Tensor, mLSEacc: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-               mSinks: Optional[cute.Tensor], mCuSeqlensQ: Optional[cute.Tensor]):
+               mSinks: Optional[cute.Tensor], mCuSeqlensQ: Optional[cute.Tensor], row_warps: Int32):
         if cutlass.const_expr(self.after_split_kernel):
             cute.arch.griddepcontrol_wait()  # the split kernel's partials are written and visible
         tidx, _, _ = cute.arch.thread_idx()
         block, _, _ = cute.arch.block_idx()
-        lane = cute.arch.lane_idx()
+        lane, warp = cute.arch.lane_idx(), tidx // 32
+        per_lane = self.columns // 32
+
+        @cute.struct
+        class Storage:
+            sums: cute.struct.MemRange[Float32, self.warps * self.columns]  # each warp's weighted sum
+
+        sums = SmemAllocator().allocate(Storage).sums.get_tensor(
+            cute.make_layout((self.columns, self.warps)))
         splits, batch_size, seqlen_q, heads_q, _ = mOacc.shape
-        row = block * self.warps + tidx // 32
+        work = (block * self.warps + warp) // row_warps
+        part = warp % row_warps  # this warp's share of the work's splits: chunks part, part + row_warps, ...
+        row = work
         column = lane  # this lane's first column (then every 32nd)
         if cutlass.const_expr(self.slices > 1):
-            work = row
             row = work // self.slices
             column = work % self.slices * self.columns + lane
         mine = row < batch_size * seqlen_q * heads_q
         if cutlass.const_expr(self.max_queries > 0):  # (warp-uniform: one row a warp)
             if mine:
                 mine = seqlen.packed_entry_length(mCuSeqlensQ, row // heads_q % seqlen_q, seqlen_q) < self.max_queries
+        acc = cute.make_rmem_tensor((per_lane,), Float32)
+        acc.fill(0.0)
+        head = row % heads_q
+        query = row // heads_q % seqlen_q
+        batch = row // (heads_q * seqlen_q)
+        lse = -Float32.inf
         if mine:
-            head = row % heads_q
-            query = row // heads_q % seqlen_q
-            batch = row // (heads_q * seqlen_q)
             # the first chunk of partial O rows does not depend on the LSEs: its loads fly beside theirs
-            per_lane = self.columns // 32
             parts = cute.make_rmem_tensor((self.chunk, per_lane), Float32)
-            self.load_chunk(parts, mOacc, 0, batch, query, head, column)
+            self.load_chunk(parts, mOacc, part * self.chunk, batch, query, head, column)
             top = -Float32.inf
             for s in cutlass.range(lane, splits, 32, unroll=1):
                 top = cute.arch.fmax(top, mLSEacc[s, batch, head, query])
@@ -106,14 +127,10 @@ class SplitKVCombine:
             total = cute.arch.warp_reduction_sum(total, threads_in_group=32)
             if cutlass.const_expr(self.sinks):
                 total += cute.math.exp(sink - offset, fastmath=True)
-            lse = -Float32.inf
             if total > Float32(0.0):
                 lse = offset + cute.math.log(total, fastmath=True)
-            acc = cute.make_rmem_tensor((per_lane,), Float32)
-            acc.fill(0.0)
-            if total > Float32(0.0):
-                for first in cutlass.range(0, splits, self.chunk, unroll=1):
-                    if first > 0:
+                for first in cutlass.range(part * self.chunk, splits, self.chunk * row_warps, unroll=1):
+                    if first > part * self.chunk:
                         self.load_chunk(parts, mOacc, first, batch, query, head, column)
                     for j in cutlass.range_constexpr(self.chunk):
                         split = cutlass.min(first + j, splits - 1)
@@ -122,6 +139,15 @@ class SplitKVCombine:
                             weight = Float32(0.0)
                         for i in cutlass.range_constexpr(per_lane):
                             acc[i] += weight * parts[j, i]
+        if row_warps > 1:  # (the whole grid's choice: every thread reaches the barrier)
+            for i in cutlass.range_constexpr(per_lane):
+                sums[lane + 32 * i, warp] = acc[i]
+            cute.arch.sync_threads()
+            if part == 0:
+                for w in cutlass.range_constexpr(1, self.warps):
+                    for i in cutlass.range_constexpr(per_lane):
+                        acc[i] += sums[lane + 32 * i, warp + w]
+        if mine and part == 0:
             for i in cutlass.range_constexpr(per_lane):
                 mO[batch, query, head, column + 32 * i] = acc[i].to(self.dtype)
             if column == 0:  # (the row's first lane: of its first slice)

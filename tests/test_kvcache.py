@@ -183,17 +183,25 @@ def test_attention_routes_decode_steps(no_device_check, monkeypatch):
 
 
 @gpu
-def test_kvcache_splits_agree_and_rows_with_no_key_are_zero():
+@pytest.mark.parametrize("kernel", ["s1", "s2"])
+@pytest.mark.parametrize("sinks", [False, True], ids=["", "sinks"])
+def test_kvcache_splits_agree_and_rows_with_no_key_are_zero(kernel, sinks):
+    """Every split count gives one split's result and the reference's: S2's four warp partials a
+    CTA and 37 or 64 splits are past two of the combine's chunks, where its four warps share a row."""
+    from fa3.reference import attention_reference
+
     gen = torch.Generator(device="cuda").manual_seed(1)
     q = torch.randn(2, 1, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
     k = torch.randn(2, 4096, 2, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
     v = torch.randn_like(k)
+    sink = {"sinks": torch.randn(8, device="cuda", generator=gen)} if sinks else {}
     seqlens = torch.tensor([0, 4000], dtype=torch.int32, device="cuda")
-    outs = [fa3.attention_with_kvcache(q, k, v, cache_seqlens=seqlens, num_splits=s) for s in (1, 2, 7, 37, 64)]
-    # (37: the combine weighs 32 splits a pass, 8 loaded together: a full pass and a ragged one)
-    assert torch.equal(outs[0][0], torch.zeros_like(outs[0][0]))
-    for o in outs[1:]:
-        assert rel_err(o, outs[0]) < 5e-3
+    outs = [fa3.attention_with_kvcache(q, k, v, cache_seqlens=seqlens, num_splits=s, kernel=kernel, **sink)
+            for s in (1, 2, 7, 37, 64)]
+    assert torch.equal(outs[0][0], torch.zeros_like(outs[0][0]))  # (a sink has no value)
+    ref = attention_reference(q[1:], k[1:, :4000], v[1:, :4000], sinks=sink.get("sinks"))[0]
+    for o in outs:
+        assert rel_err(o, outs[0]) < 5e-3 and rel_err(o[1:], ref) < 1e-2
 
 
 @gpu

@@ -58,7 +58,9 @@ elif case == "kvcache":
     dense = rand(4, 4096, 2, 128), rand(4, 4096, 2, 128)
     pages = rand(64, 256, 2, 128), rand(64, 256, 2, 128)  # 16 pages a sequence: capacity 4096
     table = torch.randperm(64, device="cuda").to(torch.int32).view(4, 16)
-    for splits in (1, 0):  # one split (O written directly), or the heuristic's (partials, combine)
+    # one split (O written directly), the heuristic's (partials, combine), 40 (the combine's four
+    # warps share a row's partials through SMEM)
+    for splits in (1, 0, 40):
         outs.append(fa3.attention_with_kvcache(q, *dense, cache_seqlens=lengths, causal=True,
                                                num_splits=splits))
         outs.append(fa3.attention_with_kvcache(q, *pages, cache_seqlens=lengths, block_table=table,
