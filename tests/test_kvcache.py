@@ -277,10 +277,12 @@ def test_num_splits_heuristic():
     # a short cache keeps >= 4 key blocks per split
     assert split_plan.num_splits_for(batch=1, heads_kv=8, q_tiles=1, capacity=512, sm_count=132) == 2
     assert split_plan.num_splits_for(batch=1, heads_kv=1, q_tiles=1, capacity=64, sm_count=132) == 1
-    # an FP8 cache (two CTAs an SM): b64 x 8 KV heads is under 2.5 waves of 264 slots, b126 is not
+    # an FP8 cache read by TMA (two CTAs an SM): b64 x 8 KV heads fills 264 slots about twice, b32, b48
+    # and b126 once, 1.5 and 3.8 times
     fp8 = dict(heads_kv=8, q_tiles=1, capacity=4096, sm_count=132, ctas_per_sm=2, fp8=True)
-    assert split_plan.num_splits_for(batch=64, **fp8) == 2 and split_plan.num_splits_for(batch=126, **fp8) == 1
+    assert [split_plan.num_splits_for(batch=b, **fp8) for b in (32, 48, 64, 126)] == [1, 1, 2, 1]
     assert split_plan.num_splits_for(batch=16, **fp8) == 2  # (fills the slots: 264 // 128)
+    assert split_plan.num_splits_for(batch=64, **dict(fp8, fp8=False)) == 1
 
 
 def test_kvcache_fake_shapes():

@@ -19,7 +19,9 @@ from ..kernels import config
 
 MAX_SPLITS = 64
 MIN_BLOCKS_PER_SPLIT = 4  # below this a split's fixed costs outweigh the keys it reads
-FP8_TWO_SPLIT_WAVES = 2.5  # an FP8 cache's CTAs in fewer waves of the SMs' slots than this: two splits
+# an FP8 cache read by TMA whose CTAs fill the SMs' slots this many times over (at least, below):
+# two splits (measured at 1.0, 1.5, 1.9 and 2.9 waves: only about two waves gained; worklog/fp8.md)
+FP8_TWO_SPLIT_WAVES = (1.75, 2.5)
 
 
 def split_count(n) -> int:
@@ -56,13 +58,14 @@ def split_request(num_splits, max_splits=0) -> int:
 def num_splits_for(batch, heads_kv, q_tiles, capacity, sm_count, tile_n=64, ctas_per_sm=1, fp8=False) -> int:
     """Splits of the key range so that batch x heads_kv x q_tiles x splits CTAs fill the SMs'
     CTA slots (ctas_per_sm each: one for the TMA ring, which takes most of the SMEM), each split
-    keeping at least MIN_BLOCKS_PER_SPLIT key blocks of the cache's capacity; an FP8 cache's CTAs
-    that fill the slots but less than FP8_TWO_SPLIT_WAVES times over are split in two (shorter
-    CTAs in twice the waves end closer together: worklog/fp8.md). From shapes only: no host sync."""
+    keeping at least MIN_BLOCKS_PER_SPLIT key blocks of the cache's capacity; an FP8 cache read by
+    TMA (fp8) whose CTAs fill the slots about twice over (FP8_TWO_SPLIT_WAVES) is split in two.
+    From shapes only: no host sync."""
     ctas, slots = batch * heads_kv * q_tiles, sm_count * ctas_per_sm
     blocks = -(-capacity // tile_n)
     if ctas >= 0.8 * slots:
-        two = fp8 and ctas < FP8_TWO_SPLIT_WAVES * slots and blocks >= 2 * MIN_BLOCKS_PER_SPLIT
+        low, high = FP8_TWO_SPLIT_WAVES
+        two = fp8 and low * slots <= ctas < high * slots and blocks >= 2 * MIN_BLOCKS_PER_SPLIT
         return 2 if two else 1
     # round down: one CTA past the slots would run alone in a second wave
     return max(1, min(MAX_SPLITS, slots // ctas, blocks // MIN_BLOCKS_PER_SPLIT))
@@ -99,7 +102,7 @@ def plan_splits(spec, batch: int, max_seqlen_q: int, heads_q: int, heads_kv: int
     if mask.local:
         keys = min(keys, mask.left + mask.right + max(max_seqlen_q, 1))
     return num_splits_for(batch, heads_kv, q_tiles, keys, sm_count, tiles.tile_n,
-                          ctas_per_sm(spec, head_dim, gather, fp8), fp8)
+                          ctas_per_sm(spec, head_dim, gather, fp8), fp8 and not gather)
 
 
 def s1_ctas(spec, batch: int, seqlen_q: int, heads_q: int, heads_kv: int, num_splits: int,
