@@ -287,10 +287,8 @@ def raise_pending() -> None:
     wait): the entry points call it first, so a call after a bad one raises before it runs. Not
     while a CUDA graph is captured: querying an event there would invalidate the capture. Not
     while torch.compile traces the call: the settling is host work a compiled graph cannot hold."""
-    if torch.compiler.is_compiling():
-        return
-    if getattr(_PER_THREAD, "pending", None) and not (torch.cuda.is_available()
-                                                      and torch.cuda.is_current_stream_capturing()):
+    if getattr(_PER_THREAD, "pending", None) and not torch.compiler.is_compiling() \
+            and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
         _settle(wait=False)
 
 
