@@ -29,7 +29,14 @@ outputs (bf16), a check that the two computed the same thing.
         [--cases causal,documents,alibi] [--documents 4,16,64] [--peers torch,fa4] [--backward]
         [--json FILE]
 
---short runs seqlens 1024 and 2048 (a quick look). Needs a Hopper GPU.
+--short runs seqlens 1024 and 2048 (a quick look). --kernels RUNG,... adds an "fa3 flex RUNG" column
+per K5 rung named (the flex path on that rung: kernel=RUNG), and --variant NAME=BASE:key=value,...
+defines an experiment rung for it (benchmarks/variants.py), e.g. the block-sparse forward with a
+static schedule beside the default's dynamic one:
+
+    python benchmarks/bench_flex.py --cases causal,documents --kernels k55s --variant k55s=k5.5:dynamic_schedule=0
+
+Needs a Hopper GPU.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from timing import MAX_CALL_S, TooSlow, format_table, measure, progress, write_j
 import torch
 
 import fa3
+import variants
 from fa3 import flex
 
 TOTAL_TOKENS = 32768
@@ -57,6 +65,11 @@ def _csv(kind):
 
 
 def parse_args(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        variants.register_from_argv(argv)  # before --kernels names them
+    except ValueError as exc:
+        raise SystemExit(f"bench_flex: {exc}") from None
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--head-dims", type=_csv(int), default=[64, 128])
     p.add_argument("--seqlens", type=_csv(int), default=list(DEFAULT_SEQLENS))
@@ -70,6 +83,10 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--max-call-s", type=float, default=MAX_CALL_S)
+    p.add_argument("--kernels", type=_csv(str), default=[],
+                   help="K5 rungs (or --variant names) for more 'fa3 flex RUNG' columns")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=BASE:key=value,...",
+                   help="an experiment rung for --kernels (benchmarks/variants.py)")
     args = p.parse_args(argv)
     if args.short:
         args.seqlens = list(SHORT_SEQLENS)
@@ -151,10 +168,14 @@ def random_documents(batch: int, seqlen: int, count: int, device="cuda"):
 
 
 # ----------------------------------------------------------------------------- the columns
-def fa3_columns(p: Problem) -> dict:
-    """name -> a call, fa3's: its flex path, and the same work through fa3.attention."""
+def fa3_columns(p: Problem, kernels=()) -> dict:
+    """name -> a call, fa3's: its flex path (and on each rung of `kernels`), and the same work
+    through fa3.attention."""
     cols = {"fa3 flex": lambda: fa3.flex_attention(p.qt, p.kt, p.vt, score_mod=p.score_mod,
                                                    block_mask=p.block_mask)}
+    for rung in kernels:
+        cols[f"fa3 flex {rung}"] = lambda rung=rung: fa3.flex_attention(p.qt, p.kt, p.vt, score_mod=p.score_mod,
+                                                                        block_mask=p.block_mask, kernel=rung)
     if p.case == "causal":
         cols["fa3 causal"] = lambda: fa3.attention(p.q, p.k, p.v, causal=True)
     elif p.case == "documents":
@@ -237,7 +258,7 @@ def training_step(fn, leaves):
 
 # ----------------------------------------------------------------------------- the run
 def run_row(p: Problem, peers: list[str], args, skipped: dict) -> dict:
-    columns = dict(fa3_columns(p))
+    columns = dict(fa3_columns(p, args.kernels))
     if "torch" in peers and "torch" not in skipped:
         columns["torch flex"] = torch_column(p)
     if "fa4" in peers and "fa4" not in skipped:

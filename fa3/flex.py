@@ -210,7 +210,7 @@ def block_mask_plan(block_mask, query, key, kernel=None):
     batch, heads, seqlen_q, head_dim = query.shape
     mod = block_mask_mod(block_mask, seqlen_q, key.shape[2], batch, heads)
     spec = registry.KERNELS.get(interface.MODS_RUNG if kernel is None else kernel)
-    if spec is None or spec.module != "k5" or head_dim not in spec.head_dims:
+    if spec is None or not spec.takes_mods() or head_dim not in spec.head_dims:
         return _own_mask_mod(mod), None  # (attention_with_mods names what is wrong)
     short = config.block_mask_short(spec.config, head_dim)
     if short is None:

@@ -199,7 +199,7 @@ def attention_with_mods(q, k, v, score_mod, mask_mod, *, causal=False, softmax_s
         _check_mods_grad(q, k, v, out, sinks, block_lists, q_block_lists, deterministic)
     mods = _mods.Mods(score_mod, mask_mod)
     spec = check_attention(q, k, v, MODS_RUNG if kernel is None else kernel)
-    if spec.module != "k5":
+    if not spec.takes_mods():
         raise ValueError(f"kernel={kernel!r}: score_mod / mask_mod run on the K5 rungs (k5.1-k5.5) only")
     scale = 1.0 / math.sqrt(q.shape[3]) if softmax_scale is None else float(softmax_scale)
     if out is not None:

@@ -62,6 +62,17 @@ class KernelSpec:
     def load_class(self):
         return getattr(importlib.import_module(f"fa3.kernels.{self.module}"), self.cls)
 
+    def takes_mods(self) -> bool:
+        """Whether flex attention's mods and block masks run on this rung: K5's class (k5.1-k5.5),
+        or an experiment's subclass of it (benchmarks/variants.py)."""
+        if self.module == "k5":
+            return True
+        if self.family != ATTENTION or self.module in ("k1", "k2", "k3", "k4"):
+            return False
+        from .kernels.k5 import WarpSpecializedAttention
+
+        return issubclass(self.load_class(), WarpSpecializedAttention)
+
 
 # every head dim the default rungs serve (forward, backward, KV cache), each on tiles of its own
 HEAD_DIMS = (64, 96, 128, 192, 256)

@@ -148,8 +148,12 @@ def test_variants_register_experiment_rows():
         assert wide.head_dims == (64,) and config.backward_config(wide.config, 64).tile_m == 128
         assert registry.get("b4").head_dims == (64, 96, 128)
         assert variants.register("b2y=b2:ordered_dq=1,head_dims=64/128").head_dims == (64, 128)
+        # a K5 variant runs flex attention's mods and block masks as its base does (bench_flex --kernels)
+        static = variants.register("k55s=k5.5:dynamic_schedule=0")
+        assert static.takes_mods() and registry.get("k5.5").takes_mods() and not spec.takes_mods()
+        assert not any(registry.get(n).takes_mods() for n in ("k4.2", "s1", "m1", "f1"))
     finally:
-        for name in ("b7x", "b2x", "b7y", "b8x", "b2y"):
+        for name in ("b7x", "b2x", "b7y", "b8x", "b2y", "k55s"):
             registry.KERNELS.pop(name, None)
 
 
@@ -226,6 +230,13 @@ def test_bench_flex_arguments():
     with pytest.raises(SystemExit):
         bench_flex.parse_args(["--peers", "xformers"])
     assert bench_flex.parse_args(["--backward"]).backward and not args.backward
+    from fa3 import registry
+
+    try:
+        with_rows = bench_flex.parse_args(["--kernels", "k55t", "--variant", "k55t=k5.5:dynamic_schedule=0"])
+        assert with_rows.kernels == ["k55t"] and not registry.get("k55t").config.base.dynamic_schedule
+    finally:
+        registry.KERNELS.pop("k55t", None)
     if not torch.cuda.is_available():
         assert bench_flex.main(["--short"]) == 2  # a message, no traceback
 

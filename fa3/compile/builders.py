@@ -79,7 +79,7 @@ def _build_attention_mods(spec, dtype, head_dim, head_dim_v, static, cfg, varian
     """K5's flex form (kernels/k5.WarpSpecializedFlexAttention) with the call's mods compiled in,
     or with `block_lists` (2 or 4: a BlockMask's lists, fa3.flex) its block-sparse form
     (BlockSparseFlexAttention); a mod that cannot be traced is reported by name."""
-    if spec.module != "k5":
+    if not spec.takes_mods():
         raise ValueError(f"score_mod / mask_mod run on the K5 rungs only, not on {spec.name}")
     from ..kernels.k5 import BlockSparseFlexAttention, WarpSpecializedFlexAttention
 
