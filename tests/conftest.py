@@ -33,6 +33,16 @@ from fa3.registry import HEAD_DIMS  # noqa: E402  (every head dim the default ru
 HEAD_DIM_PARAM = pytest.mark.parametrize("head_dim", HEAD_DIMS, ids=lambda d: f"d{d}")
 
 
+MAX_WORKERS = 8  # `-n auto`'s cap: each worker compiles kernels (0.6 GB resident) and, on a GPU, holds a CUDA context
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """`pytest -n auto` (pytest-xdist; the README's test command): a worker a core, at most
+    MAX_WORKERS."""
+    return max(1, min(os.cpu_count() or 1, MAX_WORKERS))
+
+
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a Hopper (sm_90) GPU")
     for item in items:
