@@ -68,12 +68,19 @@ def wall_us(fn, calls: int, rounds: int = 3) -> float:
 
 def graph_us(fn, calls: int = 20) -> float | None:
     """GPU microseconds per call: `calls` calls captured in one CUDA graph, replayed (None if the
-    runner cannot be captured)."""
+    runner cannot be captured). Warmed up on the stream that captures, as torch's whole-network
+    capture does: a training step's backward otherwise meets the leaves' gradient nodes, made on
+    the default stream, and waits on that stream mid-capture, which fails the capture."""
     try:
-        fn()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, stream=side):
             for _ in range(calls):
                 fn()
         return median_ms(graph.replay) * 1e3 / calls
@@ -99,15 +106,26 @@ def attention_runners(q, k, v, causal):
 
 def train_runners(q, k, v, causal):
     """(name, context, call): one forward and backward of fa3.attention, and of SDPA's flash and
-    cuDNN backends (gradients by torch.autograd.grad: nothing accumulates between calls)."""
+    cuDNN backends (gradients by torch.autograd.grad: nothing accumulates between calls). Each
+    call takes fresh leaves (aliases of the same data): a leaf's gradient node is made on the stream
+    of its first backward, and one made outside a CUDA graph's capture stream fails the capture."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     dout = torch.randn_like(q)
-    qt, kt, vt, dout_t = (t.transpose(1, 2) for t in (q, k, v, dout))
+    dout_t = dout.transpose(1, 2)
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    fa3_step = lambda: torch.autograd.grad(fa3.attention(q, k, v, causal=causal), (q, k, v), dout)
-    sdpa_step = lambda: torch.autograd.grad(sdpa(qt, kt, vt, is_causal=causal), (q, k, v), dout_t)
+
+    def leaves():
+        return tuple(t.detach().requires_grad_() for t in (q, k, v))
+
+    def fa3_step():
+        qg, kg, vg = leaves()
+        return torch.autograd.grad(fa3.attention(qg, kg, vg, causal=causal), (qg, kg, vg), dout)
+
+    def sdpa_step():
+        qg, kg, vg = leaves()
+        out = sdpa(qg.transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2), is_causal=causal)
+        return torch.autograd.grad(out, (qg, kg, vg), dout_t)
     return [("fa3.attention + backward", None, fa3_step),
             ("sdpa-flash + backward", lambda: sdpa_kernel(SDPBackend.FLASH_ATTENTION), sdpa_step),
             ("sdpa-cudnn + backward", lambda: sdpa_kernel(SDPBackend.CUDNN_ATTENTION), sdpa_step)]
