@@ -97,20 +97,25 @@ def lse_and_partials(lse_shape: tuple, partial_shapes: tuple, keep_lse: bool, de
 _SCRATCH = BoundedMemo(32)  # (device, the current stream's handle, shapes) -> FP32 tensors of those shapes
 
 
-def stream_scratch(shapes: tuple, device) -> tuple:
+def stream_scratch(shapes: tuple, device, counter: bool = False) -> tuple:
     """FP32 tensors of `shapes` that kernels write and no one reads after the call (an LSE not
     returned) or that only the call's own later kernels read (split-KV partials): kept per stream
     and shapes, reused by the next call on that stream (a stream runs its kernels in order), so a
     call allocates nothing for them; fresh ones while a CUDA graph is captured (the graph owns
-    them). One lookup for all of a call's scratch."""
+    them). One lookup for all of a call's scratch; `counter`: a tile counter after them, zeroed
+    once (as stream_counter's: every kernel leaves it at 0)."""
     if torch.cuda.is_current_stream_capturing():
-        return tuple(torch.empty(shape, dtype=torch.float32, device=device) for shape in shapes)
-    key = (device, torch._C._cuda_getCurrentRawStream(device.index), shapes)
+        return _new_scratch(shapes, device, counter)
+    key = (device, torch._C._cuda_getCurrentRawStream(device.index), shapes, counter)
     tensors = _SCRATCH.get(key)
     if tensors is None:
-        tensors = _SCRATCH.remember(key, tuple(torch.empty(shape, dtype=torch.float32, device=device)
-                                               for shape in shapes))
+        tensors = _SCRATCH.remember(key, _new_scratch(shapes, device, counter))
     return tensors
+
+
+def _new_scratch(shapes: tuple, device, counter: bool) -> tuple:
+    tensors = tuple(torch.empty(shape, dtype=torch.float32, device=device) for shape in shapes)
+    return tensors + (torch.zeros(1, dtype=torch.int32, device=device),) if counter else tensors
 
 
 SMALL_SCRATCH_BYTES = 8 << 20  # small_scratch's bound: a few steps' worth of small calls, held per stream

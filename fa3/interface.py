@@ -310,12 +310,18 @@ def prepare_plain(spec, q, k, v, causal: bool, scale: float):
             q, k, v = _launch.detached(q, k, v)
         if out is None:
             out = torch.empty_like(q, memory_format=torch.contiguous_format)
-        lse = torch.empty(lse_shape, dtype=torch.float32, device=device) if keep_lse else \
-            _launch.stream_scratch((lse_shape,), device)[0]
-        if counted:
-            fn(q, k, v, out, lse, *lead, _launch.stream_counter(device), *tail)
+        if keep_lse:
+            lse = torch.empty(lse_shape, dtype=torch.float32, device=device)
+            if counted:
+                fn(q, k, v, out, lse, *lead, _launch.stream_counter(device), *tail)
+                return out, lse
+        elif counted:  # the dropped LSE and the tile counter in one lookup
+            lse, counter = _launch.stream_scratch((lse_shape,), device, counter=True)
+            fn(q, k, v, out, lse, *lead, counter, *tail)
+            return out, lse
         else:
-            fn(q, k, v, out, lse, *lead, *tail)
+            lse = _launch.stream_scratch((lse_shape,), device)[0]
+        fn(q, k, v, out, lse, *lead, *tail)
         return out, lse
     return launch
 

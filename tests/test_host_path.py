@@ -476,6 +476,37 @@ def test_backward_takes_small_scratch_from_the_stream(monkeypatch):
     assert not any(same(run(128), first)), "a graph owns what it captures"
 
 
+def test_prepared_causal_launch_takes_lse_and_counter_in_one_lookup(monkeypatch, cpu_as_hopper):
+    """A remembered causal call that drops its LSE takes it and its tile counter from one stream
+    scratch lookup: the same tensors call after call on a stream, the counter a zeroed int32; a
+    kept LSE is allocated and the counter is the stream's own; fresh ones under capture (the
+    kernel is a recorder, CPU)."""
+    from fa3 import interface
+    from fa3.compile import builders
+
+    seen = []
+    monkeypatch.setattr(builders, "get_attention", lambda *a, **k: (lambda *args: seen.append(args)))
+    spec = fa3.registry.get("k5.5")
+    q, k, v = (torch.zeros(1, 300, 4, 128, dtype=torch.bfloat16) for _ in range(3))
+    launch = interface.prepare_plain(spec, q, k, v, True, 0.1)
+    counter_at = 5 + 2  # (q, k, v, out, lse, scale_log2, SM count, then the counter)
+    lookups = []
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: lookups.append(index) or 7,
+                        raising=False)
+    calls = [(launch(q, k, v, keep_lse=False), seen[-1]) for _ in range(2)]
+    assert len(lookups) == 2, "one stream lookup a call"
+    (_, lse_a), args_a = calls[0]
+    (_, lse_b), args_b = calls[1]
+    assert lse_a is lse_b and args_a[counter_at] is args_b[counter_at]
+    counter = args_a[counter_at]
+    assert counter.dtype == torch.int32 and counter.shape == (1,) and int(counter) == 0
+    _, kept = launch(q, k, v, keep_lse=True)
+    assert kept is not lse_a and seen[-1][counter_at] is fa3._launch.stream_counter(q.device)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    launch(q, k, v, keep_lse=False)
+    assert seen[-1][counter_at] is not counter and seen[-1][4] is not lse_a
+
+
 def test_split_gemm_takes_the_streams_scratch(monkeypatch):
     """A planned split-K GEMM (matmul.prepare_plain_gemm) hands its kernel the partial tiles' workspace
     from the stream's scratch: the same tensor call after call, fresh under capture (the kernel
