@@ -57,7 +57,8 @@ from fa3 import flex
 
 TOTAL_TOKENS = 32768
 HIDDEN = 2048
-CASES = ("causal", "documents", "causal-documents", "alibi")
+DOCUMENT_CASES = ("documents", "causal-documents")  # the cases with packed documents (--documents rows)
+CASES = ("causal", *DOCUMENT_CASES, "alibi")
 PEERS = ("torch", "fa4")
 DEFAULT_SEQLENS = (8192, 16384, 32768)
 SHORT_SEQLENS = (1024, 2048)
@@ -130,7 +131,7 @@ class Problem:
         if case == "causal":
             self.mask_mod = flex.causal
             self.pairs = seqlen * (seqlen + 1) // 2
-        elif case in ("documents", "causal-documents"):
+        elif case in DOCUMENT_CASES:
             self.doc_ids, lengths = random_documents(self.batch, seqlen, documents, device)
             causal = case == "causal-documents"
             self.mask_mod = (flex.causal_document if causal else flex.document)(self.doc_ids)
@@ -310,7 +311,7 @@ def problems(args):
     for case in args.cases:
         for d in args.head_dims:
             for s in args.seqlens:
-                for documents in (args.documents if case.endswith("documents") else [None]):
+                for documents in (args.documents if case in DOCUMENT_CASES else [None]):
                     yield case, d, s, documents
 
 

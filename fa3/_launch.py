@@ -102,8 +102,8 @@ def stream_scratch(shapes: tuple, device, counter: bool = False) -> tuple:
     returned) or that only the call's own later kernels read (split-KV partials): kept per stream
     and shapes, reused by the next call on that stream (a stream runs its kernels in order), so a
     call allocates nothing for them; fresh ones while a CUDA graph is captured (the graph owns
-    them). One lookup for all of a call's scratch; `counter`: a tile counter after them, zeroed
-    once (as stream_counter's: every kernel leaves it at 0)."""
+    them). One lookup for all of a call's scratch; `counter`: a causal kernel's tile counter after
+    them, zeroed once (every kernel leaves it at 0: common/scheduler.py)."""
     if torch.cuda.is_current_stream_capturing():
         return _new_scratch(shapes, device, counter)
     key = (device, torch._C._cuda_getCurrentRawStream(device.index), shapes, counter)
@@ -127,10 +127,7 @@ def small_scratch(shapes: tuple, device) -> tuple:
     ones are allocated (kept per stream they would hold their memory after the call)."""
     if 4 * sum(math.prod(shape) for shape in shapes) <= SMALL_SCRATCH_BYTES:
         return stream_scratch(shapes, device)
-    return tuple(torch.empty(shape, dtype=torch.float32, device=device) for shape in shapes)
-
-
-_COUNTERS: dict = {}  # (device, the current stream's handle) -> that stream's tile counter
+    return _new_scratch(shapes, device, False)
 
 
 def tile_counter(spec, causal: bool, device) -> torch.Tensor:
@@ -145,14 +142,8 @@ def tile_counter(spec, causal: bool, device) -> torch.Tensor:
 
 
 def stream_counter(device) -> torch.Tensor:
-    """tile_counter's counter for a rung known to count: the current stream's."""
-    if torch.cuda.is_current_stream_capturing():
-        return torch.zeros(1, dtype=torch.int32, device=device)
-    key = (device, torch._C._cuda_getCurrentRawStream(device.index))
-    counter = _COUNTERS.get(key)
-    if counter is None:
-        counter = _COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
-    return counter
+    """tile_counter's counter for a rung known to count: the current stream's (its scratch)."""
+    return stream_scratch((), device, counter=True)[0]
 
 
 def attention_kernel(spec, dtype, head_dim: int, mask: masking.Masking, device, cu_seqlens=None, sinks=None,

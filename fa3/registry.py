@@ -67,7 +67,7 @@ class KernelSpec:
         or an experiment's subclass of it (benchmarks/variants.py)."""
         if self.module == "k5":
             return True
-        if self.family != ATTENTION or self.module in ("k1", "k2", "k3", "k4"):
+        if self.family != ATTENTION:
             return False
         from .kernels.k5 import WarpSpecializedAttention
 
