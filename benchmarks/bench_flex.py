@@ -7,7 +7,10 @@ torch.randn, seqlen_q = seqlen_k. One row per (case, head dim, seqlen), printed 
                skipped) against fa3.attention(causal=True), fa3's built-in causal
     documents  N packed documents of random lengths per sequence, flex attention's document mask
                as mask_mod with its BlockMask, against fa3.attention(mask_mod=...) (the same mask
-               applied to every tile, no block skipped)
+               applied to every tile, no block skipped) and fa3.attention_varlen over the same
+               documents packed (cu_seqlens: each document one entry)
+    causal-documents  the same documents trained causally (pretraining's mask: fa3.flex's
+               causal_document), against fa3.attention_varlen(causal=True) over them
     alibi      an ALiBi score mod (no mask) against fa3.attention with no mod
 
 Peers in the same run: torch's flex_attention compiled (torch.compile(flex_attention)) with the
@@ -21,12 +24,12 @@ forward's FLOPs (the backward's five GEMMs to the forward's two).
 
 TFLOP/s count only the work the mask leaves: 4 x head_dim x (visible (query, key) pairs) per head
 and batch entry (x 3.5 with --backward) over the median CUDA-event time (causal: s (s + 1) / 2 pairs; documents: the sum of
-each document's length squared; alibi: s^2), the same count for every column, so the numbers
+each document's length squared, n (n + 1) / 2 each causally; alibi: s^2), the same count for every column, so the numbers
 compare across columns. A "max diff" column gives the largest |fa3 flex - torch flex| of the row's
 outputs (bf16), a check that the two computed the same thing.
 
     python benchmarks/bench_flex.py [--head-dims 64,128] [--seqlens 8192,16384,32768] [--short]
-        [--cases causal,documents,alibi] [--documents 4,16,64] [--peers torch,fa4] [--backward]
+        [--cases causal,documents,causal-documents,alibi] [--documents 4,16,64] [--peers torch,fa4] [--backward]
         [--json FILE]
 
 --short runs seqlens 1024 and 2048 (a quick look). --kernels RUNG,... adds an "fa3 flex RUNG" column
@@ -54,7 +57,7 @@ from fa3 import flex
 
 TOTAL_TOKENS = 32768
 HIDDEN = 2048
-CASES = ("causal", "documents", "alibi")
+CASES = ("causal", "documents", "causal-documents", "alibi")
 PEERS = ("torch", "fa4")
 DEFAULT_SEQLENS = (8192, 16384, 32768)
 SHORT_SEQLENS = (1024, 2048)
@@ -127,16 +130,22 @@ class Problem:
         if case == "causal":
             self.mask_mod = flex.causal
             self.pairs = seqlen * (seqlen + 1) // 2
-        elif case == "documents":
+        elif case in ("documents", "causal-documents"):
             self.doc_ids, lengths = random_documents(self.batch, seqlen, documents, device)
-            self.mask_mod = flex.document(self.doc_ids)
-            self.pairs = sum(int((n * n).sum()) for n in lengths) / self.batch  # mean over the batch
+            causal = case == "causal-documents"
+            self.mask_mod = (flex.causal_document if causal else flex.document)(self.doc_ids)
+            per_document = [n * (n + 1) // 2 if causal else n * n for n in lengths]
+            self.pairs = sum(int(n.sum()) for n in per_document) / self.batch  # mean over the batch
+            # every document one entry of a packed batch (attention_varlen's view of the same work)
+            every = torch.cat(lengths)
+            self.cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.int64), every.cumsum(0)]).to(torch.int32).to(device)
+            self.max_length = int(every.max())
         else:
             self.slopes = flex.alibi_slopes(self.heads, device)
             self.score_mod = flex.alibi(self.slopes)
             self.pairs = seqlen * seqlen
         if self.mask_mod is not None:
-            per_batch = self.batch if case == "documents" else None
+            per_batch = self.batch if self.doc_ids is not None else None
             # (compiled on the GPU: the dense mask of one sequence of 32k is 1 G booleans)
             self.block_mask = create_block_mask(self.mask_mod, per_batch, None, seqlen, seqlen, device=device,
                                                 _compile=device == "cuda")
@@ -178,8 +187,12 @@ def fa3_columns(p: Problem, kernels=()) -> dict:
                                                                         block_mask=p.block_mask, kernel=rung)
     if p.case == "causal":
         cols["fa3 causal"] = lambda: fa3.attention(p.q, p.k, p.v, causal=True)
-    elif p.case == "documents":
-        cols["fa3 mask_mod"] = lambda: fa3.attention(p.q, p.k, p.v, mask_mod=p.mask_mod)
+    elif p.doc_ids is not None:
+        if p.case == "documents":
+            cols["fa3 mask_mod"] = lambda: fa3.attention(p.q, p.k, p.v, mask_mod=p.mask_mod)
+        cols["fa3 varlen"] = lambda: fa3.attention_varlen(
+            *(t.view(-1, *t.shape[2:]) for t in (p.q, p.k, p.v)), p.cu_seqlens, p.cu_seqlens, p.max_length,
+            p.max_length, causal=p.case == "causal-documents").view(p.q.shape)
     else:
         cols["fa3 no mod"] = lambda: fa3.attention(p.q, p.k, p.v)
     return cols
@@ -218,6 +231,13 @@ def fa4_column(p: Problem):
             same = doc[b[0], q_idx[0]] == doc[b[0], kv_idx[0]]
             return fa4_utils.scalar_to_ssa(same, cutlass.Boolean)
         kwargs["mask_mod"] = fa4_document
+        aux = [p.doc_ids]
+    elif p.case == "causal-documents":
+        def fa4_causal_document(b, h, q_idx, kv_idx, seqlen_info, aux_tensors):
+            doc = aux_tensors[0]
+            same = doc[b[0], q_idx[0]] == doc[b[0], kv_idx[0]]
+            return fa4_utils.scalar_to_ssa(same & (q_idx[0] >= kv_idx[0]), cutlass.Boolean)
+        kwargs["mask_mod"] = fa4_causal_document
         aux = [p.doc_ids]
     else:
         def fa4_alibi(score, b, h, q_idx, kv_idx, seqlen_info, aux_tensors):
@@ -290,7 +310,7 @@ def problems(args):
     for case in args.cases:
         for d in args.head_dims:
             for s in args.seqlens:
-                for documents in (args.documents if case == "documents" else [None]):
+                for documents in (args.documents if case.endswith("documents") else [None]):
                     yield case, d, s, documents
 
 

@@ -23,7 +23,8 @@ for mods with parameters), which runs on torch tensors as well as in the kernel,
 compare the kernel with a float64 reference (`reference`) built from the very same function, and
 torch's flex_attention can take them too:
     score mods: alibi(slopes), softcap(cap), relative_bias(table, max_distance)
-    mask mods:  causal, sliding_window(window), document(doc_ids), prefix_lm(prefix_length)
+    mask mods:  causal, sliding_window(window), document(doc_ids), causal_document(doc_ids),
+                prefix_lm(prefix_length)
 `causal` here is flex attention's, aligned to the top left (q_idx >= kv_idx), not fa3.attention's
 bottom-right `causal=True`. Eager, 16-bit inputs.
 
@@ -101,6 +102,14 @@ def document(doc_ids: torch.Tensor):
     def document_mask(b, h, q_idx, kv_idx):
         return doc_ids[b, q_idx] == doc_ids[b, kv_idx]
     return document_mask
+
+
+def causal_document(doc_ids: torch.Tensor):
+    """Packed documents trained causally (the pretraining mask): a query sees the keys of its own
+    document up to its own position. doc_ids as document's."""
+    def causal_document_mask(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
+    return causal_document_mask
 
 
 def prefix_lm(prefix_length):

@@ -257,7 +257,8 @@ def test_bench_flex_backward_step():
     assert step().shape == p.qt.shape and len(seen) == 3 and all(g.abs().sum() > 0 for g in seen)
 
 
-@pytest.mark.parametrize("case, documents", [("causal", None), ("documents", 5), ("alibi", None)])
+@pytest.mark.parametrize("case, documents", [("causal", None), ("documents", 5), ("causal-documents", 5),
+                                             ("alibi", None)])
 def test_bench_flex_counts_visible_pairs(case, documents):
     """The TFLOP/s count only what the mask leaves: the row's pairs equal the visible (query, key)
     pairs of its mask (the mods' float64 reference's mask), averaged over the batch."""
@@ -271,7 +272,12 @@ def test_bench_flex_counts_visible_pairs(case, documents):
         assert p.block_mask is not None and p.block_mask.seq_lengths == (300, 300)
     assert p.pairs == pytest.approx(visible.sum().item() / p.batch)
     assert p.flops == pytest.approx(4 * p.batch * p.heads * 128 * p.pairs)
-    if case == "documents":
+    if case.endswith("documents"):
         assert p.doc_ids.shape == (p.batch, 300) and int(p.doc_ids.max()) == documents - 1
+        # the packed view: every document one entry, the batch's tokens in order
+        lengths = p.cu_seqlens.diff()
+        assert len(lengths) == p.batch * documents and int(p.cu_seqlens[-1]) == p.batch * 300
+        runs = torch.cat([torch.unique_consecutive(row, return_counts=True)[1] for row in p.doc_ids.cpu()])
+        assert torch.equal(lengths.cpu().long(), runs) and p.max_length == int(lengths.max())
     if case == "alibi":
         assert p.score_mod is not None and p.slopes.shape == (p.heads,)

@@ -46,6 +46,7 @@ def library(batch=2, heads=4, seqlen=300, device="cpu"):
         ("causal", None, flex.causal),
         ("sliding_window", None, flex.sliding_window(64)),
         ("document", None, flex.document(doc)),
+        ("causal_document", None, flex.causal_document(doc)),
         ("prefix_lm", None, flex.prefix_lm(40)),
         ("prefix_lm_per_batch", None, flex.prefix_lm(torch.tensor([7, 130], dtype=torch.int32, device=device))),
         ("alibi", flex.alibi(flex.alibi_slopes(heads).to(device)), None),
@@ -320,6 +321,7 @@ def test_library_runs_on_torch_tensors():
 # instructions each mod brings into k5.5's d128 PTX (beyond the kernel without mods)
 PTX_NEEDS = {
     "causal": ["setp.ge.s32"], "sliding_window": ["setp.ge.s32"], "document": ["ld.global.b32"],
+    "causal_document": ["setp.ge.s32", "ld.global.b32"],
     "prefix_lm": ["setp.lt.s32"], "prefix_lm_per_batch": ["ld.global.b32"],
     "alibi": ["cvt.rn.f32.s32", "ld.global.b32"], "softcap": ["tanh.approx.f32"],
     "relative_bias": ["ld.global.b32", "max.s32"], "alibi_document": ["cvt.rn.f32.s32", "ld.global.b32"],
