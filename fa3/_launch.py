@@ -131,7 +131,8 @@ def small_scratch(shapes: tuple, device) -> tuple:
 
 
 def tile_counter(spec, causal: bool, device) -> torch.Tensor:
-    """The GMEM counter a dynamically scheduled rung hands tiles out from, reading 0 at launch: the
+    """The GMEM counter a dynamically scheduled rung hands tiles out from (`causal`: a call whose
+    tiles differ in length, a causal or block-sparse one), reading 0 at launch: the
     current stream's, zeroed once (a stream runs its kernels in order, and each kernel leaves it at
     0: common/scheduler.py), or, while a CUDA graph is captured, a fresh zeroed one (the graph's
     own, so that replays on other streams never share one). Static schedules never touch it: one
@@ -186,5 +187,6 @@ def run_attention(spec, dtype, head_dim: int, mask: masking.Masking, args: list,
     (attention_kernel's, with this call's tile counter)."""
     fn, lead, tail = attention_kernel(spec, dtype, head_dim, mask, device, cu_seqlens, sinks, head_dim_v, rows,
                                       mods, block_lists)
-    counter = [tile_counter(spec, mask.causal, device)] if spec.persistent else []
+    # (a block-sparse call's tiles differ in length as causal ones do: it counts too)
+    counter = [tile_counter(spec, mask.causal or block_lists is not None, device)] if spec.persistent else []
     fn(*args, *lead, *counter, *tail)

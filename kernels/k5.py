@@ -123,14 +123,17 @@ class BlockSparseFlexAttention(WarpSpecializedForward, ForwardMainloop):
     the listed K/V tiles: the partial blocks with the mask mod, then the full blocks without it
     (common/kv_walk.py); the score mod runs on both. A tile with no block stores O = 0 and
     LSE = -inf. The blocks are the kernel's tiles (BLOCK_SIZE == (tile_m, tile_n)); non-causal, no
-    window, not varlen (the static persistent schedule: tile lengths come from the lists, which the
-    dynamic schedule's causal estimate does not read)."""
+    window, not varlen. The tiles' lengths come from the lists and differ as causal ones do (a
+    causal or document mask), so where the rung schedules dynamically (K5.5) they are handed out
+    from the tile counter in the non-causal order (a head's Q tiles from the last), not b, b +
+    grid, ... (the host passes a counter for block lists: fa3/_launch.run_attention)."""
 
     def __init__(self, *args, **kwargs):
         WarpSpecializedForward.__init__(self, *args, **kwargs)
         if self.causal or self.local or self.varlen:
             raise ValueError("block sparsity takes no causal, window or varlen variant: the block mask says "
                              "what is visible")
+        self.dynamic = self.config.dynamic_schedule
 
     # ---------------------------------------------------------------- host side
     @cute.jit

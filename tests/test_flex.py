@@ -389,16 +389,21 @@ def test_block_sparse_kernel_compiles(rung, head_dim):
     128-row tiles; k5.2: one tile at a time), with and without full-block lists, no register spilled (the
     document mask; ALiBi beside it spills at d128 with or without a block mask): the lists are
     its last arguments (a tensor each, beyond the flex kernel without a block mask), and the kernel
-    reads every one of them."""
+    reads every one of them. Its tiles, which differ in length, are handed out from the tile counter
+    where the rung schedules dynamically (k5.5), as causal tiles are; the flex kernel without a block
+    mask (non-causal) touches no counter."""
     mods = fmods.Mods(mask_mod=flex.document(torch.zeros(1, 8, dtype=torch.int32)))
     short = config.block_mask_short(registry.get(rung).config, head_dim)
     dense = builders._build_attention(registry.get(rung), torch.bfloat16, head_dim, False, short=short, mods=mods,
                                       extra_options="--keep-ptx").artifacts.PTX
+    assert "atom.global.add" not in dense
     for lists in (2, 4):
-        params = _entry_params(_block_sparse_ptx(lists, head_dim, rung, mods))
+        ptx = _block_sparse_ptx(lists, head_dim, rung, mods)
+        params = _entry_params(ptx)
         assert len(params) == len(_entry_params(dense)) + lists
         unread = [name for name, reads in params[-lists:] if not reads]
         assert not unread, f"{lists} lists: the kernel never reads {unread}"
+        assert ("atom.global.add" in ptx) == registry.get(rung).config.base.dynamic_schedule
 
 
 def test_block_sparse_compile_key():
