@@ -107,7 +107,9 @@ def test_varlen_backward_rung_must_take_packed_batches(monkeypatch):
 
 
 @gpu
-def test_varlen_offset_values_are_checked():
+def test_varlen_offset_values_are_checked(strict_index_checks):
+    """Bad offsets are refused by the call that passes them (strict mode; the deferred default's
+    later raise is tests/test_bad_values.py's)."""
     q = torch.randn(10, 2, 64, device="cuda", dtype=torch.bfloat16)
     good = torch.tensor([0, 4, 10], dtype=torch.int32, device="cuda")
     call = lambda cu_q, cu_k=good, **kw: dict(q=q, k=q, v=q, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **kw)
