@@ -40,7 +40,12 @@ def direct_call_ok(*tensors) -> bool:
     (FakeTensorMode, FlopCounterMode, ...), no functorch transforms, and plain tensors that need no
     autograd. The dispatcher's round trip costs more than the implementation's own Python; the
     eager wrappers skip it when this holds (and name the call for a profiler with op_range)."""
-    if _intercepted():
+    return not tracing() and untraced_call_ok(*tensors)
+
+
+def untraced_call_ok(*tensors) -> bool:
+    """direct_call_ok for a caller that has just asked tracing() itself."""
+    if dispatch_modes() or _function_modes() or _functorch_transforms():
         return False
     grad = torch.is_grad_enabled()
     for t in tensors:

@@ -229,11 +229,21 @@ class _Staging:
         _free_stagings(self.device).append(self)
 
 
-_PER_THREAD = threading.local()
+class _ThreadState(threading.local):
+    """A thread's checks: `pending` (deferred _Pending checks, in order), `checked` (the key and
+    weak references of the last check that passed or was queued), `free` (device -> idle
+    _Stagings). The class's None is what a thread reads before it sets its own (a read that finds
+    it costs less than getattr's default, which goes through AttributeError)."""
+    pending = None
+    checked = None
+    free = None
+
+
+_PER_THREAD = _ThreadState()
 
 
 def _free_stagings(device) -> list:
-    per_device = getattr(_PER_THREAD, "free", None)
+    per_device = _PER_THREAD.free
     if per_device is None:
         per_device = _PER_THREAD.free = {}
     free = per_device.get(device)
@@ -287,7 +297,8 @@ def raise_pending() -> None:
     wait): the entry points call it first, so a call after a bad one raises before it runs. Not
     while a CUDA graph is captured: querying an event there would invalidate the capture. Not
     while torch.compile traces the call: the settling is host work a compiled graph cannot hold."""
-    if getattr(_PER_THREAD, "pending", None) and not torch.compiler.is_compiling() \
+    # (is_compiling first: dynamo then never reads the thread's state, whose list it would guard on)
+    if not torch.compiler.is_compiling() and _PER_THREAD.pending \
             and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
         _settle(wait=False)
 
@@ -296,7 +307,7 @@ def _settle(wait: bool) -> None:
     """Check the deferred copies in order: all of them (waiting for each) when `wait`, else those
     done, up to the first not done. A bad value's check is forgotten (the same tensors are copied
     again) and raised with what it means now."""
-    pending = getattr(_PER_THREAD, "pending", None)
+    pending = _PER_THREAD.pending
     while pending:
         first = pending[0]
         if wait:
@@ -307,7 +318,7 @@ def _settle(wait: bool) -> None:
         try:
             first.check(first.host)
         except ValueError as exc:
-            last = getattr(_PER_THREAD, "checked", None)
+            last = _PER_THREAD.checked
             if last is not None and last[0] == first.key:
                 _PER_THREAD.checked = None
             raise ValueError(f"{exc} (found after the fa3 call that passed it had returned: its kernels "
@@ -331,7 +342,7 @@ def _start_check(tensors, bounds, check, device=None):
     only when the memo misses (it costs an eager decode call more host time than the memo). None
     (the tests' CPU tensors): always checked."""
     key = _unchanged_key(tensors, bounds)
-    last = getattr(_PER_THREAD, "checked", None)
+    last = _PER_THREAD.checked
     if key is not None and last is not None and last[0] == key:
         for ref, t in zip(last[1], tensors):
             if ref() is not t:
@@ -343,7 +354,7 @@ def _start_check(tensors, bounds, check, device=None):
     host, copied = start_host_copy(tensors)
     remembered = (key, [weakref.ref(t) for t in tensors]) if key is not None else None
     if _mode == DEFERRED and isinstance(copied, _Staging):
-        pending = getattr(_PER_THREAD, "pending", None)
+        pending = _PER_THREAD.pending
         if pending is None:
             pending = _PER_THREAD.pending = []
         pending.append(_Pending(copied, host, check, key))

@@ -282,27 +282,31 @@ def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, sof
         and (softmax_scale is None or type(softmax_scale) is float) and not _dispatch.tracing()
     if plain:
         host_length = type(seqlens) is int  # one length for every sequence: checked here, not copied
+        fp8 = descales[0] is not None or descales[1] is not None or descales[2] is not None
         try:
-            key = (layout(q), layout(k_cache), layout(v_cache), int if host_length else layout(seqlens),
-                   layout(block_table), layout(cu_seqlens_q), max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                   num_splits, lengths_name,
-                   NO_DESCALES if descales[0] is None and descales[1] is None and descales[2] is None else
-                   tuple(None if d is None else (d.shape, d.dtype, d.device) for d in descales),
-                   layout(cache_leftpad))
+            # (one flat tuple: cheaper to build and hash than a tuple of layout()s)
+            key = (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), k_cache.dtype,
+                   k_cache.device, v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device,
+                   int if host_length else layout(seqlens), None if block_table is None else layout(block_table),
+                   None if cu_seqlens_q is None else layout(cu_seqlens_q), max_seqlen_q, max_seqlen_k, causal,
+                   softmax_scale, num_splits, lengths_name,
+                   tuple(None if d is None else (d.shape, d.dtype, d.device) for d in descales) if fp8 else None,
+                   None if cache_leftpad is None else layout(cache_leftpad))
             prepared = _CACHE_CALLS.get(key)
         except (AttributeError, TypeError):  # not tensors (check_kvcache names them), symbolic shapes
             key = prepared = plain = None
-        if prepared is not None and _dispatch.direct_call_ok(q, k_cache, v_cache, *(d for d in descales if d is not None)) \
+        if prepared is not None and (_dispatch.untraced_call_ok(q, k_cache, v_cache) if not fp8 else
+                                     _dispatch.untraced_call_ok(q, k_cache, v_cache,
+                                                                *(d for d in descales if d is not None))) \
                 and not _dispatch.profiling() and not (k_cache.data_ptr() | v_cache.data_ptr()) % 16:
             start_check, launch, capacity = prepared
             if not host_length or 0 <= seqlens <= capacity:  # (a bad int: check_kvcache's message below)
                 if host_length:
                     seqlens = int_lengths(launch.batch, seqlens, q.device)
                 wait = start_check(seqlens, block_table, cu_seqlens_q, cache_leftpad)
-                out, lse = launch(q, k_cache, v_cache, seqlens, block_table, cu_seqlens_q,
-                                  cache_leftpad=cache_leftpad,
-                                  descales=remembered_descales(q, k_cache, descales, launch.batch),
-                                  keep_lse=keep_lse)
+                out, lse = launch(q, k_cache, v_cache, seqlens, block_table, cu_seqlens_q, None, cache_leftpad, None,
+                                  remembered_descales(q, k_cache, descales, launch.batch),
+                                  keep_lse)
                 wait()
                 return out, lse
     host_lengths = isinstance(seqlens, int)  # checked on the host by check_kvcache: no copy needed

@@ -173,14 +173,15 @@ def test_scheduler_metadata_takes_mla_dims():
 def test_mla_split_plan():
     """The split count from host integers (132 SMs): a batch that fills the SMs is not split; a
     short batch splits to fill them, each split keeping 8 key blocks of a 64-row tile (4 of a
-    16-row one); max_splits caps the plan (vLLM's num_splits=16), num_splits is taken as given."""
+    16-row one), at most 128; max_splits caps the plan (vLLM's num_splits=16), num_splits is taken as given."""
     from fa3 import registry
     from fa3.cache.split_plan import plan_mla_splits
 
     m1 = registry.get("m1")
     plan = lambda batch, heads, keys, n=0, seqlen_q=1: plan_mla_splits(m1, batch, seqlen_q, heads, 1, keys, 132, n)
     assert plan(128, 128, 1024) == plan(128, 16, 1024) == 1
-    assert plan(1, 128, 32768) == plan(1, 16, 32768) == 64 and plan(1, 128, 32768, -16) == 16
+    # one CTA: 128 splits (MLA_MAX_SPLITS) of 4 blocks; two Q tiles: 64 of 8 (the SMs' 132 / 2 CTAs)
+    assert plan(1, 16, 32768) == 128 and plan(1, 128, 32768) == 64 and plan(1, 128, 32768, -16) == 16
     assert plan(4, 128, 1024) == 2 and plan(4, 16, 1024) == 4  # 16 blocks: 8 (64 rows), 4 (16 rows) a split
     assert plan(16, 16, 8192) == 8 and plan(16, 16, 8192, 3) == 3 and plan(2, 16, 512, seqlen_q=4) == 1
 

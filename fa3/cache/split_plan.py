@@ -18,6 +18,9 @@ from .._memo import BoundedMemo
 from ..kernels import config
 
 MAX_SPLITS = 64
+# MLA's cap: one M1 CTA an SM, so a lone sequence over few KV heads fills the SMs only with more
+# splits (the combine's warps share a row past two chunks; worklog/mla.md)
+MLA_MAX_SPLITS = 128
 MIN_BLOCKS_PER_SPLIT = 4  # below this a split's fixed costs outweigh the keys it reads
 # an FP8 cache read by TMA whose CTAs fill the SMs' slots this many times over (at least, below):
 # two splits (measured at 1.0, 1.5, 1.9 and 2.9 waves: only about two waves gained; worklog/fp8.md)
@@ -266,7 +269,7 @@ def plan_mla_splits(spec, batch: int, seqlen_q: int, heads_q: int, heads_kv: int
     about a fifth of its bytes, mostly through L2; a guess between S1's 4 blocks and fewer, wider
     splits, to be measured). `keys`: the capacity, or max_seqlen_k."""
     if num_splits > 0:
-        return min(num_splits, MAX_SPLITS)
+        return min(num_splits, MLA_MAX_SPLITS)
     cfg = spec.config.base
     rows = max(seqlen_q, 1) * (heads_q // heads_kv)
     q_tiles = -(-rows // cfg.tile_m)
@@ -274,7 +277,7 @@ def plan_mla_splits(spec, batch: int, seqlen_q: int, heads_q: int, heads_kv: int
     planned = 1
     if ctas < 0.8 * sm_count:
         min_blocks = max(MIN_BLOCKS_PER_SPLIT, -(-min(rows, cfg.tile_m) // 8))
-        planned = max(1, min(MAX_SPLITS, sm_count // ctas, -(-keys // cfg.tile_n) // min_blocks))
+        planned = max(1, min(MLA_MAX_SPLITS, sm_count // ctas, -(-keys // cfg.tile_n) // min_blocks))
     return planned if num_splits == 0 else min(planned, -num_splits)
 
 
