@@ -130,14 +130,14 @@ def small_scratch(shapes: tuple, device) -> tuple:
     return _new_scratch(shapes, device, False)
 
 
-def tile_counter(spec, causal: bool, device) -> torch.Tensor:
-    """The GMEM counter a dynamically scheduled rung hands tiles out from (`causal`: a call whose
+def tile_counter(spec, uneven: bool, device) -> torch.Tensor:
+    """The GMEM counter a dynamically scheduled rung hands tiles out from (`uneven`: a call whose
     tiles differ in length, a causal or block-sparse one), reading 0 at launch: the
     current stream's, zeroed once (a stream runs its kernels in order, and each kernel leaves it at
     0: common/scheduler.py), or, while a CUDA graph is captured, a fresh zeroed one (the graph's
     own, so that replays on other streams never share one). Static schedules never touch it: one
     shared stand-in."""
-    if not (causal and spec.config.base.dynamic_schedule):
+    if not (uneven and spec.config.base.dynamic_schedule):
         return stand_in(device)
     return stream_counter(device)
 

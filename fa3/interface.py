@@ -312,7 +312,7 @@ def prepare_plain(spec, q, k, v, causal: bool, scale: float):
             out = torch.empty_like(q, memory_format=torch.contiguous_format)
         if keep_lse:
             lse = torch.empty(lse_shape, dtype=torch.float32, device=device)
-            counter = _launch.stream_scratch((), device, counter=True) if counted else ()
+            counter = (_launch.stream_counter(device),) if counted else ()
         else:  # the dropped LSE and (causal) the tile counter in one lookup
             lse, *counter = _launch.stream_scratch((lse_shape,), device, counter=counted)
         fn(q, k, v, out, lse, *lead, *counter, *tail)

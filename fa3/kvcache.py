@@ -282,7 +282,7 @@ def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, sof
         and (softmax_scale is None or type(softmax_scale) is float) and not _dispatch.tracing()
     if plain:
         host_length = type(seqlens) is int  # one length for every sequence: checked here, not copied
-        fp8 = descales[0] is not None or descales[1] is not None or descales[2] is not None
+        descaled = descales[0] is not None or descales[1] is not None or descales[2] is not None
         try:
             # (one flat tuple: cheaper to build and hash than a tuple of layout()s)
             key = (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), k_cache.dtype,
@@ -290,12 +290,12 @@ def cache_attention(q, k_cache, v_cache, k, v, seqlens, block_table, causal, sof
                    int if host_length else layout(seqlens), None if block_table is None else layout(block_table),
                    None if cu_seqlens_q is None else layout(cu_seqlens_q), max_seqlen_q, max_seqlen_k, causal,
                    softmax_scale, num_splits, lengths_name,
-                   tuple(None if d is None else (d.shape, d.dtype, d.device) for d in descales) if fp8 else None,
+                   tuple(None if d is None else (d.shape, d.dtype, d.device) for d in descales) if descaled else None,
                    None if cache_leftpad is None else layout(cache_leftpad))
             prepared = _CACHE_CALLS.get(key)
         except (AttributeError, TypeError):  # not tensors (check_kvcache names them), symbolic shapes
             key = prepared = plain = None
-        if prepared is not None and (_dispatch.untraced_call_ok(q, k_cache, v_cache) if not fp8 else
+        if prepared is not None and (_dispatch.untraced_call_ok(q, k_cache, v_cache) if not descaled else
                                      _dispatch.untraced_call_ok(q, k_cache, v_cache,
                                                                 *(d for d in descales if d is not None))) \
                 and not _dispatch.profiling() and not (k_cache.data_ptr() | v_cache.data_ptr()) % 16:
